@@ -1,0 +1,29 @@
+"""Mirror of `keras.mixed_precision` (and the tf.keras 2 names from the seeds).
+
+`Policy` is `DTypePolicy`; `set_global_policy` / `global_policy` are the
+tf.keras names of `set_dtype_policy` / `dtype_policy`.
+
+>>> from dtype_policies import mixed_precision
+>>> mixed_precision.set_global_policy("mixed_bfloat16")
+>>> mixed_precision.global_policy()
+<DTypePolicy "mixed_bfloat16">
+>>> mixed_precision.Policy("float32") == mixed_precision.DTypePolicy("float32")
+True
+>>> mixed_precision.set_global_policy("float32")
+"""
+
+from dtype_policies.default_policy import dtype_policy, set_dtype_policy
+from dtype_policies.policies import DTypePolicy
+
+Policy = DTypePolicy
+set_global_policy = set_dtype_policy
+global_policy = dtype_policy
+
+__all__ = [
+    "DTypePolicy",
+    "Policy",
+    "dtype_policy",
+    "global_policy",
+    "set_dtype_policy",
+    "set_global_policy",
+]

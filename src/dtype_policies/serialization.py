@@ -1,0 +1,143 @@
+"""`get`, `serialize` and `deserialize` for dtype policies, in the Keras 3 dict format.
+
+A serialized policy is `{"module", "class_name", "config", "registered_name"}`
+exactly as Keras 3 writes it, so configs move between Keras and this library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtype_policies._dtypes import standardize_dtype
+from dtype_policies.policies import (
+    DTypePolicy,
+    FloatDTypePolicy,
+    Int4DTypePolicy,
+    QuantizedDTypePolicy,
+    QuantizedFloat8DTypePolicy,
+    parse_policy_name,
+)
+from dtype_policies.policy_map import DTypePolicyMap
+
+# Keras writes the module of each class's first public export.
+_KERAS_MODULES = {
+    DTypePolicy: "keras",
+    FloatDTypePolicy: "keras",
+    QuantizedDTypePolicy: "keras.dtype_policies",
+    QuantizedFloat8DTypePolicy: "keras.dtype_policies",
+    Int4DTypePolicy: "keras.dtype_policies",
+    DTypePolicyMap: "keras.dtype_policies",
+}
+
+_CLASSES_BY_NAME: dict[str, type[DTypePolicy]] = {cls.__name__: cls for cls in _KERAS_MODULES}
+_CLASSES_BY_NAME["Policy"] = DTypePolicy  # Keras 2 / tf.keras configs
+
+_UNSUPPORTED_KERAS_CLASSES = ("GPTQDTypePolicy", "AWQDTypePolicy", "TernaryDTypePolicy")
+
+
+def get(identifier: Any) -> DTypePolicy:
+    """Returns a policy for `identifier`.
+
+    Accepts `None` (the default policy in force), a policy or `DTypePolicyMap`
+    (returned as is), a policy name (`"mixed_bfloat16"`, `"int8_from_float32"`,
+    `"int4/128_from_mixed_bfloat16"`, ...), a serialized dict, or a dtype (a
+    torch or numpy dtype, or the Python type `float`).
+
+    >>> import torch
+    >>> from dtype_policies import get
+    >>> get("mixed_bfloat16")
+    <DTypePolicy "mixed_bfloat16">
+    >>> get("int8_from_mixed_bfloat16")
+    <QuantizedDTypePolicy "int8_from_mixed_bfloat16">
+    >>> get(torch.float16)
+    <DTypePolicy "float16">
+    >>> get("int8")  # a plain dtype name is a plain policy
+    <DTypePolicy "int8">
+    """
+    if identifier is None:
+        from dtype_policies.default_policy import dtype_policy
+
+        return dtype_policy()
+    if isinstance(identifier, DTypePolicy):
+        return identifier
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if isinstance(identifier, str):
+        return parse_policy_name(identifier)
+    try:
+        return DTypePolicy(standardize_dtype(identifier))
+    except (ValueError, TypeError):
+        raise ValueError(
+            "Cannot interpret `dtype` argument. Expected a string or an instance of "
+            f"DTypePolicy. Received: dtype={identifier!r}"
+        ) from None
+
+
+def serialize(policy: DTypePolicy) -> dict[str, Any]:
+    """Returns the Keras 3 dict form of `policy`.
+
+    >>> from dtype_policies import serialize, QuantizedDTypePolicy
+    >>> serialize(QuantizedDTypePolicy("int8", "float32"))  # doctest: +NORMALIZE_WHITESPACE
+    {'module': 'keras.dtype_policies', 'class_name': 'QuantizedDTypePolicy',
+     'config': {'mode': 'int8', 'source_name': 'float32'}, 'registered_name': None}
+    """
+    if not isinstance(policy, DTypePolicy):
+        raise TypeError(
+            f"serialize() expects a DTypePolicy. Received: {policy!r} of type {type(policy)}"
+        )
+    cls = type(policy)
+    module = next((module for base, module in _KERAS_MODULES.items() if base is cls), None)
+    registered_name = None
+    if module is None:  # a user subclass
+        module = cls.__module__
+        registered_name = f"{cls.__module__}>{cls.__name__}"
+    return {
+        "module": module,
+        "class_name": cls.__name__,
+        "config": policy.get_config(),
+        "registered_name": registered_name,
+    }
+
+
+def deserialize(
+    config: dict[str, Any], custom_objects: dict[str, type] | None = None
+) -> DTypePolicy:
+    """Rebuilds a policy from its dict form (as written by `serialize` or Keras 3).
+
+    >>> from dtype_policies import deserialize
+    >>> deserialize({"module": "keras", "class_name": "DTypePolicy",
+    ...              "config": {"name": "mixed_float16"}, "registered_name": None})
+    <DTypePolicy "mixed_float16">
+    """
+    if not isinstance(config, dict):
+        raise TypeError(
+            f"deserialize() expects a dict. Received: {config!r} of type {type(config)}"
+        )
+    if "class_name" not in config or "config" not in config:
+        raise ValueError(
+            "A serialized dtype policy needs the keys 'class_name' and 'config'. "
+            f"Received: {config!r}"
+        )
+    class_name = config["class_name"]
+    cls = (custom_objects or {}).get(class_name) or _CLASSES_BY_NAME.get(class_name)
+    if cls is None and config.get("registered_name"):
+        cls = (custom_objects or {}).get(config["registered_name"])
+    if cls is None:
+        if class_name in _UNSUPPORTED_KERAS_CLASSES:
+            raise ValueError(
+                f"'{class_name}' is a Keras policy class that dtype_policies does not "
+                "implement (supported quantization modes: int8, int4, float8)."
+            )
+        raise ValueError(
+            f"Unknown dtype policy class '{class_name}'. Expected one of "
+            f"{sorted(_CLASSES_BY_NAME)} or a class given in `custom_objects`."
+        )
+    inner = config["config"]
+    if not isinstance(inner, dict):
+        raise TypeError(f"The 'config' of a serialized policy must be a dict. Received: {inner!r}")
+    if cls is DTypePolicyMap:
+        return DTypePolicyMap.from_config(inner, custom_objects)
+    try:
+        return cls.from_config(inner)
+    except TypeError as e:
+        raise TypeError(f"Cannot rebuild {class_name} from config={inner!r}: {e}") from None
