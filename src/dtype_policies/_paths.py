@@ -1,0 +1,24 @@
+"""Module paths: `/`-joined module names from a root (the Keras `layer.path` form)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+def join(parent: str, child: str) -> str:
+    return f"{parent}/{child}" if parent else child
+
+
+def named_module_paths(
+    root: torch.nn.Module, root_path: str = ""
+) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Yields `(path, module)` for `root` and every submodule, depth first.
+
+    `root` itself has the path `root_path`; a submodule's path is its torch
+    dotted name with `/` separators, prefixed by `root_path`. A module reachable
+    by several routes is listed once, under its first path (as torch does).
+    """
+    for dotted, module in root.named_modules():
+        yield join(root_path, dotted.replace(".", "/")), module

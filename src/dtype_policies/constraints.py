@@ -1,0 +1,96 @@
+"""Weight constraints by their Keras names.
+
+Keras applies constraints after each optimizer update. Here, call
+`layer.apply_constraints()` (it walks all sublayers) after `optimizer.step()`.
+
+>>> import torch
+>>> from dtype_policies import constraints
+>>> constraints.get("non_neg")(torch.tensor([-1.0, 2.0]))
+tensor([0., 2.])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtype_policies import _registry
+
+_EPSILON = 1e-7
+
+
+class Constraint:
+    """Base class: `constraint(weight) -> projected weight`."""
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+
+class NonNeg(Constraint):
+    def __call__(self, weight):
+        return weight.clamp_min(0)
+
+
+class MaxNorm(Constraint):
+    def __init__(self, max_value: float = 2.0, axis: int = 0) -> None:
+        self.max_value, self.axis = max_value, axis
+
+    def __call__(self, weight):
+        norms = weight.norm(dim=self.axis, keepdim=True)
+        desired = norms.clamp(0, self.max_value)
+        return weight * (desired / (norms + _EPSILON))
+
+    def get_config(self):
+        return {"max_value": self.max_value, "axis": self.axis}
+
+
+class UnitNorm(Constraint):
+    def __init__(self, axis: int = 0) -> None:
+        self.axis = axis
+
+    def __call__(self, weight):
+        return weight / (weight.norm(dim=self.axis, keepdim=True) + _EPSILON)
+
+    def get_config(self):
+        return {"axis": self.axis}
+
+
+class MinMaxNorm(Constraint):
+    def __init__(
+        self, min_value: float = 0.0, max_value: float = 1.0, rate: float = 1.0, axis: int = 0
+    ) -> None:
+        self.min_value, self.max_value, self.rate, self.axis = min_value, max_value, rate, axis
+
+    def __call__(self, weight):
+        norms = weight.norm(dim=self.axis, keepdim=True)
+        desired = self.rate * norms.clamp(self.min_value, self.max_value) + (1 - self.rate) * norms
+        return weight * (desired / (norms + _EPSILON))
+
+    def get_config(self):
+        return {
+            "min_value": self.min_value,
+            "max_value": self.max_value,
+            "rate": self.rate,
+            "axis": self.axis,
+        }
+
+
+CONSTRAINTS = {
+    "non_neg": NonNeg,
+    "max_norm": MaxNorm,
+    "unit_norm": UnitNorm,
+    "min_max_norm": MinMaxNorm,
+}
+
+
+def get(identifier: Any) -> Any:
+    """A constraint from a name, a config dict or a callable; `None` stays `None`."""
+    return _registry.resolve(identifier, CONSTRAINTS, "constraint")
+
+
+def serialize(constraint: Any) -> Any:
+    return _registry.serialize(constraint, CONSTRAINTS)

@@ -1,0 +1,248 @@
+"""Weight initializers by their Keras names, with Keras's fan conventions.
+
+A kernel of shape `(in, out)` has `fan_in = in`, `fan_out = out`; higher-rank
+kernels multiply both by the product of the leading (receptive-field) axes.
+
+>>> import torch
+>>> from dtype_policies import initializers
+>>> initializers.get("ones")((2, 3), torch.bfloat16)
+tensor([[1., 1., 1.],
+        [1., 1., 1.]], dtype=torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dtype_policies import _registry
+
+Shape = tuple[int, ...]
+
+
+def compute_fans(shape: Shape) -> tuple[int, int]:
+    """`(fan_in, fan_out)` of a weight shape, as Keras computes them."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], shape[0]
+    receptive_field = math.prod(shape[:-2])
+    return shape[-2] * receptive_field, shape[-1] * receptive_field
+
+
+class Initializer:
+    """Base class: `initializer(shape, dtype, device=None) -> tensor`."""
+
+    def __call__(
+        self, shape: Shape, dtype: torch.dtype = torch.float32, device: Any = None
+    ) -> torch.Tensor:
+        shape = tuple(shape)
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"{type(self).__name__} makes floating values; it cannot initialize a "
+                f"{dtype} weight. Use 'zeros', 'ones' or a constant."
+            )
+        values = self.sample(shape, torch.empty(shape, dtype=torch.float32, device=device))
+        return values.to(dtype)
+
+    def sample(self, shape: Shape, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+
+class Constant(Initializer):
+    def __init__(self, value: float = 0.0) -> None:
+        self.value = value
+
+    def __call__(self, shape: Shape, dtype: torch.dtype = torch.float32, device: Any = None):
+        return torch.full(tuple(shape), self.value, dtype=dtype, device=device)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+
+class Zeros(Constant):
+    def __init__(self) -> None:
+        super().__init__(0)
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+
+class Ones(Constant):
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+
+class RandomNormal(Initializer):
+    def __init__(self, mean: float = 0.0, stddev: float = 0.05) -> None:
+        self.mean, self.stddev = mean, stddev
+
+    def sample(self, shape, out):
+        return out.normal_(self.mean, self.stddev)
+
+    def get_config(self):
+        return {"mean": self.mean, "stddev": self.stddev}
+
+
+class RandomUniform(Initializer):
+    def __init__(self, minval: float = -0.05, maxval: float = 0.05) -> None:
+        self.minval, self.maxval = minval, maxval
+
+    def sample(self, shape, out):
+        return out.uniform_(self.minval, self.maxval)
+
+    def get_config(self):
+        return {"minval": self.minval, "maxval": self.maxval}
+
+
+class TruncatedNormal(Initializer):
+    """Normal values re-drawn beyond two standard deviations."""
+
+    def __init__(self, mean: float = 0.0, stddev: float = 0.05) -> None:
+        self.mean, self.stddev = mean, stddev
+
+    def sample(self, shape, out):
+        return torch.nn.init.trunc_normal_(
+            out, self.mean, self.stddev, self.mean - 2 * self.stddev, self.mean + 2 * self.stddev
+        )
+
+    def get_config(self):
+        return {"mean": self.mean, "stddev": self.stddev}
+
+
+class VarianceScaling(Initializer):
+    """Values with variance `scale / n`, `n` the fan given by `mode`."""
+
+    # Standard deviation of a unit normal truncated to [-2, 2].
+    _TRUNCATION_STDDEV = 0.87962566103423978
+
+    def __init__(
+        self, scale: float = 1.0, mode: str = "fan_in", distribution: str = "truncated_normal"
+    ) -> None:
+        if mode not in ("fan_in", "fan_out", "fan_avg"):
+            raise ValueError(f"Invalid `mode` {mode!r}: expected fan_in, fan_out or fan_avg.")
+        if distribution not in ("truncated_normal", "untruncated_normal", "uniform"):
+            raise ValueError(
+                f"Invalid `distribution` {distribution!r}: expected truncated_normal, "
+                "untruncated_normal or uniform."
+            )
+        if scale <= 0:
+            raise ValueError(f"`scale` must be positive. Received: scale={scale}")
+        self.scale, self.mode, self.distribution = scale, mode, distribution
+
+    def sample(self, shape, out):
+        fan_in, fan_out = compute_fans(shape)
+        n = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2}[self.mode]
+        variance = self.scale / max(1.0, n)
+        if self.distribution == "uniform":
+            limit = math.sqrt(3.0 * variance)
+            return out.uniform_(-limit, limit)
+        if self.distribution == "untruncated_normal":
+            return out.normal_(0.0, math.sqrt(variance))
+        stddev = math.sqrt(variance) / self._TRUNCATION_STDDEV
+        return torch.nn.init.trunc_normal_(out, 0.0, stddev, -2 * stddev, 2 * stddev)
+
+    def get_config(self):
+        return {"scale": self.scale, "mode": self.mode, "distribution": self.distribution}
+
+
+class GlorotUniform(VarianceScaling):
+    def __init__(self) -> None:
+        super().__init__(1.0, "fan_avg", "uniform")
+
+    def get_config(self):
+        return {}
+
+
+class GlorotNormal(VarianceScaling):
+    def __init__(self) -> None:
+        super().__init__(1.0, "fan_avg", "truncated_normal")
+
+    def get_config(self):
+        return {}
+
+
+class HeNormal(VarianceScaling):
+    def __init__(self) -> None:
+        super().__init__(2.0, "fan_in", "truncated_normal")
+
+    def get_config(self):
+        return {}
+
+
+class HeUniform(VarianceScaling):
+    def __init__(self) -> None:
+        super().__init__(2.0, "fan_in", "uniform")
+
+    def get_config(self):
+        return {}
+
+
+class LecunNormal(VarianceScaling):
+    def __init__(self) -> None:
+        super().__init__(1.0, "fan_in", "truncated_normal")
+
+    def get_config(self):
+        return {}
+
+
+class LecunUniform(VarianceScaling):
+    def __init__(self) -> None:
+        super().__init__(1.0, "fan_in", "uniform")
+
+    def get_config(self):
+        return {}
+
+
+class Orthogonal(Initializer):
+    def __init__(self, gain: float = 1.0) -> None:
+        self.gain = gain
+
+    def sample(self, shape, out):
+        if len(shape) < 2:
+            raise ValueError(f"Orthogonal needs a weight of rank >= 2. Received shape {shape}")
+        flat = out.reshape(-1, shape[-1])
+        torch.nn.init.orthogonal_(flat, self.gain)
+        return flat.reshape(shape)
+
+    def get_config(self):
+        return {"gain": self.gain}
+
+
+INITIALIZERS: dict[str, type[Initializer]] = {
+    "zeros": Zeros,
+    "ones": Ones,
+    "constant": Constant,
+    "random_normal": RandomNormal,
+    "normal": RandomNormal,
+    "random_uniform": RandomUniform,
+    "uniform": RandomUniform,
+    "truncated_normal": TruncatedNormal,
+    "variance_scaling": VarianceScaling,
+    "glorot_uniform": GlorotUniform,
+    "glorot_normal": GlorotNormal,
+    "he_normal": HeNormal,
+    "he_uniform": HeUniform,
+    "lecun_normal": LecunNormal,
+    "lecun_uniform": LecunUniform,
+    "orthogonal": Orthogonal,
+}
+
+
+def get(identifier: Any) -> Any:
+    """An initializer from a name, a config dict, a callable or a number (constant)."""
+    if isinstance(identifier, (int, float)) and not isinstance(identifier, bool):
+        return Constant(identifier)
+    return _registry.resolve(identifier, INITIALIZERS, "initializer")
+
+
+def serialize(initializer: Any) -> Any:
+    return _registry.serialize(initializer, INITIALIZERS)

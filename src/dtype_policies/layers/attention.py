@@ -1,0 +1,205 @@
+"""`MultiHeadAttention` built from `EinsumDense` sublayers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies import constraints, initializers, regularizers
+from dtype_policies.layers.core import Dropout
+from dtype_policies.layers.dense import _check_positive_int
+from dtype_policies.layers.einsum_dense import EinsumDense
+from dtype_policies.layers.layer import Layer
+
+_MASK_VALUE = -1e9
+
+
+class MultiHeadAttention(Layer):
+    """Multi-head attention over inputs of shape `(batch, sequence, features)`.
+
+    Its sublayers `query`, `key`, `value` and `attention_output` (paths
+    `<name>/query`, ...) receive this layer's own policy, so a
+    `DTypePolicyMap` given as `dtype` sets each of them by its path. The
+    softmax runs in float32 and its result is cast back to the compute dtype.
+
+    Args:
+        num_heads: Number of attention heads.
+        key_dim: Size of each head for query and key.
+        value_dim: Size of each head for value (default `key_dim`).
+        dropout: Dropout rate on the attention probabilities.
+        use_bias: Whether the projections have biases.
+        output_shape: Size of the output features (default: the query's).
+        attention_axes: Only `None` (attend over the sequence axis) is supported.
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, kernel_constraint, bias_constraint: For the
+            projections.
+        seed: Seed of the attention dropout.
+
+    Call arguments: `query`, `value`, `key=None` (defaults to `value`),
+    `attention_mask=None` (bool, `(batch, target, source)`, True = attend),
+    `return_attention_scores=False`, `training=None`, `use_causal_mask=False`.
+
+    >>> import torch
+    >>> from dtype_policies.layers import MultiHeadAttention
+    >>> mha = MultiHeadAttention(num_heads=2, key_dim=4, name="mha", dtype="mixed_bfloat16")
+    >>> x = torch.randn(3, 5, 8)
+    >>> y, scores = mha(x, x, return_attention_scores=True)
+    >>> tuple(y.shape), y.dtype, tuple(scores.shape)
+    ((3, 5, 8), torch.bfloat16, (3, 2, 5, 5))
+    >>> mha.query.path
+    'mha/query'
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        key_dim: int,
+        value_dim: int | None = None,
+        dropout: float = 0.0,
+        use_bias: bool = True,
+        output_shape: int | None = None,
+        attention_axes: Any = None,
+        kernel_initializer: Any = "glorot_uniform",
+        bias_initializer: Any = "zeros",
+        kernel_regularizer: Any = None,
+        bias_regularizer: Any = None,
+        activity_regularizer: Any = None,
+        kernel_constraint: Any = None,
+        bias_constraint: Any = None,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.num_heads = _check_positive_int("num_heads", num_heads)
+        self.key_dim = _check_positive_int("key_dim", key_dim)
+        self.value_dim = _check_positive_int("value_dim", value_dim or key_dim)
+        if attention_axes not in (None, -2, 1, (1,), [1], (-2,), [-2]):
+            raise ValueError(
+                "Only attention over the sequence axis of (batch, sequence, features) "
+                f"inputs is supported (attention_axes=None). Received: {attention_axes!r}"
+            )
+        self.dropout = float(dropout)
+        self.use_bias = bool(use_bias)
+        self._output_shape = output_shape
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.seed = seed
+        self.dropout_layer = Dropout(self.dropout, seed=seed, dtype=self.dtype_policy)
+
+    def _projection(self, name: str, equation: str, output_shape: Any, bias_axes: str):
+        return EinsumDense(
+            equation,
+            output_shape=output_shape,
+            bias_axes=bias_axes if self.use_bias else None,
+            kernel_initializer=self.kernel_initializer,
+            bias_initializer=self.bias_initializer,
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=self.dtype_policy,
+            name=name,
+        )
+
+    def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
+        key_shape = value_shape if key_shape is None else key_shape
+        for label, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if shape is None or len(shape) != 3:
+                raise ValueError(
+                    f"MultiHeadAttention expects {label} of shape (batch, sequence, features). "
+                    f"Received: {label}_shape={shape}"
+                )
+        heads, key_dim, value_dim = self.num_heads, self.key_dim, self.value_dim
+        self.query = self._projection("query", "abc,cde->abde", (None, heads, key_dim), "de")
+        self.key = self._projection("key", "abc,cde->abde", (None, heads, key_dim), "de")
+        self.value = self._projection("value", "abc,cde->abde", (None, heads, value_dim), "de")
+        output_dim = self._output_shape or query_shape[-1]
+        self.attention_output = self._projection(
+            "attention_output", "abcd,cde->abe", (None, output_dim), "e"
+        )
+        self.query.build(query_shape)
+        self.key.build(key_shape)
+        self.value.build(value_shape)
+        self.attention_output.build((*query_shape[:2], heads, value_dim))
+
+    def _mask(
+        self,
+        attention_mask: torch.Tensor | None,
+        use_causal_mask: bool,
+        target: int,
+        source: int,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.bool()
+            if mask.dim() == 3:
+                mask = mask[:, None]  # broadcast over heads
+        if use_causal_mask:
+            causal = torch.ones(target, source, dtype=torch.bool, device=device).tril()
+            mask = causal if mask is None else mask & causal
+        return mask
+
+    def call(
+        self,
+        query: torch.Tensor,
+        value: torch.Tensor,
+        key: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_attention_scores: bool = False,
+        training: bool | None = None,
+        use_causal_mask: bool = False,
+    ) -> Any:
+        key = value if key is None else key
+        if training is None:
+            training = self.training
+        # (batch, heads, sequence, head_dim), all in this layer's compute dtype
+        # (the projections may compute in other dtypes under a policy map).
+        compute = self._compute_torch_dtype
+        q = self.query(query).transpose(1, 2).to(compute)
+        k = self.key(key).transpose(1, 2).to(compute)
+        v = self.value(value).transpose(1, 2).to(compute)
+        mask = self._mask(attention_mask, use_causal_mask, q.shape[2], k.shape[2], q.device)
+        if return_attention_scores or (training and self.dropout and self.seed is not None):
+            scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.key_dim))
+            scores = scores.float()
+            if mask is not None:
+                scores = scores.masked_fill(~mask, _MASK_VALUE)
+            probabilities = torch.softmax(scores, dim=-1).to(q.dtype)
+            attended = torch.matmul(self.dropout_layer(probabilities, training=training), v)
+        else:
+            # The fused CPU/GPU kernel accumulates its softmax in float32.
+            probabilities = None
+            attended = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if training else 0.0
+            )
+        outputs = self.attention_output(attended.transpose(1, 2))
+        if return_attention_scores:
+            return outputs, probabilities
+        return outputs
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "key_dim": self.key_dim,
+            "value_dim": self.value_dim,
+            "dropout": self.dropout,
+            "use_bias": self.use_bias,
+            "output_shape": self._output_shape,
+            "attention_axes": None,
+            "kernel_initializer": initializers.serialize(self.kernel_initializer),
+            "bias_initializer": initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+            "bias_constraint": constraints.serialize(self.bias_constraint),
+            "seed": self.seed,
+        }

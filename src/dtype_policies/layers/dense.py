@@ -1,0 +1,108 @@
+"""`Dense`: a densely connected layer, `activation(inputs @ kernel + bias)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies import activations, constraints, initializers, regularizers
+from dtype_policies.layers.layer import Layer
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return value
+
+
+class Dense(Layer):
+    """A densely connected layer: `activation(inputs @ kernel + bias)`.
+
+    The kernel has the Keras shape `(input_dim, units)`; it is created in the
+    variable dtype and used in the compute dtype.
+
+    Args:
+        units: Size of the last output axis.
+        activation: Activation name (`"relu"`, `"gelu"`, ...) or callable.
+        use_bias: Whether to add a bias vector.
+        kernel_initializer, bias_initializer: Initializers (names or objects).
+        kernel_regularizer, bias_regularizer: Optional weight regularizers.
+        activity_regularizer: Optional regularizer on the outputs.
+        kernel_constraint, bias_constraint: Optional weight constraints.
+        **kwargs: Base `Layer` arguments (`dtype`, `name`, `trainable`, ...).
+
+    >>> import torch
+    >>> from dtype_policies.layers import Dense
+    >>> layer = Dense(3, activation="relu", dtype="mixed_bfloat16")
+    >>> y = layer(torch.ones(2, 4))
+    >>> y.dtype, layer.kernel.dtype, tuple(layer.kernel.shape)
+    (torch.bfloat16, torch.float32, (4, 3))
+    """
+
+    def __init__(
+        self,
+        units: int,
+        activation: Any = None,
+        use_bias: bool = True,
+        kernel_initializer: Any = "glorot_uniform",
+        bias_initializer: Any = "zeros",
+        kernel_regularizer: Any = None,
+        bias_regularizer: Any = None,
+        activity_regularizer: Any = None,
+        kernel_constraint: Any = None,
+        bias_constraint: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.units = _check_positive_int("units", units)
+        self.activation = activations.get(activation)
+        self.use_bias = bool(use_bias)
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+
+    def build(self, input_shape: tuple[int, ...]) -> None:
+        if not input_shape or input_shape[-1] is None:
+            raise ValueError(
+                f"Dense layer '{self.name}' needs inputs with a known last axis. "
+                f"Received input_shape={input_shape}"
+            )
+        self.kernel = self.add_weight(
+            shape=(input_shape[-1], self.units),
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+            name="kernel",
+        )
+        if self.use_bias:
+            self.bias = self.add_weight(
+                shape=(self.units,),
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+                name="bias",
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def call(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.activation(F.linear(inputs, self.kernel.T, self.bias))
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "units": self.units,
+            "activation": activations.serialize(self.activation),
+            "use_bias": self.use_bias,
+            "kernel_initializer": initializers.serialize(self.kernel_initializer),
+            "bias_initializer": initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+            "bias_constraint": constraints.serialize(self.bias_constraint),
+        }

@@ -1,0 +1,232 @@
+"""`EinsumDense`: a dense layer whose kernel contraction is an einsum equation."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dtype_policies import activations, constraints, initializers, regularizers
+from dtype_policies.layers.layer import Layer
+
+_EQUATION = re.compile(
+    r"^(\.\.\.)?([a-zA-Z]+)(\.\.\.)?,([a-zA-Z]+)->(\.\.\.)?([a-zA-Z]+)(\.\.\.)?$"
+)
+
+
+@dataclass(frozen=True)
+class EinsumSpec:
+    """An equation `inputs,kernel->outputs`, optionally with `...` on one side
+    (`"left"`: `...ab,bc->...ac`; `"right"`: `ab...,bc->ac...`)."""
+
+    inputs: str
+    kernel: str
+    outputs: str
+    ellipsis: str | None
+
+    @classmethod
+    def parse(cls, equation: str) -> EinsumSpec:
+        match = _EQUATION.match(equation.replace(" ", "")) if isinstance(equation, str) else None
+        if match is not None:
+            in_left, inputs, in_right, kernel, out_left, outputs, out_right = match.groups()
+            if not (in_left or in_right or out_left or out_right):
+                return cls(inputs, kernel, outputs, None)
+            if in_left and out_left and not (in_right or out_right):
+                return cls(inputs, kernel, outputs, "left")
+            if in_right and out_right and not (in_left or out_left):
+                return cls(inputs, kernel, outputs, "right")
+        raise ValueError(
+            f"Invalid einsum equation {equation!r}. Equations must be in the form "
+            "[X],[Y]->[Z], ...[X],[Y]->...[Z], or [X]...,[Y]->[Z]..."
+        )
+
+    @property
+    def kernel_reduced_axes(self) -> tuple[int, ...]:
+        """Kernel axes contracted away (absent from the output)."""
+        return tuple(i for i, c in enumerate(self.kernel) if c not in self.outputs)
+
+    def shapes(
+        self, input_shape: tuple, output_shape: Any, bias_axes: str | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple]:
+        """`(kernel_shape, bias_shape, full_output_shape)` for an input shape.
+
+        `output_shape` is the output shape without its first (batch) axis, with
+        `None` for axes taken from the input; under a left `...` it lists only
+        the explicit output letters.
+        """
+        rank, explicit = len(input_shape), len(self.inputs)
+        elided_count = rank - explicit
+        if elided_count < 0 or (elided_count > 0 and self.ellipsis is None):
+            raise ValueError(
+                f"Input of rank {rank} does not fit the input spec '{self.inputs}' "
+                f"(shape {tuple(input_shape)})."
+            )
+        if self.ellipsis == "left":
+            elided, input_dims = input_shape[:elided_count], input_shape[elided_count:]
+        else:
+            elided, input_dims = input_shape[explicit:], input_shape[:explicit]
+        sizes = dict(zip(self.inputs, input_dims))
+
+        given = [output_shape] if isinstance(output_shape, int) else list(output_shape)
+        if self.ellipsis != "left":
+            given.insert(0, input_shape[0])
+        if len(given) != len(self.outputs):
+            raise ValueError(
+                f"`output_shape` {output_shape!r} does not fit the output spec "
+                f"'{self.outputs}' of equation with ellipsis={self.ellipsis!r}."
+            )
+        output_dims = []
+        for letter, size in zip(self.outputs, given):
+            if (
+                letter in sizes
+                and size is not None
+                and sizes[letter] is not None
+                and (size != sizes[letter])
+            ):
+                raise ValueError(
+                    f"Output dimension '{letter}' has size {size} but the input has "
+                    f"size {sizes[letter]} for it."
+                )
+            if size is None:
+                if letter not in sizes:
+                    raise ValueError(
+                        f"Output dimension '{letter}' is None in `output_shape` and does "
+                        f"not appear in the input spec '{self.inputs}' to infer it from."
+                    )
+                size = sizes[letter]
+            if letter not in self.inputs and letter not in self.kernel:
+                raise ValueError(
+                    f"Output dimension '{letter}' appears in neither the input spec "
+                    f"'{self.inputs}' nor the kernel spec '{self.kernel}'."
+                )
+            sizes.setdefault(letter, size)
+            output_dims.append(size)
+
+        kernel_shape = []
+        for letter in self.kernel:
+            if letter not in sizes or sizes[letter] is None:
+                raise ValueError(
+                    f"Kernel dimension '{letter}' matches neither the input spec "
+                    f"'{self.inputs}' nor the output spec '{self.outputs}'; the kernel "
+                    "must be fully specified."
+                )
+            kernel_shape.append(int(sizes[letter]))
+
+        bias_shape = None
+        if bias_axes:
+            for letter in bias_axes:
+                if letter not in self.outputs:
+                    raise ValueError(
+                        f"Bias axis '{letter}' is not in the output spec '{self.outputs}'."
+                    )
+            first = min(self.outputs.index(letter) for letter in bias_axes)
+            bias_shape = [
+                int(sizes[letter]) if letter in bias_axes else 1 for letter in self.outputs[first:]
+            ]
+            if self.ellipsis == "right":
+                bias_shape += [1] * elided_count
+            bias_shape = tuple(bias_shape)
+
+        full = (*elided, *output_dims) if self.ellipsis == "left" else (*output_dims, *elided)
+        return tuple(kernel_shape), bias_shape, full
+
+
+class EinsumDense(Layer):
+    """A dense layer computing `activation(einsum(equation, inputs, kernel) + bias)`.
+
+    Args:
+        equation: `"ab,bc->ac"`-style equation, optionally with `...` on the
+            left or right of the input and output specs.
+        output_shape: The output shape without the batch axis (an int for a
+            single axis); `None` entries are taken from the input.
+        activation: Activation name or callable.
+        bias_axes: Output letters that get a bias, e.g. `"c"`; `None` for none.
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, kernel_constraint, bias_constraint: As for `Dense`.
+
+    >>> import torch
+    >>> from dtype_policies.layers import EinsumDense
+    >>> layer = EinsumDense("abc,cde->abde", output_shape=(None, 2, 8), bias_axes="de",
+    ...                     dtype="mixed_bfloat16")
+    >>> y = layer(torch.ones(4, 5, 16))
+    >>> tuple(y.shape), y.dtype, tuple(layer.kernel.shape)
+    ((4, 5, 2, 8), torch.bfloat16, (16, 2, 8))
+    """
+
+    def __init__(
+        self,
+        equation: str,
+        output_shape: Any,
+        activation: Any = None,
+        bias_axes: str | None = None,
+        kernel_initializer: Any = "glorot_uniform",
+        bias_initializer: Any = "zeros",
+        kernel_regularizer: Any = None,
+        bias_regularizer: Any = None,
+        activity_regularizer: Any = None,
+        kernel_constraint: Any = None,
+        bias_constraint: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.spec = EinsumSpec.parse(equation)
+        self.equation = equation
+        self.partial_output_shape = (
+            (output_shape,) if isinstance(output_shape, int) else tuple(output_shape)
+        )
+        self.bias_axes = bias_axes
+        self.activation = activations.get(activation)
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.full_output_shape: tuple | None = None
+
+    def build(self, input_shape: tuple[int, ...]) -> None:
+        kernel_shape, bias_shape, full = self.spec.shapes(
+            tuple(input_shape), self.partial_output_shape, self.bias_axes
+        )
+        self.full_output_shape = full
+        self.kernel = self.add_weight(
+            shape=kernel_shape,
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+            name="kernel",
+        )
+        if bias_shape is not None:
+            self.bias = self.add_weight(
+                shape=bias_shape,
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+                name="bias",
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def call(self, inputs: torch.Tensor) -> torch.Tensor:
+        outputs = torch.einsum(self.equation, inputs, self.kernel)
+        if self.bias is not None:
+            outputs = outputs + self.bias
+        return self.activation(outputs)
+
+    def get_config(self) -> dict[str, Any]:
+        output_shape = self.partial_output_shape
+        return {
+            **super().get_config(),
+            "equation": self.equation,
+            "output_shape": output_shape[0] if len(output_shape) == 1 else list(output_shape),
+            "activation": activations.serialize(self.activation),
+            "bias_axes": self.bias_axes,
+            "kernel_initializer": initializers.serialize(self.kernel_initializer),
+            "bias_initializer": initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+            "bias_constraint": constraints.serialize(self.bias_constraint),
+        }

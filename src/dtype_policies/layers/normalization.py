@@ -1,0 +1,158 @@
+"""`LayerNormalization`, computed in float32 whatever the compute dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies import constraints, initializers, regularizers
+from dtype_policies.layers.layer import Layer
+
+
+class LayerNormalization(Layer):
+    """Normalizes over `axis`: statistics in float32, output in the compute dtype.
+
+    Under `mixed_bfloat16` or `mixed_float16`, inputs are upcast to float32,
+    normalized with the float32 `gamma` and `beta`, and the result is cast to
+    the compute dtype (float64 inputs compute in float64).
+
+    Args:
+        axis: Axis or list of axes to normalize over (default: the last).
+        epsilon: Added to the variance.
+        center, scale: Whether to learn `beta` / `gamma`.
+        rms_scaling: Scale by the root mean square only (no centering), as in
+            RMSNorm; `center` is then ignored.
+        beta_initializer, gamma_initializer, beta_regularizer,
+        gamma_regularizer, beta_constraint, gamma_constraint: For the weights.
+
+    >>> import torch
+    >>> from dtype_policies.layers import LayerNormalization
+    >>> layer = LayerNormalization(dtype="mixed_bfloat16")
+    >>> y = layer(torch.randn(2, 8))
+    >>> y.dtype, layer.gamma.dtype
+    (torch.bfloat16, torch.float32)
+    """
+
+    def __init__(
+        self,
+        axis: int | list[int] | tuple[int, ...] = -1,
+        epsilon: float = 1e-3,
+        center: bool = True,
+        scale: bool = True,
+        rms_scaling: bool = False,
+        beta_initializer: Any = "zeros",
+        gamma_initializer: Any = "ones",
+        beta_regularizer: Any = None,
+        gamma_regularizer: Any = None,
+        beta_constraint: Any = None,
+        gamma_constraint: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs["autocast"] = False
+        super().__init__(**kwargs)
+        if isinstance(axis, (list, tuple)):
+            self.axis = tuple(int(a) for a in axis)
+        elif isinstance(axis, int):
+            self.axis = axis
+        else:
+            raise TypeError(f"`axis` must be an int or a list of ints. Received: axis={axis!r}")
+        self.epsilon = float(epsilon)
+        self.center = bool(center)
+        self.scale = bool(scale)
+        self.rms_scaling = bool(rms_scaling)
+        self.beta_initializer = initializers.get(beta_initializer)
+        self.gamma_initializer = initializers.get(gamma_initializer)
+        self.beta_regularizer = regularizers.get(beta_regularizer)
+        self.gamma_regularizer = regularizers.get(gamma_regularizer)
+        self.beta_constraint = constraints.get(beta_constraint)
+        self.gamma_constraint = constraints.get(gamma_constraint)
+
+    def build(self, input_shape: tuple[int, ...]) -> None:
+        rank = len(input_shape)
+        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        normalized = []
+        for axis in axes:
+            if not -rank <= axis < rank:
+                raise ValueError(f"Invalid axis {axis} for inputs of rank {rank}.")
+            normalized.append(axis % rank)
+        self._axes = tuple(sorted(set(normalized)))
+        self._trailing = self._axes == tuple(range(rank - len(self._axes), rank))
+        param_shape = tuple(input_shape[a] for a in self._axes)
+        self._broadcast_shape = tuple(input_shape[i] if i in self._axes else 1 for i in range(rank))
+        if self.scale:
+            self.gamma = self.add_weight(
+                shape=param_shape,
+                initializer=self.gamma_initializer,
+                regularizer=self.gamma_regularizer,
+                constraint=self.gamma_constraint,
+                name="gamma",
+                autocast=False,
+            )
+        else:
+            self.register_parameter("gamma", None)
+        if self.center and not self.rms_scaling:
+            self.beta = self.add_weight(
+                shape=param_shape,
+                initializer=self.beta_initializer,
+                regularizer=self.beta_regularizer,
+                constraint=self.beta_constraint,
+                name="beta",
+                autocast=False,
+            )
+        else:
+            self.register_parameter("beta", None)
+
+    def call(self, inputs: torch.Tensor) -> torch.Tensor:
+        compute = self._compute_torch_dtype
+        if (
+            self._trailing
+            and not self.rms_scaling
+            and inputs.dtype == compute
+            and compute in (torch.bfloat16, torch.float16)
+        ):
+            # torch's mixed-dtype kernel: half-precision in and out, float32
+            # statistics and float32 gamma/beta, with no extra pass over the data.
+            shape = tuple(inputs.shape[a] for a in self._axes)
+            return F.layer_norm(inputs, shape, self.gamma, self.beta, self.epsilon)
+        x = inputs if inputs.dtype in (torch.float32, torch.float64) else inputs.float()
+        gamma = self.gamma.to(x.dtype) if self.gamma is not None else None
+        beta = self.beta.to(x.dtype) if self.beta is not None else None
+        if self.rms_scaling:
+            if self._trailing:
+                shape = tuple(x.shape[a] for a in self._axes)
+                outputs = F.rms_norm(x, shape, gamma, self.epsilon)
+            else:
+                variance = x.square().mean(dim=self._axes, keepdim=True)
+                outputs = x * torch.rsqrt(variance + self.epsilon)
+                if gamma is not None:
+                    outputs = outputs * gamma.reshape(self._broadcast_shape)
+        elif self._trailing:
+            shape = tuple(x.shape[a] for a in self._axes)
+            outputs = F.layer_norm(x, shape, gamma, beta, self.epsilon)
+        else:
+            mean = x.mean(dim=self._axes, keepdim=True)
+            variance = (x - mean).square().mean(dim=self._axes, keepdim=True)
+            outputs = (x - mean) * torch.rsqrt(variance + self.epsilon)
+            if gamma is not None:
+                outputs = outputs * gamma.reshape(self._broadcast_shape)
+            if beta is not None:
+                outputs = outputs + beta.reshape(self._broadcast_shape)
+        return outputs.to(compute)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "axis": list(self.axis) if isinstance(self.axis, tuple) else self.axis,
+            "epsilon": self.epsilon,
+            "center": self.center,
+            "scale": self.scale,
+            "rms_scaling": self.rms_scaling,
+            "beta_initializer": initializers.serialize(self.beta_initializer),
+            "gamma_initializer": initializers.serialize(self.gamma_initializer),
+            "beta_regularizer": regularizers.serialize(self.beta_regularizer),
+            "gamma_regularizer": regularizers.serialize(self.gamma_regularizer),
+            "beta_constraint": constraints.serialize(self.beta_constraint),
+            "gamma_constraint": constraints.serialize(self.gamma_constraint),
+        }

@@ -1,0 +1,127 @@
+"""`Sequential`: a plain stack of layers, each feeding the next."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from dtype_policies.layers.layer import Layer
+
+
+def _accepts_training(module: torch.nn.Module) -> bool:
+    call = module.call if isinstance(module, Layer) else module.forward
+    try:
+        return "training" in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class Sequential(Layer):
+    """A stack of layers applied in order.
+
+    Children are registered under their position (`"0"`, `"1"`, ...), as in
+    `torch.nn.Sequential`, so `state_dict()` keys and layer paths
+    (`"<name>/0"`, ...) depend only on the architecture, not on layer
+    names. Each layer casts its own inputs; the container itself casts nothing.
+    Any `torch.nn.Module` may be added, not only `Layer`s.
+
+    >>> import torch
+    >>> import dtype_policies
+    >>> from dtype_policies.layers import Dense, Sequential
+    >>> dtype_policies.set_dtype_policy("mixed_bfloat16")
+    >>> model = Sequential([Dense(16, activation="relu"), Dense(4)], name="model")
+    >>> model(torch.ones(2, 8)).dtype
+    torch.bfloat16
+    >>> [layer.path for layer in model.layers]
+    ['model/0', 'model/1']
+    >>> dtype_policies.set_dtype_policy("float32")
+    """
+
+    _is_container = True
+
+    def __init__(self, layers: Iterable[torch.nn.Module] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._accepts_training: list[bool] = []
+        for layer in layers or ():
+            self.add(layer)
+
+    def add(self, layer: torch.nn.Module) -> None:
+        """Appends a layer (any `torch.nn.Module`)."""
+        if not isinstance(layer, torch.nn.Module):
+            raise TypeError(
+                f"Sequential only accepts torch.nn.Module instances (layers). "
+                f"Received: {layer!r} of type {type(layer)}"
+            )
+        setattr(self, str(len(self._modules)), layer)
+        self._accepts_training.append(_accepts_training(layer))
+        if self.built:
+            self.built = False  # the new layer is built on the next call
+
+    def pop(self) -> torch.nn.Module:
+        """Removes and returns the last layer."""
+        if not self._modules:
+            raise IndexError("pop from an empty Sequential.")
+        key = str(len(self._modules) - 1)
+        layer = self._modules.pop(key)
+        self._accepts_training.pop()
+        return layer
+
+    @property
+    def layers(self) -> list[torch.nn.Module]:
+        return list(self._modules.values())
+
+    def __iter__(self) -> Iterator[torch.nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> torch.nn.Module:
+        return self.layers[index]
+
+    def build(self, input_shape: Any = None) -> None:
+        """Builds every layer. Given an explicit shape (a `None` batch axis
+        means 1), runs zeros of that shape through the stack."""
+        if input_shape is None or self.__dict__.get("_building_from_call"):
+            return
+        shape = tuple(1 if d is None else d for d in input_shape)
+        device = self._build_device
+        with torch.no_grad():
+            outputs = torch.zeros(shape, device=device)
+            for layer in self.layers:
+                outputs = layer(outputs)
+
+    def _build_on_first_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        # Layers build themselves on their first call; nothing to run up front.
+        self.__dict__["_building_from_call"] = True
+        try:
+            super()._build_on_first_call(args, kwargs)
+        finally:
+            self.__dict__["_building_from_call"] = False
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        outputs = inputs
+        for layer, accepts_training in zip(self._modules.values(), self._accepts_training):
+            if accepts_training and training is not None:
+                outputs = layer(outputs, training=training)
+            else:
+                outputs = layer(outputs)
+        return outputs
+
+    def get_config(self) -> dict[str, Any]:
+        from dtype_policies.saving import serialize_layer
+
+        config = super().get_config()
+        config["layers"] = [serialize_layer(layer) for layer in self.layers]
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Sequential:
+        from dtype_policies.saving import deserialize_layer
+
+        config = dict(config)
+        layers = [deserialize_layer(item) for item in config.pop("layers", [])]
+        return super().from_config({**config, "layers": layers})

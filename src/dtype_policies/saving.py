@@ -1,0 +1,95 @@
+"""Layer (de)serialization: `serialize_layer`, `deserialize_layer`, `register_serializable`.
+
+A serialized layer is `{"module", "class_name", "config", "registered_name"}`,
+the Keras dict shape. Built-in layers are found by class name; custom layers
+are registered with `register_serializable` or passed in `custom_objects`.
+
+>>> from dtype_policies import layers, saving
+>>> config = saving.serialize_layer(layers.Dense(3, dtype="mixed_bfloat16", name="d"))
+>>> config["class_name"], config["config"]["dtype"]["config"]
+('Dense', {'name': 'mixed_bfloat16'})
+>>> saving.deserialize_layer(config).dtype_policy
+<DTypePolicy "mixed_bfloat16">
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_serializable(package: str = "Custom", name: str | None = None) -> Callable:
+    """Class decorator registering a layer class as `"<package>>ClassName"`.
+
+    >>> from dtype_policies import saving
+    >>> from dtype_policies.layers import Dense
+    >>> @saving.register_serializable("MyPackage")
+    ... class MyDense(Dense):
+    ...     pass
+    >>> saving.serialize_layer(MyDense(2))["registered_name"]
+    'MyPackage>MyDense'
+    """
+    if not isinstance(package, str) or ">" in package:
+        raise ValueError(f"`package` must be a string without '>'. Received: {package!r}")
+
+    def decorator(cls: type) -> type:
+        key = f"{package}>{name or cls.__name__}"
+        if key in _REGISTRY and _REGISTRY[key] is not cls:
+            raise ValueError(f"'{key}' is already registered to {_REGISTRY[key]!r}.")
+        _REGISTRY[key] = cls
+        cls._registered_name = key
+        return cls
+
+    return decorator
+
+
+def _builtin_layers() -> dict[str, type]:
+    from dtype_policies import layers
+
+    return {name: getattr(layers, name) for name in layers.__all__}
+
+
+def serialize_layer(layer: torch.nn.Module) -> dict[str, Any]:
+    """The dict form of a layer (its class and `get_config()`)."""
+    if not hasattr(layer, "get_config"):
+        raise TypeError(
+            f"Cannot serialize {type(layer).__name__}: only layers with `get_config()` "
+            "(dtype_policies.layers.Layer subclasses) can be serialized."
+        )
+    cls = type(layer)
+    registered = cls.__dict__.get("_registered_name")
+    builtin = _builtin_layers().get(cls.__name__) is cls
+    return {
+        "module": "dtype_policies.layers" if builtin else cls.__module__,
+        "class_name": cls.__name__,
+        "config": layer.get_config(),
+        "registered_name": registered,
+    }
+
+
+def deserialize_layer(
+    config: dict[str, Any], custom_objects: dict[str, type] | None = None
+) -> torch.nn.Module:
+    """Rebuilds a layer from `serialize_layer` output."""
+    if not isinstance(config, dict) or "class_name" not in config or "config" not in config:
+        raise ValueError(
+            f"A serialized layer is a dict with 'class_name' and 'config'. Received: {config!r}"
+        )
+    custom_objects = custom_objects or {}
+    class_name, registered = config["class_name"], config.get("registered_name")
+    cls = (
+        custom_objects.get(registered or "")
+        or custom_objects.get(class_name)
+        or _REGISTRY.get(registered or "")
+        or _builtin_layers().get(class_name)
+    )
+    if cls is None:
+        raise ValueError(
+            f"Unknown layer class '{registered or class_name}'. Register it with "
+            "`dtype_policies.saving.register_serializable()` or pass it in `custom_objects`."
+        )
+    return cls.from_config(config["config"])
