@@ -6,7 +6,8 @@ per layer) for PyTorch.
 'bfloat16'
 """
 
-from dtype_policies import config, mixed_precision
+from dtype_policies import config, layers, mixed_precision
+from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
     QUANTIZATION_MODES,
@@ -27,14 +28,18 @@ __all__ = [
     "DTypePolicyMap",
     "FloatDTypePolicy",
     "Int4DTypePolicy",
+    "PolicyHandle",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
+    "apply_policy",
     "config",
     "deserialize",
     "dtype_policy",
     "get",
+    "layers",
     "mixed_precision",
     "policy_scope",
     "serialize",
     "set_dtype_policy",
+    "summary",
 ]

@@ -99,6 +99,62 @@ def set_scope(scope: AutocastScope | None) -> AutocastScope | None:
     return previous
 
 
+def scope_for_call(
+    is_mixed: bool,
+    autocast: bool,
+    compute_dtype: torch.dtype | None,
+    own_scope: AutocastScope | None,
+) -> AutocastScope | None:
+    """The autocast scope a module call must enter (`None`: keep the current one).
+
+    At the top level, a module opens a scope only when it is mixed (its weights
+    must be cast to its compute dtype). Inside another module's scope, one that
+    opts out of autocasting or computes in a non-float dtype disables weight
+    casting; one with a different compute dtype opens its own scope; otherwise
+    the outer scope is kept (Keras's rules).
+    """
+    current = getattr(_state, "scope", None)
+    if current is None:
+        return own_scope if is_mixed else None
+    if not autocast or compute_dtype is None:
+        return None if current.dtype is None else AutocastScope(None)
+    if current.dtype != compute_dtype:
+        return AutocastScope(compute_dtype)
+    return None
+
+
+# Casts of weights up to this many elements are kept between calls (a few
+# hundred KiB at most per module), which removes the per-call cast cost that
+# dominates small layers. Larger weights are cast once per call.
+SMALL_WEIGHT_CACHE_ELEMENTS = 65536
+
+
+def cast_weight(
+    cache: dict[str, tuple], name: str, weight: torch.Tensor, scope: AutocastScope
+) -> torch.Tensor:
+    """`weight` in the scope's dtype, differentiably.
+
+    Small weights keep their cast in `cache` across calls until the weight
+    changes (in place or replaced), or the grad or inference mode differs;
+    large ones are cast once per scope.
+    """
+    if weight.numel() > SMALL_WEIGHT_CACHE_ELEMENTS or torch.compiler.is_compiling():
+        return scope.cast(weight)
+    key = (
+        weight._version,
+        weight.data_ptr(),
+        scope.dtype,
+        torch.is_grad_enabled() and weight.requires_grad,
+        torch.is_inference_mode_enabled(),
+    )
+    entry = cache.get(name)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    cast = weight.to(scope.dtype)
+    cache[name] = (key, cast)
+    return cast
+
+
 class CPUFloat16Warning(UserWarning):
     """float16 compute on a CPU tensor: correct but very slow; use bfloat16."""
 

@@ -119,18 +119,28 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
 
     def __getitem__(self, key: str) -> DTypePolicy:
         """The policy for the path `key` (see the class docstring for the rules)."""
-        if key in self._policy_map:
-            return self._policy_map[key]
-        matching = [k for k, pattern in self._patterns.items() if pattern.fullmatch(key)]
+        matched = self.matching_key(key)
+        return self._default_policy if matched is None else self._policy_map[matched]
+
+    def matching_key(self, path: str) -> str | None:
+        """The key that decides `path`'s policy: `path` itself if it is a key,
+        else the one key whose regex fullmatches it, else `None` (the default
+        policy applies). Raises `ValueError` when several keys match.
+
+        >>> from dtype_policies import DTypePolicyMap
+        >>> DTypePolicyMap("float32", {"enc/.*": "bfloat16"}).matching_key("enc/attn")
+        'enc/.*'
+        """
+        if path in self._policy_map:
+            return path
+        matching = [k for k, pattern in self._patterns.items() if pattern.fullmatch(path)]
         if len(matching) > 1:
             raise ValueError(
-                f"Path '{key}' matches multiple dtype policy specification keys: "
+                f"Path '{path}' matches multiple dtype policy specification keys: "
                 f"{matching}. Please make sure each path only matches at most one "
                 "dtype policy specification key in the DTypePolicyMap."
             )
-        if matching:
-            return self._policy_map[matching[0]]
-        return self._default_policy
+        return matching[0] if matching else None
 
     def __setitem__(self, key: str, policy: Any) -> None:
         from dtype_policies.serialization import get

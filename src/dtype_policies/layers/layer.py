@@ -24,7 +24,9 @@ from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._casting import (
     AutocastScope,
     cast_call_arguments,
+    cast_weight,
     current_scope,
+    scope_for_call,
     set_scope,
     warn_if_cpu_float16,
 )
@@ -34,11 +36,6 @@ from dtype_policies.policies import DTypePolicy
 from dtype_policies.policy_map import DTypePolicyMap
 from dtype_policies.serialization import get as get_policy
 from dtype_policies.serialization import serialize as serialize_policy
-
-# Casts of weights up to this many elements are kept between calls (a few
-# hundred KiB at most per layer), which removes the per-call cast cost that
-# dominates small layers. Larger weights are cast once per call.
-SMALL_WEIGHT_CACHE_ELEMENTS = 65536
 
 _name_counts: dict[str, int] = {}
 _name_lock = threading.Lock()
@@ -527,30 +524,9 @@ class Layer(torch.nn.Module):
             if parameter is not None and name in self.__dict__["_autocast_weight_names"]:
                 scope = current_scope()
                 if scope is not None and scope.dtype is not None and parameter.dtype != scope.dtype:
-                    return self._cast_weight(name, parameter, scope)
+                    return cast_weight(self.__dict__["_small_weight_casts"], name, parameter, scope)
             return parameter
         return super().__getattr__(name)
-
-    def _cast_weight(
-        self, name: str, parameter: torch.Tensor, scope: AutocastScope
-    ) -> torch.Tensor:
-        """`parameter` in the scope's dtype. Small weights keep their cast across
-        calls until the parameter changes (in place or replaced) or the grad mode
-        differs; large ones are cast once per scope."""
-        if parameter.numel() > SMALL_WEIGHT_CACHE_ELEMENTS or torch.compiler.is_compiling():
-            return scope.cast(parameter)
-        key = (
-            parameter._version,
-            parameter.data_ptr(),
-            scope.dtype,
-            torch.is_grad_enabled() and parameter.requires_grad,
-        )
-        entry = self.__dict__["_small_weight_casts"].get(name)
-        if entry is not None and entry[0] == key:
-            return entry[1]
-        cast = parameter.to(scope.dtype)
-        self.__dict__["_small_weight_casts"][name] = (key, cast)
-        return cast
 
     def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Layer:
         # `.to()`, `.double()`, ... may change weight dtypes: re-derive call state.
@@ -637,7 +613,13 @@ class Layer(torch.nn.Module):
             first = _first_tensor(args) if args else _first_tensor(kwargs)
             if first is not None:
                 warn_if_cpu_float16(first.device)
-        scope = self._scope_for_call()
+        scope = (
+            None
+            if self._is_container
+            else scope_for_call(
+                self._is_mixed, self._autocast, self._compute_torch_dtype, self._own_scope
+            )
+        )
         if scope is None:
             outputs = super().__call__(*args, **kwargs)
         else:
@@ -650,26 +632,6 @@ class Layer(torch.nn.Module):
         if self._activity_regularizer is not None:
             self._activity_losses = [self._activity_regularizer(outputs)]
         return outputs
-
-    def _scope_for_call(self) -> AutocastScope | None:
-        """The autocast scope this call must enter (`None`: keep the current one).
-
-        At the top level, a layer opens a scope only when it is mixed (compute
-        dtype differs from variable dtype). Inside another layer's scope, a
-        layer that opts out of autocasting or computes in a non-float dtype
-        disables variable casting; one with a different compute dtype opens
-        its own scope; otherwise the outer scope is kept.
-        """
-        if self._is_container:
-            return None
-        current = current_scope()
-        if current is None:
-            return self._own_scope if self._is_mixed else None
-        if not self._autocast or self._compute_torch_dtype is None:
-            return None if current.dtype is None else AutocastScope(None)
-        if current.dtype != self._compute_torch_dtype:
-            return AutocastScope(self._compute_torch_dtype)
-        return None
 
     # ------------------------------------------------------------------ config
 

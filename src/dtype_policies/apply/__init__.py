@@ -1,0 +1,13 @@
+"""Dtype policies for any `torch.nn.Module`: `apply_policy` and `summary`."""
+
+from dtype_policies.apply.apply import DEFAULT_FLOAT32_MODULES, PolicyHandle, apply_policy
+from dtype_policies.apply.summary import ModuleSummary, module_summaries, summary
+
+__all__ = [
+    "DEFAULT_FLOAT32_MODULES",
+    "ModuleSummary",
+    "PolicyHandle",
+    "apply_policy",
+    "module_summaries",
+    "summary",
+]

@@ -1,0 +1,222 @@
+"""What `apply_policy` installs on each module: a subclass of the module's own
+class that casts inputs and weights by the module's policy.
+
+The subclass keeps the class name, so `isinstance` checks, `repr` and
+`state_dict()` are unchanged; only `type(module) is cls` checks see it.
+Installing and removing it swaps `module.__class__` and touches no parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtype_policies._casting import (
+    AutocastScope,
+    cast_call_arguments,
+    cast_floating,
+    cast_weight,
+    current_scope,
+    scope_for_call,
+    set_scope,
+    warn_if_cpu_float16,
+)
+from dtype_policies.policies import DTypePolicy
+
+# The per-module state `install` writes into `module.__dict__`.
+STATE_KEYS = (
+    "_dp_policy",
+    "_dp_token",
+    "_dp_compute",
+    "_dp_input_cast",
+    "_dp_output_cast",
+    "_dp_island",
+    "_dp_half_passthrough",
+    "_dp_is_mixed",
+    "_dp_autocast",
+    "_dp_own_scope",
+    "_dp_cast_names",
+    "_dp_casts",
+)
+
+
+def _first_floating(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(items, (list, tuple)) or isinstance(value, dict):
+        for item in items:
+            found = _first_floating(item)
+            if found is not None:
+                return found
+    return None
+
+
+class PolicyModule:
+    """Mixin placed in front of a module's class by `apply_policy`."""
+
+    _dp_base_class: type[torch.nn.Module]
+
+    @property
+    def dtype_policy(self) -> DTypePolicy:
+        """The policy `apply_policy` gave this module."""
+        return self.__dict__["_dp_policy"]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        d = self.__dict__
+        cast_to = d["_dp_input_cast"]
+        restore_to = None
+        if d["_dp_island"]:
+            first = _first_floating((args, kwargs))
+            if first is not None and first.dtype != cast_to:
+                if (
+                    d["_dp_half_passthrough"]
+                    and first.dtype in (torch.bfloat16, torch.float16)
+                    and (first.device.type == "cpu")
+                ):
+                    # torch's mixed-dtype norm kernel computes float32 statistics
+                    # from half inputs and returns half outputs: no extra passes.
+                    cast_to = None
+                else:
+                    restore_to = first.dtype
+        if cast_to is not None:
+            if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+                args, kwargs = cast_call_arguments(args, kwargs, cast_to)
+            else:
+                x = args[0]
+                if x.dtype != cast_to and x.is_floating_point():
+                    args = (x.to(cast_to),)
+            if cast_to is torch.float16:
+                first = _first_floating((args, kwargs))
+                if first is not None:
+                    warn_if_cpu_float16(first.device)
+        scope = scope_for_call(
+            d["_dp_is_mixed"], d["_dp_autocast"], d["_dp_compute"], d["_dp_own_scope"]
+        )
+        if scope is None:
+            outputs = super().__call__(*args, **kwargs)
+        else:
+            previous = set_scope(scope)
+            try:
+                outputs = super().__call__(*args, **kwargs)
+            finally:
+                set_scope(previous)
+                scope.clear()
+        if restore_to is not None:
+            return cast_floating(outputs, restore_to)
+        output_cast = d["_dp_output_cast"]
+        if output_cast is not None:
+            return cast_floating(outputs, output_cast)
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        names = d.get("_dp_cast_names")
+        if names is not None and name in names:
+            value = (
+                d["_parameters"].get(name) if name in d["_parameters"] else d["_buffers"].get(name)
+            )
+            if value is not None:
+                scope = current_scope()
+                if scope is not None and scope.dtype is not None and value.dtype != scope.dtype:
+                    return cast_weight(d["_dp_casts"], name, value, scope)
+            return value
+        return super().__getattr__(name)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # Pickle as the original class; unpickling re-installs the subclass.
+        return (_new_policy_module, (self._dp_base_class,), self.__dict__.copy())
+
+
+_policy_classes: dict[type, type] = {}
+
+
+def policy_class_for(base: type[torch.nn.Module]) -> type:
+    """The (cached) policy subclass of a module class."""
+    cls = _policy_classes.get(base)
+    if cls is None:
+        cls = type(
+            base.__name__,
+            (PolicyModule, base),
+            {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "_dp_base_class": base,
+            },
+        )
+        _policy_classes[base] = cls
+    return cls
+
+
+def _new_policy_module(base: type[torch.nn.Module]) -> torch.nn.Module:
+    return object.__new__(policy_class_for(base))
+
+
+def is_policy_module(module: torch.nn.Module) -> bool:
+    return isinstance(module, PolicyModule)
+
+
+def install(
+    module: torch.nn.Module,
+    policy: DTypePolicy,
+    *,
+    token: object,
+    island: bool,
+    half_passthrough: bool,
+    gather_only: bool,
+    cast_buffers: bool,
+) -> None:
+    """Makes `module` compute by `policy` (see `apply_policy` for the rules).
+
+    `island`: compute in float32 and hand outputs back in the caller's dtype.
+    `gather_only`: the weights are looked up, not multiplied (embeddings), so
+    the module's own forward reads them in their own dtype and its output is
+    cast instead; other modules reading them (tied weights) still get casts.
+    """
+    compute_name = policy.compute_dtype
+    compute = policy.torch_compute_dtype if compute_name.startswith(("float", "bfloat")) else None
+    cast_names = set()
+    if compute is not None:
+        cast_names.update(
+            name
+            for name, p in module._parameters.items()
+            if p is not None and p.is_floating_point()
+        )
+        if cast_buffers and not island:
+            cast_names.update(
+                name
+                for name, b in module._buffers.items()
+                if b is not None and b.is_floating_point()
+            )
+    tensors = {**module._buffers, **module._parameters}
+    mixed = (
+        compute is not None
+        and not gather_only
+        and (
+            compute_name != policy.variable_dtype
+            or any(tensors[name].dtype != compute for name in cast_names)
+        )
+    )
+    d = module.__dict__
+    d["_dp_policy"] = policy
+    d["_dp_token"] = token
+    d["_dp_compute"] = compute
+    d["_dp_input_cast"] = compute
+    d["_dp_output_cast"] = compute if gather_only else None
+    d["_dp_island"] = island
+    d["_dp_half_passthrough"] = half_passthrough
+    d["_dp_is_mixed"] = mixed
+    d["_dp_autocast"] = not gather_only
+    d["_dp_own_scope"] = AutocastScope(compute) if compute is not None else None
+    d["_dp_cast_names"] = frozenset(cast_names)
+    d["_dp_casts"] = {}
+    module.__class__ = policy_class_for(type(module))
+
+
+def uninstall(module: torch.nn.Module) -> None:
+    """Restores the module's own class and drops the policy state."""
+    if isinstance(module, PolicyModule):
+        module.__class__ = module._dp_base_class
+    for key in STATE_KEYS:
+        module.__dict__.pop(key, None)

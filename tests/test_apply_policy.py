@@ -1,0 +1,409 @@
+"""apply_policy on plain torch modules, torchvision-free CNNs and Hugging Face models."""
+
+import copy
+import io
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dtype_policies
+from dtype_policies import DTypePolicy, DTypePolicyMap, apply_policy, layers
+
+
+def mlp():
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 8)
+    )
+
+
+def test_state_dict_parameters_and_optimizer_identity():
+    model = mlp()
+    before_params = list(model.parameters())
+    before_state = {k: (v.data_ptr(), v.dtype) for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = apply_policy(model, "mixed_bfloat16")
+    assert [p is q for p, q in zip(model.parameters(), before_params)] == [True] * 6
+    assert {k: (v.data_ptr(), v.dtype) for k, v in model.state_dict().items()} == before_state
+    x = torch.randn(16, 32)
+    loss = model(x).float().square().mean()
+    loss.backward()
+    for parameter in model.parameters():
+        assert parameter.dtype == torch.float32 and parameter.grad.dtype == torch.float32
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(snapshot, model.parameters()))
+    late_optimizer = torch.optim.Adam(model.parameters())  # built after apply_policy
+    late_optimizer.step()
+    handle.remove()
+
+
+def test_mlp_outputs_close_to_float32():
+    model = mlp()
+    x = torch.randn(16, 32)
+    reference = model(x)
+    apply_policy(model, "mixed_bfloat16")
+    out = model(x)
+    assert out.dtype == torch.bfloat16
+    # Stated tolerance for bfloat16 compute (8-bit mantissa): 3% of the output scale.
+    torch.testing.assert_close(
+        out.float(), reference, atol=0.03 * reference.abs().max().item(), rtol=0.03
+    )
+
+
+def test_gradients_close_to_float32():
+    model = mlp()
+    x = torch.randn(16, 32)
+    model(x).square().mean().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    apply_policy(model, "mixed_bfloat16")
+    model(x).float().square().mean().backward()
+    for got, want in zip((p.grad for p in model.parameters()), reference):
+        torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.05)
+
+
+def test_inputs_and_weights_cast_inside_forward():
+    seen = {}
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+            self.register_buffer("offset", torch.zeros(3))
+            self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, x, scale=None, ids=None):
+            seen.update(
+                x=x.dtype,
+                scale=scale.dtype,
+                ids=ids.dtype,
+                weight=self.weight.dtype,
+                offset=self.offset.dtype,
+                steps=self.steps.dtype,
+            )
+            return x * self.weight + self.offset
+
+    probe = Probe()
+    apply_policy(probe, "mixed_bfloat16")
+    out = probe(torch.ones(3, dtype=torch.float64), scale=torch.ones(1), ids=torch.ones(1).long())
+    assert seen == dict(
+        x=torch.bfloat16,
+        scale=torch.bfloat16,
+        ids=torch.int64,
+        weight=torch.bfloat16,
+        offset=torch.bfloat16,
+        steps=torch.int64,
+    )
+    assert out.dtype == torch.bfloat16
+    assert probe.weight.dtype == torch.float32 and isinstance(probe.weight, nn.Parameter)
+
+
+def test_cast_buffers_false_keeps_buffers():
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.rand(4))
+
+        def forward(self, x):
+            self.seen = self.inv_freq.dtype
+            return x
+
+    module = WithBuffer()
+    apply_policy(module, "mixed_bfloat16", cast_buffers=False)
+    module(torch.ones(1))
+    assert module.seen == torch.float32
+
+
+def test_transformer_encoder_close_to_float32():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(2, 7, 32)
+    reference = encoder(x)
+    handle = apply_policy(encoder, "mixed_bfloat16")
+    assert "layers/0/norm1" in handle.float32_paths
+    out = encoder(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, atol=0.05, rtol=0.05)
+    out.float().sum().backward()
+    assert {p.grad.dtype for p in encoder.parameters()} == {torch.float32}
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        self.bn_input_dtype = None
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(x, 2)
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_small_cnn_with_batchnorm_islands():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    x = torch.randn(8, 1, 8, 8)
+    reference_model = copy.deepcopy(model)
+    reference = reference_model(x)
+    handle = apply_policy(model, "mixed_bfloat16")
+    assert handle.float32_paths == ["bn1", "bn2"]
+    out = model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, atol=0.05, rtol=0.05)
+    # Running statistics are updated in float32, in place, as in float32 training.
+    assert model.bn1.running_mean.dtype == torch.float32
+    torch.testing.assert_close(
+        model.bn1.running_mean, reference_model.bn1.running_mean, atol=1e-2, rtol=1e-2
+    )
+    assert model.bn1.num_batches_tracked.item() == 1
+    model.eval()
+    reference_model.eval()
+    torch.testing.assert_close(model(x).float(), reference_model(x), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize(
+    "norm", [nn.LayerNorm(16), nn.GroupNorm(4, 16), nn.BatchNorm1d(16), nn.RMSNorm(16)]
+)
+def test_norm_islands_compute_in_float32_and_return_callers_dtype(norm):
+    x = torch.randn(6, 16) * 50 + 10
+    reference = copy.deepcopy(norm)(x)
+    apply_policy(norm, "mixed_bfloat16")
+    out = norm(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, atol=0.05, rtol=0.02)
+    out32 = norm(x)  # a float32 caller gets float32 back
+    assert out32.dtype == torch.float32
+
+
+def test_map_keeps_one_block_in_float32():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    seen = {}
+
+    def record(name):
+        def hook(module, args, output):
+            seen[name] = (args[0].dtype, output.dtype, module.weight.dtype)
+
+        return hook
+
+    for index in range(3):
+        encoder.layers[index].linear1.register_forward_hook(record(f"layers/{index}/linear1"))
+    policy_map = DTypePolicyMap("mixed_bfloat16", {"layers.1(/.*)?": "float32"})
+    handle = apply_policy(encoder, policy_map)
+    assert handle.policies["layers/1/linear1"].name == "float32"
+    assert handle.policies["layers/2/linear1"].name == "mixed_bfloat16"
+    out = encoder(torch.randn(2, 5, 16))
+    assert seen["layers/0/linear1"][:2] == (torch.bfloat16, torch.bfloat16)
+    assert seen["layers/1/linear1"][:2] == (torch.float32, torch.float32)
+    assert seen["layers/2/linear1"][:2] == (torch.bfloat16, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+
+
+def test_map_entry_overrides_float32_island():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    handle = apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"1": "bfloat16"}))
+    assert handle.float32_paths == []
+    assert handle.policies["1"].name == "bfloat16"
+    custom = apply_policy(model, "mixed_bfloat16", float32_modules=[nn.Linear])
+    assert custom.float32_paths == ["0"]
+    none = apply_policy(model, "mixed_bfloat16", float32_modules=())
+    assert none.float32_paths == []
+
+
+def test_remove_restores_exactly_and_reapply_replaces():
+    model = mlp()
+    x = torch.randn(4, 32)
+    reference = model(x)
+    classes = [type(m) for m in model.modules()]
+    dicts = [set(m.__dict__) for m in model.modules()]
+    first = apply_policy(model, "mixed_bfloat16")
+    second = apply_policy(model, "bfloat16")
+    assert first.removed
+    assert model(x).dtype == torch.bfloat16
+    second.remove()
+    second.remove()  # idempotent
+    assert [type(m) for m in model.modules()] == classes
+    assert [set(m.__dict__) for m in model.modules()] == dicts
+    torch.testing.assert_close(model(x), reference)
+    with apply_policy(model, "mixed_bfloat16"):
+        assert model(x).dtype == torch.bfloat16
+    assert model(x).dtype == torch.float32
+
+
+def test_errors_leave_model_untouched():
+    model = mlp()
+    with pytest.raises(ValueError, match="matches multiple dtype policy"):
+        apply_policy(model, DTypePolicyMap("float32", {"[0-2]": "bfloat16", "[0-1]": "float16"}))
+    assert all(type(m).__module__.startswith("torch") for m in model.modules())
+    with pytest.raises(ValueError, match="invalid policy"):
+        apply_policy(model, "mixed_float15")
+    with pytest.raises(TypeError, match=r"expects a torch\.nn\.Module"):
+        apply_policy("model", "float32")
+    with pytest.raises(TypeError, match="float32_modules entries"):
+        apply_policy(model, "float32", float32_modules=[3])
+    assert not hasattr(model[0], "dtype_policy")
+
+
+def test_no_grad_and_inference_mode():
+    model = mlp()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        a = model(x)
+    with torch.inference_mode():
+        b = model(x)
+    c = model(x)  # after inference mode, grad mode still works
+    c.float().sum().backward()
+    assert a.dtype == b.dtype == c.dtype == torch.bfloat16
+    torch.testing.assert_close(a, b)
+    assert model[0].weight.grad is not None
+
+
+def test_pickle_and_deepcopy_keep_policy():
+    model = mlp()
+    apply_policy(model, "mixed_bfloat16")
+    clone = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 32)
+    for other in (clone, loaded):
+        assert other(x).dtype == torch.bfloat16
+        torch.testing.assert_close(other(x), model(x))
+        assert other[0].dtype_policy == DTypePolicy("mixed_bfloat16")
+
+
+def test_tied_and_shared_weights_read_by_parent():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(20, 8)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, ids):
+            hidden = self.proj(self.embed(ids))
+            return hidden @ self.embed.weight.T  # reads a child's weight directly
+
+    model = Tied()
+    apply_policy(model, "mixed_bfloat16")
+    out = model(torch.tensor([[1, 2, 3]]))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert model.embed.weight.grad.dtype == torch.float32
+
+
+def test_layers_inside_a_plain_model_follow_the_map():
+    model = nn.Sequential(layers.Dense(8), nn.ReLU(), layers.Dense(4))
+    handle = apply_policy(model, DTypePolicyMap("float32", {"2": "mixed_bfloat16"}))
+    assert model[0].path == "0" and model[2].path == "2"
+    assert model(torch.randn(2, 3)).dtype == torch.bfloat16
+    assert model[0].compute_dtype == "float32"
+    handle.remove()
+    assert model[2].dtype_policy.name == "float32"
+
+
+def test_summary_lists_every_module():
+    model = mlp()
+    apply_policy(model, "mixed_bfloat16")
+    text = dtype_policies.summary(model)
+    assert re.search(
+        r"^0\s+Linear\s+mixed_bfloat16\s+bfloat16\s+float32\s+2112\s+8448$", text, re.MULTILINE
+    )
+    rows = dtype_policies.apply.module_summaries(model)
+    assert [r.path for r in rows] == ["(root)", "0", "1", "2", "3", "4"]
+    assert rows[1].parameters == 32 * 64 + 64 and rows[1].bytes == 4 * (32 * 64 + 64)
+    assert rows[1].policy == "mixed_bfloat16" and rows[1].variable_dtype == "float32"
+    assert f"Total: {sum(p.numel() for p in model.parameters())} parameters" in text
+
+
+def test_compile_without_graph_breaks_matches_eager():
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(4, 16)
+    eager = model(x)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), eager.float(), atol=0.02, rtol=0.02)
+    out.float().sum().backward()
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_get_layer_policy_on_applied_module():
+    model = mlp()
+    apply_policy(model, "mixed_bfloat16")
+    assert dtype_policies.mixed_precision.get_layer_policy(model[0]).name == "mixed_bfloat16"
+    with pytest.raises(TypeError, match="expects a dtype_policies layer"):
+        dtype_policies.mixed_precision.get_layer_policy(nn.Linear(2, 2))
+
+
+transformers = pytest.importorskip("transformers", reason="transformers not installed")
+
+
+def _gpt2():
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=500,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_from_config_close_to_float32_and_trains():
+    torch.manual_seed(0)
+    model = _gpt2()
+    ids = torch.randint(0, 500, (2, 16))
+    with torch.no_grad():
+        reference = model(ids).logits
+    apply_policy(model, "mixed_bfloat16")
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.05)
+    model.train()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+    assert model.transformer.wte.weight.grad is not None  # tied with lm_head
+
+
+def test_bert_from_config_close_to_float32():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=500,
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 500, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).last_hidden_state
+    handle = apply_policy(model, "mixed_bfloat16")
+    assert "embeddings/LayerNorm" in handle.float32_paths
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask).last_hidden_state
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, atol=0.08, rtol=0.05)
