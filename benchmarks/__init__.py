@@ -1,0 +1,1 @@
+"""The dtype-policies benchmark suite: `python -m benchmarks --help`."""

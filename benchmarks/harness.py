@@ -1,0 +1,133 @@
+"""Timing and reporting helpers: medians over interleaved repeats, machine info."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class Result:
+    workload: str
+    variant: str
+    median_ms: float
+    spread_ms: float  # interquartile range
+    samples: int
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def measure_interleaved(
+    variants: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 3,
+    repeats: int = 15,
+    rounds: int = 3,
+) -> dict[str, list[float]]:
+    """Times every variant in turn, `rounds` times over, so that drift of the
+    machine (thermal, other load) hits all variants alike. Returns seconds."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    per_round = max(1, repeats // rounds)
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            for _ in range(per_round):
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def summarize(workload: str, samples: dict[str, list[float]], notes=None) -> list[Result]:
+    results = []
+    for name, values in samples.items():
+        quartiles = statistics.quantiles(values, n=4) if len(values) >= 4 else [0, 0, 0]
+        results.append(
+            Result(
+                workload=workload,
+                variant=name,
+                median_ms=statistics.median(values) * 1e3,
+                spread_ms=(quartiles[2] - quartiles[0]) * 1e3,
+                samples=len(values),
+                note=(notes or {}).get(name, ""),
+            )
+        )
+    return results
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"]
+                    return " ".join(flag for flag in wanted if flag in flags)
+    except OSError:
+        pass
+    return ""
+
+
+def machine_info() -> dict[str, str]:
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cores": str(os.cpu_count()),
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+    }
+
+
+def peak_rss_mb_of(code: str) -> float | None:
+    """Peak resident memory (MiB) of a fresh Python process running `code`."""
+    script = (
+        "import resource\n"
+        f"{code}\n"
+        "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    for line in out.splitlines():
+        if line.startswith("PEAK_RSS_KB"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+def write_json(path: str, info: dict, results: list[Result], targets: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(
+            {"machine": info, "results": [asdict(r) for r in results], "targets": targets},
+            f,
+            indent=2,
+        )
