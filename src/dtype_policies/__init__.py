@@ -6,7 +6,7 @@ per layer) for PyTorch.
 'bfloat16'
 """
 
-from dtype_policies import config, layers, mixed_precision
+from dtype_policies import config, layers, mixed_precision, optimizers
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
@@ -38,6 +38,7 @@ __all__ = [
     "get",
     "layers",
     "mixed_precision",
+    "optimizers",
     "policy_scope",
     "serialize",
     "set_dtype_policy",

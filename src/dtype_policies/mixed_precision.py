@@ -15,6 +15,7 @@ True
 from typing import Any
 
 from dtype_policies.default_policy import dtype_policy, set_dtype_policy
+from dtype_policies.optimizers import LossScaleOptimizer
 from dtype_policies.policies import DTypePolicy
 
 Policy = DTypePolicy
@@ -40,6 +41,7 @@ def get_layer_policy(layer: Any) -> DTypePolicy:
 
 __all__ = [
     "DTypePolicy",
+    "LossScaleOptimizer",
     "Policy",
     "dtype_policy",
     "get_layer_policy",

@@ -1,0 +1,580 @@
+"""`LossScaleOptimizer`: Keras 3 dynamic loss scaling around any torch optimizer.
+
+Under `mixed_float16`, small gradients underflow to zero in float16. Scaling
+the loss by a large factor before `backward()` lifts them into float16's range;
+`step()` divides them back down (in float32, the parameters' dtype), skips the
+update when any of them overflowed, and adapts the factor as Keras does.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from dtype_policies.policies import DTypePolicy
+
+# Keras's base-optimizer arguments, accepted only at these (default) values so
+# that configs written for Keras's LossScaleOptimizer keep working.
+_KERAS_BASE_ARGUMENTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+_TORCH_HINTS = {
+    "clipnorm": "call `unscale_()` and then `torch.nn.utils.clip_grad_norm_` before `step()`",
+    "global_clipnorm": (
+        "call `unscale_()` and then `torch.nn.utils.clip_grad_norm_` before `step()`"
+    ),
+    "clipvalue": "call `unscale_()` and then `torch.nn.utils.clip_grad_value_` before `step()`",
+    "gradient_accumulation_steps": (
+        "scale every micro-batch loss with `scale_loss`, call `backward()` on each, "
+        "then `step()` once"
+    ),
+    "use_ema": "use `torch.optim.swa_utils.AveragedModel`",
+    "ema_momentum": "use `torch.optim.swa_utils.AveragedModel`",
+    "ema_overwrite_frequency": "use `torch.optim.swa_utils.AveragedModel`",
+}
+
+
+def _to_float32(value: float) -> float:
+    """`value` rounded to float32 (overflowing to inf, underflowing to 0), as a
+    Python float: Keras keeps the scale in a float32 variable."""
+    return array.array("f", (value,))[0]
+
+
+class LossScaleOptimizer(torch.optim.Optimizer):
+    """Dynamic loss scaling around a torch optimizer (Keras 3 semantics).
+
+    Multiply the loss by the current scale with `scale_loss` before
+    `backward()`, then call `step()`. `step()` divides all gradients by the
+    scale in place and checks all of them for inf/NaN in one fused pass per
+    (device, dtype) group, then:
+
+    * all finite: runs the inner optimizer's step. After `dynamic_growth_steps`
+      consecutive finite steps the scale doubles.
+    * any inf/NaN: skips the update (parameters and inner optimizer state stay
+      bit-identical, `iterations` does not advance) and halves the scale. The
+      gradients are left as they are (unscaled, holding the inf/NaN), as with
+      `torch.amp.GradScaler`; the next `zero_grad()` clears them.
+
+    Like Keras, the scale has no lower or upper bound. A loss that is inf or
+    NaN for reasons unrelated to scaling (bad data, divergence) halves the
+    scale at every step, and it reaches 0 after about 165 consecutive skipped
+    steps (from the default 2**15); watch `dynamic_scale` or the loss.
+
+    The scale is a Python float holding a float32 value (Keras keeps a float32
+    variable), so scaling costs no extra tensor and adapting it launches no
+    kernel. Deciding whether to skip the inner step needs the overflow flag on
+    the host: `step()` reads it once (one device sync per device holding
+    gradients, none on CPU beyond reading a scalar), never once per parameter.
+    The gradients are multiplied by the float32 reciprocal of the scale, which
+    is exact for powers of two (every scale reachable from a power-of-two
+    initial scale).
+
+    The wrapper is a `torch.optim.Optimizer`: learning-rate schedulers attach to
+    it, and `param_groups`, `state` and `defaults` are the inner optimizer's
+    own objects. `state_dict()` holds the inner state plus the scale, the growth
+    counter and `iterations`.
+
+    Float8 scales and amax histories (from `float8_from_*` policies) are module
+    buffers, not parameters, so neither the inner optimizer nor the scaler ever
+    touch them.
+
+    Args:
+        inner_optimizer: The `torch.optim.Optimizer` to wrap.
+        initial_scale: The starting scale, a finite positive number (rounded
+            to float32). Defaults to `2**15`.
+        dynamic_growth_steps: How many consecutive finite steps double the
+            scale, a positive int. Defaults to 2000.
+        name: A name, for Keras parity. Defaults to `"loss_scale_optimizer"`.
+        **kwargs: Only Keras's backward-compatibility arguments are accepted:
+            `dynamic=True`, and Keras's base optimizer arguments
+            (`weight_decay`, `clipnorm`, ...) at their default values.
+
+    Example:
+
+    >>> import torch
+    >>> from dtype_policies.optimizers import LossScaleOptimizer
+    >>> model = torch.nn.Linear(4, 1)
+    >>> optimizer = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> optimizer.dynamic_scale
+    32768.0
+    >>> loss = model(torch.ones(2, 4)).square().mean()
+    >>> optimizer.scale_loss(loss).backward()
+    >>> optimizer.step()
+    >>> optimizer.zero_grad()
+    >>> optimizer.iterations, optimizer.dynamic_scale
+    (1, 32768.0)
+    >>> model.weight.grad = torch.full((1, 4), float("inf"))  # an overflow
+    >>> optimizer.step()  # skipped: no update, the scale is halved
+    >>> optimizer.iterations, optimizer.dynamic_scale
+    (1, 16384.0)
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: torch.optim.Optimizer,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_kwargs(kwargs)
+        if isinstance(inner_optimizer, LossScaleOptimizer):
+            raise ValueError(
+                "`inner_optimizer` is already a LossScaleOptimizer; wrapping it again "
+                "would scale the loss twice. Pass its `inner_optimizer` instead."
+            )
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "`inner_optimizer` must be a torch.optim.Optimizer. "
+                f"Received: inner_optimizer={inner_optimizer!r} "
+                f"(of type {type(inner_optimizer).__name__})"
+            )
+        scale = _check_scale(initial_scale, "initial_scale")
+        if (
+            not isinstance(dynamic_growth_steps, numbers.Integral)
+            or isinstance(dynamic_growth_steps, bool)
+            or dynamic_growth_steps < 1
+        ):
+            raise ValueError(
+                "`dynamic_growth_steps` must be a positive int. "
+                f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
+            )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"`name` must be a string. Received: name={name!r}")
+        self.__dict__.update(
+            _inner=inner_optimizer,
+            name=name or "loss_scale_optimizer",
+            _initial_scale=scale,
+            _dynamic_growth_steps=int(dynamic_growth_steps),
+        )
+        self._reset_runtime_state()
+        self._scale = scale
+        self._step_counter = 0
+        self._iterations = 0
+        # What `torch.optim.Optimizer.__init__` sets up, minus the parameters:
+        # those stay the inner optimizer's.
+        torch.optim.Optimizer.__setstate__(self, {})
+
+    def _reset_runtime_state(self) -> None:
+        self._found_inf: list[torch.Tensor] | None = None  # set by `unscale_()`
+        self._inv_scales: dict[torch.device, torch.Tensor] = {}
+        self._last_step_skipped = False
+
+    # ------------------------------------------------------------ delegation
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._inner
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's `param_groups` (the same list object)."""
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter `state`."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's `defaults`."""
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._inner.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a parameter group to the inner optimizer."""
+        self._inner.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's `zero_grad`; also forgets an `unscale_()`
+        done since the last step (its gradients are gone)."""
+        self._found_inf = None
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    # ---------------------------------------------------------------- scaling
+
+    @property
+    def dynamic_scale(self) -> float:
+        """The current loss scale."""
+        return self._scale
+
+    @property
+    def initial_scale(self) -> float:
+        """The scale this optimizer started with."""
+        return self._initial_scale
+
+    @property
+    def dynamic_growth_steps(self) -> int:
+        """How many consecutive finite steps double the scale."""
+        return self._dynamic_growth_steps
+
+    @property
+    def step_counter(self) -> int:
+        """Consecutive finite steps since the scale last changed."""
+        return self._step_counter
+
+    @property
+    def iterations(self) -> int:
+        """How many updates were applied (skipped steps do not count)."""
+        return self._iterations
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last `step()` was skipped because of inf/NaN gradients."""
+        return self._last_step_skipped
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Returns `loss * dynamic_scale`; call `backward()` on the result.
+
+        The result keeps the loss's dtype. Compute the loss in float32 (cast
+        float16 logits with `.float()`), so that the scaled loss does not
+        overflow float16 itself.
+
+        >>> import torch
+        >>> from dtype_policies.optimizers import LossScaleOptimizer
+        >>> optimizer = LossScaleOptimizer(
+        ...     torch.optim.SGD([torch.zeros(1, requires_grad=True)]), initial_scale=8)
+        >>> optimizer.scale_loss(torch.tensor(0.5))
+        tensor(4.)
+        """
+        return loss * self._scale
+
+    def unscale_(self) -> None:
+        """Divides the gradients by the scale now, in place, and records
+        whether any is inf/NaN, so they can be inspected or clipped before
+        `step()` (which then does not unscale again).
+
+        Call it at most once between two `step()`s, after all `backward()`
+        calls of the step (the whole accumulated gradient).
+
+        >>> import torch
+        >>> from dtype_policies.optimizers import LossScaleOptimizer
+        >>> weight = torch.nn.Parameter(torch.zeros(3))
+        >>> optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=4)
+        >>> optimizer.scale_loss((weight - 3.0).square().sum() / 2).backward()
+        >>> weight.grad
+        tensor([-12., -12., -12.])
+        >>> optimizer.unscale_()
+        >>> weight.grad
+        tensor([-3., -3., -3.])
+        >>> _ = torch.nn.utils.clip_grad_norm_([weight], max_norm=1.0)
+        >>> optimizer.step()
+        >>> weight.detach()
+        tensor([0.5774, 0.5774, 0.5774])
+        """
+        if self._found_inf is not None:
+            raise RuntimeError(
+                "unscale_() has already been called on this LossScaleOptimizer since the "
+                "last step(); the gradients are already unscaled. Call it at most once "
+                "per step, after all backward() calls."
+            )
+        self._found_inf = self._unscale_grads()
+
+    def _unscale_grads(self) -> list[torch.Tensor]:
+        """Unscales every gradient in place; returns one found-inf flag per device."""
+        grads = []
+        for group in self._inner.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:  # duplicates may overflow when summed
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grads.append(grad)
+        if not grads:
+            return []
+        found_infs: dict[torch.device, torch.Tensor] = {}
+        inv_scales = self._inv_scales
+        for (device, _), ((device_grads,), _) in _group_tensors_by_device_and_dtype(
+            [grads]
+        ).items():
+            found_inf = found_infs.get(device)
+            if found_inf is None:
+                found_inf = found_infs[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            inv_scale = inv_scales.get(device)
+            if inv_scale is None:
+                inverse = _to_float32(1.0 / self._scale) if self._scale else math.inf
+                inv_scale = inv_scales[device] = torch.full(
+                    (1,), inverse, dtype=torch.float32, device=device
+                )
+            torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, inv_scale)
+        return list(found_infs.values())
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Unscales the gradients (unless `unscale_()` did), then applies the
+        inner step if they are all finite, else skips it; adapts the scale."""
+        if closure is not None:
+            raise RuntimeError(
+                "LossScaleOptimizer.step() does not take a closure: the closure's "
+                "backward() would need the scaled loss and optimizers such as LBFGS "
+                "re-evaluate it several times per step. Compute the loss, call "
+                "`optimizer.scale_loss(loss).backward()`, then `optimizer.step()`."
+            )
+        found_infs = self._found_inf
+        if found_infs is None:
+            found_infs = self._unscale_grads()
+        self._found_inf = None
+        # The only host sync: whether to run the inner step is decided here.
+        finite = not any(flag.item() for flag in found_infs)
+        self._last_step_skipped = not finite
+        if not finite:
+            self._step_counter = 0
+            self._set_scale(self._scale / 2.0)
+            return None
+        self._inner.step()
+        self._iterations += 1
+        if self._step_counter == self._dynamic_growth_steps - 1:
+            self._step_counter = 0
+            self._set_scale(self._scale * 2.0)
+        else:
+            self._step_counter += 1
+        return None
+
+    def _set_scale(self, value: float) -> None:
+        self._scale = _to_float32(value)
+        self._inv_scales = {}
+
+    # ------------------------------------------------------------ state dict
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus a `"loss_scale"` entry with
+        the scale, the growth counter, `iterations` and `dynamic_growth_steps`
+        (restored by `load_state_dict`, as torch restores learning rates).
+
+        A plain optimizer's `load_state_dict` ignores the extra entry, so a
+        checkpoint stays loadable without the wrapper.
+
+        >>> import torch
+        >>> from dtype_policies.optimizers import LossScaleOptimizer
+        >>> params = [torch.nn.Parameter(torch.zeros(2))]
+        >>> LossScaleOptimizer(torch.optim.SGD(params, lr=0.1)).state_dict()["loss_scale"]
+        {'scale': 32768.0, 'step_counter': 0, 'iterations': 0, 'dynamic_growth_steps': 2000}
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = dict(self._inner.state_dict())
+        state_dict["loss_scale"] = {
+            "scale": self._scale,
+            "step_counter": self._step_counter,
+            "iterations": self._iterations,
+            "dynamic_growth_steps": self._dynamic_growth_steps,
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a `state_dict()`. A plain optimizer's state dict (without a
+        `"loss_scale"` entry) loads into the inner optimizer and keeps the
+        current scale, counter, `iterations` and `dynamic_growth_steps`."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                "load_state_dict() expects a dict from state_dict(). "
+                f"Received: {type(state_dict).__name__}"
+            )
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        state_dict = dict(state_dict)
+        loss_scale = state_dict.pop("loss_scale", None)
+        if loss_scale is not None:
+            scale, step_counter, iterations, growth_steps = _check_loss_scale_state(loss_scale)
+        self._inner.load_state_dict(state_dict)
+        if loss_scale is not None:
+            self._set_scale(scale)
+            self._step_counter = step_counter
+            self._iterations = iterations
+            self._dynamic_growth_steps = growth_steps
+        self._found_inf = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ---------------------------------------------------------------- python
+
+    def __getstate__(self) -> dict[str, Any]:  # pickle / copy.deepcopy
+        return {
+            key: self.__dict__[key]
+            for key in (
+                "_inner",
+                "name",
+                "_initial_scale",
+                "_dynamic_growth_steps",
+                "_scale",
+                "_step_counter",
+                "_iterations",
+            )
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_runtime_state()
+        torch.optim.Optimizer.__setstate__(self, {})
+
+    def __repr__(self) -> str:
+        inner = "\n    ".join(repr(self._inner).splitlines())
+        return (
+            f"LossScaleOptimizer(dynamic_scale={self._scale}, "
+            f"dynamic_growth_steps={self._dynamic_growth_steps},\n    {inner})"
+        )
+
+
+def _check_kwargs(kwargs: dict[str, Any]) -> None:
+    if kwargs.pop("dynamic", True) is False:
+        raise ValueError(
+            "LossScaleOptimizer no longer supports `dynamic=False`. Instead, simply set "
+            "`loss_scale_factor` directly on the `inner_optimizer`."
+        )
+    for arg, default in _KERAS_BASE_ARGUMENTS.items():
+        if arg not in kwargs:
+            continue
+        value = kwargs.pop(arg)
+        if value is not default and value != default:
+            hint = _TORCH_HINTS.get(arg)
+            raise ValueError(
+                f"LossScaleOptimizer does not support `{arg}`. Instead, set `{arg}` on the "
+                "`inner_optimizer`." + (f" With torch optimizers, {hint}." if hint else "")
+            )
+    if kwargs:
+        names = ", ".join(f"`{arg}`" for arg in kwargs)
+        raise ValueError(f"LossScaleOptimizer does not support arguments: {names}.")
+
+
+def _check_scale(value: Any, arg: str) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(
+            f"`{arg}` must be a finite positive number. Received: {arg}={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    scale = _to_float32(float(value))
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(
+            f"`{arg}` must be a finite positive number representable in float32 "
+            f"(about 1.4e-45 to 3.4e38). Received: {arg}={value!r}"
+        )
+    return scale
+
+
+def _check_loss_scale_state(loss_scale: Any) -> tuple[float, int, int, int]:
+    expected = {"scale", "step_counter", "iterations", "dynamic_growth_steps"}
+    if not isinstance(loss_scale, dict) or set(loss_scale) != expected:
+        raise ValueError(
+            "The 'loss_scale' entry of a LossScaleOptimizer state dict must be a dict "
+            f"with the keys {sorted(expected)}. Received: {loss_scale!r}"
+        )
+    scale = _check_scale(loss_scale["scale"], "loss_scale['scale']")
+    counts = []
+    for key, minimum in (("step_counter", 0), ("iterations", 0), ("dynamic_growth_steps", 1)):
+        value = loss_scale[key]
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+            raise ValueError(
+                f"loss_scale[{key!r}] must be an int >= {minimum}. Received: {value!r}"
+            )
+        counts.append(int(value))
+    if counts[0] >= counts[2]:
+        raise ValueError(
+            f"loss_scale['step_counter'] must be below loss_scale['dynamic_growth_steps']. "
+            f"Received: {loss_scale!r}"
+        )
+    return scale, counts[0], counts[1], counts[2]
+
+
+def _policy_of(model_or_policy: Any) -> DTypePolicy:
+    from dtype_policies.default_policy import dtype_policy
+    from dtype_policies.layers.layer import Layer
+    from dtype_policies.policy_map import DTypePolicyMap
+    from dtype_policies.serialization import get
+
+    if isinstance(model_or_policy, torch.nn.Module):
+        policy = getattr(model_or_policy, "dtype_policy", None)
+        if not isinstance(policy, DTypePolicy):
+            return dtype_policy()
+        if isinstance(policy, DTypePolicyMap):
+            path = model_or_policy.path if isinstance(model_or_policy, Layer) else None
+            return policy[path] if path is not None else policy.default_policy
+        return policy
+    if isinstance(model_or_policy, DTypePolicyMap):
+        return model_or_policy.default_policy
+    if model_or_policy is None or isinstance(model_or_policy, (DTypePolicy, str, torch.dtype)):
+        return get(model_or_policy)
+    raise TypeError(
+        "maybe_wrap() expects a torch.nn.Module, a DTypePolicy, a policy name or None "
+        f"(the default policy). Received: {model_or_policy!r} "
+        f"(of type {type(model_or_policy).__name__})"
+    )
+
+
+def maybe_wrap(optimizer: torch.optim.Optimizer, model_or_policy: Any) -> torch.optim.Optimizer:
+    """Wraps `optimizer` in a `LossScaleOptimizer` if the policy is
+    `mixed_float16`, else returns it unchanged (Keras's `auto_scale_loss`).
+
+    The policy is `model_or_policy` itself (a `DTypePolicy` or a name; `None`
+    means the default policy), or a module's own policy: a
+    `dtype_policies.layers.Layer`'s `dtype_policy`, or the `dtype_policy` that
+    `apply_policy` gives the root module. A module with no policy of its own
+    (a plain `torch.nn.Sequential` of layers, say) is judged by the default
+    policy `dtype_policies.dtype_policy()`; pass the policy explicitly then.
+    A `DTypePolicyMap` counts by its entry for the layer (else its default).
+
+    As in Keras only the name `"mixed_float16"` wraps: bfloat16 has float32's
+    exponent range and needs no scaling; `"float16"` (float16 parameters) and
+    quantized policies are not wrapped either. An optimizer that already is a
+    `LossScaleOptimizer` is returned as is.
+
+    >>> import torch
+    >>> import dtype_policies
+    >>> from dtype_policies.optimizers import LossScaleOptimizer, maybe_wrap
+    >>> model = torch.nn.Linear(4, 4)
+    >>> handle = dtype_policies.apply_policy(model, "mixed_float16")
+    >>> optimizer = maybe_wrap(torch.optim.AdamW(model.parameters()), model)
+    >>> type(optimizer).__name__
+    'LossScaleOptimizer'
+    >>> maybe_wrap(optimizer, model) is optimizer
+    True
+    >>> type(maybe_wrap(torch.optim.AdamW(model.parameters()), "mixed_bfloat16")).__name__
+    'AdamW'
+    """
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "maybe_wrap() expects a torch.optim.Optimizer. "
+            f"Received: {optimizer!r} (of type {type(optimizer).__name__})"
+        )
+    if _policy_of(model_or_policy).name == "mixed_float16":
+        return LossScaleOptimizer(optimizer)
+    return optimizer

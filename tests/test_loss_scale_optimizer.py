@@ -1,0 +1,621 @@
+"""LossScaleOptimizer and maybe_wrap: Keras 3 dynamic loss scaling for torch optimizers."""
+
+import copy
+import io
+import itertools
+import math
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtype_policies
+from dtype_policies import DTypePolicy, DTypePolicyMap, apply_policy, layers
+from dtype_policies._casting import CPUFloat16Warning
+from dtype_policies.optimizers import LossScaleOptimizer, maybe_wrap
+
+INF = float("inf")
+
+
+def set_grads(params, grads):
+    for param, grad in zip(params, grads):
+        param.grad = torch.as_tensor(grad, dtype=param.dtype).clone()
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def batches(count, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(5, 6, generator=generator), torch.randn(5, 2, generator=generator))
+        for _ in range(count)
+    ]
+
+
+def mse(model, x, y):
+    return (model(x) - y).square().mean()
+
+
+def assert_same_params(a, b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------- Keras arithmetic
+
+
+def test_downscaling_from_400_gives_25_after_four_inf_steps():
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=400.0)
+    for expected in (200.0, 100.0, 50.0, 25.0):
+        set_grads([weight], [[INF, 1.0]])
+        optimizer.step()
+        assert optimizer.dynamic_scale == expected
+        assert optimizer.last_step_skipped
+    assert optimizer.iterations == 0 and optimizer.step_counter == 0
+    assert torch.equal(weight, torch.ones(2))
+
+
+def test_upscaling_from_2_with_growth_2_gives_32_after_eight_finite_steps():
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD([weight], lr=1.0), initial_scale=2.0, dynamic_growth_steps=2
+    )
+    scales, counters = [], []
+    for _ in range(8):
+        set_grads([weight], [[0.0, 0.0]])
+        optimizer.step()
+        scales.append(optimizer.dynamic_scale)
+        counters.append(optimizer.step_counter)
+    assert scales == [2.0, 4.0, 4.0, 8.0, 8.0, 16.0, 16.0, 32.0]
+    assert counters == [1, 0, 1, 0, 1, 0, 1, 0]
+    assert optimizer.iterations == 8 and not optimizer.last_step_skipped
+
+
+def test_nan_resets_the_growth_counter():
+    weight = nn.Parameter(torch.ones(1))
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD([weight], lr=1.0), initial_scale=8, dynamic_growth_steps=3
+    )
+    for grad in ([0.0], [0.0], [math.nan], [0.0], [0.0], [0.0]):
+        set_grads([weight], [grad])
+        optimizer.step()
+    assert optimizer.dynamic_scale == 8.0  # 8 -> 4 (NaN) -> 8 after three finite steps
+    assert optimizer.iterations == 5
+
+
+def test_keras_finite_step_sgd():
+    # keras/src/optimizers/loss_scale_optimizer_test.py::test_finite_step
+    weight = nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.5))
+    set_grads([weight], [torch.tensor([1.0, 6.0, 7.0, 2.0]) * optimizer.initial_scale])
+    optimizer.step()
+    assert torch.equal(weight.detach(), torch.tensor([0.5, -1.0, -0.5, 3.0]))
+    assert optimizer.iterations == 1
+
+
+def test_no_bounds_on_the_scale():
+    weight = nn.Parameter(torch.ones(1))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=2.0**-140)
+    for _ in range(20):  # Keras's float32 variable underflows to 0: no lower bound
+        set_grads([weight], [[INF]])
+        optimizer.step()
+    assert optimizer.dynamic_scale == 0.0
+    big = LossScaleOptimizer(
+        torch.optim.SGD([weight], lr=1.0), initial_scale=2.0**126, dynamic_growth_steps=1
+    )
+    set_grads([weight], [[0.0]])
+    big.step()
+    assert big.dynamic_scale == 2.0**127  # no upper bound below float32's range
+
+
+def test_scale_is_float32_valued():
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD([nn.Parameter(torch.ones(1))]), initial_scale=0.1
+    )
+    assert optimizer.dynamic_scale == torch.tensor(0.1, dtype=torch.float32).item()
+    assert isinstance(optimizer.dynamic_scale, float)
+    assert optimizer.scale_loss(torch.tensor(10.0)).dtype == torch.float32
+    assert optimizer.scale_loss(torch.tensor(1.0, dtype=torch.float16)).dtype == torch.float16
+
+
+# ---------------------------------------------------------- skipped and finite steps
+
+
+def test_skipped_step_leaves_params_and_adam_state_bit_identical():
+    model = small_model()
+    optimizer = LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    (x, y), (x2, y2) = batches(2)
+    optimizer.scale_loss(mse(model, x, y)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    params_before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(optimizer.inner_optimizer.state_dict())
+    optimizer.scale_loss(mse(model, x2, y2)).backward()
+    first = next(model.parameters())
+    first.grad[0, 0] = INF
+    optimizer.step()
+    assert optimizer.last_step_skipped and optimizer.iterations == 1
+    assert optimizer.dynamic_scale == 2.0**14
+    for before, after in zip(params_before, model.parameters()):
+        assert torch.equal(before, after)
+    state_after = optimizer.inner_optimizer.state_dict()["state"]
+    assert state_after.keys() == state_before["state"].keys()
+    for index, entry in state_before["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], state_after[index][key]), (index, key)
+        assert state_after[index]["step"].item() == 1.0
+    # The gradients are left unscaled, holding the inf, until zero_grad().
+    assert first.grad[0, 0].item() == INF
+    assert torch.isfinite(first.grad.flatten()[1:]).all()
+
+
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        lambda params: torch.optim.Adam(params, lr=1e-2),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=False),
+    ],
+    ids=["sgd-momentum", "adam", "adamw-single-tensor"],
+)
+def test_finite_steps_equal_the_inner_optimizer_on_unscaled_grads(make_inner):
+    plain_model, scaled_model = small_model(), small_model()
+    plain = make_inner(plain_model.parameters())
+    scaled = LossScaleOptimizer(make_inner(scaled_model.parameters()))
+    for x, y in batches(4):
+        plain.zero_grad()
+        mse(plain_model, x, y).backward()
+        plain.step()
+        scaled.zero_grad()
+        scaled.scale_loss(mse(scaled_model, x, y)).backward()
+        scaled.step()
+        assert not scaled.last_step_skipped
+    assert_same_params(plain_model, scaled_model)  # scaling by 2**15 is exact
+    assert scaled.iterations == 4 and scaled.dynamic_scale == 2.0**15
+
+
+def test_step_with_no_gradients_runs_the_inner_step():
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0))
+    optimizer.step()
+    assert optimizer.iterations == 1 and torch.equal(weight, torch.ones(2))
+
+
+def test_unscale_and_check_is_one_fused_pass_with_one_sync():
+    params = [nn.Parameter(torch.randn(3)) for _ in range(60)]
+    params += [nn.Parameter(torch.randn(2, dtype=torch.float64)) for _ in range(5)]
+    for param in params:
+        param.grad = torch.full_like(param, 4.0)
+    originals = [param.detach().clone() for param in params]
+    optimizer = LossScaleOptimizer(torch.optim.SGD(params, lr=1.0), initial_scale=4)
+    kernel = torch._amp_foreach_non_finite_check_and_unscale_
+    item = torch.Tensor.item
+    calls = {"kernel": 0, "item": 0}
+
+    def counting_kernel(*args):
+        calls["kernel"] += 1
+        return kernel(*args)
+
+    def counting_item(self):
+        calls["item"] += 1
+        return item(self)
+
+    with (
+        mock.patch.object(torch, "_amp_foreach_non_finite_check_and_unscale_", counting_kernel),
+        mock.patch.object(torch.Tensor, "item", counting_item),
+    ):
+        optimizer.step()
+    assert calls["kernel"] == 2  # one per (device, dtype) group
+    assert calls["item"] == 1  # one host sync, not one per parameter
+    for param, original in zip(params, originals):
+        assert torch.equal(param.grad, torch.ones_like(param))  # unscaled in place
+        assert torch.equal(param.detach(), original - 1.0)
+
+
+def test_float16_and_sparse_gradients_are_unscaled():
+    dense = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    embedding = nn.Embedding(4, 2, sparse=True)
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD([dense, *embedding.parameters()], lr=1.0), initial_scale=8
+    )
+    dense.grad = torch.full((3,), 16.0, dtype=torch.float16)
+    optimizer.scale_loss(embedding(torch.tensor([1, 1])).sum()).backward()
+    before = embedding.weight.detach().clone()
+    optimizer.step()
+    assert torch.equal(dense.detach(), torch.full((3,), -2.0, dtype=torch.float16))
+    expected = before.clone()
+    expected[1] -= 2.0
+    assert torch.equal(embedding.weight.detach(), expected)
+
+
+# ------------------------------------------------- unscale_, clipping, accumulation
+
+
+def test_clipping_after_unscale_matches_plain_clipping():
+    plain_model, scaled_model = small_model(), small_model()
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    scaled = LossScaleOptimizer(torch.optim.SGD(scaled_model.parameters(), lr=0.1))
+    norms = []
+    for x, y in batches(3):
+        plain.zero_grad()
+        mse(plain_model, x, y).backward()
+        plain_norm = nn.utils.clip_grad_norm_(plain_model.parameters(), max_norm=0.05)
+        plain.step()
+        scaled.zero_grad()
+        scaled.scale_loss(mse(scaled_model, x, y)).backward()
+        scaled.unscale_()
+        norm = nn.utils.clip_grad_norm_(scaled_model.parameters(), max_norm=0.05)
+        scaled.step()  # must not unscale a second time
+        assert torch.equal(norm, plain_norm)
+        norms.append(norm.item())
+    assert all(norm > 0.05 for norm in norms)  # the clipping was active
+    assert_same_params(plain_model, scaled_model)
+
+
+def test_unscale_twice_raises_and_step_or_zero_grad_resets():
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=4)
+    set_grads([weight], [[4.0, 8.0]])
+    optimizer.unscale_()
+    assert torch.equal(weight.grad, torch.tensor([1.0, 2.0]))
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        optimizer.unscale_()
+    optimizer.step()
+    assert torch.equal(weight.detach(), torch.tensor([0.0, -1.0]))
+    set_grads([weight], [[4.0, 4.0]])
+    optimizer.unscale_()  # allowed again after step()
+    optimizer.zero_grad()
+    set_grads([weight], [[4.0, 4.0]])
+    optimizer.unscale_()  # and after zero_grad()
+    assert torch.equal(weight.grad, torch.ones(2))
+
+
+def test_overflow_found_by_unscale_skips_the_step_even_after_clipping():
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=4)
+    set_grads([weight], [[INF, 1.0]])
+    optimizer.unscale_()
+    nn.utils.clip_grad_norm_([weight], max_norm=1.0)  # turns the grads into NaN/0
+    optimizer.step()
+    assert optimizer.last_step_skipped and optimizer.dynamic_scale == 2.0
+    assert torch.equal(weight.detach(), torch.ones(2))
+
+
+def test_gradient_accumulation_matches_plain_accumulation():
+    plain_model, scaled_model = small_model(), small_model()
+    plain = torch.optim.Adam(plain_model.parameters(), lr=1e-2)
+    scaled = LossScaleOptimizer(torch.optim.Adam(scaled_model.parameters(), lr=1e-2))
+    data = batches(8)
+    for start in (0, 4):
+        plain.zero_grad()
+        scaled.zero_grad()
+        for x, y in data[start : start + 4]:
+            (mse(plain_model, x, y) / 4).backward()
+            scaled.scale_loss(mse(scaled_model, x, y) / 4).backward()
+        plain.step()
+        scaled.step()
+    assert scaled.iterations == 2
+    assert_same_params(plain_model, scaled_model)
+
+
+def test_step_closure_raises():
+    optimizer = LossScaleOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0))
+    with pytest.raises(RuntimeError, match="does not take a closure"):
+        optimizer.step(lambda: torch.tensor(0.0))
+
+
+# ------------------------------------------------------------- optimizer protocol
+
+
+def test_is_an_optimizer_sharing_the_inner_state():
+    model = small_model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = LossScaleOptimizer(inner)
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    assert optimizer.param_groups is inner.param_groups
+    assert optimizer.state is inner.state
+    assert optimizer.defaults is inner.defaults
+    extra = nn.Parameter(torch.ones(3))
+    optimizer.add_param_group({"params": [extra], "lr": 0.5})
+    assert len(inner.param_groups) == 2 and inner.param_groups[1]["lr"] == 0.5
+    x, y = batches(1)[0]
+    optimizer.scale_loss(mse(model, x, y) + extra.sum()).backward()
+    optimizer.step()
+    assert optimizer.state is inner.state and len(inner.state) == 5
+    optimizer.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in [*model.parameters(), extra])
+    optimizer.scale_loss(mse(model, x, y)).backward()
+    optimizer.zero_grad(set_to_none=False)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    assert repr(optimizer).startswith("LossScaleOptimizer(dynamic_scale=32768.0")
+    assert "Adam (" in repr(optimizer)
+
+
+def test_step_hooks_run_on_the_wrapper():
+    optimizer = LossScaleOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0))
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(("pre", opt)))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append(("post", opt)))
+    optimizer.step()
+    assert seen == [("pre", optimizer), ("post", optimizer)]
+
+
+def test_lr_schedulers_attach_and_drive_the_inner_learning_rate():
+    model = small_model()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    optimizer = LossScaleOptimizer(inner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        lrs = []
+        for x, y in batches(6):
+            optimizer.zero_grad()
+            optimizer.scale_loss(mse(model, x, y)).backward()
+            optimizer.step()
+            scheduler.step()
+            lrs.append(inner.param_groups[0]["lr"])
+    assert lrs == [1.0, 0.5, 0.5, 0.25, 0.25, 0.125]
+    assert scheduler.get_last_lr() == [0.125]
+    other = torch.optim.lr_scheduler.LambdaLR(
+        LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=0.1)), lambda epoch: 0.1
+    )
+    assert other.get_last_lr() == [pytest.approx(0.01)]
+
+
+def test_state_dict_round_trip_continues_identically():
+    model = small_model()
+    optimizer = LossScaleOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), initial_scale=2.0**10, dynamic_growth_steps=3
+    )
+    data = batches(10)
+    for index, (x, y) in enumerate(data[:5]):
+        optimizer.zero_grad()
+        optimizer.scale_loss(mse(model, x, y)).backward()
+        if index == 1:
+            next(model.parameters()).grad[0, 0] = INF
+        optimizer.step()
+    state_dict = optimizer.state_dict()
+    assert state_dict["loss_scale"] == {
+        "scale": 2.0**10,
+        "step_counter": 0,
+        "iterations": 4,
+        "dynamic_growth_steps": 3,
+    }
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": state_dict}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+
+    restored_model = small_model(seed=5)
+    restored_model.load_state_dict(checkpoint["model"])
+    restored = LossScaleOptimizer(torch.optim.Adam(restored_model.parameters(), lr=0.5))
+    restored.load_state_dict(checkpoint["optimizer"])
+    assert restored.dynamic_scale == 2.0**10 and restored.iterations == 4
+    assert restored.dynamic_growth_steps == 3
+    assert restored.param_groups[0]["lr"] == 1e-2
+    for opt, mod in ((optimizer, model), (restored, restored_model)):
+        for x, y in data[5:]:
+            opt.zero_grad()
+            opt.scale_loss(mse(mod, x, y)).backward()
+            opt.step()
+    assert_same_params(model, restored_model)
+    assert restored.state_dict()["loss_scale"] == optimizer.state_dict()["loss_scale"]
+    assert restored.dynamic_scale == 2.0**11 and restored.iterations == 9  # grew once
+
+    # A plain optimizer reads the checkpoint, and a plain checkpoint loads into the wrapper.
+    plain = torch.optim.Adam(small_model().parameters())
+    plain.load_state_dict(checkpoint["optimizer"])
+    assert plain.param_groups[0]["lr"] == 1e-2
+    wrapper = LossScaleOptimizer(torch.optim.Adam(small_model().parameters()), initial_scale=4)
+    wrapper.load_state_dict(plain.state_dict())
+    assert wrapper.dynamic_scale == 4.0 and wrapper.param_groups[0]["lr"] == 1e-2
+
+
+def test_load_state_dict_rejects_a_bad_loss_scale_entry():
+    optimizer = LossScaleOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0))
+    state_dict = optimizer.state_dict()
+    for bad in (
+        {"scale": -1.0, "step_counter": 0, "iterations": 0, "dynamic_growth_steps": 2},
+        {"scale": 2.0, "step_counter": -1, "iterations": 0, "dynamic_growth_steps": 2},
+        {"scale": 2.0, "step_counter": 2, "iterations": 0, "dynamic_growth_steps": 2},
+        {"scale": 2.0, "step_counter": 0, "iterations": 0, "dynamic_growth_steps": 0},
+        {"scale": 2.0},
+        3.0,
+    ):
+        with pytest.raises((ValueError, TypeError), match=r"scale|step_counter|growth"):
+            optimizer.load_state_dict({**state_dict, "loss_scale": bad})
+    assert optimizer.dynamic_scale == 2.0**15
+    with pytest.raises(TypeError, match="expects a dict"):
+        optimizer.load_state_dict([1, 2])
+
+
+def test_deepcopy_and_pickle():
+    model = small_model()
+    optimizer = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), initial_scale=8)
+    clone = copy.deepcopy(optimizer)
+    assert clone.dynamic_scale == 8.0 and clone.inner_optimizer is not optimizer.inner_optimizer
+    assert clone.param_groups is clone.inner_optimizer.param_groups
+    clone.step()
+    assert clone.iterations == 1 and optimizer.iterations == 0
+
+
+# --------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"initial_scale": 0}, ValueError, r"initial_scale=0\b"),
+        ({"initial_scale": -2.0}, ValueError, "finite positive"),
+        ({"initial_scale": INF}, ValueError, "initial_scale=inf"),
+        ({"initial_scale": math.nan}, ValueError, "initial_scale=nan"),
+        ({"initial_scale": 1e39}, ValueError, "float32"),
+        ({"initial_scale": "2"}, TypeError, "of type str"),
+        ({"initial_scale": True}, TypeError, "of type bool"),
+        ({"dynamic_growth_steps": 0}, ValueError, "dynamic_growth_steps=0"),
+        ({"dynamic_growth_steps": 1.5}, ValueError, "positive int"),
+        ({"dynamic_growth_steps": True}, ValueError, "positive int"),
+        ({"name": 3}, TypeError, "name=3"),
+        (
+            {"dynamic": False},
+            ValueError,
+            r"LossScaleOptimizer no longer supports `dynamic=False`\. Instead, simply set "
+            r"`loss_scale_factor` directly on the `inner_optimizer`\.",
+        ),
+        (
+            {"clipnorm": 1.0},
+            ValueError,
+            r"LossScaleOptimizer does not support `clipnorm`\. Instead, set `clipnorm` on "
+            r"the `inner_optimizer`\. With torch optimizers, call `unscale_\(\)`",
+        ),
+        ({"weight_decay": 0.1}, ValueError, "does not support `weight_decay`"),
+        ({"use_ema": True}, ValueError, "does not support `use_ema`"),
+        (
+            {"foo": 1, "bar": 2},
+            ValueError,
+            r"LossScaleOptimizer does not support arguments: `foo`, `bar`\.",
+        ),
+    ],
+)
+def test_argument_errors(kwargs, error, match):
+    inner = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)
+    with pytest.raises(error, match=match):
+        LossScaleOptimizer(inner, **kwargs)
+
+
+def test_keras_compatible_arguments_are_accepted_at_defaults():
+    inner = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)
+    optimizer = LossScaleOptimizer(
+        inner,
+        initial_scale=128,
+        dynamic_growth_steps=10,
+        name="lso",
+        dynamic=True,
+        weight_decay=None,
+        clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        gradient_accumulation_steps=None,
+    )
+    assert (optimizer.name, optimizer.initial_scale, optimizer.dynamic_growth_steps) == (
+        "lso",
+        128.0,
+        10,
+    )
+
+
+def test_inner_optimizer_errors():
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer.*of type Linear"):
+        LossScaleOptimizer(nn.Linear(2, 2))
+    wrapped = LossScaleOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0))
+    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
+        LossScaleOptimizer(wrapped)
+
+
+# --------------------------------------------------------------------- maybe_wrap
+
+
+def test_maybe_wrap_by_policy():
+    def sgd():
+        return torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)
+
+    assert isinstance(maybe_wrap(sgd(), "mixed_float16"), LossScaleOptimizer)
+    assert isinstance(maybe_wrap(sgd(), DTypePolicy("mixed_float16")), LossScaleOptimizer)
+    assert isinstance(
+        maybe_wrap(sgd(), DTypePolicyMap(default_policy="mixed_float16")), LossScaleOptimizer
+    )
+    for policy in ("mixed_bfloat16", "float32", "float16", "float8_from_mixed_float16", None):
+        optimizer = sgd()
+        assert maybe_wrap(optimizer, policy) is optimizer, policy
+    with dtype_policies.policy_scope("mixed_float16"):
+        assert isinstance(maybe_wrap(sgd(), None), LossScaleOptimizer)
+    wrapped = LossScaleOptimizer(sgd())
+    assert maybe_wrap(wrapped, "mixed_float16") is wrapped
+    with pytest.raises(TypeError, match=r"expects a torch\.optim\.Optimizer"):
+        maybe_wrap("sgd", "mixed_float16")
+    with pytest.raises(TypeError, match=r"expects a torch\.nn\.Module"):
+        maybe_wrap(sgd(), 16)
+
+
+def test_maybe_wrap_by_module():
+    dense = layers.Dense(3, dtype="mixed_float16")
+    dense.build((1, 2))
+    optimizer = maybe_wrap(torch.optim.SGD(dense.parameters(), lr=1.0), dense)
+    assert isinstance(optimizer, LossScaleOptimizer)
+    bf16 = layers.Dense(3, dtype="mixed_bfloat16")
+    bf16.build((1, 2))
+    plain = torch.optim.SGD(bf16.parameters(), lr=1.0)
+    assert maybe_wrap(plain, bf16) is plain
+
+    model = small_model()
+    plain = torch.optim.SGD(model.parameters(), lr=1.0)
+    assert maybe_wrap(plain, model) is plain  # no policy: the default (float32) decides
+    with dtype_policies.policy_scope("mixed_float16"):
+        assert isinstance(maybe_wrap(plain, model), LossScaleOptimizer)
+    handle = apply_policy(model, "mixed_float16")
+    assert isinstance(maybe_wrap(plain, model), LossScaleOptimizer)
+    handle.remove()
+    apply_policy(model, "mixed_bfloat16")
+    assert maybe_wrap(plain, model) is plain
+
+
+# ------------------------------------------------------ float16 underflow demo (CPU)
+
+
+def _float16_run(scaled: bool, steps: int = 6):
+    """Trains a tiny model whose forward computes in float16 on a loss weighted
+    by 1e-8: its float16 gradients underflow to zero unless the loss is scaled."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    apply_policy(model, "mixed_float16")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1 / 1e-8)
+    optimizer = maybe_wrap(inner, model) if scaled else inner
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4, generator=generator)
+    y = torch.randn(16, 1, generator=generator)
+    losses, grads = [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CPUFloat16Warning)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            output = model(x)
+            assert output.dtype == torch.float16
+            loss = (output.float() - y).square().mean()
+            losses.append(loss.item())
+            weighted = loss * 1e-8
+            if scaled:
+                optimizer.scale_loss(weighted).backward()
+            else:
+                weighted.backward()
+            if grads is None:
+                grads = [p.grad.clone() for p in model.parameters()]
+            optimizer.step()
+    return model, optimizer, losses, grads
+
+
+def test_float16_gradients_underflow_without_loss_scaling():
+    model, _, losses, grads = _float16_run(scaled=False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert all(torch.count_nonzero(g) == 0 for g in grads)  # everything underflowed
+    assert losses[-1] == losses[0]  # nothing was learned
+
+
+def test_loss_scaling_prevents_float16_underflow():
+    _, optimizer, losses, grads = _float16_run(scaled=True)
+    assert isinstance(optimizer, LossScaleOptimizer)
+    assert all(g.dtype == torch.float32 for g in grads)
+    # The first gradients, before step() unscales them: float16 values times 2**15.
+    # Every parameter gets some, and (almost) no entry underflows any more.
+    assert all(torch.count_nonzero(g) > 0 for g in grads)
+    nonzero = sum(int(torch.count_nonzero(g)) for g in grads)
+    assert nonzero >= 0.95 * sum(g.numel() for g in grads)
+    assert optimizer.iterations == 6 and optimizer.dynamic_scale == 2.0**15
+    assert losses[-1] < 0.9 * losses[0]
+    assert all(b < a for a, b in itertools.pairwise(losses))
