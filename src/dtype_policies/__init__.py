@@ -6,7 +6,7 @@ per layer) for PyTorch.
 'bfloat16'
 """
 
-from dtype_policies import config, layers, mixed_precision, optimizers
+from dtype_policies import config, layers, mixed_precision, optimizers, quantization
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
@@ -18,6 +18,7 @@ from dtype_policies.policies import (
     QuantizedFloat8DTypePolicy,
 )
 from dtype_policies.policy_map import DTypePolicyMap
+from dtype_policies.quantization.api import quantize
 from dtype_policies.serialization import deserialize, get, serialize
 
 __version__ = "0.1.0"
@@ -40,6 +41,8 @@ __all__ = [
     "mixed_precision",
     "optimizers",
     "policy_scope",
+    "quantization",
+    "quantize",
     "serialize",
     "set_dtype_policy",
     "summary",

@@ -60,13 +60,20 @@ def serialize_layer(layer: torch.nn.Module) -> dict[str, Any]:
             f"Cannot serialize {type(layer).__name__}: only layers with `get_config()` "
             "(dtype_policies.layers.Layer subclasses) can be serialized."
         )
+    from dtype_policies.policies import DTypePolicy
+    from dtype_policies.serialization import serialize
+
     cls = type(layer)
     registered = cls.__dict__.get("_registered_name")
+    config = {
+        key: serialize(value) if isinstance(value, DTypePolicy) else value
+        for key, value in layer.get_config().items()
+    }
     builtin = _builtin_layers().get(cls.__name__) is cls
     return {
         "module": "dtype_policies.layers" if builtin else cls.__module__,
         "class_name": cls.__name__,
-        "config": layer.get_config(),
+        "config": config,
         "registered_name": registered,
     }
 

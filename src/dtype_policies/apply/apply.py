@@ -202,5 +202,29 @@ def apply_policy(
             cast_buffers=cast_buffers,
         )
         handle._installed.append(submodule)
+    _quantize_by_policy(handle)
     module.__dict__["_dp_handle"] = handle
     return handle
+
+
+def _quantize_by_policy(handle: PolicyHandle) -> None:
+    """Quantizes the modules whose policy is quantized and that support its mode
+    (the others compute with the policy's float source)."""
+    from dtype_policies.quantization import torch_modules
+    from dtype_policies.quantization.layer_support import QuantizableLayer
+    from dtype_policies.quantization.linear import default_config
+
+    for layer, _, _ in handle._layers:
+        if isinstance(layer, QuantizableLayer):
+            layer._quantize_from_policy()
+    for submodule in handle._installed:
+        policy = submodule.__dict__["_dp_policy"]
+        mode = policy.quantization_mode
+        if mode is None or mode not in torch_modules.supported_modes(submodule):
+            continue
+        if torch_modules.is_quantized(submodule):
+            continue
+        torch_modules.quantize_module(
+            submodule, mode, default_config(mode, policy),
+            getattr(policy, "amax_history_length", 1024),
+        )

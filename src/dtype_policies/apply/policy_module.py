@@ -53,10 +53,26 @@ def _first_floating(value: Any) -> torch.Tensor | None:
     return None
 
 
-class PolicyModule:
-    """Mixin placed in front of a module's class by `apply_policy`."""
+class ComposedModule:
+    """Base of the classes this library puts in front of a module's own class
+    (`PolicyModule`, the quantized-module mixins). Pickles as the original
+    class plus the mixins, since the composed class itself is not importable."""
 
-    _dp_base_class: type[torch.nn.Module]
+    _dp_original_class: type[torch.nn.Module]
+    _dp_quantized_mixin: type | None
+    _dp_with_policy: bool
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        cls = type(self)
+        return (
+            _new_module,
+            (cls._dp_original_class, cls._dp_quantized_mixin, cls._dp_with_policy),
+            self.__dict__.copy(),
+        )
+
+
+class PolicyModule(ComposedModule):
+    """Mixin placed in front of a module's class by `apply_policy`."""
 
     @property
     def dtype_policy(self) -> DTypePolicy:
@@ -124,37 +140,54 @@ class PolicyModule:
             return value
         return super().__getattr__(name)
 
-    def __reduce_ex__(self, protocol: int) -> Any:
-        # Pickle as the original class; unpickling re-installs the subclass.
-        return (_new_policy_module, (self._dp_base_class,), self.__dict__.copy())
+
+_composed_classes: dict[tuple, type] = {}
 
 
-_policy_classes: dict[type, type] = {}
-
-
-def policy_class_for(base: type[torch.nn.Module]) -> type:
-    """The (cached) policy subclass of a module class."""
-    cls = _policy_classes.get(base)
+def module_class(
+    original: type[torch.nn.Module], quantized_mixin: type | None = None, policy: bool = False
+) -> type[torch.nn.Module]:
+    """`original` with a quantized-module mixin and/or `PolicyModule` in front
+    (cached; `original` itself when neither is asked for)."""
+    if quantized_mixin is None and not policy:
+        return original
+    key = (original, quantized_mixin, policy)
+    cls = _composed_classes.get(key)
     if cls is None:
+        bases = (
+            *((PolicyModule,) if policy else ()),
+            *((quantized_mixin,) if quantized_mixin is not None else (ComposedModule,)),
+            original,
+        )
         cls = type(
-            base.__name__,
-            (PolicyModule, base),
+            original.__name__,
+            bases,
             {
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "_dp_base_class": base,
+                "__module__": original.__module__,
+                "__qualname__": original.__qualname__,
+                "_dp_original_class": original,
+                "_dp_quantized_mixin": quantized_mixin,
+                "_dp_with_policy": policy,
             },
         )
-        _policy_classes[base] = cls
+        _composed_classes[key] = cls
     return cls
 
 
-def _new_policy_module(base: type[torch.nn.Module]) -> torch.nn.Module:
-    return object.__new__(policy_class_for(base))
+def _new_module(original: type, quantized_mixin: type | None, policy: bool) -> torch.nn.Module:
+    return object.__new__(module_class(original, quantized_mixin, policy))
 
 
 def is_policy_module(module: torch.nn.Module) -> bool:
     return isinstance(module, PolicyModule)
+
+
+def class_parts(module: torch.nn.Module) -> tuple[type, type | None]:
+    """`(original class, quantized mixin or None)` of a module."""
+    cls = type(module)
+    if issubclass(cls, ComposedModule):
+        return cls._dp_original_class, cls._dp_quantized_mixin
+    return cls, None
 
 
 def install(
@@ -211,12 +244,14 @@ def install(
     d["_dp_own_scope"] = AutocastScope(compute) if compute is not None else None
     d["_dp_cast_names"] = frozenset(cast_names)
     d["_dp_casts"] = {}
-    module.__class__ = policy_class_for(type(module))
+    original, quantized_mixin = class_parts(module)
+    module.__class__ = module_class(original, quantized_mixin, policy=True)
 
 
 def uninstall(module: torch.nn.Module) -> None:
     """Restores the module's own class and drops the policy state."""
     if isinstance(module, PolicyModule):
-        module.__class__ = module._dp_base_class
+        original, quantized_mixin = class_parts(module)
+        module.__class__ = module_class(original, quantized_mixin, policy=False)
     for key in STATE_KEYS:
         module.__dict__.pop(key, None)

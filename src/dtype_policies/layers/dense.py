@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import activations, constraints, initializers, regularizers
-from dtype_policies.layers.layer import Layer
+from dtype_policies.quantization.layer_support import QuantizableLayer
+from dtype_policies.quantization.linear import LinearQuantization
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -17,7 +18,7 @@ def _check_positive_int(name: str, value: Any) -> int:
     return value
 
 
-class Dense(Layer):
+class Dense(QuantizableLayer):
     """A densely connected layer: `activation(inputs @ kernel + bias)`.
 
     The kernel has the Keras shape `(input_dim, units)`; it is created in the
@@ -31,7 +32,11 @@ class Dense(Layer):
         kernel_regularizer, bias_regularizer: Optional weight regularizers.
         activity_regularizer: Optional regularizer on the outputs.
         kernel_constraint, bias_constraint: Optional weight constraints.
-        **kwargs: Base `Layer` arguments (`dtype`, `name`, `trainable`, ...).
+        **kwargs: Base `Layer` arguments (`dtype`, `name`, `trainable`, ...),
+            and `quantization_config`.
+
+    A quantized policy (`dtype="int8_from_mixed_bfloat16"`, ...) quantizes the
+    kernel when the layer is built; `layer.quantize("int8")` does it later.
 
     >>> import torch
     >>> from dtype_policies.layers import Dense
@@ -90,7 +95,24 @@ class Dense(Layer):
         else:
             self.register_parameter("bias", None)
 
+    _supported_quantization_modes = ("int8", "int4", "float8")
+
+    def _quantization_for(self, mode: str, config: Any) -> LinearQuantization:
+        in_features, units = self._parameters["kernel"].shape
+        return LinearQuantization(
+            mode, "kernel", "kn", in_features, units, config, self.history_length(config)
+        )
+
+    def _float_weight(self, quantization: LinearQuantization) -> torch.Tensor:
+        return self._parameters["kernel"]
+
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
+        quantization = self._quantization
+        if quantization is not None:
+            outputs = quantization.forward(
+                self, inputs, self.bias, self._compute_torch_dtype, self.training
+            )
+            return self.activation(outputs)
         return self.activation(F.linear(inputs, self.kernel.T, self.bias))
 
     def get_config(self) -> dict[str, Any]:

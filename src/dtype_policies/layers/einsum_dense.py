@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,9 @@ from typing import Any
 import torch
 
 from dtype_policies import activations, constraints, initializers, regularizers
-from dtype_policies.layers.layer import Layer
+from dtype_policies.quantization import float8
+from dtype_policies.quantization.layer_support import QuantizableLayer
+from dtype_policies.quantization.linear import LinearQuantization
 
 _EQUATION = re.compile(
     r"^(\.\.\.)?([a-zA-Z]+)(\.\.\.)?,([a-zA-Z]+)->(\.\.\.)?([a-zA-Z]+)(\.\.\.)?$"
@@ -41,6 +44,25 @@ class EinsumSpec:
             f"Invalid einsum equation {equation!r}. Equations must be in the form "
             "[X],[Y]->[Z], ...[X],[Y]->...[Z], or [X]...,[Y]->[Z]..."
         )
+
+    def matmul_plan(self) -> tuple[tuple[int, ...], int] | None:
+        """How the contraction is a plain matrix product, if it is one: the
+        kernel permutation that puts the contracted axes first, and their count.
+
+        That is the case when the input ends with the contracted letters (in
+        kernel order), the output is the input's other letters followed by the
+        kernel's other letters, and no letter is shared by all three.
+        """
+        reduced = "".join(c for c in self.kernel if c not in self.outputs)
+        others = "".join(c for c in self.kernel if c in self.outputs)
+        if not reduced or self.ellipsis == "right" or not self.inputs.endswith(reduced):
+            return None
+        prefix = self.inputs[: -len(reduced)]
+        if any(c in self.kernel for c in prefix) or any(c in self.inputs for c in others):
+            return None
+        if self.outputs != prefix + others:
+            return None
+        return tuple(self.kernel.index(c) for c in reduced + others), len(reduced)
 
     @property
     def kernel_reduced_axes(self) -> tuple[int, ...]:
@@ -133,7 +155,7 @@ class EinsumSpec:
         return tuple(kernel_shape), bias_shape, full
 
 
-class EinsumDense(Layer):
+class EinsumDense(QuantizableLayer):
     """A dense layer computing `activation(einsum(equation, inputs, kernel) + bias)`.
 
     Args:
@@ -209,7 +231,57 @@ class EinsumDense(Layer):
         else:
             self.register_parameter("bias", None)
 
+    _supported_quantization_modes = ("int8", "int4", "float8")
+
+    def _quantization_for(self, mode: str, config: Any) -> LinearQuantization:
+        kernel_shape = tuple(self._parameters["kernel"].shape)
+        plan = self.spec.matmul_plan()
+        if plan is None:
+            if mode != "float8":
+                raise NotImplementedError(
+                    f"EinsumDense '{self.name}': the equation {self.equation!r} is not a "
+                    f"matrix product of the input's last axes, so mode '{mode}' is not "
+                    "supported for it (float8 is)."
+                )
+            in_features = out_features = 0
+        else:
+            permutation, reduced = plan
+            sizes = [kernel_shape[i] for i in permutation]
+            in_features = math.prod(sizes[:reduced])
+            out_features = math.prod(sizes[reduced:])
+        return LinearQuantization(
+            mode, "kernel", "kn", in_features, out_features, config, self.history_length(config)
+        )
+
+    def _float_weight(self, quantization: LinearQuantization) -> torch.Tensor:
+        permutation, _ = self.spec.matmul_plan()
+        kernel = self._parameters["kernel"].permute(permutation)
+        return kernel.reshape(quantization.in_features, quantization.out_features)
+
+    def _quantized_call(self, inputs: torch.Tensor) -> torch.Tensor:
+        quantization = self._quantization
+        dtype = self._compute_torch_dtype
+        if quantization.mode == "float8":
+            outputs = float8.float8_contract(
+                self,
+                inputs,
+                self.kernel,
+                lambda a, w: torch.einsum(self.equation, a, w),
+                self.training,
+            ).to(dtype)
+        else:
+            _, reduced = self.spec.matmul_plan()
+            lead = inputs.shape[: inputs.dim() - reduced]
+            flat = inputs.reshape(*lead, quantization.in_features)
+            outputs = quantization.forward(self, flat, None, dtype)
+            outputs = outputs.reshape(*lead, *self.full_output_shape[len(lead) :])
+        if self.bias is not None:
+            outputs = outputs + self.bias
+        return self.activation(outputs)
+
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self._quantization is not None:
+            return self._quantized_call(inputs)
         outputs = torch.einsum(self.equation, inputs, self.kernel)
         if self.bias is not None:
             outputs = outputs + self.bias

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 
 from dtype_policies import constraints, initializers, regularizers
 from dtype_policies.layers.dense import _check_positive_int
-from dtype_policies.layers.layer import Layer
+from dtype_policies.quantization.embedding import EmbeddingQuantization
+from dtype_policies.quantization.layer_support import QuantizableLayer
 
 
-class Embedding(Layer):
+class Embedding(QuantizableLayer):
     """Maps integer ids in `[0, input_dim)` to vectors of size `output_dim`.
 
     Ids are never cast to a float dtype (the layer does not autocast); the
@@ -68,7 +69,18 @@ class Embedding(Layer):
             return inputs.long()
         return inputs
 
+    _supported_quantization_modes = ("int8", "int4")
+
+    def _quantization_for(self, mode: str, config: Any) -> EmbeddingQuantization:
+        return EmbeddingQuantization(mode, "embeddings", self.input_dim, self.output_dim, config)
+
+    def _float_weight(self, quantization: EmbeddingQuantization) -> torch.Tensor:
+        return self._parameters["embeddings"]
+
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
+        quantization = self._quantization
+        if quantization is not None:
+            return quantization.lookup(self, inputs, self._compute_torch_dtype)
         outputs = F.embedding(self._ids(inputs), self.embeddings)
         return outputs.to(self._compute_torch_dtype)
 

@@ -567,6 +567,14 @@ class Layer(torch.nn.Module):
             if isinstance(module, Layer):
                 yield module
 
+    def _flatten_layers(self, include_self: bool = True, recursive: bool = True) -> list[Layer]:
+        """This layer (optionally) and its sublayers, depth first (Keras's helper)."""
+        if recursive:
+            found = list(self._layers_in_tree())
+        else:
+            found = [self, *(m for m in self.children() if isinstance(m, Layer))]
+        return found if include_self else found[1:]
+
     @property
     def losses(self) -> list[torch.Tensor]:
         """Regularization losses of this layer and its sublayers: weight

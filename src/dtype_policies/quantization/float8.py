@@ -1,0 +1,139 @@
+"""float8 delayed scaling (Keras's `float8` mode) as torch autograd functions.
+
+A float8 layer keeps its kernel in float (it is trained) and six float32
+buffers: `inputs_scale`, `kernel_scale`, `outputs_grad_scale` (scalars) and
+their `*_amax_history` (length from the policy, default 1024). In a training
+step (a forward in training mode and its backward):
+
+* inputs and kernel are quantize-dequantized in float8_e4m3fn with the scales
+  from before the step; the output gradient in float8_e5m2 with its scale;
+* gradients pass the quantize-dequantize unchanged (straight through);
+* once the backward has run, each scale becomes
+  `max(history before the step) / format max` and each history is rolled with
+  this step's absolute maximum as its newest entry (index 0).
+
+Forwards in eval mode, or without a backward, change nothing. The buffers
+are never parameters, so no optimizer and no loss scaler touch them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtype_policies.quantization.quantizers import (
+    FLOAT8_E4M3_MAX,
+    FLOAT8_E5M2_MAX,
+    compute_float8_amax_history,
+    compute_float8_scale,
+    quantize_and_dequantize,
+)
+
+STATE_NAMES = (
+    "inputs_scale",
+    "inputs_amax_history",
+    "kernel_scale",
+    "kernel_amax_history",
+    "outputs_grad_scale",
+    "outputs_grad_amax_history",
+)
+
+
+def register_float8_state(module: torch.nn.Module, history_length: int, device: Any) -> None:
+    """Adds the six float32 delayed-scaling buffers to `module`."""
+    for name in STATE_NAMES:
+        if name.endswith("history"):
+            value = torch.zeros(history_length, dtype=torch.float32, device=device)
+        else:
+            value = torch.ones((), dtype=torch.float32, device=device)
+        module.register_buffer(name, value)
+
+
+class _Updates:
+    """New scale/history values computed in the forward, written after backward."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _next_state(
+    x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, fmt_max: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_scale = compute_float8_scale(history.max(), scale, fmt_max)
+    return new_scale, compute_float8_amax_history(x, history)
+
+
+class _QDQForward(torch.autograd.Function):
+    """Forward: quantize-dequantize in e4m3fn. Backward: straight through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return quantize_and_dequantize(x, scale, torch.float8_e4m3fn, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _QDQGradient(torch.autograd.Function):
+    """Forward: identity. Backward: quantize-dequantize the gradient in e5m2,
+    then commit the step's scale and history updates."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        y: torch.Tensor,
+        scale: torch.Tensor,
+        history: torch.Tensor,
+        updates: _Updates | None,
+    ) -> torch.Tensor:
+        ctx.scale, ctx.history, ctx.updates = scale, history, updates
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        scale, history = ctx.scale, ctx.history
+        qdq = quantize_and_dequantize(grad, scale, torch.float8_e5m2, grad.dtype)
+        if ctx.updates is not None:
+            with torch.no_grad():
+                new_scale, new_history = _next_state(grad, scale, history, FLOAT8_E5M2_MAX)
+                for buffer, value in ctx.updates.pending:
+                    buffer.copy_(value)
+                scale.copy_(new_scale)
+                history.copy_(new_history)
+            ctx.updates = None  # a second backward through this graph commits nothing
+        return qdq, None, None, None
+
+
+def float8_contract(
+    module: torch.nn.Module,
+    inputs: torch.Tensor,
+    kernel: torch.Tensor,
+    contract: Any,
+    training: bool,
+) -> torch.Tensor:
+    """`contract(qdq(inputs), qdq(kernel))` with the output gradient
+    quantize-dequantized, and the delayed-scaling state of `module` advanced
+    when `training` and a backward runs."""
+    state = module._buffers  # read directly: never through a policy's autocasting
+    updates = None
+    if training and torch.is_grad_enabled():
+        updates = _Updates()
+        with torch.no_grad():
+            for name, tensor, fmt_max in (
+                ("inputs", inputs, FLOAT8_E4M3_MAX),
+                ("kernel", kernel, FLOAT8_E4M3_MAX),
+            ):
+                scale = state[f"{name}_scale"]
+                history = state[f"{name}_amax_history"]
+                new_scale, new_history = _next_state(tensor, scale, history, fmt_max)
+                updates.pending += [(scale, new_scale), (history, new_history)]
+    x = _QDQForward.apply(inputs, state["inputs_scale"])
+    k = _QDQForward.apply(kernel, state["kernel_scale"])
+    y = contract(x, k)
+    return _QDQGradient.apply(
+        y, state["outputs_grad_scale"], state["outputs_grad_amax_history"], updates
+    )

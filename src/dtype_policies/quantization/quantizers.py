@@ -1,0 +1,160 @@
+"""Quantization math, with Keras 3's conventions (pure functions on tensors).
+
+* int8 and per-channel int4 are symmetric abs-max: `scale = qmax / (max|x| + eps)`,
+  `q = clip(round(x * scale), qmin, qmax)`, and `x ≈ q / scale` (Keras's
+  "scale" is the inverse step).
+* Grouped int4 is asymmetric with a zero point, per group of `block_size`
+  input rows (the range widened to include 0): `scale = (max - min + eps) / 15`,
+  `zero = clip(round(-min / scale) - 8, -8, 7)`,
+  `q = clip(round(x / scale) + zero, -8, 7)`, and `x ≈ (q - zero) * scale`.
+* float8 is quantize-dequantize with delayed scaling: `x ≈ fp8(x / scale) * scale`
+  with `scale = amax / fp8_max`, amax taken from a history of past maxima.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPSILON = 1e-7
+INT8_RANGE = (-127, 127)
+INT4_RANGE = (-8, 7)
+FLOAT8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+FLOAT8_E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)  # 57344
+
+
+def abs_max_quantize(
+    x: torch.Tensor,
+    axis: int | tuple[int, ...],
+    value_range: tuple[int, int] = INT8_RANGE,
+    epsilon: float = EPSILON,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric abs-max quantization reducing over `axis`.
+
+    Returns `(q, scale)`: `q` int8 in `value_range`, `scale` (float32, `axis`
+    kept with size 1) such that `x ≈ q / scale`.
+
+    >>> import torch
+    >>> q, scale = abs_max_quantize(torch.tensor([[0.5, -1.0], [2.0, 0.25]]), axis=-1)
+    >>> q
+    tensor([[  63, -127],
+            [ 127,   16]], dtype=torch.int8)
+    >>> torch.allclose(q / scale, torch.tensor([[0.5, -1.0], [2.0, 0.25]]), atol=0.01)
+    True
+    """
+    x32 = x.float()
+    qmax = float(value_range[1])
+    scale = qmax / (x32.abs().amax(dim=axis, keepdim=True) + epsilon)
+    q = torch.round(x32 * scale).clamp_(value_range[0], value_range[1]).to(torch.int8)
+    return q, scale
+
+
+def grouped_quantize_with_zero_point(
+    kernel: torch.Tensor, block_size: int, epsilon: float = EPSILON
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 quantization of a `(rows, columns)` matrix in groups of
+    `block_size` rows (the contracting axis), Keras's grouped convention.
+
+    Rows are zero-padded to a multiple of `block_size` for the statistics.
+    Returns `(q, scale, zero)`: `q` int8 in [-8, 7] of shape `(rows, columns)`,
+    `scale` float32 and `zero` int8, both `(groups, columns)`, with
+    `kernel ≈ (q - zero[g]) * scale[g]` for the group `g` of each row.
+
+    >>> import torch
+    >>> w = torch.linspace(-1, 1, 8).reshape(4, 2)
+    >>> q, scale, zero = grouped_quantize_with_zero_point(w, block_size=2)
+    >>> q.shape, scale.shape, zero.shape
+    (torch.Size([4, 2]), torch.Size([2, 2]), torch.Size([2, 2]))
+    >>> error = (dequantize_grouped(q, scale, zero, 2) - w).abs()
+    >>> bool((error <= scale.repeat_interleave(2, dim=0) / 2 + 1e-6).all())
+    True
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer. Received: {block_size}")
+    rows, columns = kernel.shape
+    groups = -(-rows // block_size)
+    padded = torch.zeros(groups * block_size, columns, dtype=torch.float32, device=kernel.device)
+    padded[:rows] = kernel.float()
+    blocks = padded.reshape(groups, block_size, columns)
+    # The range always includes 0 (unlike Keras), so that the zero point fits
+    # [-8, 7] even for a group whose values all share one sign.
+    minimum = blocks.amin(dim=1).clamp(max=0.0)
+    maximum = blocks.amax(dim=1).clamp(min=0.0)
+    qmin, qmax = INT4_RANGE
+    scale = (maximum - minimum + epsilon) / (qmax - qmin)
+    zero = torch.clamp(torch.round(-minimum / scale) + qmin, qmin, qmax)
+    q = torch.round(blocks / scale[:, None, :]) + zero[:, None, :]
+    q = q.clamp_(qmin, qmax).reshape(groups * block_size, columns)[:rows]
+    return q.to(torch.int8), scale, zero.to(torch.int8)
+
+
+def dequantize_grouped(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """`(q - zero) * scale` with each row using its group's scale and zero (float32)."""
+    group_of_row = torch.arange(q.shape[0], device=q.device) // block_size
+    return (q.float() - zero.float()[group_of_row]) * scale[group_of_row]
+
+
+def pack_int4(values: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """Packs int8 values in [-8, 7] two per byte along `axis` (Keras layout).
+
+    Element `2i` goes to the low nibble and `2i+1` to the high nibble of byte
+    `i`; an odd length is zero-padded. Returns int8 with `ceil(n/2)` along
+    `axis`.
+
+    >>> import torch
+    >>> packed = pack_int4(torch.tensor([1, -2, 7], dtype=torch.int8))
+    >>> packed, unpack_int4(packed, 3)
+    (tensor([-31,   7], dtype=torch.int8), tensor([ 1, -2,  7], dtype=torch.int8))
+    """
+    if values.dtype != torch.int8:
+        raise TypeError(f"Expected int8 tensor for packing, got {values.dtype}")
+    moved = values.movedim(axis, 0)
+    if moved.shape[0] % 2:
+        moved = torch.cat([moved, moved.new_zeros((1, *moved.shape[1:]))])
+    low = moved[0::2].to(torch.int16) & 0xF
+    high = moved[1::2].to(torch.int16) & 0xF
+    packed = (low | (high << 4)).to(torch.uint8).view(torch.int8)
+    return packed.movedim(0, axis)
+
+
+def unpack_int4(packed: torch.Tensor, length: int, axis: int = 0) -> torch.Tensor:
+    """Inverse of `pack_int4`: sign-extended int8 values, `length` along `axis`."""
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"Expected an int8 or uint8 packed tensor, got {packed.dtype}")
+    moved = packed.movedim(axis, 0).view(torch.uint8).to(torch.int16)
+    low = moved & 0xF
+    high = (moved >> 4) & 0xF
+    nibbles = torch.stack([low, high], dim=1).reshape(-1, *moved.shape[1:])[:length]
+    signed = torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
+    return signed.movedim(0, axis)
+
+
+def compute_float8_scale(
+    amax: torch.Tensor, scale: torch.Tensor, dtype_max: float, margin: int = 0
+) -> torch.Tensor:
+    """The delayed-scaling update (Transformer Engine's rule, as Keras uses it):
+    `amax * 2**margin / dtype_max`, keeping the old scale when `amax` is zero or
+    not finite."""
+    factor = (dtype_max / amax) / (2.0**margin)
+    keep = (amax <= 0) | ~torch.isfinite(amax)
+    factor = torch.where(keep, 1.0 / scale, factor)
+    return 1.0 / factor
+
+
+def compute_float8_amax_history(x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """The history rolled by one with `max|x|` as the newest entry, at index 0."""
+    amax = x.detach().abs().max().to(history.dtype)
+    rolled = torch.roll(history, shifts=-1, dims=0)
+    rolled[0] = amax
+    return rolled
+
+
+def quantize_and_dequantize(
+    x: torch.Tensor, scale: torch.Tensor, qdtype: torch.dtype, compute_dtype: torch.dtype
+) -> torch.Tensor:
+    """`x / scale`, clipped to the format's range, rounded to float8 and back,
+    times `scale`, in `compute_dtype`."""
+    limit = float(torch.finfo(qdtype).max)
+    scaled = (x.float() / scale).clamp(-limit, limit)
+    return (scaled.to(qdtype).float() * scale).to(compute_dtype)

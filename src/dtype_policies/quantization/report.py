@@ -1,0 +1,74 @@
+"""`QuantizationReport`: what a model-level `quantize` call did, and skipped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SKIP_NO_SUPPORT = "no quantize support"
+SKIP_FILTERED = "filtered out"
+SKIP_ALREADY_QUANTIZED = "already quantized"
+
+
+@dataclass
+class QuantizationReport:
+    """The quantized modules `(path, mode, policy name)` and the skipped ones
+    `(path, reason)`.
+
+    >>> report = QuantizationReport("int8")
+    >>> report.quantized.append(("0", "int8", "int8_from_float32"))
+    >>> report.skipped.append(("1", SKIP_NO_SUPPORT))
+    >>> report
+    QuantizationReport(mode='int8', quantized=1, skipped=1, errors=0)
+    """
+
+    mode: str
+    quantized: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def num_quantized(self) -> int:
+        return len(self.quantized)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors)
+
+    def skipped_by_reason(self, reason: str) -> list[str]:
+        return [path for path, why in self.skipped if why == reason]
+
+    def summary_warning(self, max_examples: int = 5) -> str | None:
+        """The one warning a `quantize` call emits, or `None` when only filtered
+        modules were skipped."""
+        unsupported = self.skipped_by_reason(SKIP_NO_SUPPORT)
+        if not unsupported:
+            return None
+        examples = ", ".join(repr(path) for path in unsupported[:max_examples])
+        more = ", ..." if len(unsupported) > max_examples else ""
+        return (
+            f"quantize(): {len(unsupported)} module(s) were skipped because they do not "
+            f"support quantization (e.g. {examples}{more}). Quantized {self.num_quantized} "
+            f"module(s) in mode '{self.mode}'. Inspect the returned QuantizationReport "
+            "for details."
+        )
+
+    def render(self) -> str:
+        lines = [f"Quantization report (mode={self.mode!r})"]
+        lines += [f"  quantized  {path}  ->  {policy}" for path, _, policy in self.quantized]
+        lines += [f"  skipped    {path}  ({reason})" for path, reason in self.skipped]
+        lines += [f"  error      {path}  ({message})" for path, message in self.errors]
+        lines.append(
+            f"  {self.num_quantized} quantized, {self.num_skipped} skipped, "
+            f"{self.num_errors} errors"
+        )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizationReport(mode={self.mode!r}, quantized={self.num_quantized}, "
+            f"skipped={self.num_skipped}, errors={self.num_errors})"
+        )
