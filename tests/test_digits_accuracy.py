@@ -45,3 +45,20 @@ def test_digits_mixed_bfloat16_within_one_point_of_float32():
     accuracy16 = _train_and_score(mixed, x_train, x_test, y_train, y_test)
     assert accuracy32 > 0.94
     assert abs(accuracy16 - accuracy32) <= 0.01, (accuracy32, accuracy16)
+
+
+@pytest.mark.parametrize(("mode", "allowed_loss"), [("int8", 0.01), ("int4", 0.02)])
+def test_digits_quantized_classifier_keeps_accuracy(mode, allowed_loss):
+    from dtype_policies import quantize
+
+    torch.manual_seed(0)
+    x_train, x_test, y_train, y_test = _data()
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    accuracy32 = _train_and_score(model, x_train, x_test, y_train, y_test)
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, mode)
+    with torch.no_grad():
+        quantized = (model(x_test).argmax(1) == y_test).float().mean().item()
+    assert accuracy32 > 0.94
+    assert accuracy32 - quantized <= allowed_loss, (accuracy32, quantized)

@@ -6,7 +6,7 @@ per layer) for PyTorch.
 'bfloat16'
 """
 
-from dtype_policies import config, layers, mixed_precision, optimizers, quantization
+from dtype_policies import config, layers, mixed_precision, optimizers, quantization, saving
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
@@ -43,6 +43,7 @@ __all__ = [
     "policy_scope",
     "quantization",
     "quantize",
+    "saving",
     "serialize",
     "set_dtype_policy",
     "summary",

@@ -225,6 +225,8 @@ def _quantize_by_policy(handle: PolicyHandle) -> None:
         if torch_modules.is_quantized(submodule):
             continue
         torch_modules.quantize_module(
-            submodule, mode, default_config(mode, policy),
+            submodule,
+            mode,
+            default_config(mode, policy),
             getattr(policy, "amax_history_length", 1024),
         )

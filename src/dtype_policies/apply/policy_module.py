@@ -64,10 +64,13 @@ class ComposedModule:
 
     def __reduce_ex__(self, protocol: int) -> Any:
         cls = type(self)
+        state = self.__dict__.copy()
+        if "_dp_casts" in state:  # casts made in grad mode are not copyable graph nodes
+            state["_dp_casts"] = {}
         return (
             _new_module,
             (cls._dp_original_class, cls._dp_quantized_mixin, cls._dp_with_policy),
-            self.__dict__.copy(),
+            state,
         )
 
 
@@ -130,14 +133,14 @@ class PolicyModule(ComposedModule):
         d = self.__dict__
         names = d.get("_dp_cast_names")
         if names is not None and name in names:
-            value = (
-                d["_parameters"].get(name) if name in d["_parameters"] else d["_buffers"].get(name)
-            )
+            value = d["_parameters"].get(name)
+            if value is None:
+                value = d["_buffers"].get(name)
             if value is not None:
                 scope = current_scope()
                 if scope is not None and scope.dtype is not None and value.dtype != scope.dtype:
                     return cast_weight(d["_dp_casts"], name, value, scope)
-            return value
+                return value
         return super().__getattr__(name)
 
 

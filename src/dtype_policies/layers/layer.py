@@ -528,6 +528,12 @@ class Layer(torch.nn.Module):
             return parameter
         return super().__getattr__(name)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Weight casts made in grad mode are graph nodes, not copyable state.
+        state = self.__dict__.copy()
+        state["_small_weight_casts"] = {}
+        return state
+
     def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Layer:
         # `.to()`, `.double()`, ... may change weight dtypes: re-derive call state.
         result = super()._apply(fn, *args, **kwargs)

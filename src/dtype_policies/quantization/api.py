@@ -32,9 +32,7 @@ def _filter_function(filters: Filters) -> Callable[[str, torch.nn.Module], bool]
         return lambda path, module: pattern.search(path) is not None
     if isinstance(filters, (list, tuple)):
         if not all(isinstance(item, str) for item in filters):
-            raise ValueError(
-                f"A `filters` list must hold regex strings. Received: {filters!r}"
-            )
+            raise ValueError(f"A `filters` list must hold regex strings. Received: {filters!r}")
         patterns = [re.compile(item) for item in filters]
         return lambda path, module: any(p.search(path) for p in patterns)
     if callable(filters):

@@ -129,6 +129,10 @@ def quantize_module(
     new_policy = quantized_policy_name(mode, config, source.name)
 
     # Commit: nothing above changed the module.
+    if "_dp_policy" in module.__dict__:
+        module.__dict__["_dp_policy"] = new_policy
+        if tensors is not None:
+            module.__dict__["_dp_cast_names"] = module.__dict__["_dp_cast_names"] - {"weight"}
     if tensors is None:
         float8.register_float8_state(module, history_length, weight.device)
     else:
@@ -137,12 +141,6 @@ def quantize_module(
             module.register_buffer(name, tensor)
     module.__dict__["_dp_quantization"] = quantization
     module.__dict__["_dp_quantized_compute"] = getattr(torch, compute_name)
-    if "_dp_policy" in module.__dict__:
-        module.__dict__["_dp_policy"] = new_policy
-        names = module.__dict__["_dp_cast_names"]
-        module.__dict__["_dp_cast_names"] = frozenset(
-            n for n in names if n in module._parameters
-        )
     module.__class__ = policy_module.module_class(
         original, mixin, policy=policy_module.is_policy_module(module)
     )

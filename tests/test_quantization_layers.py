@@ -1,0 +1,548 @@
+"""Quantized layers and modules: every mode on every layer kind, errors, policies,
+state_dict round trips, reports, and the float8 delayed-scaling oracle."""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtype_policies
+from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
+from dtype_policies.quantization import (
+    Int4QuantizationConfig,
+    Int8QuantizationConfig,
+    QuantizationReport,
+)
+
+MODES = ["int8", "int4", "float8"]
+# Relative error bounds of a random layer's output against float32.
+TOLERANCE = {"int8": 0.03, "int4": 0.15, "float8": 0.08, "int8_weight_only": 0.02}
+
+
+def relative_error(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _built_dense(units, input_shape, policy="float32", use_bias=True):
+    layer = layers.Dense(units, use_bias=use_bias, dtype=policy, bias_initializer="random_normal")
+    layer(torch.randn(input_shape))
+    return layer
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize(
+    ("units", "input_shape", "use_bias"),
+    [(32, (8, 64), True), (7, (3, 5, 13), False), (48, (1, 256), True)],
+)
+def test_dense_every_mode(mode, policy, units, input_shape, use_bias):
+    torch.manual_seed(0)
+    layer = _built_dense(units, input_shape, policy, use_bias)
+    x = torch.randn(input_shape)
+    reference = layer(x).float()
+    layer.quantize(mode)
+    out = layer(x)
+    assert out.dtype == layer.dtype_policy.torch_compute_dtype
+    assert tuple(out.shape) == (*input_shape[:-1], units)
+    assert relative_error(out, reference) < TOLERANCE[mode] + (0.01 if policy != "float32" else 0)
+    expected_name = {"int8": "int8_from_", "int4": "int4/128_from_", "float8": "float8_from_"}
+    assert layer.dtype_policy.name == expected_name[mode] + policy
+    assert layer.quantization_mode == mode
+    state = layer.state_dict()
+    if mode == "int8":
+        assert state["kernel"].dtype == torch.int8
+        assert tuple(state["kernel"].shape) == (input_shape[-1], units)
+        assert state["kernel_scale"].dtype == torch.float32 and state["kernel_scale"].shape == (
+            units,
+        )
+    elif mode == "int4":
+        assert state["kernel"].dtype == torch.int8
+        assert tuple(state["kernel"].shape) == (input_shape[-1], (units + 1) // 2)
+        groups = -(-input_shape[-1] // 128)
+        assert tuple(state["kernel_scale"].shape) == (groups, units)
+        assert state["kernel_zero"].dtype == torch.int8
+    else:
+        assert state["kernel"].dtype == torch.float32
+        assert state["inputs_amax_history"].shape == (1024,)
+    assert ("bias" in state) == use_bias
+
+
+def test_int8_weight_only_and_int4_per_channel_configs():
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    layer = _built_dense(16, (4, 64), "mixed_bfloat16")
+    reference = layer(x)
+    layer.quantize(config=Int8QuantizationConfig(activation_quantizer=None))
+    assert relative_error(layer(x), reference) < TOLERANCE["int8_weight_only"]
+    per_channel = _built_dense(16, (4, 64), "mixed_bfloat16")
+    reference = per_channel(x)
+    per_channel.quantize("int4", Int4QuantizationConfig(block_size=-1))
+    assert per_channel.dtype_policy.name == "int4/-1_from_mixed_bfloat16"
+    assert per_channel.kernel_scale.shape == (16,) and "kernel_zero" not in per_channel.state_dict()
+    assert relative_error(per_channel(x), reference) < TOLERANCE["int4"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_einsum_dense_every_mode(mode):
+    torch.manual_seed(0)
+    layer = layers.EinsumDense(
+        "abc,cde->abde", (None, 4, 8), bias_axes="de", bias_initializer="random_normal"
+    )
+    x = torch.randn(2, 5, 32)
+    reference = layer(x)
+    layer.quantize(mode)
+    out = layer(x)
+    assert out.shape == (2, 5, 4, 8)
+    assert relative_error(out, reference) < TOLERANCE[mode]
+    second = layers.EinsumDense("abcd,cde->abe", (None, 16))
+    y = torch.randn(2, 5, 4, 8)
+    reference = second(y)
+    second.quantize(mode)
+    assert relative_error(second(y), reference) < TOLERANCE[mode]
+
+
+def test_einsum_dense_non_matmul_equation():
+    layer = layers.EinsumDense("abc,bcd->abd", (5, 8))  # b is shared by all three
+    x = torch.randn(2, 5, 3)
+    reference = layer(x)
+    with pytest.raises(NotImplementedError, match="not a matrix product"):
+        layer.quantize("int8")
+    assert layer.quantization_mode is None and layer.dtype_policy.name == "float32"
+    layer.quantize("float8")
+    assert relative_error(layer(x), reference) < TOLERANCE["float8"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_embedding_modes(mode, policy):
+    torch.manual_seed(0)
+    layer = layers.Embedding(100, 48, dtype=policy, embeddings_initializer="random_normal")
+    ids = torch.randint(0, 100, (3, 7))
+    reference = layer(ids)
+    layer.quantize(mode)
+    out = layer(ids)
+    assert out.dtype == layer.dtype_policy.torch_compute_dtype and out.shape == (3, 7, 48)
+    assert relative_error(out, reference) < TOLERANCE[mode]
+    assert layer.embeddings.dtype == torch.int8
+    expected = (100,) if mode == "int8" else (100, 1)
+    assert tuple(layer.embeddings_scale.shape) == expected
+
+
+def test_embedding_float8_is_not_supported_and_leaves_layer_unchanged():
+    layer = layers.Embedding(10, 4)
+    layer(torch.tensor([1]))
+    with pytest.raises(NotImplementedError, match="Invalid quantization mode"):
+        layer.quantize("float8")
+    assert layer.dtype_policy.name == "float32" and layer.quantization_config is None
+    assert layer.embeddings.dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(8, 64), (2, 3, 64), (1, 64), (17, 64)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_torch_linear_every_mode(mode, shape, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=bias)
+    x = torch.randn(shape)
+    reference = linear(x)
+    report = quantize(linear, mode)
+    assert report.quantized == [
+        (
+            "(root)",
+            mode,
+            {
+                "int8": "int8_from_float32",
+                "int4": "int4/128_from_float32",
+                "float8": "float8_from_float32",
+            }[mode],
+        )
+    ]
+    out = linear(x)
+    assert out.dtype == torch.float32 and out.shape == reference.shape
+    assert relative_error(out, reference) < TOLERANCE[mode]
+    assert isinstance(linear, nn.Linear)
+    assert "quantization=" + mode in repr(linear)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(13, 7), (100, 30), (256, 64)])
+def test_torch_linear_odd_shapes_use_fallbacks_correctly(in_features, out_features):
+    torch.manual_seed(0)
+    for mode in ("int8", "int4"):
+        model = nn.Sequential(nn.Linear(in_features, out_features))
+        apply_policy(model, "mixed_bfloat16")
+        x = torch.randn(5, in_features)
+        reference = model(x)
+        quantize(model, mode, Int4QuantizationConfig(block_size=-1) if mode == "int4" else None)
+        assert relative_error(model(x), reference) < TOLERANCE[mode]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_torch_embedding(mode):
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 64)
+    ids = torch.randint(0, 50, (2, 9))
+    reference = embedding(ids)
+    quantize(embedding, mode)
+    assert relative_error(embedding(ids), reference) < TOLERANCE[mode]
+    assert embedding.weight.dtype == torch.int8
+
+
+def test_quantize_composes_with_apply_policy_and_computes_in_bfloat16():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))
+    x = torch.randn(4, 128)
+    reference = model(x)
+    handle = apply_policy(model, "mixed_bfloat16")
+    with pytest.warns(UserWarning, match="1 module"):
+        report = quantize(model, "int4")
+    assert [name for _, _, name in report.quantized] == ["int4/128_from_mixed_bfloat16"] * 2
+    assert report.skipped_by_reason("no quantize support") == ["2"]
+    out = model(x)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, reference) < TOLERANCE["int4"]
+    assert handle.module is model
+    assert dtype_policies.mixed_precision.get_layer_policy(model[0]).name == (
+        "int4/128_from_mixed_bfloat16"
+    )
+
+
+def test_apply_policy_with_quantized_policy_quantizes_and_never_breaks_others():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(20, 32),
+        nn.Linear(32, 32),
+        nn.LayerNorm(32),
+        nn.Conv1d(3, 3, 1) if False else nn.Identity(),
+        nn.Linear(32, 8),
+    )
+    ids = torch.randint(0, 20, (2, 5))
+    reference = model(ids)
+    handle = apply_policy(model, "int8_from_mixed_bfloat16")
+    assert model[1].weight.dtype == torch.int8 and model[0].weight.dtype == torch.int8
+    assert handle.policies["2"].name == "float32"  # the norm island
+    out = model(ids)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, reference) < 0.05
+
+
+def test_float8_global_policy_skips_unsupported_layers():
+    dtype_policies.set_dtype_policy("float8_from_mixed_bfloat16")
+    model = layers.Sequential(
+        [layers.Embedding(10, 8), layers.Dense(8), layers.LayerNormalization(), layers.Dense(2)],
+        name="m",
+    )
+    out = model(torch.tensor([[1, 2, 3]]))
+    assert out.dtype == torch.bfloat16
+    assert model.layers[0].quantization_mode is None  # embeddings have no float8
+    assert model.layers[1].quantization_mode == "float8"
+    assert model.layers[2].quantization_mode is None
+    assert model.layers[3].inputs_amax_history.shape == (1024,)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_policy_through_dtype_builds_quantized(mode):
+    policy = {
+        "int8": "int8_from_float32",
+        "int4": "int4/32_from_float32",
+        "float8": "float8_from_float32",
+    }[mode]
+    layer = layers.Dense(16, dtype=policy)
+    layer(torch.randn(2, 64))
+    assert layer.quantization_mode == mode
+    assert layer.dtype_policy.name == policy
+    if mode == "int4":
+        assert layer.kernel_scale.shape == (2, 16)
+
+
+def test_legacy_int4_policy_string_is_per_channel():
+    layer = layers.Dense(16, dtype="int4_from_float32")
+    layer(torch.randn(2, 64))
+    assert layer.kernel_scale.shape == (16,) and "kernel_zero" not in layer.state_dict()
+
+
+def test_setting_quantized_policy_after_build_quantizes():
+    layer = _built_dense(8, (2, 16))
+    layer.dtype_policy = "int8_from_float32"
+    assert layer.kernel.dtype == torch.int8
+    with pytest.raises(ValueError, match="cannot take the policy"):
+        layer.dtype_policy = "float32"
+    assert layer.dtype_policy.name == "int8_from_float32"
+
+
+def test_quantize_errors_leave_layer_unchanged():
+    unbuilt = layers.Dense(4)
+    with pytest.raises(ValueError, match="isn't yet built"):
+        unbuilt.quantize("int8")
+    layer = _built_dense(4, (1, 8))
+    with pytest.raises(ValueError, match="Invalid quantization mode"):
+        layer.quantize("int7")
+    with pytest.raises(ValueError, match="You must provide either"):
+        layer.quantize()
+    with pytest.raises(ValueError, match="Contradictory arguments"):
+        layer.quantize("int4", Int8QuantizationConfig())
+    with pytest.raises(ValueError, match="must be an instance of `QuantizationConfig`"):
+        layer.quantize("int8", {"mode": "int8"})
+    assert layer.dtype_policy.name == "float32" and layer.kernel.dtype == torch.float32
+    layer.quantize("int8")
+    with pytest.raises(ValueError, match="is already quantized with dtype_policy='int8_from"):
+        layer.quantize("float8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        half = _built_dense(4, (1, 8), policy="mixed_float16")
+        with pytest.raises(ValueError, match="doesn't work well"):
+            half.quantize("int8")
+    assert half.kernel.dtype == torch.float32
+
+
+def test_type_check_refuses_subclasses():
+    class MyDense(layers.Dense):
+        pass
+
+    layer = MyDense(4)
+    layer(torch.randn(1, 8))
+    with pytest.raises(NotImplementedError, match="does not have a `quantize` method"):
+        layer.quantize("int8")
+    layer.quantize("int8", type_check=False)
+    assert layer.kernel.dtype == torch.int8
+
+
+def test_model_report_filters_and_single_warning():
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Conv1d(1, 1, 1), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+    )
+    with pytest.warns(UserWarning, match="2 module") as record:
+        report = quantize(model, "int8", filters=["^[012]$", "^4$"])
+    assert len(record) == 1
+    assert isinstance(report, QuantizationReport)
+    assert [path for path, _, _ in report.quantized] == ["0", "4"]
+    assert report.skipped_by_reason("filtered out") == ["3"]
+    assert report.skipped_by_reason("no quantize support") == ["1", "2"]
+    again = quantize(model, "int8", filters=lambda path, module: path == "3")
+    assert again.skipped_by_reason("already quantized") == ["0", "4"]
+    assert [path for path, _, _ in again.quantized] == ["3"]
+    with pytest.raises(ValueError, match="`filters` argument"):
+        quantize(model, "int8", filters=3)
+    with pytest.raises(ValueError, match="Invalid quantization mode"):
+        quantize(model, "int3")
+
+
+def test_no_warning_when_only_filtered():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize(model, "int8", filters="^0$")
+
+
+def _build_model(name_prefix):
+    torch.manual_seed(0)
+    return layers.Sequential(
+        [
+            layers.Embedding(30, 16, name=f"{name_prefix}emb"),
+            layers.Dense(32, activation="gelu", name=f"{name_prefix}up"),
+            layers.Dense(16, name=f"{name_prefix}down"),
+        ],
+        name=f"{name_prefix}model",
+    )
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_state_dict_weights_only_round_trip_with_architecture_keys(mode):
+    ids = torch.randint(0, 30, (2, 6))
+    model = _build_model("a_")
+    model(ids)
+    quantize(model, mode)
+    expected = model(ids)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert all(t.dtype in (torch.int8, torch.float32) for t in state.values())
+    fresh = _build_model("other_names_")  # different names: keys must not depend on them
+    fresh(ids)
+    quantize(fresh, mode)
+    assert list(fresh.state_dict()) == list(state)
+    fresh.load_state_dict(state)
+    torch.testing.assert_close(fresh(ids), expected)
+
+
+def test_torch_module_state_dict_round_trip_and_pickle():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    x = torch.randn(3, 32)
+    expected = model(x)
+    fresh = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    apply_policy(fresh, "mixed_bfloat16")
+    quantize(fresh, "int8")
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    torch.testing.assert_close(fresh(x), expected)
+    clone = copy.deepcopy(model)
+    torch.testing.assert_close(clone(x), expected)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), expected)
+
+
+def test_seed_my_multi_head_attention_example():
+    @dtype_policies.saving.register_serializable("MyPackage")
+    class MyMultiHeadAttention(layers.MultiHeadAttention):
+        def get_config(self):
+            config = super().get_config()
+            dtype_policy_map = dtype_policies.DTypePolicyMap()
+            for layer in self._flatten_layers():
+                if layer.dtype_policy.quantization_mode is not None:
+                    dtype_policy_map[layer.path] = layer.dtype_policy
+            if len(dtype_policy_map) > 0:
+                config.update({"dtype": dtype_policy_map})
+            return config
+
+    torch.manual_seed(0)
+    mha = MyMultiHeadAttention(num_heads=2, key_dim=8, name="mha")
+    x = torch.randn(2, 5, 16)
+    mha(x, x)
+    for sublayer in (mha.query, mha.key, mha.value):
+        sublayer.quantize("int8")
+    config = mha.get_config()
+    policy_map = config["dtype"]
+    assert isinstance(policy_map, DTypePolicyMap)
+    assert sorted(policy_map) == ["mha/key", "mha/query", "mha/value"]
+    assert policy_map["mha/query"].name == "int8_from_float32"
+    restored = MyMultiHeadAttention.from_config(config)
+    restored(x, x)
+    assert restored.query.quantization_mode == "int8"
+    assert restored.query.kernel.dtype == torch.int8
+    assert restored.attention_output.quantization_mode is None
+    restored.load_state_dict(mha.state_dict())
+    torch.testing.assert_close(restored(x, x), mha(x, x))
+    serialized = dtype_policies.saving.serialize_layer(mha)
+    assert serialized["config"]["dtype"]["class_name"] == "DTypePolicyMap"
+    again = dtype_policies.saving.deserialize_layer(serialized)
+    again(x, x)
+    assert again.value.quantization_mode == "int8"
+
+
+def test_layer_config_carries_quantization_config():
+    layer = _built_dense(8, (1, 64))
+    layer.quantize("int4", Int4QuantizationConfig(block_size=32))
+    config = layer.get_config()
+    assert config["quantization_config"] == {
+        "class_name": "Int4QuantizationConfig",
+        "config": {"block_size": 32},
+    }
+    clone = layers.Dense.from_config(config)
+    clone(torch.randn(1, 64))
+    assert clone.kernel_scale.shape == (2, 8)
+
+
+# ------------------------------------------------------------------ float8 oracle
+
+
+def _qdq(x, scale, fmt):
+    limit = torch.finfo(fmt).max
+    return (x / scale).clamp(-limit, limit).to(fmt).float() * scale
+
+
+def _next(scale, history, amax, fmt_max):
+    peak = history.max()
+    new_scale = peak / fmt_max if peak > 0 else scale
+    rolled = torch.roll(history, -1)
+    rolled[0] = amax
+    return new_scale, rolled
+
+
+def test_float8_three_step_replay_oracle():
+    torch.manual_seed(0)
+    layer = layers.Dense(
+        4,
+        dtype=dtype_policies.QuantizedFloat8DTypePolicy("float8", "float32", amax_history_length=3),
+    )
+    layer(torch.randn(2, 8))
+    assert layer.quantization_mode == "float8"
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    state = {
+        name: getattr(layer, name).clone()
+        for name in (
+            "inputs_scale",
+            "inputs_amax_history",
+            "kernel_scale",
+            "kernel_amax_history",
+            "outputs_grad_scale",
+            "outputs_grad_amax_history",
+        )
+    }
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    for step in range(3):
+        x = torch.randn(2, 8) * (step + 1) * 10
+        kernel = layer.kernel.detach().clone()
+        bias = layer.bias.detach().clone()
+        # The oracle, in plain ops.
+        x_q = _qdq(x, state["inputs_scale"], e4)
+        k_q = _qdq(kernel, state["kernel_scale"], e4)
+        y_ref = x_q @ k_q + bias
+        upstream = torch.randn(2, 4) * 100
+        g_q = _qdq(upstream, state["outputs_grad_scale"], e5)
+        kernel_grad_ref = x_q.T @ g_q
+        new = {}
+        new["inputs_scale"], new["inputs_amax_history"] = _next(
+            state["inputs_scale"], state["inputs_amax_history"], x.abs().max(), 448.0
+        )
+        new["kernel_scale"], new["kernel_amax_history"] = _next(
+            state["kernel_scale"], state["kernel_amax_history"], kernel.abs().max(), 448.0
+        )
+        new["outputs_grad_scale"], new["outputs_grad_amax_history"] = _next(
+            state["outputs_grad_scale"],
+            state["outputs_grad_amax_history"],
+            upstream.abs().max(),
+            57344.0,
+        )
+        # The layer.
+        layer.train()
+        optimizer.zero_grad()
+        y = layer(x)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-4)
+        for name, value in state.items():  # the forward alone changes nothing
+            torch.testing.assert_close(getattr(layer, name), value)
+        y.backward(upstream)
+        torch.testing.assert_close(layer.kernel.grad, kernel_grad_ref, rtol=1e-4, atol=1e-2)
+        optimizer.step()
+        for name, value in new.items():
+            torch.testing.assert_close(getattr(layer, name), value, msg=f"step {step} {name}")
+        state = {name: value.clone() for name, value in new.items()}
+    # Eval mode: same outputs as train mode would give, and nothing changes.
+    layer.eval()
+    before = {name: getattr(layer, name).clone() for name in state}
+    layer(torch.randn(2, 8)).sum().backward()
+    for name, value in before.items():
+        torch.testing.assert_close(getattr(layer, name), value)
+    # The state is in the state_dict and never a parameter.
+    assert set(state) <= set(layer.state_dict())
+    assert {name for name, _ in layer.named_parameters()} == {"kernel", "bias"}
+
+
+def test_float8_training_learns():
+    torch.manual_seed(0)
+    model = layers.Sequential(
+        [layers.Dense(32, activation="relu"), layers.Dense(1)], dtype="float32"
+    )
+    x = torch.randn(64, 8)
+    target = x.sum(1, keepdim=True)
+    model(x)
+    quantize(model, "float8")
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(80):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+    assert model.layers[0].inputs_scale.item() != 1.0

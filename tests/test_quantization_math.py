@@ -1,0 +1,124 @@
+"""Quantization math: Keras's scale conventions, packing, float8 scaling."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtype_policies.quantization.quantizers import (
+    FLOAT8_E4M3_MAX,
+    FLOAT8_E5M2_MAX,
+    abs_max_quantize,
+    compute_float8_amax_history,
+    compute_float8_scale,
+    dequantize_grouped,
+    grouped_quantize_with_zero_point,
+    pack_int4,
+    quantize_and_dequantize,
+    unpack_int4,
+)
+
+
+def test_abs_max_convention_matches_keras():
+    x = torch.tensor([[0.5, -1.0, 0.25], [3.0, 0.0, -1.5]])
+    q, scale = abs_max_quantize(x, axis=-1)
+    expected_scale = 127.0 / (x.abs().amax(-1, keepdim=True) + 1e-7)
+    torch.testing.assert_close(scale, expected_scale)
+    torch.testing.assert_close(q, torch.round(x * expected_scale).to(torch.int8))
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    torch.testing.assert_close(q / scale, x, atol=x.abs().max().item() / 254, rtol=0)
+
+
+def test_abs_max_int4_range_and_axis():
+    w = torch.randn(16, 5)
+    q, scale = abs_max_quantize(w, axis=0, value_range=(-8, 7))
+    assert scale.shape == (1, 5)
+    assert q.min() >= -8 and q.max() <= 7
+    torch.testing.assert_close(scale, 7.0 / (w.abs().amax(0, keepdim=True) + 1e-7))
+
+
+@pytest.mark.parametrize(("rows", "block"), [(256, 128), (300, 128), (13, 4), (64, 64)])
+def test_grouped_quantization_error_and_shapes(rows, block):
+    torch.manual_seed(rows)
+    w = torch.randn(rows, 6)
+    q, scale, zero = grouped_quantize_with_zero_point(w, block)
+    groups = -(-rows // block)
+    assert q.shape == (rows, 6) and q.dtype == torch.int8
+    assert scale.shape == (groups, 6) and zero.shape == (groups, 6) and zero.dtype == torch.int8
+    assert q.min() >= -8 and q.max() <= 7 and zero.min() >= -8 and zero.max() <= 7
+    restored = dequantize_grouped(q, scale, zero, block)
+    step = scale.repeat_interleave(block, dim=0)[:rows]
+    assert torch.all((restored - w).abs() <= step / 2 + 1e-5)
+
+
+def test_grouped_quantization_same_sign_group_keeps_zero_point_in_range():
+    w = torch.linspace(0.5, 1.0, 8).reshape(8, 1)  # all positive
+    q, scale, zero = grouped_quantize_with_zero_point(w, 8)
+    restored = dequantize_grouped(q, scale, zero, 8)
+    assert torch.all((restored - w).abs() <= scale / 2 + 1e-6)
+    assert zero.item() == -8  # the range [0, max] puts 0 at the bottom code
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 9),
+    st.integers(1, 9),
+    st.sampled_from([0, 1, -1]),
+    st.integers(0, 2**31 - 1),
+)
+def test_pack_unpack_round_trip(rows, columns, axis, seed):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(-8, 8, (rows, columns), generator=generator, dtype=torch.int8)
+    packed = pack_int4(values, axis=axis)
+    length = values.shape[axis]
+    assert packed.shape[axis] == (length + 1) // 2 and packed.dtype == torch.int8
+    torch.testing.assert_close(unpack_int4(packed, length, axis=axis), values)
+
+
+def test_pack_layout_low_nibble_first_and_errors():
+    packed = pack_int4(torch.tensor([1, 2], dtype=torch.int8))
+    assert packed.view(torch.uint8).item() == 0x21
+    with pytest.raises(TypeError, match="Expected int8 tensor for packing"):
+        pack_int4(torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int8 or uint8"):
+        unpack_int4(torch.tensor([1.0]), 2)
+
+
+def test_compute_float8_scale():
+    amax, scale = torch.tensor(224.0), torch.tensor(3.0)
+    torch.testing.assert_close(
+        compute_float8_scale(amax, scale, FLOAT8_E4M3_MAX), torch.tensor(224.0 / 448.0)
+    )
+    torch.testing.assert_close(compute_float8_scale(torch.tensor(0.0), scale, 448.0), scale)
+    torch.testing.assert_close(
+        compute_float8_scale(torch.tensor(float("inf")), scale, 448.0), scale
+    )
+    torch.testing.assert_close(
+        compute_float8_scale(amax, scale, FLOAT8_E4M3_MAX, margin=1), torch.tensor(1.0)
+    )
+
+
+def test_compute_float8_amax_history_rolls_newest_first():
+    history = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    new = compute_float8_amax_history(torch.tensor([-7.0, 5.0]), history)
+    torch.testing.assert_close(new, torch.tensor([7.0, 2.0, 1.0, 4.0]))
+    torch.testing.assert_close(new[1:], torch.roll(history, -1)[1:])
+    assert history.tolist() == [4.0, 3.0, 2.0, 1.0]
+
+
+def test_quantize_and_dequantize_formats():
+    x = torch.linspace(-3, 3, 101)
+    e4 = quantize_and_dequantize(x, torch.tensor(1.0), torch.float8_e4m3fn, torch.float32)
+    # Half a unit in the last place: 3 mantissa bits (e4m3), 2 (e5m2), plus subnormals.
+    assert torch.all((e4 - x).abs() <= x.abs() * 2**-4 + 2**-10)
+    e5 = quantize_and_dequantize(x, torch.tensor(1.0), torch.float8_e5m2, torch.bfloat16)
+    assert e5.dtype == torch.bfloat16
+    assert torch.all((e5.float() - x).abs() <= x.abs() * 2**-3 + 2**-15)
+    scaled = quantize_and_dequantize(
+        x * 100, torch.tensor(100.0), torch.float8_e4m3fn, torch.float32
+    )
+    torch.testing.assert_close(scaled, e4 * 100)
+    big = quantize_and_dequantize(
+        torch.tensor([1e6]), torch.tensor(1.0), torch.float8_e5m2, torch.float32
+    )
+    assert big.item() == FLOAT8_E5M2_MAX  # clipped, not inf
