@@ -407,3 +407,30 @@ def test_bert_from_config_close_to_float32():
         out = model(ids, attention_mask=mask).last_hidden_state
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference, atol=0.08, rtol=0.05)
+
+
+def test_weight_cache_keeps_copies_until_parameters_change():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))  # 90k > small limit
+    apply_policy(model, "mixed_bfloat16", weight_cache=True)
+    x = torch.randn(2, 300)
+    with torch.no_grad():
+        first = model(x)
+        cached = model[0].__dict__["_dp_casts"]["weight"][1]
+        model(x)
+        assert model[0].__dict__["_dp_casts"]["weight"][1] is cached  # no recast
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(x).float().sum().backward()
+    assert model[0].weight.grad.dtype == torch.float32
+    optimizer.step()
+    with torch.no_grad():
+        after = model(x)
+    assert not torch.equal(first, after)
+    reference = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
+    reference.load_state_dict(model.state_dict())
+    torch.testing.assert_close(after.float(), reference(x), atol=0.05, rtol=0.05)
+    default = nn.Sequential(nn.Linear(300, 300))
+    apply_policy(default, "mixed_bfloat16")
+    with torch.no_grad():
+        default(x)
+    assert "weight" not in default[0].__dict__["_dp_casts"]  # large weights are not kept

@@ -20,6 +20,22 @@ def _has_array_interface(value: Any) -> bool:
     return hasattr(value, "__array__") and not isinstance(value, (str, bytes))
 
 
+# `Tensor.bfloat16()` and friends skip `Tensor.to`'s argument parsing: about
+# 1 µs less per cast, which matters for small layers.
+_CAST_METHODS = {
+    torch.bfloat16: torch.Tensor.bfloat16,
+    torch.float16: torch.Tensor.half,
+    torch.float32: torch.Tensor.float,
+    torch.float64: torch.Tensor.double,
+}
+
+
+def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, the fast way for the common float dtypes."""
+    method = _CAST_METHODS.get(dtype)
+    return method(x) if method is not None else x.to(dtype)
+
+
 def cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
     """Casts every floating tensor in a nested structure to `dtype`.
 
@@ -30,7 +46,7 @@ def cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
     """
     if isinstance(value, torch.Tensor):
         if dtype is not None and value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
+            return cast_tensor(value, dtype)
         return value
     if isinstance(value, (list, tuple)):
         cast = [cast_floating(item, dtype) for item in value]
@@ -76,10 +92,10 @@ class AutocastScope:
 
     def cast(self, weight: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the compiler deduplicates casts itself
-            return weight.to(self.dtype)
+            return cast_tensor(weight, self.dtype)
         cached = self._cache.get(id(weight))
         if cached is None:
-            cached = weight.to(self.dtype)
+            cached = cast_tensor(weight, self.dtype)
             self._cache[id(weight)] = cached
         return cached
 
@@ -130,28 +146,44 @@ SMALL_WEIGHT_CACHE_ELEMENTS = 65536
 
 
 def cast_weight(
-    cache: dict[str, tuple], name: str, weight: torch.Tensor, scope: AutocastScope
+    cache: dict[str, tuple],
+    name: str,
+    weight: torch.Tensor,
+    scope: AutocastScope | torch.dtype,
+    keep_all: bool = False,
 ) -> torch.Tensor:
-    """`weight` in the scope's dtype, differentiably.
+    """`weight` cast differentiably to the scope's dtype (or to a dtype given
+    directly, by a leaf module that opens no scope).
 
-    Small weights keep their cast in `cache` across calls until the weight
-    changes (in place or replaced), or the grad or inference mode differs;
-    large ones are cast once per scope.
+    Small weights (all weights with `keep_all`) keep their cast in `cache`
+    across calls until the weight changes (in place or replaced), or the grad
+    or inference mode differs. Other weights are cast once per scope, or on
+    every call when no scope is given.
     """
-    if weight.numel() > SMALL_WEIGHT_CACHE_ELEMENTS or torch.compiler.is_compiling():
+    dtype = scope if isinstance(scope, torch.dtype) else scope.dtype
+    if torch.compiler.is_compiling() or (
+        not keep_all and weight.numel() > SMALL_WEIGHT_CACHE_ELEMENTS
+    ):
+        if isinstance(scope, torch.dtype):
+            return cast_tensor(weight, dtype)
         return scope.cast(weight)
-    key = (
-        weight._version,
-        weight.data_ptr(),
-        scope.dtype,
-        torch.is_grad_enabled() and weight.requires_grad,
-        torch.is_inference_mode_enabled(),
-    )
+    requires_grad = weight.requires_grad and torch.is_grad_enabled()
     entry = cache.get(name)
-    if entry is not None and entry[0] == key:
-        return entry[1]
-    cast = weight.to(scope.dtype)
-    cache[name] = (key, cast)
+    if (
+        entry is not None
+        and entry[0] is weight
+        and entry[1] == weight._version
+        and entry[6] == weight.data_ptr()
+        and entry[2] is dtype
+        and entry[3] == requires_grad
+        and entry[4] == torch.is_inference_mode_enabled()
+    ):
+        return entry[5]
+    cast = cast_tensor(weight, dtype)
+    cache[name] = (
+        weight, weight._version, dtype, requires_grad, torch.is_inference_mode_enabled(), cast,
+        weight.data_ptr(),
+    )
     return cast
 
 

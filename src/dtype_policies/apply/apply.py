@@ -99,6 +99,7 @@ def apply_policy(
     *,
     float32_modules: Iterable[Float32Rule] | None = None,
     cast_buffers: bool = True,
+    weight_cache: bool = False,
 ) -> PolicyHandle:
     """Makes every submodule of `module` compute by a dtype policy.
 
@@ -127,6 +128,13 @@ def apply_policy(
             plus any class whose name ends with `"Norm"`. Pass `()` for none.
         cast_buffers: Whether floating buffers are read in the compute dtype
             too (never for float32 islands).
+        weight_cache: Keep a compute-dtype copy of every weight between calls,
+            refreshed whenever the parameter changes (an optimizer step,
+            `load_state_dict`, any in-place edit). Repeated inference calls
+            then cast nothing; the cost is the copies' memory (half the
+            float32 weights' bytes for bfloat16). Without it only small
+            weights (up to 65,536 elements) are kept, and a second copy of the
+            model's weights never persists.
 
     Returns:
         A `PolicyHandle`; `handle.remove()` restores the model exactly.
@@ -200,6 +208,7 @@ def apply_policy(
             half_passthrough=island and isinstance(submodule, _HALF_INPUT_NORMS),
             gather_only=isinstance(submodule, _GATHER_MODULES),
             cast_buffers=cast_buffers,
+            keep_casts=weight_cache,
         )
         handle._installed.append(submodule)
     _quantize_by_policy(handle)

@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from dtype_policies._casting import (
     AutocastScope,
     cast_call_arguments,
     cast_floating,
+    cast_tensor,
     cast_weight,
     current_scope,
     scope_for_call,
@@ -38,6 +40,7 @@ STATE_KEYS = (
     "_dp_own_scope",
     "_dp_cast_names",
     "_dp_casts",
+    "_dp_keep_casts",
 )
 
 
@@ -77,6 +80,9 @@ class ComposedModule:
 class PolicyModule(ComposedModule):
     """Mixin placed in front of a module's class by `apply_policy`."""
 
+    # Leaf modules whose forward casts their own weights need no autocast scope.
+    _dp_casts_own_weights = False
+
     @property
     def dtype_policy(self) -> DTypePolicy:
         """The policy `apply_policy` gave this module."""
@@ -105,13 +111,17 @@ class PolicyModule(ComposedModule):
             else:
                 x = args[0]
                 if x.dtype != cast_to and x.is_floating_point():
-                    args = (x.to(cast_to),)
+                    args = (cast_tensor(x, cast_to),)
             if cast_to is torch.float16:
                 first = _first_floating((args, kwargs))
                 if first is not None:
                     warn_if_cpu_float16(first.device)
-        scope = scope_for_call(
-            d["_dp_is_mixed"], d["_dp_autocast"], d["_dp_compute"], d["_dp_own_scope"]
+        scope = (
+            None
+            if self._dp_casts_own_weights
+            else scope_for_call(
+                d["_dp_is_mixed"], d["_dp_autocast"], d["_dp_compute"], d["_dp_own_scope"]
+            )
         )
         if scope is None:
             outputs = super().__call__(*args, **kwargs)
@@ -139,10 +149,33 @@ class PolicyModule(ComposedModule):
             if value is not None:
                 scope = current_scope()
                 if scope is not None and scope.dtype is not None and value.dtype != scope.dtype:
-                    return cast_weight(d["_dp_casts"], name, value, scope)
+                    return cast_weight(d["_dp_casts"], name, value, scope, d["_dp_keep_casts"])
                 return value
         return super().__getattr__(name)
 
+
+class PolicyLinear(PolicyModule):
+    """`PolicyModule` for an exact `nn.Linear`: its forward reads the weights in
+    the compute dtype directly (a leaf needs no autocast scope), which keeps
+    the call cost of small layers low."""
+
+    _dp_casts_own_weights = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        d = self.__dict__
+        parameters = d["_parameters"]
+        weight, bias = parameters["weight"], parameters["bias"]
+        compute = d["_dp_compute"]
+        if compute is not None:
+            keep = d["_dp_keep_casts"]
+            if weight.dtype != compute:
+                weight = cast_weight(d["_dp_casts"], "weight", weight, compute, keep)
+            if bias is not None and bias.dtype != compute:
+                bias = cast_weight(d["_dp_casts"], "bias", bias, compute, keep)
+        return F.linear(input, weight, bias)
+
+
+_FAST_LINEARS = (torch.nn.Linear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 _composed_classes: dict[tuple, type] = {}
 
@@ -157,8 +190,11 @@ def module_class(
     key = (original, quantized_mixin, policy)
     cls = _composed_classes.get(key)
     if cls is None:
+        policy_mixin = (
+            PolicyLinear if original in _FAST_LINEARS and quantized_mixin is None else PolicyModule
+        )
         bases = (
-            *((PolicyModule,) if policy else ()),
+            *((policy_mixin,) if policy else ()),
             *((quantized_mixin,) if quantized_mixin is not None else (ComposedModule,)),
             original,
         )
@@ -202,10 +238,13 @@ def install(
     half_passthrough: bool,
     gather_only: bool,
     cast_buffers: bool,
+    keep_casts: bool = False,
 ) -> None:
     """Makes `module` compute by `policy` (see `apply_policy` for the rules).
 
     `island`: compute in float32 and hand outputs back in the caller's dtype.
+    `keep_casts`: keep the compute-dtype copy of every weight between calls
+    (refreshed when the weight changes), not only of small ones.
     `gather_only`: the weights are looked up, not multiplied (embeddings), so
     the module's own forward reads them in their own dtype and its output is
     cast instead; other modules reading them (tied weights) still get casts.
@@ -247,6 +286,7 @@ def install(
     d["_dp_own_scope"] = AutocastScope(compute) if compute is not None else None
     d["_dp_cast_names"] = frozenset(cast_names)
     d["_dp_casts"] = {}
+    d["_dp_keep_casts"] = keep_casts
     original, quantized_mixin = class_parts(module)
     module.__class__ = module_class(original, quantized_mixin, policy=True)
 

@@ -70,6 +70,10 @@ class Dense(QuantizableLayer):
         self.bias_regularizer = regularizers.get(bias_regularizer)
         self.kernel_constraint = constraints.get(kernel_constraint)
         self.bias_constraint = constraints.get(bias_constraint)
+        self._linear_activation = self.activation is activations.linear
+        # Dense's own `call` casts its weights itself (no autocast scope needed),
+        # which keeps small layers cheap; a subclass's `call` gets the scope.
+        self._casts_own_weights = type(self).call is Dense.call
 
     def build(self, input_shape: tuple[int, ...]) -> None:
         if not input_shape or input_shape[-1] is None:
@@ -113,7 +117,15 @@ class Dense(QuantizableLayer):
                 self, inputs, self.bias, self._compute_torch_dtype, self.training
             )
             return self.activation(outputs)
-        return self.activation(F.linear(inputs, self.kernel.T, self.bias))
+        if self._casts_own_weights:
+            kernel, bias = self._weight_for_call("kernel"), self._weight_for_call("bias")
+        else:
+            kernel, bias = self.kernel, self.bias
+        if inputs.dim() == 2:  # one op, and no transposed view of the kernel
+            outputs = inputs @ kernel if bias is None else torch.addmm(bias, inputs, kernel)
+        else:
+            outputs = F.linear(inputs, kernel.T, bias)
+        return outputs if self._linear_activation else self.activation(outputs)
 
     def get_config(self) -> dict[str, Any]:
         return {

@@ -24,6 +24,7 @@ from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._casting import (
     AutocastScope,
     cast_call_arguments,
+    cast_tensor,
     cast_weight,
     current_scope,
     scope_for_call,
@@ -145,6 +146,9 @@ class Layer(torch.nn.Module):
 
     # Containers neither cast inputs nor open autocast scopes: their sublayers do.
     _is_container: ClassVar[bool] = False
+    # Leaf layers whose own `call` reads its weights in the compute dtype
+    # directly need no autocast scope (set per instance by such layers).
+    _casts_own_weights = False
     # Quantization modes this layer class implements (filled in by subclasses).
     _supported_quantization_modes: ClassVar[tuple[str, ...]] = ()
 
@@ -528,6 +532,21 @@ class Layer(torch.nn.Module):
             return parameter
         return super().__getattr__(name)
 
+    def _weight_for_call(self, name: str) -> torch.Tensor | None:
+        """Weight `name` as `call` should use it, for layers that open no scope
+        (`_casts_own_weights`): in the compute dtype when autocast applies."""
+        weight = self._parameters[name]
+        compute = self._compute_torch_dtype
+        if (
+            weight is None
+            or compute is None
+            or not self._autocast
+            or weight.dtype == compute
+            or name not in self._autocast_weight_names
+        ):
+            return weight
+        return cast_weight(self.__dict__["_small_weight_casts"], name, weight, compute)
+
     def __getstate__(self) -> dict[str, Any]:
         # Weight casts made in grad mode are graph nodes, not copyable state.
         state = self.__dict__.copy()
@@ -622,14 +641,14 @@ class Layer(torch.nn.Module):
         elif cast_to is not None:
             x = args[0]
             if x.dtype != cast_to and x.is_floating_point():
-                args = (x.to(cast_to),)
+                args = (cast_tensor(x, cast_to),)
         if self._check_cpu_float16:
             first = _first_tensor(args) if args else _first_tensor(kwargs)
             if first is not None:
                 warn_if_cpu_float16(first.device)
         scope = (
             None
-            if self._is_container
+            if self._is_container or self._casts_own_weights
             else scope_for_call(
                 self._is_mixed, self._autocast, self._compute_torch_dtype, self._own_scope
             )

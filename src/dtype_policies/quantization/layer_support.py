@@ -125,6 +125,7 @@ class QuantizableLayer(Layer):
             for name, tensor in tensors.items():
                 self.register_buffer(name, tensor)
         self._quantization = quantization
+        self._casts_own_weights = False  # quantized calls read weights through the scope
 
     def _set_policy_quietly(self, policy: Any) -> None:
         """Sets the policy like the `dtype_policy` setter, without re-quantizing."""
