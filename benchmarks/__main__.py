@@ -22,32 +22,102 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # (workload, our variant, baseline, kind, bound, label). "speedup": baseline time /
 # our time >= bound. "overhead": our time / baseline time <= bound.
 TARGETS = [
-    ("mlp_train", "dtype_policies mixed_bfloat16", "float32", "speedup", 3.5,
-     "mixed_bfloat16 train >= 3.5x float32"),
-    ("mlp_train", "dtype_policies mixed_bfloat16", "torch.autocast bfloat16", "speedup", 1.2,
-     "mixed_bfloat16 train >= 1.2x torch.autocast"),
-    ("mlp_inference", "dtype_policies mixed_bfloat16", "float32", "speedup", 4.0,
-     "mixed_bfloat16 inference >= 4x float32"),
-    ("mlp_inference", "dtype_policies mixed_bfloat16, weight_cache", "float32", "speedup", 4.0,
-     "mixed_bfloat16 + weight_cache inference >= 4x float32"),
-    ("overhead_no_grad", "nn.Linear + apply_policy mixed_bfloat16", "nn.Linear float32",
-     "overhead", 2.0, "apply_policy 64x64 call <= 2x nn.Linear (no_grad)"),
-    ("overhead_no_grad", "dtype_policies.layers.Dense mixed_bfloat16", "nn.Linear float32",
-     "overhead", 2.0, "layers.Dense 64x64 call <= 2x nn.Linear (no_grad)"),
-    ("overhead_grad", "nn.Linear + apply_policy mixed_bfloat16", "nn.Linear float32",
-     "overhead", 2.0, "apply_policy 64x64 call <= 2x nn.Linear (grad)"),
-    ("overhead_grad", "dtype_policies.layers.Dense mixed_bfloat16", "nn.Linear float32",
-     "overhead", 2.0, "layers.Dense 64x64 call <= 2x nn.Linear (grad)"),
-    ("mlp_inference", "dtype_policies int8_from_mixed_bfloat16", "float32", "speedup", 4.0,
-     "int8 inference >= 4x float32"),
-    ("mlp_inference", "dtype_policies int8_from_mixed_bfloat16",
-     "torchao Int8DynamicActivationInt8Weight", "speedup", 2.0,
-     "int8 inference >= 2x torchao (eager)"),
-    ("mlp_inference", "dtype_policies int8_from_mixed_bfloat16",
-     "torchao Int8DynamicActivationInt8Weight, compiled", "speedup", 2.0,
-     "int8 inference >= 2x torchao (compiled)"),
-    ("mlp_decode", "dtype_policies int4/128_from_mixed_bfloat16", "whole model bfloat16",
-     "speedup", 3.0, "int4 batch-1 >= 3x bfloat16 batch-1"),
+    (
+        "mlp_train",
+        "dtype_policies mixed_bfloat16",
+        "float32",
+        "speedup",
+        3.5,
+        "mixed_bfloat16 train >= 3.5x float32",
+    ),
+    (
+        "mlp_train",
+        "dtype_policies mixed_bfloat16",
+        "torch.autocast bfloat16",
+        "speedup",
+        1.2,
+        "mixed_bfloat16 train >= 1.2x torch.autocast",
+    ),
+    (
+        "mlp_inference",
+        "dtype_policies mixed_bfloat16",
+        "float32",
+        "speedup",
+        4.0,
+        "mixed_bfloat16 inference >= 4x float32",
+    ),
+    (
+        "mlp_inference",
+        "dtype_policies mixed_bfloat16, weight_cache",
+        "float32",
+        "speedup",
+        4.0,
+        "mixed_bfloat16 + weight_cache inference >= 4x float32",
+    ),
+    (
+        "overhead_no_grad",
+        "nn.Linear + apply_policy mixed_bfloat16",
+        "nn.Linear float32",
+        "overhead",
+        2.0,
+        "apply_policy 64x64 call <= 2x nn.Linear (no_grad)",
+    ),
+    (
+        "overhead_no_grad",
+        "dtype_policies.layers.Dense mixed_bfloat16",
+        "nn.Linear float32",
+        "overhead",
+        2.0,
+        "layers.Dense 64x64 call <= 2x nn.Linear (no_grad)",
+    ),
+    (
+        "overhead_grad",
+        "nn.Linear + apply_policy mixed_bfloat16",
+        "nn.Linear float32",
+        "overhead",
+        2.0,
+        "apply_policy 64x64 call <= 2x nn.Linear (grad)",
+    ),
+    (
+        "overhead_grad",
+        "dtype_policies.layers.Dense mixed_bfloat16",
+        "nn.Linear float32",
+        "overhead",
+        2.0,
+        "layers.Dense 64x64 call <= 2x nn.Linear (grad)",
+    ),
+    (
+        "mlp_inference",
+        "dtype_policies int8_from_mixed_bfloat16",
+        "float32",
+        "speedup",
+        4.0,
+        "int8 inference >= 4x float32",
+    ),
+    (
+        "mlp_inference",
+        "dtype_policies int8_from_mixed_bfloat16",
+        "torchao Int8DynamicActivationInt8Weight",
+        "speedup",
+        2.0,
+        "int8 inference >= 2x torchao (eager)",
+    ),
+    (
+        "mlp_inference",
+        "dtype_policies int8_from_mixed_bfloat16",
+        "torchao Int8DynamicActivationInt8Weight, compiled",
+        "speedup",
+        2.0,
+        "int8 inference >= 2x torchao (compiled)",
+    ),
+    (
+        "mlp_decode",
+        "dtype_policies int4/128_from_mixed_bfloat16",
+        "whole model bfloat16",
+        "speedup",
+        3.0,
+        "int4 batch-1 >= 3x bfloat16 batch-1",
+    ),
 ]
 
 BASELINES = {
@@ -64,9 +134,12 @@ def _table(title: str, results: list[harness.Result], baseline: str) -> str:
     by_name = {r.variant: r for r in results}
     reference = by_name.get("float32") or by_name.get("nn.Linear float32")
     base = by_name.get(baseline)
-    lines = [f"**{title}**", "",
-             f"| variant | median ms | IQR ms | x float32 | x {baseline} |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"**{title}**",
+        "",
+        f"| variant | median ms | IQR ms | x float32 | x {baseline} |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in results:
         ratio = reference.median_ms / r.median_ms if reference else float("nan")
         versus = base.median_ms / r.median_ms if base else float("nan")
@@ -95,8 +168,11 @@ def _memory_rows(names: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default=",".join(workloads.WORKLOADS),
-                        help="comma-separated subset of: " + ", ".join(workloads.WORKLOADS))
+    parser.add_argument(
+        "--workloads",
+        default=",".join(workloads.WORKLOADS),
+        help="comma-separated subset of: " + ", ".join(workloads.WORKLOADS),
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
@@ -130,10 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = []
     if "mlp_inference" in selected or "mlp_decode" in selected:
         accuracy = workloads.quantization_accuracy()
-        lines = ["**Quantized MLP: output error vs float32, stored weight bytes**", "",
-                 "| policy | relative error | weight bytes vs float32 |", "|---|---:|---:|"]
-        lines += [f"| {row['policy']} | {row['relative_error']:.4f} | "
-                  f"{row['weight_bytes_vs_float32']:.3f} |" for row in accuracy]
+        lines = [
+            "**Quantized MLP: output error vs float32, stored weight bytes**",
+            "",
+            "| policy | relative error | weight bytes vs float32 |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| {row['policy']} | {row['relative_error']:.4f} | "
+            f"{row['weight_bytes_vs_float32']:.3f} |"
+            for row in accuracy
+        ]
         sections.append("\n".join(lines))
         print("\n" + sections[-1], flush=True)
 
@@ -141,10 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     if "mlp_train" in selected and not args.no_memory:
         names = list(workloads.mlp_train_factories())
         memory = _memory_rows([n for n in names if "Keras" not in n])
-        lines = ["**MLP train step: peak resident memory of a process running it**", "",
-                 "| variant | peak RSS MiB |", "|---|---:|"]
-        lines += [f"| {row['variant']} | {row['peak_rss_mb']:.0f} |" for row in memory
-                  if row["peak_rss_mb"] is not None]
+        lines = [
+            "**MLP train step: peak resident memory of a process running it**",
+            "",
+            "| variant | peak RSS MiB |",
+            "|---|---:|",
+        ]
+        lines += [
+            f"| {row['variant']} | {row['peak_rss_mb']:.0f} |"
+            for row in memory
+            if row["peak_rss_mb"] is not None
+        ]
         sections.append("\n".join(lines))
         print("\n" + sections[-1], flush=True)
 
@@ -162,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             met = value <= bound
         target_rows.append({"target": label, "measured": f"{value:.2f}x", "met": met})
     lines = ["**Targets**", "", "| target | measured | met |", "|---|---:|:---:|"]
-    lines += [f"| {row['target']} | {row['measured']} | {'yes' if row['met'] else 'no'} |"
-              for row in target_rows]
+    lines += [
+        f"| {row['target']} | {row['measured']} | {'yes' if row['met'] else 'no'} |"
+        for row in target_rows
+    ]
     sections.append("\n".join(lines))
     print("\n" + sections[-1], flush=True)
 
@@ -175,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     data["accuracy"], data["memory"] = accuracy, memory
     with open(output / "latest.json", "w") as f:
         json.dump(data, f, indent=2)
-    header = (f"Measured {info['date']} on {info['cpu']} ({info['cpu_flags']}), "
-              f"{info['threads']} threads, torch {info['torch']}.")
+    header = (
+        f"Measured {info['date']} on {info['cpu']} ({info['cpu_flags']}), "
+        f"{info['threads']} threads, torch {info['torch']}."
+    )
     (output / "latest.md").write_text(header + "\n\n" + "\n\n".join(sections) + "\n")
     print(f"\nWrote {output / 'latest.json'} and {output / 'latest.md'}")
     return 0

@@ -113,7 +113,10 @@ def peak_rss_mb_of(code: str) -> float | None:
     )
     try:
         out = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=600,
             check=True,
         ).stdout
     except (subprocess.SubprocessError, OSError):

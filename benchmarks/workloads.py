@@ -39,28 +39,37 @@ def keras_module():
 def mlp() -> nn.Sequential:
     """4 Linear layers alternating 1024 -> 4096 -> 1024 with GELU."""
     return nn.Sequential(
-        nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.GELU(),
-        nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024),
+        nn.Linear(1024, 4096),
+        nn.GELU(),
+        nn.Linear(4096, 1024),
+        nn.GELU(),
+        nn.Linear(1024, 4096),
+        nn.GELU(),
+        nn.Linear(4096, 1024),
     )
 
 
 def layers_mlp(policy: str) -> layers.Sequential:
     return layers.Sequential(
-        [layers.Dense(4096, activation="gelu", dtype=policy),
-         layers.Dense(1024, activation="gelu", dtype=policy),
-         layers.Dense(4096, activation="gelu", dtype=policy),
-         layers.Dense(1024, dtype=policy)],
+        [
+            layers.Dense(4096, activation="gelu", dtype=policy),
+            layers.Dense(1024, activation="gelu", dtype=policy),
+            layers.Dense(4096, activation="gelu", dtype=policy),
+            layers.Dense(1024, dtype=policy),
+        ],
         name="mlp",
     )
 
 
 def keras_mlp(keras, policy: str):
     model = keras.Sequential(
-        [keras.Input((1024,)),
-         keras.layers.Dense(4096, activation="gelu", dtype=policy),
-         keras.layers.Dense(1024, activation="gelu", dtype=policy),
-         keras.layers.Dense(4096, activation="gelu", dtype=policy),
-         keras.layers.Dense(1024, dtype=policy)]
+        [
+            keras.Input((1024,)),
+            keras.layers.Dense(4096, activation="gelu", dtype=policy),
+            keras.layers.Dense(1024, activation="gelu", dtype=policy),
+            keras.layers.Dense(4096, activation="gelu", dtype=policy),
+            keras.layers.Dense(1024, dtype=policy),
+        ]
     )
     return model
 
@@ -114,9 +123,7 @@ def mlp_train_factories(batch: int = 256) -> dict[str, Callable[[], Callable[[],
         "float32": plain(),
         "dtype_policies mixed_bfloat16": plain("mixed_bfloat16"),
         "dtype_policies mixed_bfloat16, weight_cache": plain("mixed_bfloat16", True),
-        "torch.autocast bfloat16": plain(
-            context=lambda: torch.autocast("cpu", torch.bfloat16)
-        ),
+        "torch.autocast bfloat16": plain(context=lambda: torch.autocast("cpu", torch.bfloat16)),
         "whole model bfloat16 (no master weights)": plain(bf16=True),
         "dtype_policies.layers mixed_bfloat16": with_layers,
     }
@@ -327,8 +334,13 @@ def quantization_accuracy() -> list[dict]:
             for key, t in model.state_dict().items()
             if key.rsplit(".", 1)[-1] in ("weight", "weight_scale", "weight_zero")
         )
-        rows.append({"policy": name, "relative_error": error,
-                     "weight_bytes_vs_float32": stored / weight_bytes})
+        rows.append(
+            {
+                "policy": name,
+                "relative_error": error,
+                "weight_bytes_vs_float32": stored / weight_bytes,
+            }
+        )
     return rows
 
 
@@ -337,10 +349,14 @@ WORKLOADS = {
     "mlp_inference": ("MLP inference (batch 256)", lambda: mlp_inference()),
     "mlp_decode": ("MLP inference at batch 1 (decoding)", lambda: mlp_decode()),
     "transformer_train": ("Transformer encoder train step (AdamW)", lambda: transformer_train()),
-    "overhead_no_grad": ("Per-call overhead, 64x64 layer, (1, 64), no_grad",
-                         lambda: call_overhead(False)),
-    "overhead_grad": ("Per-call overhead, 64x64 layer, (1, 64), grad enabled",
-                      lambda: call_overhead(True)),
+    "overhead_no_grad": (
+        "Per-call overhead, 64x64 layer, (1, 64), no_grad",
+        lambda: call_overhead(False),
+    ),
+    "overhead_grad": (
+        "Per-call overhead, 64x64 layer, (1, 64), grad enabled",
+        lambda: call_overhead(True),
+    ),
 }
 
 _ = dtype_policies  # the package under test

@@ -57,7 +57,11 @@ def main() -> None:
     torch.manual_seed(0)
     x_train, x_test, y_train, y_test = load_data()
     base = nn.Sequential(
-        nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 256), nn.GELU(),
+        nn.Linear(64, 256),
+        nn.GELU(),
+        nn.LayerNorm(256),
+        nn.Linear(256, 256),
+        nn.GELU(),
         nn.Linear(256, 10),
     )
 
@@ -73,8 +77,10 @@ def main() -> None:
     print("digits (1797 images, 8x8), MLP 64-256-256-10, 20 epochs of Adam")
     print(f"  float32         test accuracy {accuracy32:.4f}  ({seconds32:.2f} s)")
     print(f"  mixed_bfloat16  test accuracy {accuracy16:.4f}  ({seconds16:.2f} s)")
-    print(f"  parameters stay {mixed_model[0].weight.dtype}; outputs are "
-          f"{mixed_model(x_test[:1]).dtype}; LayerNorm kept in float32: {handle.float32_paths}")
+    print(
+        f"  parameters stay {mixed_model[0].weight.dtype}; outputs are "
+        f"{mixed_model(x_test[:1]).dtype}; LayerNorm kept in float32: {handle.float32_paths}"
+    )
     print()
     print(dtype_policies.summary(mixed_model))
     handle.remove()

@@ -53,8 +53,9 @@ def test_digits_quantized_classifier_keeps_accuracy(mode, allowed_loss):
 
     torch.manual_seed(0)
     x_train, x_test, y_train, y_test = _data()
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                          nn.Linear(256, 10))
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
     accuracy32 = _train_and_score(model, x_train, x_test, y_train, y_test)
     apply_policy(model, "mixed_bfloat16")
     quantize(model, mode)

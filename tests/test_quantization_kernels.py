@@ -41,8 +41,9 @@ def test_int8_linear_3d_input_and_bfloat16_output():
     weight = torch.randn(32, 24)
     q, scale = abs_max_quantize(weight, axis=1)
     x = torch.randn(2, 20, 24)
-    out = kernels.int8_linear(x.bfloat16(), q, 1 / scale[:, 0], None, torch.bfloat16,
-                              kernels.Int8Runtime())
+    out = kernels.int8_linear(
+        x.bfloat16(), q, 1 / scale[:, 0], None, torch.bfloat16, kernels.Int8Runtime()
+    )
     assert out.shape == (2, 20, 32) and out.dtype == torch.bfloat16
     reference = _int8_reference(x.bfloat16().float().reshape(-1, 24), q, scale[:, 0], 0)
     torch.testing.assert_close(out.float().reshape(-1, 32), reference, atol=0.05, rtol=0.02)
@@ -59,8 +60,10 @@ def test_int8_runtime_follows_weight_changes():
     torch.testing.assert_close(second, -first)
 
 
-@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.bfloat16), (4, torch.bfloat16),
-                                             (64, torch.bfloat16), (3, torch.float32)])
+@pytest.mark.parametrize(
+    ("rows", "dtype"),
+    [(1, torch.bfloat16), (4, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)],
+)
 def test_int8_weight_only(rows, dtype):
     weight = torch.randn(48, 64)
     q, scale = abs_max_quantize(weight, axis=1)
@@ -71,8 +74,9 @@ def test_int8_weight_only(rows, dtype):
     torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=0.02)
 
 
-@pytest.mark.parametrize(("n", "k", "block"), [(64, 256, 128), (64, 256, 32), (48, 200, 40),
-                                               (30, 256, 128)])
+@pytest.mark.parametrize(
+    ("n", "k", "block"), [(64, 256, 128), (64, 256, 32), (48, 200, 40), (30, 256, 128)]
+)
 def test_int4_kernel_and_fallback_agree(n, k, block):
     torch.manual_seed(n + k)
     w_kn = torch.randn(k, n) * 0.05
@@ -80,14 +84,16 @@ def test_int4_kernel_and_fallback_agree(n, k, block):
     dense = dequantize_grouped(q, scale, zero, block)  # (K, N)
     x = torch.randn(3, k)
     runtime = kernels.Int4Runtime()
-    out = kernels.int4_linear(x.bfloat16(), lambda: q.t(), (q,), scale, zero, block, n, None,
-                              torch.bfloat16, runtime)
+    out = kernels.int4_linear(
+        x.bfloat16(), lambda: q.t(), (q,), scale, zero, block, n, None, torch.bfloat16, runtime
+    )
     kernel_applies = n % 16 == 0 and block in (32, 64, 128, 256) and k % block == 0
     assert (runtime.packed is not None) == kernel_applies
     reference = x.bfloat16().float() @ dense
     assert ((out.float() - reference).norm() / reference.norm()).item() < 0.01
-    exact = kernels.int4_linear(x, lambda: q.t(), (q,), scale, zero, block, n, None,
-                                torch.float32, kernels.Int4Runtime())
+    exact = kernels.int4_linear(
+        x, lambda: q.t(), (q,), scale, zero, block, n, None, torch.float32, kernels.Int4Runtime()
+    )
     torch.testing.assert_close(exact, x @ dense, atol=1e-4, rtol=1e-4)
 
 
@@ -96,8 +102,9 @@ def test_int4_per_channel_kernel():
     q, scale = abs_max_quantize(w, axis=1, value_range=(-8, 7))
     runtime = kernels.Int4Runtime()
     x = torch.randn(2, 96)
-    out = kernels.int4_linear(x.bfloat16(), lambda: q, (q,), scale[:, 0], None, -1, 64, None,
-                              torch.bfloat16, runtime)
+    out = kernels.int4_linear(
+        x.bfloat16(), lambda: q, (q,), scale[:, 0], None, -1, 64, None, torch.bfloat16, runtime
+    )
     assert runtime.packed is not None and runtime.group_size == 32
     reference = x @ (q.float() / scale).t()
     assert ((out.float() - reference).norm() / reference.norm()).item() < 0.01
@@ -109,8 +116,9 @@ def test_compiled_epilogues_match_eager(compiled_epilogues):
     q, scale = abs_max_quantize(weight, axis=1)
     x = torch.randn(32, 64)
     bias = torch.randn(64)
-    compiled = kernels.int8_linear(x, q, 1 / scale[:, 0], bias, torch.float32,
-                                   kernels.Int8Runtime())
+    compiled = kernels.int8_linear(
+        x, q, 1 / scale[:, 0], bias, torch.float32, kernels.Int8Runtime()
+    )
     kernels.set_compile_epilogues(False)
     eager = kernels.int8_linear(x, q, 1 / scale[:, 0], bias, torch.float32, kernels.Int8Runtime())
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

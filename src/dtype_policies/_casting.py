@@ -181,7 +181,12 @@ def cast_weight(
         return entry[5]
     cast = cast_tensor(weight, dtype)
     cache[name] = (
-        weight, weight._version, dtype, requires_grad, torch.is_inference_mode_enabled(), cast,
+        weight,
+        weight._version,
+        dtype,
+        requires_grad,
+        torch.is_inference_mode_enabled(),
+        cast,
         weight.data_ptr(),
     )
     return cast
