@@ -416,9 +416,9 @@ def test_weight_cache_keeps_copies_until_parameters_change():
     x = torch.randn(2, 300)
     with torch.no_grad():
         first = model(x)
-        cached = model[0].__dict__["_dp_casts"]["weight"][1]
+        cached = model[0].__dict__["_dp_linear_cache"].casts[0]
         model(x)
-        assert model[0].__dict__["_dp_casts"]["weight"][1] is cached  # no recast
+        assert model[0].__dict__["_dp_linear_cache"].casts[0] is cached  # no recast
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(x).float().sum().backward()
     assert model[0].weight.grad.dtype == torch.float32
@@ -433,4 +433,4 @@ def test_weight_cache_keeps_copies_until_parameters_change():
     apply_policy(default, "mixed_bfloat16")
     with torch.no_grad():
         default(x)
-    assert "weight" not in default[0].__dict__["_dp_casts"]  # large weights are not kept
+    assert default[0].__dict__["_dp_linear_cache"].casts == ()  # large weights are not kept

@@ -21,6 +21,7 @@ def test_doc_code_blocks_run(path):
     namespace = {"__name__": f"doc_{path.stem}"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CPUFloat16Warning)
+        warnings.simplefilter("ignore", UserWarning)
         for index, block in enumerate(blocks):
             try:
                 exec(compile(block, f"{path.name}[block {index}]", "exec"), namespace)

@@ -192,6 +192,59 @@ def cast_weight(
     return cast
 
 
+class LinearCastCache:
+    """The compute-dtype casts of a linear layer's weight and bias, checked
+    together in one step (the per-call cost that matters for small layers).
+
+    Kept across calls while both tensors are unchanged and the grad and
+    inference modes are the same; only for small weights unless `keep_all`.
+    """
+
+    __slots__ = ("_bias", "_key", "_weight", "casts")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._weight = self._bias = None
+        self.casts: tuple = ()
+
+    def get(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        keep_all: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if torch.compiler.is_compiling() or (
+            not keep_all and weight.numel() > SMALL_WEIGHT_CACHE_ELEMENTS
+        ):
+            return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype)
+        key = (
+            weight._version,
+            weight.data_ptr(),
+            -1 if bias is None else bias._version,
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            dtype,
+        )
+        if key == self._key and weight is self._weight and bias is self._bias:
+            return self.casts
+        self.casts = (
+            cast_tensor(weight, dtype),
+            None if bias is None else cast_tensor(bias, dtype),
+        )
+        self._key, self._weight, self._bias = key, weight, bias
+        return self.casts
+
+    def __deepcopy__(self, memo: dict) -> LinearCastCache:
+        return LinearCastCache()  # casts made in grad mode are graph nodes, not state
+
+    def __getstate__(self) -> None:
+        return None
+
+    def __setstate__(self, state: None) -> None:
+        self.__init__()
+
+
 class CPUFloat16Warning(UserWarning):
     """float16 compute on a CPU tensor: correct but very slow; use bfloat16."""
 

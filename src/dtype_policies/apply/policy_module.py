@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from dtype_policies._casting import (
     AutocastScope,
+    LinearCastCache,
     cast_call_arguments,
     cast_floating,
     cast_tensor,
@@ -41,6 +42,7 @@ STATE_KEYS = (
     "_dp_cast_names",
     "_dp_casts",
     "_dp_keep_casts",
+    "_dp_linear_cache",
 )
 
 
@@ -70,6 +72,7 @@ class ComposedModule:
         state = self.__dict__.copy()
         if "_dp_casts" in state:  # casts made in grad mode are not copyable graph nodes
             state["_dp_casts"] = {}
+        state.pop("_dp_linear_cache", None)
         return (
             _new_module,
             (cls._dp_original_class, cls._dp_quantized_mixin, cls._dp_with_policy),
@@ -166,12 +169,13 @@ class PolicyLinear(PolicyModule):
         parameters = d["_parameters"]
         weight, bias = parameters["weight"], parameters["bias"]
         compute = d["_dp_compute"]
-        if compute is not None:
-            keep = d["_dp_keep_casts"]
-            if weight.dtype != compute:
-                weight = cast_weight(d["_dp_casts"], "weight", weight, compute, keep)
-            if bias is not None and bias.dtype != compute:
-                bias = cast_weight(d["_dp_casts"], "bias", bias, compute, keep)
+        if compute is not None and (
+            weight.dtype != compute or (bias is not None and bias.dtype != compute)
+        ):
+            cache = d.get("_dp_linear_cache")
+            if cache is None:
+                cache = d["_dp_linear_cache"] = LinearCastCache()
+            weight, bias = cache.get(weight, bias, compute, d["_dp_keep_casts"])
         return F.linear(input, weight, bias)
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import activations, constraints, initializers, regularizers
+from dtype_policies._casting import LinearCastCache
 from dtype_policies.quantization.layer_support import QuantizableLayer
 from dtype_policies.quantization.linear import LinearQuantization
 
@@ -74,6 +75,7 @@ class Dense(QuantizableLayer):
         # Dense's own `call` casts its weights itself (no autocast scope needed),
         # which keeps small layers cheap; a subclass's `call` gets the scope.
         self._casts_own_weights = type(self).call is Dense.call
+        self._kernel_casts = LinearCastCache()
 
     def build(self, input_shape: tuple[int, ...]) -> None:
         if not input_shape or input_shape[-1] is None:
@@ -118,7 +120,10 @@ class Dense(QuantizableLayer):
             )
             return self.activation(outputs)
         if self._casts_own_weights:
-            kernel, bias = self._weight_for_call("kernel"), self._weight_for_call("bias")
+            kernel, bias = self._parameters["kernel"], self._parameters["bias"]
+            compute = self._compute_torch_dtype
+            if self._autocast and compute is not None and kernel.dtype != compute:
+                kernel, bias = self._kernel_casts.get(kernel, bias, compute)
         else:
             kernel, bias = self.kernel, self.bias
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel
