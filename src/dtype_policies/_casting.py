@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,18 @@ def cast_call_arguments(
     }
 
 
+def cast_inputs(
+    args: tuple, kwargs: dict[str, Any], dtype: torch.dtype | None
+) -> tuple[tuple, dict[str, Any]]:
+    """`cast_call_arguments`, with a fast path for the common single tensor."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return cast_call_arguments(args, kwargs, dtype)
+    x = args[0]
+    if dtype is not None and x.dtype != dtype and x.is_floating_point():
+        return (cast_tensor(x, dtype),), kwargs
+    return args, kwargs
+
+
 class AutocastScope:
     """While active, autocast weights read inside a layer are cast to `dtype`.
 
@@ -113,6 +126,20 @@ def set_scope(scope: AutocastScope | None) -> AutocastScope | None:
     previous = getattr(_state, "scope", None)
     _state.scope = scope
     return previous
+
+
+def call_in_scope(
+    call: Callable[..., Any], scope: AutocastScope | None, args: tuple, kwargs: dict
+) -> Any:
+    """`call(*args, **kwargs)` with `scope` active (`None`: as things are)."""
+    if scope is None:
+        return call(*args, **kwargs)
+    previous = set_scope(scope)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        set_scope(previous)
+        scope.clear()
 
 
 def scope_for_call(

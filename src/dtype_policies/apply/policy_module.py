@@ -16,13 +16,12 @@ import torch.nn.functional as F
 from dtype_policies._casting import (
     AutocastScope,
     LinearCastCache,
-    cast_call_arguments,
+    call_in_scope,
     cast_floating,
-    cast_tensor,
+    cast_inputs,
     cast_weight,
     current_scope,
     scope_for_call,
-    set_scope,
     warn_if_cpu_float16,
 )
 from dtype_policies.policies import DTypePolicy
@@ -109,12 +108,7 @@ class PolicyModule(ComposedModule):
                 else:
                     restore_to = first.dtype
         if cast_to is not None:
-            if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-                args, kwargs = cast_call_arguments(args, kwargs, cast_to)
-            else:
-                x = args[0]
-                if x.dtype != cast_to and x.is_floating_point():
-                    args = (cast_tensor(x, cast_to),)
+            args, kwargs = cast_inputs(args, kwargs, cast_to)
             if cast_to is torch.float16:
                 first = _first_floating((args, kwargs))
                 if first is not None:
@@ -126,15 +120,7 @@ class PolicyModule(ComposedModule):
                 d["_dp_is_mixed"], d["_dp_autocast"], d["_dp_compute"], d["_dp_own_scope"]
             )
         )
-        if scope is None:
-            outputs = super().__call__(*args, **kwargs)
-        else:
-            previous = set_scope(scope)
-            try:
-                outputs = super().__call__(*args, **kwargs)
-            finally:
-                set_scope(previous)
-                scope.clear()
+        outputs = call_in_scope(super().__call__, scope, args, kwargs)
         if restore_to is not None:
             return cast_floating(outputs, restore_to)
         output_cast = d["_dp_output_cast"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies import constraints, initializers, regularizers
+from dtype_policies.layers._weight_arguments import kernel_bias_config, set_kernel_bias_arguments
 from dtype_policies.layers.core import Dropout
 from dtype_policies.layers.dense import _check_positive_int
 from dtype_policies.layers.einsum_dense import EinsumDense
@@ -84,12 +84,15 @@ class MultiHeadAttention(Layer):
         self.dropout = float(dropout)
         self.use_bias = bool(use_bias)
         self._output_shape = output_shape
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
+        set_kernel_bias_arguments(
+            self,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+        )
         self.seed = seed
         self.dropout_layer = Dropout(self.dropout, seed=seed, dtype=self.dtype_policy)
 
@@ -195,11 +198,6 @@ class MultiHeadAttention(Layer):
             "use_bias": self.use_bias,
             "output_shape": self._output_shape,
             "attention_axes": None,
-            "kernel_initializer": initializers.serialize(self.kernel_initializer),
-            "bias_initializer": initializers.serialize(self.bias_initializer),
-            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
-            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-            "kernel_constraint": constraints.serialize(self.kernel_constraint),
-            "bias_constraint": constraints.serialize(self.bias_constraint),
+            **kernel_bias_config(self),
             "seed": self.seed,
         }

@@ -7,8 +7,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies import activations, constraints, initializers, regularizers
+from dtype_policies import activations
 from dtype_policies._casting import LinearCastCache
+from dtype_policies.layers._weight_arguments import kernel_bias_config, set_kernel_bias_arguments
 from dtype_policies.quantization.layer_support import QuantizableLayer
 from dtype_policies.quantization.linear import LinearQuantization
 
@@ -65,12 +66,15 @@ class Dense(QuantizableLayer):
         self.units = _check_positive_int("units", units)
         self.activation = activations.get(activation)
         self.use_bias = bool(use_bias)
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
+        set_kernel_bias_arguments(
+            self,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+        )
         self._linear_activation = self.activation is activations.linear
         # Dense's own `call` casts its weights itself (no autocast scope needed),
         # which keeps small layers cheap; a subclass's `call` gets the scope.
@@ -138,10 +142,5 @@ class Dense(QuantizableLayer):
             "units": self.units,
             "activation": activations.serialize(self.activation),
             "use_bias": self.use_bias,
-            "kernel_initializer": initializers.serialize(self.kernel_initializer),
-            "bias_initializer": initializers.serialize(self.bias_initializer),
-            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
-            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-            "kernel_constraint": constraints.serialize(self.kernel_constraint),
-            "bias_constraint": constraints.serialize(self.bias_constraint),
+            **kernel_bias_config(self),
         }

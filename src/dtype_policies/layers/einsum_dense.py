@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from dtype_policies import activations, constraints, initializers, regularizers
+from dtype_policies import activations
+from dtype_policies.layers._weight_arguments import kernel_bias_config, set_kernel_bias_arguments
 from dtype_policies.quantization import float8
 from dtype_policies.quantization.layer_support import QuantizableLayer
 from dtype_policies.quantization.linear import LinearQuantization
@@ -200,12 +201,15 @@ class EinsumDense(QuantizableLayer):
         )
         self.bias_axes = bias_axes
         self.activation = activations.get(activation)
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
+        set_kernel_bias_arguments(
+            self,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint,
+        )
         self.full_output_shape: tuple | None = None
 
     def build(self, input_shape: tuple[int, ...]) -> None:
@@ -295,10 +299,5 @@ class EinsumDense(QuantizableLayer):
             "output_shape": output_shape[0] if len(output_shape) == 1 else list(output_shape),
             "activation": activations.serialize(self.activation),
             "bias_axes": self.bias_axes,
-            "kernel_initializer": initializers.serialize(self.kernel_initializer),
-            "bias_initializer": initializers.serialize(self.bias_initializer),
-            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
-            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-            "kernel_constraint": constraints.serialize(self.kernel_constraint),
-            "bias_constraint": constraints.serialize(self.bias_constraint),
+            **kernel_bias_config(self),
         }

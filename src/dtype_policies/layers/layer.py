@@ -23,12 +23,11 @@ from dtype_policies import initializers as initializers_lib
 from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._casting import (
     AutocastScope,
-    cast_call_arguments,
-    cast_tensor,
+    call_in_scope,
+    cast_inputs,
     cast_weight,
     current_scope,
     scope_for_call,
-    set_scope,
     warn_if_cpu_float16,
 )
 from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
@@ -532,21 +531,6 @@ class Layer(torch.nn.Module):
             return parameter
         return super().__getattr__(name)
 
-    def _weight_for_call(self, name: str) -> torch.Tensor | None:
-        """Weight `name` as `call` should use it, for layers that open no scope
-        (`_casts_own_weights`): in the compute dtype when autocast applies."""
-        weight = self._parameters[name]
-        compute = self._compute_torch_dtype
-        if (
-            weight is None
-            or compute is None
-            or not self._autocast
-            or weight.dtype == compute
-            or name not in self._autocast_weight_names
-        ):
-            return weight
-        return cast_weight(self.__dict__["_small_weight_casts"], name, weight, compute)
-
     def __getstate__(self) -> dict[str, Any]:
         # Weight casts made in grad mode are graph nodes, not copyable state.
         state = self.__dict__.copy()
@@ -635,13 +619,7 @@ class Layer(torch.nn.Module):
             self._build_on_first_call(args, kwargs)
         if self._map_version is not None and self._dtype_policy._version != self._map_version:
             self._refresh_policy_state()
-        cast_to = self._input_cast_dtype
-        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-            args, kwargs = cast_call_arguments(args, kwargs, cast_to)
-        elif cast_to is not None:
-            x = args[0]
-            if x.dtype != cast_to and x.is_floating_point():
-                args = (cast_tensor(x, cast_to),)
+        args, kwargs = cast_inputs(args, kwargs, self._input_cast_dtype)
         if self._check_cpu_float16:
             first = _first_tensor(args) if args else _first_tensor(kwargs)
             if first is not None:
@@ -653,15 +631,7 @@ class Layer(torch.nn.Module):
                 self._is_mixed, self._autocast, self._compute_torch_dtype, self._own_scope
             )
         )
-        if scope is None:
-            outputs = super().__call__(*args, **kwargs)
-        else:
-            previous = set_scope(scope)
-            try:
-                outputs = super().__call__(*args, **kwargs)
-            finally:
-                set_scope(previous)
-                scope.clear()
+        outputs = call_in_scope(super().__call__, scope, args, kwargs)
         if self._activity_regularizer is not None:
             self._activity_losses = [self._activity_regularizer(outputs)]
         return outputs

@@ -100,47 +100,52 @@ def quantize(
     root_path = (model.path or model.name) if isinstance(model, Layer) else ""
     for path, module in list(named_module_paths(model, root_path)):
         label = path or "(root)"
-        if isinstance(module, QuantizableLayer):
-            if module.is_quantized:
-                report.skipped.append((label, SKIP_ALREADY_QUANTIZED))
-                continue
-            if not keep(path, module):
-                report.skipped.append((label, SKIP_FILTERED))
-                continue
+        quantizer = _quantizer(module, mode, config, type_check)
+        if quantizer is None:
+            if _owns_weights(module):
+                reason = SKIP_NO_SUPPORT if keep(path, module) else SKIP_FILTERED
+                report.skipped.append((label, reason))
+            continue
+        already_quantized, apply = quantizer
+        if already_quantized:
+            report.skipped.append((label, SKIP_ALREADY_QUANTIZED))
+        elif not keep(path, module):
+            report.skipped.append((label, SKIP_FILTERED))
+        else:
             try:
-                module.quantize(mode, config, type_check=type_check)
+                policy_name = apply()
             except NotImplementedError:
-                report.skipped.append((label, SKIP_NO_SUPPORT))
-                continue
-            report.quantized.append((label, mode, module._resolve_policy().name))
-        elif torch_modules.supported_modes(module):
-            if torch_modules.is_quantized(module):
-                report.skipped.append((label, SKIP_ALREADY_QUANTIZED))
-                continue
-            if not keep(path, module):
-                report.skipped.append((label, SKIP_FILTERED))
-                continue
-            try:
-                policy = torch_modules.quantize_module(
-                    module, mode, config, _history_length(config, module)
-                )
-            except NotImplementedError:
-                report.skipped.append((label, SKIP_NO_SUPPORT))
-                continue
-            report.quantized.append((label, mode, policy.name))
-        elif not isinstance(module, Layer) and _owns_weights(module):
-            if keep(path, module):
                 report.skipped.append((label, SKIP_NO_SUPPORT))
             else:
-                report.skipped.append((label, SKIP_FILTERED))
-        elif isinstance(module, Layer) and _owns_weights(module):
-            report.skipped.append((label, SKIP_NO_SUPPORT))
+                report.quantized.append((label, mode, policy_name))
     message = report.summary_warning()
     if message is not None:
         warnings.warn(message, UserWarning, stacklevel=2)
     if verbose:
         print(report.render())
     return report
+
+
+def _quantizer(
+    module: torch.nn.Module, mode: str, config: Any, type_check: bool
+) -> tuple[bool, Callable[[], str]] | None:
+    """`(already quantized, quantize it and return its new policy name)` for a
+    module that supports quantization, else `None`."""
+    if isinstance(module, QuantizableLayer):
+
+        def apply_to_layer() -> str:
+            module.quantize(mode, config, type_check=type_check)
+            return module._resolve_policy().name
+
+        return module.is_quantized, apply_to_layer
+    if torch_modules.supported_modes(module):
+
+        def apply_to_module() -> str:
+            length = _history_length(config, module)
+            return torch_modules.quantize_module(module, mode, config, length).name
+
+        return torch_modules.is_quantized(module), apply_to_module
+    return None
 
 
 def _history_length(config: Any, module: torch.nn.Module) -> int:
