@@ -130,19 +130,19 @@ BASELINES = {
 }
 
 
-def _table(title: str, results: list[harness.Result], baseline: str) -> str:
-    by_name = {r.variant: r for r in results}
-    reference = by_name.get("float32") or by_name.get("nn.Linear float32")
-    base = by_name.get(baseline)
-    lines = [
-        f"**{title}**",
-        "",
-        f"| variant | median ms | IQR ms | x float32 | x {baseline} |",
-        "|---|---:|---:|---:|---:|",
-    ]
+def _table(
+    title: str, results: list[harness.Result], samples: dict, baseline: str
+) -> str:
+    reference = "float32" if "float32" in samples else "nn.Linear float32"
+    lines = [f"**{title}**", "",
+             f"| variant | median ms | IQR ms | x float32 | x {baseline} |",
+             "|---|---:|---:|---:|---:|"]
     for r in results:
-        ratio = reference.median_ms / r.median_ms if reference else float("nan")
-        versus = base.median_ms / r.median_ms if base else float("nan")
+        ratio = harness.paired_ratio(samples, reference, r.variant)
+        versus = (
+            harness.paired_ratio(samples, baseline, r.variant) if baseline in samples
+            else float("nan")
+        )
         note = f" ({r.note})" if r.note else ""
         lines.append(
             f"| {r.variant}{note} | {r.median_ms:.2f} | {r.spread_ms:.2f} | {ratio:.2f} | "
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats, rounds = (6, 2) if args.quick else (21, 7)
 
     all_results: list[harness.Result] = []
+    all_samples: dict[str, dict] = {}
     sections = []
     for key in selected:
         title, build = workloads.WORKLOADS[key]
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         samples = harness.measure_interleaved(variants, repeats=repeats, rounds=rounds)
         results = harness.summarize(key, samples, notes)
         all_results.extend(results)
-        section = _table(title, results, BASELINES[key])
+        all_samples[key] = samples
+        section = _table(title, results, samples, BASELINES[key])
         sections.append(section)
         print(section, flush=True)
         del variants
@@ -239,16 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + sections[-1], flush=True)
 
     target_rows = []
-    index = {(r.workload, r.variant): r for r in all_results}
     for workload, variant, baseline, kind, bound, label in TARGETS:
-        got, base = index.get((workload, variant)), index.get((workload, baseline))
-        if got is None or base is None:
+        samples = all_samples.get(workload, {})
+        if variant not in samples or baseline not in samples:
             continue
         if kind == "speedup":
-            value = base.median_ms / got.median_ms
+            value = harness.paired_ratio(samples, baseline, variant)
             met = value >= bound
         else:
-            value = got.median_ms / base.median_ms
+            value = 1.0 / harness.paired_ratio(samples, baseline, variant)
             met = value <= bound
         target_rows.append({"target": label, "measured": f"{value:.2f}x", "met": met})
     lines = ["**Targets**", "", "| target | measured | met |", "|---|---:|:---:|"]

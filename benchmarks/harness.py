@@ -33,26 +33,42 @@ def measure_interleaved(
     warmup: int = 3,
     repeats: int = 15,
     rounds: int = 3,
-) -> dict[str, list[float]]:
+) -> dict[str, list[list[float]]]:
     """Times every variant in turn, `rounds` times over, so that drift of the
-    machine (thermal, other load) hits all variants alike. Returns seconds."""
+    machine (thermal, other load) hits all variants alike. Returns, per
+    variant, the samples (seconds) of each round."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    samples: dict[str, list[list[float]]] = {name: [] for name in variants}
     per_round = max(1, repeats // rounds)
     for _ in range(rounds):
         for name, fn in variants.items():
+            times = []
             for _ in range(per_round):
                 start = time.perf_counter()
                 fn()
-                samples[name].append(time.perf_counter() - start)
+                times.append(time.perf_counter() - start)
+            samples[name].append(times)
     return samples
 
 
-def summarize(workload: str, samples: dict[str, list[float]], notes=None) -> list[Result]:
+def paired_ratio(samples: dict[str, list[list[float]]], baseline: str, variant: str) -> float:
+    """baseline time / variant time, as the median over rounds of the ratio of
+    the two rounds' medians (robust to drift between rounds)."""
+    ratios = [
+        statistics.median(b) / statistics.median(v)
+        for b, v in zip(samples[baseline], samples[variant])
+    ]
+    return statistics.median(ratios)
+
+
+def summarize(
+    workload: str, samples: dict[str, list[list[float]]], notes=None
+) -> list[Result]:
     results = []
-    for name, values in samples.items():
+    for name, per_round in samples.items():
+        values = [t for round_times in per_round for t in round_times]
         quartiles = statistics.quantiles(values, n=4) if len(values) >= 4 else [0, 0, 0]
         results.append(
             Result(
@@ -106,10 +122,12 @@ def machine_info() -> dict[str, str]:
 
 def peak_rss_mb_of(code: str) -> float | None:
     """Peak resident memory (MiB) of a fresh Python process running `code`."""
+    # VmHWM belongs to the process's own address space (ru_maxrss would carry
+    # over the parent's peak through fork).
     script = (
-        "import resource\n"
         f"{code}\n"
-        "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "peak = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+        "print('PEAK_RSS_KB', peak.split()[1])\n"
     )
     try:
         out = subprocess.run(
