@@ -42,6 +42,7 @@ STATE_KEYS = (
     "_dp_casts",
     "_dp_keep_casts",
     "_dp_linear_cache",
+    "_dp_no_scope",
 )
 
 
@@ -69,8 +70,9 @@ class ComposedModule:
     def __reduce_ex__(self, protocol: int) -> Any:
         cls = type(self)
         state = self.__dict__.copy()
-        if "_dp_casts" in state:  # casts made in grad mode are not copyable graph nodes
-            state["_dp_casts"] = {}
+        for key in ("_dp_casts", "_dp_quantized_casts"):  # casts made in grad mode
+            if key in state:  # are graph nodes, not copyable state
+                state[key] = {}
         state.pop("_dp_linear_cache", None)
         return (
             _new_module,
@@ -115,7 +117,7 @@ class PolicyModule(ComposedModule):
                     warn_if_cpu_float16(first.device)
         scope = (
             None
-            if self._dp_casts_own_weights
+            if self._dp_casts_own_weights or d["_dp_no_scope"]
             else scope_for_call(
                 d["_dp_is_mixed"], d["_dp_autocast"], d["_dp_compute"], d["_dp_own_scope"]
             )
@@ -277,6 +279,11 @@ def install(
     d["_dp_cast_names"] = frozenset(cast_names)
     d["_dp_casts"] = {}
     d["_dp_keep_casts"] = keep_casts
+    # A module with no weights anywhere below it (an activation, dropout, ...)
+    # has nothing to autocast: its calls skip the scope.
+    d["_dp_no_scope"] = next(module.parameters(), None) is None and (
+        next(module.buffers(), None) is None
+    )
     original, quantized_mixin = class_parts(module)
     module.__class__ = module_class(original, quantized_mixin, policy=True)
 

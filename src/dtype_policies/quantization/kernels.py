@@ -249,7 +249,7 @@ class Int4Runtime:
         n: int,
         k: int,
     ) -> None:
-        key = tuple((t._version, t.data_ptr()) for t in tensors)
+        key = tuple(t._version for t in tensors) + tuple(t.data_ptr() for t in tensors)
         if key == self._key:
             return
         self._key = key
@@ -298,11 +298,12 @@ def int4_linear(
     runtime.refresh(q_nk, tensors, scale, zero, block_size, n, k)
     if runtime.packed is not None and x2.dtype == torch.bfloat16:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.contiguous(), runtime.packed, runtime.group_size, runtime.scales_and_zeros
+            x2 if x2.is_contiguous() else x2.contiguous(), runtime.packed,
+            runtime.group_size, runtime.scales_and_zeros,
         )
         if bias is not None:
-            y = y + bias.to(y.dtype)
-        out = y.to(out_dtype)
+            y.add_(bias)
+        out = y if y.dtype == out_dtype else y.to(out_dtype)
     else:
         weight = dequantize_int4(q_nk(), scale, zero, block_size).to(x2.dtype)
         out = F.linear(x2, weight, None if bias is None else bias.to(x2.dtype)).to(out_dtype)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._casting import cast_tensor, cast_weight
 from dtype_policies.apply import policy_module
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization import float8
@@ -34,14 +35,14 @@ class QuantizedLinear:
     """Mixin: the forward of a quantized `nn.Linear`."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        d = self.__dict__
         compute = _compute_dtype(self)
         if input.is_floating_point() and input.dtype != compute:
-            input = input.to(compute)
-        bias = self.bias
+            input = cast_tensor(input, compute)
+        bias = d["_parameters"]["bias"]
         if bias is not None and bias.dtype != compute:
-            bias = bias.to(compute)
-        quantization = self.__dict__["_dp_quantization"]
-        return quantization.forward(self, input, bias, compute, self.training)
+            bias = cast_weight(d["_dp_quantized_casts"], "bias", bias, compute)
+        return d["_dp_quantization"].forward(self, input, bias, compute, self.training)
 
     def extra_repr(self) -> str:
         quantization = self.__dict__["_dp_quantization"]
@@ -141,6 +142,9 @@ def quantize_module(
             module.register_buffer(name, tensor)
     module.__dict__["_dp_quantization"] = quantization
     module.__dict__["_dp_quantized_compute"] = getattr(torch, compute_name)
+    module.__dict__["_dp_quantized_casts"] = {}
+    if mode != "float8" and "_dp_policy" in module.__dict__:
+        module.__dict__["_dp_no_scope"] = True  # its forward casts the bias itself
     module.__class__ = policy_module.module_class(
         original, mixin, policy=policy_module.is_policy_module(module)
     )
