@@ -130,17 +130,19 @@ BASELINES = {
 }
 
 
-def _table(
-    title: str, results: list[harness.Result], samples: dict, baseline: str
-) -> str:
+def _table(title: str, results: list[harness.Result], samples: dict, baseline: str) -> str:
     reference = "float32" if "float32" in samples else "nn.Linear float32"
-    lines = [f"**{title}**", "",
-             f"| variant | median ms | IQR ms | x float32 | x {baseline} |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"**{title}**",
+        "",
+        f"| variant | median ms | IQR ms | x float32 | x {baseline} |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in results:
         ratio = harness.paired_ratio(samples, reference, r.variant)
         versus = (
-            harness.paired_ratio(samples, baseline, r.variant) if baseline in samples
+            harness.paired_ratio(samples, baseline, r.variant)
+            if baseline in samples
             else float("nan")
         )
         note = f" ({r.note})" if r.note else ""

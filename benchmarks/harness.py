@@ -63,9 +63,7 @@ def paired_ratio(samples: dict[str, list[list[float]]], baseline: str, variant: 
     return statistics.median(ratios)
 
 
-def summarize(
-    workload: str, samples: dict[str, list[list[float]]], notes=None
-) -> list[Result]:
+def summarize(workload: str, samples: dict[str, list[list[float]]], notes=None) -> list[Result]:
     results = []
     for name, per_round in samples.items():
         values = [t for round_times in per_round for t in round_times]

@@ -94,8 +94,10 @@ def main() -> None:
             warnings.simplefilter("ignore", UserWarning)
             report = quantize(quantized, mode)
         policy = report.quantized[0][2]
-        print(f"  {policy:30s} test accuracy {accuracy(quantized, x_test, y_test):.4f}  "
-              f"({report.num_quantized} layers quantized, LayerNorm skipped)")
+        print(
+            f"  {policy:30s} test accuracy {accuracy(quantized, x_test, y_test):.4f}  "
+            f"({report.num_quantized} layers quantized, LayerNorm skipped)"
+        )
     handle.remove()
 
     # Keras-style layers, one policy map for the whole model: the head in float32.

@@ -298,8 +298,10 @@ def int4_linear(
     runtime.refresh(q_nk, tensors, scale, zero, block_size, n, k)
     if runtime.packed is not None and x2.dtype == torch.bfloat16:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2 if x2.is_contiguous() else x2.contiguous(), runtime.packed,
-            runtime.group_size, runtime.scales_and_zeros,
+            x2 if x2.is_contiguous() else x2.contiguous(),
+            runtime.packed,
+            runtime.group_size,
+            runtime.scales_and_zeros,
         )
         if bias is not None:
             y.add_(bias)
