@@ -72,6 +72,20 @@ def cast_call_arguments(
     }
 
 
+def first_tensor(value: Any, floating: bool = False) -> torch.Tensor | None:
+    """The first tensor (the first floating one with `floating`) in a nested
+    structure of call arguments, or `None`."""
+    if isinstance(value, torch.Tensor):
+        return value if not floating or value.is_floating_point() else None
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(items, (list, tuple)) or isinstance(value, dict):
+        for item in items:
+            found = first_tensor(item, floating)
+            if found is not None:
+                return found
+    return None
+
+
 def cast_inputs(
     args: tuple, kwargs: dict[str, Any], dtype: torch.dtype | None
 ) -> tuple[tuple, dict[str, Any]]:

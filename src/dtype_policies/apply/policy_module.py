@@ -21,6 +21,7 @@ from dtype_policies._casting import (
     cast_inputs,
     cast_weight,
     current_scope,
+    first_tensor,
     scope_for_call,
     warn_if_cpu_float16,
 )
@@ -44,18 +45,6 @@ STATE_KEYS = (
     "_dp_linear_cache",
     "_dp_no_scope",
 )
-
-
-def _first_floating(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(items, (list, tuple)) or isinstance(value, dict):
-        for item in items:
-            found = _first_floating(item)
-            if found is not None:
-                return found
-    return None
 
 
 class ComposedModule:
@@ -97,7 +86,7 @@ class PolicyModule(ComposedModule):
         cast_to = d["_dp_input_cast"]
         restore_to = None
         if d["_dp_island"]:
-            first = _first_floating((args, kwargs))
+            first = first_tensor((args, kwargs), floating=True)
             if first is not None and first.dtype != cast_to:
                 if (
                     d["_dp_half_passthrough"]
@@ -112,7 +101,7 @@ class PolicyModule(ComposedModule):
         if cast_to is not None:
             args, kwargs = cast_inputs(args, kwargs, cast_to)
             if cast_to is torch.float16:
-                first = _first_floating((args, kwargs))
+                first = first_tensor((args, kwargs), floating=True)
                 if first is not None:
                     warn_if_cpu_float16(first.device)
         scope = (

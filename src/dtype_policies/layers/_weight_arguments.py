@@ -34,3 +34,27 @@ def kernel_bias_config(layer: Any) -> dict[str, Any]:
         name: _RESOLVERS[name.split("_", 1)[1]][1](getattr(layer, name))
         for name in KERNEL_BIAS_ARGUMENTS
     }
+
+
+def add_kernel_and_bias(
+    layer: Any, kernel_shape: tuple[int, ...], bias_shape: tuple[int, ...] | None
+) -> None:
+    """Creates `layer.kernel` and `layer.bias` (or registers no bias) with the
+    layer's initializers, regularizers and constraints."""
+    layer.kernel = layer.add_weight(
+        shape=kernel_shape,
+        initializer=layer.kernel_initializer,
+        regularizer=layer.kernel_regularizer,
+        constraint=layer.kernel_constraint,
+        name="kernel",
+    )
+    if bias_shape is None:
+        layer.register_parameter("bias", None)
+        return
+    layer.bias = layer.add_weight(
+        shape=bias_shape,
+        initializer=layer.bias_initializer,
+        regularizer=layer.bias_regularizer,
+        constraint=layer.bias_constraint,
+        name="bias",
+    )

@@ -9,7 +9,11 @@ import torch.nn.functional as F
 
 from dtype_policies import activations
 from dtype_policies._casting import LinearCastCache
-from dtype_policies.layers._weight_arguments import kernel_bias_config, set_kernel_bias_arguments
+from dtype_policies.layers._weight_arguments import (
+    add_kernel_and_bias,
+    kernel_bias_config,
+    set_kernel_bias_arguments,
+)
 from dtype_policies.quantization.layer_support import QuantizableLayer
 from dtype_policies.quantization.linear import LinearQuantization
 
@@ -87,23 +91,9 @@ class Dense(QuantizableLayer):
                 f"Dense layer '{self.name}' needs inputs with a known last axis. "
                 f"Received input_shape={input_shape}"
             )
-        self.kernel = self.add_weight(
-            shape=(input_shape[-1], self.units),
-            initializer=self.kernel_initializer,
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
-            name="kernel",
+        add_kernel_and_bias(
+            self, (input_shape[-1], self.units), (self.units,) if self.use_bias else None
         )
-        if self.use_bias:
-            self.bias = self.add_weight(
-                shape=(self.units,),
-                initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint,
-                name="bias",
-            )
-        else:
-            self.register_parameter("bias", None)
 
     _supported_quantization_modes = ("int8", "int4", "float8")
 

@@ -10,7 +10,11 @@ from typing import Any
 import torch
 
 from dtype_policies import activations
-from dtype_policies.layers._weight_arguments import kernel_bias_config, set_kernel_bias_arguments
+from dtype_policies.layers._weight_arguments import (
+    add_kernel_and_bias,
+    kernel_bias_config,
+    set_kernel_bias_arguments,
+)
 from dtype_policies.quantization import float8
 from dtype_policies.quantization.layer_support import QuantizableLayer
 from dtype_policies.quantization.linear import LinearQuantization
@@ -217,23 +221,7 @@ class EinsumDense(QuantizableLayer):
             tuple(input_shape), self.partial_output_shape, self.bias_axes
         )
         self.full_output_shape = full
-        self.kernel = self.add_weight(
-            shape=kernel_shape,
-            initializer=self.kernel_initializer,
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
-            name="kernel",
-        )
-        if bias_shape is not None:
-            self.bias = self.add_weight(
-                shape=bias_shape,
-                initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint,
-                name="bias",
-            )
-        else:
-            self.register_parameter("bias", None)
+        add_kernel_and_bias(self, kernel_shape, bias_shape)
 
     _supported_quantization_modes = ("int8", "int4", "float8")
 

@@ -27,6 +27,7 @@ from dtype_policies._casting import (
     cast_inputs,
     cast_weight,
     current_scope,
+    first_tensor,
     scope_for_call,
     warn_if_cpu_float16,
 )
@@ -65,18 +66,6 @@ def _shape_of(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         shapes = [_shape_of(item) for item in value]
         return type(value)(*shapes) if hasattr(value, "_fields") else type(value)(shapes)
-    return None
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(items, (list, tuple)) or isinstance(value, dict):
-        for item in items:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
     return None
 
 
@@ -336,9 +325,7 @@ class Layer(torch.nn.Module):
         return (), shapes
 
     def _build_on_first_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        first = _first_tensor(args) if args else None
-        if first is None:
-            first = _first_tensor(kwargs)
+        first = first_tensor((args, kwargs))
         self._build_device = first.device if first is not None else None
         shape_args, shape_kwargs = self._build_shapes(args, kwargs)
         self.build(*shape_args, **shape_kwargs)
@@ -621,7 +608,7 @@ class Layer(torch.nn.Module):
             self._refresh_policy_state()
         args, kwargs = cast_inputs(args, kwargs, self._input_cast_dtype)
         if self._check_cpu_float16:
-            first = _first_tensor(args) if args else _first_tensor(kwargs)
+            first = first_tensor((args, kwargs))
             if first is not None:
                 warn_if_cpu_float16(first.device)
         scope = (
