@@ -215,7 +215,7 @@ def test_apply_policy_with_quantized_policy_quantizes_and_never_breaks_others():
         nn.Embedding(20, 32),
         nn.Linear(32, 32),
         nn.LayerNorm(32),
-        nn.Conv1d(3, 3, 1) if False else nn.Identity(),
+        nn.Identity(),
         nn.Linear(32, 8),
     )
     ids = torch.randint(0, 20, (2, 5))
