@@ -1,12 +1,4 @@
-"""Shared pytest set-up: every test (doctests included) starts from the float32 default.
-
-Quantization epilogues run eagerly in tests (compiling them takes seconds per
-shape); `tests/test_quantization_kernels.py` turns compilation on explicitly.
-"""
-
-import os
-
-os.environ.setdefault("DTYPE_POLICIES_COMPILE", "0")
+"""Shared pytest set-up: every test (doctests included) starts from the float32 default."""
 
 import pytest
 import torch

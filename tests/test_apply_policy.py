@@ -411,26 +411,28 @@ def test_bert_from_config_close_to_float32():
 
 def test_weight_cache_keeps_copies_until_parameters_change():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))  # 90k > small limit
-    apply_policy(model, "mixed_bfloat16", weight_cache=True)
+    model = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
+    apply_policy(model, "mixed_bfloat16")
     x = torch.randn(2, 300)
     with torch.no_grad():
         first = model(x)
-        cached = model[0].__dict__["_dp_linear_cache"].casts[0]
+        cached = model[0].__dict__["_dp_casts"].entries["weight"][-1]
+        assert cached.dtype == torch.bfloat16
         model(x)
-        assert model[0].__dict__["_dp_linear_cache"].casts[0] is cached  # no recast
+        assert model[0].__dict__["_dp_casts"].entries["weight"][-1] is cached  # no recast
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(x).float().sum().backward()
     assert model[0].weight.grad.dtype == torch.float32
     optimizer.step()
     with torch.no_grad():
         after = model(x)
+        assert model[0].__dict__["_dp_casts"].entries["weight"][-1] is not cached  # recast
     assert not torch.equal(first, after)
     reference = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
     reference.load_state_dict(model.state_dict())
     torch.testing.assert_close(after.float(), reference(x), atol=0.05, rtol=0.05)
-    default = nn.Sequential(nn.Linear(300, 300))
-    apply_policy(default, "mixed_bfloat16")
+    uncached = nn.Sequential(nn.Linear(300, 300))
+    apply_policy(uncached, "mixed_bfloat16", weight_cache=False)
     with torch.no_grad():
-        default(x)
-    assert default[0].__dict__["_dp_linear_cache"].casts == ()  # large weights are not kept
+        uncached(x)
+    assert uncached[0].__dict__["_dp_casts"].entries == {}  # nothing kept

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import dtype_policies
-from dtype_policies import DTypePolicyMap, layers, saving
-from dtype_policies._casting import CPUFloat16Warning
+from dtype_policies import CPUFloat16Warning, DTypePolicyMap, layers, saving
 from dtype_policies.layers.einsum_dense import EinsumSpec
 
 

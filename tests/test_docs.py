@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dtype_policies._casting import CPUFloat16Warning
+from dtype_policies import CPUFloat16Warning
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import dtype_policies
-from dtype_policies import DTypePolicy, DTypePolicyMap, layers, mixed_precision
-from dtype_policies._casting import CPUFloat16Warning
+from dtype_policies import CPUFloat16Warning, DTypePolicy, DTypePolicyMap, layers, mixed_precision
 from dtype_policies.layers import Dense, Layer
 
 
@@ -380,9 +379,9 @@ def test_quantized_policy_on_unquantizable_layer_computes_with_source():
 
 
 def test_cpu_float16_warns_once(monkeypatch):
-    from dtype_policies import _casting
+    from dtype_policies._core import cpu_float16
 
-    monkeypatch.setattr(_casting, "_warned_cpu_float16", False)
+    monkeypatch.setattr(cpu_float16, "_warned", False)
     layer = Dense(2, dtype="mixed_float16")
     with pytest.warns(CPUFloat16Warning, match="bfloat16"):
         layer(torch.ones(1, 2))

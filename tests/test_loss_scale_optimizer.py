@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 
 import dtype_policies
-from dtype_policies import DTypePolicy, DTypePolicyMap, apply_policy, layers
-from dtype_policies._casting import CPUFloat16Warning
+from dtype_policies import CPUFloat16Warning, DTypePolicy, DTypePolicyMap, apply_policy, layers
 from dtype_policies.optimizers import LossScaleOptimizer, maybe_wrap
 
 INF = float("inf")

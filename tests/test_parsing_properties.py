@@ -6,8 +6,7 @@ import pickle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtype_policies import deserialize, get, serialize
-from dtype_policies.policy_map import DTypePolicyMap
+from dtype_policies import DTypePolicyMap, deserialize, get, serialize
 
 PIECES = st.sampled_from(
     [

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from dtype_policies.quantization import kernels
-from dtype_policies.quantization.quantizers import (
+from dtype_policies.quantization.kernels import epilogues
+from dtype_policies.quantization.kernels import int4 as int4_kernels
+from dtype_policies.quantization.kernels import int8 as int8_kernels
+from dtype_policies.quantizers import (
     abs_max_quantize,
     dequantize_grouped,
     grouped_quantize_with_zero_point,
@@ -13,14 +15,20 @@ from dtype_policies.quantization.quantizers import (
 
 @pytest.fixture
 def compiled_epilogues():
-    kernels.set_compile_epilogues(True)
+    epilogues.set_compile_epilogues(True)
     yield
-    kernels.set_compile_epilogues(False)
+    epilogues.set_compile_epilogues(False)
 
 
 def _int8_reference(x, q_nk, scale, bias):
     xq, xs = abs_max_quantize(x, axis=-1)
     return (xq.float() @ q_nk.float().t()) / (xs * scale) + bias
+
+
+def _runtime(q_nk, scale, prepack=True):
+    runtime = int8_kernels.Int8Runtime()
+    runtime.refresh(q_nk, scale, lambda data: data, prepack)
+    return runtime
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])  # below and above the oneDNN threshold
@@ -31,44 +39,54 @@ def test_int8_linear_paths_are_exact(rows):
     scale = scale[:, 0]
     bias = torch.randn(96)
     x = torch.randn(rows, 80)
-    runtime = kernels.Int8Runtime()
-    out = kernels.int8_linear(x, q, 1 / scale, bias, torch.float32, runtime)
+    runtime = _runtime(q, scale)
+    out = int8_kernels.int8_linear(x, runtime, bias, torch.float32)
     torch.testing.assert_close(out, _int8_reference(x, q, scale, bias), atol=1e-4, rtol=1e-5)
-    assert (runtime.packed is not None) == kernels._onednn_available()
+    assert (runtime.packed is not None) == int8_kernels._onednn_available()
 
 
-def test_int8_linear_3d_input_and_bfloat16_output():
+def test_int8_linear_bfloat16_output_and_empty_batch():
     weight = torch.randn(32, 24)
     q, scale = abs_max_quantize(weight, axis=1)
-    x = torch.randn(2, 20, 24)
-    out = kernels.int8_linear(
-        x.bfloat16(), q, 1 / scale[:, 0], None, torch.bfloat16, kernels.Int8Runtime()
-    )
-    assert out.shape == (2, 20, 32) and out.dtype == torch.bfloat16
-    reference = _int8_reference(x.bfloat16().float().reshape(-1, 24), q, scale[:, 0], 0)
-    torch.testing.assert_close(out.float().reshape(-1, 32), reference, atol=0.05, rtol=0.02)
+    x = torch.randn(40, 24)
+    runtime = _runtime(q, scale[:, 0])
+    out = int8_kernels.int8_linear(x.bfloat16(), runtime, None, torch.bfloat16)
+    assert out.shape == (40, 32) and out.dtype == torch.bfloat16
+    reference = _int8_reference(x.bfloat16().float(), q, scale[:, 0], 0)
+    torch.testing.assert_close(out.float(), reference, atol=0.05, rtol=0.02)
+    empty = int8_kernels.int8_linear(x[:0], runtime, None, torch.float32)
+    assert empty.shape == (0, 32)
 
 
 def test_int8_runtime_follows_weight_changes():
     q = torch.randint(-127, 128, (16, 32), dtype=torch.int8)
     scale = torch.rand(16) + 0.5
-    runtime = kernels.Int8Runtime()
     x = torch.randn(20, 32)
-    first = kernels.int8_linear(x, q, 1 / scale, None, torch.float32, runtime)
+    runtime = _runtime(q, scale)
+    first = int8_kernels.int8_linear(x, runtime, None, torch.float32)
     q.mul_(-1)
-    second = kernels.int8_linear(x, q, 1 / scale, None, torch.float32, runtime)
+    runtime.refresh(q, scale, lambda data: data, True)
+    second = int8_kernels.int8_linear(x, runtime, None, torch.float32)
     torch.testing.assert_close(second, -first)
 
 
 @pytest.mark.parametrize(
-    ("rows", "dtype"),
-    [(1, torch.bfloat16), (4, torch.bfloat16), (64, torch.bfloat16), (3, torch.float32)],
+    ("rows", "dtype", "k"),
+    [
+        (1, torch.bfloat16, 64),
+        (4, torch.bfloat16, 64),
+        (64, torch.bfloat16, 64),
+        (3, torch.float32, 64),
+        (2, torch.bfloat16, 17),  # shapes the packed kernel does not take
+        (5, torch.bfloat16, 100),
+    ],
 )
-def test_int8_weight_only(rows, dtype):
-    weight = torch.randn(48, 64)
+def test_int8_weight_only(rows, dtype, k):
+    weight = torch.randn(48, k)
     q, scale = abs_max_quantize(weight, axis=1)
-    x = torch.randn(rows, 64).to(dtype)
-    out = kernels.int8_weight_only_linear(x, q, 1 / scale[:, 0], torch.ones(48), dtype)
+    x = torch.randn(rows, k).to(dtype)
+    runtime = _runtime(q, scale[:, 0], prepack=False)
+    out = int8_kernels.int8_weight_only_linear(x, runtime, torch.ones(48), dtype)
     reference = x.float() @ (q.float() / scale).t() + 1
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=0.02)
@@ -83,27 +101,27 @@ def test_int4_kernel_and_fallback_agree(n, k, block):
     q, scale, zero = grouped_quantize_with_zero_point(w_kn, block)
     dense = dequantize_grouped(q, scale, zero, block)  # (K, N)
     x = torch.randn(3, k)
-    runtime = kernels.Int4Runtime()
-    out = kernels.int4_linear(
-        x.bfloat16(), lambda: q.t(), (q,), scale, zero, block, n, None, torch.bfloat16, runtime
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q.t(), scale, zero, block, (q,))
+    out = int4_kernels.int4_linear(
+        x.bfloat16(), q.t(), scale, zero, block, None, torch.bfloat16, runtime
     )
     kernel_applies = n % 16 == 0 and block in (32, 64, 128, 256) and k % block == 0
     assert (runtime.packed is not None) == kernel_applies
     reference = x.bfloat16().float() @ dense
     assert ((out.float() - reference).norm() / reference.norm()).item() < 0.01
-    exact = kernels.int4_linear(
-        x, lambda: q.t(), (q,), scale, zero, block, n, None, torch.float32, kernels.Int4Runtime()
-    )
+    exact = int4_kernels.int4_linear(x, q.t(), scale, zero, block, None, torch.float32, runtime)
     torch.testing.assert_close(exact, x @ dense, atol=1e-4, rtol=1e-4)
 
 
 def test_int4_per_channel_kernel():
     w = torch.randn(64, 96) * 0.05
     q, scale = abs_max_quantize(w, axis=1, value_range=(-8, 7))
-    runtime = kernels.Int4Runtime()
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q, scale[:, 0], None, -1, (q,))
     x = torch.randn(2, 96)
-    out = kernels.int4_linear(
-        x.bfloat16(), lambda: q, (q,), scale[:, 0], None, -1, 64, None, torch.bfloat16, runtime
+    out = int4_kernels.int4_linear(
+        x.bfloat16(), None, scale[:, 0], None, -1, None, torch.bfloat16, runtime
     )
     assert runtime.packed is not None and runtime.group_size == 32
     reference = x @ (q.float() / scale).t()
@@ -116,9 +134,7 @@ def test_compiled_epilogues_match_eager(compiled_epilogues):
     q, scale = abs_max_quantize(weight, axis=1)
     x = torch.randn(32, 64)
     bias = torch.randn(64)
-    compiled = kernels.int8_linear(
-        x, q, 1 / scale[:, 0], bias, torch.float32, kernels.Int8Runtime()
-    )
-    kernels.set_compile_epilogues(False)
-    eager = kernels.int8_linear(x, q, 1 / scale[:, 0], bias, torch.float32, kernels.Int8Runtime())
+    compiled = int8_kernels.int8_linear(x, _runtime(q, scale[:, 0]), bias, torch.float32)
+    epilogues.set_compile_epilogues(False)
+    eager = int8_kernels.int8_linear(x, _runtime(q, scale[:, 0]), bias, torch.float32)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

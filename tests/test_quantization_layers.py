@@ -53,14 +53,16 @@ def test_dense_every_mode(mode, policy, units, input_shape, use_bias):
     assert layer.quantization_mode == mode
     state = layer.state_dict()
     if mode == "int8":
-        assert state["kernel"].dtype == torch.int8
-        assert tuple(state["kernel"].shape) == (input_shape[-1], units)
+        assert "kernel" not in state  # never a key a float checkpoint also has
+        assert state["kernel_int8"].dtype == torch.int8
+        assert tuple(state["kernel_int8"].shape) == (input_shape[-1], units)
         assert state["kernel_scale"].dtype == torch.float32 and state["kernel_scale"].shape == (
             units,
         )
     elif mode == "int4":
-        assert state["kernel"].dtype == torch.int8
-        assert tuple(state["kernel"].shape) == (input_shape[-1], (units + 1) // 2)
+        assert "kernel" not in state
+        assert state["kernel_int4"].dtype == torch.int8
+        assert tuple(state["kernel_int4"].shape) == (input_shape[-1], (units + 1) // 2)
         groups = -(-input_shape[-1] // 128)
         assert tuple(state["kernel_scale"].shape) == (groups, units)
         assert state["kernel_zero"].dtype == torch.int8
@@ -126,8 +128,11 @@ def test_embedding_modes(mode, policy):
     out = layer(ids)
     assert out.dtype == layer.dtype_policy.torch_compute_dtype and out.shape == (3, 7, 48)
     assert relative_error(out, reference) < TOLERANCE[mode]
-    assert layer.embeddings.dtype == torch.int8
-    expected = (100,) if mode == "int8" else (100, 1)
+    assert layer.embeddings.dtype == torch.int8  # Keras: the quantized integer values
+    assert tuple(layer.embeddings.shape) == (100, 48)
+    # Grouped scales are (groups, rows) for every weight kind, so a table tied
+    # to an LM head stores the same tensors as the head.
+    expected = (100,) if mode == "int8" else (1, 100)
     assert tuple(layer.embeddings_scale.shape) == expected
 
 
@@ -185,9 +190,14 @@ def test_torch_embedding(mode):
     embedding = nn.Embedding(50, 64)
     ids = torch.randint(0, 50, (2, 9))
     reference = embedding(ids)
+    reference_table = embedding.weight.detach().clone()
     quantize(embedding, mode)
     assert relative_error(embedding(ids), reference) < TOLERANCE[mode]
-    assert embedding.weight.dtype == torch.int8
+    assert getattr(embedding, f"weight_{mode}").dtype == torch.int8
+    assert "weight" not in embedding.state_dict()
+    # The weight attribute reads as the dequantized table (for code reading it).
+    assert embedding.weight.dtype == torch.float32
+    assert relative_error(embedding.weight, reference_table) < TOLERANCE[mode]
 
 
 def test_quantize_composes_with_apply_policy_and_computes_in_bfloat16():
@@ -221,7 +231,7 @@ def test_apply_policy_with_quantized_policy_quantizes_and_never_breaks_others():
     ids = torch.randint(0, 20, (2, 5))
     reference = model(ids)
     handle = apply_policy(model, "int8_from_mixed_bfloat16")
-    assert model[1].weight.dtype == torch.int8 and model[0].weight.dtype == torch.int8
+    assert model[1].weight_int8.dtype == torch.int8 and model[0].weight_int8.dtype == torch.int8
     assert handle.policies["2"].name == "float32"  # the norm island
     out = model(ids)
     assert out.dtype == torch.bfloat16

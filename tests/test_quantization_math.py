@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtype_policies.quantization.quantizers import (
+from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
     FLOAT8_E5M2_MAX,
     abs_max_quantize,

@@ -226,7 +226,9 @@ def test_get_errors(identifier, error, message):
 
 
 def test_private_parser_errors_match_keras_wording():
-    from dtype_policies.policies import _parse_quantized_policy_name
+    from dtype_policies.policies.names import (
+        parse_quantized_policy_name as _parse_quantized_policy_name,
+    )
 
     with pytest.raises(TypeError, match=r"must be a string\."):
         _parse_quantized_policy_name(12)

@@ -6,25 +6,39 @@ per layer) for PyTorch.
 'bfloat16'
 """
 
-from dtype_policies import config, layers, mixed_precision, optimizers, quantization, saving
+from dtype_policies import (
+    config,
+    layers,
+    mixed_precision,
+    optimizers,
+    policies,
+    quantization,
+    quantizers,
+    saving,
+)
+from dtype_policies._core.cpu_float16 import CPUFloat16Warning
+from dtype_policies._core.weight_casts import clear_cast_caches
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
     QUANTIZATION_MODES,
     DTypePolicy,
+    DTypePolicyMap,
     FloatDTypePolicy,
     Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
+    deserialize,
+    get,
+    serialize,
 )
-from dtype_policies.policy_map import DTypePolicyMap
-from dtype_policies.quantization.api import quantize
-from dtype_policies.serialization import deserialize, get, serialize
+from dtype_policies.quantization import quantize
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "QUANTIZATION_MODES",
+    "CPUFloat16Warning",
     "DTypePolicy",
     "DTypePolicyMap",
     "FloatDTypePolicy",
@@ -33,6 +47,7 @@ __all__ = [
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
     "apply_policy",
+    "clear_cast_caches",
     "config",
     "deserialize",
     "dtype_policy",
@@ -40,9 +55,11 @@ __all__ = [
     "layers",
     "mixed_precision",
     "optimizers",
+    "policies",
     "policy_scope",
     "quantization",
     "quantize",
+    "quantizers",
     "saving",
     "serialize",
     "set_dtype_policy",

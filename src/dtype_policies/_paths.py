@@ -22,3 +22,11 @@ def named_module_paths(
     """
     for dotted, module in root.named_modules():
         yield join(root_path, dotted.replace(".", "/")), module
+
+
+def root_path_of(module: torch.nn.Module) -> str:
+    """The path a model's root has: a named layer's path (or name), else `""`."""
+    if not hasattr(module, "built"):  # not one of this library's layers
+        return ""
+    path, name = getattr(module, "path", None), getattr(module, "name", None)
+    return path if isinstance(path, str) else name if isinstance(name, str) else ""

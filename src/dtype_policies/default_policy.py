@@ -8,23 +8,14 @@ asyncio task only, so concurrent code never sees another scope's policy.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
-from dtype_policies.policies import DTypePolicy
-
-_global_policy: DTypePolicy | None = None
-_scoped_policy: contextvars.ContextVar[DTypePolicy | None] = contextvars.ContextVar(
-    "dtype_policies_scoped_policy", default=None
-)
+from dtype_policies.policies import DTypePolicy, _default_state, default_policy, get
 
 
-def _to_policy(policy: Any) -> DTypePolicy:
-    from dtype_policies.serialization import get
-
+def _to_policy(policy: object) -> DTypePolicy:
     if isinstance(policy, DTypePolicy):
         return policy
     if isinstance(policy, (str, torch.dtype)):
@@ -49,8 +40,7 @@ def set_dtype_policy(policy: DTypePolicy | str | torch.dtype) -> None:
     <DTypePolicy "mixed_bfloat16">
     >>> dtype_policies.set_dtype_policy("float32")
     """
-    global _global_policy
-    _global_policy = _to_policy(policy)
+    _default_state.process_default = _to_policy(policy)
 
 
 def dtype_policy() -> DTypePolicy:
@@ -61,13 +51,7 @@ def dtype_policy() -> DTypePolicy:
     >>> dtype_policies.dtype_policy()
     <DTypePolicy "float32">
     """
-    scoped = _scoped_policy.get()
-    if scoped is not None:
-        return scoped
-    global _global_policy
-    if _global_policy is None:
-        _global_policy = DTypePolicy("float32")
-    return _global_policy
+    return default_policy()
 
 
 @contextlib.contextmanager
@@ -85,8 +69,8 @@ def policy_scope(policy: DTypePolicy | str | torch.dtype) -> Iterator[DTypePolic
     'float32'
     """
     resolved = _to_policy(policy)
-    token = _scoped_policy.set(resolved)
+    token = _default_state.scoped_default.set(resolved)
     try:
         yield resolved
     finally:
-        _scoped_policy.reset(token)
+        _default_state.scoped_default.reset(token)

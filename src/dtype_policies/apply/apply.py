@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from dtype_policies._paths import named_module_paths
-from dtype_policies.apply import policy_module
+from dtype_policies._core import policy_module
+from dtype_policies._core.compose import original_class
+from dtype_policies._dtypes import is_float_dtype
+from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.layers.layer import Layer
 from dtype_policies.policies import DTypePolicy
-from dtype_policies.policy_map import DTypePolicyMap
-from dtype_policies.serialization import get as get_policy
+from dtype_policies.policies import get as get_policy
+from dtype_policies.quantization import attach
+from dtype_policies.quantization.kinds import kind_of
 
 _FLOAT32 = DTypePolicy("float32")
 
@@ -41,17 +45,22 @@ _GATHER_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 Float32Rule = type[torch.nn.Module] | str | Callable[[str, torch.nn.Module], bool]
 
 
-def _is_float32_module(path: str, module: torch.nn.Module, rules: Iterable[Float32Rule]) -> bool:
+def _matches(path: str, module: torch.nn.Module, rules: Iterable[Float32Rule]) -> bool:
+    cls = original_class(module)
     for rule in rules:
         if isinstance(rule, type):
-            if isinstance(module, rule):
+            if issubclass(cls, rule):
                 return True
         elif isinstance(rule, str):
-            if type(module).__name__.endswith(rule):
+            if cls.__name__.endswith(rule):
                 return True
         elif rule(path, module):
             return True
     return False
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return _matches("", module, (*DEFAULT_FLOAT32_MODULES, "Norm"))
 
 
 @dataclass
@@ -61,30 +70,55 @@ class PolicyHandle:
     Attributes:
         policies: `{path: policy}` for every module the policy was applied to.
         float32_paths: Paths kept in float32 as normalization islands.
+        quantized_paths: Paths this application quantized.
     """
 
     module: torch.nn.Module = field(repr=False)
     policies: dict[str, DTypePolicy] = field(default_factory=dict)
     float32_paths: list[str] = field(default_factory=list)
-    _installed: list[torch.nn.Module] = field(default_factory=list, repr=False)
-    _layers: list[tuple[Layer, Any, str | None]] = field(default_factory=list, repr=False)
+    quantized_paths: list[str] = field(default_factory=list)
+    _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
+    _layers: list[Layer] = field(default_factory=list, repr=False)
+    _quantized: list[tuple[str, torch.nn.Module]] = field(default_factory=list, repr=False)
     _token: object = field(default_factory=object, repr=False)
     removed: bool = False
 
     def remove(self) -> None:
-        """Restores every module exactly as it was before `apply_policy`."""
+        """Undoes this application: every module computes as before it.
+
+        Float policies and float8 are undone exactly (float8 kept the float
+        weight). Modules this application quantized to int8 or int4 stay
+        quantized, since their float weights were replaced; a warning names
+        them.
+        """
         if self.removed:
             return
-        for module in self._installed:
-            if module.__dict__.get("_dp_token") is self._token:
-                policy_module.uninstall(module)
-        for layer, policy, path in self._layers:
-            layer._dtype_policy = policy
-            layer._path = path
-            layer._refresh_policy_state()
+        kept = []
+        for path, module in self._quantized:
+            if attach.quantization_of(module) is not None and (
+                attach.quantization_of(module).scheme.keeps_float_weight
+            ):
+                attach.detach_float8(module)
+                if isinstance(module, Layer):
+                    module.quantization_config = None
+            else:
+                kept.append(path or "(root)")
+        for module in self._modules:
+            policy_module.uninstall(module, self._token)
+        for layer in self._layers:
+            layer._pop_policy(self._token)
         if self.module.__dict__.get("_dp_handle") is self:
             del self.module.__dict__["_dp_handle"]
         self.removed = True
+        if kept:
+            warnings.warn(
+                f"PolicyHandle.remove(): {len(kept)} module(s) quantized by this application "
+                f"stay quantized (their float weights were replaced): {kept[:5]}"
+                f"{' ...' if len(kept) > 5 else ''}. Reload them from a float checkpoint "
+                "to undo the quantization.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> PolicyHandle:
         return self
@@ -93,13 +127,21 @@ class PolicyHandle:
         self.remove()
 
 
+@dataclass
+class _Step:
+    path: str
+    module: torch.nn.Module
+    policy: DTypePolicy
+    island: bool
+
+
 def apply_policy(
     module: torch.nn.Module,
     policy: Any,
     *,
     float32_modules: Iterable[Float32Rule] | None = None,
     cast_buffers: bool = True,
-    weight_cache: bool = False,
+    weight_cache: bool = True,
 ) -> PolicyHandle:
     """Makes every submodule of `module` compute by a dtype policy.
 
@@ -114,10 +156,13 @@ def apply_policy(
     are untouched, and gradients arrive in the parameters' dtype.
 
     Normalization layers run in float32 by default (statistics in float32,
-    outputs handed back in the caller's dtype); a map entry that matches one
-    explicitly overrides this. Embedding tables are read in their own dtype
-    and the looked-up rows are cast. `torch.compile` traces the installed
-    machinery without graph breaks.
+    outputs handed back in the caller's dtype); whatever their policy, their
+    own parameters and running statistics are never cast (they keep updating
+    in float32). Embedding tables are read in their own dtype and the
+    looked-up rows are cast. Quantized policies (`"int8_from_mixed_bfloat16"`,
+    ...) quantize the modules that support their mode; the others compute
+    with the policy's float source. `torch.compile` traces all of it without
+    graph breaks.
 
     Args:
         module: The model.
@@ -127,18 +172,18 @@ def apply_policy(
             `(path, module) -> bool`. Defaults to `DEFAULT_FLOAT32_MODULES`
             plus any class whose name ends with `"Norm"`. Pass `()` for none.
         cast_buffers: Whether floating buffers are read in the compute dtype
-            too (never for float32 islands).
-        weight_cache: Keep a compute-dtype copy of every weight between calls,
-            refreshed whenever the parameter changes (an optimizer step,
-            `load_state_dict`, any in-place edit). Repeated inference calls
-            then cast nothing; the cost is the copies' memory (half the
-            float32 weights' bytes for bfloat16). Without it only small
-            weights (up to 65,536 elements) are kept, and a second copy of the
-            model's weights never persists.
+            too (never for float32 islands and normalization layers).
+        weight_cache: Keep the compute-dtype copy of a weight between calls
+            when that copy carries no autograd graph (inference, frozen
+            weights), until the weight changes. It costs the copies' memory
+            (half the float32 weights' bytes for bfloat16) and saves a cast of
+            every weight in every inference call; `False` casts in every call.
 
     Returns:
-        A `PolicyHandle`; `handle.remove()` restores the model exactly.
-        Applying a policy again replaces the previous application.
+        A `PolicyHandle`; `handle.remove()` undoes the application. Applying
+        a policy again to the same module replaces the previous application;
+        applications to a submodule and to its parent nest (the latest wins
+        where they overlap, and removing it brings back the one below).
 
     >>> import torch
     >>> import dtype_policies
@@ -170,72 +215,129 @@ def apply_policy(
                 "float32_modules entries must be module classes, class-name suffixes or "
                 f"callables (path, module) -> bool. Received: {rule!r}"
             )
-    root_path = (module.path or module.name) if isinstance(module, Layer) else ""
 
-    # Resolve everything first, so that an error (an ambiguous map key, ...)
-    # leaves the model untouched.
-    plan = []
-    for path, submodule in named_module_paths(module, root_path):
-        if isinstance(policy, DTypePolicyMap):
-            explicit = policy.matching_key(path) is not None
-            resolved = policy[path]
-        else:
-            explicit, resolved = False, policy
-        island = not explicit and _is_float32_module(path, submodule, rules)
-        plan.append((path, submodule, _FLOAT32 if island else resolved, island))
+    # Plan everything first, so that an error leaves the model untouched.
+    steps, used_keys = _plan_policies(module, policy, rules)
+    plans = _plan_quantization(steps)
+    if policy.is_map:
+        for key in policy:
+            if key not in used_keys:
+                warnings.warn(
+                    f"apply_policy(): the DTypePolicyMap key {key!r} matches no module path "
+                    f"(paths look like {_example_paths(steps)}; they use '/' between names).",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     previous = module.__dict__.get("_dp_handle")
     if previous is not None:
         previous.remove()
     handle = PolicyHandle(module)
-    for path, submodule, resolved, island in plan:
-        handle.policies[path] = resolved
-        if island:
-            handle.float32_paths.append(path)
-        if isinstance(submodule, Layer):
-            handle._layers.append((submodule, submodule._dtype_policy, submodule._path))
-            submodule._path = path or submodule.name
-            submodule._dtype_policy = resolved
-            submodule._refresh_policy_state()
+    for step in steps:
+        handle.policies[step.path] = step.policy
+        if step.island:
+            handle.float32_paths.append(step.path)
+        if isinstance(step.module, Layer):
+            step.module._push_policy(handle._token, step.policy, step.path or step.module.name)
+            handle._layers.append(step.module)
             continue
-        if policy_module.is_policy_module(submodule):  # from an earlier application
-            policy_module.uninstall(submodule)
-        policy_module.install(
-            submodule,
-            resolved,
-            token=handle._token,
-            island=island,
-            half_passthrough=island and isinstance(submodule, _HALF_INPUT_NORMS),
-            gather_only=isinstance(submodule, _GATHER_MODULES),
+        options = policy_module.ModuleOptions(
+            policy=step.policy,
+            island=step.island,
+            half_inputs_ok=step.island
+            and issubclass(original_class(step.module), _HALF_INPUT_NORMS),
+            norm=_is_norm(step.module),
+            gather=issubclass(original_class(step.module), _GATHER_MODULES),
             cast_buffers=cast_buffers,
-            keep_casts=weight_cache,
+            weight_cache=weight_cache,
         )
-        handle._installed.append(submodule)
-    _quantize_by_policy(handle)
+        policy_module.install(step.module, handle._token, options)
+        handle._modules.append(step.module)
+    for plan in plans:
+        attach.commit(plan)
+        handle._quantized.append((plan.path, plan.module))
+        handle.quantized_paths.append(plan.path or "(root)")
     module.__dict__["_dp_handle"] = handle
     return handle
 
 
-def _quantize_by_policy(handle: PolicyHandle) -> None:
-    """Quantizes the modules whose policy is quantized and that support its mode
-    (the others compute with the policy's float source)."""
-    from dtype_policies.quantization import torch_modules
-    from dtype_policies.quantization.layer_support import QuantizableLayer
-    from dtype_policies.quantization.linear import default_config
+def _plan_policies(
+    module: torch.nn.Module, policy: DTypePolicy, rules: tuple
+) -> tuple[list[_Step], set[str]]:
+    steps, used_keys = [], set()
+    for path, submodule in named_module_paths(module, root_path_of(module)):
+        explicit = False
+        resolved = policy
+        if policy.is_map:
+            try:
+                key = policy.matching_key(path)
+            except ValueError as e:
+                raise ValueError(f"apply_policy(): {e}") from None
+            explicit = key is not None
+            if explicit:
+                used_keys.add(key)
+            resolved = policy[path]
+        if resolved.quantization_mode is None and not is_float_dtype(resolved.compute_dtype):
+            raise ValueError(
+                f"apply_policy(): the policy '{resolved.name}' for '{path or '(root)'}' "
+                f"computes in {resolved.compute_dtype}, which is not a floating dtype. To "
+                f"quantize weights, use a quantized policy such as "
+                f"'{resolved.name}_from_mixed_bfloat16', or call dtype_policies.quantize()."
+            )
+        _check_quantized(path, submodule, resolved)
+        island = not explicit and _matches(path, submodule, rules)
+        steps.append(_Step(path, submodule, _FLOAT32 if island else resolved, island))
+    return steps, used_keys
 
-    for layer, _, _ in handle._layers:
-        if isinstance(layer, QuantizableLayer):
-            layer._quantize_from_policy()
-    for submodule in handle._installed:
-        policy = submodule.__dict__["_dp_policy"]
-        mode = policy.quantization_mode
-        if mode is None or mode not in torch_modules.supported_modes(submodule):
-            continue
-        if torch_modules.is_quantized(submodule):
-            continue
-        torch_modules.quantize_module(
-            submodule,
-            mode,
-            default_config(mode, policy),
-            getattr(policy, "amax_history_length", 1024),
+
+def _check_quantized(path: str, module: torch.nn.Module, policy: DTypePolicy) -> None:
+    """A quantized module can take float policies (it computes with them) or a
+    quantized policy of its own mode and settings, nothing else."""
+    quantized = attach.quantization_of(module)
+    mode = policy.quantization_mode
+    if quantized is None or mode is None:
+        return
+    if mode != quantized.mode or policy.quantization_config != quantized.config:
+        raise ValueError(
+            f"apply_policy(): the module at '{path or '(root)'}' is quantized in mode "
+            f"'{quantized.mode}' ({quantized.config}); it cannot take the policy "
+            f"'{policy.name}' (mode '{mode}', {policy.quantization_config}). Apply a float "
+            "policy (it computes with it) or rebuild the model from a float checkpoint."
         )
+
+
+def _plan_quantization(steps: list[_Step]) -> list[attach.Plan]:
+    plans = []
+    for step in steps:
+        mode = step.policy.quantization_mode
+        kind = kind_of(step.module)
+        if mode is None or kind is None or mode not in kind.modes:
+            continue
+        if attach.quantization_of(step.module) is not None:
+            continue
+        config = step.policy.quantization_config
+        if isinstance(step.module, Layer):
+            existing = getattr(step.module, "quantization_config", None)
+            if existing is not None and existing.mode == mode:
+                config = existing
+        try:
+            plans.append(
+                attach.plan(
+                    step.module,
+                    config,
+                    path=step.path,
+                    type_check=False,
+                    kind=kind,
+                    source=step.policy.source_policy,
+                )
+            )
+        except NotImplementedError:
+            continue  # computes with the policy's float source
+        except ValueError as e:
+            raise ValueError(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
+    return plans
+
+
+def _example_paths(steps: list[_Step]) -> str:
+    paths = [step.path for step in steps if step.path][:3]
+    return ", ".join(repr(path) for path in paths) or "''"

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtype_policies._paths import named_module_paths
-from dtype_policies.layers.layer import Layer
+from dtype_policies._paths import named_module_paths, root_path_of
 
 
 @dataclass(frozen=True)
@@ -30,16 +29,14 @@ def _dtype_names(tensors: list[torch.Tensor]) -> str:
 
 def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
     """The rows of `summary(model)`, one per module, depth first."""
-    root_path = (model.path or model.name) if isinstance(model, Layer) else ""
+    root_path = root_path_of(model)
     rows = []
     for path, module in named_module_paths(model, root_path):
         own = [p for p in module._parameters.values() if p is not None]
         buffers = [b for b in module._buffers.values() if b is not None]
-        if isinstance(module, Layer):
-            resolved = module._resolve_policy()
-            policy, compute = resolved.name, resolved.compute_dtype
-        elif "_dp_policy" in module.__dict__:
-            resolved = module.__dict__["_dp_policy"]
+        state = module.__dict__.get("_dp_state")
+        if state is not None:
+            resolved = state.policy
             policy, compute = resolved.name, resolved.compute_dtype
         else:
             policy, compute = "-", _dtype_names(own)

@@ -15,6 +15,25 @@ from dtype_policies.layers.embedding import Embedding
 from dtype_policies.layers.layer import Layer
 from dtype_policies.layers.normalization import LayerNormalization
 from dtype_policies.layers.sequential import Sequential
+from dtype_policies.layers.serialization import (
+    BUILTIN_LAYERS,
+    deserialize_layer,
+    register_serializable,
+    serialize_layer,
+)
+
+for _cls in (
+    Activation,
+    Dense,
+    Dropout,
+    EinsumDense,
+    Embedding,
+    Layer,
+    LayerNormalization,
+    MultiHeadAttention,
+    Sequential,
+):
+    BUILTIN_LAYERS[_cls.__name__] = _cls
 
 __all__ = [
     "Activation",
@@ -26,4 +45,7 @@ __all__ = [
     "LayerNormalization",
     "MultiHeadAttention",
     "Sequential",
+    "deserialize_layer",
+    "register_serializable",
+    "serialize_layer",
 ]

@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import activations
-from dtype_policies._casting import LinearCastCache
+from dtype_policies._core.call import leaf_weights
+from dtype_policies.layers._quantizable import QuantizableLayer, register_layer_kind
 from dtype_policies.layers._weight_arguments import (
     add_kernel_and_bias,
     kernel_bias_config,
     set_kernel_bias_arguments,
 )
-from dtype_policies.quantization.layer_support import QuantizableLayer
-from dtype_policies.quantization.linear import LinearQuantization
+from dtype_policies.quantization.schemes import WeightSpec
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -80,10 +80,12 @@ class Dense(QuantizableLayer):
             bias_constraint=bias_constraint,
         )
         self._linear_activation = self.activation is activations.linear
+
+    @property
+    def _casts_own_weights(self) -> bool:
         # Dense's own `call` casts its weights itself (no autocast scope needed),
         # which keeps small layers cheap; a subclass's `call` gets the scope.
-        self._casts_own_weights = type(self).call is Dense.call
-        self._kernel_casts = LinearCastCache()
+        return type(self).call is Dense.call
 
     def build(self, input_shape: tuple[int, ...]) -> None:
         if not input_shape or input_shape[-1] is None:
@@ -95,29 +97,19 @@ class Dense(QuantizableLayer):
             self, (input_shape[-1], self.units), (self.units,) if self.use_bias else None
         )
 
-    _supported_quantization_modes = ("int8", "int4", "float8")
-
-    def _quantization_for(self, mode: str, config: Any) -> LinearQuantization:
-        in_features, units = self._parameters["kernel"].shape
-        return LinearQuantization(
-            mode, "kernel", "kn", in_features, units, config, self.history_length(config)
-        )
-
-    def _float_weight(self, quantization: LinearQuantization) -> torch.Tensor:
-        return self._parameters["kernel"]
-
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
-        quantization = self._quantization
-        if quantization is not None:
-            outputs = quantization.forward(
-                self, inputs, self.bias, self._compute_torch_dtype, self.training
-            )
-            return self.activation(outputs)
+        quantized = self._quantized
+        compute = self._call_state.compute
+        if quantized is not None:
+            bias = self._parameters["bias"]
+            if bias is not None and compute is not None:
+                bias = leaf_weights(self._dp_casts, bias, None, compute, "bias")[0]
+            outputs = quantized.linear(self, inputs, bias, compute)
+            return outputs if self._linear_activation else self.activation(outputs)
         if self._casts_own_weights:
             kernel, bias = self._parameters["kernel"], self._parameters["bias"]
-            compute = self._compute_torch_dtype
-            if self._autocast and compute is not None and kernel.dtype != compute:
-                kernel, bias = self._kernel_casts.get(kernel, bias, compute)
+            if self._autocast and compute is not None:
+                kernel, bias = leaf_weights(self._dp_casts, kernel, bias, compute, "kernel")
         else:
             kernel, bias = self.kernel, self.bias
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel
@@ -134,3 +126,19 @@ class Dense(QuantizableLayer):
             "use_bias": self.use_bias,
             **kernel_bias_config(self),
         }
+
+
+def _dense_spec(layer: Dense, mode: str) -> WeightSpec:
+    in_features, units = layer._parameters["kernel"].shape
+    return WeightSpec(
+        weight="kernel",
+        layout="in_out",
+        role="linear",
+        in_features=in_features,
+        out_features=units,
+        bias="bias" if layer._parameters.get("bias") is not None else None,
+        float_shape=(in_features, units),
+    )
+
+
+register_layer_kind(Dense, _dense_spec, ("int8", "int4", "float8"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -10,14 +11,13 @@ from typing import Any
 import torch
 
 from dtype_policies import activations
+from dtype_policies.layers._quantizable import QuantizableLayer, register_layer_kind
 from dtype_policies.layers._weight_arguments import (
     add_kernel_and_bias,
     kernel_bias_config,
     set_kernel_bias_arguments,
 )
-from dtype_policies.quantization import float8
-from dtype_policies.quantization.layer_support import QuantizableLayer
-from dtype_policies.quantization.linear import LinearQuantization
+from dtype_policies.quantization.schemes import WeightSpec
 
 _EQUATION = re.compile(
     r"^(\.\.\.)?([a-zA-Z]+)(\.\.\.)?,([a-zA-Z]+)->(\.\.\.)?([a-zA-Z]+)(\.\.\.)?$"
@@ -223,56 +223,23 @@ class EinsumDense(QuantizableLayer):
         self.full_output_shape = full
         add_kernel_and_bias(self, kernel_shape, bias_shape)
 
-    _supported_quantization_modes = ("int8", "int4", "float8")
-
-    def _quantization_for(self, mode: str, config: Any) -> LinearQuantization:
-        kernel_shape = tuple(self._parameters["kernel"].shape)
-        plan = self.spec.matmul_plan()
-        if plan is None:
-            if mode != "float8":
-                raise NotImplementedError(
-                    f"EinsumDense '{self.name}': the equation {self.equation!r} is not a "
-                    f"matrix product of the input's last axes, so mode '{mode}' is not "
-                    "supported for it (float8 is)."
-                )
-            in_features = out_features = 0
-        else:
-            permutation, reduced = plan
-            sizes = [kernel_shape[i] for i in permutation]
-            in_features = math.prod(sizes[:reduced])
-            out_features = math.prod(sizes[reduced:])
-        return LinearQuantization(
-            mode, "kernel", "kn", in_features, out_features, config, self.history_length(config)
-        )
-
-    def _float_weight(self, quantization: LinearQuantization) -> torch.Tensor:
-        permutation, _ = self.spec.matmul_plan()
-        kernel = self._parameters["kernel"].permute(permutation)
-        return kernel.reshape(quantization.in_features, quantization.out_features)
-
     def _quantized_call(self, inputs: torch.Tensor) -> torch.Tensor:
-        quantization = self._quantization
-        dtype = self._compute_torch_dtype
-        if quantization.mode == "float8":
-            outputs = float8.float8_contract(
-                self,
-                inputs,
-                self.kernel,
-                lambda a, w: torch.einsum(self.equation, a, w),
-                self.training,
-            ).to(dtype)
+        quantized = self._quantized
+        compute = self._call_state.compute
+        plan = self.spec.matmul_plan()
+        if plan is None:  # float8 on a general equation: its own contraction
+            outputs = quantized.linear(self, inputs, None, compute)
         else:
-            _, reduced = self.spec.matmul_plan()
-            lead = inputs.shape[: inputs.dim() - reduced]
-            flat = inputs.reshape(*lead, quantization.in_features)
-            outputs = quantization.forward(self, flat, None, dtype)
+            lead = inputs.shape[: inputs.dim() - plan[1]]
+            flat = inputs.reshape(*lead, quantized.spec.in_features)
+            outputs = quantized.linear(self, flat, None, compute)
             outputs = outputs.reshape(*lead, *self.full_output_shape[len(lead) :])
         if self.bias is not None:
             outputs = outputs + self.bias
         return self.activation(outputs)
 
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self._quantization is not None:
+        if self._quantized is not None:
             return self._quantized_call(inputs)
         outputs = torch.einsum(self.equation, inputs, self.kernel)
         if self.bias is not None:
@@ -289,3 +256,39 @@ class EinsumDense(QuantizableLayer):
             "bias_axes": self.bias_axes,
             **kernel_bias_config(self),
         }
+
+
+def _einsum_spec(layer: EinsumDense, mode: str) -> WeightSpec:
+    kernel_shape = tuple(layer._parameters["kernel"].shape)
+    plan = layer.spec.matmul_plan()
+    if plan is None:
+        if mode != "float8":
+            raise NotImplementedError(
+                f"EinsumDense '{layer.name}': the equation {layer.equation!r} is not a "
+                f"matrix product of the input's last axes, so mode '{mode}' is not "
+                "supported for it (float8 is)."
+            )
+        equation = layer.equation
+        return WeightSpec(
+            weight="kernel",
+            layout="in_out",
+            role="linear",
+            in_features=0,
+            out_features=0,
+            float_shape=kernel_shape,
+            contract=functools.partial(torch.einsum, equation),
+        )
+    permutation, reduced = plan
+    sizes = [kernel_shape[i] for i in permutation]
+    return WeightSpec(
+        weight="kernel",
+        layout="in_out",
+        role="linear",
+        in_features=math.prod(sizes[:reduced]),
+        out_features=math.prod(sizes[reduced:]),
+        float_shape=kernel_shape,
+        permutation=tuple(permutation),
+    )
+
+
+register_layer_kind(EinsumDense, _einsum_spec, ("int8", "int4", "float8"))

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import constraints, initializers, regularizers
+from dtype_policies.layers._quantizable import QuantizableLayer, register_layer_kind
 from dtype_policies.layers.dense import _check_positive_int
-from dtype_policies.quantization.embedding import EmbeddingQuantization
-from dtype_policies.quantization.layer_support import QuantizableLayer
+from dtype_policies.quantization.schemes import WeightSpec
 
 
 class Embedding(QuantizableLayer):
@@ -69,20 +69,13 @@ class Embedding(QuantizableLayer):
             return inputs.long()
         return inputs
 
-    _supported_quantization_modes = ("int8", "int4")
-
-    def _quantization_for(self, mode: str, config: Any) -> EmbeddingQuantization:
-        return EmbeddingQuantization(mode, "embeddings", self.input_dim, self.output_dim, config)
-
-    def _float_weight(self, quantization: EmbeddingQuantization) -> torch.Tensor:
-        return self._parameters["embeddings"]
-
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
-        quantization = self._quantization
-        if quantization is not None:
-            return quantization.lookup(self, inputs, self._compute_torch_dtype)
-        outputs = F.embedding(self._ids(inputs), self.embeddings)
-        return outputs.to(self._compute_torch_dtype)
+        compute = self._call_state.compute
+        quantized = self._quantized
+        if quantized is not None:
+            return quantized.lookup(self, inputs, compute)
+        outputs = F.embedding(self._ids(inputs), self._parameters["embeddings"])
+        return outputs if compute is None else outputs.to(compute)
 
     def compute_mask(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """`inputs != 0` when `mask_zero=True`, else `None`."""
@@ -99,3 +92,17 @@ class Embedding(QuantizableLayer):
             "embeddings_constraint": constraints.serialize(self.embeddings_constraint),
             "mask_zero": self.mask_zero,
         }
+
+
+def _embedding_spec(layer: Embedding, mode: str) -> WeightSpec:
+    return WeightSpec(
+        weight="embeddings",
+        layout="out_in",
+        role="embedding",
+        in_features=layer.output_dim,
+        out_features=layer.input_dim,
+        float_shape=(layer.input_dim, layer.output_dim),
+    )
+
+
+register_layer_kind(Embedding, _embedding_spec, ("int8", "int4"))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dtype_policies.layers.layer import Layer
+from dtype_policies.layers.serialization import deserialize_layer, serialize_layer
 
 
 def _accepts_training(module: torch.nn.Module) -> bool:
@@ -112,16 +113,12 @@ class Sequential(Layer):
         return outputs
 
     def get_config(self) -> dict[str, Any]:
-        from dtype_policies.saving import serialize_layer
-
         config = super().get_config()
         config["layers"] = [serialize_layer(layer) for layer in self.layers]
         return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Sequential:
-        from dtype_policies.saving import deserialize_layer
-
         config = dict(config)
         layers = [deserialize_layer(item) for item in config.pop("layers", [])]
         return super().from_config({**config, "layers": layers})

@@ -8,6 +8,7 @@
 (True, 32768.0)
 """
 
-from dtype_policies.optimizers.loss_scale_optimizer import LossScaleOptimizer, maybe_wrap
+from dtype_policies.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from dtype_policies.optimizers.maybe_wrap import maybe_wrap
 
 __all__ = ["LossScaleOptimizer", "maybe_wrap"]

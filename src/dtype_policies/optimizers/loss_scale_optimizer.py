@@ -8,7 +8,6 @@ update when any of them overflowed, and adapts the factor as Keras does.
 
 from __future__ import annotations
 
-import array
 import math
 import numbers
 from collections.abc import Callable
@@ -17,42 +16,12 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from dtype_policies.policies import DTypePolicy
-
-# Keras's base-optimizer arguments, accepted only at these (default) values so
-# that configs written for Keras's LossScaleOptimizer keep working.
-_KERAS_BASE_ARGUMENTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-_TORCH_HINTS = {
-    "clipnorm": "call `unscale_()` and then `torch.nn.utils.clip_grad_norm_` before `step()`",
-    "global_clipnorm": (
-        "call `unscale_()` and then `torch.nn.utils.clip_grad_norm_` before `step()`"
-    ),
-    "clipvalue": "call `unscale_()` and then `torch.nn.utils.clip_grad_value_` before `step()`",
-    "gradient_accumulation_steps": (
-        "scale every micro-batch loss with `scale_loss`, call `backward()` on each, "
-        "then `step()` once"
-    ),
-    "use_ema": "use `torch.optim.swa_utils.AveragedModel`",
-    "ema_momentum": "use `torch.optim.swa_utils.AveragedModel`",
-    "ema_overwrite_frequency": "use `torch.optim.swa_utils.AveragedModel`",
-}
-
-
-def _to_float32(value: float) -> float:
-    """`value` rounded to float32 (overflowing to inf, underflowing to 0), as a
-    Python float: Keras keeps the scale in a float32 variable."""
-    return array.array("f", (value,))[0]
+from dtype_policies.optimizers._checks import (
+    check_kwargs,
+    check_loss_scale_state,
+    check_scale,
+    to_float32,
+)
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -132,7 +101,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_kwargs(kwargs)
+        check_kwargs(kwargs)
         if isinstance(inner_optimizer, LossScaleOptimizer):
             raise ValueError(
                 "`inner_optimizer` is already a LossScaleOptimizer; wrapping it again "
@@ -144,7 +113,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 f"Received: inner_optimizer={inner_optimizer!r} "
                 f"(of type {type(inner_optimizer).__name__})"
             )
-        scale = _check_scale(initial_scale, "initial_scale")
+        scale = check_scale(initial_scale, "initial_scale")
         if (
             not isinstance(dynamic_growth_steps, numbers.Integral)
             or isinstance(dynamic_growth_steps, bool)
@@ -315,6 +284,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return []
         found_infs: dict[torch.device, torch.Tensor] = {}
         inv_scales = self._inv_scales
+        inverse = to_float32(1.0 / self._scale) if self._scale else math.inf
         for (device, _), ((device_grads,), _) in _group_tensors_by_device_and_dtype(
             [grads]
         ).items():
@@ -323,11 +293,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 found_inf = found_infs[device] = torch.zeros(1, dtype=torch.float32, device=device)
             inv_scale = inv_scales.get(device)
             if inv_scale is None:
-                inverse = _to_float32(1.0 / self._scale) if self._scale else math.inf
                 inv_scale = inv_scales[device] = torch.full(
                     (1,), inverse, dtype=torch.float32, device=device
                 )
+            # The fused op checks the gradients before multiplying them.
             torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, inv_scale)
+            if not inverse <= 1.0:
+                # A scale below 1 (or 0) multiplies: the unscaled gradients may
+                # overflow, so they are checked again (multiplied by 1).
+                one = torch.ones(1, dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, one)
         return list(found_infs.values())
 
     # ------------------------------------------------------------------ step
@@ -363,7 +338,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return None
 
     def _set_scale(self, value: float) -> None:
-        self._scale = _to_float32(value)
+        self._scale = to_float32(value)
         self._inv_scales = {}
 
     # ------------------------------------------------------------ state dict
@@ -413,7 +388,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         loss_scale = state_dict.pop("loss_scale", None)
         if loss_scale is not None:
-            scale, step_counter, iterations, growth_steps = _check_loss_scale_state(loss_scale)
+            scale, step_counter, iterations, growth_steps = check_loss_scale_state(loss_scale)
         self._inner.load_state_dict(state_dict)
         if loss_scale is not None:
             self._set_scale(scale)
@@ -451,130 +426,3 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             f"LossScaleOptimizer(dynamic_scale={self._scale}, "
             f"dynamic_growth_steps={self._dynamic_growth_steps},\n    {inner})"
         )
-
-
-def _check_kwargs(kwargs: dict[str, Any]) -> None:
-    if kwargs.pop("dynamic", True) is False:
-        raise ValueError(
-            "LossScaleOptimizer no longer supports `dynamic=False`. Instead, simply set "
-            "`loss_scale_factor` directly on the `inner_optimizer`."
-        )
-    for arg, default in _KERAS_BASE_ARGUMENTS.items():
-        if arg not in kwargs:
-            continue
-        value = kwargs.pop(arg)
-        if value is not default and value != default:
-            hint = _TORCH_HINTS.get(arg)
-            raise ValueError(
-                f"LossScaleOptimizer does not support `{arg}`. Instead, set `{arg}` on the "
-                "`inner_optimizer`." + (f" With torch optimizers, {hint}." if hint else "")
-            )
-    if kwargs:
-        names = ", ".join(f"`{arg}`" for arg in kwargs)
-        raise ValueError(f"LossScaleOptimizer does not support arguments: {names}.")
-
-
-def _check_scale(value: Any, arg: str) -> float:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise TypeError(
-            f"`{arg}` must be a finite positive number. Received: {arg}={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    scale = _to_float32(float(value))
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(
-            f"`{arg}` must be a finite positive number representable in float32 "
-            f"(about 1.4e-45 to 3.4e38). Received: {arg}={value!r}"
-        )
-    return scale
-
-
-def _check_loss_scale_state(loss_scale: Any) -> tuple[float, int, int, int]:
-    expected = {"scale", "step_counter", "iterations", "dynamic_growth_steps"}
-    if not isinstance(loss_scale, dict) or set(loss_scale) != expected:
-        raise ValueError(
-            "The 'loss_scale' entry of a LossScaleOptimizer state dict must be a dict "
-            f"with the keys {sorted(expected)}. Received: {loss_scale!r}"
-        )
-    scale = _check_scale(loss_scale["scale"], "loss_scale['scale']")
-    counts = []
-    for key, minimum in (("step_counter", 0), ("iterations", 0), ("dynamic_growth_steps", 1)):
-        value = loss_scale[key]
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-            raise ValueError(
-                f"loss_scale[{key!r}] must be an int >= {minimum}. Received: {value!r}"
-            )
-        counts.append(int(value))
-    if counts[0] >= counts[2]:
-        raise ValueError(
-            f"loss_scale['step_counter'] must be below loss_scale['dynamic_growth_steps']. "
-            f"Received: {loss_scale!r}"
-        )
-    return scale, counts[0], counts[1], counts[2]
-
-
-def _policy_of(model_or_policy: Any) -> DTypePolicy:
-    from dtype_policies.default_policy import dtype_policy
-    from dtype_policies.layers.layer import Layer
-    from dtype_policies.policy_map import DTypePolicyMap
-    from dtype_policies.serialization import get
-
-    if isinstance(model_or_policy, torch.nn.Module):
-        policy = getattr(model_or_policy, "dtype_policy", None)
-        if not isinstance(policy, DTypePolicy):
-            return dtype_policy()
-        if isinstance(policy, DTypePolicyMap):
-            path = model_or_policy.path if isinstance(model_or_policy, Layer) else None
-            return policy[path] if path is not None else policy.default_policy
-        return policy
-    if isinstance(model_or_policy, DTypePolicyMap):
-        return model_or_policy.default_policy
-    if model_or_policy is None or isinstance(model_or_policy, (DTypePolicy, str, torch.dtype)):
-        return get(model_or_policy)
-    raise TypeError(
-        "maybe_wrap() expects a torch.nn.Module, a DTypePolicy, a policy name or None "
-        f"(the default policy). Received: {model_or_policy!r} "
-        f"(of type {type(model_or_policy).__name__})"
-    )
-
-
-def maybe_wrap(optimizer: torch.optim.Optimizer, model_or_policy: Any) -> torch.optim.Optimizer:
-    """Wraps `optimizer` in a `LossScaleOptimizer` if the policy is
-    `mixed_float16`, else returns it unchanged (Keras's `auto_scale_loss`).
-
-    The policy is `model_or_policy` itself (a `DTypePolicy` or a name; `None`
-    means the default policy), or a module's own policy: a
-    `dtype_policies.layers.Layer`'s `dtype_policy`, or the `dtype_policy` that
-    `apply_policy` gives the root module. A module with no policy of its own
-    (a plain `torch.nn.Sequential` of layers, say) is judged by the default
-    policy `dtype_policies.dtype_policy()`; pass the policy explicitly then.
-    A `DTypePolicyMap` counts by its entry for the layer (else its default).
-
-    As in Keras only the name `"mixed_float16"` wraps: bfloat16 has float32's
-    exponent range and needs no scaling; `"float16"` (float16 parameters) and
-    quantized policies are not wrapped either. An optimizer that already is a
-    `LossScaleOptimizer` is returned as is.
-
-    >>> import torch
-    >>> import dtype_policies
-    >>> from dtype_policies.optimizers import LossScaleOptimizer, maybe_wrap
-    >>> model = torch.nn.Linear(4, 4)
-    >>> handle = dtype_policies.apply_policy(model, "mixed_float16")
-    >>> optimizer = maybe_wrap(torch.optim.AdamW(model.parameters()), model)
-    >>> type(optimizer).__name__
-    'LossScaleOptimizer'
-    >>> maybe_wrap(optimizer, model) is optimizer
-    True
-    >>> type(maybe_wrap(torch.optim.AdamW(model.parameters()), "mixed_bfloat16")).__name__
-    'AdamW'
-    """
-    if isinstance(optimizer, LossScaleOptimizer):
-        return optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "maybe_wrap() expects a torch.optim.Optimizer. "
-            f"Received: {optimizer!r} (of type {type(optimizer).__name__})"
-        )
-    if _policy_of(model_or_policy).name == "mixed_float16":
-        return LossScaleOptimizer(optimizer)
-    return optimizer

@@ -1,19 +1,23 @@
-"""Quantization: configs, the model-level `quantize`, reports, and the math.
+"""Quantization: the model-level `quantize`, its report, the registry of
+quantizable module kinds, and (re-exported from `dtype_policies.quantizers`)
+the configs.
 
 >>> from dtype_policies import quantization
 >>> quantization.Int4QuantizationConfig(block_size=64)
 Int4QuantizationConfig(block_size=64)
 """
 
-from dtype_policies.quantization.config import (
+from dtype_policies.quantization.api import quantize
+from dtype_policies.quantization.kernels.epilogues import set_compile_epilogues
+from dtype_policies.quantization.kinds import register_linear_kind
+from dtype_policies.quantization.report import QuantizationReport
+from dtype_policies.quantizers.config import (
     AbsMaxQuantizer,
     Float8QuantizationConfig,
     Int4QuantizationConfig,
     Int8QuantizationConfig,
     QuantizationConfig,
 )
-from dtype_policies.quantization.kernels import set_compile_epilogues
-from dtype_policies.quantization.report import QuantizationReport
 
 __all__ = [
     "AbsMaxQuantizer",
@@ -22,5 +26,7 @@ __all__ = [
     "Int8QuantizationConfig",
     "QuantizationConfig",
     "QuantizationReport",
+    "quantize",
+    "register_linear_kind",
     "set_compile_epilogues",
 ]

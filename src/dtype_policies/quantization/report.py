@@ -39,12 +39,15 @@ class QuantizationReport:
         return len(self.errors)
 
     def skipped_by_reason(self, reason: str) -> list[str]:
-        return [path for path, why in self.skipped if why == reason]
+        """Paths skipped for `reason` (a reason's detail after ": " is ignored)."""
+        return [path for path, why in self.skipped if why.split(": ", 1)[0] == reason]
 
     def summary_warning(self, max_examples: int = 5) -> str | None:
         """The one warning a `quantize` call emits, or `None` when only filtered
         modules were skipped."""
-        unsupported = self.skipped_by_reason(SKIP_NO_SUPPORT)
+        unsupported = [
+            path for path, why in self.skipped if why not in (SKIP_FILTERED, SKIP_ALREADY_QUANTIZED)
+        ]
         if not unsupported:
             return None
         examples = ", ".join(repr(path) for path in unsupported[:max_examples])

@@ -27,10 +27,11 @@ def abs_max_quantize(
     axis: int | tuple[int, ...],
     value_range: tuple[int, int] = INT8_RANGE,
     epsilon: float = EPSILON,
+    dtype: torch.dtype = torch.int8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric abs-max quantization reducing over `axis`.
 
-    Returns `(q, scale)`: `q` int8 in `value_range`, `scale` (float32, `axis`
+    Returns `(q, scale)`: `q` (`dtype`, int8 by default) in `value_range`, `scale` (float32, `axis`
     kept with size 1) such that `x ≈ q / scale`.
 
     >>> import torch
@@ -44,7 +45,7 @@ def abs_max_quantize(
     x32 = x.float()
     qmax = float(value_range[1])
     scale = qmax / (x32.abs().amax(dim=axis, keepdim=True) + epsilon)
-    q = torch.round(x32 * scale).clamp_(value_range[0], value_range[1]).to(torch.int8)
+    q = torch.round(x32 * scale).clamp_(value_range[0], value_range[1]).to(dtype)
     return q, scale
 
 

@@ -9,28 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from dtype_policies._dtypes import standardize_dtype
-from dtype_policies.policies import (
-    DTypePolicy,
-    FloatDTypePolicy,
-    Int4DTypePolicy,
-    QuantizedDTypePolicy,
-    QuantizedFloat8DTypePolicy,
-    parse_policy_name,
-)
-from dtype_policies.policy_map import DTypePolicyMap
-
-# Keras writes the module of each class's first public export.
-_KERAS_MODULES = {
-    DTypePolicy: "keras",
-    FloatDTypePolicy: "keras",
-    QuantizedDTypePolicy: "keras.dtype_policies",
-    QuantizedFloat8DTypePolicy: "keras.dtype_policies",
-    Int4DTypePolicy: "keras.dtype_policies",
-    DTypePolicyMap: "keras.dtype_policies",
-}
-
-_CLASSES_BY_NAME: dict[str, type[DTypePolicy]] = {cls.__name__: cls for cls in _KERAS_MODULES}
-_CLASSES_BY_NAME["Policy"] = DTypePolicy  # Keras 2 / tf.keras configs
+from dtype_policies.policies import _default_state
+from dtype_policies.policies.dtype_policy import KERAS_MODULES, POLICY_CLASSES, DTypePolicy
+from dtype_policies.policies.names import parse_policy_name
 
 _UNSUPPORTED_KERAS_CLASSES = ("GPTQDTypePolicy", "AWQDTypePolicy", "TernaryDTypePolicy")
 
@@ -55,9 +36,7 @@ def get(identifier: Any) -> DTypePolicy:
     <DTypePolicy "int8">
     """
     if identifier is None:
-        from dtype_policies.default_policy import dtype_policy
-
-        return dtype_policy()
+        return default_policy()
     if isinstance(identifier, DTypePolicy):
         return identifier
     if isinstance(identifier, dict):
@@ -86,7 +65,7 @@ def serialize(policy: DTypePolicy) -> dict[str, Any]:
             f"serialize() expects a DTypePolicy. Received: {policy!r} of type {type(policy)}"
         )
     cls = type(policy)
-    module = next((module for base, module in _KERAS_MODULES.items() if base is cls), None)
+    module = KERAS_MODULES.get(cls)
     registered_name = None
     if module is None:  # a user subclass
         module = cls.__module__
@@ -119,7 +98,7 @@ def deserialize(
             f"Received: {config!r}"
         )
     class_name = config["class_name"]
-    cls = (custom_objects or {}).get(class_name) or _CLASSES_BY_NAME.get(class_name)
+    cls = (custom_objects or {}).get(class_name) or POLICY_CLASSES.get(class_name)
     if cls is None and config.get("registered_name"):
         cls = (custom_objects or {}).get(config["registered_name"])
     if cls is None:
@@ -130,14 +109,24 @@ def deserialize(
             )
         raise ValueError(
             f"Unknown dtype policy class '{class_name}'. Expected one of "
-            f"{sorted(_CLASSES_BY_NAME)} or a class given in `custom_objects`."
+            f"{sorted(POLICY_CLASSES)} or a class given in `custom_objects`."
         )
     inner = config["config"]
     if not isinstance(inner, dict):
         raise TypeError(f"The 'config' of a serialized policy must be a dict. Received: {inner!r}")
-    if cls is DTypePolicyMap:
-        return DTypePolicyMap.from_config(inner, custom_objects)
+    if getattr(cls, "is_map", False):
+        return cls.from_config(inner, custom_objects)
     try:
         return cls.from_config(inner)
     except TypeError as e:
         raise TypeError(f"Cannot rebuild {class_name} from config={inner!r}: {e}") from None
+
+
+def default_policy() -> DTypePolicy:
+    """The default policy in force: the innermost `policy_scope`, else the
+    process-wide one (`float32` until `set_dtype_policy` is called)."""
+    current = _default_state.current()
+    return current if current is not None else _FLOAT32
+
+
+_FLOAT32 = DTypePolicy("float32")

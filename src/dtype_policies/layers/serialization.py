@@ -4,11 +4,11 @@ A serialized layer is `{"module", "class_name", "config", "registered_name"}`,
 the Keras dict shape. Built-in layers are found by class name; custom layers
 are registered with `register_serializable` or passed in `custom_objects`.
 
->>> from dtype_policies import layers, saving
->>> config = saving.serialize_layer(layers.Dense(3, dtype="mixed_bfloat16", name="d"))
+>>> from dtype_policies import layers
+>>> config = layers.serialize_layer(layers.Dense(3, dtype="mixed_bfloat16", name="d"))
 >>> config["class_name"], config["config"]["dtype"]["config"]
 ('Dense', {'name': 'mixed_bfloat16'})
->>> saving.deserialize_layer(config).dtype_policy
+>>> layers.deserialize_layer(config).dtype_policy
 <DTypePolicy "mixed_bfloat16">
 """
 
@@ -19,18 +19,19 @@ from typing import Any
 
 import torch
 
+from dtype_policies.policies import DTypePolicy, serialize
+
 _REGISTRY: dict[str, type] = {}
 
 
 def register_serializable(package: str = "Custom", name: str | None = None) -> Callable:
     """Class decorator registering a layer class as `"<package>>ClassName"`.
 
-    >>> from dtype_policies import saving
-    >>> from dtype_policies.layers import Dense
-    >>> @saving.register_serializable("MyPackage")
-    ... class MyDense(Dense):
+    >>> from dtype_policies import layers
+    >>> @layers.register_serializable("MyPackage")
+    ... class MyDense(layers.Dense):
     ...     pass
-    >>> saving.serialize_layer(MyDense(2))["registered_name"]
+    >>> layers.serialize_layer(MyDense(2))["registered_name"]
     'MyPackage>MyDense'
     """
     if not isinstance(package, str) or ">" in package:
@@ -47,10 +48,8 @@ def register_serializable(package: str = "Custom", name: str | None = None) -> C
     return decorator
 
 
-def _builtin_layers() -> dict[str, type]:
-    from dtype_policies import layers
-
-    return {name: getattr(layers, name) for name in layers.__all__}
+BUILTIN_LAYERS: dict[str, type] = {}
+"""This library's layer classes by name (filled by `dtype_policies.layers`)."""
 
 
 def serialize_layer(layer: torch.nn.Module) -> dict[str, Any]:
@@ -60,16 +59,13 @@ def serialize_layer(layer: torch.nn.Module) -> dict[str, Any]:
             f"Cannot serialize {type(layer).__name__}: only layers with `get_config()` "
             "(dtype_policies.layers.Layer subclasses) can be serialized."
         )
-    from dtype_policies.policies import DTypePolicy
-    from dtype_policies.serialization import serialize
-
     cls = type(layer)
     registered = cls.__dict__.get("_registered_name")
     config = {
         key: serialize(value) if isinstance(value, DTypePolicy) else value
         for key, value in layer.get_config().items()
     }
-    builtin = _builtin_layers().get(cls.__name__) is cls
+    builtin = BUILTIN_LAYERS.get(cls.__name__) is cls
     return {
         "module": "dtype_policies.layers" if builtin else cls.__module__,
         "class_name": cls.__name__,
@@ -92,7 +88,7 @@ def deserialize_layer(
         custom_objects.get(registered or "")
         or custom_objects.get(class_name)
         or _REGISTRY.get(registered or "")
-        or _builtin_layers().get(class_name)
+        or BUILTIN_LAYERS.get(class_name)
     )
     if cls is None:
         raise ValueError(

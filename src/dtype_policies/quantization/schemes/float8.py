@@ -1,19 +1,16 @@
-"""float8 delayed scaling (Keras's `float8` mode) as torch autograd functions.
+"""float8 (Keras's `float8` mode): quantize-dequantize training with delayed
+scaling. The float weight stays a trained parameter; six float32 buffers hold
+the scaling state: `inputs_scale`, `kernel_scale`, `outputs_grad_scale`
+(scalars) and their `*_amax_history` (the policy's length, default 1024).
 
-A float8 layer keeps its kernel in float (it is trained) and six float32
-buffers: `inputs_scale`, `kernel_scale`, `outputs_grad_scale` (scalars) and
-their `*_amax_history` (length from the policy, default 1024). In a training
-step (a forward in training mode and its backward):
-
-* inputs and kernel are quantize-dequantized in float8_e4m3fn with the scales
-  from before the step; the output gradient in float8_e5m2 with its scale;
-* gradients pass the quantize-dequantize unchanged (straight through);
-* once the backward has run, each scale becomes
-  `max(history before the step) / format max` and each history is rolled with
-  this step's absolute maximum as its newest entry (index 0).
-
-Forwards in eval mode, or without a backward, change nothing. The buffers
-are never parameters, so no optimizer and no loss scaler touch them.
+In a training step (a forward in training mode and its backward): inputs and
+kernel are quantize-dequantized in float8_e4m3fn with the scales from before
+the step, the output gradient in float8_e5m2 with its scale; gradients pass
+straight through; once the backward has run, each scale becomes
+`max(history before the step) / format max` and each history is rolled with
+this step's absolute maximum as its newest entry (index 0). Forwards in eval
+mode, or without a backward, change nothing. The buffers are never
+parameters, so no optimizer and no loss scaler touch them.
 """
 
 from __future__ import annotations
@@ -21,8 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from dtype_policies.quantization.quantizers import (
+from dtype_policies._core.call import leaf_weights
+from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantizers.config import Float8QuantizationConfig
+from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
     FLOAT8_E5M2_MAX,
     compute_float8_amax_history,
@@ -40,14 +41,58 @@ STATE_NAMES = (
 )
 
 
-def register_float8_state(module: torch.nn.Module, history_length: int, device: Any) -> None:
-    """Adds the six float32 delayed-scaling buffers to `module`."""
-    for name in STATE_NAMES:
-        if name.endswith("history"):
-            value = torch.zeros(history_length, dtype=torch.float32, device=device)
+class Float8Scheme(Scheme):
+    mode = "float8"
+    keeps_float_weight = True
+
+    def buffer_names(self, spec: WeightSpec, config: Float8QuantizationConfig) -> tuple[str, ...]:
+        return STATE_NAMES
+
+    def quantize(
+        self, weight: torch.Tensor, spec: WeightSpec, config: Float8QuantizationConfig
+    ) -> dict[str, torch.Tensor]:
+        state = {}
+        for name in STATE_NAMES:
+            if name.endswith("history"):
+                value = torch.zeros(config.history_length, dtype=torch.float32)
+            else:
+                value = torch.ones((), dtype=torch.float32)
+            state[name] = value.to(weight.device)
+        return state
+
+    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        spec = qw.spec
+        return spec.nk(spec.matrix(module._parameters[spec.weight].detach().float()))
+
+    def linear(self, module, qw, x2, bias, compute):
+        return self.forward(module, qw, x2, bias, compute)
+
+    def forward(self, module, qw, x, bias, compute):
+        spec = qw.spec
+        kernel, bias = leaf_weights(
+            module.__dict__.get("_dp_casts"),
+            module._parameters[spec.weight],
+            bias,
+            compute,
+            spec.weight,
+            spec.bias or "bias",
+        )
+        if x.dtype != compute and x.is_floating_point():
+            x = x.to(compute)
+        if spec.contract is not None:
+            contract = spec.contract
+        elif spec.layout == "in_out":
+
+            def contract(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                matrix = spec.matrix(w)
+                return F.linear(a, matrix.t())
+
         else:
-            value = torch.ones((), dtype=torch.float32, device=device)
-        module.register_buffer(name, value)
+            contract = F.linear
+        y = float8_contract(module, x, kernel, contract, module.training)
+        if bias is not None:
+            y = y + bias
+        return y.to(compute)
 
 
 class _Updates:
@@ -97,7 +142,7 @@ class _QDQGradient(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         scale, history = ctx.scale, ctx.history
         qdq = quantize_and_dequantize(grad, scale, torch.float8_e5m2, grad.dtype)
-        if ctx.updates is not None:
+        if ctx.updates is not None and grad.numel() > 0:
             with torch.no_grad():
                 new_scale, new_history = _next_state(grad, scale, history, FLOAT8_E5M2_MAX)
                 for buffer, value in ctx.updates.pending:
@@ -120,7 +165,7 @@ def float8_contract(
     when `training` and a backward runs."""
     state = module._buffers  # read directly: never through a policy's autocasting
     updates = None
-    if training and torch.is_grad_enabled():
+    if training and torch.is_grad_enabled() and inputs.numel() > 0:
         updates = _Updates()
         with torch.no_grad():
             for name, tensor, fmt_max in (

@@ -6,7 +6,8 @@ import re
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
-from dtype_policies.policies import DTypePolicy
+from dtype_policies.policies.dtype_policy import DTypePolicy
+from dtype_policies.policies.serialization import deserialize, get, serialize
 
 
 class DTypePolicyMap(DTypePolicy, MutableMapping):
@@ -58,14 +59,14 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
     """
 
     __hash__ = None  # a mutable mapping
+    is_map = True
+    keras_module = "keras.dtype_policies"
 
     def __init__(
         self,
         default_policy: DTypePolicy | str | None = None,
         policy_map: dict[str, Any] | None = None,
     ) -> None:
-        from dtype_policies.serialization import get
-
         if isinstance(default_policy, DTypePolicyMap):
             raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
         if policy_map is not None and not isinstance(policy_map, dict):
@@ -143,8 +144,6 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
         return matching[0] if matching else None
 
     def __setitem__(self, key: str, policy: Any) -> None:
-        from dtype_policies.serialization import get
-
         if not isinstance(key, str):
             raise TypeError(
                 f"DTypePolicyMap keys must be strings (layer paths or regexes). "
@@ -211,8 +210,6 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
         )
 
     def get_config(self) -> dict[str, Any]:
-        from dtype_policies.serialization import serialize
-
         return {
             "default_policy": serialize(self._default_policy),
             "policy_map": {key: serialize(value) for key, value in self._policy_map.items()},
@@ -222,8 +219,6 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
     def from_config(
         cls, config: dict[str, Any], custom_objects: dict[str, type] | None = None
     ) -> DTypePolicyMap:
-        from dtype_policies.serialization import deserialize
-
         config = dict(config)
         default = config.pop("default_policy", None)
         if isinstance(default, dict):

@@ -1,0 +1,84 @@
+"""The one call body of every policied module (`Layer`s and the modules
+`apply_policy` prepares), and the one way weights are read inside it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dtype_policies._core.casting import HALF_DTYPES, cast_floating, cast_inputs, first_tensor
+from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
+from dtype_policies._core.scope import call_in_scope, current_scope, scope_for_call
+from dtype_policies._core.state import CallState
+from dtype_policies._core.weight_casts import WeightCasts, cast_weight
+
+
+def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Calls `call(*args, **kwargs)` as `state` says: floating arguments cast,
+    inside the right autocast scope, outputs cast back where needed."""
+    cast_to = state.inputs
+    restore = None
+    if state.island:
+        first = first_tensor((args, kwargs), floating=True)
+        if first is not None and first.dtype != cast_to:
+            if state.half_inputs_ok and first.dtype in HALF_DTYPES and first.device.type == "cpu":
+                # torch's mixed-dtype norm kernels compute float32 statistics from
+                # half inputs and return half outputs: no extra passes needed.
+                cast_to = None
+            else:
+                restore = first.dtype
+    if cast_to is not None or state.convert_arrays:
+        args, kwargs = cast_inputs(args, kwargs, cast_to)
+    if state.warn_cpu_float16:
+        first = first_tensor((args, kwargs), floating=True)
+        if first is not None:
+            warn_if_cpu_float16(first.device)
+    scope = (
+        None
+        if state.casts_own_weights
+        else scope_for_call(state.compute, state.autocast, state.has_weights)
+    )
+    outputs = call_in_scope(call, scope, args, kwargs)
+    if restore is not None:
+        return cast_floating(outputs, restore)
+    if state.outputs is not None:
+        return cast_floating(outputs, state.outputs)
+    return outputs
+
+
+def read_weight(
+    store: WeightCasts | None, name: str, value: torch.Tensor, is_buffer: bool
+) -> torch.Tensor:
+    """A weight read inside a call: in the active scope's dtype when there is
+    one. Parameters may come from `store`; buffers are cast per call (and an
+    in-place update of the cast reaches the buffer)."""
+    scope = current_scope()
+    if scope is None or scope.dtype is None or value.dtype == scope.dtype:
+        return value
+    if not value.is_floating_point():
+        return value
+    if is_buffer:
+        return scope.cast_buffer(value)
+    return cast_weight(store, name, value, scope.dtype, scope)
+
+
+def leaf_weights(
+    store: WeightCasts | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    weight_name: str = "weight",
+    bias_name: str = "bias",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A leaf module's weight and bias in `dtype`, for forwards that cast their
+    own weights (no scope of their own; an enclosing scope of the same dtype
+    still deduplicates the casts)."""
+    scope = current_scope()
+    if scope is not None and scope.dtype is not dtype:
+        scope = None
+    weight = cast_weight(store, weight_name, weight, dtype, scope)
+    if bias is not None:
+        bias = cast_weight(store, bias_name, bias, dtype, scope)
+    return weight, bias

@@ -1,0 +1,92 @@
+"""Casting the floating tensors among a call's arguments and outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# `Tensor.bfloat16()` and friends skip `Tensor.to`'s argument parsing: about
+# half a microsecond less per cast, which matters for small layers.
+_CAST_METHODS = {
+    torch.bfloat16: torch.Tensor.bfloat16,
+    torch.float16: torch.Tensor.half,
+    torch.float32: torch.Tensor.float,
+    torch.float64: torch.Tensor.double,
+}
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, the fast way for the common float dtypes."""
+    method = _CAST_METHODS.get(dtype)
+    return method(x) if method is not None else x.to(dtype)
+
+
+def _has_array_interface(value: Any) -> bool:
+    return (
+        hasattr(value, "__array__")
+        and not isinstance(value, (str, bytes, int, float, bool, complex))
+        and not isinstance(value, torch.nn.Module)
+    )
+
+
+def cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
+    """Casts every floating tensor in a nested structure to `dtype`.
+
+    Lists, tuples (named ones included) and dicts are traversed. Arrays with an
+    `__array__` method become tensors. Integer, bool and complex tensors,
+    Python scalars, strings and `None` are returned unchanged. `dtype=None`
+    only converts arrays.
+
+    >>> import torch
+    >>> cast_floating({"x": torch.ones(1), "ids": torch.ones(1, dtype=torch.long)},
+    ...               torch.bfloat16)
+    {'x': tensor([1.], dtype=torch.bfloat16), 'ids': tensor([1])}
+    """
+    if isinstance(value, torch.Tensor):
+        if dtype is not None and value.dtype != dtype and value.is_floating_point():
+            return cast_tensor(value, dtype)
+        return value
+    if isinstance(value, (list, tuple)):
+        cast = [cast_floating(item, dtype) for item in value]
+        if isinstance(value, list):
+            return cast
+        if hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*cast)
+        return type(value)(cast)
+    if isinstance(value, dict):
+        return type(value)((key, cast_floating(item, dtype)) for key, item in value.items())
+    if _has_array_interface(value):
+        return cast_floating(torch.as_tensor(value), dtype)
+    return value
+
+
+def cast_inputs(args: tuple, kwargs: dict[str, Any], dtype: torch.dtype | None) -> tuple:
+    """`(args, kwargs)` with floating tensors cast to `dtype`; fast for the
+    common single positional tensor."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        x = args[0]
+        if dtype is not None and x.dtype != dtype and x.is_floating_point():
+            return (cast_tensor(x, dtype),), kwargs
+        return args, kwargs
+    return tuple(cast_floating(arg, dtype) for arg in args), {
+        key: cast_floating(value, dtype) for key, value in kwargs.items()
+    }
+
+
+def first_tensor(value: Any, floating: bool = False) -> torch.Tensor | None:
+    """The first tensor (the first floating one with `floating`) in a nested
+    structure of call arguments, or `None`."""
+    if isinstance(value, torch.Tensor):
+        return value if not floating or value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return None
+    for item in value:
+        found = first_tensor(item, floating)
+        if found is not None:
+            return found
+    return None

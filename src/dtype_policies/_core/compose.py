@@ -1,0 +1,72 @@
+"""Class composition: the classes this library puts in front of a torch
+module's own class (the policy call core, quantized forwards).
+
+A composed class keeps the original's name, module and qualname, so
+`isinstance` checks, `repr` and `state_dict()` are unchanged; only
+`type(module) is cls` checks see it. Swapping `module.__class__` touches no
+parameter. Composed modules pickle and deep-copy as their original class plus
+the same mixins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class ComposedModule:
+    """Base of every composed class."""
+
+    _dp_original: type[torch.nn.Module]
+    _dp_mixins: tuple[type, ...]
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        cls = type(self)
+        return (_rebuild, (cls._dp_original, cls._dp_mixins), self.__dict__.copy())
+
+
+_classes: dict[tuple, type] = {}
+
+
+def composed_class(original: type[torch.nn.Module], mixins: tuple[type, ...]) -> type:
+    """`original` with `mixins` in front (cached); `original` itself for no mixins."""
+    if not mixins:
+        return original
+    key = (original, mixins)
+    cls = _classes.get(key)
+    if cls is None:
+        cls = type(
+            original.__name__,
+            (*mixins, ComposedModule, original),
+            {
+                "__module__": original.__module__,
+                "__qualname__": original.__qualname__,
+                "_dp_original": original,
+                "_dp_mixins": mixins,
+            },
+        )
+        _classes[key] = cls
+    return cls
+
+
+def _rebuild(original: type, mixins: tuple[type, ...]) -> torch.nn.Module:
+    return object.__new__(composed_class(original, mixins))
+
+
+def original_class(module: torch.nn.Module) -> type[torch.nn.Module]:
+    """The module's own class, without this library's mixins."""
+    cls = type(module)
+    return cls._dp_original if issubclass(cls, ComposedModule) else cls
+
+
+def mixins_of(module: torch.nn.Module) -> tuple[type, ...]:
+    cls = type(module)
+    return cls._dp_mixins if issubclass(cls, ComposedModule) else ()
+
+
+def set_mixins(module: torch.nn.Module, mixins: tuple[type, ...]) -> None:
+    """Puts exactly `mixins` (ordered by their `_dp_order`) in front of the
+    module's own class."""
+    ordered = tuple(sorted(set(mixins), key=lambda mixin: mixin._dp_order))
+    module.__class__ = composed_class(original_class(module), ordered)

@@ -1,0 +1,111 @@
+"""The variable-autocast scope (Keras's `AutocastScope`).
+
+While a scope is active in a thread, a policied module's weights read inside
+a call come back in the scope's dtype, each cast once per scope. A module
+call opens a new scope (never shared between calls or threads), keeps the
+enclosing one, or disables casting, by Keras's rules (`scope_for_call`).
+Buffers cast inside a scope and updated in place by the forward are written
+back to the real buffers when the scope ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dtype_policies._core.casting import cast_tensor
+
+
+class AutocastScope:
+    """One call's variable-autocast context: the target dtype (`None`:
+    casting disabled) and the casts made so far."""
+
+    __slots__ = ("_buffers", "_casts", "dtype")
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+        self._casts: dict[int, torch.Tensor] = {}
+        self._buffers: list | None = None
+
+    def cast(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` in this scope's dtype, cast at most once per scope."""
+        if torch.compiler.is_compiling():  # the compiler deduplicates casts itself
+            return cast_tensor(value, self.dtype)
+        cast = self._casts.get(id(value))
+        if cast is None:
+            cast = self._casts[id(value)] = cast_tensor(value, self.dtype)
+        return cast
+
+    def cast_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Like `cast`, and remembers the pair so that an in-place update of
+        the cast copy during the call reaches `buffer` when the scope ends."""
+        if torch.compiler.is_compiling():
+            return cast_tensor(buffer, self.dtype)
+        cast = self._casts.get(id(buffer))
+        if cast is None:
+            cast = self._casts[id(buffer)] = cast_tensor(buffer, self.dtype)
+            if not cast.is_inference():
+                if self._buffers is None:
+                    self._buffers = []
+                self._buffers.append((buffer, cast, cast._version))
+        return cast
+
+    def write_back(self) -> None:
+        """Copies buffer casts that the call updated in place into their buffers."""
+        for buffer, cast, version in self._buffers or ():
+            if cast._version != version:
+                with torch.no_grad():
+                    buffer.copy_(cast)
+
+
+DISABLED = AutocastScope(None)
+"""The scope of modules that opt out of weight casting (it never casts)."""
+
+_state = threading.local()
+
+
+def current_scope() -> AutocastScope | None:
+    """The autocast scope active in this thread, if any."""
+    return getattr(_state, "scope", None)
+
+
+def call_in_scope(
+    call: Callable[..., Any], scope: AutocastScope | None, args: tuple, kwargs: dict
+) -> Any:
+    """`call(*args, **kwargs)` with `scope` active (`None`: as things are)."""
+    if scope is None:
+        return call(*args, **kwargs)
+    previous = getattr(_state, "scope", None)
+    _state.scope = scope
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _state.scope = previous
+        if scope._buffers:
+            scope.write_back()
+
+
+def scope_for_call(
+    compute: torch.dtype | None, autocast: bool, has_weights: bool
+) -> AutocastScope | None:
+    """The scope a module call enters (`None`: keep the current one).
+
+    A module with no weights anywhere below it never needs a scope. At the top
+    level, a module computing in a floating dtype opens its own. Inside
+    another module's scope, one that opts out of autocasting or computes in a
+    non-floating dtype disables casting; one with another compute dtype opens
+    its own; otherwise the enclosing scope is kept (Keras's rules).
+    """
+    if not has_weights:
+        return None
+    current = getattr(_state, "scope", None)
+    if current is None:
+        return AutocastScope(compute) if compute is not None and autocast else None
+    if not autocast or compute is None:
+        return None if current.dtype is None else DISABLED
+    if current.dtype != compute:
+        return AutocastScope(compute)
+    return None

@@ -1,0 +1,259 @@
+"""Weight creation and tracking for layers (Keras's `add_weight`, trainable
+flags, regularization losses and constraints), as a mixin of `Layer`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dtype_policies import constraints as constraints_lib
+from dtype_policies import initializers as initializers_lib
+from dtype_policies import regularizers as regularizers_lib
+from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
+
+
+class LayerWeights:
+    """The weight-tracking half of `Layer` (see `Layer.add_weight`)."""
+
+    def _init_weight_tracking(self) -> None:
+        d = self.__dict__
+        d["_autocast_weight_names"] = set()
+        d["_declared_trainable"] = {}
+        d["_weight_regularizers"] = {}
+        d["_weight_constraints"] = {}
+
+    def add_weight(
+        self,
+        *args: Any,
+        shape: Any = None,
+        initializer: Any = None,
+        dtype: Any = None,
+        trainable: bool = True,
+        autocast: bool = True,
+        regularizer: Any = None,
+        constraint: Any = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> torch.nn.Parameter:
+        """Creates a weight, registers it as a `torch.nn.Parameter` and returns it.
+
+        Args:
+            shape: The weight's shape; `None` means a scalar.
+            initializer: A name (`"glorot_uniform"`, `"he_normal"`, `"zeros"`,
+                `"ones"`, ...), an initializer object or callable
+                `(shape, dtype) -> tensor`, or a number. Defaults to
+                `"glorot_uniform"` for floating weights and `"zeros"` otherwise.
+            dtype: Defaults to the layer's variable dtype.
+            trainable: Whether the optimizer should update it (`requires_grad`).
+            autocast: Whether reads inside `call` give it in the compute dtype.
+            regularizer: Optional regularizer; its loss is in `layer.losses`,
+                computed on the weight in its own (variable) dtype.
+            constraint: Optional constraint applied by `apply_constraints()`.
+            name: The attribute name it is registered under. Assigning the
+                result to an attribute registers it under that attribute name.
+
+        Positional arguments follow Keras 3 (`shape, initializer, dtype`), or the
+        tf.keras form (`name, shape, dtype, initializer`) when the first one is a
+        string.
+        """
+        if "experimental_autocast" in kwargs:
+            autocast = kwargs.pop("experimental_autocast")
+        if kwargs:
+            raise TypeError(f"add_weight() got unexpected keyword arguments: {sorted(kwargs)}")
+        given = {"shape": shape, "initializer": initializer, "dtype": dtype, "name": name}
+        if args:
+            order = (
+                ("name", "shape", "dtype", "initializer")
+                if isinstance(args[0], str)
+                else ("shape", "initializer", "dtype")
+            )
+            if len(args) > len(order):
+                raise TypeError(
+                    f"add_weight() takes at most {len(order)} positional arguments "
+                    f"but {len(args)} were given."
+                )
+            for key, value in zip(order, args):
+                if given[key] is not None:
+                    raise ValueError(f"add_weight() got multiple values for argument '{key}'.")
+                given[key] = value
+        shape, initializer, dtype, name = (
+            given["shape"],
+            given["initializer"],
+            given["dtype"],
+            given["name"],
+        )
+        shape = self._standardize_weight_shape(shape, name)
+        dtype_name = self.variable_dtype if dtype is None else standardize_dtype(dtype)
+        torch_dtype = to_torch_dtype(dtype_name)
+        floating = is_float_dtype(dtype_name)
+        if initializer is None:
+            initializer = "glorot_uniform" if floating else "zeros"
+        value = self._initial_value(initializer, shape, torch_dtype)
+        name = self._unique_weight_name(name)
+        requires_grad = bool(trainable and self._trainable and value.is_floating_point())
+        parameter = torch.nn.Parameter(value, requires_grad=requires_grad)
+        self.register_parameter(name, parameter)
+        self._declared_trainable[name] = bool(trainable)
+        if autocast and floating:
+            self._autocast_weight_names.add(name)
+        if regularizer is not None:
+            self._weight_regularizers[name] = regularizers_lib.get(regularizer)
+        if constraint is not None:
+            self._weight_constraints[name] = constraints_lib.get(constraint)
+        self._refresh_policy_state()
+        return parameter
+
+    def _standardize_weight_shape(self, shape: Any, name: str | None) -> tuple[int, ...]:
+        if shape is None:
+            return ()
+        if isinstance(shape, int):
+            shape = (shape,)
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            raise TypeError(f"Weight shape must be a tuple of ints. Received: {shape!r}") from None
+        if any(d is None or not isinstance(d, int) or d < 0 for d in dims):
+            raise ValueError(
+                f"Weight '{name or 'variable'}' of layer '{self.name}' needs a fully defined "
+                f"shape of non-negative ints. Received: shape={shape!r}"
+            )
+        return dims
+
+    def _initial_value(self, initializer: Any, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        device = self._weight_device()
+        if isinstance(initializer, torch.Tensor):
+            if tuple(initializer.shape) != shape:
+                raise ValueError(
+                    f"Initial value has shape {tuple(initializer.shape)}, expected {shape}."
+                )
+            return initializer.detach().to(device=device, dtype=dtype).clone()
+        init = initializers_lib.get(initializer)
+        if isinstance(init, initializers_lib.Initializer):
+            value = init(shape, dtype, device=device)
+        else:
+            value = torch.as_tensor(init(shape, dtype=dtype), device=device)
+        if tuple(value.shape) != shape or value.dtype != dtype:
+            value = value.to(dtype).reshape(shape)
+        return value
+
+    def _weight_device(self) -> torch.device | None:
+        if self._build_device is not None:
+            return self._build_device
+        first = next(iter(self._parameters.values()), None)
+        return first.device if first is not None else None
+
+    def _unique_weight_name(self, name: str | None) -> str:
+        if name is not None:
+            if not isinstance(name, str) or not name or "." in name:
+                raise ValueError(
+                    f"Weight names must be non-empty strings without '.'. Received: {name!r}"
+                )
+            if name in self._parameters or name in self._buffers or name in self._modules:
+                raise ValueError(f"Layer '{self.name}' already has a weight or sublayer '{name}'.")
+            return name
+        base, index = "variable", 0
+        name = base
+        while name in self._parameters or hasattr(self, name):
+            index += 1
+            name = f"{base}_{index}"
+        return name
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, LayerWeights) and value._path is None:
+            path = self.__dict__.get("_path")
+            if path is not None:  # a sublayer added after this layer got its path
+                value._path = f"{path}/{name}"
+                value._assign_paths()
+        if isinstance(value, torch.nn.Parameter):
+            parameters = self.__dict__.get("_parameters")
+            if parameters is not None:
+                for existing, parameter in parameters.items():
+                    if parameter is value and existing != name:
+                        self._rename_weight(existing, name)
+                        return
+        super().__setattr__(name, value)
+        if isinstance(value, torch.nn.Module) and "_dp_state" in self.__dict__:
+            self._refresh_policy_state()  # whether the layer has weights may change
+
+    def _rename_weight(self, old: str, new: str) -> None:
+        """Re-registers weight `old` under the attribute name `new`, in place."""
+        if new in self._parameters:
+            raise ValueError(f"Layer '{self.name}' already has a weight named '{new}'.")
+        self._parameters = {
+            (new if key == old else key): value for key, value in self._parameters.items()
+        }
+        for table in (
+            self._declared_trainable,
+            self._weight_regularizers,
+            self._weight_constraints,
+        ):
+            if old in table:
+                table[new] = table.pop(old)
+        self._dp_casts.clear()
+        if old in self._autocast_weight_names:
+            self._autocast_weight_names.discard(old)
+            self._autocast_weight_names.add(new)
+        self._refresh_policy_state()
+
+    @property
+    def weights(self) -> list[torch.nn.Parameter]:
+        """All weights of the layer and its sublayers."""
+        return list(self.parameters())
+
+    @property
+    def trainable_weights(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    @property
+    def non_trainable_weights(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.parameters() if not p.requires_grad]
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        for layer in self._layers_in_tree():
+            layer._trainable = bool(value)
+            for name, parameter in layer._parameters.items():
+                if parameter is not None and parameter.is_floating_point():
+                    parameter.requires_grad_(
+                        bool(value) and layer._declared_trainable.get(name, True)
+                    )
+
+    def _layers_in_tree(self) -> Iterator[Any]:
+        for module in self.modules():
+            if isinstance(module, LayerWeights):
+                yield module
+
+    def _flatten_layers(self, include_self: bool = True, recursive: bool = True) -> list[Any]:
+        """This layer (optionally) and its sublayers, depth first (Keras's helper)."""
+        if recursive:
+            found = list(self._layers_in_tree())
+        else:
+            found = [self, *(m for m in self.children() if isinstance(m, LayerWeights))]
+        return found if include_self else found[1:]
+
+    @property
+    def losses(self) -> list[torch.Tensor]:
+        """Regularization losses of this layer and its sublayers: weight
+        regularizers (on the weights in their variable dtype) and the activity
+        regularizers of the last call."""
+        losses = []
+        for layer in self._layers_in_tree():
+            for name, regularizer in layer._weight_regularizers.items():
+                losses.append(regularizer(layer._parameters[name]))
+            losses.extend(layer._activity_losses)
+        return losses
+
+    @torch.no_grad()
+    def apply_constraints(self) -> None:
+        """Projects constrained weights (this layer and sublayers) in place.
+        Call it after `optimizer.step()`."""
+        for layer in self._layers_in_tree():
+            for name, constraint in layer._weight_constraints.items():
+                parameter = layer._parameters[name]
+                parameter.copy_(constraint(parameter))

@@ -1,0 +1,35 @@
+"""Dtype policy objects (mirror of `keras.dtype_policies`): `DTypePolicy`, the
+quantized policies, `DTypePolicyMap`, and `get`/`serialize`/`deserialize`.
+
+>>> from dtype_policies import policies
+>>> policies.get("int4/64_from_mixed_bfloat16").block_size
+64
+"""
+
+from dtype_policies.policies.dtype_policy import DTypePolicy, FloatDTypePolicy
+from dtype_policies.policies.names import parse_policy_name
+from dtype_policies.policies.policy_map import DTypePolicyMap
+from dtype_policies.policies.quantized import (
+    Int4DTypePolicy,
+    QuantizedDTypePolicy,
+    QuantizedFloat8DTypePolicy,
+    policy_for_config,
+)
+from dtype_policies.policies.serialization import default_policy, deserialize, get, serialize
+from dtype_policies.quantizers.config import QUANTIZATION_MODES
+
+__all__ = [
+    "QUANTIZATION_MODES",
+    "DTypePolicy",
+    "DTypePolicyMap",
+    "FloatDTypePolicy",
+    "Int4DTypePolicy",
+    "QuantizedDTypePolicy",
+    "QuantizedFloat8DTypePolicy",
+    "default_policy",
+    "deserialize",
+    "get",
+    "parse_policy_name",
+    "policy_for_config",
+    "serialize",
+]

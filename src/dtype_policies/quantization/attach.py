@@ -1,0 +1,184 @@
+"""The one transactional way a weight gets quantized: `plan` computes
+everything (and raises on any problem) without touching the module;
+`commit` applies a plan and cannot fail. `Layer.quantize`, the model-level
+`quantize()` and `apply_policy` with quantized policies all use these two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils import parametrize
+
+from dtype_policies._core.compose import mixins_of, set_mixins
+from dtype_policies._core.policy_module import ModuleOptions, install, uninstall
+from dtype_policies.policies import DTypePolicy
+from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
+from dtype_policies.quantization.modules import FORWARDS
+from dtype_policies.quantization.schemes import QuantizedWeight, Scheme, WeightSpec, scheme_for
+from dtype_policies.quantizers.config import QuantizationConfig, check_mode_and_compute_dtype
+
+
+class _Token:
+    """A named, picklable application token (the permanent `quantize()` entry)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<token {self.name}>"
+
+
+QUANTIZE_TOKEN = _Token("QUANTIZE_TOKEN")
+
+
+@dataclass
+class Plan:
+    """A quantization ready to be committed: nothing in it has touched the module."""
+
+    module: torch.nn.Module
+    path: str
+    kind: ModuleKind
+    scheme: Scheme
+    spec: WeightSpec
+    config: QuantizationConfig
+    float_dtype: torch.dtype
+    source_policy: DTypePolicy
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def mode(self) -> str:
+        return self.scheme.mode
+
+
+def is_quantized(module: torch.nn.Module) -> bool:
+    return "_dp_quant" in module.__dict__
+
+
+def quantization_of(module: torch.nn.Module) -> QuantizedWeight | None:
+    return module.__dict__.get("_dp_quant")
+
+
+def _source_policy(module: torch.nn.Module, weight: torch.Tensor) -> DTypePolicy:
+    """The float policy a module computes with now: its policy's float part,
+    else the dtype of its weight."""
+    state = module.__dict__.get("_dp_state")
+    policy = state.policy if state is not None else None
+    if policy is None:
+        return DTypePolicy(str(weight.dtype).removeprefix("torch."))
+    source = getattr(policy, "source_policy", None)
+    return source if source is not None else policy
+
+
+def _check_weight(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    if parametrize.is_parametrized(module, name):
+        raise NotImplementedError(f"its weight '{name}' is parametrized")
+    hooks = list(module._forward_pre_hooks.values())
+    if any(type(hook).__name__ in ("WeightNorm", "SpectralNorm") for hook in hooks):
+        raise NotImplementedError(f"its weight '{name}' is recomputed by a weight/spectral norm")
+    weight = module._parameters.get(name)
+    if not isinstance(weight, torch.nn.Parameter) or not weight.is_floating_point():
+        raise NotImplementedError(f"'{name}' is not a floating parameter")
+    if weight.device.type == "meta":
+        raise ValueError(f"its weight '{name}' is on the meta device (load real values first)")
+    return weight
+
+
+def plan(
+    module: torch.nn.Module,
+    config: QuantizationConfig,
+    *,
+    path: str = "",
+    type_check: bool = True,
+    kind: ModuleKind | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+    source: DTypePolicy | None = None,
+) -> Plan:
+    """Plans quantizing `module` with `config`.
+
+    Raises `NotImplementedError` when the module cannot take this mode (the
+    message says why) and `ValueError` for invalid states. `tensors` reuses
+    stored tensors already computed for the same weight (tied weights).
+    `source` is the float policy the module will compute with (default: the
+    one it computes with now).
+    """
+    mode = config.mode
+    kind = kind or kind_of(module)
+    name = type(module).__name__
+    if kind is None:
+        raise NotImplementedError(f"{name} does not support quantization")
+    if not getattr(module, "built", True):
+        raise ValueError(
+            "Cannot quantize a layer that isn't yet built. "
+            f"Layer '{getattr(module, 'name', path)}' (of type '{name}') is not built yet."
+        )
+    if quantization_of(module) is not None:
+        raise ValueError(
+            f"Layer '{getattr(module, 'name', path or name)}' is already quantized with "
+            f"dtype_policy='{module._dp_state.policy.name}'. Received: mode={mode}"
+        )
+    if mode not in kind.modes:
+        raise NotImplementedError(
+            f"Invalid quantization mode. Expected one of {kind.modes}. "
+            f"Received: quantization_mode={mode}"
+        )
+    state = module.__dict__.get("_dp_state")
+    if source is not None:
+        check_mode_and_compute_dtype(mode, source.compute_dtype)
+    elif state is not None:
+        check_mode_and_compute_dtype(mode, state.policy.compute_dtype)
+    if type_check and kind.exact:
+        base = next(cls for cls in type(module).__mro__ if kind_of_class(cls) is kind)
+        if type(module) is not base:
+            raise NotImplementedError(
+                f"Layer {name} does not have a `quantize` method implemented. Pass "
+                f"`type_check=False` to quantize a subclass whose `call` is {base.__name__}'s."
+            )
+    scheme = scheme_for(mode)
+    spec = kind.spec(module, mode)
+    if spec.role not in scheme.roles:
+        raise NotImplementedError(f"mode '{mode}' does not support {spec.role} weights")
+    scheme.check_shapes(spec, config)
+    weight = _check_weight(module, spec.weight)
+    if source is None:
+        source = _source_policy(module, weight)
+    check_mode_and_compute_dtype(mode, source.compute_dtype)
+    if tensors is None:
+        with torch.no_grad(), torch.inference_mode(False):
+            tensors = scheme.quantize(weight, spec, config)
+    return Plan(module, path, kind, scheme, spec, config, weight.dtype, source, tensors)
+
+
+def commit(plan: Plan) -> QuantizedWeight:
+    """Applies a plan (cannot fail)."""
+    module, spec = plan.module, plan.spec
+    qw = QuantizedWeight(plan.scheme, spec, plan.config, plan.float_dtype)
+    if not plan.scheme.keeps_float_weight:
+        del module._parameters[spec.weight]
+    for name, tensor in plan.tensors.items():
+        module._buffers[name] = tensor
+    module.__dict__["_dp_quant"] = qw
+    if plan.kind.forward is not None:
+        set_mixins(module, (*mixins_of(module), FORWARDS[plan.kind.forward]))
+        # Below any application: the module computes in its own dtype without one.
+        own = DTypePolicy(str(plan.float_dtype).removeprefix("torch."))
+        install(module, QUANTIZE_TOKEN, ModuleOptions(policy=own), bottom=True)
+    if plan.kind.after_commit is not None:
+        plan.kind.after_commit(module, plan)
+    return qw
+
+
+def detach_float8(module: torch.nn.Module) -> None:
+    """Undoes a float8 quantization (its float weight was kept)."""
+    qw = quantization_of(module)
+    for name in qw.stored_names:
+        module._buffers.pop(name, None)
+    del module.__dict__["_dp_quant"]
+    set_mixins(module, tuple(m for m in mixins_of(module) if m not in FORWARDS.values()))
+    uninstall(module, QUANTIZE_TOKEN)

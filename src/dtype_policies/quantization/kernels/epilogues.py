@@ -1,0 +1,85 @@
+"""Element-wise passes around the quantized products (per-row activation
+quantization, rescaling), optionally fused with `torch.compile`.
+
+Fusion is opt-in (`set_compile_epilogues(True)` or the environment variable
+`DTYPE_POLICIES_COMPILE=1`): compiling costs seconds on the first call and
+about a second per new input shape, which eager inference should never pay.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dtype_policies.quantizers.math import EPSILON
+
+_compile_enabled = os.environ.get("DTYPE_POLICIES_COMPILE", "0") == "1"
+_compiled: dict[Callable, Callable] = {}
+
+
+def set_compile_epilogues(enabled: bool) -> None:
+    """Turns the `torch.compile` fusion of quantize/rescale passes on or off.
+
+    >>> from dtype_policies.quantization import set_compile_epilogues
+    >>> set_compile_epilogues(False)
+    """
+    global _compile_enabled
+    _compile_enabled = bool(enabled)
+
+
+def run(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, through its compiled form when fusion is on (falling back
+    to eager, after one warning, if compilation fails)."""
+    global _compile_enabled
+    if not _compile_enabled or torch.compiler.is_compiling():
+        return fn(*args)
+    compiled = _compiled.get(fn)
+    if compiled is None:
+        compiled = _compiled[fn] = torch.compile(fn, dynamic=None)
+    try:
+        return compiled(*args)
+    except Exception as e:  # a compiler problem must never break a forward
+        _compile_enabled = False
+        warnings.warn(
+            f"dtype_policies: torch.compile of the quantization epilogues failed ({e!r}); "
+            "continuing with eager kernels.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return fn(*args)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: `(q, step)` with `x ~= q * step`, `step` (M, 1) float32."""
+    x = x.float()
+    step = (x.abs().amax(dim=-1, keepdim=True) + EPSILON) / 127.0
+    q = torch.clamp(torch.round(x / step), -127.0, 127.0)
+    return q.to(torch.int8), step
+
+
+def quantize_rows_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_int8` shifted to uint8 with zero point 128."""
+    x = x.float()
+    step = (x.abs().amax(dim=-1, keepdim=True) + EPSILON) / 127.0
+    q = torch.clamp(torch.round(x / step), -127.0, 127.0) + 128.0
+    return q.to(torch.uint8), step
+
+
+def rescale(
+    y: torch.Tensor,
+    row_step: torch.Tensor,
+    column_step: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`(y * row_step * column_step + bias)` in `out_dtype`, computed in float32."""
+    y = y.float() * row_step
+    if column_step is not None:
+        y = y * column_step
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

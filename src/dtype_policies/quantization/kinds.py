@@ -1,0 +1,154 @@
+"""The registry of quantizable module kinds: for each module class, where its
+weight is, its orientation, and the modes it supports.
+
+Third-party linear-like classes join with `register_linear_kind`:
+
+>>> import torch
+>>> from dtype_policies.quantization import register_linear_kind
+>>> class MyProjection(torch.nn.Module):  # stores its weight as (in, out)
+...     def __init__(self):
+...         super().__init__()
+...         self.w = torch.nn.Parameter(torch.randn(8, 4))
+...     def forward(self, x):
+...         return x @ self.w
+>>> register_linear_kind(MyProjection, weight="w", layout="in_out", bias=None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dtype_policies._core.compose import original_class
+from dtype_policies.quantization.schemes.base import LAYOUTS, WeightSpec
+from dtype_policies.quantizers.config import QUANTIZATION_MODES
+
+SpecFunction = Callable[[torch.nn.Module, str], WeightSpec]
+
+
+@dataclass(frozen=True)
+class ModuleKind:
+    """How to quantize modules of one class.
+
+    Attributes:
+        spec: `(module, mode) -> WeightSpec`; raises `NotImplementedError`
+            (with the reason) when this module cannot take `mode`.
+        modes: The modes the class supports.
+        exact: Subclasses are refused unless `type_check=False` (Keras's rule
+            for its layers, whose subclasses may override `call`).
+        forward: The quantized forward the module gets (`"linear"`,
+            `"embedding"`), or `None` for classes whose own call dispatches to
+            the quantized product (this library's layers).
+        after_commit: Called with `(module, plan)` once a quantization is
+            committed (layers rename their policy); must not fail.
+    """
+
+    spec: SpecFunction
+    modes: tuple[str, ...]
+    exact: bool = False
+    forward: str | None = "linear"
+    after_commit: Callable[[torch.nn.Module, object], None] | None = None
+
+
+_KINDS: dict[type | str, ModuleKind] = {}
+
+
+def register_module_kind(cls: type | str, kind: ModuleKind) -> None:
+    """Registers `kind` for `cls` and its subclasses. `cls` may be a
+    `"module.QualName"` string, matched without importing that module."""
+    _KINDS[cls] = kind
+
+
+def register_linear_kind(
+    cls: type | str,
+    weight: str = "weight",
+    layout: str = "out_in",
+    bias: str | None = "bias",
+    modes: tuple[str, ...] = QUANTIZATION_MODES,
+) -> None:
+    """Makes a linear-like module class quantizable.
+
+    Args:
+        cls: The class (or its `"module.QualName"`).
+        weight: The name of its 2-D weight `Parameter`.
+        layout: `"out_in"` for an (out, in) weight (`y = x @ W.T`, like
+            `nn.Linear`), `"in_out"` for (in, out) (`y = x @ W`, like
+            transformers' `Conv1D`).
+        bias: The name of its bias parameter, or `None`.
+        modes: The modes to allow.
+
+    The quantized module computes `x @ W (+ bias)` over the input's last axis
+    in place of the class's own forward.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
+    bad = [mode for mode in modes if mode not in QUANTIZATION_MODES]
+    if bad:
+        raise ValueError(
+            f"Unknown quantization modes {bad}. Expected some of {QUANTIZATION_MODES}."
+        )
+    if not isinstance(weight, str) or not weight:
+        raise ValueError(f"`weight` must be a parameter name. Received: weight={weight!r}")
+
+    def spec(module: torch.nn.Module, mode: str) -> WeightSpec:
+        parameter = module._parameters.get(weight)
+        if parameter is None or parameter.dim() != 2:
+            raise NotImplementedError(
+                f"its weight '{weight}' is not a registered 2-D parameter "
+                f"(found {type(parameter).__name__})"
+            )
+        rows, columns = parameter.shape
+        in_features, out_features = (columns, rows) if layout == "out_in" else (rows, columns)
+        return WeightSpec(
+            weight=weight,
+            layout=layout,
+            role="linear",
+            in_features=in_features,
+            out_features=out_features,
+            bias=bias if bias is not None and module._parameters.get(bias) is not None else None,
+            float_shape=tuple(parameter.shape),
+        )
+
+    register_module_kind(cls, ModuleKind(spec, tuple(modes)))
+
+
+def _embedding_spec(module: torch.nn.Module, mode: str) -> WeightSpec:
+    if getattr(module, "max_norm", None) is not None:
+        raise NotImplementedError("nn.Embedding with max_norm renormalizes its table in place")
+    if getattr(module, "sparse", False):
+        raise NotImplementedError("nn.Embedding with sparse=True")
+    weight = module._parameters.get("weight")
+    if weight is None:
+        raise NotImplementedError("its weight is not a registered parameter")
+    rows, features = weight.shape
+    return WeightSpec(
+        weight="weight",
+        layout="out_in",
+        role="embedding",
+        in_features=features,
+        out_features=rows,
+        float_shape=tuple(weight.shape),
+    )
+
+
+def kind_of_class(cls: type) -> ModuleKind | None:
+    """The kind registered for exactly `cls`."""
+    return _KINDS.get(cls) or _KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def kind_of(module: torch.nn.Module) -> ModuleKind | None:
+    """The registered kind of a module's own class (nearest base class first)."""
+    for cls in original_class(module).__mro__:
+        kind = kind_of_class(cls)
+        if kind is not None:
+            return kind
+    return None
+
+
+register_linear_kind(torch.nn.Linear)
+register_module_kind(
+    torch.nn.Embedding, ModuleKind(_embedding_spec, ("int8", "int4"), forward="embedding")
+)
+register_linear_kind("transformers.pytorch_utils.Conv1D", layout="in_out")

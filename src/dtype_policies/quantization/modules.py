@@ -1,0 +1,129 @@
+"""The forwards quantized torch modules get, and how quantized modules load
+state dicts.
+
+A quantized `nn.Linear` (or any registered linear kind) computes
+`x @ W + bias` with the quantized weight; a quantized `nn.Embedding` looks its
+rows up. Reading the quantized weight's attribute (`module.weight`) gives the
+dequantized float weight, so a parent module that reads `child.weight`
+directly keeps computing correctly (slowly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtype_policies._core.call import leaf_weights
+from dtype_policies._core.scope import current_scope
+from dtype_policies.quantization.schemes.base import QuantizedWeight
+
+QUANTIZED_SUFFIXES = ("_int8", "_int4")
+"""Suffixes of the integer data buffers (`<weight>_int8`, `<weight>_int4`)."""
+
+
+def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
+    name = qw.spec.bias
+    bias = module._parameters.get(name) if name else None
+    if bias is None or bias.dtype == compute:
+        return bias
+    return leaf_weights(module.__dict__.get("_dp_casts"), bias, None, compute, weight_name=name)[0]
+
+
+class QuantizedForward:
+    """Shared by the quantized forwards: the weight attribute and loading."""
+
+    _dp_order = 10
+
+    def __getattr__(self, name: str) -> Any:
+        qw = self.__dict__.get("_dp_quant")
+        if qw is not None and name == qw.weight_name and not qw.scheme.keeps_float_weight:
+            weight = qw.spec.from_nk(qw.scheme.dequantize(self, qw))
+            scope = current_scope()
+            dtype = scope.dtype if scope is not None and scope.dtype is not None else None
+            return weight.to(dtype or qw.float_dtype)
+        return super().__getattr__(name)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        qw = self.__dict__.get("_dp_quant")
+        if qw is not None:
+            adapt_state_dict(self, qw, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class QuantizedLinearForward(QuantizedForward):
+    """`x @ W + bias` with the quantized weight, in the module's compute dtype."""
+
+    def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        d = self.__dict__
+        qw: QuantizedWeight = d["_dp_quant"]
+        compute = d["_dp_state"].compute
+        return qw.linear(self, input, _bias(self, qw, compute), compute)
+
+    def extra_repr(self) -> str:
+        qw = self.__dict__["_dp_quant"]
+        spec = qw.spec
+        return (
+            f"in_features={spec.in_features}, out_features={spec.out_features}, "
+            f"bias={spec.bias is not None}, quantization={qw.mode}"
+        )
+
+
+class QuantizedEmbeddingForward(QuantizedForward):
+    """Rows looked up in the quantized table, in the module's compute dtype."""
+
+    def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        d = self.__dict__
+        return d["_dp_quant"].lookup(self, input, d["_dp_state"].compute)
+
+    def extra_repr(self) -> str:
+        qw = self.__dict__["_dp_quant"]
+        return f"{qw.spec.out_features}, {qw.spec.in_features}, quantization={qw.mode}"
+
+
+FORWARDS = {"linear": QuantizedLinearForward, "embedding": QuantizedEmbeddingForward}
+
+
+def adapt_state_dict(
+    module: torch.nn.Module, qw: QuantizedWeight, state_dict: dict, prefix: str
+) -> None:
+    """Makes a checkpoint loadable into a quantized module, in `state_dict`:
+
+    * a float checkpoint (the float `<weight>` instead of the stored buffers)
+      is quantized with the module's own mode and config;
+    * stored buffers of another mode raise `ValueError` naming the keys;
+    * float8 scaling state missing from a float checkpoint keeps its values.
+    """
+    weight_key = prefix + qw.weight_name
+    stored = sorted(prefix + name for name in qw.stored_names)
+    present = [key for key in stored if key in state_dict]
+    foreign = [
+        prefix + qw.weight_name + suffix
+        for suffix in QUANTIZED_SUFFIXES
+        if prefix + qw.weight_name + suffix in state_dict
+        and qw.weight_name + suffix not in qw.stored_names
+    ]
+    if foreign:
+        raise ValueError(
+            f"The checkpoint holds {foreign}, stored by another quantization mode, but the "
+            f"module at '{prefix[:-1] or '(root)'}' is quantized in mode '{qw.mode}' "
+            f"(it expects {stored}). Quantize the model the same way before loading."
+        )
+    if qw.scheme.keeps_float_weight:
+        for name in qw.stored_names:
+            state_dict.setdefault(prefix + name, module._buffers[name].detach())
+        return
+    if weight_key in state_dict and not present:
+        value = state_dict[weight_key]
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return
+        if tuple(value.shape) != qw.spec.float_shape:
+            raise ValueError(
+                f"Cannot load '{weight_key}' of shape {tuple(value.shape)} into the module "
+                f"quantized from a weight of shape {qw.spec.float_shape}."
+            )
+        with torch.no_grad(), torch.inference_mode(False):
+            tensors = qw.scheme.quantize(value.detach(), qw.spec, qw.config)
+        del state_dict[weight_key]
+        for name, tensor in tensors.items():
+            state_dict[prefix + name] = tensor

@@ -1,0 +1,252 @@
+"""What a quantization scheme is, and the per-module state it runs with.
+
+A `Scheme` (one per mode, one file each) turns a float weight into plain
+stored tensors and computes with them. A `WeightSpec` says where a module's
+weight is and how it is oriented. A `QuantizedWeight` binds the two to one
+module: it is what a quantized module keeps (besides its stored buffers), and
+its runtime caches are derived from the buffers, never stored.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from dtype_policies.quantizers.config import QuantizationConfig
+
+LAYOUTS = ("out_in", "in_out")
+ROLES = ("linear", "embedding")
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Where a module's quantizable weight is, and its orientation.
+
+    Attributes:
+        weight: The parameter's name (`"weight"`, `"kernel"`, `"embeddings"`).
+        layout: `"out_in"` for an (N, K) matrix (torch's `nn.Linear`,
+            embedding tables as (rows, features)), `"in_out"` for (K, N)
+            (Keras's `Dense`, transformers' `Conv1D`).
+        role: `"linear"` (a product with the input's last axis) or
+            `"embedding"` (rows looked up).
+        in_features, out_features: K and N (for embeddings: features and rows).
+        bias: The bias parameter's name, if any.
+        float_shape: The float parameter's shape.
+        permutation: For einsum kernels, the permutation that puts the
+            contracted axes first before flattening to (K, N).
+        contract: For float8 on non-matmul einsums: the float contraction
+            `contract(x, kernel)`.
+    """
+
+    weight: str
+    layout: str
+    role: str
+    in_features: int
+    out_features: int
+    bias: str | None = None
+    float_shape: tuple[int, ...] = ()
+    permutation: tuple[int, ...] | None = None
+    contract: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        """The float weight as a 2-D matrix in this layout."""
+        if self.permutation is not None:
+            return weight.permute(self.permutation).reshape(self.in_features, self.out_features)
+        return weight
+
+    def nk(self, matrix: torch.Tensor) -> torch.Tensor:
+        """A 2-D matrix in this layout, viewed as (N, K)."""
+        return matrix.t() if self.layout == "in_out" else matrix
+
+    def from_nk(self, w_nk: torch.Tensor) -> torch.Tensor:
+        """An (N, K) matrix back in the float parameter's shape."""
+        matrix = w_nk.t() if self.layout == "in_out" else w_nk
+        if self.permutation is None:
+            return matrix
+        permuted = [self.float_shape[i] for i in self.permutation]
+        inverse = [0] * len(self.permutation)
+        for position, axis in enumerate(self.permutation):
+            inverse[axis] = position
+        return matrix.reshape(permuted).permute(inverse)
+
+
+class Scheme(abc.ABC):
+    """One quantization mode: storage, dequantization and products."""
+
+    mode: ClassVar[str]
+    roles: ClassVar[tuple[str, ...]] = ("linear",)
+    keeps_float_weight: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def buffer_names(self, spec: WeightSpec, config: QuantizationConfig) -> tuple[str, ...]:
+        """The names of the buffers this scheme registers on the module."""
+
+    @abc.abstractmethod
+    def quantize(
+        self, weight: torch.Tensor, spec: WeightSpec, config: QuantizationConfig
+    ) -> dict[str, torch.Tensor]:
+        """The buffers to store for the float `weight` (a pure function)."""
+
+    def new_runtime(self) -> Any:
+        """Derived per-module data (packed kernel layouts); rebuilt after copies."""
+        return None
+
+    def check_shapes(self, spec: WeightSpec, config: QuantizationConfig) -> None:
+        """Raises `NotImplementedError` for shapes this scheme cannot handle."""
+        return None
+
+    @abc.abstractmethod
+    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        """The float32 (N, K) weight the stored tensors stand for."""
+
+    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        """The stored integer values as an (N, K) int8 matrix."""
+        raise NotImplementedError(f"mode '{self.mode}' keeps a float weight")
+
+    @abc.abstractmethod
+    def linear(
+        self,
+        module: torch.nn.Module,
+        qw: QuantizedWeight,
+        x2: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute: torch.dtype,
+    ) -> torch.Tensor:
+        """`x2 @ W.T + bias` for a 2-D `x2` (M, K), in `compute` (no autograd)."""
+
+    def forward(
+        self,
+        module: torch.nn.Module,
+        qw: QuantizedWeight,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute: torch.dtype,
+    ) -> torch.Tensor:
+        """The layer's product with the quantized weight over `x`'s last axis,
+        with the straight-through gradient (through the dequantized weight) to
+        `x` and `bias`, as Keras's custom gradients do."""
+        if x.dtype != compute and x.is_floating_point():
+            x = x.to(compute)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        needs_grad = torch.is_grad_enabled() and (
+            x2.requires_grad or (bias is not None and bias.requires_grad)
+        )
+        if not needs_grad:
+            y = self.linear(module, qw, x2, bias, compute)
+        elif torch.compiler.is_compiling():
+            y = self.traceable_linear(module, qw, x2, bias, compute)
+        else:
+            y = _StraightThrough.apply(x2, bias, module, qw, compute)
+        return y.reshape(*lead, y.shape[-1])
+
+    def traceable_linear(
+        self,
+        module: torch.nn.Module,
+        qw: QuantizedWeight,
+        x2: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute: torch.dtype,
+    ) -> torch.Tensor:
+        """Under `torch.compile` with gradients: the product with the
+        dequantized weight, whose gradient is the straight-through one."""
+        weight = self.dequantize(module, qw).to(compute)
+        return torch.nn.functional.linear(x2, weight, None if bias is None else bias.to(compute))
+
+    def lookup(
+        self, module: torch.nn.Module, qw: QuantizedWeight, ids: torch.Tensor, compute: torch.dtype
+    ) -> torch.Tensor:
+        """The rows `ids` of an embedding table, in `compute`."""
+        raise NotImplementedError(f"mode '{self.mode}' does not quantize embeddings")
+
+
+class QuantizedWeight:
+    """The quantization of one module's weight: scheme, spec and config, plus
+    derived runtime data. Stored tensors live in the module's buffers."""
+
+    def __init__(
+        self,
+        scheme: Scheme,
+        spec: WeightSpec,
+        config: QuantizationConfig,
+        float_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.scheme = scheme
+        self.spec = spec
+        self.config = config
+        self.float_dtype = float_dtype  # the dtype of the float weight it replaced
+        self.runtime = scheme.new_runtime()
+
+    @property
+    def mode(self) -> str:
+        return self.scheme.mode
+
+    @property
+    def weight_name(self) -> str:
+        return self.spec.weight
+
+    @property
+    def stored_names(self) -> frozenset[str]:
+        return frozenset(self.scheme.buffer_names(self.spec, self.config))
+
+    def linear(
+        self,
+        module: torch.nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute: torch.dtype,
+    ) -> torch.Tensor:
+        """`x @ W + bias` over `x`'s last axis (see `Scheme.forward`)."""
+        return self.scheme.forward(module, self, x, bias, compute)
+
+    def lookup(self, module: torch.nn.Module, ids: torch.Tensor, compute: torch.dtype):
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = ids.long()
+        return self.scheme.lookup(module, self, ids, compute)
+
+    def dequantized(self, module: torch.nn.Module) -> torch.Tensor:
+        """The float32 weight in the float parameter's shape."""
+        return self.spec.from_nk(self.scheme.dequantize(module, self))
+
+    def integer_values(self, module: torch.nn.Module) -> torch.Tensor:
+        """The integer values in the float parameter's shape (Keras's `kernel`)."""
+        return self.spec.from_nk(self.scheme.integer_values(module, self))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["runtime"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.runtime = self.scheme.new_runtime()
+
+    def __deepcopy__(self, memo: dict) -> QuantizedWeight:
+        return QuantizedWeight(self.scheme, self.spec, self.config, self.float_dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight(mode={self.mode!r}, weight={self.weight_name!r}, {self.config})"
+
+
+class _StraightThrough(torch.autograd.Function):
+    """The quantized product forward; backward through the dequantized weight
+    (Keras's custom gradient): `grad_x = grad_y @ W`, `grad_bias = sum(grad_y)`."""
+
+    @staticmethod
+    def forward(ctx, x2, bias, module, qw, compute):  # type: ignore[override]
+        ctx.module, ctx.qw = module, qw
+        return qw.scheme.linear(module, qw, x2, bias, compute)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            weight = ctx.qw.scheme.dequantize(ctx.module, ctx.qw).to(grad.dtype)
+            grad_x = grad @ weight
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.sum(0)
+        return grad_x, grad_bias, None, None, None

@@ -1,0 +1,94 @@
+"""int4 (weight-only): grouped along the contracting axis in blocks (asymmetric
+with a zero point, `W ~= (q - zero) * scale`), or per output channel
+(symmetric, `W ~= q / scale`), Keras's conventions. Stored: `<w>_int4` (int8
+holding two values per byte along the last axis of the weight's own
+orientation), `<w>_scale` (float32, (G, N) grouped or (N,) per channel) and,
+grouped, `<w>_zero` (int8, (G, N))."""
+
+from __future__ import annotations
+
+import torch
+
+from dtype_policies.quantization.kernels import int4 as kernels
+from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantizers.config import Int4QuantizationConfig
+from dtype_policies.quantizers.math import (
+    abs_max_quantize,
+    grouped_quantize_with_zero_point,
+    pack_int4,
+    unpack_int4,
+)
+
+
+class Int4Scheme(Scheme):
+    mode = "int4"
+    roles = ("linear", "embedding")
+
+    def buffer_names(self, spec: WeightSpec, config: Int4QuantizationConfig) -> tuple[str, ...]:
+        w = spec.weight
+        if config.group_size > 0:
+            return (f"{w}_int4", f"{w}_scale", f"{w}_zero")
+        return (f"{w}_int4", f"{w}_scale")
+
+    def quantize(
+        self, weight: torch.Tensor, spec: WeightSpec, config: Int4QuantizationConfig
+    ) -> dict[str, torch.Tensor]:
+        w_nk = spec.nk(spec.matrix(weight.detach())).float()
+        names = self.buffer_names(spec, config)
+        if config.group_size > 0:
+            q_kn, scale, zero = grouped_quantize_with_zero_point(w_nk.t(), config.group_size)
+            q_nk, extra = q_kn.t(), {names[1]: scale, names[2]: zero}
+        else:
+            quantizer = config.weight_quantizer
+            q_nk, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
+            extra = {names[1]: scale.reshape(-1)}
+        data = q_nk.t() if spec.layout == "in_out" else q_nk
+        stored = {names[0]: pack_int4(data.contiguous(), axis=-1)}
+        stored.update({name: tensor.contiguous() for name, tensor in extra.items()})
+        return stored
+
+    def new_runtime(self) -> kernels.Int4Runtime:
+        return kernels.Int4Runtime()
+
+    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight):
+        buffers = module._buffers
+        w = qw.spec.weight
+        return buffers[f"{w}_int4"], buffers[f"{w}_scale"], buffers.get(f"{w}_zero")
+
+    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        packed, _, _ = self._stored(module, qw)
+        spec = qw.spec
+        length = spec.out_features if spec.layout == "in_out" else spec.in_features
+        return spec.nk(unpack_int4(packed, length, axis=-1))
+
+    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        _, scale, zero = self._stored(module, qw)
+        return kernels.dequantize_int4(
+            self.integer_values(module, qw), scale, zero, qw.config.group_size
+        )
+
+    def linear(self, module, qw, x2, bias, compute):
+        packed, scale, zero = self._stored(module, qw)
+        if qw.runtime is None:
+            qw.runtime = self.new_runtime()
+        stored = (packed, scale) if zero is None else (packed, scale, zero)
+        q_nk = None
+        if qw.runtime.needs_refresh(stored):
+            q_nk = self.integer_values(module, qw)
+            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored)
+        if qw.runtime.packed is None or x2.dtype != torch.bfloat16:
+            q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
+        return kernels.int4_linear(
+            x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime
+        )
+
+    def lookup(self, module, qw, ids, compute):
+        packed, scale, zero = self._stored(module, qw)
+        features = qw.spec.in_features
+        q = unpack_int4(packed[ids], features, axis=-1).float()
+        if zero is None:
+            return (q / scale[ids].float().unsqueeze(-1)).to(compute)
+        group = torch.arange(features, device=q.device) // qw.config.group_size
+        rows_scale = scale.t()[ids].float()[..., group]
+        rows_zero = zero.t()[ids].float()[..., group]
+        return ((q - rows_zero) * rows_scale).to(compute)

@@ -1,0 +1,67 @@
+"""int8: symmetric per-output-channel weights (`W ~= q / scale`), with
+activations quantized per row at run time (W8A8 dynamic) or left in the
+compute dtype (weight-only). Stored: `<w>_int8` (int8, the weight's own
+orientation) and `<w>_scale` (float32, (N,)). Embedding tables are quantized
+per row the same way, so a table tied to an LM head stores the same tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from dtype_policies.quantization.kernels import int8 as kernels
+from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantizers.config import Int8QuantizationConfig
+from dtype_policies.quantizers.math import abs_max_quantize
+
+
+class Int8Scheme(Scheme):
+    mode = "int8"
+    roles = ("linear", "embedding")
+
+    def buffer_names(self, spec: WeightSpec, config: Int8QuantizationConfig) -> tuple[str, ...]:
+        return (f"{spec.weight}_int8", f"{spec.weight}_scale")
+
+    def quantize(
+        self, weight: torch.Tensor, spec: WeightSpec, config: Int8QuantizationConfig
+    ) -> dict[str, torch.Tensor]:
+        quantizer = config.weight_quantizer
+        w_nk = spec.nk(spec.matrix(weight.detach())).float()
+        q, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
+        data = q.t() if spec.layout == "in_out" else q
+        names = self.buffer_names(spec, config)
+        return {names[0]: data.contiguous(), names[1]: scale.reshape(-1).contiguous()}
+
+    def new_runtime(self) -> kernels.Int8Runtime:
+        return kernels.Int8Runtime()
+
+    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight):
+        name = qw.spec.weight
+        return module._buffers[f"{name}_int8"], module._buffers[f"{name}_scale"]
+
+    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        data, _ = self._stored(module, qw)
+        return qw.spec.nk(data)
+
+    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        data, scale = self._stored(module, qw)
+        return qw.spec.nk(data).float() / scale.float()[:, None]
+
+    def _runtime(self, module: torch.nn.Module, qw: QuantizedWeight, prepack: bool):
+        data, scale = self._stored(module, qw)
+        if qw.runtime is None:
+            qw.runtime = self.new_runtime()
+        qw.runtime.refresh(data, scale, qw.spec.nk, prepack)
+        return qw.runtime
+
+    def linear(self, module, qw, x2, bias, compute):
+        if bias is not None and bias.dtype != compute:
+            bias = bias.to(compute)
+        if qw.config.weight_only:
+            return kernels.int8_weight_only_linear(
+                x2, self._runtime(module, qw, prepack=False), bias, compute
+            )
+        return kernels.int8_linear(x2, self._runtime(module, qw, prepack=True), bias, compute)
+
+    def lookup(self, module, qw, ids, compute):
+        data, scale = self._stored(module, qw)
+        return (data[ids].float() / scale[ids].float().unsqueeze(-1)).to(compute)

@@ -1,0 +1,53 @@
+"""Quantizers and quantization configs (mirror of `keras.quantizers`): pure
+functions on tensors and plain settings objects, with Keras 3's conventions.
+
+>>> import torch
+>>> from dtype_policies import quantizers
+>>> q, scale = quantizers.abs_max_quantize(torch.tensor([[0.5, -1.0]]), axis=-1)
+>>> q, quantizers.Int4QuantizationConfig(block_size=64)
+(tensor([[  63, -127]], dtype=torch.int8), Int4QuantizationConfig(block_size=64))
+"""
+
+from dtype_policies.quantizers.config import (
+    DEFAULT_AMAX_HISTORY_LENGTH,
+    QUANTIZATION_MODES,
+    AbsMaxQuantizer,
+    Float8QuantizationConfig,
+    Int4QuantizationConfig,
+    Int8QuantizationConfig,
+    QuantizationConfig,
+    deserialize_config,
+    serialize_config,
+    validate_and_resolve_config,
+)
+from dtype_policies.quantizers.math import (
+    abs_max_quantize,
+    compute_float8_amax_history,
+    compute_float8_scale,
+    dequantize_grouped,
+    grouped_quantize_with_zero_point,
+    pack_int4,
+    quantize_and_dequantize,
+    unpack_int4,
+)
+
+__all__ = [
+    "DEFAULT_AMAX_HISTORY_LENGTH",
+    "QUANTIZATION_MODES",
+    "AbsMaxQuantizer",
+    "Float8QuantizationConfig",
+    "Int4QuantizationConfig",
+    "Int8QuantizationConfig",
+    "QuantizationConfig",
+    "abs_max_quantize",
+    "compute_float8_amax_history",
+    "compute_float8_scale",
+    "dequantize_grouped",
+    "deserialize_config",
+    "grouped_quantize_with_zero_point",
+    "pack_int4",
+    "quantize_and_dequantize",
+    "serialize_config",
+    "unpack_int4",
+    "validate_and_resolve_config",
+]

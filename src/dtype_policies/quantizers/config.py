@@ -1,0 +1,379 @@
+"""Quantization configs (Keras's `keras.quantizers` configs): what a
+`quantize(mode, config=...)` call, or a quantized policy, may change per mode.
+
+Configs are plain, immutable-by-convention settings. The quantized policies
+own them: `QuantizedDTypePolicy(...).quantization_config` is the config a
+policy implies, and one rule (`check_mode_and_compute_dtype`) says which
+modes a compute dtype supports.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from dtype_policies.quantizers.math import EPSILON, INT4_RANGE, INT8_RANGE, abs_max_quantize
+
+QUANTIZATION_MODES = ("int8", "float8", "int4")
+"""The quantization modes this library implements."""
+
+DEFAULT_AMAX_HISTORY_LENGTH = 1024
+"""float8 delayed scaling: how many past absolute maxima a scale looks at (Keras's default)."""
+
+FLOAT8_SCALINGS = ("delayed", "dynamic")
+
+_INTEGER_DTYPES = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32}
+
+
+def check_mode(mode: Any) -> str:
+    """`mode` if it is one of `QUANTIZATION_MODES`, else Keras's ValueError."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"Invalid quantization mode. Expected one of {QUANTIZATION_MODES}. "
+            f"Received: mode={mode}"
+        )
+    return mode
+
+
+def check_mode_and_compute_dtype(mode: str, compute_dtype: str) -> None:
+    """The one rule on modes and compute dtypes: int8 does not compute in float16
+    (Keras refuses it; use a bfloat16 or float32 source such as 'mixed_bfloat16')."""
+    if mode == "int8" and compute_dtype == "float16":
+        raise ValueError(
+            "Quantization mode='int8' doesn't work well with compute_dtype='float16'. "
+            "Use a bfloat16 or float32 source policy such as 'mixed_bfloat16'."
+        )
+
+
+class AbsMaxQuantizer:
+    """Symmetric abs-max quantizer (Keras's `AbsMaxQuantizer`).
+
+    Calling it quantizes a tensor over `axis` (the call's `axis`, else the
+    constructor's, else the last axis): `q = clip(round(x * scale), *value_range)`
+    with `scale = value_range[1] / (max|x| + epsilon)`, so `x ~= q / scale`.
+
+    Args:
+        axis: Default axis (or axes) to reduce over. Keras deprecates passing
+            it here in favour of the call argument; both work.
+        value_range: `(low, high)` bounds of the integer values.
+        epsilon: Added to the absolute maximum before dividing.
+        output_dtype: The integer dtype name of `q` (`"int8"`).
+
+    >>> import torch
+    >>> quantizer = AbsMaxQuantizer(value_range=(-8, 7))
+    >>> q, scale = quantizer(torch.tensor([[1.0, -2.0], [0.5, 0.25]]), axis=-1)
+    >>> q
+    tensor([[ 4, -7],
+            [ 7,  3]], dtype=torch.int8)
+    >>> quantizer.get_config()
+    {'value_range': (-8, 7), 'epsilon': 1e-07, 'output_dtype': 'int8'}
+    """
+
+    def __init__(
+        self,
+        axis: int | tuple[int, ...] | None = None,
+        value_range: tuple[int, int] = INT8_RANGE,
+        epsilon: float = EPSILON,
+        output_dtype: str = "int8",
+    ) -> None:
+        try:
+            value_range = tuple(int(v) for v in value_range)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"`value_range` must be a pair of ints (low, high). Received: {value_range!r}"
+            ) from None
+        if len(value_range) != 2 or value_range[0] >= value_range[1]:
+            raise ValueError(f"`value_range` must be (low, high). Received: {value_range!r}")
+        if output_dtype not in _INTEGER_DTYPES:
+            raise ValueError(
+                f"`output_dtype` must be one of {sorted(_INTEGER_DTYPES)}. "
+                f"Received: output_dtype={output_dtype!r}"
+            )
+        if output_dtype == "int8" and (value_range[0] < -128 or value_range[1] > 127):
+            raise ValueError(
+                f"value_range {value_range} does not fit output_dtype='int8' ([-128, 127])."
+            )
+        if not isinstance(epsilon, (int, float)) or not epsilon > 0:
+            raise ValueError(f"`epsilon` must be a positive number. Received: {epsilon!r}")
+        if axis is not None and not isinstance(axis, (int, tuple, list)):
+            raise TypeError(f"`axis` must be an int, a tuple of ints or None. Received: {axis!r}")
+        self.axis = tuple(axis) if isinstance(axis, list) else axis
+        self.value_range = value_range
+        self.epsilon = float(epsilon)
+        self.output_dtype = output_dtype
+
+    def __call__(
+        self, x: torch.Tensor, axis: int | tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(q, scale)` for `x`, reducing over `axis` (kept with size 1 in `scale`)."""
+        if axis is None:
+            axis = self.axis if self.axis is not None else -1
+        dtype = _INTEGER_DTYPES[self.output_dtype]
+        return abs_max_quantize(torch.as_tensor(x), axis, self.value_range, self.epsilon, dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "value_range": self.value_range,
+            "epsilon": self.epsilon,
+            "output_dtype": self.output_dtype,
+        }
+        if self.axis is not None:
+            config["axis"] = self.axis
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AbsMaxQuantizer:
+        return cls(**config)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AbsMaxQuantizer) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, str(v)) for k, v in self.get_config().items())))
+
+    def __repr__(self) -> str:
+        axis = f"axis={self.axis}, " if self.axis is not None else ""
+        return f"AbsMaxQuantizer({axis}value_range={self.value_range}, epsilon={self.epsilon})"
+
+
+def _quantizer(value: Any, default: AbsMaxQuantizer | None, name: str) -> AbsMaxQuantizer | None:
+    if isinstance(value, str) and value == "default":
+        return default
+    if value is None or isinstance(value, AbsMaxQuantizer):
+        return value
+    if isinstance(value, dict):
+        return AbsMaxQuantizer.from_config(value)
+    raise TypeError(
+        f"`{name}` must be an AbsMaxQuantizer, its config dict, 'default' or None. "
+        f"Received: {value!r}"
+    )
+
+
+class QuantizationConfig:
+    """Base class of the per-mode configs."""
+
+    mode: ClassVar[str]
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        return cls(**config)
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, repr(self.get_config())))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Int8QuantizationConfig(QuantizationConfig):
+    """int8: weights per output channel; activations per token (W8A8 dynamic)
+    unless `activation_quantizer=None` (weight-only int8).
+
+    >>> Int8QuantizationConfig().weight_only, Int8QuantizationConfig(None).weight_only
+    (False, False)
+    >>> Int8QuantizationConfig(activation_quantizer=None).weight_only
+    True
+    """
+
+    mode = "int8"
+
+    def __init__(self, weight_quantizer: Any = None, activation_quantizer: Any = "default") -> None:
+        self.weight_quantizer = _quantizer(weight_quantizer, None, "weight_quantizer") or (
+            AbsMaxQuantizer()
+        )
+        if self.weight_quantizer.output_dtype != "int8":
+            raise ValueError(
+                "Int8QuantizationConfig requires a weight_quantizer with output_dtype='int8'. "
+                f"Received: output_dtype={self.weight_quantizer.output_dtype}"
+            )
+        self.activation_quantizer = _quantizer(
+            activation_quantizer, AbsMaxQuantizer(), "activation_quantizer"
+        )
+
+    @property
+    def weight_only(self) -> bool:
+        """True without activation quantization (the product runs in the compute dtype)."""
+        return self.activation_quantizer is None
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "weight_quantizer": self.weight_quantizer.get_config(),
+            "activation_quantizer": (
+                None
+                if self.activation_quantizer is None
+                else self.activation_quantizer.get_config()
+            ),
+        }
+
+
+class Int4QuantizationConfig(QuantizationConfig):
+    """int4 weight-only: grouped along the input axis in blocks of `block_size`
+    (asymmetric, with a zero point), or per output channel (symmetric) with
+    `block_size=-1` or `None`.
+
+    >>> Int4QuantizationConfig().block_size, Int4QuantizationConfig(block_size=None).block_size
+    (128, None)
+    >>> Int4QuantizationConfig(block_size=None).group_size
+    -1
+    """
+
+    mode = "int4"
+
+    def __init__(
+        self,
+        weight_quantizer: Any = None,
+        activation_quantizer: Any = "default",
+        block_size: int | None = 128,
+    ) -> None:
+        if block_size is not None and (
+            not isinstance(block_size, int)
+            or isinstance(block_size, bool)
+            or (block_size <= 0 and block_size != -1)
+        ):
+            raise ValueError(
+                "block_size must be None, -1, or a positive integer. "
+                f"Received: block_size={block_size!r}"
+            )
+        weight = _quantizer(weight_quantizer, None, "weight_quantizer")
+        activation = _quantizer(activation_quantizer, None, "activation_quantizer")
+        if (
+            block_size is not None
+            and block_size > 0
+            and (weight is not None or activation is not None)
+        ):
+            raise ValueError(
+                "Int4 sub-channel quantization (block_size > 0) does not support custom "
+                "quantizers. Use block_size=-1 for a custom per-channel quantizer."
+            )
+        if activation is not None:
+            raise ValueError(
+                "int4 is weight-only here: activation_quantizer must be None or 'default'."
+            )
+        if weight is not None and (weight.value_range != INT4_RANGE):
+            raise ValueError(
+                "An int4 weight_quantizer needs value_range=(-8, 7) and output_dtype='int8'. "
+                f"Received: {weight!r}"
+            )
+        self.block_size = block_size
+        self.weight_quantizer = weight or AbsMaxQuantizer(value_range=INT4_RANGE)
+        self.activation_quantizer = None
+
+    @property
+    def group_size(self) -> int:
+        """The block size as a number: `-1` for per channel (`block_size` None or -1)."""
+        return -1 if self.block_size is None else self.block_size
+
+    def get_config(self) -> dict[str, Any]:
+        return {"block_size": self.block_size}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Int4QuantizationConfig:
+        # Configs without a block size come from per-channel-only versions.
+        return cls(block_size=config.get("block_size"))
+
+
+class Float8QuantizationConfig(QuantizationConfig):
+    """float8 quantize-dequantize training.
+
+    Args:
+        amax_history_length: Delayed scaling's window (`None`: the policy's,
+            default 1024).
+        scaling: `"delayed"` (Keras: scales from the maximum of past absolute
+            maxima, advanced by training steps) or `"dynamic"` (scales from
+            the current tensor; needs no calibration).
+    """
+
+    mode = "float8"
+
+    def __init__(self, amax_history_length: int | None = None, scaling: str = "delayed") -> None:
+        if amax_history_length is not None and (
+            not isinstance(amax_history_length, int)
+            or isinstance(amax_history_length, bool)
+            or amax_history_length < 1
+        ):
+            raise ValueError(
+                "`amax_history_length` must be a positive integer or None. "
+                f"Received: {amax_history_length!r}"
+            )
+        if scaling not in FLOAT8_SCALINGS:
+            raise ValueError(
+                f"`scaling` must be one of {FLOAT8_SCALINGS}. Received: scaling={scaling!r}"
+            )
+        self.amax_history_length = amax_history_length
+        self.scaling = scaling
+
+    @property
+    def history_length(self) -> int:
+        """The history length in use (the default when none was given)."""
+        return self.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH
+
+    def get_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {"amax_history_length": self.amax_history_length}
+        if self.scaling != "delayed":
+            config["scaling"] = self.scaling
+        return config
+
+
+CONFIG_CLASSES: dict[str, type[QuantizationConfig]] = {
+    "int8": Int8QuantizationConfig,
+    "int4": Int4QuantizationConfig,
+    "float8": Float8QuantizationConfig,
+}
+
+
+def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
+    """The config a `quantize(mode, config)` call runs with, or a ValueError
+    with Keras's wording. A string `config` is taken as the mode (legacy).
+
+    >>> validate_and_resolve_config("int4", None)
+    Int4QuantizationConfig(block_size=128)
+    """
+    if isinstance(config, str):
+        mode, config = config, None
+    if mode is None and config is None:
+        raise ValueError("You must provide either `mode` or `config` to `quantize`.")
+    if config is None:
+        return CONFIG_CLASSES[check_mode(mode)]()
+    if not isinstance(config, QuantizationConfig):
+        raise ValueError(
+            "Argument `config` must be an instance of `QuantizationConfig`. "
+            f"Received: config={config!r} (of type {type(config)})"
+        )
+    if mode is not None and mode != config.mode:
+        raise ValueError(f"Contradictory arguments: mode='{mode}' but config.mode='{config.mode}'")
+    return config
+
+
+def serialize_config(config: QuantizationConfig | None) -> dict[str, Any] | None:
+    """`{"class_name", "config"}` for a config (`None` stays `None`)."""
+    if config is None:
+        return None
+    return {"class_name": type(config).__name__, "config": config.get_config()}
+
+
+def deserialize_config(data: Any) -> QuantizationConfig | None:
+    """Inverse of `serialize_config` (a config object is returned as is)."""
+    if data is None or isinstance(data, QuantizationConfig):
+        return data
+    classes = {cls.__name__: cls for cls in CONFIG_CLASSES.values()}
+    cls = classes.get(data.get("class_name")) if isinstance(data, dict) else None
+    if cls is None:
+        raise ValueError(
+            f"Unknown quantization config {data!r}. Expected a dict with 'class_name' in "
+            f"{sorted(classes)} and 'config'."
+        )
+    config = data.get("config", {})
+    if not isinstance(config, dict):
+        raise ValueError(f"A quantization config's 'config' must be a dict. Received: {config!r}")
+    try:
+        return cls.from_config(config)
+    except TypeError as e:
+        raise ValueError(f"Cannot rebuild {cls.__name__} from {config!r}: {e}") from None
