@@ -416,17 +416,17 @@ def test_weight_cache_keeps_copies_until_parameters_change():
     x = torch.randn(2, 300)
     with torch.no_grad():
         first = model(x)
-        cached = model[0].__dict__["_dp_casts"].entries["weight"][-1]
+        cached = model[0].__dict__["_dp_casts"].pair[3]
         assert cached.dtype == torch.bfloat16
         model(x)
-        assert model[0].__dict__["_dp_casts"].entries["weight"][-1] is cached  # no recast
+        assert model[0].__dict__["_dp_casts"].pair[3] is cached  # no recast
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(x).float().sum().backward()
     assert model[0].weight.grad.dtype == torch.float32
     optimizer.step()
     with torch.no_grad():
         after = model(x)
-        assert model[0].__dict__["_dp_casts"].entries["weight"][-1] is not cached  # recast
+        assert model[0].__dict__["_dp_casts"].pair[3] is not cached  # recast
     assert not torch.equal(first, after)
     reference = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
     reference.load_state_dict(model.state_dict())
@@ -435,4 +435,4 @@ def test_weight_cache_keeps_copies_until_parameters_change():
     apply_policy(uncached, "mixed_bfloat16", weight_cache=False)
     with torch.no_grad():
         uncached(x)
-    assert uncached[0].__dict__["_dp_casts"].entries == {}  # nothing kept
+    assert uncached[0].__dict__["_dp_casts"].pair is None  # nothing kept

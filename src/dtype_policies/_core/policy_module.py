@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.call import leaf_weights, read_weight, run_call
+from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.state import CallState, derive_call_state
-from dtype_policies._core.weight_casts import WeightCasts
+from dtype_policies._core.weight_casts import WeightCasts, cast_pair
 from dtype_policies.policies import DTypePolicy, policy_for_config
 
 
@@ -94,8 +94,8 @@ class FastLinearForward:
         state = d.get("_dp_state")
         parameters = d["_parameters"]
         weight, bias = parameters["weight"], parameters["bias"]
-        if state is not None and state.autocast:
-            weight, bias = leaf_weights(d.get("_dp_casts"), weight, bias, state.compute)
+        if state is not None and state.autocast and weight.dtype is not state.compute:
+            weight, bias = cast_pair(d.get("_dp_casts"), weight, bias, state.compute)
         return F.linear(input, weight, bias)
 
 

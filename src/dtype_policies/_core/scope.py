@@ -64,12 +64,17 @@ class AutocastScope:
 DISABLED = AutocastScope(None)
 """The scope of modules that opt out of weight casting (it never casts)."""
 
-_state = threading.local()
+
+class _ThreadState(threading.local):
+    scope: AutocastScope | None = None  # a class default: no getattr fallback needed
+
+
+_state = _ThreadState()
 
 
 def current_scope() -> AutocastScope | None:
     """The autocast scope active in this thread, if any."""
-    return getattr(_state, "scope", None)
+    return _state.scope
 
 
 def call_in_scope(
@@ -78,7 +83,7 @@ def call_in_scope(
     """`call(*args, **kwargs)` with `scope` active (`None`: as things are)."""
     if scope is None:
         return call(*args, **kwargs)
-    previous = getattr(_state, "scope", None)
+    previous = _state.scope
     _state.scope = scope
     try:
         return call(*args, **kwargs)
@@ -101,7 +106,7 @@ def scope_for_call(
     """
     if not has_weights:
         return None
-    current = getattr(_state, "scope", None)
+    current = _state.scope
     if current is None:
         return AutocastScope(compute) if compute is not None and autocast else None
     if not autocast or compute is None:

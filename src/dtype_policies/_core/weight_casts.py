@@ -1,20 +1,25 @@
 """Compute-dtype copies of weights kept between calls, correct by construction.
 
-A cast is kept across calls only when it carries no autograd graph (grad
-mode is off, or the weight does not require grad) and the weight is a plain
-tensor whose writes torch tracks. It is reused only while the weight is the
-same object, at the same address, with the same version counter: every
-write through torch (in-place ops, `copy_`, `load_state_dict`, optimizer
-steps, `nn.init`, `p.data = ...`, `.to()`) changes one of these. Casts that
-are graph nodes are made afresh in every call (once per call), so two threads
-never share one, and training never reads a cast made under `no_grad`.
+A kept cast is reused only while its weight is the same object, at the same
+address, with the same version counter: every write through torch (in-place
+ops, `copy_`, `load_state_dict`, optimizer steps, `nn.init`, `p.data = ...`,
+`.to()`) changes one of these, so the next call casts afresh. Casts that carry
+an autograd graph (grad mode, trainable weight) are kept for the thread that
+made them only, so a thread evaluating under `no_grad` and a thread training
+never hand each other a cast, and training never reads a graph-free one.
+
+Never kept: casts of inference tensors (no version counter), of tensor
+subclasses and functorch-wrapped tensors, and anything under `torch.compile`
+or `torch.jit.trace` (the compiler deduplicates casts itself).
 
 Not seen: writes that bypass torch's version counter (in-place ops on
-`p.data`, writes through a NumPy view) between two no-grad calls; call
-`dtype_policies.clear_cast_caches(model)` after such a write.
+`p.data`, writes through a NumPy view); after one, call
+`dtype_policies.clear_cast_caches(model)`.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -30,24 +35,29 @@ except ImportError:  # pragma: no cover - older torch
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_get_ident = threading.get_ident
 
 
 class WeightCasts:
-    """A module's store of kept casts, by weight name.
+    """A module's store of kept casts.
 
-    Entries are immutable tuples `(weight, version, address, dtype, cast)`
-    replaced whole, so concurrent readers see either the old or the new entry.
-    Copies, pickles and deep copies of a module start with an empty store.
+    `entries` maps a weight name to `(weight, key, cast)`; `pair` holds a
+    linear leaf's `(weight, bias, key, weight cast, bias cast)`, checked in one
+    step. Entries are immutable tuples replaced whole, so concurrent readers
+    see the old entry or the new one. Copies, pickles and deep copies of a
+    module start with an empty store.
     """
 
-    __slots__ = ("enabled", "entries")
+    __slots__ = ("enabled", "entries", "pair")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.entries: dict[str, tuple] = {}
+        self.pair: tuple | None = None
 
     def clear(self) -> None:
         self.entries.clear()
+        self.pair = None
 
     def __deepcopy__(self, memo: dict) -> WeightCasts:
         return WeightCasts(self.enabled)
@@ -60,20 +70,29 @@ class WeightCasts:
 
 
 def can_keep(weight: torch.Tensor) -> bool:
-    """Whether a cast of `weight` may be kept across calls (see the module docs)."""
+    """Whether a cast of `weight` may be kept across calls at all."""
     return (
-        not (weight.requires_grad and torch.is_grad_enabled())
-        and type(weight) in _PLAIN_TYPES
+        type(weight) in _PLAIN_TYPES
         and not weight.is_inference()
         and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
+        and not torch._C._get_tracing_state()
         and not _is_functorch_wrapped(weight)
     )
 
 
-def _plain_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A cast that is a normal tensor without a graph, also inside inference mode
-    (so that it can be used later outside it)."""
+def _owner(*tensors: torch.Tensor | None) -> int:
+    """0 for a cast without an autograd graph, else the calling thread."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _get_ident()
+    return 0
+
+
+def _make_cast(weight: torch.Tensor, dtype: torch.dtype, owner: int) -> torch.Tensor:
+    """A cast to keep: with its graph for an owning thread, else a normal
+    tensor without one (also inside inference mode, so it can be used
+    outside it later)."""
+    if owner:
+        return cast_tensor(weight, dtype)
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
             return cast_tensor(weight, dtype)
@@ -88,33 +107,67 @@ def cast_weight(
     dtype: torch.dtype,
     scope: AutocastScope | None = None,
 ) -> torch.Tensor:
-    """`weight` in `dtype`: kept from an earlier call when allowed and still
-    valid, else cast now (once per `scope` when one is given)."""
+    """`weight` in `dtype`: kept from an earlier call when still valid, else
+    cast now (once per `scope` when one is given, and kept when allowed)."""
     if weight.dtype == dtype:
         return weight
-    if store is None or not store.enabled or not can_keep(weight):
+    if store is None or not store.enabled or torch.compiler.is_compiling():
         return scope.cast(weight) if scope is not None else cast_tensor(weight, dtype)
+    owner = _owner(weight)
     entry = store.entries.get(name)
-    version, address = weight._version, weight.data_ptr()
     if (
         entry is not None
         and entry[0] is weight
-        and entry[1] == version
-        and entry[2] == address
-        and entry[3] is dtype
+        and entry[1] == (weight._version, weight.data_ptr(), dtype, owner)
     ):
-        return entry[4]
-    cast = _plain_cast(weight, dtype)
-    store.entries[name] = (weight, version, address, dtype, cast)
+        return entry[2]
+    if not can_keep(weight):
+        return scope.cast(weight) if scope is not None else cast_tensor(weight, dtype)
+    cast = _make_cast(weight, dtype, owner)
+    store.entries[name] = (weight, (weight._version, weight.data_ptr(), dtype, owner), cast)
     return cast
+
+
+def cast_pair(
+    store: WeightCasts | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear leaf's weight and bias in `dtype`: the rules of `cast_weight`,
+    with one check for both (the per-call cost that matters for small layers)."""
+    if store is None or not store.enabled or torch.compiler.is_compiling():
+        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype)
+    owner = _owner(weight, bias)
+    entry = store.pair
+    if (
+        entry is not None
+        and entry[0] is weight
+        and entry[1] is bias
+        and entry[2] == _pair_key(weight, bias, dtype, owner)
+    ):
+        return entry[3], entry[4]
+    if can_keep(weight) and (bias is None or (can_keep(bias) and bias.dtype == weight.dtype)):
+        weight_cast = _make_cast(weight, dtype, owner)
+        bias_cast = None if bias is None else _make_cast(bias, dtype, owner)
+        store.pair = (weight, bias, _pair_key(weight, bias, dtype, owner), weight_cast, bias_cast)
+        return weight_cast, bias_cast
+    return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype)
+
+
+def _pair_key(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, owner: int
+) -> tuple:
+    if bias is None:
+        return (weight._version, weight.data_ptr(), dtype, owner)
+    return (weight._version, weight.data_ptr(), bias._version, bias.data_ptr(), dtype, owner)
 
 
 def clear_cast_caches(model: torch.nn.Module) -> None:
     """Drops the compute-dtype casts kept by `model` and its submodules.
 
     Needed only after writes that torch's version counter does not see
-    (in-place ops on `p.data`, writes through a NumPy view) when the model is
-    used under `no_grad`/`inference_mode` next.
+    (in-place ops on `p.data`, writes through a NumPy view).
 
     >>> import torch
     >>> import dtype_policies

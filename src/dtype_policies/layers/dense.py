@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from dtype_policies import activations
 from dtype_policies._core.call import leaf_weights
+from dtype_policies._core.weight_casts import cast_pair
 from dtype_policies.layers._quantizable import QuantizableLayer, register_layer_kind
 from dtype_policies.layers._weight_arguments import (
     add_kernel_and_bias,
@@ -108,8 +109,8 @@ class Dense(QuantizableLayer):
             return outputs if self._linear_activation else self.activation(outputs)
         if self._casts_own_weights:
             kernel, bias = self._parameters["kernel"], self._parameters["bias"]
-            if self._autocast and compute is not None:
-                kernel, bias = leaf_weights(self._dp_casts, kernel, bias, compute, "kernel")
+            if self._autocast and compute is not None and kernel.dtype is not compute:
+                kernel, bias = cast_pair(self._dp_casts, kernel, bias, compute)
         else:
             kernel, bias = self.kernel, self.bias
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel
