@@ -18,6 +18,13 @@ _CAST_METHODS = {
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def tracing() -> bool:
+    """Whether a compiler or tracer records the ops (`torch.compile`,
+    `torch.export`, `torch.jit.trace`): kept casts and opaque kernels are
+    bypassed then, so that the recording holds the real computation."""
+    return torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+
+
 def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x.to(dtype)`, the fast way for the common float dtypes."""
     method = _CAST_METHODS.get(dtype)

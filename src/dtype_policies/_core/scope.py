@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies._core.casting import cast_tensor
+from dtype_policies._core.casting import cast_tensor, tracing
 
 
 class AutocastScope:
@@ -32,7 +32,7 @@ class AutocastScope:
 
     def cast(self, value: torch.Tensor) -> torch.Tensor:
         """`value` in this scope's dtype, cast at most once per scope."""
-        if torch.compiler.is_compiling():  # the compiler deduplicates casts itself
+        if tracing():  # the compiler deduplicates casts itself
             return cast_tensor(value, self.dtype)
         cast = self._casts.get(id(value))
         if cast is None:
@@ -42,7 +42,7 @@ class AutocastScope:
     def cast_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
         """Like `cast`, and remembers the pair so that an in-place update of
         the cast copy during the call reaches `buffer` when the scope ends."""
-        if torch.compiler.is_compiling():
+        if tracing():
             return cast_tensor(buffer, self.dtype)
         cast = self._casts.get(id(buffer))
         if cast is None:

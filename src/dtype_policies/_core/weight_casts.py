@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from dtype_policies._core.casting import cast_tensor
+from dtype_policies._core.casting import cast_tensor, tracing
 from dtype_policies._core.scope import AutocastScope
 
 try:
@@ -74,8 +74,7 @@ def can_keep(weight: torch.Tensor) -> bool:
     return (
         type(weight) in _PLAIN_TYPES
         and not weight.is_inference()
-        and not torch.compiler.is_compiling()
-        and not torch._C._get_tracing_state()
+        and not tracing()
         and not _is_functorch_wrapped(weight)
     )
 
@@ -111,7 +110,7 @@ def cast_weight(
     cast now (once per `scope` when one is given, and kept when allowed)."""
     if weight.dtype == dtype:
         return weight
-    if store is None or not store.enabled or torch.compiler.is_compiling():
+    if store is None or not store.enabled or tracing():
         return scope.cast(weight) if scope is not None else cast_tensor(weight, dtype)
     owner = _owner(weight)
     entry = store.entries.get(name)
@@ -136,7 +135,7 @@ def cast_pair(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear leaf's weight and bias in `dtype`: the rules of `cast_weight`,
     with one check for both (the per-call cost that matters for small layers)."""
-    if store is None or not store.enabled or torch.compiler.is_compiling():
+    if store is None or not store.enabled or tracing():
         return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype)
     owner = _owner(weight, bias)
     entry = store.pair

@@ -18,7 +18,11 @@ from dtype_policies.quantization.kinds import (
     kind_of,
     register_module_kind,
 )
-from dtype_policies.quantization.modules import QUANTIZED_SUFFIXES, adapt_state_dict
+from dtype_policies.quantization.modules import (
+    QUANTIZED_SUFFIXES,
+    adapt_state_dict,
+    apply_keeping_stored_dtypes,
+)
 from dtype_policies.quantization.schemes import QuantizedWeight
 from dtype_policies.quantizers.config import (
     QuantizationConfig,
@@ -131,6 +135,9 @@ class QuantizableLayer(Layer):
         else:
             _refuse_quantized_keys(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return apply_keeping_stored_dtypes(self, fn, super()._apply, args, kwargs)
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -77,11 +77,6 @@ def _source_policy(module: torch.nn.Module, weight: torch.Tensor) -> DTypePolicy
 
 
 def _check_weight(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
-    if parametrize.is_parametrized(module, name):
-        raise NotImplementedError(f"its weight '{name}' is parametrized")
-    hooks = list(module._forward_pre_hooks.values())
-    if any(type(hook).__name__ in ("WeightNorm", "SpectralNorm") for hook in hooks):
-        raise NotImplementedError(f"its weight '{name}' is recomputed by a weight/spectral norm")
     weight = module._parameters.get(name)
     if not isinstance(weight, torch.nn.Parameter) or not weight.is_floating_point():
         raise NotImplementedError(f"'{name}' is not a floating parameter")
@@ -140,6 +135,11 @@ def plan(
                 f"Layer {name} does not have a `quantize` method implemented. Pass "
                 f"`type_check=False` to quantize a subclass whose `call` is {base.__name__}'s."
             )
+    if parametrize.is_parametrized(module):
+        raise NotImplementedError("its weights are parametrized (torch.nn.utils.parametrize)")
+    hooks = [type(hook).__name__ for hook in module._forward_pre_hooks.values()]
+    if "WeightNorm" in hooks or "SpectralNorm" in hooks:
+        raise NotImplementedError("its weight is recomputed by weight_norm/spectral_norm")
     scheme = scheme_for(mode)
     spec = kind.spec(module, mode)
     if spec.role not in scheme.roles:

@@ -50,6 +50,9 @@ class QuantizedForward:
             adapt_state_dict(self, qw, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return apply_keeping_stored_dtypes(self, fn, super()._apply, args, kwargs)
+
 
 class QuantizedLinearForward(QuantizedForward):
     """`x @ W + bias` with the quantized weight, in the module's compute dtype."""
@@ -82,6 +85,31 @@ class QuantizedEmbeddingForward(QuantizedForward):
 
 
 FORWARDS = {"linear": QuantizedLinearForward, "embedding": QuantizedEmbeddingForward}
+
+
+def apply_keeping_stored_dtypes(
+    module: torch.nn.Module, fn: Any, module_apply: Any, args: tuple, kwargs: dict
+) -> Any:
+    """`module._apply(fn)` (`.to()`, `.half()`, `.cuda()`, ...) that moves the
+    quantized state between devices but never changes its dtypes: integer data
+    stays integer and scales stay float32, whatever `.half()` or `.to(dtype)`
+    asks (a float16 scale of a small weight would overflow)."""
+    qw = module.__dict__.get("_dp_quant")
+    if qw is None:
+        return module_apply(fn, *args, **kwargs)
+    buffers = module._buffers
+    stored = {name: buffers[name] for name in qw.stored_names if buffers.get(name) is not None}
+    for name in stored:
+        buffers[name] = None  # `Module._apply` skips these
+    try:
+        result = module_apply(fn, *args, **kwargs)
+    finally:
+        for name, tensor in stored.items():
+            moved = fn(tensor)
+            if moved.dtype != tensor.dtype:
+                moved = tensor.to(device=moved.device)
+            buffers[name] = moved
+    return result
 
 
 def adapt_state_dict(

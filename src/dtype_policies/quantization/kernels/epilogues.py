@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.casting import tracing
 from dtype_policies.quantizers.math import EPSILON
 
 _compile_enabled = os.environ.get("DTYPE_POLICIES_COMPILE", "0") == "1"
@@ -35,7 +36,7 @@ def run(fn: Callable, *args: Any) -> Any:
     """`fn(*args)`, through its compiled form when fusion is on (falling back
     to eager, after one warning, if compilation fails)."""
     global _compile_enabled
-    if not _compile_enabled or torch.compiler.is_compiling():
+    if not _compile_enabled or tracing():
         return fn(*args)
     compiled = _compiled.get(fn)
     if compiled is None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._core.casting import tracing
 from dtype_policies.quantization.kernels import epilogues, tensor_key
 
 ONEDNN_MIN_ROWS = 16
@@ -91,7 +92,7 @@ def int8_linear(
     n = q_nk.shape[0]
     if m == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
-    if runtime.packed is not None and m >= ONEDNN_MIN_ROWS and not torch.compiler.is_compiling():
+    if runtime.packed is not None and m >= ONEDNN_MIN_ROWS and not tracing():
         xu, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
         y = torch.ops.onednn.qlinear_pointwise(
             xu,
@@ -119,6 +120,29 @@ def int8_linear(
     )
 
 
+def int8_linear_traceable(
+    x2: torch.Tensor,
+    q_nk: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    weight_only: bool,
+) -> torch.Tensor:
+    """The int8 product in plain ops on the stored tensors, for compilers and
+    tracers (no derived runtime data, no opaque kernels)."""
+    column_step = 1.0 / scale.float()
+    if weight_only:
+        y = F.linear(x2, q_nk.to(x2.dtype))
+        return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
+    xq, row_step = epilogues.quantize_rows_int8(x2)
+    m, k = x2.shape
+    if _int_mm_supported(m, k, q_nk.shape[0], x2.device):
+        accumulated = torch._int_mm(xq, q_nk.t())
+    else:
+        accumulated = xq.float() @ q_nk.float().t()
+    return epilogues.rescale(accumulated, row_step, column_step, bias, out_dtype)
+
+
 def weight_int8pack_supported(x2: torch.Tensor, n: int) -> bool:
     """Shapes and dtypes `_weight_int8pack_mm` handles correctly on CPU."""
     m, k = x2.shape
@@ -128,7 +152,7 @@ def weight_int8pack_supported(x2: torch.Tensor, n: int) -> bool:
         and 0 < m <= WEIGHT_INT8PACK_MAX_ROWS
         and k % 32 == 0
         and n % 16 == 0
-        and not torch.compiler.is_compiling()
+        and not tracing()
     )
 
 

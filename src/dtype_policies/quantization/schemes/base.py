@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dtype_policies._core.casting import tracing
 from dtype_policies.quantizers.config import QuantizationConfig
 
 LAYOUTS = ("out_in", "in_out")
@@ -136,12 +137,16 @@ class Scheme(abc.ABC):
         needs_grad = torch.is_grad_enabled() and (
             x2.requires_grad or (bias is not None and bias.requires_grad)
         )
-        if not needs_grad:
-            y = self.linear(module, qw, x2, bias, compute)
-        elif torch.compiler.is_compiling():
+        if tracing():
+            traceable = needs_grad
+        else:  # functorch transforms (torch.func.grad, vmap, ...) need plain ops too
+            traceable = _functorch_wrapped(x2) or (bias is not None and _functorch_wrapped(bias))
+        if traceable:
             y = self.traceable_linear(module, qw, x2, bias, compute)
-        else:
+        elif needs_grad:
             y = _StraightThrough.apply(x2, bias, module, qw, compute)
+        else:
+            y = self.linear(module, qw, x2, bias, compute)
         return y.reshape(*lead, y.shape[-1])
 
     def traceable_linear(
@@ -152,8 +157,9 @@ class Scheme(abc.ABC):
         bias: torch.Tensor | None,
         compute: torch.dtype,
     ) -> torch.Tensor:
-        """Under `torch.compile` with gradients: the product with the
-        dequantized weight, whose gradient is the straight-through one."""
+        """The product with the dequantized weight, whose gradient is the
+        straight-through one: under `torch.compile` with gradients, and
+        under functorch transforms (`torch.func.grad`, `vmap`, ...)."""
         weight = self.dequantize(module, qw).to(compute)
         return torch.nn.functional.linear(x2, weight, None if bias is None else bias.to(compute))
 
@@ -232,14 +238,25 @@ class QuantizedWeight:
         return f"QuantizedWeight(mode={self.mode!r}, weight={self.weight_name!r}, {self.config})"
 
 
+try:
+    from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrapped
+except ImportError:  # pragma: no cover - older torch
+
+    def _functorch_wrapped(tensor: torch.Tensor) -> bool:
+        return False
+
+
 class _StraightThrough(torch.autograd.Function):
     """The quantized product forward; backward through the dequantized weight
     (Keras's custom gradient): `grad_x = grad_y @ W`, `grad_bias = sum(grad_y)`."""
 
     @staticmethod
-    def forward(ctx, x2, bias, module, qw, compute):  # type: ignore[override]
-        ctx.module, ctx.qw = module, qw
+    def forward(x2, bias, module, qw, compute):  # type: ignore[override]
         return qw.scheme.linear(module, qw, x2, bias, compute)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        _, _, ctx.module, ctx.qw, _ = inputs
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

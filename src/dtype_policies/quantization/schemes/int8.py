@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._core.casting import tracing
 from dtype_policies.quantization.kernels import int8 as kernels
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Int8QuantizationConfig
@@ -56,6 +57,11 @@ class Int8Scheme(Scheme):
     def linear(self, module, qw, x2, bias, compute):
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)
+        if tracing():
+            data, scale = self._stored(module, qw)
+            return kernels.int8_linear_traceable(
+                x2, qw.spec.nk(data), scale, bias, compute, qw.config.weight_only
+            )
         if qw.config.weight_only:
             return kernels.int8_weight_only_linear(
                 x2, self._runtime(module, qw, prepack=False), bias, compute
