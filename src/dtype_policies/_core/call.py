@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-from dtype_policies._core.casting import HALF_DTYPES, cast_floating, cast_inputs, first_tensor
+from dtype_policies._core.casting import (
+    HALF_DTYPES,
+    cast_floating,
+    cast_inputs,
+    cast_tensor,
+    first_tensor,
+)
 from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
 from dtype_policies._core.scope import call_in_scope, current_scope, scope_for_call
 from dtype_policies._core.state import CallState
@@ -18,6 +24,12 @@ from dtype_policies._core.weight_casts import WeightCasts, cast_weight
 def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Calls `call(*args, **kwargs)` as `state` says: floating arguments cast,
     inside the right autocast scope, outputs cast back where needed."""
+    if state.leaf_fast_path and not kwargs and len(args) == 1:
+        # The common leaf call (one tensor in, weights cast by the forward).
+        x = args[0]
+        if type(x) is torch.Tensor and x.dtype is not state.inputs and x.is_floating_point():
+            x = cast_tensor(x, state.inputs)
+        return call(x)
     cast_to = state.inputs
     restore = None
     if state.island:

@@ -34,6 +34,8 @@ class CallState:
         warn_cpu_float16: Whether to warn about float16 compute on CPU.
         convert_arrays: Whether array arguments (NumPy, ...) become tensors
             even when nothing is cast (Keras layers do this).
+        leaf_fast_path: Derived: a call needs nothing but its floating
+            tensor arguments cast to `inputs`.
     """
 
     policy: DTypePolicy
@@ -49,6 +51,7 @@ class CallState:
     buffer_names: frozenset[str]
     warn_cpu_float16: bool
     convert_arrays: bool = False
+    leaf_fast_path: bool = False
 
 
 def compute_dtype_of(policy: DTypePolicy) -> torch.dtype | None:
@@ -102,4 +105,11 @@ def derive_call_state(
         buffer_names=buffer_names if compute is not None else frozenset(),
         warn_cpu_float16=compute is torch.float16,
         convert_arrays=convert_arrays,
+        leaf_fast_path=(
+            casts_own_weights
+            and inputs is not None
+            and outputs is None
+            and not (island and compute is not None)
+            and compute is not torch.float16
+        ),
     )
