@@ -18,6 +18,7 @@ from dtype_policies import (
 )
 from dtype_policies._core.cpu_float16 import CPUFloat16Warning
 from dtype_policies._core.weight_casts import clear_cast_caches
+from dtype_policies._version import __version__
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
@@ -34,8 +35,6 @@ from dtype_policies.policies import (
 )
 from dtype_policies.quantization import quantize
 
-__version__ = "0.2.0"
-
 __all__ = [
     "QUANTIZATION_MODES",
     "CPUFloat16Warning",
@@ -46,6 +45,7 @@ __all__ = [
     "PolicyHandle",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
+    "__version__",
     "apply_policy",
     "clear_cast_caches",
     "config",

@@ -128,11 +128,15 @@ class PolicyHandle:
 
 
 @dataclass
-class _Step:
+class Step:
+    """One module's part of an application: its policy and, for torch modules,
+    the options its call core gets (`None` for this library's layers)."""
+
     path: str
     module: torch.nn.Module
     policy: DTypePolicy
-    island: bool
+    island: bool = False
+    options: policy_module.ModuleOptions | None = None
 
 
 def apply_policy(
@@ -217,7 +221,7 @@ def apply_policy(
             )
 
     # Plan everything first, so that an error leaves the model untouched.
-    steps, used_keys = _plan_policies(module, policy, rules)
+    steps, used_keys = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
     plans = _plan_quantization(steps)
     if policy.is_map:
         for key in policy:
@@ -229,6 +233,14 @@ def apply_policy(
                     stacklevel=2,
                 )
 
+    return commit_application(module, steps, plans)
+
+
+def commit_application(
+    module: torch.nn.Module, steps: list[Step], plans: list[attach.Plan]
+) -> PolicyHandle:
+    """Applies planned steps and quantizations to `module` as one application
+    (replacing an earlier one on the same module). Cannot fail."""
     previous = module.__dict__.get("_dp_handle")
     if previous is not None:
         previous.remove()
@@ -237,22 +249,12 @@ def apply_policy(
         handle.policies[step.path] = step.policy
         if step.island:
             handle.float32_paths.append(step.path)
-        if isinstance(step.module, Layer):
+        if step.options is None:
             step.module._push_policy(handle._token, step.policy, step.path or step.module.name)
             handle._layers.append(step.module)
-            continue
-        options = policy_module.ModuleOptions(
-            policy=step.policy,
-            island=step.island,
-            half_inputs_ok=step.island
-            and issubclass(original_class(step.module), _HALF_INPUT_NORMS),
-            norm=_is_norm(step.module),
-            gather=issubclass(original_class(step.module), _GATHER_MODULES),
-            cast_buffers=cast_buffers,
-            weight_cache=weight_cache,
-        )
-        policy_module.install(step.module, handle._token, options)
-        handle._modules.append(step.module)
+        else:
+            policy_module.install(step.module, handle._token, step.options)
+            handle._modules.append(step.module)
     for plan in plans:
         attach.commit(plan)
         handle._quantized.append((plan.path, plan.module))
@@ -262,8 +264,12 @@ def apply_policy(
 
 
 def _plan_policies(
-    module: torch.nn.Module, policy: DTypePolicy, rules: tuple
-) -> tuple[list[_Step], set[str]]:
+    module: torch.nn.Module,
+    policy: DTypePolicy,
+    rules: tuple,
+    cast_buffers: bool,
+    weight_cache: bool,
+) -> tuple[list[Step], set[str]]:
     steps, used_keys = [], set()
     for path, submodule in named_module_paths(module, root_path_of(module)):
         explicit = False
@@ -286,7 +292,19 @@ def _plan_policies(
             )
         _check_quantized(path, submodule, resolved)
         island = not explicit and _matches(path, submodule, rules)
-        steps.append(_Step(path, submodule, _FLOAT32 if island else resolved, island))
+        resolved = _FLOAT32 if island else resolved
+        options = None
+        if not isinstance(submodule, Layer):
+            options = policy_module.ModuleOptions(
+                policy=resolved,
+                island=island,
+                half_inputs_ok=island and issubclass(original_class(submodule), _HALF_INPUT_NORMS),
+                norm=_is_norm(submodule),
+                gather=issubclass(original_class(submodule), _GATHER_MODULES),
+                cast_buffers=cast_buffers,
+                weight_cache=weight_cache,
+            )
+        steps.append(Step(path, submodule, resolved, island, options))
     return steps, used_keys
 
 
@@ -306,7 +324,7 @@ def _check_quantized(path: str, module: torch.nn.Module, policy: DTypePolicy) ->
         )
 
 
-def _plan_quantization(steps: list[_Step]) -> list[attach.Plan]:
+def _plan_quantization(steps: list[Step]) -> list[attach.Plan]:
     plans = []
     for step in steps:
         mode = step.policy.quantization_mode
@@ -338,6 +356,6 @@ def _plan_quantization(steps: list[_Step]) -> list[attach.Plan]:
     return plans
 
 
-def _example_paths(steps: list[_Step]) -> str:
+def _example_paths(steps: list[Step]) -> str:
     paths = [step.path for step in steps if step.path][:3]
     return ", ".join(repr(path) for path in paths) or "''"

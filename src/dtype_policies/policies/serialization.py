@@ -13,7 +13,7 @@ from dtype_policies.policies import _default_state
 from dtype_policies.policies.dtype_policy import KERAS_MODULES, POLICY_CLASSES, DTypePolicy
 from dtype_policies.policies.names import parse_policy_name
 
-_UNSUPPORTED_KERAS_CLASSES = ("GPTQDTypePolicy", "AWQDTypePolicy", "TernaryDTypePolicy")
+UNSUPPORTED_KERAS_CLASSES = ("GPTQDTypePolicy", "AWQDTypePolicy", "TernaryDTypePolicy")
 
 
 def get(identifier: Any) -> DTypePolicy:
@@ -102,7 +102,7 @@ def deserialize(
     if cls is None and config.get("registered_name"):
         cls = (custom_objects or {}).get(config["registered_name"])
     if cls is None:
-        if class_name in _UNSUPPORTED_KERAS_CLASSES:
+        if class_name in UNSUPPORTED_KERAS_CLASSES:
             raise ValueError(
                 f"'{class_name}' is a Keras policy class that dtype_policies does not "
                 "implement (supported quantization modes: int8, int4, float8)."

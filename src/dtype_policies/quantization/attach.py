@@ -76,11 +76,11 @@ def _source_policy(module: torch.nn.Module, weight: torch.Tensor) -> DTypePolicy
     return source if source is not None else policy
 
 
-def _check_weight(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+def _check_weight(module: torch.nn.Module, name: str, needs_values: bool) -> torch.nn.Parameter:
     weight = module._parameters.get(name)
     if not isinstance(weight, torch.nn.Parameter) or not weight.is_floating_point():
         raise NotImplementedError(f"'{name}' is not a floating parameter")
-    if weight.device.type == "meta":
+    if needs_values and weight.device.type == "meta":
         raise ValueError(f"its weight '{name}' is on the meta device (load real values first)")
     return weight
 
@@ -145,7 +145,7 @@ def plan(
     if spec.role not in scheme.roles:
         raise NotImplementedError(f"mode '{mode}' does not support {spec.role} weights")
     scheme.check_shapes(spec, config)
-    weight = _check_weight(module, spec.weight)
+    weight = _check_weight(module, spec.weight, needs_values=tensors is None)
     if source is None:
         source = _source_policy(module, weight)
     check_mode_and_compute_dtype(mode, source.compute_dtype)

@@ -1,4 +1,5 @@
-"""Saving and loading: layer (de)serialization in the Keras dict format.
+"""Saving and loading models with their policies and quantization, policy
+files, Keras interop, and layer (de)serialization in the Keras dict format.
 
 >>> from dtype_policies import layers, saving
 >>> config = saving.serialize_layer(layers.Dense(3, dtype="mixed_bfloat16", name="d"))
@@ -11,5 +12,19 @@ from dtype_policies.layers.serialization import (
     register_serializable,
     serialize_layer,
 )
+from dtype_policies.saving.checkpoint import load, save
+from dtype_policies.saving.keras_archive import policy_map_from_keras
+from dtype_policies.saving.manifest import CheckpointError
+from dtype_policies.saving.policy_files import load_policy, save_policy
 
-__all__ = ["deserialize_layer", "register_serializable", "serialize_layer"]
+__all__ = [
+    "CheckpointError",
+    "deserialize_layer",
+    "load",
+    "load_policy",
+    "policy_map_from_keras",
+    "register_serializable",
+    "save",
+    "save_policy",
+    "serialize_layer",
+]

@@ -92,6 +92,12 @@ class Scheme(abc.ABC):
     ) -> dict[str, torch.Tensor]:
         """The buffers to store for the float `weight` (a pure function)."""
 
+    @abc.abstractmethod
+    def stored_shapes(
+        self, spec: WeightSpec, config: QuantizationConfig
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each buffer `quantize` stores for `spec`."""
+
     def new_runtime(self) -> Any:
         """Derived per-module data (packed kernel layouts); rebuilt after copies."""
         return None

@@ -60,6 +60,12 @@ class Float8Scheme(Scheme):
             state[name] = value.to(weight.device)
         return state
 
+    def stored_shapes(self, spec: WeightSpec, config: Float8QuantizationConfig) -> dict:
+        return {
+            name: (((config.history_length,) if name.endswith("history") else ()), torch.float32)
+            for name in STATE_NAMES
+        }
+
     def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
         spec = qw.spec
         return spec.nk(spec.matrix(module._parameters[spec.weight].detach().float()))

@@ -48,6 +48,19 @@ class Int4Scheme(Scheme):
         stored.update({name: tensor.contiguous() for name, tensor in extra.items()})
         return stored
 
+    def stored_shapes(self, spec: WeightSpec, config: Int4QuantizationConfig) -> dict:
+        k, n = spec.in_features, spec.out_features
+        rows, columns = (k, n) if spec.layout == "in_out" else (n, k)
+        names = self.buffer_names(spec, config)
+        shapes = {names[0]: ((rows, (columns + 1) // 2), torch.int8)}
+        if config.group_size > 0:
+            groups = -(-k // config.group_size)
+            shapes[names[1]] = ((groups, n), torch.float32)
+            shapes[names[2]] = ((groups, n), torch.int8)
+        else:
+            shapes[names[1]] = ((n,), torch.float32)
+        return shapes
+
     def new_runtime(self) -> kernels.Int4Runtime:
         return kernels.Int4Runtime()
 

@@ -32,6 +32,15 @@ class Int8Scheme(Scheme):
         names = self.buffer_names(spec, config)
         return {names[0]: data.contiguous(), names[1]: scale.reshape(-1).contiguous()}
 
+    def stored_shapes(self, spec: WeightSpec, config: Int8QuantizationConfig) -> dict:
+        rows, columns = (
+            (spec.in_features, spec.out_features)
+            if spec.layout == "in_out"
+            else (spec.out_features, spec.in_features)
+        )
+        data, scale = self.buffer_names(spec, config)
+        return {data: ((rows, columns), torch.int8), scale: ((spec.out_features,), torch.float32)}
+
     def new_runtime(self) -> kernels.Int8Runtime:
         return kernels.Int8Runtime()
 

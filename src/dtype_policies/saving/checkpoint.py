@@ -1,0 +1,378 @@
+"""`save` and `load`: a model with its policies and quantization, in safetensors.
+
+A checkpoint is one `.safetensors` file (or a directory holding
+`model.safetensors` and, for review, `dtype_policies.json`): every tensor of
+the model (float weights, int8 and packed int4 data, scales, zero points,
+float8 scales and histories, non-persistent buffers), nothing pickled, and in
+the file's header the manifest (see `manifest.py`). Kernel-specific packed
+layouts are never stored; they are rebuilt on first use after loading.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtype_policies._version import __version__
+from dtype_policies.apply.apply import Step, commit_application
+from dtype_policies.layers.layer import Layer
+from dtype_policies.quantization import attach
+from dtype_policies.quantization.kinds import kind_of
+from dtype_policies.quantization.schemes import scheme_for
+from dtype_policies.saving.atomic import write_atomically
+from dtype_policies.saving.manifest import (
+    CheckpointError,
+    Manifest,
+    QuantizedRecord,
+    describe,
+    layer_policy,
+)
+
+try:
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+except ImportError:  # pragma: no cover - safetensors comes with transformers; say how to get it
+    safe_open = save_file = None
+
+    class SafetensorError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+MODEL_FILE = "model.safetensors"
+MANIFEST_FILE = "dtype_policies.json"
+METADATA_KEY = "dtype_policies"
+
+
+def _require_safetensors() -> None:
+    if safe_open is None:
+        raise ImportError(
+            "dtype_policies.saving needs the 'safetensors' package: pip install safetensors"
+        )
+
+
+def _model_file(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path if path.suffix == ".safetensors" else path / MODEL_FILE
+
+
+def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
+    """Saves `module` with its policies and quantization.
+
+    `path` ending in `.safetensors` is written as that one file; any other
+    path is a directory holding `model.safetensors` and `dtype_policies.json`
+    (the manifest, for review). Files are written atomically: an interrupted
+    save never leaves a partial file under the final name. Returns the
+    `.safetensors` path.
+
+    >>> import tempfile, torch
+    >>> import dtype_policies
+    >>> from dtype_policies import saving
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
+    >>> _ = dtype_policies.quantize(model, "int8")
+    >>> path = saving.save(model, tempfile.mkdtemp())
+    >>> fresh = saving.load(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)), path)
+    >>> x = torch.randn(2, 8)
+    >>> torch.equal(fresh(x), model(x)), fresh[0].dtype_policy.name
+    (True, 'int8_from_mixed_bfloat16')
+    """
+    _require_safetensors()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
+    file = _model_file(path)
+    manifest = describe(module, __version__)
+    tensors = _collect_tensors(module, manifest)
+    metadata = {METADATA_KEY: manifest.to_json()}
+    write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+    if file.name == MODEL_FILE and file.parent == Path(path):
+        text = manifest.to_json(indent=2) + "\n"
+        write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
+    return file
+
+
+def _collect_tensors(module: torch.nn.Module, manifest: Manifest) -> dict[str, torch.Tensor]:
+    state = dict(module.state_dict())
+    for key in manifest.non_persistent:
+        owner, _, name = key.rpartition(".")
+        state[key] = module.get_submodule(owner)._buffers[name]
+    tensors: dict[str, torch.Tensor] = {}
+    first_key: dict[tuple, str] = {}
+    storages: set[tuple] = set()
+    for key, tensor in state.items():
+        tensor = tensor.detach()
+        if tensor.device.type == "meta":
+            raise CheckpointError(
+                f"save(): '{key}' is on the meta device (it has no values to save)."
+            )
+        identity = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
+        if tensor.numel() and identity in first_key:  # the same tensor twice: tied weights
+            manifest.aliases[key] = first_key[identity]
+            continue
+        first_key[identity] = key
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        tensor = tensor.to("cpu")
+        if tensor.numel() and storage in storages:  # another view of a saved storage
+            tensor = tensor.clone()
+        storages.add(storage)
+        tensors[key] = tensor.contiguous()
+    return tensors
+
+
+def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """Loads a checkpoint written by `save` into `module` and returns it.
+
+    `module` is a freshly built float model of the same architecture; it may
+    be built on the `meta` device (`with torch.device("meta"): model = ...`),
+    so that a large model never needs twice its memory. Its policies are
+    re-applied, what was quantized is quantized again (with the saved tensors,
+    not from the float weights), and every tensor is loaded: outputs are
+    bit-identical to the saved model's.
+
+    Raises `CheckpointError` (a `ValueError`) naming each path that differs
+    (a missing or extra module or tensor, another shape, dtype or mode), or
+    saying what is wrong with a corrupted file, and then `module` is exactly
+    as it was. A missing file raises `FileNotFoundError`.
+    """
+    _require_safetensors()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"load() expects a torch.nn.Module. Received: {type(module).__name__}")
+    file = _model_file(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"No dtype_policies checkpoint at '{file}'.")
+    manifest, header = _read_header(file)
+    with safe_open(str(file), framework="pt") as reader:
+        state = _read_state(reader, header, manifest)
+    steps, plans = _plan(module, manifest, header, state, str(file))
+    _check_state(module, manifest, header, plans, str(file))
+    # Nothing above changed `module`; nothing below can fail on a checked file.
+    tied = _tied_parameters(module)
+    if steps:
+        commit_application(module, steps, [])
+    for plan in plans:
+        attach.commit(plan)
+    assign = any(t.device.type == "meta" for t in _module_tensors(module))
+    non_persistent = set(manifest.non_persistent)
+    persistent = {k: v for k, v in state.items() if k not in non_persistent}
+    module.load_state_dict(persistent, strict=True, assign=assign)
+    for key in manifest.non_persistent:
+        owner, _, name = key.rpartition(".")
+        buffers = module.get_submodule(owner)._buffers
+        buffers[name] = state[key] if assign else buffers[name].copy_(state[key])
+    if assign:
+        _retie(module, tied)
+    return module
+
+
+def _read_header(file: Path) -> tuple[Manifest, dict[str, tuple[tuple[int, ...], str]]]:
+    try:
+        with safe_open(str(file), framework="pt") as reader:
+            metadata = reader.metadata() or {}
+            header = {}
+            for key in reader.keys():  # noqa: SIM118 (not a dict)
+                piece = reader.get_slice(key)
+                header[key] = (tuple(piece.get_shape()), piece.get_dtype())
+    except SafetensorError as e:
+        raise CheckpointError(f"'{file}' is not a readable safetensors file: {e}") from None
+    if METADATA_KEY not in metadata:
+        raise CheckpointError(
+            f"'{file}' is a safetensors file without a dtype_policies manifest (not written "
+            "by dtype_policies.saving.save)."
+        )
+    return Manifest.from_json(metadata[METADATA_KEY], f"'{file}'"), header
+
+
+_DTYPE_CODES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _code(dtype: torch.dtype) -> str:
+    return _DTYPE_CODES.get(dtype, str(dtype))
+
+
+def _plan(
+    module: torch.nn.Module,
+    manifest: Manifest,
+    header: dict,
+    state: dict[str, torch.Tensor],
+    source: str,
+) -> tuple[list[Step], list[attach.Plan]]:
+    modules = dict(module.named_modules())
+    problems: list[str] = []
+    steps: list[Step] = []
+    for name, record in manifest.modules.items():
+        target = modules.get(name)
+        if target is None or isinstance(target, Layer):
+            problems.append(f"'{name or '(root)'}': no such torch module in the target")
+            continue
+        options = record.options()
+        steps.append(Step(name.replace(".", "/"), target, options.policy, options.island, options))
+    for name, record in manifest.layers.items():
+        target = modules.get(name)
+        if not isinstance(target, Layer):
+            problems.append(f"'{name or '(root)'}': no such dtype_policies layer in the target")
+            continue
+        policy = layer_policy(record)
+        if target._resolve_policy() != policy:
+            steps.append(Step(name.replace(".", "/"), target, policy))
+    plans = []
+    for name, record in manifest.quantized.items():
+        target = modules.get(name)
+        try:
+            plans.extend(_plan_quantized(name, target, record, header, state))
+        except (CheckpointError, NotImplementedError, ValueError) as e:
+            problems.append(f"'{name or '(root)'}': {e}")
+    if problems:
+        raise CheckpointError(
+            f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
+        )
+    return steps, plans
+
+
+def _plan_quantized(
+    name: str,
+    target: torch.nn.Module | None,
+    record: QuantizedRecord,
+    header: dict,
+    state: dict[str, torch.Tensor],
+) -> list[attach.Plan]:
+    if target is None:
+        raise CheckpointError("no such module in the target")
+    config = record.quantization_config
+    kind = kind_of(target)
+    if kind is None or record.mode not in kind.modes:
+        raise CheckpointError(
+            f"{type(target).__name__} cannot be quantized in mode '{record.mode}'"
+        )
+    existing = attach.quantization_of(target)
+    if existing is not None:
+        if existing.mode == record.mode and existing.config == config:
+            return []  # already quantized the same way: only the tensors load
+        raise CheckpointError(f"already quantized in mode '{existing.mode}' ({existing.config})")
+    spec = kind.spec(target, record.mode)
+    saved = (record.weight, record.layout, record.role, tuple(record.float_shape))
+    found = (spec.weight, spec.layout, spec.role, tuple(spec.float_shape))
+    if saved != found:
+        raise CheckpointError(
+            f"saved weight (name, layout, role, shape) {saved} but the target has {found}"
+        )
+    scheme = scheme_for(record.mode)
+    tensors = {}
+    for buffer, (shape, dtype) in scheme.stored_shapes(spec, config).items():
+        key = f"{name}.{buffer}" if name else buffer
+        tensor = state.get(key)
+        if tensor is None:
+            raise CheckpointError(f"the checkpoint lacks '{key}'")
+        if (tuple(tensor.shape), tensor.dtype) != (tuple(shape), dtype):
+            raise CheckpointError(
+                f"'{key}' is {(tuple(tensor.shape), _code(tensor.dtype))} in the checkpoint, "
+                f"{(tuple(shape), _code(dtype))} expected"
+            )
+        tensors[buffer] = tensor
+    plan = attach.plan(target, config, path=name, type_check=False, kind=kind, tensors=tensors)
+    return [plan]
+
+
+def _read_state(reader: Any, header: dict, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Every tensor, read once; aliases are the same tensor objects (tied weights)."""
+    try:
+        state = {key: reader.get_tensor(key) for key in header}
+    except SafetensorError as e:
+        raise CheckpointError(f"cannot read the checkpoint's tensors: {e}") from None
+    for alias, key in manifest.aliases.items():
+        if key not in state:
+            raise CheckpointError(f"the alias '{alias}' names '{key}', which is not in the file")
+        state[alias] = state[key]
+    return state
+
+
+def _tied_parameters(module: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one `Parameter` (tied weights)."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(module: torch.nn.Module, tied: list[list[str]]) -> None:
+    """After `load_state_dict(assign=True)`, makes tied parameters one object again."""
+    for names in tied:
+        owner, _, attribute = names[0].rpartition(".")
+        first = module.get_submodule(owner)._parameters.get(attribute)
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            parameters = module.get_submodule(owner)._parameters
+            if attribute in parameters:
+                parameters[attribute] = first
+
+
+def _module_tensors(module: torch.nn.Module):
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _check_state(
+    module: torch.nn.Module,
+    manifest: Manifest,
+    header: dict,
+    plans: list[attach.Plan],
+    source: str,
+) -> None:
+    """The target's tensors, once the plans are committed, are exactly the
+    checkpoint's keys, with the same shapes and dtypes."""
+    expected: dict[str, tuple[tuple[int, ...], str]] = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        expected[key] = (tuple(tensor.shape), _code(tensor.dtype))
+    for key in manifest.non_persistent:
+        owner, _, name = key.rpartition(".")
+        try:
+            buffer = module.get_submodule(owner)._buffers.get(name)
+        except AttributeError:
+            buffer = None
+        if buffer is not None:
+            expected[key] = (tuple(buffer.shape), _code(buffer.dtype))
+    for plan in plans:
+        prefix = f"{plan.path}." if plan.path else ""
+        if not plan.scheme.keeps_float_weight:
+            expected.pop(prefix + plan.spec.weight, None)
+        for buffer, tensor in plan.tensors.items():
+            expected[prefix + buffer] = (tuple(tensor.shape), _code(tensor.dtype))
+    saved = dict(header)
+    for alias, key in manifest.aliases.items():
+        saved[alias] = header.get(key, ("?", "?"))
+    problems = [f"'{key}' is missing from the checkpoint" for key in expected if key not in saved]
+    problems += [
+        f"'{key}' is in the checkpoint but not in the target"
+        for key in saved
+        if key not in expected
+    ]
+    problems += [
+        f"'{key}': checkpoint {saved[key]}, target {expected[key]} (shape, dtype)"
+        for key in expected
+        if key in saved and saved[key] != expected[key]
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
+        )

@@ -1,0 +1,152 @@
+"""The manifest of a saved model: every module's policy and quantization,
+written out per module path (so that no regex resolves differently on load),
+as versioned JSON.
+
+Paths are torch's dotted module names from the saved module (`""` for the
+module itself, `"encoder.layers.0.linear1"`), the same names `state_dict()`
+keys use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from dtype_policies._core.policy_module import ModuleOptions
+from dtype_policies.layers.layer import Layer
+from dtype_policies.policies import DTypePolicy, deserialize, serialize
+from dtype_policies.quantization.attach import quantization_of
+from dtype_policies.quantizers.config import deserialize_config, serialize_config
+
+FORMAT_NAME = "dtype_policies"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that does not fit the target module."""
+
+
+@dataclass
+class ModuleRecord:
+    """How a torch module computes: its call options under `apply_policy`."""
+
+    policy: dict[str, Any]
+    island: bool = False
+    half_inputs_ok: bool = False
+    norm: bool = False
+    gather: bool = False
+    cast_buffers: bool = True
+    weight_cache: bool = True
+
+    @classmethod
+    def of(cls, options: ModuleOptions) -> ModuleRecord:
+        values = {k: v for k, v in asdict(options).items() if k != "policy"}
+        return cls(policy=serialize(options.policy), **values)
+
+    def options(self) -> ModuleOptions:
+        values = {k: v for k, v in asdict(self).items() if k != "policy"}
+        return ModuleOptions(policy=deserialize(self.policy), **values)
+
+
+@dataclass
+class QuantizedRecord:
+    """A quantized weight: everything needed to rebuild its module's structure."""
+
+    mode: str
+    config: dict[str, Any]
+    weight: str
+    layout: str
+    role: str
+    float_shape: list[int]
+    float_dtype: str
+    stored: list[str]
+
+    @property
+    def quantization_config(self):
+        return deserialize_config(self.config)
+
+
+@dataclass
+class Manifest:
+    """What `saving.save` writes besides the tensors."""
+
+    library_version: str
+    modules: dict[str, ModuleRecord] = field(default_factory=dict)
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quantized: dict[str, QuantizedRecord] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    non_persistent: list[str] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self, indent: int | None = None) -> str:
+        data = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(data, indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "the checkpoint") -> Manifest:
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{source}: the dtype_policies manifest is not JSON ({e})."
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{source} is not a dtype_policies checkpoint (no manifest).")
+        version = data.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise CheckpointError(
+                f"{source} has format version {version!r}; this dtype_policies reads versions "
+                f"1 to {FORMAT_VERSION}. Upgrade dtype_policies to read it."
+            )
+        try:
+            return cls(
+                library_version=str(data["library_version"]),
+                modules={k: ModuleRecord(**v) for k, v in data["modules"].items()},
+                layers={k: dict(v) for k, v in data["layers"].items()},
+                quantized={k: QuantizedRecord(**v) for k, v in data["quantized"].items()},
+                aliases={str(k): str(v) for k, v in data["aliases"].items()},
+                non_persistent=[str(k) for k in data["non_persistent"]],
+                format_version=version,
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{source}: malformed dtype_policies manifest ({e!r}).") from None
+
+
+def describe(module: torch.nn.Module, library_version: str) -> Manifest:
+    """The manifest of `module` as it is now."""
+    manifest = Manifest(library_version=library_version)
+    for name, submodule in module.named_modules():
+        if isinstance(submodule, Layer):
+            manifest.layers[name] = serialize(submodule._resolve_policy())
+        else:
+            stack = submodule.__dict__.get("_dp_stack")
+            if stack:
+                manifest.modules[name] = ModuleRecord.of(stack[-1][1])
+        quantized = quantization_of(submodule)
+        if quantized is not None:
+            spec = quantized.spec
+            manifest.quantized[name] = QuantizedRecord(
+                mode=quantized.mode,
+                config=serialize_config(quantized.config),
+                weight=spec.weight,
+                layout=spec.layout,
+                role=spec.role,
+                float_shape=list(spec.float_shape),
+                float_dtype=str(quantized.float_dtype).removeprefix("torch."),
+                stored=sorted(quantized.stored_names),
+            )
+        for buffer_name in sorted(submodule._non_persistent_buffers_set):
+            if submodule._buffers.get(buffer_name) is not None:
+                manifest.non_persistent.append(_join(name, buffer_name))
+    return manifest
+
+
+def layer_policy(record: dict[str, Any]) -> DTypePolicy:
+    return deserialize(record)
+
+
+def _join(module_name: str, tensor_name: str) -> str:
+    return f"{module_name}.{tensor_name}" if module_name else tensor_name
