@@ -1,0 +1,341 @@
+"""saving.save / saving.load: bit-exact round trips of policies and every
+quantization, meta-device targets, mismatches and corrupted files that leave
+the target unchanged, atomic writes, policy files."""
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize, saving
+from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
+
+pytest.importorskip("safetensors")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def mlp():
+    return nn.Sequential(
+        nn.Linear(64, 96), nn.GELU(), nn.LayerNorm(96), nn.Linear(96, 64), nn.Linear(64, 16)
+    )
+
+
+def snapshot(module):
+    """Everything that must survive a failed load: tensors bit for bit, classes, policies."""
+    return (
+        {k: v.clone() for k, v in module.state_dict().items()},
+        [type(m) for m in module.modules()],
+        [getattr(m, "_dp_state", None) for m in module.modules()],
+    )
+
+
+def assert_unchanged(module, before):
+    tensors, classes, states = before
+    after = module.state_dict()
+    assert list(after) == list(tensors)
+    assert all(torch.equal(after[k], tensors[k]) for k in tensors)
+    assert [type(m) for m in module.modules()] == classes
+    assert [getattr(m, "_dp_state", None) for m in module.modules()] == states
+
+
+def prepare(model, policy, mode, config):
+    if policy is not None:
+        apply_policy(model, policy)
+    if mode is not None:
+        quantize(model, mode, config)
+    return model
+
+
+CASES = {
+    "float32": (None, None, None),
+    "mixed_bfloat16": ("mixed_bfloat16", None, None),
+    "map_with_islands": (
+        DTypePolicyMap("mixed_bfloat16", {"3": "float32", "0": "bfloat16"}),
+        None,
+        None,
+    ),
+    "int8": ("mixed_bfloat16", "int8", None),
+    "int8_weight_only": (
+        "mixed_bfloat16",
+        "int8",
+        Int8QuantizationConfig(activation_quantizer=None),
+    ),
+    "int4_grouped": ("mixed_bfloat16", "int4", Int4QuantizationConfig(block_size=32)),
+    "int4_per_channel": ("mixed_bfloat16", "int4", Int4QuantizationConfig(block_size=-1)),
+    "int8_from_float32": (None, "int8", None),
+    "float8": ("mixed_bfloat16", "float8", None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("on_meta", [False, True], ids=["cpu", "meta"])
+def test_round_trip_is_bit_exact(case, on_meta, tmp_path):
+    torch.manual_seed(0)
+    model = prepare(mlp(), *CASES[case])
+    x = torch.randn(20, 64)
+    if CASES[case][1] == "float8":  # train a few steps so scales and histories move
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    path = saving.save(model, tmp_path / "checkpoint")
+    assert (
+        path.name == "model.safetensors"
+        and (tmp_path / "checkpoint" / "dtype_policies.json").is_file()
+    )
+    if on_meta:
+        with torch.device("meta"):
+            fresh = mlp()
+    else:
+        torch.manual_seed(1)
+        fresh = mlp()
+    loaded = saving.load(fresh, path)
+    assert loaded is fresh
+    loaded.eval()
+    with torch.no_grad():
+        out = loaded(x)
+    assert out.dtype == expected.dtype
+    assert torch.equal(out, expected)
+    original_state, loaded_state = model.state_dict(), loaded.state_dict()
+    assert list(loaded_state) == list(original_state)
+    assert all(torch.equal(loaded_state[k], original_state[k]) for k in original_state)
+    assert [m.__dict__.get("_dp_state") and m._dp_state.policy for m in loaded.modules()] == [
+        m.__dict__.get("_dp_state") and m._dp_state.policy for m in model.modules()
+    ]
+    assert not any(t.device.type == "meta" for t in loaded.state_dict().values())
+
+
+def test_layers_model_round_trip_with_quantized_sublayers(tmp_path):
+    torch.manual_seed(0)
+
+    def build():
+        return layers.Sequential(
+            [
+                layers.Embedding(50, 32, dtype="mixed_bfloat16"),
+                layers.MultiHeadAttention(num_heads=2, key_dim=16, dtype="mixed_bfloat16"),
+            ],
+            name="model",
+        )
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = layers.Embedding(50, 32, dtype="mixed_bfloat16")
+            self.attention = layers.MultiHeadAttention(
+                num_heads=2, key_dim=16, dtype="mixed_bfloat16"
+            )
+            self.head = layers.Dense(8, dtype="int4/32_from_mixed_bfloat16")
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            return self.head(self.attention(h, h))
+
+    model = Block()
+    ids = torch.randint(0, 50, (2, 6))
+    model(ids)
+    quantize(model, "int8", filters="attention")
+    expected = model(ids)
+    path = saving.save(model, tmp_path / "block.safetensors")
+    fresh = Block()
+    fresh(ids)  # built, as a user would have it
+    saving.load(fresh, path)
+    assert torch.equal(fresh(ids), expected)
+    assert fresh.attention.query.dtype_policy.name == "int8_from_mixed_bfloat16"
+    assert fresh.head.kernel.dtype == torch.int8
+    del build
+
+
+def test_tied_weights_stay_tied_and_shared(tmp_path):
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 32)
+            self.body = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 100, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.body(self.embed(ids)))
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 7))
+    for quantized in (False, True):
+        model = TiedLM()
+        apply_policy(model, "mixed_bfloat16")
+        if quantized:
+            quantize(model, "int8")
+        expected = model(ids)
+        path = saving.save(model, tmp_path / f"tied{quantized}.safetensors")
+        with torch.device("meta"):
+            fresh = TiedLM()
+        saving.load(fresh, path)
+        assert torch.equal(fresh(ids), expected)
+        if quantized:
+            assert fresh.head.weight_int8 is fresh.embed.weight_int8
+        else:
+            assert fresh.head.weight is fresh.embed.weight
+
+
+def test_mismatches_raise_naming_the_path_and_change_nothing(tmp_path):
+    model = prepare(mlp(), "mixed_bfloat16", "int8", None)
+    path = saving.save(model, tmp_path / "m.safetensors")
+
+    wider = nn.Sequential(
+        nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 64), nn.Linear(64, 16)
+    )
+    before = snapshot(wider)
+    with pytest.raises(saving.CheckpointError, match=r"'0'.*shape|'0\.weight_int8'"):
+        saving.load(wider, path)
+    assert_unchanged(wider, before)
+
+    missing_layer = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.LayerNorm(96), nn.Linear(96, 64))
+    before = snapshot(missing_layer)
+    with pytest.raises(saving.CheckpointError, match="'4'"):
+        saving.load(missing_layer, path)
+    assert_unchanged(missing_layer, before)
+
+    other_mode = mlp()
+    quantize(other_mode, "int4")
+    before = snapshot(other_mode)
+    with pytest.raises(saving.CheckpointError, match="already quantized in mode 'int4'"):
+        saving.load(other_mode, path)
+    assert_unchanged(other_mode, before)
+
+    extra = nn.Sequential(*mlp(), nn.Linear(16, 4))
+    before = snapshot(extra)
+    with pytest.raises(saving.CheckpointError, match=r"'5\.weight' is missing from the checkpoint"):
+        saving.load(extra, path)
+    assert_unchanged(extra, before)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate", "truncate_header", "garbage", "empty", "bad_manifest", "foreign", "alien_version"],
+)
+def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
+    model = prepare(mlp(), "mixed_bfloat16", "int8", None)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "truncate_header":
+        path.write_bytes(data[:20])
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        from safetensors.torch import save_file
+
+        metadata = {
+            "bad_manifest": {"dtype_policies": "{not json"},
+            "foreign": {"format": "pt"},
+            "alien_version": {
+                "dtype_policies": '{"format": "dtype_policies", "format_version": 99}'
+            },
+        }[damage]
+        save_file({"0.weight": torch.zeros(2)}, str(path), metadata=metadata)
+    target = mlp()
+    before = snapshot(target)
+    with pytest.raises(saving.CheckpointError, match=str(path.name)):
+        saving.load(target, path)
+    assert_unchanged(target, before)
+
+
+def test_missing_file_and_bad_arguments(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        saving.load(mlp(), tmp_path / "nowhere")
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        saving.save("model", tmp_path / "x.safetensors")
+    with torch.device("meta"):
+        on_meta = mlp()
+    with pytest.raises(saving.CheckpointError, match="meta device"):
+        saving.save(on_meta, tmp_path / "meta.safetensors")
+    assert not (tmp_path / "meta.safetensors").exists()
+
+
+def test_an_interrupted_save_never_leaves_a_partial_file(tmp_path):
+    target = tmp_path / "m.safetensors"
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        import safetensors.torch
+        from dtype_policies import saving, quantize
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+        quantize(model, "int8")
+        saving.save(model, {str(target)!r})  # a complete checkpoint
+        real = safetensors.torch.save_file
+
+        def dies_half_way(tensors, filename, metadata=None):
+            real(tensors, filename, metadata=metadata)
+            with open(filename, "r+b") as f:  # as if the process died mid-write
+                f.truncate(os.path.getsize(filename) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        saving.checkpoint.save_file = dies_half_way
+        torch.manual_seed(1)
+        other = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+        saving.save(other, {str(target)!r})
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr.decode()[-2000:]
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+    saving.load(fresh, target)  # the first, complete checkpoint
+    assert fresh[0].weight_int8.dtype == torch.int8
+    partial = [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert all(name.startswith(".m.safetensors.") for name in partial)
+
+
+def test_policy_files_round_trip(tmp_path):
+    plan = DTypePolicyMap(
+        "mixed_bfloat16",
+        {"lm_head": "float32", "model/layers/.*/mlp/.*": "int4/64_from_mixed_bfloat16"},
+    )
+    path = saving.save_policy(plan, tmp_path / "plan.json")
+    assert saving.load_policy(path) == plan
+    assert saving.load_policy(saving.save_policy("mixed_float16", tmp_path / "p.json")).name == (
+        "mixed_float16"
+    )
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        saving.load_policy(tmp_path / "bad.json")
+    (tmp_path / "alien.json").write_text('{"format": "dtype_policies.policy", "format_version": 7}')
+    with pytest.raises(ValueError, match="version 7"):
+        saving.load_policy(tmp_path / "alien.json")
+
+
+def test_manifest_is_reviewable_json(tmp_path):
+    model = prepare(mlp(), DTypePolicyMap("mixed_bfloat16", {"4": "float32"}), "int8", None)
+    saving.save(model, tmp_path / "ckpt")
+    text = (tmp_path / "ckpt" / "dtype_policies.json").read_text()
+    assert '"format": "dtype_policies"' in text and '"int8"' in text
+    manifest = saving.manifest.Manifest.from_json(text)
+    assert manifest.modules["2"].island and manifest.quantized["0"].mode == "int8"
+    assert manifest.modules["4"].policy["config"]["name"] == "float32"
+
+
+def test_copy_of_loaded_model_is_independent(tmp_path):
+    model = prepare(mlp(), "mixed_bfloat16", "int4", None)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    loaded = saving.load(mlp(), path)
+    clone = copy.deepcopy(loaded)
+    x = torch.randn(3, 64)
+    assert torch.equal(clone(x), loaded(x))
