@@ -4,6 +4,7 @@ GPT-2, Llama and BERT under float policies and every quantization mode, with
 
 Skipped, loudly, only when transformers is not installed."""
 
+import copy
 import warnings
 
 import pytest
@@ -151,3 +152,36 @@ def test_bert_from_config_close_to_float32():
     with torch.inference_mode():
         quantized = model(ids, attention_mask=mask).last_hidden_state
     assert relative_error(quantized, reference) < 0.05
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_lora_fine_tune_on_a_quantized_llama_tracks_the_float_base(mode):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    base = llama()
+    ids = torch.randint(1, 500, (4, 16))
+
+    def fine_tune(model):
+        config = peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]
+        )
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, config)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+        losses = []
+        for _ in range(12):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    reference = fine_tune(copy.deepcopy(base))
+    quantized = copy.deepcopy(base)
+    apply_policy(quantized, "mixed_bfloat16")
+    quantize(quantized, mode)
+    losses = fine_tune(quantized)
+    assert losses[-1] < losses[0] - 0.2  # it learns
+    for ours, theirs in zip(losses, reference):
+        assert abs(ours - theirs) < 0.05 * theirs  # and tracks the float base

@@ -31,26 +31,12 @@ from dtype_policies.saving.manifest import (
     layer_policy,
 )
 
-try:
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
-except ImportError:  # pragma: no cover - safetensors comes with transformers; say how to get it
-    safe_open = save_file = None
-
-    class SafetensorError(Exception):  # type: ignore[no-redef]
-        pass
-
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 MODEL_FILE = "model.safetensors"
 MANIFEST_FILE = "dtype_policies.json"
 METADATA_KEY = "dtype_policies"
-
-
-def _require_safetensors() -> None:
-    if safe_open is None:
-        raise ImportError(
-            "dtype_policies.saving needs the 'safetensors' package: pip install safetensors"
-        )
 
 
 def _model_file(path: str | os.PathLike) -> Path:
@@ -79,7 +65,6 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     >>> torch.equal(fresh(x), model(x)), fresh[0].dtype_policy.name
     (True, 'int8_from_mixed_bfloat16')
     """
-    _require_safetensors()
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
     file = _model_file(path)
@@ -143,7 +128,6 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     saying what is wrong with a corrupted file, and then `module` is exactly
     as it was. A missing file raises `FileNotFoundError`.
     """
-    _require_safetensors()
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load() expects a torch.nn.Module. Received: {type(module).__name__}")
     file = _model_file(path)
