@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import Step, commit_application
@@ -30,9 +32,6 @@ from dtype_policies.saving.manifest import (
     describe,
     layer_policy,
 )
-
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 MODEL_FILE = "model.safetensors"
 MANIFEST_FILE = "dtype_policies.json"
