@@ -10,6 +10,7 @@ the same mixins.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -36,18 +37,33 @@ def composed_class(original: type[torch.nn.Module], mixins: tuple[type, ...]) ->
     key = (original, mixins)
     cls = _classes.get(key)
     if cls is None:
-        cls = type(
-            original.__name__,
-            (*mixins, ComposedModule, original),
-            {
-                "__module__": original.__module__,
-                "__qualname__": original.__qualname__,
-                "_dp_original": original,
-                "_dp_mixins": mixins,
-            },
-        )
+        namespace = {
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "_dp_original": original,
+            "_dp_mixins": mixins,
+        }
+        for mixin in mixins:
+            for name in getattr(mixin, "_dp_per_class", ()):
+                namespace[name] = _own_copy(mixin.__dict__[name], original)
+        cls = type(original.__name__, (*mixins, ComposedModule, original), namespace)
         _classes[key] = cls
     return cls
+
+
+def _own_copy(function: types.FunctionType, original: type) -> types.FunctionType:
+    """`function` with a code object of its own: `torch.compile` keeps compiled
+    code per code object, so each composed class gets its own cache (as each
+    module class's `forward` has) instead of all policied modules sharing one,
+    which would hit dynamo's recompile limit after a few models."""
+    code = function.__code__.replace(co_name=f"{function.__name__}_{original.__name__}")
+    copy = types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
+    copy.__qualname__ = function.__qualname__
+    copy.__doc__ = function.__doc__
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
 
 
 def _rebuild(original: type, mixins: tuple[type, ...]) -> torch.nn.Module:

@@ -52,6 +52,7 @@ class PolicyModule:
     """The mixin that runs a torch module's calls by its policy."""
 
     _dp_order = 0
+    _dp_per_class = ("__call__",)  # see compose._own_copy
 
     @property
     def dtype_policy(self) -> DTypePolicy:
