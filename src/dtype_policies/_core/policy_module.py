@@ -97,6 +97,13 @@ class FastLinearForward:
         weight, bias = parameters["weight"], parameters["bias"]
         if state is not None and state.autocast and weight.dtype is not state.compute:
             weight, bias = cast_pair(d.get("_dp_casts"), weight, bias, state.compute)
+            if input.dim() > 2:
+                # A kept cast does not require grad, and for such weights torch's
+                # matmul turns a strided 3-D input (the last position of a
+                # sequence) into a batched product that copies the whole weight:
+                # fold to 2-D here.
+                out = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
+                return out.view(*input.shape[:-1], out.shape[-1])
         return F.linear(input, weight, bias)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dtype_policies import activations
 from dtype_policies._core.call import leaf_weights
@@ -115,8 +114,10 @@ class Dense(QuantizableLayer):
             kernel, bias = self.kernel, self.bias
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel
             outputs = inputs @ kernel if bias is None else torch.addmm(bias, inputs, kernel)
-        else:
-            outputs = F.linear(inputs, kernel.T, bias)
+        else:  # folded to 2-D here: torch's matmul may copy the kernel for strided inputs
+            flat = inputs.reshape(-1, inputs.shape[-1])
+            flat = flat @ kernel if bias is None else torch.addmm(bias, flat, kernel)
+            outputs = flat.reshape(*inputs.shape[:-1], flat.shape[-1])
         return outputs if self._linear_activation else self.activation(outputs)
 
     def get_config(self) -> dict[str, Any]:
