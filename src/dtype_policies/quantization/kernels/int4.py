@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import tracing
 from dtype_policies.quantization.kernels import tensor_key
 from dtype_policies.quantizers.math import dequantize_grouped
 
@@ -96,7 +95,7 @@ def int4_linear(
     n = scale.shape[-1]
     if x2.shape[0] == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
-    if runtime.packed is not None and x2.dtype == torch.bfloat16 and not tracing():
+    if runtime.packed is not None and x2.dtype == torch.bfloat16:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.contiguous(), runtime.packed, runtime.group_size, runtime.scales_and_zeros
         )

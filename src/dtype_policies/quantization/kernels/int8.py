@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import tracing
 from dtype_policies.quantization.kernels import epilogues, tensor_key
 
 ONEDNN_MIN_ROWS = 16
@@ -92,7 +91,7 @@ def int8_linear(
     n = q_nk.shape[0]
     if m == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
-    if runtime.packed is not None and m >= ONEDNN_MIN_ROWS and not tracing():
+    if runtime.packed is not None and m >= ONEDNN_MIN_ROWS:
         xu, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
         y = torch.ops.onednn.qlinear_pointwise(
             xu,
@@ -143,6 +142,12 @@ def int8_linear_traceable(
     return epilogues.rescale(accumulated, row_step, column_step, bias, out_dtype)
 
 
+def fake_quantize_rows_int8(x2: torch.Tensor) -> torch.Tensor:
+    """`x2` rounded as the W8A8 product sees it (per row, in `x2`'s dtype)."""
+    q, step = epilogues.quantize_rows_int8(x2)
+    return (q.float() * step).to(x2.dtype)
+
+
 def weight_int8pack_supported(x2: torch.Tensor, n: int) -> bool:
     """Shapes and dtypes `_weight_int8pack_mm` handles correctly on CPU."""
     m, k = x2.shape
@@ -152,7 +157,6 @@ def weight_int8pack_supported(x2: torch.Tensor, n: int) -> bool:
         and 0 < m <= WEIGHT_INT8PACK_MAX_ROWS
         and k % 32 == 0
         and n % 16 == 0
-        and not tracing()
     )
 
 

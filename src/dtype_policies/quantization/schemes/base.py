@@ -136,36 +136,35 @@ class Scheme(abc.ABC):
         """The layer's product with the quantized weight over `x`'s last axis,
         with the straight-through gradient (through the dequantized weight) to
         `x` and `bias`, as Keras's custom gradients do."""
-        if x.dtype != compute and x.is_floating_point():
+        if x.dtype is not compute and x.is_floating_point():
             x = x.to(compute)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         needs_grad = torch.is_grad_enabled() and (
             x2.requires_grad or (bias is not None and bias.requires_grad)
         )
         if tracing():
-            traceable = needs_grad
-        else:  # functorch transforms (torch.func.grad, vmap, ...) need plain ops too
-            traceable = _functorch_wrapped(x2) or (bias is not None and _functorch_wrapped(bias))
-        if traceable:
-            y = self.traceable_linear(module, qw, x2, bias, compute)
+            y = self.traced_linear(module, qw, x2, bias, compute, needs_grad)
+        elif _functorch_wrapped(x2) or (bias is not None and _functorch_wrapped(bias)):
+            # functorch transforms (torch.func.grad, vmap, ...) need plain ops
+            y = self.traced_linear(module, qw, x2, bias, compute, needs_grad=True)
         elif needs_grad:
             y = _StraightThrough.apply(x2, bias, module, qw, compute)
         else:
             y = self.linear(module, qw, x2, bias, compute)
-        return y.reshape(*lead, y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def traceable_linear(
+    def traced_linear(
         self,
         module: torch.nn.Module,
         qw: QuantizedWeight,
         x2: torch.Tensor,
         bias: torch.Tensor | None,
         compute: torch.dtype,
+        needs_grad: bool,
     ) -> torch.Tensor:
-        """The product with the dequantized weight, whose gradient is the
-        straight-through one: under `torch.compile` with gradients, and
-        under functorch transforms (`torch.func.grad`, `vmap`, ...)."""
+        """The product in plain ops on the stored tensors, for compilers,
+        tracers and functorch: by default the product with the dequantized
+        weight, whose gradient is the straight-through one."""
         weight = self.dequantize(module, qw).to(compute)
         return torch.nn.functional.linear(x2, weight, None if bias is None else bias.to(compute))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from dtype_policies._core.casting import tracing
 from dtype_policies.quantization.kernels import int4 as kernels
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Int4QuantizationConfig
@@ -83,10 +82,6 @@ class Int4Scheme(Scheme):
 
     def linear(self, module, qw, x2, bias, compute):
         packed, scale, zero = self._stored(module, qw)
-        if tracing():
-            weight = self.dequantize(module, qw).to(x2.dtype)
-            y = torch.nn.functional.linear(x2, weight, None if bias is None else bias.to(x2.dtype))
-            return y.to(compute)
         if qw.runtime is None:
             qw.runtime = self.new_runtime()
         stored = (packed, scale) if zero is None else (packed, scale, zero)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from dtype_policies._core.casting import tracing
 from dtype_policies.quantization.kernels import int8 as kernels
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Int8QuantizationConfig
@@ -66,16 +65,24 @@ class Int8Scheme(Scheme):
     def linear(self, module, qw, x2, bias, compute):
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)
-        if tracing():
-            data, scale = self._stored(module, qw)
-            return kernels.int8_linear_traceable(
-                x2, qw.spec.nk(data), scale, bias, compute, qw.config.weight_only
-            )
         if qw.config.weight_only:
             return kernels.int8_weight_only_linear(
                 x2, self._runtime(module, qw, prepack=False), bias, compute
             )
         return kernels.int8_linear(x2, self._runtime(module, qw, prepack=True), bias, compute)
+
+    def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
+        if bias is not None and bias.dtype != compute:
+            bias = bias.to(compute)
+        data, scale = self._stored(module, qw)
+        if not needs_grad:
+            return kernels.int8_linear_traceable(
+                x2, qw.spec.nk(data), scale, bias, compute, qw.config.weight_only
+            )
+        if not qw.config.weight_only:  # the activations' rounding, passed straight through
+            x2 = x2 + (kernels.fake_quantize_rows_int8(x2) - x2).detach()
+        weight = (qw.spec.nk(data).float() / scale.float()[:, None]).to(compute)
+        return torch.nn.functional.linear(x2, weight, bias)
 
     def lookup(self, module, qw, ids, compute):
         data, scale = self._stored(module, qw)
