@@ -181,7 +181,10 @@ def quantize(
 def _shared_tensors(module, kind, mode, planned_weights) -> dict | None:
     """The stored tensors of an already planned module holding the same weight
     Parameter with the same orientation (tied weights), if any."""
-    spec = kind.spec(module, mode)
+    try:
+        spec = kind.spec(module, mode)
+    except NotImplementedError:
+        return None  # `plan` says why
     weight = module._parameters.get(spec.weight)
     earlier = planned_weights.get(id(weight)) if weight is not None else None
     if earlier is None:

@@ -123,7 +123,7 @@ def unpack_int4(packed: torch.Tensor, length: int, axis: int = 0) -> torch.Tenso
     """Inverse of `pack_int4`: sign-extended int8 values, `length` along `axis`."""
     if packed.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"Expected an int8 or uint8 packed tensor, got {packed.dtype}")
-    moved = packed.movedim(axis, 0).view(torch.uint8).to(torch.int16)
+    moved = packed.movedim(axis, 0).to(torch.int16) & 0xFF  # the bytes, unsigned
     low = moved & 0xF
     high = (moved >> 4) & 0xF
     nibbles = torch.stack([low, high], dim=1).reshape(-1, *moved.shape[1:])[:length]
