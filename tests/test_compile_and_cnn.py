@@ -103,6 +103,7 @@ def test_compiled_quantized_mlp_has_no_graph_breaks_and_matches_eager(mode):
         assert relative_error(ours, eager) < (0.08 if mode == "float8" else 0.03)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_quantized_llama_matches_eager_at_several_shapes(mode):
     torch.manual_seed(0)
