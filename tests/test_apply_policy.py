@@ -319,13 +319,22 @@ def test_summary_lists_every_module():
     apply_policy(model, "mixed_bfloat16")
     text = dtype_policies.summary(model)
     assert re.search(
-        r"^0\s+Linear\s+mixed_bfloat16\s+bfloat16\s+float32\s+2112\s+8448$", text, re.MULTILINE
+        r"^0\s+Linear\s+mixed_bfloat16\s+bfloat16\s+float32\s+-\s+2112\s+8448$", text, re.MULTILINE
     )
     rows = dtype_policies.apply.module_summaries(model)
     assert [r.path for r in rows] == ["(root)", "0", "1", "2", "3", "4"]
     assert rows[1].parameters == 32 * 64 + 64 and rows[1].bytes == 4 * (32 * 64 + 64)
     assert rows[1].policy == "mixed_bfloat16" and rows[1].variable_dtype == "float32"
     assert f"Total: {sum(p.numel() for p in model.parameters())} parameters" in text
+    dtype_policies.quantize(
+        model, "int4", dtype_policies.quantization.Int4QuantizationConfig(block_size=32)
+    )
+    rows = dtype_policies.apply.module_summaries(model)
+    assert rows[1].quantization == "int4/32" and rows[1].parameters == 32 * 64 + 64
+    assert (
+        rows[1].policy == "int4/32_from_mixed_bfloat16" and rows[1].variable_dtype == "float32,int8"
+    )
+    assert rows[1].bytes < 4 * (32 * 64 + 64) / 3
 
 
 def test_compile_without_graph_breaks_matches_eager():

@@ -1,25 +1,48 @@
-"""`summary`: a per-module table of policies, dtypes, parameter counts and bytes."""
+"""`summary`: a per-module table of policies, dtypes, quantization, parameter
+counts and bytes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from dtype_policies._paths import named_module_paths, root_path_of
+from dtype_policies.quantization.attach import quantization_of
 
 
 @dataclass(frozen=True)
 class ModuleSummary:
-    """One row of `summary`: a module's own (not its children's) parameters."""
+    """One row of `summary`: a module's own (not its children's) tensors.
+
+    `parameters` counts the weights the module holds, a quantized weight's
+    values included; `bytes` is what its parameters and buffers occupy.
+    """
 
     path: str
     class_name: str
     policy: str
     compute_dtype: str
     variable_dtype: str
+    quantization: str
     parameters: int
     bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+COLUMNS = (
+    ("path", "path"),
+    ("class", "class_name"),
+    ("policy", "policy"),
+    ("compute", "compute_dtype"),
+    ("variable", "variable_dtype"),
+    ("quantization", "quantization"),
+    ("params", "parameters"),
+    ("bytes", "bytes"),
+)
 
 
 def _dtype_names(tensors: list[torch.Tensor]) -> str:
@@ -27,17 +50,36 @@ def _dtype_names(tensors: list[torch.Tensor]) -> str:
     return ",".join(names) if names else "-"
 
 
+def quantization_label(module: torch.nn.Module) -> str:
+    """`"int8"`, `"int8 weight-only"`, `"int4/128"`, `"float8"`, or `"-"`."""
+    quantized = quantization_of(module)
+    if quantized is None:
+        return "-"
+    config = quantized.config
+    if quantized.mode == "int4":
+        return f"int4/{config.group_size}"
+    if quantized.mode == "int8" and config.weight_only:
+        return "int8 weight-only"
+    return quantized.mode
+
+
 def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
     """The rows of `summary(model)`, one per module, depth first."""
-    root_path = root_path_of(model)
     rows = []
-    for path, module in named_module_paths(model, root_path):
+    for path, module in named_module_paths(model, root_path_of(model)):
         own = [p for p in module._parameters.values() if p is not None]
         buffers = [b for b in module._buffers.values() if b is not None]
+        quantized = quantization_of(module)
+        parameters = sum(p.numel() for p in own)
+        stored = []
+        if quantized is not None:
+            stored = [module._buffers[n] for n in sorted(quantized.stored_names)]
+            if not quantized.scheme.keeps_float_weight:
+                parameters += int(torch.Size(quantized.spec.float_shape).numel())
+                stored = stored[:1]  # the integer data (scales are bookkeeping)
         state = module.__dict__.get("_dp_state")
         if state is not None:
-            resolved = state.policy
-            policy, compute = resolved.name, resolved.compute_dtype
+            policy, compute = state.policy.name, state.policy.compute_dtype
         else:
             policy, compute = "-", _dtype_names(own)
         rows.append(
@@ -46,52 +88,48 @@ def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
                 class_name=type(module).__name__,
                 policy=policy,
                 compute_dtype=compute,
-                variable_dtype=_dtype_names(own),
-                parameters=sum(p.numel() for p in own),
+                variable_dtype=_dtype_names(own + stored),
+                quantization=quantization_label(module),
+                parameters=parameters,
                 bytes=sum(t.numel() * t.element_size() for t in own + buffers),
             )
         )
     return rows
 
 
+def render_table(header: tuple[str, ...], rows: list[tuple[str, ...]], numeric: int) -> str:
+    """A plain-text table; the last `numeric` columns are right-aligned."""
+    table = [header, *rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    first_numeric = len(header) - numeric
+    lines = []
+    for row in table:
+        cells = [
+            cell.rjust(width) if i >= first_numeric else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
 def summary(model: torch.nn.Module) -> str:
     """A table of every module's path, class, policy, compute and variable
-    dtypes, own parameter count and own parameter-and-buffer bytes.
+    dtypes, quantization, own parameter count and own bytes.
 
     >>> import torch
     >>> import dtype_policies
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
     >>> print(dtype_policies.summary(model))  # doctest: +NORMALIZE_WHITESPACE
-    path    class      policy          compute   variable  params  bytes
-    (root)  Sequential mixed_bfloat16  bfloat16  -              0      0
-    0       Linear     mixed_bfloat16  bfloat16  float32       20     80
-    1       LayerNorm  float32         float32   float32        8     32
+    path    class       policy          compute   variable  quantization  params  bytes
+    (root)  Sequential  mixed_bfloat16  bfloat16  -         -                  0      0
+    0       Linear      mixed_bfloat16  bfloat16  float32   -                 20     80
+    1       LayerNorm   float32         float32   float32   -                  8     32
     Total: 28 parameters, 112 bytes
     """
     rows = module_summaries(model)
-    header = ("path", "class", "policy", "compute", "variable", "params", "bytes")
-    table = [header] + [
-        (
-            r.path,
-            r.class_name,
-            r.policy,
-            r.compute_dtype,
-            r.variable_dtype,
-            str(r.parameters),
-            str(r.bytes),
-        )
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = []
-    for row in table:
-        cells = [
-            cell.rjust(width) if i >= 5 else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(row, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
+    cells = [tuple(str(getattr(r, field)) for _, field in COLUMNS) for r in rows]
+    text = render_table(tuple(name for name, _ in COLUMNS), cells, numeric=2)
     total_params = sum(r.parameters for r in rows)
     total_bytes = sum(r.bytes for r in rows)
-    lines.append(f"Total: {total_params} parameters, {total_bytes} bytes")
-    return "\n".join(lines)
+    return f"{text}\nTotal: {total_params} parameters, {total_bytes} bytes"
