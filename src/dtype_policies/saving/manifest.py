@@ -79,6 +79,7 @@ class Manifest:
     quantized: dict[str, QuantizedRecord] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     non_persistent: list[str] = field(default_factory=list)
+    classes: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def to_json(self, indent: int | None = None) -> str:
@@ -109,6 +110,7 @@ class Manifest:
                 quantized={k: QuantizedRecord(**v) for k, v in data["quantized"].items()},
                 aliases={str(k): str(v) for k, v in data["aliases"].items()},
                 non_persistent=[str(k) for k in data["non_persistent"]],
+                classes={str(k): str(v) for k, v in data.get("classes", {}).items()},
                 format_version=version,
             )
         except (KeyError, TypeError, AttributeError) as e:
@@ -119,6 +121,7 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     """The manifest of `module` as it is now."""
     manifest = Manifest(library_version=library_version)
     for name, submodule in module.named_modules():
+        manifest.classes[name] = type(submodule).__name__
         if isinstance(submodule, Layer):
             manifest.layers[name] = serialize(submodule._resolve_policy())
         else:

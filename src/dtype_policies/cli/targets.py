@@ -1,0 +1,46 @@
+"""What a command-line TARGET names: a model factory (`package.module:factory`)
+or a checkpoint written by `dtype_policies.saving.save`."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+
+class CLIError(Exception):
+    """A problem with what the user asked for: printed as one line, exit code 1."""
+
+
+def is_checkpoint(target: str) -> bool:
+    path = Path(target)
+    return path.suffix == ".safetensors" or (path / "model.safetensors").is_file()
+
+
+def build_model(target: str) -> torch.nn.Module:
+    """Calls the factory `package.module:callable` and returns its model."""
+    module_name, colon, attribute = target.partition(":")
+    if not colon or not module_name or not attribute:
+        raise CLIError(
+            f"TARGET {target!r} is neither 'package.module:factory' nor a checkpoint "
+            "(a .safetensors file or a directory written by dtype_policies.saving.save)."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise CLIError(f"cannot import {module_name!r} from TARGET {target!r}: {e}") from e
+    factory = module
+    for part in attribute.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise CLIError(f"{module_name!r} has no attribute {attribute!r} (TARGET {target!r})")
+    if not callable(factory):
+        raise CLIError(f"{target!r} is not callable (expected a function returning a model)")
+    try:
+        model = factory()
+    except Exception as e:
+        raise CLIError(f"calling {target!r} failed: {type(e).__name__}: {e}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise CLIError(f"{target!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model

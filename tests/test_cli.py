@@ -1,0 +1,143 @@
+"""The command line, run as users run it: in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dtype_policies import apply_policy, quantize, saving
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+        )
+
+    def not_a_model():
+        return 42
+
+    def broken():
+        raise RuntimeError("factory exploded")
+    """
+)
+
+
+def cli(*args, cwd=None, env_path=None):
+    env = dict(os.environ)
+    if env_path:
+        env["PYTHONPATH"] = os.pathsep.join([str(env_path), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "dtype_policies", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
+
+
+@pytest.fixture
+def factory(tmp_path):
+    (tmp_path / "cli_models.py").write_text(FACTORY)
+    return tmp_path
+
+
+def test_help_and_version():
+    result = cli("--help")
+    assert result.returncode == 0
+    for command in ("demo", "inspect"):
+        assert command in result.stdout
+    assert cli("inspect", "--help").returncode == 0
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("dtype-policies ")
+    assert cli().returncode == 2
+
+
+def test_demo_reduced_run_reports_every_variant():
+    result = cli("demo", "--quick", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    variants = [r["variant"] for r in data["results"]]
+    assert variants == [
+        "float32",
+        "mixed_bfloat16",
+        "int8 (from mixed_bfloat16)",
+        "int4 (from mixed_bfloat16)",
+    ]
+    for row in data["results"]:
+        assert 0.5 < row["accuracy"] <= 1.0 and row["inference_ms"] > 0 and row["weight_mb"] > 0
+    by_name = {r["variant"]: r for r in data["results"]}
+    assert by_name["int4 (from mixed_bfloat16)"]["weight_mb"] < by_name["float32"]["weight_mb"] / 3
+    assert by_name["float32"]["speed_vs_float32"] == 1.0
+    plain = cli("demo", "--quick")
+    assert plain.returncode == 0 and "variant" in plain.stdout and "int4" in plain.stdout
+    assert "epoch" in plain.stderr  # progress
+
+
+def test_inspect_a_factory_with_policy_and_quantization(factory):
+    result = cli(
+        "inspect", "cli_models:mlp", "--policy", "mixed_bfloat16", "--quantize", "int8", "--json",
+        env_path=factory,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    rows = {row["path"]: row for row in data["modules"]}
+    assert rows["0"]["policy"] == "int8_from_mixed_bfloat16" and rows["0"]["quantization"] == "int8"
+    assert rows["2"]["policy"] == "float32"  # the norm island
+    assert data["total_parameters"] == 32 * 64 + 64 + 128 + 64 * 8 + 8
+    text = cli("inspect", "cli_models:mlp", env_path=factory)
+    assert text.returncode == 0 and "Total: " in text.stdout and "LayerNorm" in text.stdout
+
+
+def test_inspect_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+    )
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", filters="^0$")
+    saving.save(model, tmp_path / "ckpt")
+    result = cli("inspect", str(tmp_path / "ckpt"), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["path"]: row for row in json.loads(result.stdout)["modules"]}
+    assert rows["0"]["quantization"] == "int4/128"
+    assert rows["0"]["policy"] == "int4/128_from_mixed_bfloat16"
+    assert rows["0"]["parameters"] == 32 * 64 + 64 and rows["0"]["class_name"] == "Linear"
+    assert rows["1"]["policy"] == "float32" and rows["2"]["variable_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("inspect", "no_such_module_xyz:factory"), "cannot import 'no_such_module_xyz'"),
+        (("inspect", "cli_models:missing"), "has no attribute 'missing'"),
+        (("inspect", "cli_models:not_a_model"), "returned a int, not a torch.nn.Module"),
+        (("inspect", "cli_models:broken"), "factory exploded"),
+        (("inspect", "not-a-target"), "neither 'package.module:factory' nor a checkpoint"),
+        (("inspect", "cli_models:mlp", "--policy", "mixed_float15"), "mixed_float15"),
+        (("inspect", "missing.safetensors"), "missing.safetensors"),
+    ],
+)
+def test_bad_inputs_exit_1_with_one_line(factory, args, message):
+    result = cli(*args, env_path=factory, cwd=factory)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in result.stderr
+    verbose = cli("--verbose", *args, env_path=factory, cwd=factory)
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
+def test_usage_errors_exit_2():
+    assert cli("inspect").returncode == 2
+    assert cli("inspect", "x:y", "--quantize", "int3").returncode == 2
+    assert cli("no-such-command").returncode == 2
+    assert cli("demo", "--epochs", "zero").returncode == 2
