@@ -8,6 +8,7 @@ per layer) for PyTorch.
 
 from dtype_policies import (
     config,
+    distributed,
     layers,
     mixed_precision,
     optimizers,
@@ -50,6 +51,7 @@ __all__ = [
     "clear_cast_caches",
     "config",
     "deserialize",
+    "distributed",
     "dtype_policy",
     "get",
     "layers",

@@ -83,6 +83,35 @@ def mixins_of(module: torch.nn.Module) -> tuple[type, ...]:
 
 def set_mixins(module: torch.nn.Module, mixins: tuple[type, ...]) -> None:
     """Puts exactly `mixins` (ordered by their `_dp_order`) in front of the
-    module's own class."""
+    module's own class, keeping a class that other code stacked on top of a
+    composed class (FSDP2's `fully_shard` makes `FSDP<cls>(FSDPModule, cls)`)."""
     ordered = tuple(sorted(set(mixins), key=lambda mixin: mixin._dp_order))
-    module.__class__ = composed_class(original_class(module), ordered)
+    composed = composed_class(original_class(module), ordered)
+    cls = type(module)
+    if issubclass(cls, ComposedModule) and "_dp_original" not in cls.__dict__:
+        composed = _restacked(cls, composed)
+    module.__class__ = composed
+
+
+_restacked_classes: dict[tuple[type, type], type] = {}
+
+
+def _restacked(cls: type, composed: type) -> type:
+    """`cls`, a class derived from a composed class by other code, rebuilt on
+    `composed` instead (cached): its own namespace, the same other bases."""
+    key = (cls, composed)
+    result = _restacked_classes.get(key)
+    if result is None:
+        bases = tuple(
+            _base_for(base, composed) if issubclass(base, ComposedModule) else base
+            for base in cls.__bases__
+        )
+        namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+        result = _restacked_classes[key] = type(cls.__name__, bases, namespace)
+    return result
+
+
+def _base_for(base: type, composed: type) -> type:
+    if "_dp_original" in base.__dict__:
+        return composed
+    return _restacked(base, composed)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.state import CallState, derive_call_state
@@ -72,8 +73,12 @@ class PolicyModule:
             is_buffer = name in state.buffer_names
             value = (d["_buffers"] if is_buffer else d["_parameters"]).get(name)
             if value is not None:
+                if sharded.as_is(d, value):  # FSDP2 reading its sharded parameter
+                    return value
                 return read_weight(d.get("_dp_casts"), name, value, is_buffer)
         return super().__getattr__(name)
+
+    _is_fsdp_managed_module = sharded.fsdp_managed
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # `.to()`, `.half()`, ... may change weight dtypes: re-derive the state.
@@ -152,8 +157,9 @@ def refresh(module: torch.nn.Module) -> None:
     options = module.__dict__["_dp_stack"][-1][1]
     module.__dict__["_dp_state"] = module_call_state(module, options)
     casts = module.__dict__.get("_dp_casts")
-    if casts is None or casts.enabled != options.weight_cache:
-        module.__dict__["_dp_casts"] = WeightCasts(options.weight_cache)
+    keep = sharded.keeps_casts(module, options.weight_cache)
+    if casts is None or casts.enabled != keep:
+        module.__dict__["_dp_casts"] = WeightCasts(keep)
     else:
         casts.clear()
     quantization = module.__dict__.get("_dp_quant")

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from dtype_policies import regularizers as regularizers_lib
+from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import first_tensor
 from dtype_policies._core.state import CallState, derive_call_state
@@ -283,9 +284,11 @@ class Layer(LayerWeights, torch.nn.Module):
         state = d.get("_dp_state")
         if state is not None and name in state.weight_names:
             parameter = d["_parameters"].get(name)
-            if parameter is not None:
+            if parameter is not None and not sharded.as_is(d, parameter):
                 return read_weight(d["_dp_casts"], name, parameter, False)
         return super().__getattr__(name)
+
+    _is_fsdp_managed_module = sharded.fsdp_managed
 
     def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Layer:
         # `.to()`, `.double()`, ... may change weight dtypes: re-derive call state.

@@ -53,6 +53,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     is exact for powers of two (every scale reachable from a power-of-two
     initial scale).
 
+    Under `torch.distributed` (DDP, FSDP2), every rank must take the same
+    decision, or the replicas drift apart: under FSDP2 each rank checks only
+    its own shard of each gradient. So when a process group of more than one
+    process is in use, the overflow flag is all-reduced (max) over it before
+    `step()` reads it, still once: one small collective and one host sync per
+    step. Sharded (DTensor) gradients are unscaled and checked through their
+    local shards.
+
     The wrapper is a `torch.optim.Optimizer`: learning-rate schedulers attach to
     it, and `param_groups`, `state` and `defaults` are the inner optimizer's
     own objects. `state_dict()` holds the inner state plus the scale, the growth
@@ -69,6 +77,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         dynamic_growth_steps: How many consecutive finite steps double the
             scale, a positive int. Defaults to 2000.
         name: A name, for Keras parity. Defaults to `"loss_scale_optimizer"`.
+        process_group: The ranks that agree on skipping a step. Defaults to
+            the default group whenever `torch.distributed` is initialized
+            with more than one process (looked up at each `step()`).
         **kwargs: Only Keras's backward-compatibility arguments are accepted:
             `dynamic=True`, and Keras's base optimizer arguments
             (`weight_decay`, `clipnorm`, ...) at their default values.
@@ -99,6 +110,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
         name: str | None = None,
+        *,
+        process_group: Any = None,
         **kwargs: Any,
     ) -> None:
         check_kwargs(kwargs)
@@ -130,6 +143,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             name=name or "loss_scale_optimizer",
             _initial_scale=scale,
             _dynamic_growth_steps=int(dynamic_growth_steps),
+            _process_group=process_group,
         )
         self._reset_runtime_state()
         self._scale = scale
@@ -279,6 +293,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     if grad.dtype is torch.float16:  # duplicates may overflow when summed
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
+                elif type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
+                    grad = grad.to_local()  # a DTensor (FSDP2): this rank's shard, in place
                 grads.append(grad)
         if not grads:
             return []
@@ -321,8 +337,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if found_infs is None:
             found_infs = self._unscale_grads()
         self._found_inf = None
-        # The only host sync: whether to run the inner step is decided here.
-        finite = not any(flag.item() for flag in found_infs)
+        finite = self._all_finite(found_infs)
         self._last_step_skipped = not finite
         if not finite:
             self._step_counter = 0
@@ -336,6 +351,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             self._step_counter += 1
         return None
+
+    def _all_finite(self, found_infs: list[torch.Tensor]) -> bool:
+        """Whether no rank found inf/NaN: the only host sync of a step."""
+        group = _sync_group(self._process_group)
+        if group is None:
+            return not any(flag.item() for flag in found_infs)
+        import torch.distributed as dist
+
+        device = _collective_device(group, found_infs)
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for found_inf in found_infs:
+            flag += found_inf.to(device, non_blocking=True)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return not flag.item()
 
     def _set_scale(self, value: float) -> None:
         self._scale = to_float32(value)
@@ -402,6 +431,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- python
 
     def __getstate__(self) -> dict[str, Any]:  # pickle / copy.deepcopy
+        # The process group is not kept: a copy uses the default one.
         return {
             key: self.__dict__[key]
             for key in (
@@ -417,6 +447,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_process_group", None)
         self._reset_runtime_state()
         torch.optim.Optimizer.__setstate__(self, {})
 
@@ -426,3 +457,25 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             f"LossScaleOptimizer(dynamic_scale={self._scale}, "
             f"dynamic_growth_steps={self._dynamic_growth_steps},\n    {inner})"
         )
+
+
+def _sync_group(process_group: Any) -> Any:
+    """The group whose ranks must agree, or `None` when there is nothing to
+    agree with (torch.distributed not initialized, or one process)."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return None
+    group = process_group if process_group is not None else distributed.group.WORLD
+    return group if distributed.get_world_size(group) > 1 else None
+
+
+def _collective_device(group: Any, found_infs: list[torch.Tensor]) -> torch.device:
+    """Where the flag is all-reduced: with the gradients' flags, on the CPU for
+    gloo, on the current accelerator for NCCL-only groups."""
+    backend = str(torch.distributed.get_backend(group)).lower()
+    device = found_infs[0].device if found_infs else torch.device("cpu")
+    if device.type != "cpu" and backend == "gloo":
+        return torch.device("cpu")
+    if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

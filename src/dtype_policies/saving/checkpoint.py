@@ -63,53 +63,91 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     >>> x = torch.randn(2, 8)
     >>> torch.equal(fresh(x), model(x)), fresh[0].dtype_policy.name
     (True, 'int8_from_mixed_bfloat16')
+
+    A model sharded with FSDP2 (its parameters are DTensors) is saved whole:
+    call `save` on every rank; each tensor is all-gathered in turn, rank 0
+    alone writes the file, and every rank returns once it is written. Load
+    the file into the unsharded model (`load`, then shard it again).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
     file = _model_file(path)
     manifest = describe(module, __version__)
-    tensors = _collect_tensors(module, manifest)
-    metadata = {METADATA_KEY: manifest.to_json()}
-    write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
-    if file.name == MODEL_FILE and file.parent == Path(path):
-        text = manifest.to_json(indent=2) + "\n"
-        write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
+    tensors, sharded = _collect_tensors(module, manifest)
+    if not sharded or _rank() == 0:
+        metadata = {METADATA_KEY: manifest.to_json()}
+        write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+        if file.name == MODEL_FILE and file.parent == Path(path):
+            text = manifest.to_json(indent=2) + "\n"
+            write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
+    if sharded:
+        torch.distributed.barrier()  # the file exists on return, on every rank
     return file
 
 
-def _collect_tensors(module: torch.nn.Module, manifest: Manifest) -> dict[str, torch.Tensor]:
-    state = dict(module.state_dict())
+def _rank() -> int:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank()
+    return 0
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor (FSDP2's sharded parameters): `full_tensor()` gathers it."""
+    return type(tensor) is not torch.Tensor and hasattr(tensor, "full_tensor")
+
+
+def _collect_tensors(
+    module: torch.nn.Module, manifest: Manifest
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """The tensors to write, and whether the module is sharded (then every
+    rank gathers each DTensor, in state-dict order, and only rank 0 keeps it)."""
+    state = dict(module.state_dict(keep_vars=True))
+    sharded = any(_is_sharded(tensor) for tensor in state.values())
+    keep = not sharded or _rank() == 0
     for key in manifest.non_persistent:
         owner, _, name = key.rpartition(".")
         state[key] = module.get_submodule(owner)._buffers[name]
     tensors: dict[str, torch.Tensor] = {}
     first_key: dict[tuple, str] = {}
     storages: set[tuple] = set()
-    for key, tensor in state.items():
-        tensor = tensor.detach()
-        if tensor.device.type == "meta":
+    for key, value in state.items():
+        tensor = value.detach()
+        gather = _is_sharded(tensor)
+        local = tensor.to_local() if gather else tensor
+        if local.device.type == "meta":
             raise CheckpointError(
                 f"save(): '{key}' is on the meta device (it has no values to save)."
             )
-        identity = (
-            tensor.device,
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.dtype,
-        )
+        if gather:  # the same object on every rank (a local shard may be empty)
+            identity: tuple = ("sharded", id(value))
+        else:
+            identity = (
+                tensor.device,
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                tensor.dtype,
+            )
         if tensor.numel() and identity in first_key:  # the same tensor twice: tied weights
             manifest.aliases[key] = first_key[identity]
             continue
         first_key[identity] = key
-        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        if gather:
+            tensor = tensor.full_tensor()  # a collective: every rank, in this order
+            storage = None
+        else:
+            storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        if not keep:
+            continue
         tensor = tensor.to("cpu")
-        if tensor.numel() and storage in storages:  # another view of a saved storage
-            tensor = tensor.clone()
-        storages.add(storage)
+        if storage is not None:
+            if tensor.numel() and storage in storages:  # another view of a saved storage
+                tensor = tensor.clone()
+            storages.add(storage)
         tensors[key] = tensor.contiguous()
-    return tensors
+    return tensors, sharded
 
 
 def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:

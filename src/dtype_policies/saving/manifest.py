@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.compose import ComposedModule, original_class
 from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies.layers.layer import Layer
 from dtype_policies.policies import DTypePolicy, deserialize, serialize
@@ -121,7 +122,7 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     """The manifest of `module` as it is now."""
     manifest = Manifest(library_version=library_version)
     for name, submodule in module.named_modules():
-        manifest.classes[name] = type(submodule).__name__
+        manifest.classes[name] = _class_name(submodule)
         if isinstance(submodule, Layer):
             manifest.layers[name] = serialize(submodule._resolve_policy())
         else:
@@ -145,6 +146,20 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
             if submodule._buffers.get(buffer_name) is not None:
                 manifest.non_persistent.append(_join(name, buffer_name))
     return manifest
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    """The module's own class name, without this library's mixins or FSDP2's
+    `FSDP<class>` wrapper class."""
+    cls = original_class(module)
+    index = getattr(cls, "_orig_cls_mro_index", None)  # FSDP2's wrapper classes
+    if isinstance(index, int) and len(cls.__mro__) > index:
+        cls = _unwrapped(cls.__mro__[index])
+    return cls.__name__
+
+
+def _unwrapped(cls: type) -> type:
+    return cls._dp_original if issubclass(cls, ComposedModule) else cls
 
 
 def layer_policy(record: dict[str, Any]) -> DTypePolicy:

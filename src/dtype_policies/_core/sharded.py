@@ -1,0 +1,62 @@
+"""Living with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+FSDP2 marks each module it manages with `_is_fsdp_managed_module = True`,
+keeps the module's parameters as sharded DTensors between calls, and around
+each forward registers one plain `Parameter` per weight that it refills by an
+all-gather. Two things follow for a policied module:
+
+* FSDP2 reads its sharded parameters with `getattr(module, name)`, the first
+  time inside the root module's call (its lazy init runs in a forward
+  pre-hook). Such reads must get the parameter itself, never a compute-dtype
+  cast: `as_is` says so.
+* FSDP2 refills the same unsharded `Parameter` in every step while keeping its
+  version counter, and may get the same address back from the allocator: a
+  kept cast (keyed by identity, version and address) could serve last step's
+  weights. So a managed module keeps no casts (each call casts anew); the
+  marker's setter, `fsdp_managed`, turns them off the moment FSDP2 sets it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FSDP_MANAGED = "_is_fsdp_managed_module"
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _get(module: torch.nn.Module) -> bool:
+    try:
+        return module.__dict__[FSDP_MANAGED]
+    except KeyError:
+        raise AttributeError(FSDP_MANAGED) from None
+
+
+def _set(module: torch.nn.Module, value: Any) -> None:
+    d = module.__dict__
+    d[FSDP_MANAGED] = value
+    casts = d.get("_dp_casts")
+    if value and casts is not None:
+        casts.enabled = False
+        casts.clear()
+
+
+def _delete(module: torch.nn.Module) -> None:
+    module.__dict__.pop(FSDP_MANAGED, None)
+
+
+fsdp_managed = property(_get, _set, _delete, "Set by FSDP on the modules it manages.")
+"""The `_is_fsdp_managed_module` attribute of policied modules."""
+
+
+def keeps_casts(module: torch.nn.Module, weight_cache: bool) -> bool:
+    """Whether the module may keep casts between calls."""
+    return weight_cache and not module.__dict__.get(FSDP_MANAGED, False)
+
+
+def as_is(d: dict[str, Any], value: torch.Tensor) -> bool:
+    """Whether a weight read from a module with `__dict__` `d` is FSDP's
+    sharded parameter (a DTensor outside the module's forward)."""
+    return type(value) not in _PLAIN_TYPES and bool(d.get(FSDP_MANAGED, False))

@@ -1,0 +1,98 @@
+"""`fully_shard`: FSDP2 over a model computing by dtype policies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dtype_policies.apply.apply import Float32Rule, apply_policy
+from dtype_policies.distributed.mixed_precision import mixed_precision_policy
+from dtype_policies.distributed.units import UnitRule, shard_plan
+
+
+def _is_fsdp_module(module: torch.nn.Module) -> bool:
+    return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
+
+
+def fully_shard(
+    model: torch.nn.Module,
+    policy_or_map: Any,
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool | int = True,
+    units: Iterable[UnitRule] | None = None,
+    float32_modules: Iterable[Float32Rule] | None = None,
+) -> torch.nn.Module:
+    """Shards `model` with FSDP2, each unit in the dtypes its policy says.
+
+    First the policy is applied (`apply_policy(model, policy_or_map,
+    float32_modules=...)`; `None` keeps the policies already applied, as
+    `saving.load` leaves them). Then `torch.distributed.fsdp.fully_shard` is
+    called for each unit of `shard_plan(model, units=units)`, innermost first
+    and the model last, with a `MixedPrecisionPolicy` per unit:
+
+    * a block (by default each direct child with parameters, the items of a
+      `ModuleList` included) all-gathers its parameters in its policy's
+      compute dtype and reduce-scatters its gradients in their own dtype
+      (the policy's variable dtype): `mixed_bfloat16` gives
+      `param_dtype=bfloat16, reduce_dtype=float32`, a `float32` block
+      `param_dtype=None`;
+    * float32 islands (normalization layers), modules whose policy computes
+      in another dtype than their block's, embedding tables (looked up in
+      their own dtype) and quantized modules are units of their own,
+      all-gathered as stored;
+    * `cast_forward_inputs=False` everywhere: each module's policy casts its
+      inputs (FSDP2 would cast them per unit only).
+
+    The sharded parameters stay in the variable dtype (float32 DTensors, what
+    the optimizer steps), and every module computes with the same values as
+    a single-process `apply_policy` run.
+
+    Call it on every rank, after `torch.distributed.init_process_group`, on
+    a model that is not sharded yet, then build the optimizer on
+    `model.parameters()`.
+
+    Args:
+        model: The model (not yet sharded). Its parameters should be on the
+            mesh's device type (CPU for gloo).
+        policy_or_map: A policy, a policy name, a torch dtype, a
+            `DTypePolicyMap`, or `None` to keep the applied policies.
+        mesh: The `DeviceMesh` to shard over (default: FSDP2's, all ranks).
+        reshard_after_forward: FSDP2's option, for every unit.
+        units: The blocks: module classes, class-name suffixes, or callables
+            `(name, module) -> bool` (`name` is torch's dotted name).
+            Default: each direct child with parameters.
+        float32_modules: As for `apply_policy`.
+
+    Returns:
+        `model`, sharded (an `FSDPModule`).
+    """
+    try:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    except ImportError as e:  # pragma: no cover - torch without distributed
+        raise ImportError(
+            f"dtype_policies.distributed.fully_shard() needs torch.distributed.fsdp: {e}"
+        ) from None
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"fully_shard() expects a torch.nn.Module. Received: {type(model).__name__}"
+        )
+    sharded = [name or "(model)" for name, m in model.named_modules() if _is_fsdp_module(m)]
+    if sharded:
+        raise ValueError(
+            f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
+            "dtype_policies.distributed.fully_shard to the unsharded model."
+        )
+    if policy_or_map is not None:
+        apply_policy(model, policy_or_map, float32_modules=float32_modules)
+    plan = shard_plan(model, units=units)
+    for unit in plan:
+        torch_fully_shard(
+            unit.module,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mixed_precision_policy(unit.param_dtype, unit.reduce_dtype, False),
+        )
+    return model

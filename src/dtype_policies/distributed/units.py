@@ -1,0 +1,227 @@
+"""`shard_plan`: which modules become FSDP2 units, and in which dtypes.
+
+Rule: FSDP2 all-gathers a unit's parameters in one `param_dtype`. A unit may
+cast them to a half dtype only if every module in it reads its parameters in
+that very dtype; then the policy's own cast finds them cast already, and the
+forward computes with exactly the values of a single-process run (rounding
+to bfloat16 before or after the all-gather gives the same bits). Modules that
+read their parameters otherwise (float32 islands, modules of a float32 block,
+embedding tables, looked up in their own dtype, quantized modules) become
+units of their own, all-gathered as stored (`param_dtype=None`); there the
+policy casts as it does in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from dtype_policies._core.compose import original_class
+from dtype_policies.quantization.attach import quantization_of
+
+UnitRule = type[torch.nn.Module] | str | Callable[[str, torch.nn.Module], bool]
+
+
+@dataclass
+class ShardUnit:
+    """One `torch.distributed.fsdp.fully_shard` call of a plan.
+
+    Attributes:
+        name: The module's torch name (dotted, `""` for the model itself).
+        module: The module.
+        param_dtype: The dtype its parameters are all-gathered and computed
+            in; `None`: as stored (the policy casts them in the forward).
+        reduce_dtype: The dtype its gradients are reduced in (`None`: their
+            own, the parameters' dtype).
+        reason: Why it is a unit: `"block"`, `"root"`, or `"reads <dtype>"`
+            for a module split from its block because it reads its parameters
+            in another dtype.
+    """
+
+    name: str
+    module: torch.nn.Module = field(repr=False)
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    reason: str
+
+
+def _never_called(module: torch.nn.Module) -> bool:
+    """Containers (`ModuleList`, `ModuleDict`, parameter lists) have no forward."""
+    return original_class(module).forward is torch.nn.Module.forward
+
+
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _matches(name: str, module: torch.nn.Module, rules: Iterable[UnitRule]) -> bool:
+    cls = original_class(module)
+    for rule in rules:
+        if isinstance(rule, type):
+            if issubclass(cls, rule):
+                return True
+        elif isinstance(rule, str):
+            if cls.__name__.endswith(rule):
+                return True
+        elif rule(name, module):
+            return True
+    return False
+
+
+def _default_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Each direct child with parameters; containers are looked into."""
+    blocks = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}{child_name}"
+            if not _has_parameters(child):
+                continue
+            if _never_called(child):
+                visit(f"{name}.", child)
+            else:
+                blocks.append((name, child))
+
+    visit("", model)
+    return blocks
+
+
+def _read_dtypes(module: torch.nn.Module) -> set[torch.dtype | None]:
+    """How the module reads its own floating parameters in a forward: `None`
+    for as stored, else the dtype the policy casts them to."""
+    state = module.__dict__.get("_dp_state")
+    compute = getattr(state, "compute", None)
+    casts = getattr(state, "autocast", False) and compute is not None
+    names = getattr(state, "weight_names", frozenset())
+    quantized = quantization_of(module) is not None
+    dtypes: set[torch.dtype | None] = set()
+    for name, parameter in module._parameters.items():
+        if parameter is None or not parameter.is_floating_point():
+            continue
+        if quantized or not casts or name not in names or compute == parameter.dtype:
+            dtypes.add(None)
+        else:
+            dtypes.add(compute)
+    return dtypes
+
+
+def _requirement(module: torch.nn.Module) -> tuple[bool, torch.dtype | None]:
+    """`(has own floating parameters, the one dtype they can be all-gathered in)`."""
+    dtypes = _read_dtypes(module)
+    if not dtypes:
+        return False, None
+    return True, dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _stored_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    for parameter in module.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return None
+
+
+def _block_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    has_own, own = _requirement(module)
+    if has_own:
+        return own
+    state = module.__dict__.get("_dp_state")
+    compute = getattr(state, "compute", None)
+    if compute is None or compute == _stored_dtype(module):
+        return None
+    return compute
+
+
+def shard_plan(
+    model: torch.nn.Module, *, units: Iterable[UnitRule] | None = None
+) -> list[ShardUnit]:
+    """The FSDP2 units `fully_shard` makes of a policied model, innermost
+    first (the order `fully_shard` must be called in), the model last.
+
+    Blocks: each direct child of `model` with parameters (the items of a
+    `ModuleList` or `ModuleDict`, which are never called themselves), or,
+    with `units`, every module matching one of its rules (module classes,
+    class-name suffixes, or callables `(name, module) -> bool`, with torch's
+    dotted `name`). A block is all-gathered in its policy's compute dtype.
+    Inside it, a module reading its parameters in another dtype (float32
+    islands, modules of another policy, embedding tables, quantized modules)
+    is a unit of its own, all-gathered as stored. The model is the last unit,
+    for the parameters no block holds.
+
+    >>> import torch
+    >>> import dtype_policies
+    >>> from dtype_policies.distributed import shard_plan
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+    >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
+    >>> [(u.name, u.param_dtype, u.reason) for u in shard_plan(model)]
+    [('0', torch.bfloat16, 'block'), ('1', None, 'block'), ('', None, 'root')]
+    """
+    if units is None:
+        blocks = _default_blocks(model)
+    else:
+        rules = tuple(units)
+        for rule in rules:
+            if not (isinstance(rule, (type, str)) or callable(rule)):
+                raise TypeError(
+                    "units entries must be module classes, class-name suffixes or callables "
+                    f"(name, module) -> bool. Received: {rule!r}"
+                )
+        blocks = [
+            (name, module)
+            for name, module in model.named_modules()
+            if module is not model
+            and _has_parameters(module)
+            and not _never_called(module)
+            and _matches(name, module, rules)
+        ]
+    block_ids = {id(module) for _, module in blocks}
+    plan: list[tuple[int, ShardUnit]] = []  # (depth, unit)
+    owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (unit name, parameter name)
+
+    def add(name: str, module: torch.nn.Module, dtype: torch.dtype | None, reason: str):
+        reduce = _stored_dtype(module) if dtype is not None else None
+        unit = ShardUnit(name, module, dtype, reduce, reason)
+        plan.append((name.count(".") + (1 if name else 0), unit))
+        return unit
+
+    def walk(name: str, module: torch.nn.Module, unit: ShardUnit) -> None:
+        has_own, own = _requirement(module)
+        if has_own and module is not unit.module and unit.param_dtype not in (None, own):
+            unit = add(name, module, own, f"reads {_dtype_name(own)}")
+        for parameter_name, parameter in module._parameters.items():
+            if parameter is None:
+                continue
+            full = f"{name}.{parameter_name}" if name else parameter_name
+            previous = owner.setdefault(id(parameter), (unit.name, full))
+            if previous[0] != unit.name:
+                raise ValueError(
+                    f"fully_shard(): the parameter '{full}' is tied to '{previous[1]}', which "
+                    f"falls in another FSDP unit ('{previous[0] or '(model)'}' and "
+                    f"'{unit.name or '(model)'}'). Choose `units` that put both modules in "
+                    "one unit."
+                )
+        for child_name, child in module.named_children():
+            child_full = f"{name}.{child_name}" if name else child_name
+            if id(child) in block_ids:
+                continue
+            walk(child_full, child, unit)
+
+    for name, block in blocks:
+        walk(name, block, add(name, block, _block_dtype(block), "block"))
+    walk("", model, add("", model, _block_dtype(model), "root"))
+    plan.sort(key=lambda entry: -entry[0])  # stable: innermost first, the model last
+    return [unit for _, unit in plan]
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "as stored" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def describe_plan(plan: list[ShardUnit]) -> str:
+    """One line per unit: name, param dtype, reduce dtype, reason."""
+    return "\n".join(
+        f"{unit.name or '(model)'}: param {_dtype_name(unit.param_dtype)}, "
+        f"reduce {_dtype_name(unit.reduce_dtype)} ({unit.reason})"
+        for unit in plan
+    )

@@ -1,0 +1,301 @@
+"""What the 2-process tests of test_distributed.py run in each process.
+
+Not a test module: spawned processes import it by name (multiprocessing
+passes the test process's `sys.path` on). Each scenario runs on every rank in
+the same order and returns plain tensors; an exception is returned as text,
+so that one failing scenario fails its test and not the others.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dtype_policies
+from dtype_policies import DTypePolicyMap, apply_policy, saving
+from dtype_policies import distributed as dp_distributed
+from dtype_policies.optimizers import LossScaleOptimizer
+
+WORLD = 2
+STEPS = 5
+POLICY = DTypePolicyMap("mixed_bfloat16", {"blocks.1(/.*)?": "float32"})  # one float32 block
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.norm = nn.LayerNorm(2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.norm(self.up(x))))
+
+
+class Classifier(nn.Module):
+    """Token ids (batch, 8) -> 4 classes: an embedding, three blocks, a head."""
+
+    def __init__(self, vocabulary: int = 50, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(3))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=1))
+
+
+def make_model() -> Classifier:
+    torch.manual_seed(0)
+    return Classifier()
+
+
+def global_batch(size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (size, 8), generator=generator)
+    return ids, ids[:, 0] % 4
+
+
+def shard(tensor: torch.Tensor, rank: int, world: int = WORLD) -> torch.Tensor:
+    return tensor.chunk(world)[rank]
+
+
+def train(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, steps: int = STEPS):
+    """SGD on one batch (a rank's share of the global batch); the loss is the
+    batch mean, so averaging the ranks' gradients gives the global one."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(ids).float(), labels).backward()
+        optimizer.step()
+    return model
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the state dict, gathered whole (a collective when sharded)."""
+    state = {}
+    for key, value in model.state_dict().items():
+        full = getattr(value, "full_tensor", None)
+        state[key] = (full() if full is not None else value).detach().clone()
+    return state
+
+
+def record_dtypes(model: nn.Module) -> dict[str, tuple]:
+    """Per module with a weight: (the weight's type and dtype as the forward
+    sees it, the input's dtype), filled by the next forward."""
+    seen: dict[str, tuple] = {}
+    for name, module in model.named_modules():
+        if "weight" in module._parameters:
+
+            def hook(module, args, name=name):
+                weight = module._parameters["weight"]
+                seen[name] = (type(weight).__name__, weight.dtype, args[0].dtype)
+
+            module.register_forward_pre_hook(hook)
+    return seen
+
+
+def single_process_run(policy=POLICY) -> dict[str, torch.Tensor]:
+    model = make_model()
+    apply_policy(model, policy)
+    ids, labels = global_batch()
+    return full_state(train(model, ids, labels))
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def fsdp_training(rank: int, tmp: str) -> dict:
+    model = make_model()
+    dp_distributed.fully_shard(model, POLICY)
+    seen = record_dtypes(model)
+    ids, labels = global_batch()
+    train(model, shard(ids, rank), shard(labels, rank))
+    sharded = {
+        name: (type(p).__name__, p.dtype, type(p.grad).__name__, p.grad.dtype)
+        for name, p in model.named_parameters()
+    }
+    probe = global_batch(4)[0]
+    with torch.no_grad():
+        output = model(probe)
+    saving.save(model, os.path.join(tmp, "fsdp"))
+    return {
+        "state": full_state(model),
+        "seen": dict(seen),
+        "sharded": sharded,
+        "classes": {n: type(m).__name__ for n, m in model.named_modules()},
+        "fsdp_module": isinstance(model, torch.distributed.fsdp.FSDPModule),
+        "output": output,
+        "probe": probe,
+    }
+
+
+def fsdp_float32_training(rank: int, tmp: str) -> dict:
+    model = make_model()
+    dp_distributed.fully_shard(model, "float32")
+    ids, labels = global_batch()
+    train(model, shard(ids, rank), shard(labels, rank))
+    return {"state": full_state(model)}
+
+
+def torch_fully_shard_training(rank: int, tmp: str) -> dict:
+    """apply_policy, then torch's own fully_shard with no mixed precision policy."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    apply_policy(model, POLICY)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    ids, labels = global_batch()
+    train(model, shard(ids, rank), shard(labels, rank))
+    model.float()  # `_apply` on sharded, policied modules keeps both classes
+    return {
+        "state": full_state(model),
+        "dtypes": {p.dtype for p in model.parameters()},
+        "fsdp_module": isinstance(model.blocks[0], torch.distributed.fsdp.FSDPModule),
+        "policy": model.blocks[0].up.dtype_policy.name,
+    }
+
+
+def ddp_training(rank: int, tmp: str) -> dict:
+    model = make_model()
+    apply_policy(model, POLICY)
+    seen = record_dtypes(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ids, labels = global_batch()
+    train(ddp, shard(ids, rank), shard(labels, rank))
+    return {
+        "state": full_state(model),
+        "seen": dict(seen),
+        "grads": {p.grad.dtype for p in model.parameters()},
+    }
+
+
+def _count_syncs():
+    """Counts `Tensor.item()` calls and all-reduces while active."""
+    counts = {"item": 0, "all_reduce": 0}
+    item, all_reduce = torch.Tensor.item, dist.all_reduce
+
+    def counted_item(self):
+        counts["item"] += 1
+        return item(self)
+
+    def counted_all_reduce(*args, **kwargs):
+        counts["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    def patch(on: bool) -> None:
+        torch.Tensor.item = counted_item if on else item
+        dist.all_reduce = counted_all_reduce if on else all_reduce
+
+    return counts, patch
+
+
+def _loss_scale_run(rank: int, model: nn.Module, wrap_grad) -> dict:
+    """Two steps: in the first, rank 1 alone gets an inf in its gradient."""
+    optimizer = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), initial_scale=8)
+    ids, labels = global_batch()
+    results = []
+    for step in range(2):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(shard(ids, rank)).float(), shard(labels, rank))
+        optimizer.scale_loss(loss).backward()
+        if step == 0 and rank == 1:
+            wrap_grad(next(iter(model.parameters())).grad)[0] = float("inf")
+        before = full_state(model)
+        counts, patch = _count_syncs()
+        patch(True)
+        try:
+            optimizer.step()
+        finally:
+            patch(False)
+        after = full_state(model)
+        results.append(
+            {
+                "skipped": optimizer.last_step_skipped,
+                "scale": optimizer.dynamic_scale,
+                "changed": any(not torch.equal(before[k], after[k]) for k in before),
+                **counts,
+            }
+        )
+    return {"steps": results}
+
+
+def fsdp_loss_scale(rank: int, tmp: str) -> dict:
+    model = make_model()
+    dp_distributed.fully_shard(model, "mixed_float16")
+    return _loss_scale_run(rank, model, lambda grad: grad.to_local().view(-1))
+
+
+def ddp_loss_scale(rank: int, tmp: str) -> dict:
+    model = make_model()
+    apply_policy(model, "mixed_float16")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    # After backward the gradients are all-reduced already: the inf is put on
+    # rank 1 afterwards, so that the ranks disagree unless `step()` agrees.
+    return _loss_scale_run(rank, ddp, lambda grad: grad.view(-1))
+
+
+def load_then_shard(rank: int, tmp: str) -> dict:
+    """The FSDP checkpoint loaded into a fresh model, which is then sharded
+    keeping the policies the checkpoint applied."""
+    model = saving.load(make_model(), os.path.join(tmp, "fsdp"))
+    dp_distributed.fully_shard(model, None)
+    probe = global_batch(4)[0]
+    with torch.no_grad():
+        output = model(probe)
+    return {"output": output, "policy": model.blocks[1].up.dtype_policy.name}
+
+
+SCENARIOS = (
+    fsdp_training,
+    fsdp_float32_training,
+    torch_fully_shard_training,
+    ddp_training,
+    fsdp_loss_scale,
+    ddp_loss_scale,
+    load_then_shard,
+)
+
+
+def run_all(rank: int, init_file: str, tmp: str, results) -> None:
+    """A spawned process: every scenario in order, each result (or its
+    traceback) put on `results` as bytes."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        for scenario in SCENARIOS:
+            try:
+                outcome = scenario(rank, tmp)
+            except Exception:
+                outcome = traceback.format_exc()
+            buffer = io.BytesIO()
+            torch.save(outcome, buffer)
+            results.put((scenario.__name__, rank, buffer.getvalue()))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def decode(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+__all__ = ["dtype_policies"]
