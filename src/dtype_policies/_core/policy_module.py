@@ -110,7 +110,9 @@ class FastLinearForward:
 FAST_LINEARS = (torch.nn.Linear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
-def install(module: torch.nn.Module, token: object, options: ModuleOptions, bottom: bool = False):
+def install(
+    module: torch.nn.Module, token: object, options: ModuleOptions, bottom: bool = False
+) -> None:
     """Pushes an application on the module's stack (at the bottom with
     `bottom`, for permanent entries such as `quantize()`'s) and refreshes it."""
     stack = module.__dict__.setdefault("_dp_stack", [])
