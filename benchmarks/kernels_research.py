@@ -477,8 +477,10 @@ def path_builders() -> dict[str, tuple[str, Callable[[Case], tuple[Callable, tor
 
 
 def int8pack_safe(m: int, k: int, n: int) -> bool:
-    """Shapes at which `_weight_int8pack_mm` was found safe (see the constraints part)."""
-    return k % 16 == 0 or m >= 4  # refined by the constraints run; conservative
+    """Where bf16 `_weight_int8pack_mm` was found safe by the constraints part:
+    K % 16 == 0 (and the activation's data pointer 32-byte aligned); otherwise
+    it segfaults for M >= 2 and returns garbage for M == 1, at every N."""
+    return k % 16 == 0
 
 
 # ---------------------------------------------------------------- timing
