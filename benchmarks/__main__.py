@@ -120,6 +120,38 @@ TARGETS = [
     ),
 ]
 
+for _workload, _variant, _bound, _label in [
+    (
+        "llm_decode",
+        "dtype_policies mixed_bfloat16",
+        0.95,
+        "LLM decode mixed_bfloat16 >= 0.95x bf16",
+    ),
+    ("llm_decode", "dtype_policies int8_from_mixed_bfloat16", 1.6, "LLM decode int8 >= 1.6x bf16"),
+    (
+        "llm_decode",
+        "dtype_policies int4/128_from_mixed_bfloat16",
+        3.0,
+        "LLM decode int4 >= 3x bf16",
+    ),
+    (
+        "llm_prefill",
+        "dtype_policies int8_from_mixed_bfloat16",
+        1.3,
+        "LLM prefill int8 >= 1.3x bf16",
+    ),
+    (
+        "llm_prefill",
+        "dtype_policies int4/128_from_mixed_bfloat16",
+        0.9,
+        "LLM prefill int4 >= 0.9x bf16",
+    ),
+]:
+    TARGETS.append((_workload, _variant, "whole model bfloat16", "speedup", _bound, _label))
+
+# Workloads whose variants are whole LLMs: fewer repeats, and a first-call column.
+LLM_WORKLOADS = {"llm_decode": "decode", "llm_prefill": "prefill"}
+
 BASELINES = {
     "mlp_train": "torch.autocast bfloat16",
     "mlp_inference": "whole model bfloat16",
@@ -127,6 +159,8 @@ BASELINES = {
     "transformer_train": "torch.autocast bfloat16",
     "overhead_no_grad": "nn.Linear float32",
     "overhead_grad": "nn.Linear float32",
+    "llm_decode": "whole model bfloat16",
+    "llm_prefill": "whole model bfloat16",
 }
 
 
@@ -149,6 +183,63 @@ def _table(title: str, results: list[harness.Result], samples: dict, baseline: s
         lines.append(
             f"| {r.variant}{note} | {r.median_ms:.2f} | {r.spread_ms:.2f} | {ratio:.2f} | "
             f"{versus:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _first_calls(kind: str, names: list[str]) -> dict[str, tuple[float, float] | str]:
+    """Per variant, its first call and a later call (seconds), each in a fresh process."""
+    calls = {}
+    for name in names:
+        code = (
+            "import torch\n"
+            "torch.set_num_threads(torch.get_num_threads())\n"
+            "from benchmarks.workloads import llm_factories\n"
+            f"run = llm_factories({kind!r})[{name!r}]()\n"
+        )
+        env = {"DTYPE_POLICIES_COMPILE": "0"} if "COMPILE=0" in name else None
+        calls[name] = harness.first_call_of(code, env)
+        print(f"  first call of {name}: {calls[name]}", flush=True)
+    return calls
+
+
+def _llm_table(
+    title: str,
+    results: list[harness.Result],
+    samples: dict,
+    notes: dict[str, str],
+    calls: dict,
+    unit: str,
+) -> str:
+    baseline = BASELINES["llm_decode"]
+    lines = [
+        f"**{title}**",
+        "",
+        f"| variant | median {unit} | IQR | x float32 | x {baseline} | first call s | "
+        "later call s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    measured = {r.variant: r for r in results}
+    failed = [n for n, note in notes.items() if n not in measured and note.startswith("failed")]
+    order = [n for n in workloads.LLM_VARIANTS if n in measured or n in failed]
+    for name in order:
+        r = measured.get(name)
+        note = notes.get(name, "")
+        note = f" ({note})" if note else ""
+        if r is None:
+            lines.append(f"| {name}{note} | - | - | - | - | - | - |")
+            continue
+        ratio = harness.paired_ratio(samples, "float32", name) if "float32" in samples else 0
+        versus = harness.paired_ratio(samples, baseline, name) if baseline in samples else 0
+        call = calls.get(name)
+        first = (
+            f"{call[0]:.2f} | {call[1]:.2f}"
+            if isinstance(call, tuple)
+            else (f"failed: {call} | -" if call else "- | -")
+        )
+        lines.append(
+            f"| {name}{note} | {r.median_ms:.2f} | {r.spread_ms:.2f} | {ratio:.2f} | "
+            f"{versus:.2f} | {first} |"
         )
     return "\n".join(lines)
 
@@ -178,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
+    parser.add_argument(
+        "--no-first-call", action="store_true", help="skip the LLM first-call processes"
+    )
     parser.add_argument("--output", default=str(RESULTS), help="directory for JSON/markdown")
     args = parser.parse_args(argv)
 
@@ -198,14 +292,34 @@ def main(argv: list[str] | None = None) -> int:
         title, build = workloads.WORKLOADS[key]
         print(f"\n== {title}", flush=True)
         variants, notes = build()
-        samples = harness.measure_interleaved(variants, repeats=repeats, rounds=rounds)
+        if key in LLM_WORKLOADS:
+            # Each variant was called once when built; two more warm-up calls
+            # cover the shapes torch.compile specializes on.
+            llm_repeats, llm_rounds = (4, 2) if args.quick else (12, 4)
+            samples = harness.measure_interleaved(
+                variants, warmup=2, repeats=llm_repeats, rounds=llm_rounds
+            )
+        else:
+            samples = harness.measure_interleaved(variants, repeats=repeats, rounds=rounds)
         results = harness.summarize(key, samples, notes)
         all_results.extend(results)
         all_samples[key] = samples
-        section = _table(title, results, samples, BASELINES[key])
+        if key in LLM_WORKLOADS:
+            del variants
+            calls = {} if args.no_first_call else _first_calls(LLM_WORKLOADS[key], list(samples))
+            for r in results:
+                if isinstance(calls.get(r.variant), tuple):
+                    r.extra["first_call_s"], r.extra["later_call_s"] = calls[r.variant]
+            for name, note in notes.items():
+                if note.startswith("failed"):
+                    all_results.append(harness.Result(key, name, float("nan"), 0, 0, note))
+            unit = "ms/token" if key == "llm_decode" else "ms"
+            section = _llm_table(title, results, samples, notes, calls, unit)
+        else:
+            section = _table(title, results, samples, BASELINES[key])
         sections.append(section)
         print(section, flush=True)
-        del variants
+        variants = None
 
     accuracy = []
     if "mlp_inference" in selected or "mlp_decode" in selected:
@@ -245,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     target_rows = []
     for workload, variant, baseline, kind, bound, label in TARGETS:
         samples = all_samples.get(workload, {})
+        if workload in all_samples and baseline in samples and variant not in samples:
+            target_rows.append({"target": label, "measured": "failed", "met": False})
+            continue
         if variant not in samples or baseline not in samples:
             continue
         if kind == "speedup":
