@@ -457,8 +457,9 @@ def path_builders() -> dict[str, tuple[str, Callable[[Case], tuple[Callable, tor
 
     @add("int4/128: library kernels.int4_linear", "int4")
     def _(c):
-        from dtype_policies.quantization import kernels
         from dtype_policies.quantization.quantizers import grouped_quantize_with_zero_point
+
+        from dtype_policies.quantization import kernels
 
         q_kn, scale, zero = grouped_quantize_with_zero_point(c.w32.t(), 128)
         q_nk = q_kn.t().contiguous()

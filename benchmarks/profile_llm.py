@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks import workloads
+from dtype_policies.bench.workloads import llm as workloads
 
 GEMM = (
     "aten::mm",

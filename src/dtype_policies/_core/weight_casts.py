@@ -173,9 +173,15 @@ _PREPACK_AVAILABLE = (
 )
 
 
+# Below this many elements the packed product's fixed cost outweighs the
+# saved reorder (measured: a 64x64 layer is slower packed, 1024x1024 faster).
+PREPACK_MIN_ELEMENTS = 1 << 16
+
+
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (
         _PREPACK_AVAILABLE
+        and weight.numel() >= PREPACK_MIN_ELEMENTS
         and weight.dtype is torch.bfloat16
         and weight.device.type == "cpu"
         and weight.dim() == 2
