@@ -93,6 +93,8 @@ def int8_linear(
         return x2.new_zeros((0, n), dtype=out_dtype)
     if runtime.packed is not None and m >= ONEDNN_MIN_ROWS:
         xu, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
+        # oneDNN applies the per-channel weight steps and writes the output
+        # dtype directly; the per-row steps and the bias follow in place.
         y = torch.ops.onednn.qlinear_pointwise(
             xu,
             1.0,
@@ -103,12 +105,15 @@ def int8_linear(
             None,
             1.0,
             0,
-            torch.float32,
+            out_dtype,
             "none",
             [],
             "",
         )
-        return epilogues.run(epilogues.rescale, y, row_step, None, bias, out_dtype)
+        y.mul_(row_step)
+        if bias is not None:
+            y.add_(bias)
+        return y
     xq, row_step = epilogues.run(epilogues.quantize_rows_int8, x2)
     if _int_mm_supported(m, k, n, x2.device):
         accumulated = torch._int_mm(xq, q_nk.t())
