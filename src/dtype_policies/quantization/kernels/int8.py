@@ -154,13 +154,17 @@ def fake_quantize_rows_int8(x2: torch.Tensor) -> torch.Tensor:
 
 
 def weight_int8pack_supported(x2: torch.Tensor, n: int) -> bool:
-    """Shapes and dtypes `_weight_int8pack_mm` handles correctly on CPU."""
+    """Shapes and dtypes `_weight_int8pack_mm` handles correctly on CPU. Its
+    AVX-512 bfloat16 kernel reads the activations with aligned 32-byte loads:
+    K must be a multiple of 16 (other K crash or return garbage, measured) and
+    the activations 32-byte aligned (`int8_weight_only_linear` copies them
+    when they are not)."""
     m, k = x2.shape
     return (
         x2.device.type == "cpu"
         and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and 0 < m <= WEIGHT_INT8PACK_MAX_ROWS
-        and k % 32 == 0
+        and k % 16 == 0
         and n % 16 == 0
     )
 
@@ -175,9 +179,10 @@ def int8_weight_only_linear(
     q_nk = runtime.q_nk
     n = q_nk.shape[0]
     if weight_int8pack_supported(x2, n):
-        y = torch.ops.aten._weight_int8pack_mm(
-            x2.contiguous(), q_nk, runtime.column_step.to(x2.dtype)
-        )
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 32:
+            x2 = x2.clone()  # a fresh allocation is aligned
+        y = torch.ops.aten._weight_int8pack_mm(x2, q_nk, runtime.column_step.to(x2.dtype))
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(out_dtype)
