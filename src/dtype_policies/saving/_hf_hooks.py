@@ -24,6 +24,7 @@ from importlib.abc import MetaPathFinder
 from typing import Any
 
 from dtype_policies._core.listeners import add_listener
+from dtype_policies.quantization.attach import quantization_of
 
 REGISTRY_MODULE = "transformers.quantizers.auto"
 INTEGRATION_MODULE = "dtype_policies.saving.huggingface"
@@ -39,9 +40,27 @@ def on_model_changed(module: Any) -> None:
         return
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     pretrained = getattr(modeling_utils, "PreTrainedModel", None)
-    if pretrained is None or not isinstance(module, pretrained):
+    if pretrained is None:
         return
-    _integration().sync(module)
+    if isinstance(module, pretrained):
+        _integration().sync(module)
+    elif type(module).__module__.startswith("transformers.") and _has_integer_weights(module):
+        warnings.warn(
+            f"dtype_policies: a part of a transformers model ({type(module).__name__}) now "
+            "stores int8/int4 weights. save_pretrained of the whole model records that only "
+            "after dtype_policies.saving.huggingface.sync(model); or quantize the model "
+            "itself, with filters= to choose the part.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _has_integer_weights(module: Any) -> bool:
+    for submodule in module.modules():
+        quantized = quantization_of(submodule)
+        if quantized is not None and not quantized.scheme.keeps_float_weight:
+            return True
+    return False
 
 
 def _register() -> None:

@@ -210,7 +210,8 @@ _DTYPE_CODES = {
 }
 
 
-def _code(dtype: torch.dtype) -> str:
+def dtype_code(dtype: torch.dtype) -> str:
+    """The safetensors header's name for `dtype` (`"F32"`, `"I8"`, ...)."""
     return _DTYPE_CODES.get(dtype, str(dtype))
 
 
@@ -272,8 +273,8 @@ def _saved_tensors(state: dict[str, torch.Tensor]) -> TensorFor:
             raise CheckpointError(f"the checkpoint lacks '{key}'")
         if (tuple(tensor.shape), tensor.dtype) != (tuple(shape), dtype):
             raise CheckpointError(
-                f"'{key}' is {(tuple(tensor.shape), _code(tensor.dtype))} in the checkpoint, "
-                f"{(tuple(shape), _code(dtype))} expected"
+                f"'{key}' is {(tuple(tensor.shape), dtype_code(tensor.dtype))} in the checkpoint, "
+                f"{(tuple(shape), dtype_code(dtype))} expected"
             )
         return tensor
 
@@ -364,7 +365,7 @@ def _check_state(
     checkpoint's keys, with the same shapes and dtypes."""
     expected: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
-        expected[key] = (tuple(tensor.shape), _code(tensor.dtype))
+        expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     for key in manifest.non_persistent:
         owner, _, name = key.rpartition(".")
         try:
@@ -372,13 +373,13 @@ def _check_state(
         except AttributeError:
             buffer = None
         if buffer is not None:
-            expected[key] = (tuple(buffer.shape), _code(buffer.dtype))
+            expected[key] = (tuple(buffer.shape), dtype_code(buffer.dtype))
     for plan in plans:
         prefix = f"{plan.path}." if plan.path else ""
         if not plan.scheme.keeps_float_weight:
             expected.pop(prefix + plan.spec.weight, None)
         for buffer, tensor in plan.tensors.items():
-            expected[prefix + buffer] = (tuple(tensor.shape), _code(tensor.dtype))
+            expected[prefix + buffer] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     saved = dict(header)
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))

@@ -30,9 +30,10 @@ Registration, and what `import dtype_policies` costs. `from_pretrained` finds
 the `dtype_policies` method only if it is registered in transformers'
 quantizer registry (`transformers.quantizers.auto`) before it reads
 `config.json`. Registering means importing that registry, which imports every
-quantization backend transformers has (torchao, ...): about 2.5 s here,
-against 0.1 s for `import dtype_policies` itself. So `import dtype_policies`
-does not import transformers. Instead (`_hf_hooks.py`):
+quantization backend transformers has (torchao, ...): measured here, 2.6 s
+(up to 5 s on a busy machine), against 0.07 to 0.15 s for `import
+dtype_policies` itself, which the hooks below leave unchanged. So `import
+dtype_policies` does not import transformers. Instead (`_hf_hooks.py`):
 
 * if the registry is already imported, it registers at once;
 * else it installs a post-import hook (a `sys.meta_path` finder that watches
@@ -45,7 +46,7 @@ does not import transformers. Instead (`_hf_hooks.py`):
   route if some tool loads transformers' registry by other means.
 
 The alternatives were worse: registering at `import dtype_policies` costs
-every user 2.5 s; asking users to import this module before
+every user seconds; asking users to import this module before
 `from_pretrained` makes the quiet failure (an int8 checkpoint that refuses to
 load) the default.
 
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -89,24 +91,13 @@ from dtype_policies._version import __version__
 from dtype_policies.apply.apply import commit_application
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.schemes import scheme_for
-from dtype_policies.saving.checkpoint import plan_from_manifest
+from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest
 from dtype_policies.saving.manifest import CheckpointError, Manifest, describe
 
 QUANT_METHOD = "dtype_policies"
 SENTINEL_DTYPE = torch.int8
 """The dtype of the one-element sentinel saved under a quantized module's
 float weight name (one element: all empty tensors share a null pointer)."""
-
-_CODES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.int32: "I32",
-    torch.int64: "I64",
-}
 
 __all__ = [
     "QUANT_METHOD",
@@ -250,6 +241,8 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
             for buffer in record.stored:
                 key = prefix + buffer
                 tensor = state[key]
+                if tensor.is_meta:  # offloaded: no storage to compare
+                    continue
                 identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
                             tuple(tensor.shape), tensor.dtype)  # fmt: skip
                 if tensor.numel() and identity in first:
@@ -261,6 +254,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
             state[_sentinel_key(name, record)] = torch.zeros(1, dtype=SENTINEL_DTYPE)
         self.quantization_config = DTypePoliciesConfig(manifest)
         model.config.quantization_config = self.quantization_config
+        _set_flags(model, manifest)
         return state, {}
 
     def is_serializable(self, safe_serialization: Any = None) -> bool:
@@ -303,8 +297,6 @@ def sync(model: Any) -> None:
     (bitsandbytes, torchao, ...) keeps its quantizer, with a warning."""
     current = getattr(model, "hf_quantizer", None)
     if current is not None and not isinstance(current, DTypePoliciesHfQuantizer):
-        import warnings
-
         method = getattr(current.quantization_config, "quant_method", type(current).__name__)
         warnings.warn(
             f"This model is quantized with {getattr(method, 'value', method)!r} by transformers; "
@@ -390,7 +382,7 @@ def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) ->
             key = prefix + buffer
             if key in manifest.aliases:
                 key = manifest.aliases[key]
-            expected = (tuple(tensor.shape), _CODES.get(tensor.dtype, str(tensor.dtype)))
+            expected = (tuple(tensor.shape), dtype_code(tensor.dtype))
             if key not in header:
                 problems.append(f"'{key}' is missing from the checkpoint")
             elif header[key] != expected:
