@@ -328,10 +328,26 @@ def test_listener_ignores_plain_modules_and_submodules():
     model = llama()
     apply_policy(model.model.layers[0], "mixed_bfloat16")  # not the PreTrainedModel itself
     assert getattr(model, "hf_quantizer", None) is None
+    with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now stores int8/int4.*sync"):
+        quantize(model.model.layers[0], "int8")
     huggingface.sync(model)  # what to call after changing only a submodule
-    assert set(model.config.quantization_config.to_manifest().modules) >= {
-        "model.layers.0.mlp.up_proj"
-    }
+    manifest = model.config.quantization_config.to_manifest()
+    assert "model.layers.0.mlp.up_proj" in manifest.modules
+    assert "model.layers.0.mlp.up_proj" in manifest.quantized
+    assert "model.layers.1.mlp.up_proj" not in manifest.quantized
+    assert model.is_quantized is True
+
+
+def test_a_model_with_another_transformers_quantizer_keeps_it():
+    from types import SimpleNamespace
+
+    model = llama()
+    other = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="bitsandbytes_8bit"))
+    model.hf_quantizer = other
+    with pytest.warns(UserWarning, match=r"'bitsandbytes_8bit'.*leaves its hf_quantizer alone"):
+        apply_policy(model, "mixed_bfloat16")
+    assert model.hf_quantizer is other
+    assert getattr(model.config, "quantization_config", None) is None
 
 
 def test_policy_only_and_float8_models_half_to_and_train():
