@@ -330,6 +330,8 @@ def test_listener_ignores_plain_modules_and_submodules():
     assert getattr(model, "hf_quantizer", None) is None
     with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now stores int8/int4.*sync"):
         quantize(model.model.layers[0], "int8")
+    with pytest.raises(TypeError, match="Received: Sequential"):
+        huggingface.sync(block)
     huggingface.sync(model)  # what to call after changing only a submodule
     manifest = model.config.quantization_config.to_manifest()
     assert "model.layers.0.mlp.up_proj" in manifest.modules
@@ -436,6 +438,14 @@ def test_checkpoint_that_does_not_match_its_config_raises(tmp_path):
     config_file.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"'model\.layers\.9\.mlp\.up_proj': no such module"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "renamed")
+
+
+def test_loading_into_another_architecture_names_both(tmp_path):
+    model = gpt2()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"saved from GPT2LMHeadModel, loaded into GPT2Model"):
+        transformers.AutoModel.from_pretrained(tmp_path)
 
 
 def test_config_on_a_float_checkpoint_is_refused(tmp_path):

@@ -181,6 +181,9 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         manifest = self.quantization_config.to_manifest()
         source = "the dtype_policies quantization_config in config.json"
+        saved_as = list(getattr(model.config, "architectures", None) or ())
+        if saved_as and type(model).__name__ not in saved_as:
+            source += f" (saved from {saved_as[0]}, loaded into {type(model).__name__})"
         steps, plans = plan_from_manifest(model, manifest, _empty_on_meta, source)
         header = _read_headers(kwargs.get("checkpoint_files"))
         if header is not None:
@@ -295,6 +298,12 @@ def sync(model: Any) -> None:
     describe `model` as it is now: set when it has policies or quantization,
     removed when it has none. A model quantized by another method
     (bitsandbytes, torchao, ...) keeps its quantizer, with a warning."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"sync() expects a transformers PreTrainedModel. Received: {type(model).__name__}"
+        )
     current = getattr(model, "hf_quantizer", None)
     if current is not None and not isinstance(current, DTypePoliciesHfQuantizer):
         method = getattr(current.quantization_config, "quant_method", type(current).__name__)
