@@ -155,3 +155,16 @@ def test_bench_runs_a_workload_and_writes_json(tmp_path):
     assert "Targets" in result.stderr  # the tables
     bad = cli("bench", "--workloads", "nope")
     assert bad.returncode == 1 and "unknown workloads ['nope']" in bad.stderr
+
+
+def test_console_script_finds_a_factory_in_the_working_directory(factory):
+    script = os.path.join(os.path.dirname(sys.executable), "dtype-policies")
+    if not os.path.exists(script):
+        pytest.skip("the console script is not installed in this environment")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [script, "inspect", "cli_models:mlp", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=factory, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["total_parameters"] == 32 * 64 + 64 + 128 + 64 * 8 + 8
