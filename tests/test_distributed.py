@@ -285,8 +285,8 @@ def test_to_mixed_precision_policy():
         torch.float16,
         False,
     )
-    mp = to_mixed_precision_policy("int8_from_mixed_bfloat16")
-    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match="'int8_from_mixed_bfloat16' is a quantized policy"):
+        to_mixed_precision_policy("int8_from_mixed_bfloat16")
     with pytest.raises(TypeError, match="DTypePolicyMap"):
         to_mixed_precision_policy(DTypePolicyMap("mixed_bfloat16"))
     with pytest.raises(ValueError, match="int32"):
@@ -340,6 +340,38 @@ def test_fully_shard_refuses_a_sharded_model_before_changing_it():
     with pytest.raises(ValueError, match="sharded already"):
         fully_shard(model, "mixed_bfloat16")
     assert not hasattr(model[3], "dtype_policy")
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ("int8_from_mixed_bfloat16", r"'int8_from_mixed_bfloat16' is a quantized policy"),
+        (
+            DTypePolicyMap("mixed_bfloat16", {"3": "float8_from_mixed_bfloat16"}),
+            r"'float8_from_mixed_bfloat16' \(map entry '3'\)",
+        ),
+        (DTypePolicyMap("int4_from_float32"), r"map entry 'the default'"),
+    ],
+)
+def test_fully_shard_refuses_quantized_policies_before_changing_the_model(policy, message):
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message) as error:
+        fully_shard(model, policy)
+    assert "FSDP2 training of quantized models is not supported" in str(error.value)
+    assert not any(hasattr(m, "dtype_policy") for m in model.modules())
+    state = model.state_dict()
+    assert set(state) == set(before) and all(torch.equal(state[k], before[k]) for k in state)
+
+
+def test_fully_shard_refuses_a_quantized_model():
+    model = _model()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"3": "int8_from_mixed_bfloat16"}))
+    with pytest.raises(ValueError, match=r"quantized modules: '3' \(int8\)"):
+        fully_shard(model, None)
+    with pytest.raises(ValueError, match=r"shard_plan\(\)"):
+        shard_plan(model)
+    assert not any("FSDP" in type(m).__name__ for m in model.modules())
 
 
 def test_a_class_stacked_on_a_policied_module_survives_refreshes():

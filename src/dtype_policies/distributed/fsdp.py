@@ -8,12 +8,26 @@ from typing import Any
 import torch
 
 from dtype_policies.apply.apply import Float32Rule, apply_policy
-from dtype_policies.distributed.mixed_precision import mixed_precision_policy
-from dtype_policies.distributed.units import UnitRule, shard_plan
+from dtype_policies.distributed.mixed_precision import mixed_precision_policy, quantized_error
+from dtype_policies.distributed.units import UnitRule, refuse_quantized, shard_plan
+from dtype_policies.policies import get as get_policy
 
 
 def _is_fsdp_module(module: torch.nn.Module) -> bool:
     return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
+
+
+def _refuse_quantized_policies(policy_or_map: Any) -> None:
+    """Raises if the policy, or any entry of the map, is quantized."""
+    policy = get_policy(policy_or_map)
+    if policy.is_map:
+        entries = {"the default": policy.default_policy, **policy.policy_map}
+    else:
+        entries = {"": policy}
+    for key, entry in entries.items():
+        if entry.quantization_mode is not None:
+            where = f" (map entry {key!r})" if key else ""
+            raise quantized_error("fully_shard()", f"'{entry.name}'{where} is a quantized policy")
 
 
 def fully_shard(
@@ -41,8 +55,7 @@ def fully_shard(
       `param_dtype=None`;
     * float32 islands (normalization layers), modules whose policy computes
       in another dtype than their block's, embedding tables (looked up in
-      their own dtype) and quantized modules are units of their own,
-      all-gathered as stored;
+      their own dtype) are units of their own, all-gathered as stored;
     * `cast_forward_inputs=False` everywhere: each module's policy casts its
       inputs (FSDP2 would cast them per unit only).
 
@@ -68,6 +81,14 @@ def fully_shard(
 
     Returns:
         `model`, sharded (an `FSDPModule`).
+
+    Raises:
+        ValueError: The model is sharded already; or a policy of the map, or
+            a module of the model, is quantized (FSDP2 does not train
+            quantized models; shard the float model, quantize afterwards).
+        TypeError: `model` is not a module, or a bad policy or `units` entry.
+
+    Nothing is changed when it raises before the first shard.
     """
     try:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -85,6 +106,9 @@ def fully_shard(
             f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
             "dtype_policies.distributed.fully_shard to the unsharded model."
         )
+    if policy_or_map is not None:
+        _refuse_quantized_policies(policy_or_map)
+    refuse_quantized(model, "fully_shard()")
     if policy_or_map is not None:
         apply_policy(model, policy_or_map, float32_modules=float32_modules)
     plan = shard_plan(model, units=units)

@@ -27,15 +27,26 @@ def mixed_precision_policy(
     )
 
 
+def quantized_error(where: str, what: str) -> ValueError:
+    """The error for quantized policies and modules: FSDP2 cannot train them."""
+    return ValueError(
+        f"{where}: {what}. FSDP2 training of quantized models is not supported: their "
+        "quantized weights are buffers that FSDP2 neither shards nor reduces, and int8/int4 "
+        "weights get no gradient. Train under the float source policy (e.g. "
+        "'mixed_bfloat16') and quantize afterwards; for quantized inference, load the "
+        "quantized model whole on every rank, without sharding (docs/distributed.md)."
+    )
+
+
 def to_mixed_precision_policy(policy: Any, *, cast_forward_inputs: bool = True) -> Any:
     """FSDP2's `MixedPrecisionPolicy` for a dtype policy.
 
     Parameters are all-gathered (and the forward and backward computed) in the
     policy's compute dtype, and gradients are reduced in its variable dtype, in
     which the sharded parameters stay: `"mixed_bfloat16"` gives
-    `param_dtype=torch.bfloat16, reduce_dtype=torch.float32`. A quantized
-    policy gives its float source's dtypes (its quantized weights are buffers,
-    which FSDP2 does not shard). `output_dtype` is left unset.
+    `param_dtype=torch.bfloat16, reduce_dtype=torch.float32`. `output_dtype`
+    is left unset. Quantized policies raise `ValueError`: FSDP2 does not
+    train quantized models.
 
     Use it with `torch.distributed.fsdp.fully_shard(module, mp_policy=...)`
     when sharding by hand; `dtype_policies.distributed.fully_shard` derives
@@ -64,7 +75,9 @@ def to_mixed_precision_policy(policy: Any, *, cast_forward_inputs: bool = True) 
             "dtype_policies.distributed.fully_shard(model, policy_map)."
         )
     if policy.quantization_mode is not None:
-        policy = policy.source_policy
+        raise quantized_error(
+            "to_mixed_precision_policy()", f"'{policy.name}' is a quantized policy"
+        )
     compute, variable = policy.compute_dtype, policy.variable_dtype
     if not (is_float_dtype(compute) and is_float_dtype(variable)):
         raise ValueError(

@@ -6,9 +6,10 @@ that very dtype; then the policy's own cast finds them cast already, and the
 forward computes with exactly the values of a single-process run (rounding
 to bfloat16 before or after the all-gather gives the same bits). Modules that
 read their parameters otherwise (float32 islands, modules of a float32 block,
-embedding tables, looked up in their own dtype, quantized modules) become
-units of their own, all-gathered as stored (`param_dtype=None`); there the
-policy casts as it does in one process.
+embedding tables, looked up in their own dtype) become units of their own,
+all-gathered as stored (`param_dtype=None`); there the policy casts as it
+does in one process. Quantized modules are refused (FSDP2 does not train
+them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dtype_policies._core.compose import original_class
+from dtype_policies.distributed.mixed_precision import quantized_error
 from dtype_policies.quantization.attach import quantization_of
 
 UnitRule = type[torch.nn.Module] | str | Callable[[str, torch.nn.Module], bool]
@@ -88,6 +90,18 @@ def _default_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return blocks
 
 
+def refuse_quantized(model: torch.nn.Module, where: str) -> None:
+    """Raises naming the quantized modules of `model`, if it has any."""
+    quantized = [
+        f"'{name or '(model)'}' ({quantization_of(module).mode})"
+        for name, module in model.named_modules()
+        if quantization_of(module) is not None
+    ]
+    if quantized:
+        shown = ", ".join(quantized[:3]) + (", ..." if len(quantized) > 3 else "")
+        raise quantized_error(where, f"the model has quantized modules: {shown}")
+
+
 def _read_dtypes(module: torch.nn.Module) -> set[torch.dtype | None]:
     """How the module reads its own floating parameters in a forward: `None`
     for as stored, else the dtype the policy casts them to."""
@@ -95,12 +109,11 @@ def _read_dtypes(module: torch.nn.Module) -> set[torch.dtype | None]:
     compute = getattr(state, "compute", None)
     casts = getattr(state, "autocast", False) and compute is not None
     names = getattr(state, "weight_names", frozenset())
-    quantized = quantization_of(module) is not None
     dtypes: set[torch.dtype | None] = set()
     for name, parameter in module._parameters.items():
         if parameter is None or not parameter.is_floating_point():
             continue
-        if quantized or not casts or name not in names or compute == parameter.dtype:
+        if not casts or name not in names or compute == parameter.dtype:
             dtypes.add(None)
         else:
             dtypes.add(compute)
@@ -145,9 +158,10 @@ def shard_plan(
     class-name suffixes, or callables `(name, module) -> bool`, with torch's
     dotted `name`). A block is all-gathered in its policy's compute dtype.
     Inside it, a module reading its parameters in another dtype (float32
-    islands, modules of another policy, embedding tables, quantized modules)
-    is a unit of its own, all-gathered as stored. The model is the last unit,
-    for the parameters no block holds.
+    islands, modules of another policy, embedding tables) is a unit of its
+    own, all-gathered as stored. The model is the last unit, for the
+    parameters no block holds. A model with quantized modules raises
+    `ValueError` (FSDP2 does not train them).
 
     >>> import torch
     >>> import dtype_policies
@@ -157,6 +171,7 @@ def shard_plan(
     >>> [(u.name, u.param_dtype, u.reason) for u in shard_plan(model)]
     [('0', torch.bfloat16, 'block'), ('1', None, 'block'), ('', None, 'root')]
     """
+    refuse_quantized(model, "shard_plan()")
     if units is None:
         blocks = _default_blocks(model)
     else:
