@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dtype_policies
-from dtype_policies import DTypePolicyMap, apply_policy, saving
+from dtype_policies import DTypePolicyMap, apply_policy, layers, saving
 from dtype_policies import distributed as dp_distributed
 from dtype_policies.optimizers import LossScaleOptimizer
 
@@ -70,11 +70,11 @@ def shard(tensor: torch.Tensor, rank: int, world: int = WORLD) -> torch.Tensor:
     return tensor.chunk(world)[rank]
 
 
-def train(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, steps: int = STEPS):
+def train(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, lr: float = 0.2):
     """SGD on one batch (a rank's share of the global batch); the loss is the
     batch mean, so averaging the ranks' gradients gives the global one."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    for _ in range(steps):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for _ in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(ids).float(), labels).backward()
         optimizer.step()
@@ -105,11 +105,30 @@ def record_dtypes(model: nn.Module) -> dict[str, tuple]:
     return seen
 
 
-def single_process_run(policy=POLICY) -> dict[str, torch.Tensor]:
-    model = make_model()
+def single_process_run(policy=POLICY, make=None, lr: float = 0.2) -> dict[str, torch.Tensor]:
+    model = (make or make_model)()
     apply_policy(model, policy)
     ids, labels = global_batch()
-    return full_state(train(model, ids, labels))
+    return full_state(train(model, ids, labels, lr))
+
+
+KERAS_POLICY = DTypePolicyMap("mixed_bfloat16", {"3": "float32"})
+KERAS_LR = 0.02  # this model moves far at 0.2: small differences grow
+
+
+def make_keras_model() -> nn.Module:
+    """This library's layers (weights `kernel`, `gamma`, ...), built."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        layers.Embedding(50, 16),
+        layers.Dense(32, activation="gelu"),
+        layers.LayerNormalization(),
+        layers.Dense(16),
+        nn.Flatten(),
+        layers.Dense(4),
+    )
+    model(global_batch(1)[0])
+    return model
 
 
 # ---------------------------------------------------------------- scenarios
@@ -137,6 +156,18 @@ def fsdp_training(rank: int, tmp: str) -> dict:
         "fsdp_module": isinstance(model, torch.distributed.fsdp.FSDPModule),
         "output": output,
         "probe": probe,
+    }
+
+
+def fsdp_keras_layers(rank: int, tmp: str) -> dict:
+    model = make_keras_model()
+    dp_distributed.fully_shard(model, KERAS_POLICY)
+    ids, labels = global_batch()
+    train(model, shard(ids, rank), shard(labels, rank), KERAS_LR)
+    return {
+        "state": full_state(model),
+        "sharded": {(type(p).__name__, p.dtype) for p in model.parameters()},
+        "plan": [(u.name, u.param_dtype) for u in dp_distributed.shard_plan(model)],
     }
 
 
@@ -261,6 +292,7 @@ def load_then_shard(rank: int, tmp: str) -> dict:
 SCENARIOS = (
     fsdp_training,
     fsdp_float32_training,
+    fsdp_keras_layers,
     torch_fully_shard_training,
     ddp_training,
     fsdp_loss_scale,

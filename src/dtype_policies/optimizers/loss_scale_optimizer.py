@@ -362,7 +362,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         device = _collective_device(group, found_infs)
         flag = torch.zeros(1, dtype=torch.float32, device=device)
         for found_inf in found_infs:
-            flag += found_inf.to(device, non_blocking=True)
+            # Blocking to the CPU: an asynchronous copy there may be read unfinished.
+            flag += found_inf.to(device, non_blocking=device.type != "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return not flag.item()
 
@@ -470,12 +471,14 @@ def _sync_group(process_group: Any) -> Any:
 
 
 def _collective_device(group: Any, found_infs: list[torch.Tensor]) -> torch.device:
-    """Where the flag is all-reduced: with the gradients' flags, on the CPU for
-    gloo, on the current accelerator for NCCL-only groups."""
+    """Where the flag is all-reduced: with the gradients' flags if the group's
+    backend serves their device (gloo the CPU, nccl CUDA), else where it does."""
     backend = str(torch.distributed.get_backend(group)).lower()
     device = found_infs[0].device if found_infs else torch.device("cpu")
-    if device.type != "cpu" and backend == "gloo":
-        return torch.device("cpu")
-    if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
+    if device.type == "cpu":
+        if "gloo" in backend or "cpu" in backend or not torch.cuda.is_available():
+            return device
         return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and "nccl" not in backend:
+        return torch.device("cpu")
     return device
