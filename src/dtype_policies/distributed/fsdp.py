@@ -82,6 +82,22 @@ def fully_shard(
     Returns:
         `model`, sharded (an `FSDPModule`).
 
+    A group of one process, as `torchrun --nproc-per-node 1` would start:
+
+    >>> import os, tempfile, torch
+    >>> import torch.distributed as dist
+    >>> from dtype_policies import DTypePolicyMap
+    >>> from dtype_policies.distributed import fully_shard
+    >>> init = tempfile.NamedTemporaryFile(delete=False).name
+    >>> dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    >>> model = fully_shard(model, DTypePolicyMap("mixed_bfloat16", {"1": "float32"}))
+    >>> type(model[0].weight).__name__, model[0].weight.dtype
+    ('DTensor', torch.float32)
+    >>> model(torch.ones(1, 4)).dtype  # the last layer computes in float32
+    torch.float32
+    >>> dist.destroy_process_group(); os.remove(init)
+
     Raises:
         ValueError: The model is sharded already; or a policy of the map, or
             a module of the model, is quantized (FSDP2 does not train

@@ -40,6 +40,15 @@ class ShardUnit:
         reason: Why it is a unit: `"block"`, `"root"`, or `"reads <dtype>"`
             for a module split from its block because it reads its parameters
             in another dtype.
+
+    >>> import torch
+    >>> import dtype_policies
+    >>> from dtype_policies.distributed import shard_plan
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    >>> _ = dtype_policies.apply_policy(model, "mixed_float16")
+    >>> unit = shard_plan(model)[0]
+    >>> unit.name, unit.param_dtype, unit.reduce_dtype, unit.module is model[0]
+    ('0', torch.float16, torch.float32, True)
     """
 
     name: str
@@ -169,7 +178,7 @@ def shard_plan(
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
     >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
     >>> [(u.name, u.param_dtype, u.reason) for u in shard_plan(model)]
-    [('0', torch.bfloat16, 'block'), ('1', None, 'block'), ('', None, 'root')]
+    [('0', torch.bfloat16, 'block'), ('1', None, 'block'), ('', torch.bfloat16, 'root')]
     """
     refuse_quantized(model, "shard_plan()")
     if units is None:
@@ -234,7 +243,18 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
 
 
 def describe_plan(plan: list[ShardUnit]) -> str:
-    """One line per unit: name, param dtype, reduce dtype, reason."""
+    """One line per unit: name, param dtype, reduce dtype, reason.
+
+    >>> import torch
+    >>> import dtype_policies
+    >>> from dtype_policies.distributed import describe_plan, shard_plan
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+    >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
+    >>> print(describe_plan(shard_plan(model)))
+    0: param bfloat16, reduce float32 (block)
+    1: param as stored, reduce as stored (block)
+    (model): param bfloat16, reduce float32 (root)
+    """
     return "\n".join(
         f"{unit.name or '(model)'}: param {_dtype_name(unit.param_dtype)}, "
         f"reduce {_dtype_name(unit.reduce_dtype)} ({unit.reason})"
