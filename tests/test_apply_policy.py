@@ -101,6 +101,23 @@ def test_inputs_and_weights_cast_inside_forward():
     assert probe.weight.dtype == torch.float32 and isinstance(probe.weight, nn.Parameter)
 
 
+class _TensorSubclass(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["parameter", "subclass"])
+def test_tensor_subclass_inputs_are_cast_by_a_leaf(kind):
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4)
+    apply_policy(layer, "mixed_bfloat16")
+    x = torch.randn(3, 8)
+    expected = F.linear(x.bfloat16(), layer.weight.bfloat16(), layer.bias.bfloat16())
+    x = nn.Parameter(x) if kind == "parameter" else x.as_subclass(_TensorSubclass)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out.as_subclass(torch.Tensor), expected)
+
+
 def test_cast_buffers_false_keeps_buffers():
     class WithBuffer(nn.Module):
         def __init__(self):

@@ -120,6 +120,32 @@ def test_compiled_quantized_llama_matches_eager_at_several_shapes(mode):
         assert relative_error(ours, eager) < (0.1 if mode == "float8" else 0.05)
 
 
+class _BreakingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()  # like transformers' output-capturing wrappers
+        return self.linear(x)
+
+
+def test_compiled_graph_break_inside_a_policied_module_recompiles_per_shape():
+    """A graph break inside a module's scope runs the rest of the call as new
+    frames, which dynamo recompiles per shape while the scope is active."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_BreakingBlock(), nn.GELU(), nn.Linear(16, 4))
+    apply_policy(model, "mixed_bfloat16")
+    compiled = torch.compile(model, backend="eager")  # the guards, not the kernels
+    for rows in (1, 3, 5):
+        x = torch.randn(rows, 16)
+        with torch.inference_mode():
+            eager = model(x)
+            ours = compiled(x)
+        assert ours.dtype == eager.dtype == torch.bfloat16
+        assert relative_error(ours, eager) < 0.01
+
+
 def test_compiled_training_step_through_an_int8_layer():
     torch.manual_seed(0)
     model = _mlp()

@@ -141,8 +141,9 @@ def test_compiled_epilogues_match_eager(compiled_epilogues):
 
 
 def test_weight_only_int8_survives_misaligned_and_odd_shaped_activations():
-    """`_weight_int8pack_mm` crashes on K % 16 != 0 or misaligned inputs: run in a
-    subprocess so that a crash fails this test instead of killing pytest."""
+    """`_weight_int8pack_mm` crashes on K % 16 != 0, misaligned inputs or
+    misaligned weights: run in a subprocess so that a crash fails this test
+    instead of killing pytest."""
     import subprocess
     import sys
 
@@ -150,9 +151,11 @@ def test_weight_only_int8_survives_misaligned_and_odd_shaped_activations():
 import torch
 from dtype_policies.quantization.kernels import int8 as k
 from dtype_policies.quantizers import abs_max_quantize
-for K in (16, 24, 1000, 1024, 1020, 17):
+for K, w_offset in ((16, 0), (24, 0), (1000, 0), (1024, 0), (1020, 0), (17, 0), (64, 17), (64, 8)):
     w = torch.randn(32, K)
     q, s = abs_max_quantize(w, axis=1)
+    # a weight at an odd address, as in a checkpoint loaded by mapping its file
+    q = torch.cat([torch.zeros(w_offset, dtype=torch.int8), q.flatten()])[w_offset:].view(32, K)
     rt = k.Int8Runtime(); rt.refresh(q, s[:, 0], lambda d: d, False)
     for m in (1, 2, 3, 16):
         for offset in (0, 1, 8):

@@ -202,8 +202,9 @@ def test_jit_trace_and_export(mode):
         expected = model(x)
         traced = torch.jit.trace(model, x)
         assert torch.allclose(traced(x).float(), expected.float(), atol=1e-2)
-    exported = torch.export.export(model, (x,))
-    assert torch.allclose(exported.module()(x).float(), expected.float(), atol=2e-2)
+    for strict in (False, True):  # torch 2.6 defaults to strict, 2.13 to non-strict
+        exported = torch.export.export(model, (x,), strict=strict)
+        assert torch.allclose(exported.module()(x).float(), expected.float(), atol=2e-2), strict
 
 
 def test_weight_changes_are_seen_by_kept_casts():

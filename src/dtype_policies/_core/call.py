@@ -27,7 +27,7 @@ def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: di
     if state.leaf_fast_path and not kwargs and len(args) == 1:
         # The common leaf call (one tensor in, weights cast by the forward).
         x = args[0]
-        if type(x) is torch.Tensor and x.dtype is not state.inputs and x.is_floating_point():
+        if isinstance(x, torch.Tensor) and x.dtype is not state.inputs and x.is_floating_point():
             x = cast_tensor(x, state.inputs)
         return call(x)
     cast_to = state.inputs

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from dtype_policies._compat import STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS
+
 # `Tensor.bfloat16()` and friends skip `Tensor.to`'s argument parsing: about
 # half a microsecond less per cast, which matters for small layers.
 _CAST_METHODS = {
@@ -22,7 +24,14 @@ def tracing() -> bool:
     """Whether a compiler or tracer records the ops (`torch.compile`,
     `torch.export`, `torch.jit.trace`): kept casts and opaque kernels are
     bypassed then, so that the recording holds the real computation."""
-    return torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+        return True
+    return STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS and fake_tensor_mode_active()
+
+
+def fake_tensor_mode_active() -> bool:
+    """Whether a `FakeTensorMode` is active (tensors carry no data)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -66,7 +66,11 @@ DISABLED = AutocastScope(None)
 
 
 class _ThreadState(threading.local):
-    scope: AutocastScope | None = None  # a class default: no getattr fallback needed
+    def __init__(self) -> None:
+        # The active scope last. A stack, not one attribute holding the scope:
+        # dynamo in torch 2.6 fails to guard such an attribute when it
+        # recompiles a frame resumed inside a scope (after a graph break).
+        self.scopes: list[AutocastScope] = []
 
 
 _state = _ThreadState()
@@ -74,7 +78,8 @@ _state = _ThreadState()
 
 def current_scope() -> AutocastScope | None:
     """The autocast scope active in this thread, if any."""
-    return _state.scope
+    scopes = _state.scopes
+    return scopes[-1] if scopes else None
 
 
 def call_in_scope(
@@ -83,12 +88,12 @@ def call_in_scope(
     """`call(*args, **kwargs)` with `scope` active (`None`: as things are)."""
     if scope is None:
         return call(*args, **kwargs)
-    previous = _state.scope
-    _state.scope = scope
+    scopes = _state.scopes
+    scopes.append(scope)
     try:
         return call(*args, **kwargs)
     finally:
-        _state.scope = previous
+        scopes.pop()
         if scope._buffers:
             scope.write_back()
 
@@ -106,7 +111,7 @@ def scope_for_call(
     """
     if not has_weights:
         return None
-    current = _state.scope
+    current = current_scope()
     if current is None:
         return AutocastScope(compute) if compute is not None and autocast else None
     if not autocast or compute is None:

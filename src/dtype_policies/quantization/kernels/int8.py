@@ -58,6 +58,8 @@ class Int8Runtime:
         with torch.inference_mode(False), torch.no_grad():
             q_nk = to_nk(data)
             self.q_nk = q_nk.contiguous()
+            if self.q_nk.data_ptr() % 16:  # see `weight_int8pack_supported`
+                self.q_nk = self.q_nk.clone()  # a fresh allocation is aligned
             self.column_step = (1.0 / scale.float()).contiguous()
             self.packed = None
             if prepack and q_nk.device.type == "cpu" and _onednn_available():
@@ -158,7 +160,9 @@ def weight_int8pack_supported(x2: torch.Tensor, n: int) -> bool:
     AVX-512 bfloat16 kernel reads the activations with aligned 32-byte loads:
     K must be a multiple of 16 (other K crash or return garbage, measured) and
     the activations 32-byte aligned (`int8_weight_only_linear` copies them
-    when they are not)."""
+    when they are not). The weight must be 16-byte aligned (crashes measured
+    on torch 2.6 for any rows, on 2.13 from 4 rows): `Int8Runtime` copies one
+    that is not, e.g. a checkpoint tensor mapped at an odd file offset."""
     m, k = x2.shape
     return (
         x2.device.type == "cpu"
