@@ -388,3 +388,36 @@ def test_weight_cache_keeps_copies_until_parameters_change():
     with torch.no_grad():
         uncached(x)
     assert uncached[0].__dict__["_dp_casts"].pair is None  # nothing kept
+
+
+def test_listeners_hear_each_committed_change_once():
+    from dtype_policies._core import listeners
+
+    heard = []
+
+    def listener(module):
+        heard.append(type(module).__name__)
+
+    def broken(module):
+        raise KeyError("boom")
+
+    listeners.add_listener(listener)
+    listeners.add_listener(listener)  # once
+    try:
+        model = mlp()
+        handle = apply_policy(model, "mixed_bfloat16")
+        apply_policy(model, "float32")  # replaces the first application: one change
+        dtype_policies.quantize(model, "int8", filters=r"^0$")
+        dtype_policies.quantize(model, "int8", filters="nothing matches")  # no change
+        handle.remove()  # already replaced: nothing
+        model.__dict__["_dp_handle"].remove()
+        assert heard == ["Sequential"] * 4
+        listeners.add_listener(broken)
+        with pytest.warns(RuntimeWarning, match=r"broken failed after a change to Sequential"):
+            apply_policy(model, "mixed_bfloat16")
+        assert model[2].dtype_policy.name == "mixed_bfloat16"  # committed all the same
+        with pytest.raises(TypeError, match="Received: 3"):
+            listeners.add_listener(3)
+    finally:
+        listeners.remove_listener(listener)
+        listeners.remove_listener(broken)

@@ -53,7 +53,7 @@ def factory(tmp_path):
 def test_help_and_version():
     result = cli("--help")
     assert result.returncode == 0
-    for command in ("demo", "inspect"):
+    for command in ("demo", "inspect", "bench"):
         assert command in result.stdout
     assert cli("inspect", "--help").returncode == 0
     version = cli("--version")
@@ -141,3 +141,30 @@ def test_usage_errors_exit_2():
     assert cli("inspect", "x:y", "--quantize", "int3").returncode == 2
     assert cli("no-such-command").returncode == 2
     assert cli("demo", "--epochs", "zero").returncode == 2
+
+
+def test_bench_runs_a_workload_and_writes_json(tmp_path):
+    result = cli(
+        "bench", "--quick", "--workloads", "overhead_grad", "--output", str(tmp_path), "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    variants = {r["variant"] for r in data["results"]}
+    assert {"nn.Linear float32", "nn.Linear + apply_policy mixed_bfloat16"} <= variants
+    assert (tmp_path / "latest.md").is_file()
+    assert "Targets" in result.stderr  # the tables
+    bad = cli("bench", "--workloads", "nope")
+    assert bad.returncode == 1 and "unknown workloads ['nope']" in bad.stderr
+
+
+def test_console_script_finds_a_factory_in_the_working_directory(factory):
+    script = os.path.join(os.path.dirname(sys.executable), "dtype-policies")
+    if not os.path.exists(script):
+        pytest.skip("the console script is not installed in this environment")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [script, "inspect", "cli_models:mlp", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=factory, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["total_parameters"] == 32 * 64 + 64 + 128 + 64 * 8 + 8

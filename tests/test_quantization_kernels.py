@@ -138,3 +138,33 @@ def test_compiled_epilogues_match_eager(compiled_epilogues):
     epilogues.set_compile_epilogues(False)
     eager = int8_kernels.int8_linear(x, _runtime(q, scale[:, 0]), bias, torch.float32)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_weight_only_int8_survives_misaligned_and_odd_shaped_activations():
+    """`_weight_int8pack_mm` crashes on K % 16 != 0 or misaligned inputs: run in a
+    subprocess so that a crash fails this test instead of killing pytest."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from dtype_policies.quantization.kernels import int8 as k
+from dtype_policies.quantizers import abs_max_quantize
+for K in (16, 24, 1000, 1024, 1020, 17):
+    w = torch.randn(32, K)
+    q, s = abs_max_quantize(w, axis=1)
+    rt = k.Int8Runtime(); rt.refresh(q, s[:, 0], lambda d: d, False)
+    for m in (1, 2, 3, 16):
+        for offset in (0, 1, 8):
+            base = torch.randn(m * K + offset).bfloat16()
+            x = base[offset:].view(m, K)
+            out = k.int8_weight_only_linear(x, rt, None, torch.bfloat16)
+            ref = x.float() @ (q.float() / s).t()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < 0.02, (K, m, offset, err)
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-1500:]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.state import CallState, derive_call_state
-from dtype_policies._core.weight_casts import WeightCasts, cast_pair
+from dtype_policies._core.weight_casts import WeightCasts, cast_pair, prepacked_linear
 from dtype_policies.policies import DTypePolicy, policy_for_config
 
 
@@ -96,7 +96,11 @@ class FastLinearForward:
         parameters = d["_parameters"]
         weight, bias = parameters["weight"], parameters["bias"]
         if state is not None and state.autocast and weight.dtype is not state.compute:
-            weight, bias = cast_pair(d.get("_dp_casts"), weight, bias, state.compute)
+            weight, bias, packed = cast_pair(
+                d.get("_dp_casts"), weight, bias, state.compute, pack=True
+            )
+            if packed:
+                return prepacked_linear(input, weight, bias)
             if input.dim() > 2:
                 # A kept cast does not require grad, and for such weights torch's
                 # matmul turns a strided 3-D input (the last position of a
@@ -110,7 +114,9 @@ class FastLinearForward:
 FAST_LINEARS = (torch.nn.Linear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
-def install(module: torch.nn.Module, token: object, options: ModuleOptions, bottom: bool = False):
+def install(
+    module: torch.nn.Module, token: object, options: ModuleOptions, bottom: bool = False
+) -> None:
     """Pushes an application on the module's stack (at the bottom with
     `bottom`, for permanent entries such as `quantize()`'s) and refreshes it."""
     stack = module.__dict__.setdefault("_dp_stack", [])

@@ -42,8 +42,8 @@ class WeightCasts:
     """A module's store of kept casts.
 
     `entries` maps a weight name to `(weight, key, cast)`; `pair` holds a
-    linear leaf's `(weight, bias, key, weight cast, bias cast)`, checked in one
-    step. Entries are immutable tuples replaced whole, so concurrent readers
+    linear leaf's `(weight, bias, key, weight cast, bias cast, packed)`,
+    checked in one step. Entries are immutable tuples replaced whole, so concurrent readers
     see the old entry or the new one. Copies, pickles and deep copies of a
     module start with an empty store.
     """
@@ -132,11 +132,17 @@ def cast_pair(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    pack: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """A linear leaf's weight and bias in `dtype`: the rules of `cast_weight`,
-    with one check for both (the per-call cost that matters for small layers)."""
+    with one check for both (the per-call cost that matters for small layers).
+
+    With `pack`, a kept graph-free bfloat16 weight of an `(out, in)` linear on
+    CPU is kept in oneDNN's prepacked layout instead (the same values, a
+    faster product: `prepacked_linear`). Returns `(weight, bias, packed)`.
+    """
     if store is None or not store.enabled or tracing():
-        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype)
+        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), False
     owner = _owner(weight, bias)
     entry = store.pair
     if (
@@ -144,14 +150,53 @@ def cast_pair(
         and entry[0] is weight
         and entry[1] is bias
         and entry[2] == _pair_key(weight, bias, dtype, owner)
+        and entry[5] <= pack
     ):
-        return entry[3], entry[4]
+        return entry[3], entry[4], entry[5]
     if can_keep(weight) and (bias is None or (can_keep(bias) and bias.dtype == weight.dtype)):
         weight_cast = _make_cast(weight, dtype, owner)
         bias_cast = None if bias is None else _make_cast(bias, dtype, owner)
-        store.pair = (weight, bias, _pair_key(weight, bias, dtype, owner), weight_cast, bias_cast)
-        return weight_cast, bias_cast
-    return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype)
+        packed = pack and not owner and _can_prepack(weight_cast)
+        if packed:
+            with torch.inference_mode(False), torch.no_grad():
+                weight_cast = torch.ops.mkldnn._reorder_linear_weight(weight_cast, 1)
+        key = _pair_key(weight, bias, dtype, owner)
+        store.pair = (weight, bias, key, weight_cast, bias_cast, packed)
+        return weight_cast, bias_cast, packed
+    return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), False
+
+
+_PREPACK_AVAILABLE = (
+    torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
+
+
+# Below this many elements the packed product's fixed cost outweighs the
+# saved reorder (measured: a 64x64 layer is slower packed, 1024x1024 faster).
+PREPACK_MIN_ELEMENTS = 1 << 16
+
+
+def _can_prepack(weight: torch.Tensor) -> bool:
+    return (
+        _PREPACK_AVAILABLE
+        and weight.numel() >= PREPACK_MIN_ELEMENTS
+        and weight.dtype is torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.is_contiguous()
+    )
+
+
+def prepacked_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with a weight prepacked by `cast_pair`
+    (bit-identical results; oneDNN skips reordering the weight each call)."""
+    return torch.ops.mkldnn._linear_pointwise(
+        x if x.is_contiguous() else x.contiguous(), packed, bias, "none", [], ""
+    )
 
 
 def _pair_key(

@@ -11,6 +11,7 @@ import torch
 
 from dtype_policies._core import policy_module
 from dtype_policies._core.compose import original_class
+from dtype_policies._core.listeners import model_changed
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.layers.layer import Layer
@@ -93,6 +94,10 @@ class PolicyHandle:
         """
         if self.removed:
             return
+        self._remove(stacklevel=3)
+        model_changed(self.module)
+
+    def _remove(self, stacklevel: int = 2) -> None:
         kept = []
         for path, module in self._quantized:
             if attach.quantization_of(module) is not None and (
@@ -117,7 +122,7 @@ class PolicyHandle:
                 f"{' ...' if len(kept) > 5 else ''}. Reload them from a float checkpoint "
                 "to undo the quantization.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=stacklevel,
             )
 
     def __enter__(self) -> PolicyHandle:
@@ -242,8 +247,8 @@ def commit_application(
     """Applies planned steps and quantizations to `module` as one application
     (replacing an earlier one on the same module). Cannot fail."""
     previous = module.__dict__.get("_dp_handle")
-    if previous is not None:
-        previous.remove()
+    if previous is not None and not previous.removed:
+        previous._remove(stacklevel=4)
     handle = PolicyHandle(module)
     for step in steps:
         handle.policies[step.path] = step.policy
@@ -260,6 +265,7 @@ def commit_application(
         handle._quantized.append((plan.path, plan.module))
         handle.quantized_paths.append(plan.path or "(root)")
     module.__dict__["_dp_handle"] = handle
+    model_changed(module)
     return handle
 
 

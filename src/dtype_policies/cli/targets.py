@@ -4,6 +4,8 @@ or a checkpoint written by `dtype_policies.saving.save`."""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +20,15 @@ def is_checkpoint(target: str) -> bool:
     return path.suffix == ".safetensors" or (path / "model.safetensors").is_file()
 
 
+def _put_working_directory_on_path() -> None:
+    """The console script's `sys.path` starts with its own `bin/` directory, not
+    the working directory as `python -m` does; factories next to the user are
+    found either way (as uvicorn and gunicorn do)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def build_model(target: str) -> torch.nn.Module:
     """Calls the factory `package.module:callable` and returns its model."""
     module_name, colon, attribute = target.partition(":")
@@ -26,6 +37,7 @@ def build_model(target: str) -> torch.nn.Module:
             f"TARGET {target!r} is neither 'package.module:factory' nor a checkpoint "
             "(a .safetensors file or a directory written by dtype_policies.saving.save)."
         )
+    _put_working_directory_on_path()
     try:
         module = importlib.import_module(module_name)
     except Exception as e:

@@ -109,7 +109,7 @@ class Dense(QuantizableLayer):
         if self._casts_own_weights:
             kernel, bias = self._parameters["kernel"], self._parameters["bias"]
             if self._autocast and compute is not None and kernel.dtype is not compute:
-                kernel, bias = cast_pair(self._dp_casts, kernel, bias, compute)
+                kernel, bias, _ = cast_pair(self._dp_casts, kernel, bias, compute)
         else:
             kernel, bias = self.kernel, self.bias
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.compose import original_class
+from dtype_policies._core.listeners import model_changed
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import commit, is_quantized, plan
 from dtype_policies.quantization.kinds import kind_of
@@ -170,6 +171,8 @@ def quantize(
         commit(module_plan)
         label = module_plan.path or "(root)"
         report.quantized.append((label, mode, module_plan.module._dp_state.policy.name))
+    if plans:
+        model_changed(model)
     message = report.summary_warning()
     if message is not None:
         warnings.warn(message, UserWarning, stacklevel=2)

@@ -11,6 +11,7 @@ layouts are never stored; they are rebuilt on first use after loading.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dtype_policies._core.listeners import model_changed
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import Step, commit_application
 from dtype_policies.layers.layer import Layer
@@ -135,7 +137,7 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     manifest, header = _read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest)
-    steps, plans = _plan(module, manifest, header, state, str(file))
+    steps, plans = plan_from_manifest(module, manifest, _saved_tensors(state), str(file))
     _check_state(module, manifest, header, plans, str(file))
     # Nothing above changed `module`; nothing below can fail on a checked file.
     tied = _tied_parameters(module)
@@ -153,6 +155,7 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
         buffers[name] = state[key] if assign else buffers[name].copy_(state[key])
     if assign:
         _retie(module, tied)
+    model_changed(module)
     return module
 
 
@@ -190,17 +193,30 @@ _DTYPE_CODES = {
 }
 
 
-def _code(dtype: torch.dtype) -> str:
+def dtype_code(dtype: torch.dtype) -> str:
+    """The safetensors header's name for `dtype` (`"F32"`, `"I8"`, ...)."""
     return _DTYPE_CODES.get(dtype, str(dtype))
 
 
-def _plan(
+TensorFor = Callable[[str, tuple, torch.dtype], torch.Tensor]
+"""`(key, shape, dtype) -> tensor`: the tensor a planned quantized buffer gets
+(raises `CheckpointError` when there is none that fits)."""
+
+
+def plan_from_manifest(
     module: torch.nn.Module,
     manifest: Manifest,
-    header: dict,
-    state: dict[str, torch.Tensor],
+    tensor_for: TensorFor,
     source: str,
 ) -> tuple[list[Step], list[attach.Plan]]:
+    """The application steps (policies) and quantization plans that make
+    `module` what `manifest` describes, without changing `module`.
+
+    Each quantized buffer's tensor comes from `tensor_for`: the saved tensor
+    (`load`), or an empty one on the meta device that a loader fills later
+    (the Hugging Face route). Raises `CheckpointError` listing every module
+    that does not fit.
+    """
     modules = dict(module.named_modules())
     problems: list[str] = []
     steps: list[Step] = []
@@ -223,7 +239,7 @@ def _plan(
     for name, record in manifest.quantized.items():
         target = modules.get(name)
         try:
-            plans.extend(_plan_quantized(name, target, record, header, state))
+            plans.extend(_plan_quantized(name, target, record, tensor_for))
         except (CheckpointError, NotImplementedError, ValueError) as e:
             problems.append(f"'{name or '(root)'}': {e}")
     if problems:
@@ -233,12 +249,26 @@ def _plan(
     return steps, plans
 
 
+def _saved_tensors(state: dict[str, torch.Tensor]) -> TensorFor:
+    def tensor_for(key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        tensor = state.get(key)
+        if tensor is None:
+            raise CheckpointError(f"the checkpoint lacks '{key}'")
+        if (tuple(tensor.shape), tensor.dtype) != (tuple(shape), dtype):
+            raise CheckpointError(
+                f"'{key}' is {(tuple(tensor.shape), dtype_code(tensor.dtype))} in the checkpoint, "
+                f"{(tuple(shape), dtype_code(dtype))} expected"
+            )
+        return tensor
+
+    return tensor_for
+
+
 def _plan_quantized(
     name: str,
     target: torch.nn.Module | None,
     record: QuantizedRecord,
-    header: dict,
-    state: dict[str, torch.Tensor],
+    tensor_for: TensorFor,
 ) -> list[attach.Plan]:
     if target is None:
         raise CheckpointError("no such module in the target")
@@ -264,15 +294,7 @@ def _plan_quantized(
     tensors = {}
     for buffer, (shape, dtype) in scheme.stored_shapes(spec, config).items():
         key = f"{name}.{buffer}" if name else buffer
-        tensor = state.get(key)
-        if tensor is None:
-            raise CheckpointError(f"the checkpoint lacks '{key}'")
-        if (tuple(tensor.shape), tensor.dtype) != (tuple(shape), dtype):
-            raise CheckpointError(
-                f"'{key}' is {(tuple(tensor.shape), _code(tensor.dtype))} in the checkpoint, "
-                f"{(tuple(shape), _code(dtype))} expected"
-            )
-        tensors[buffer] = tensor
+        tensors[buffer] = tensor_for(key, tuple(shape), dtype)
     plan = attach.plan(target, config, path=name, type_check=False, kind=kind, tensors=tensors)
     return [plan]
 
@@ -326,7 +348,7 @@ def _check_state(
     checkpoint's keys, with the same shapes and dtypes."""
     expected: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
-        expected[key] = (tuple(tensor.shape), _code(tensor.dtype))
+        expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     for key in manifest.non_persistent:
         owner, _, name = key.rpartition(".")
         try:
@@ -334,13 +356,13 @@ def _check_state(
         except AttributeError:
             buffer = None
         if buffer is not None:
-            expected[key] = (tuple(buffer.shape), _code(buffer.dtype))
+            expected[key] = (tuple(buffer.shape), dtype_code(buffer.dtype))
     for plan in plans:
         prefix = f"{plan.path}." if plan.path else ""
         if not plan.scheme.keeps_float_weight:
             expected.pop(prefix + plan.spec.weight, None)
         for buffer, tensor in plan.tensors.items():
-            expected[prefix + buffer] = (tuple(tensor.shape), _code(tensor.dtype))
+            expected[prefix + buffer] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     saved = dict(header)
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))

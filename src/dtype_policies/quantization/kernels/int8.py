@@ -93,6 +93,8 @@ def int8_linear(
         return x2.new_zeros((0, n), dtype=out_dtype)
     if runtime.packed is not None and m >= ONEDNN_MIN_ROWS:
         xu, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
+        # oneDNN applies the per-channel weight steps and writes the output
+        # dtype directly; the per-row steps and the bias follow in place.
         y = torch.ops.onednn.qlinear_pointwise(
             xu,
             1.0,
@@ -103,12 +105,15 @@ def int8_linear(
             None,
             1.0,
             0,
-            torch.float32,
+            out_dtype,
             "none",
             [],
             "",
         )
-        return epilogues.run(epilogues.rescale, y, row_step, None, bias, out_dtype)
+        y.mul_(row_step)
+        if bias is not None:
+            y.add_(bias)
+        return y
     xq, row_step = epilogues.run(epilogues.quantize_rows_int8, x2)
     if _int_mm_supported(m, k, n, x2.device):
         accumulated = torch._int_mm(xq, q_nk.t())
@@ -149,13 +154,17 @@ def fake_quantize_rows_int8(x2: torch.Tensor) -> torch.Tensor:
 
 
 def weight_int8pack_supported(x2: torch.Tensor, n: int) -> bool:
-    """Shapes and dtypes `_weight_int8pack_mm` handles correctly on CPU."""
+    """Shapes and dtypes `_weight_int8pack_mm` handles correctly on CPU. Its
+    AVX-512 bfloat16 kernel reads the activations with aligned 32-byte loads:
+    K must be a multiple of 16 (other K crash or return garbage, measured) and
+    the activations 32-byte aligned (`int8_weight_only_linear` copies them
+    when they are not)."""
     m, k = x2.shape
     return (
         x2.device.type == "cpu"
         and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and 0 < m <= WEIGHT_INT8PACK_MAX_ROWS
-        and k % 32 == 0
+        and k % 16 == 0
         and n % 16 == 0
     )
 
@@ -170,9 +179,10 @@ def int8_weight_only_linear(
     q_nk = runtime.q_nk
     n = q_nk.shape[0]
     if weight_int8pack_supported(x2, n):
-        y = torch.ops.aten._weight_int8pack_mm(
-            x2.contiguous(), q_nk, runtime.column_step.to(x2.dtype)
-        )
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 32:
+            x2 = x2.clone()  # a fresh allocation is aligned
+        y = torch.ops.aten._weight_int8pack_mm(x2, q_nk, runtime.column_step.to(x2.dtype))
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(out_dtype)

@@ -1,39 +1,24 @@
-"""The benchmark workloads: each builds its variants on the same model and
-inputs and returns `{variant: callable}` plus notes."""
+"""The MLP workloads (1024 -> 4096 -> 1024 -> 4096 -> 1024, GELU): train step,
+inference at batch 256 and at batch 1, and quantization accuracy."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-import dtype_policies
 from dtype_policies import apply_policy, layers, quantize
+from dtype_policies.bench.workloads.common import (
+    Variants,
+    inference_call,
+    keras_module,
+    torchao_int8,
+    train_step,
+)
 from dtype_policies.quantization import Int4QuantizationConfig
-
-os.environ.setdefault("KERAS_BACKEND", "torch")
-
-Variants = dict[str, Callable[[], object]]
-
-
-def _optional(module: str):
-    try:
-        return __import__(module, fromlist=["_"])
-    except Exception:
-        return None
-
-
-def keras_module():
-    keras = _optional("keras")
-    if keras is None or keras.backend.backend() != "torch":
-        return None
-    return keras
 
 
 def mlp() -> nn.Sequential:
@@ -82,17 +67,6 @@ def _copy_weights_into_keras(model: nn.Sequential, keras_model) -> None:
         layer.bias.assign(linear.bias.detach().numpy())
 
 
-def _train_step(model, x, target, optimizer, context=None) -> Callable[[], None]:
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with context() if context else contextlib.nullcontext():
-            out = model(x)
-        F.mse_loss(out.float(), target).backward()
-        optimizer.step()
-
-    return step
-
-
 def mlp_train_factories(batch: int = 256) -> dict[str, Callable[[], Callable[[], None]]]:
     """Each variant of the MLP train step, built only when its factory is called
     (so that memory can be measured one variant at a time)."""
@@ -103,26 +77,25 @@ def mlp_train_factories(batch: int = 256) -> dict[str, Callable[[], Callable[[],
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=1e-3)
 
-    def plain(policy=None, weight_cache=False, context=None, bf16=False):
+    def plain(policy=None, context=None, bf16=False):
         def build():
             model = copy.deepcopy(base)
             if bf16:
                 model = model.bfloat16()
             if policy is not None:
-                apply_policy(model, policy, weight_cache=weight_cache)
-            return _train_step(model, x.bfloat16() if bf16 else x, target, sgd(model), context)
+                apply_policy(model, policy)
+            return train_step(model, x.bfloat16() if bf16 else x, target, sgd(model), context)
 
         return build
 
     def with_layers():
         model = layers_mlp("mixed_bfloat16")
         model(x)
-        return _train_step(model, x, target, sgd(model))
+        return train_step(model, x, target, sgd(model))
 
     factories = {
         "float32": plain(),
         "dtype_policies mixed_bfloat16": plain("mixed_bfloat16"),
-        "dtype_policies mixed_bfloat16, weight_cache": plain("mixed_bfloat16", True),
         "torch.autocast bfloat16": plain(context=lambda: torch.autocast("cpu", torch.bfloat16)),
         "whole model bfloat16 (no master weights)": plain(bf16=True),
         "dtype_policies.layers mixed_bfloat16": with_layers,
@@ -134,7 +107,7 @@ def mlp_train_factories(batch: int = 256) -> dict[str, Callable[[], Callable[[],
             km = keras_mlp(keras, "mixed_bfloat16")
             _copy_weights_into_keras(base, km)
             optimizer = torch.optim.SGD([v.value for v in km.trainable_variables], lr=1e-3)
-            return _train_step(km, x, target, optimizer)
+            return train_step(km, x, target, optimizer)
 
         factories["Keras 3 (torch backend) mixed_bfloat16"] = with_keras
     return factories
@@ -142,29 +115,8 @@ def mlp_train_factories(batch: int = 256) -> dict[str, Callable[[], Callable[[],
 
 def mlp_train(batch: int = 256) -> tuple[Variants, dict[str, str]]:
     variants = {name: build() for name, build in mlp_train_factories(batch).items()}
-    notes = {
-        "dtype_policies mixed_bfloat16, weight_cache": "+50% weight memory",
-        "whole model bfloat16 (no master weights)": "the limit",
-    }
+    notes = {"whole model bfloat16 (no master weights)": "the limit"}
     return variants, notes
-
-
-def _inference(model, x) -> Callable[[], object]:
-    def run():
-        with torch.no_grad():
-            return model(x)
-
-    return run
-
-
-def torchao_int8(model: nn.Module) -> nn.Module | None:
-    torchao = _optional("torchao.quantization")
-    if torchao is None or not hasattr(torchao, "Int8DynamicActivationInt8WeightConfig"):
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torchao.quantize_(model, torchao.Int8DynamicActivationInt8WeightConfig())
-    return model
 
 
 def mlp_inference(batch: int = 256) -> tuple[Variants, dict[str, str]]:
@@ -173,14 +125,14 @@ def mlp_inference(batch: int = 256) -> tuple[Variants, dict[str, str]]:
     x = torch.randn(batch, 1024)
     variants: Variants = {}
     notes: dict[str, str] = {}
-    variants["float32"] = _inference(copy.deepcopy(base), x)
+    variants["float32"] = inference_call(copy.deepcopy(base), x)
     m = copy.deepcopy(base)
     apply_policy(m, "mixed_bfloat16")
-    variants["dtype_policies mixed_bfloat16"] = _inference(m, x)
+    variants["dtype_policies mixed_bfloat16"] = inference_call(m, x)
+    notes["dtype_policies mixed_bfloat16"] = "keeps a bf16 copy: +50% weight memory"
     m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16", weight_cache=True)
-    variants["dtype_policies mixed_bfloat16, weight_cache"] = _inference(m, x)
-    notes["dtype_policies mixed_bfloat16, weight_cache"] = "+50% weight memory"
+    apply_policy(m, "mixed_bfloat16", weight_cache=False)
+    variants["dtype_policies mixed_bfloat16, weight_cache=False"] = inference_call(m, x)
     m = copy.deepcopy(base)
 
     def autocast_run(model=m):
@@ -188,33 +140,33 @@ def mlp_inference(batch: int = 256) -> tuple[Variants, dict[str, str]]:
             return model(x)
 
     variants["torch.autocast bfloat16"] = autocast_run
-    variants["whole model bfloat16"] = _inference(copy.deepcopy(base).bfloat16(), x.bfloat16())
+    variants["whole model bfloat16"] = inference_call(copy.deepcopy(base).bfloat16(), x.bfloat16())
     m = copy.deepcopy(base)
     apply_policy(m, "int8_from_mixed_bfloat16")
-    variants["dtype_policies int8_from_mixed_bfloat16"] = _inference(m, x)
+    variants["dtype_policies int8_from_mixed_bfloat16"] = inference_call(m, x)
     m = copy.deepcopy(base)
     quantize(m, "int8")
-    variants["dtype_policies int8_from_float32"] = _inference(m, x)
+    variants["dtype_policies int8_from_float32"] = inference_call(m, x)
     m = copy.deepcopy(base)
     apply_policy(m, "mixed_bfloat16")
     quantize(m, "int4")
-    variants["dtype_policies int4/128_from_mixed_bfloat16"] = _inference(m, x)
+    variants["dtype_policies int4/128_from_mixed_bfloat16"] = inference_call(m, x)
     ao = torchao_int8(copy.deepcopy(base))
     if ao is not None:
-        variants["torchao Int8DynamicActivationInt8Weight"] = _inference(ao, x)
+        variants["torchao Int8DynamicActivationInt8Weight"] = inference_call(ao, x)
         compiled = torch.compile(torchao_int8(copy.deepcopy(base)))
-        variants["torchao Int8DynamicActivationInt8Weight, compiled"] = _inference(compiled, x)
+        variants["torchao Int8DynamicActivationInt8Weight, compiled"] = inference_call(compiled, x)
     keras = keras_module()
     if keras is not None:
         km = keras_mlp(keras, "mixed_bfloat16")
         _copy_weights_into_keras(base, km)
-        variants["Keras 3 mixed_bfloat16"] = _inference(km, x)
+        variants["Keras 3 mixed_bfloat16"] = inference_call(km, x)
         kq = keras_mlp(keras, "float32")
         _copy_weights_into_keras(base, kq)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             kq.quantize("int8")
-        variants["Keras 3 int8"] = _inference(kq, x)
+        variants["Keras 3 int8"] = inference_call(kq, x)
     return variants, notes
 
 
@@ -224,87 +176,29 @@ def mlp_decode() -> tuple[Variants, dict[str, str]]:
     base = mlp().eval()
     x = torch.randn(1, 1024)
     variants: Variants = {
-        "float32": _inference(copy.deepcopy(base), x),
-        "whole model bfloat16": _inference(copy.deepcopy(base).bfloat16(), x.bfloat16()),
+        "float32": inference_call(copy.deepcopy(base), x),
+        "whole model bfloat16": inference_call(copy.deepcopy(base).bfloat16(), x.bfloat16()),
     }
     m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16", weight_cache=True)
-    variants["dtype_policies mixed_bfloat16, weight_cache"] = _inference(m, x)
+    apply_policy(m, "mixed_bfloat16")
+    variants["dtype_policies mixed_bfloat16"] = inference_call(m, x)
     m = copy.deepcopy(base)
     apply_policy(m, "int8_from_mixed_bfloat16")
-    variants["dtype_policies int8_from_mixed_bfloat16"] = _inference(m, x)
+    variants["dtype_policies int8_from_mixed_bfloat16"] = inference_call(m, x)
     m = copy.deepcopy(base)
     apply_policy(m, "mixed_bfloat16")
     quantize(m, "int4")
-    variants["dtype_policies int4/128_from_mixed_bfloat16"] = _inference(m, x)
+    variants["dtype_policies int4/128_from_mixed_bfloat16"] = inference_call(m, x)
     m = copy.deepcopy(base)
     apply_policy(m, "mixed_bfloat16")
     quantize(m, "int4", Int4QuantizationConfig(block_size=-1))
-    variants["dtype_policies int4/-1_from_mixed_bfloat16"] = _inference(m, x)
+    variants["dtype_policies int4/-1_from_mixed_bfloat16"] = inference_call(m, x)
     ao = torchao_int8(copy.deepcopy(base))
     if ao is not None:
-        variants["torchao Int8DynamicActivationInt8Weight, compiled"] = _inference(
+        variants["torchao Int8DynamicActivationInt8Weight, compiled"] = inference_call(
             torch.compile(ao), x
         )
     return variants, {}
-
-
-def transformer_train() -> tuple[Variants, dict[str, str]]:
-    """A small transformer encoder: d_model 256, 4 heads, ff 1024, 2 layers,
-    batch 16 x 128 tokens."""
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
-    base = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-    x, target = torch.randn(16, 128, 256), torch.randn(16, 128, 256)
-    variants: Variants = {}
-
-    def adam(model):
-        return torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    m = copy.deepcopy(base)
-    variants["float32"] = _train_step(m, x, target, adam(m))
-    m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16")
-    variants["dtype_policies mixed_bfloat16"] = _train_step(m, x, target, adam(m))
-    m = copy.deepcopy(base)
-    variants["torch.autocast bfloat16"] = _train_step(
-        m, x, target, adam(m), lambda: torch.autocast("cpu", torch.bfloat16)
-    )
-    m = copy.deepcopy(base).bfloat16()
-    variants["whole model bfloat16 (no master weights)"] = _train_step(
-        m, x.bfloat16(), target, adam(m)
-    )
-    return variants, {}
-
-
-def call_overhead(grad: bool) -> tuple[Variants, dict[str, str]]:
-    """One call of a 64x64 layer on a (1, 64) input."""
-    torch.manual_seed(0)
-    x = torch.randn(1, 64)
-    linear = nn.Linear(64, 64)
-    applied = copy.deepcopy(linear)
-    apply_policy(applied, "mixed_bfloat16")
-    dense = layers.Dense(64, dtype="mixed_bfloat16")
-    dense(x)
-    variants: Variants = {}
-
-    def timed(fn):
-        def run():
-            with torch.set_grad_enabled(grad):
-                for _ in range(100):
-                    fn(x)
-
-        return run
-
-    variants["nn.Linear float32"] = timed(linear)
-    variants["nn.Linear + apply_policy mixed_bfloat16"] = timed(applied)
-    variants["dtype_policies.layers.Dense mixed_bfloat16"] = timed(dense)
-    keras = keras_module()
-    if keras is not None:
-        keras_dense = keras.layers.Dense(64, dtype="mixed_bfloat16")
-        keras_dense(x)
-        variants["Keras 3 Dense mixed_bfloat16"] = timed(keras_dense)
-    return variants, {"*": "time of 100 calls"}
 
 
 def quantization_accuracy() -> list[dict]:
@@ -340,7 +234,8 @@ def quantization_accuracy() -> list[dict]:
         stored = sum(
             t.numel() * t.element_size()
             for key, t in model.state_dict().items()
-            if key.rsplit(".", 1)[-1] in ("weight", "weight_scale", "weight_zero")
+            if key.rsplit(".", 1)[-1]
+            in ("weight", "weight_int8", "weight_int4", "weight_scale", "weight_zero")
         )
         rows.append(
             {
@@ -350,21 +245,3 @@ def quantization_accuracy() -> list[dict]:
             }
         )
     return rows
-
-
-WORKLOADS = {
-    "mlp_train": ("MLP train step (batch 256, SGD)", lambda: mlp_train()),
-    "mlp_inference": ("MLP inference (batch 256)", lambda: mlp_inference()),
-    "mlp_decode": ("MLP inference at batch 1 (decoding)", lambda: mlp_decode()),
-    "transformer_train": ("Transformer encoder train step (AdamW)", lambda: transformer_train()),
-    "overhead_no_grad": (
-        "Per-call overhead, 64x64 layer, (1, 64), no_grad",
-        lambda: call_overhead(False),
-    ),
-    "overhead_grad": (
-        "Per-call overhead, 64x64 layer, (1, 64), grad enabled",
-        lambda: call_overhead(True),
-    ),
-}
-
-_ = dtype_policies  # the package under test

@@ -16,6 +16,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 
+class Timed(float):
+    """Seconds measured by a variant itself (e.g. per generated token); a
+    variant that returns one is timed by it instead of by its wall-clock call."""
+
+
 @dataclass
 class Result:
     workload: str
@@ -47,8 +52,9 @@ def measure_interleaved(
             times = []
             for _ in range(per_round):
                 start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
+                out = fn()
+                elapsed = time.perf_counter() - start
+                times.append(float(out) if isinstance(out, Timed) else elapsed)
             samples[name].append(times)
     return samples
 
@@ -141,6 +147,42 @@ def peak_rss_mb_of(code: str) -> float | None:
         if line.startswith("PEAK_RSS_KB"):
             return int(line.split()[1]) / 1024
     return None
+
+
+def first_call_of(code: str, env: dict[str, str] | None = None) -> tuple[float, float] | str:
+    """Runs `code` in a fresh Python process with a fresh inductor cache; the
+    code defines `run` (a built variant, not yet called). Returns the wall time
+    (seconds) of the first `run()` and the median of the next three, or the
+    error text when the process fails."""
+    import tempfile
+
+    script = (
+        f"{code}\n"
+        "import statistics, time\n"
+        "start = time.perf_counter(); run(); first = time.perf_counter() - start\n"
+        "later = []\n"
+        "for _ in range(3):\n"
+        "    start = time.perf_counter(); run(); later.append(time.perf_counter() - start)\n"
+        "print('FIRST_CALL_S', first, statistics.median(later))\n"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        environ = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, **(env or {})}
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", script],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=environ,
+            )
+        except (subprocess.SubprocessError, OSError) as e:
+            return f"{type(e).__name__}"
+    for line in done.stdout.splitlines():
+        if line.startswith("FIRST_CALL_S"):
+            first, later = line.split()[1:]
+            return float(first), float(later)
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return lines[-1][:160] if lines else f"exit code {done.returncode}"
 
 
 def write_json(path: str, info: dict, results: list[Result], targets: list[dict]) -> None:

@@ -1,0 +1,59 @@
+"""Listeners told when a model's policies or quantization change.
+
+The lower layers (`apply_policy`, `quantize()`, `PolicyHandle.remove()`)
+call `model_changed(root)` once a change is committed; upper layers that keep
+something in step with the model (the Hugging Face integration keeps
+`model.config.quantization_config` and `model.hf_quantizer` current) register
+a callback with `add_listener`. This is how the lower layers reach them
+without importing them.
+
+A listener never makes a committed change fail: an exception it raises
+becomes a warning naming it.
+
+>>> seen = []
+>>> add_listener(seen.append)
+>>> model_changed("a model")
+>>> remove_listener(seen.append)
+>>> model_changed("another")
+>>> seen
+['a model']
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+Listener = Callable[[Any], None]
+
+_listeners: list[Listener] = []
+
+
+def add_listener(callback: Listener) -> None:
+    """Calls `callback(root)` after every committed change (once per callback)."""
+    if not callable(callback):
+        raise TypeError(f"add_listener() expects a callable. Received: {callback!r}")
+    if callback not in _listeners:
+        _listeners.append(callback)
+
+
+def remove_listener(callback: Listener) -> None:
+    """Stops calling `callback`; a no-op if it was not added."""
+    if callback in _listeners:
+        _listeners.remove(callback)
+
+
+def model_changed(module: Any) -> None:
+    """Tells every listener that `module` (the root of a change) changed."""
+    for callback in tuple(_listeners):
+        try:
+            callback(module)
+        except Exception as e:
+            name = getattr(callback, "__qualname__", repr(callback))
+            warnings.warn(
+                f"dtype_policies: the listener {name} failed after a change to "
+                f"{type(module).__name__}: {type(e).__name__}: {e}",
+                RuntimeWarning,
+                stacklevel=3,
+            )

@@ -1,0 +1,60 @@
+"""`dtype-policies bench`: the benchmark suite (`dtype_policies.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dtype_policies.bench import runner, workloads
+from dtype_policies.cli import output
+from dtype_policies.cli.targets import CLIError
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="run the benchmark suite, print its tables, write JSON",
+        description="Times every workload's variants (interleaved medians, ratios measured "
+        "in one run against float32, whole-model bfloat16, torch.autocast, torchao and "
+        "Keras where installed) and writes latest.json and latest.md.",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    parser.add_argument(
+        "--workloads",
+        metavar="A,B",
+        default=",".join(workloads.WORKLOADS),
+        help="comma-separated subset of: " + ", ".join(workloads.WORKLOADS),
+    )
+    parser.add_argument("--output", default=runner.DEFAULT_OUTPUT, help="results directory")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
+    parser.add_argument(
+        "--no-first-call", action="store_true", help="skip the LLM first-call processes"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    selected = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(selected) - set(workloads.WORKLOADS))
+    if unknown or not selected:
+        raise CLIError(
+            f"unknown workloads {unknown or [args.workloads]}; choose from "
+            f"{sorted(workloads.WORKLOADS)}"
+        )
+    argv = ["--workloads", ",".join(selected), "--output", args.output]
+    argv += ["--quick"] if args.quick else []
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    argv += ["--no-memory"] if args.no_memory else []
+    argv += ["--no-first-call"] if args.no_first_call else []
+    if not args.json:
+        return runner.main(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # the tables go to stderr
+        code = runner.main(argv)
+    output.print_json(json.loads((Path(args.output) / "latest.json").read_text()))
+    return code

@@ -1,0 +1,125 @@
+"""The Hugging Face integration's hooks, which import nothing from transformers.
+
+`import dtype_policies` installs two of them (see `huggingface.py` for why):
+
+* a listener (`dtype_policies._core.listeners`): when `apply_policy`,
+  `quantize()`, `PolicyHandle.remove()` or `saving.load` change a
+  `transformers.PreTrainedModel`, the model gets (or, once nothing is left to
+  describe, loses) its `quantization_config` and `hf_quantizer`, so that a
+  plain `model.save_pretrained(dir)` writes a checkpoint that reloads right;
+* a post-import hook on `transformers.quantizers.auto`, transformers' registry
+  of quantization methods: once transformers loads it (every `from_pretrained`
+  needs it), the `dtype_policies` method is registered in it, so that
+  `from_pretrained` of a checkpoint saved that way works in any process that
+  imported `dtype_policies` - without `import dtype_policies` paying for
+  importing transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from importlib.abc import MetaPathFinder
+from typing import Any
+
+from dtype_policies._core.listeners import add_listener
+from dtype_policies.quantization.attach import quantization_of
+
+REGISTRY_MODULE = "transformers.quantizers.auto"
+INTEGRATION_MODULE = "dtype_policies.saving.huggingface"
+
+
+def _integration() -> Any:
+    return importlib.import_module(INTEGRATION_MODULE)
+
+
+def on_model_changed(module: Any) -> None:
+    """The listener: keeps a `PreTrainedModel`'s quantizer in step with it."""
+    if "transformers" not in sys.modules:  # then `module` cannot be a PreTrainedModel
+        return
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    pretrained = getattr(modeling_utils, "PreTrainedModel", None)
+    if pretrained is None:
+        return
+    if isinstance(module, pretrained):
+        _integration().sync(module)
+    elif type(module).__module__.startswith("transformers.") and _has_integer_weights(module):
+        warnings.warn(
+            f"dtype_policies: a part of a transformers model ({type(module).__name__}) now "
+            "stores int8/int4 weights. save_pretrained of the whole model records that only "
+            "after dtype_policies.saving.huggingface.sync(model); or quantize the model "
+            "itself, with filters= to choose the part.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _has_integer_weights(module: Any) -> bool:
+    for submodule in module.modules():
+        quantized = quantization_of(submodule)
+        if quantized is not None and not quantized.scheme.keeps_float_weight:
+            return True
+    return False
+
+
+def _register() -> None:
+    """Runs once transformers' quantizer registry exists: importing the
+    integration registers it (it must never break transformers' own import)."""
+    try:
+        _integration()
+    except Exception as e:  # pragma: no cover - a broken transformers install
+        warnings.warn(
+            "dtype_policies could not register its Hugging Face quantizer "
+            f"({type(e).__name__}: {e}); import dtype_policies.saving.huggingface to see why.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+class _RegistryImportHook(MetaPathFinder):
+    """Runs `_register` right after `transformers.quantizers.auto` executes."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != REGISTRY_MODULE:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _uninstall_import_hook()
+            _register()
+
+        # The loader instance belongs to this one import: wrapping its method
+        # leaves every other import alone.
+        loader.exec_module = exec_then_register
+        return spec
+
+
+_HOOK = _RegistryImportHook()
+
+
+def _uninstall_import_hook() -> None:
+    if _HOOK in sys.meta_path:
+        sys.meta_path.remove(_HOOK)
+
+
+def install() -> None:
+    """Installs the listener, and registers the quantizer with transformers
+    now if its registry is loaded, else when it is (idempotent)."""
+    add_listener(on_model_changed)
+    if REGISTRY_MODULE in sys.modules:
+        _register()
+    elif _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)

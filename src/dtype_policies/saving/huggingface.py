@@ -1,0 +1,432 @@
+"""Hugging Face transformers: `save_pretrained` / `from_pretrained` of models
+with dtype policies and quantization.
+
+A `transformers.PreTrainedModel` that `apply_policy` or `quantize()` changed
+carries a `DTypePoliciesConfig` (`model.config.quantization_config`, with
+`quant_method="dtype_policies"`) and a `DTypePoliciesHfQuantizer`
+(`model.hf_quantizer`), kept current by a listener. So:
+
+* `model.save_pretrained(dir)` writes, besides the usual files, this
+  library's manifest (every module's policy and quantization, per module
+  path; see `manifest.py`) in `config.json`, and the stored tensors of
+  quantized weights under their own names (`<module>.weight_int8`, ...). For
+  each int8/int4 weight it also writes a one-element int8 *sentinel* under
+  the float weight's name (`<module>.weight`).
+* `from_pretrained(dir)` in a process that imported `dtype_policies` rebuilds
+  the quantized modules on the meta device before any tensor is read (with
+  `attach.plan(..., tensors=<empty meta tensors>)`, exactly as `saving.load`
+  does with the saved ones), checks the checkpoint's headers against them,
+  lets transformers fill every tensor by name, then re-applies the policies.
+  Outputs are bit-identical to the saved model's.
+* `from_pretrained(dir)` where `dtype_policies` is not imported never loads
+  garbage: transformers only warns about an unknown `quant_method`, but the
+  sentinels do not fit the float weights, so it raises a size-mismatch
+  `RuntimeError` (unless called with `ignore_mismatched_sizes=True`, which
+  asks for re-initialized weights). A checkpoint without int8/int4 weights
+  (policies only, float8) loads as the correct float model, without its
+  policies.
+
+Registration, and what `import dtype_policies` costs. `from_pretrained` finds
+the `dtype_policies` method only if it is registered in transformers'
+quantizer registry (`transformers.quantizers.auto`) before it reads
+`config.json`. Registering means importing that registry, which imports every
+quantization backend transformers has (torchao, ...): measured here, 2.6 s
+(up to 5 s on a busy machine), against 0.07 to 0.15 s for `import
+dtype_policies` itself, which the hooks below leave unchanged. So `import
+dtype_policies` does not import transformers. Instead (`_hf_hooks.py`):
+
+* if the registry is already imported, it registers at once;
+* else it installs a post-import hook (a `sys.meta_path` finder that watches
+  only that module name and removes itself once it fired): transformers
+  imports its registry whenever a model class is imported, which every
+  `from_pretrained` does, and the method is registered right then. So
+  `import dtype_policies; AutoModelForCausalLM.from_pretrained(dir)` works in
+  a fresh process, and costs nothing when transformers is never used;
+* importing this module registers too (it imports transformers), the explicit
+  route if some tool loads transformers' registry by other means.
+
+The alternatives were worse: registering at `import dtype_policies` costs
+every user seconds; asking users to import this module before
+`from_pretrained` makes the quiet failure (an int8 checkpoint that refuses to
+load) the default.
+
+The listener (`_hf_hooks.on_model_changed`) imports nothing: it looks at a
+model only if `transformers` is in `sys.modules` and the model is a
+`PreTrainedModel`; only then does it import this module.
+
+`model.is_quantized` is `True` only when some weight is stored as int8/int4
+(its float weight is gone). transformers then refuses `.half()` and
+`.float()` (`model.to(torch.float16)` works); policy-only and float8 models
+keep `is_quantized=False` and behave like plain models. The quantizer says it
+is trainable (straight-through gradients reach everything but the stored
+integer weights), so `Trainer` accepts these models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from typing import Any
+
+import torch
+
+try:
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING,
+        AUTO_QUANTIZER_MAPPING,
+        register_quantization_config,
+        register_quantizer,
+    )
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+except ImportError as e:  # pragma: no cover - transformers missing or too old
+    raise ImportError(
+        "dtype_policies.saving.huggingface needs transformers with the quantizer plugin API "
+        f"(transformers.quantizers.register_quantizer): {e}"
+    ) from e
+
+from dtype_policies._core.policy_module import refresh
+from dtype_policies._version import __version__
+from dtype_policies.apply.apply import commit_application
+from dtype_policies.quantization import attach
+from dtype_policies.quantization.schemes import scheme_for
+from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest
+from dtype_policies.saving.manifest import CheckpointError, Manifest, describe
+
+QUANT_METHOD = "dtype_policies"
+SENTINEL_DTYPE = torch.int8
+"""The dtype of the one-element sentinel saved under a quantized module's
+float weight name (one element: all empty tensors share a null pointer)."""
+
+__all__ = [
+    "QUANT_METHOD",
+    "DTypePoliciesConfig",
+    "DTypePoliciesHfQuantizer",
+    "register",
+    "sync",
+]
+
+
+class DTypePoliciesConfig(QuantizationConfigMixin):
+    """The `quantization_config` of a model with dtype policies: the manifest
+    of `saving.save` (every module's policy and quantization, per path).
+
+    Args:
+        manifest: A `Manifest`, its JSON text, or its JSON data (as in
+            `config.json`).
+    """
+
+    def __init__(self, manifest: Manifest | str | dict | None = None, **kwargs: Any) -> None:
+        method = kwargs.pop("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(
+                f"DTypePoliciesConfig is for quant_method '{QUANT_METHOD}'. Received: "
+                f"quant_method={method!r}"
+            )
+        if kwargs:
+            raise TypeError(
+                f"DTypePoliciesConfig got unknown fields {sorted(kwargs)} (written by a newer "
+                "dtype_policies? upgrade it)."
+            )
+        if manifest is None:
+            raise TypeError(
+                "DTypePoliciesConfig needs the model's manifest: DTypePoliciesConfig(manifest=...)."
+            )
+        if isinstance(manifest, Manifest):
+            text = manifest.to_json()
+        elif isinstance(manifest, str):
+            text = manifest
+        elif isinstance(manifest, dict):
+            text = json.dumps(manifest)
+        else:
+            raise TypeError(
+                "DTypePoliciesConfig(manifest=...) takes a Manifest, its JSON text or its data. "
+                f"Received: {type(manifest).__name__}"
+            )
+        parsed = Manifest.from_json(text, "the quantization_config")  # raises CheckpointError
+        self.quant_method = QUANT_METHOD
+        self.manifest = json.loads(parsed.to_json())
+
+    def to_manifest(self) -> Manifest:
+        return Manifest.from_json(json.dumps(self.manifest), "the quantization_config")
+
+
+class DTypePoliciesHfQuantizer(HfQuantizer):
+    """Loads and saves models described by a `DTypePoliciesConfig` (see the
+    module's docstring)."""
+
+    requires_calibration = True  # it restores saved models; it does not quantize on load
+
+    def __init__(self, quantization_config: DTypePoliciesConfig, **kwargs: Any) -> None:
+        if not isinstance(quantization_config, DTypePoliciesConfig):
+            raise TypeError(
+                "DTypePoliciesHfQuantizer expects a DTypePoliciesConfig. Received: "
+                f"{type(quantization_config).__name__}"
+            )
+        if kwargs.get("pre_quantized", True) is False:
+            raise ValueError(
+                "A DTypePoliciesConfig describes a model saved with its policies and "
+                "quantization; it cannot be passed to from_pretrained(quantization_config=...) "
+                "for a float checkpoint. Load the float model, then call "
+                "dtype_policies.apply_policy / dtype_policies.quantize."
+            )
+        super().__init__(quantization_config, **kwargs)
+        self._steps: list = []  # the policies, applied once the weights are in
+        self._aliases: dict[str, str] = {}  # stored tensors shared by tied modules
+        self._stored: list[str] = []  # the quantized tensors the loader must fill
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        manifest = self.quantization_config.to_manifest()
+        source = "the dtype_policies quantization_config in config.json"
+        saved_as = list(getattr(model.config, "architectures", None) or ())
+        if saved_as and type(model).__name__ not in saved_as:
+            source += f" (saved from {saved_as[0]}, loaded into {type(model).__name__})"
+        steps, plans = plan_from_manifest(model, manifest, _empty_on_meta, source)
+        header = _read_headers(kwargs.get("checkpoint_files"))
+        if header is not None:
+            _check_headers(model, manifest, plans, header)
+        for plan in plans:
+            attach.commit(plan)
+            if header is not None and _all_keys_saved(plan, header):
+                plan.module._is_hf_initialized = True  # every tensor of it comes from the file
+        self._steps = steps
+        self._aliases = dict(manifest.aliases)
+        self._stored = [
+            f"{plan.path}.{name}" if plan.path else name for plan in plans for name in plan.tensors
+        ]
+        _untie_quantized(model, manifest)
+        sentinels = [_sentinel_key(name, record) for name, record in _integer_records(manifest)]
+        _ignore_keys(model, "_keys_to_ignore_on_load_unexpected", sentinels)
+        _ignore_keys(model, "_keys_to_ignore_on_load_missing", list(self._aliases))
+        _set_flags(model, manifest)
+        return model
+
+    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        for alias, key in self._aliases.items():
+            owner, _, name = alias.rpartition(".")
+            model.get_submodule(owner)._buffers[name] = model.get_buffer(key)
+        left = [key for key in self._stored if model.get_buffer(key).device.type == "meta"]
+        if left:
+            raise CheckpointError(
+                f"from_pretrained left {len(left)} quantized tensor(s) without values: {left[:10]}"
+            )
+        self._stored = []
+        steps, self._steps = self._steps, []
+        for submodule in model.modules():
+            if "_dp_stack" in submodule.__dict__:
+                refresh(submodule)
+        if steps:
+            commit_application(model, steps, [])  # tells the listener, which calls sync
+        else:
+            sync(model)
+        return model
+
+    def postprocess_model(self, model: Any, **kwargs: Any) -> Any:
+        result = super().postprocess_model(model, **kwargs)
+        _set_flags(model, self.quantization_config.to_manifest())
+        return result
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def get_state_dict_and_metadata(self, model: Any) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors `save_pretrained` writes: the model's state dict with
+        the quantized buffers shared by tied modules once, and a sentinel
+        under each int8/int4 module's float weight name. Also refreshes the
+        manifest (written to `config.json` after this)."""
+        manifest = describe(model, __version__)
+        state = model.state_dict()
+        first: dict[tuple, str] = {}
+        for name, record in manifest.quantized.items():
+            prefix = f"{name}." if name else ""
+            for buffer in record.stored:
+                key = prefix + buffer
+                tensor = state[key]
+                if tensor.is_meta:  # offloaded: no storage to compare
+                    continue
+                identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                            tuple(tensor.shape), tensor.dtype)  # fmt: skip
+                if tensor.numel() and identity in first:
+                    manifest.aliases[key] = first[identity]
+                    del state[key]
+                else:
+                    first[identity] = key
+        for name, record in _integer_records(manifest):
+            state[_sentinel_key(name, record)] = torch.zeros(1, dtype=SENTINEL_DTYPE)
+        self.quantization_config = DTypePoliciesConfig(manifest)
+        model.config.quantization_config = self.quantization_config
+        _set_flags(model, manifest)
+        return state, {}
+
+    def is_serializable(self, safe_serialization: Any = None) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def _dequantize(self, model: Any, dtype: Any = None) -> Any:
+        raise NotImplementedError(
+            "dtype_policies cannot dequantize int8/int4 weights back to the original float "
+            "weights; load the float checkpoint instead."
+        )
+
+
+def register() -> None:
+    """Registers the `dtype_policies` quantization method with transformers
+    (idempotent; done when this module is imported)."""
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not DTypePoliciesConfig:
+        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)
+        register_quantization_config(QUANT_METHOD)(DTypePoliciesConfig)
+    if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not DTypePoliciesHfQuantizer:
+        AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
+        register_quantizer(QUANT_METHOD)(DTypePoliciesHfQuantizer)
+
+
+def sync(model: Any) -> None:
+    """Makes `model.config.quantization_config` and `model.hf_quantizer`
+    describe `model` as it is now: set when it has policies or quantization,
+    removed when it has none. A model quantized by another method
+    (bitsandbytes, torchao, ...) keeps its quantizer, with a warning."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"sync() expects a transformers PreTrainedModel. Received: {type(model).__name__}"
+        )
+    current = getattr(model, "hf_quantizer", None)
+    if current is not None and not isinstance(current, DTypePoliciesHfQuantizer):
+        method = getattr(current.quantization_config, "quant_method", type(current).__name__)
+        warnings.warn(
+            f"This model is quantized with {getattr(method, 'value', method)!r} by transformers; "
+            "dtype_policies leaves its hf_quantizer alone, so save_pretrained will not record "
+            "the dtype policies. Use dtype_policies.saving.save instead.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return
+    manifest = describe(model, __version__)
+    if not (manifest.modules or manifest.layers or manifest.quantized):
+        if current is not None:
+            current.remove_quantization_config(model)
+            _set_flags(model, manifest)
+        return
+    config = DTypePoliciesConfig(manifest)
+    if current is None:
+        current = DTypePoliciesHfQuantizer(config, pre_quantized=True)
+        model.hf_quantizer = current
+    current.quantization_config = config
+    model.config.quantization_config = config
+    model.quantization_method = QUANT_METHOD
+    _set_flags(model, manifest)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _integer_records(manifest: Manifest):
+    """(name, record) of the quantized weights whose float weight is gone."""
+    for name, record in manifest.quantized.items():
+        if not scheme_for(record.mode).keeps_float_weight:
+            yield name, record
+
+
+def _sentinel_key(name: str, record: Any) -> str:
+    return f"{name}.{record.weight}" if name else record.weight
+
+
+def _set_flags(model: Any, manifest: Manifest) -> None:
+    """`is_quantized` (and transformers' `config._is_quantized`) only when a
+    float weight was replaced by integers."""
+    integer = any(True for _ in _integer_records(manifest))
+    model.is_quantized = integer
+    from transformers.modeling_utils import PreTrainedModel
+
+    for submodule in model.modules():
+        if isinstance(submodule, PreTrainedModel):
+            if integer:
+                submodule.config._is_quantized = True
+            else:
+                submodule.config.__dict__.pop("_is_quantized", None)
+
+
+def _empty_on_meta(key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _read_headers(files: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """`{key: (shape, dtype code)}` of the checkpoint's safetensors files (only
+    their headers are read), or `None` if it has none."""
+    files = [str(f) for f in (files or [])]
+    if not files or not all(f.endswith(".safetensors") for f in files):
+        return None
+    from safetensors import safe_open
+
+    header: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            for key in reader.keys():  # noqa: SIM118 (not a dict)
+                piece = reader.get_slice(key)
+                header[key] = (tuple(piece.get_shape()), piece.get_dtype())
+    return header
+
+
+def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) -> None:
+    """Every stored tensor the plans expect is in the checkpoint with its shape
+    and dtype: otherwise transformers would leave it uninitialized."""
+    problems = []
+    for plan in plans:
+        prefix = f"{plan.path}." if plan.path else ""
+        for buffer, tensor in plan.tensors.items():
+            key = prefix + buffer
+            if key in manifest.aliases:
+                key = manifest.aliases[key]
+            expected = (tuple(tensor.shape), dtype_code(tensor.dtype))
+            if key not in header:
+                problems.append(f"'{key}' is missing from the checkpoint")
+            elif header[key] != expected:
+                problems.append(f"'{key}': checkpoint {header[key]}, expected {expected}")
+    if problems:
+        raise CheckpointError(
+            "The checkpoint does not match its dtype_policies quantization_config:\n  "
+            + "\n  ".join(problems[:25])
+        )
+
+
+def _all_keys_saved(plan: attach.Plan, header: dict) -> bool:
+    prefix = f"{plan.path}." if plan.path else ""
+    return all(prefix + key in header for key in plan.module.state_dict())
+
+
+def _untie_quantized(model: Any, manifest: Manifest) -> None:
+    """transformers ties `lm_head.weight` to the embedding's weight by name; a
+    weight stored as integers has no such parameter, so such pairs leave its
+    mapping (the stored tensors are shared again after loading)."""
+    gone = {_sentinel_key(name, record) for name, record in _integer_records(manifest)}
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not tied:
+        return
+    for target, source in list(tied.items()):
+        if target in gone or source in gone:
+            del tied[target]
+
+
+def _ignore_keys(model: Any, attribute: str, keys: list[str]) -> None:
+    if not keys:
+        return
+    patterns = set(getattr(model, attribute, None) or ())
+    patterns.update(f"^{re.escape(key)}$" for key in keys)
+    setattr(model, attribute, patterns)
+
+
+register()

@@ -1,0 +1,576 @@
+"""Hugging Face checkpoints: `save_pretrained` / `from_pretrained` of models
+with policies and quantization (bit-exact logits and `generate` after reload,
+GPT-2 Conv1D and tied weights, Llama, BERT), what plain transformers does with
+them (raises, or loads the float model), the import-time cost, the listener
+that keeps `hf_quantizer` current, and the explicit meta-device route with
+`saving.save` / `saving.load`. Tiny models built from configs."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtype_policies import DTypePolicyMap, apply_policy, quantize, saving
+from dtype_policies.quantization import (
+    Float8QuantizationConfig,
+    Int4QuantizationConfig,
+    Int8QuantizationConfig,
+)
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip("safetensors")
+
+from dtype_policies.saving import huggingface  # noqa: E402 (after the importorskip)
+from dtype_policies.saving.manifest import CheckpointError  # noqa: E402
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_progress_bars():
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    transformers.utils.logging.enable_progress_bar()
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def llama(tie=False):
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def bert():
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
+    return transformers.BertForMaskedLM(config).eval()
+
+
+IDS = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def outputs(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def generated(model):
+    with torch.no_grad():
+        return model.generate(IDS, max_new_tokens=4, do_sample=False)
+
+
+def train_steps(model, steps=2):
+    """A few SGD steps (float8 scales and histories move)."""
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    for _ in range(steps):
+        model(IDS, labels=IDS).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def reload(model, directory, **kwargs):
+    """save_pretrained, then from_pretrained; returns the model and the
+    warnings transformers logged while loading."""
+    model.save_pretrained(directory, **kwargs)
+    capture = _Capture()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(capture)
+    try:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    finally:
+        logger.removeHandler(capture)
+    return loaded, capture.messages
+
+
+def policies(model):
+    return {
+        name: module.__dict__["_dp_state"].policy.name
+        for name, module in model.named_modules()
+        if "_dp_state" in module.__dict__
+    }
+
+
+def assert_same_model(loaded, model):
+    expected_state, state = model.state_dict(), loaded.state_dict()
+    assert sorted(state) == sorted(expected_state)
+    for key, tensor in expected_state.items():
+        assert state[key].dtype == tensor.dtype, key
+        assert torch.equal(state[key], tensor), key
+    assert policies(loaded) == policies(model)
+    assert torch.equal(outputs(loaded), outputs(model))
+    assert torch.equal(generated(loaded), generated(model))
+
+
+ISLANDS = DTypePolicyMap(
+    "mixed_bfloat16", {"lm_head": "float32", "model/layers/1/mlp/.*": "float32"}
+)
+WEIGHT_ONLY = Int8QuantizationConfig(activation_quantizer=None)
+LLAMA_CASES = {
+    "int8": ("mixed_bfloat16", "int8", None),
+    "int8_weight_only": ("mixed_bfloat16", "int8", WEIGHT_ONLY),
+    "int4_grouped": ("mixed_bfloat16", "int4", Int4QuantizationConfig(block_size=32)),
+    "int4_per_channel": ("mixed_bfloat16", "int4", Int4QuantizationConfig(block_size=-1)),
+    "int8_from_float32": (None, "int8", None),
+    "float8_trained": ("mixed_bfloat16", "float8", Float8QuantizationConfig(amax_history_length=8)),
+    "mixed_bfloat16_with_islands": (ISLANDS, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CASES))
+def test_llama_round_trip_is_bit_exact(case, tmp_path):
+    policy, mode, config = LLAMA_CASES[case]
+    torch.manual_seed(0)
+    model = llama()
+    if policy is not None:
+        apply_policy(model, policy)
+    if mode is not None:
+        quantize(model, mode, config)
+    if mode == "float8":
+        train_steps(model)
+        assert model.model.layers[0].mlp.up_proj.kernel_amax_history.abs().sum() > 0
+    loaded, logged = reload(model, tmp_path)
+    assert not [m for m in logged if "LOAD REPORT" in m], logged
+    assert type(loaded.hf_quantizer) is huggingface.DTypePoliciesHfQuantizer
+    assert loaded.config.quantization_config.quant_method == "dtype_policies"
+    assert loaded.is_quantized == (mode in ("int8", "int4"))
+    assert_same_model(loaded, model)
+    if case == "mixed_bfloat16_with_islands":
+        assert policies(loaded)["model.layers.1.mlp.up_proj"] == "float32"
+        assert policies(loaded)["model.norm"] == "float32"  # a normalization island
+        assert policies(loaded)["model.layers.0.mlp.up_proj"] == "mixed_bfloat16"
+        assert outputs(loaded).dtype == torch.float32  # lm_head computes in float32
+
+
+def test_what_save_pretrained_writes(tmp_path):
+    from safetensors import safe_open
+
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8", filters=r"layers/0/")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "dtype_policies"
+    manifest = config["manifest"]
+    assert manifest["format"] == "dtype_policies" and manifest["format_version"] == 1
+    assert manifest["quantized"]["model.layers.0.self_attn.q_proj"]["mode"] == "int8"
+    assert "model.layers.1.self_attn.q_proj" not in manifest["quantized"]
+    assert manifest["modules"]["model.norm"]["island"] is True
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as reader:
+        keys = set(reader.keys())
+        sentinel = reader.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        assert reader.get_tensor("model.layers.0.self_attn.q_proj.weight_int8").dtype == torch.int8
+    assert sentinel.dtype == torch.int8 and sentinel.shape == (1,)
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in keys
+    assert "model.layers.1.self_attn.q_proj.weight" in keys  # float, not a sentinel
+    assert "model.layers.1.self_attn.q_proj.weight_int8" not in keys
+
+
+def test_gpt2_conv1d_and_tied_quantized_embedding(tmp_path):
+    torch.manual_seed(0)
+    model = gpt2()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    assert model.lm_head.weight_int8 is model.transformer.wte.weight_int8
+    loaded, logged = reload(model, tmp_path)
+    assert not [m for m in logged if "LOAD REPORT" in m], logged
+    c_attn = loaded.transformer.h[0].attn.c_attn
+    assert c_attn.weight_int8.shape == (64, 192)  # Conv1D keeps its (in, out) orientation
+    assert loaded.lm_head.weight_int8 is loaded.transformer.wte.weight_int8
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["manifest"]["aliases"] == {
+        "lm_head.weight_int8": "transformer.wte.weight_int8",
+        "lm_head.weight_scale": "transformer.wte.weight_scale",
+    }
+    assert_same_model(loaded, model)
+
+
+def test_gpt2_float_policy_keeps_tied_parameters(tmp_path):
+    torch.manual_seed(0)
+    model = gpt2()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", filters=r"/h/")  # Conv1D only; the tied embedding stays float
+    loaded, logged = reload(model, tmp_path)
+    assert not [m for m in logged if "LOAD REPORT" in m], logged
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert_same_model(loaded, model)
+
+
+def test_llama_tied_embeddings_int4(tmp_path):
+    torch.manual_seed(0)
+    model = llama(tie=True)
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32))
+    loaded, logged = reload(model, tmp_path)
+    assert not [m for m in logged if "LOAD REPORT" in m], logged
+    assert loaded.lm_head.weight_int4 is loaded.model.embed_tokens.weight_int4
+    assert_same_model(loaded, model)
+
+
+def test_bert_round_trip_is_bit_exact(tmp_path):
+    torch.manual_seed(0)
+    model = bert()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8", filters="encoder")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.BertForMaskedLM.from_pretrained(tmp_path)
+    assert loaded.bert.encoder.layer[0].attention.self.query.weight_int8.dtype == torch.int8
+    assert policies(loaded)["bert.embeddings.LayerNorm"] == "float32"
+    mask = torch.ones_like(IDS)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        expected = model(IDS, attention_mask=mask).logits
+        assert torch.equal(loaded(IDS, attention_mask=mask).logits, expected)
+    assert policies(loaded) == policies(model)
+
+
+def test_sharded_checkpoint_and_resave(tmp_path):
+    torch.manual_seed(0)
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4")
+    loaded, _ = reload(model, tmp_path / "a", max_shard_size="20KB")
+    assert (tmp_path / "a" / "model.safetensors.index.json").is_file()
+    assert_same_model(loaded, model)
+    again, _ = reload(loaded, tmp_path / "b")  # the reloaded model saves the same way
+    assert_same_model(again, model)
+
+
+def test_load_in_bfloat16_keeps_stored_dtypes(tmp_path):
+    model = llama()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    q_proj = loaded.model.layers[0].self_attn.q_proj
+    assert q_proj.weight_int8.dtype == torch.int8 and q_proj.weight_scale.dtype == torch.float32
+    assert torch.equal(q_proj.weight_int8, model.model.layers[0].self_attn.q_proj.weight_int8)
+    assert loaded.model.norm.weight.dtype == torch.bfloat16
+    assert outputs(loaded).shape == (2, 9, VOCAB)
+
+
+# -- the listener: apply_policy / quantize / remove keep hf_quantizer current ------------------
+
+
+def test_listener_attaches_updates_and_detaches():
+    model = llama()
+    assert getattr(model, "hf_quantizer", None) is None
+    handle = apply_policy(model, "mixed_bfloat16")
+    assert type(model.hf_quantizer) is huggingface.DTypePoliciesHfQuantizer
+    assert model.config.quantization_config is model.hf_quantizer.quantization_config
+    assert model.is_quantized is False and model.quantization_method == "dtype_policies"
+    manifest = model.config.quantization_config.to_manifest()
+    assert manifest.modules["model.layers.0.mlp.up_proj"].policy["config"]["name"] == (
+        "mixed_bfloat16"
+    )
+    assert not manifest.quantized
+    handle.remove()
+    assert getattr(model, "hf_quantizer", None) is None
+    assert getattr(model.config, "quantization_config", None) is None
+    assert model.is_quantized is False
+    quantize(model, "int8", filters="mlp")
+    assert model.is_quantized is True and model.config._is_quantized is True
+    assert set(model.config.quantization_config.to_manifest().quantized) == {
+        f"model.layers.{i}.mlp.{name}_proj" for i in range(2) for name in ("gate", "up", "down")
+    }
+
+
+def test_listener_ignores_plain_modules_and_submodules():
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    apply_policy(block, "mixed_bfloat16")
+    assert not hasattr(block, "hf_quantizer")
+    model = llama()
+    apply_policy(model.model.layers[0], "mixed_bfloat16")  # not the PreTrainedModel itself
+    assert getattr(model, "hf_quantizer", None) is None
+    with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now stores int8/int4.*sync"):
+        quantize(model.model.layers[0], "int8")
+    with pytest.raises(TypeError, match="Received: Sequential"):
+        huggingface.sync(block)
+    huggingface.sync(model)  # what to call after changing only a submodule
+    manifest = model.config.quantization_config.to_manifest()
+    assert "model.layers.0.mlp.up_proj" in manifest.modules
+    assert "model.layers.0.mlp.up_proj" in manifest.quantized
+    assert "model.layers.1.mlp.up_proj" not in manifest.quantized
+    assert model.is_quantized is True
+
+
+def test_a_model_with_another_transformers_quantizer_keeps_it():
+    from types import SimpleNamespace
+
+    model = llama()
+    other = SimpleNamespace(quantization_config=SimpleNamespace(quant_method="bitsandbytes_8bit"))
+    model.hf_quantizer = other
+    with pytest.warns(UserWarning, match=r"'bitsandbytes_8bit'.*leaves its hf_quantizer alone"):
+        apply_policy(model, "mixed_bfloat16")
+    assert model.hf_quantizer is other
+    assert getattr(model.config, "quantization_config", None) is None
+
+
+def test_policy_only_and_float8_models_half_to_and_train():
+    for mode in (None, "float8"):
+        model = llama()
+        apply_policy(model, "mixed_bfloat16")
+        if mode:
+            quantize(model, mode, Float8QuantizationConfig(amax_history_length=8))
+        assert model.is_quantized is False
+        transformers.trainer_utils.validate_quantization_for_training(model)
+        train_steps(model)
+        model.half()
+        assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float16
+        model.to(torch.bfloat16)
+        assert outputs(model).dtype == torch.bfloat16
+
+
+def test_int8_model_trains_and_casts_with_to():
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8", filters="layers")
+    transformers.trainer_utils.validate_quantization_for_training(model)  # does not raise
+    before = model.model.norm.weight.detach().clone()
+    train_steps(model)
+    assert not torch.equal(model.model.norm.weight, before)
+    with pytest.raises(ValueError, match=r"\.half\(\)"):
+        model.half()  # transformers' rule for quantized models
+    model.to(torch.float16)
+    assert model.model.layers[0].mlp.up_proj.weight_int8.dtype == torch.int8
+    assert model.model.norm.weight.dtype == torch.float16
+
+
+def test_registration_is_idempotent():
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING,
+        AUTO_QUANTIZER_MAPPING,
+    )
+
+    huggingface.register()
+    huggingface.register()
+    assert AUTO_QUANTIZER_MAPPING["dtype_policies"] is huggingface.DTypePoliciesHfQuantizer
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["dtype_policies"] is huggingface.DTypePoliciesConfig
+    from dtype_policies.saving import _hf_hooks
+
+    _hf_hooks.install()
+    _hf_hooks.install()
+    assert _hf_hooks._HOOK not in sys.meta_path  # transformers is imported: no hook needed
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_bad_configs_raise_naming_the_value():
+    with pytest.raises(ValueError, match="quant_method='gptq'"):
+        huggingface.DTypePoliciesConfig(manifest={}, quant_method="gptq")
+    with pytest.raises(TypeError, match=r"\['colour'\]"):
+        huggingface.DTypePoliciesConfig(manifest={}, colour="red")
+    with pytest.raises(CheckpointError, match="not a dtype_policies checkpoint"):
+        huggingface.DTypePoliciesConfig(manifest={"format": "other"})
+    with pytest.raises(CheckpointError, match="format version 7"):
+        huggingface.DTypePoliciesConfig(manifest={"format": "dtype_policies", "format_version": 7})
+    with pytest.raises(TypeError, match="Received: int"):
+        huggingface.DTypePoliciesConfig(manifest=3)
+    with pytest.raises(TypeError, match="Received: dict"):
+        huggingface.DTypePoliciesHfQuantizer({"quant_method": "dtype_policies"})
+
+
+def test_checkpoint_that_does_not_match_its_config_raises(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = llama()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path / "missing")
+    file = tmp_path / "missing" / "model.safetensors"
+    tensors = load_file(str(file))
+    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight_scale' is"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "missing")
+
+    model.save_pretrained(tmp_path / "renamed")
+    config_file = tmp_path / "renamed" / "config.json"
+    config = json.loads(config_file.read_text())
+    quantized = config["quantization_config"]["manifest"]["quantized"]
+    quantized["model.layers.9.mlp.up_proj"] = quantized.pop("model.layers.1.mlp.up_proj")
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.9\.mlp\.up_proj': no such module"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "renamed")
+
+
+def test_loading_into_another_architecture_names_both(tmp_path):
+    model = gpt2()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"saved from GPT2LMHeadModel, loaded into GPT2Model"):
+        transformers.AutoModel.from_pretrained(tmp_path)
+
+
+def test_config_on_a_float_checkpoint_is_refused(tmp_path):
+    model = llama()
+    model.save_pretrained(tmp_path)  # a float checkpoint
+    quantize(model, "int8")
+    config = model.config.quantization_config
+    with pytest.raises(ValueError, match="cannot be passed to from_pretrained"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
+
+
+# -- without dtype_policies, and in a fresh process ----------------------------------------------
+
+PLAIN = textwrap.dedent(
+    """
+    import sys, torch
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    assert "dtype_policies" not in sys.modules
+    for directory in sys.argv[1:]:
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        except Exception as e:
+            print("RAISED", type(e).__name__, str(e)[:200].replace(chr(10), " "))
+            continue
+        torch.save(model.state_dict(), directory + "/plain_state.pt")
+        print("LOADED", getattr(model, "hf_quantizer", None))
+    assert "dtype_policies" not in sys.modules
+    """
+)
+
+
+def test_without_dtype_policies_quantized_raises_and_policies_load_as_float(tmp_path):
+    models = {}
+    for case in ("int8", "int4", "policy_only", "float8"):
+        torch.manual_seed(0)
+        model = llama(tie=case == "int4")
+        apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"lm_head": "float32"}))
+        if case in ("int8", "int4", "float8"):
+            quantize(model, case)
+        if case == "float8":
+            train_steps(model)
+        model.save_pretrained(tmp_path / case)
+        models[case] = model
+    directories = [str(tmp_path / case) for case in models]
+    result = subprocess.run(
+        [sys.executable, "-c", PLAIN, *directories],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ""},  # no dtype_policies on the path at all
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("RAISED RuntimeError") and "ignore_mismatched_sizes" in lines[0]
+    assert lines[1].startswith("RAISED RuntimeError")
+    assert lines[2:] == ["LOADED None", "LOADED None"]
+    for case in ("policy_only", "float8"):
+        state = torch.load(tmp_path / case / "plain_state.pt")
+        expected = models[case].state_dict()
+        float_keys = [k for k in expected if not k.endswith(("_scale", "_history"))]
+        assert sorted(state) == sorted(float_keys)
+        assert all(torch.equal(state[k], expected[k]) for k in float_keys)
+
+
+FRESH = textwrap.dedent(
+    """
+    import sys, time, torch
+    start = time.perf_counter()
+    import dtype_policies
+    seconds = time.perf_counter() - start
+    assert "transformers" not in sys.modules, "import dtype_policies imported transformers"
+    from transformers import AutoModelForCausalLM
+    transformers = sys.modules["transformers"]
+    transformers.utils.logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    ids = torch.load(sys.argv[1] + "/ids.pt")
+    with torch.no_grad():
+        torch.save(model(ids).logits, sys.argv[1] + "/fresh_logits.pt")
+    print(type(model.hf_quantizer).__name__, f"{seconds:.3f}")
+    """
+)
+
+
+def test_fresh_process_import_dtype_policies_then_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4")
+    model.save_pretrained(tmp_path)
+    torch.save(IDS, tmp_path / "ids.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    name, seconds = result.stdout.split()
+    assert name == "DTypePoliciesHfQuantizer"
+    assert float(seconds) < 2.0  # no transformers import (that alone takes seconds)
+    assert torch.equal(torch.load(tmp_path / "fresh_logits.pt"), outputs(model))
+
+
+# -- the explicit route: saving.save / saving.load onto a meta-built model ------------------------
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_meta_route_with_saving_save_and_load(mode, tmp_path):
+    torch.manual_seed(0)
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    if mode is not None:
+        quantize(model, mode)
+    path = saving.save(model, tmp_path / "checkpoint")
+    with torch.device("meta"):
+        fresh = transformers.AutoModelForCausalLM.from_config(model.config)
+    loaded = saving.load(fresh, path)
+    assert not [n for n, t in [*loaded.named_parameters(), *loaded.named_buffers()] if t.is_meta]
+    assert loaded.model.rotary_emb.inv_freq.device.type == "cpu"
+    assert torch.equal(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    assert_same_model(loaded, model)
+    assert type(loaded.hf_quantizer) is huggingface.DTypePoliciesHfQuantizer  # the listener
+    loaded.save_pretrained(tmp_path / "pretrained")  # and it can go on to the Hub format
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    assert torch.equal(outputs(again), outputs(model))
