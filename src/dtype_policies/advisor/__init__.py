@@ -10,8 +10,8 @@ module under one candidate), `sensitivity`, `latency`, `selection`, `verify`
 """
 
 from dtype_policies.advisor.advice import Advice, ModuleAdvice
-from dtype_policies.advisor.runner import advise
 from dtype_policies.advisor.candidates import DEFAULT_CANDIDATES
 from dtype_policies.advisor.errors import relative_error
+from dtype_policies.advisor.runner import advise
 
 __all__ = ["DEFAULT_CANDIDATES", "Advice", "ModuleAdvice", "advise", "relative_error"]

@@ -24,7 +24,7 @@ ADVICE_VERSION = 1
 
 @dataclass
 class ModuleAdvice:
-    """One module's row.
+    """One module's row of an `Advice` (`advice.modules`; see `Advice` for an example).
 
     Attributes:
         path, class_name: The module.
@@ -81,6 +81,26 @@ class Advice:
         seconds: Time spent measuring, verifying, and in all.
         baseline_error: The error of the model under a float32 policy
             (0 for a deterministic float32 model).
+
+    Example:
+
+    >>> import copy, torch
+    >>> import dtype_policies
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(
+    ...     torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+    ... )
+    >>> x = torch.randn(16, 64)
+    >>> advice = dtype_policies.advise(model, x, objective="memory", progress=False)
+    >>> fresh = copy.deepcopy(model)
+    >>> handle = advice.apply(fresh)  # apply_policy + quantization, by the map
+    >>> error = dtype_policies.advisor.relative_error(fresh(x), model(x))
+    >>> error <= advice.max_error
+    True
+    >>> [(row.path, row.choice) for row in advice.modules]
+    [('0', 'int8'), ('2', 'int8')]
+    >>> "sensitivity" in advice.table() and advice.to_dict()["format"]
+    'dtype_policies.advice'
     """
 
     policy_map: DTypePolicyMap
@@ -125,18 +145,20 @@ class Advice:
 
     def table(self) -> str:
         """A plain-text table: per module its path, class, group, chosen
-        policy, the error with only its group changed to each candidate
-        (its sensitivity), microseconds per call and stored bytes under
-        float32 and under the choice; then totals and the error."""
+        policy, its sensitivity to each candidate (the end-to-end error with
+        only its group changed to it), calls per forward, microseconds per
+        call under float32 and under the choice, stored bytes under float32
+        and under the choice; then totals, the measured error and notes."""
         labels = [label for label, _ in self.candidates[1:]][::-1]  # most aggressive first
         header = (
             "path",
             "class",
             "group",
             "policy",
-            *(f"err {label}" for label in labels),
-            "µs f32",
-            "µs chosen",
+            *(f"sensitivity {label}" for label in labels),
+            "calls",
+            "µs/call f32",
+            "µs/call chosen",
             "bytes f32",
             "bytes chosen",
         )
@@ -150,6 +172,7 @@ class Advice:
                     str(row.group) if measured else "-",
                     row.choice if measured else "float32 (fixed)",
                     *(_number(row.errors.get(label)) for label in labels),
+                    str(row.calls) if measured else "-",
                     _number(row.micros.get("float32"), 1),
                     _number(row.micros.get(row.choice), 1),
                     _integer(row.bytes.get("float32")),
@@ -160,11 +183,14 @@ class Advice:
         totals = self.totals()
         lines = [
             text,
+            "sensitivity X: the end-to-end error with only the module's group at X "
+            "(members of a group share one precision)",
             f"error {self.error:.4g} measured with the map applied (budget {self.max_error:g}, "
             f"predicted {self.predicted_error:.4g}; {self.steps_taken}/{self.steps_total} steps, "
             f"{len(self.checks)} verification(s)); objective: {self.objective}",
-            f"measured modules per forward: {_ratio(totals['micros_float32'], totals['micros_chosen'])}"
-            f" µs float32 -> chosen, {_ratio(totals['bytes_float32'], totals['bytes_chosen'])} bytes",
+            "measured modules per forward, float32 -> chosen: "
+            f"{_ratio(totals['micros_float32'], totals['micros_chosen'])} µs, "
+            f"{_ratio(totals['bytes_float32'], totals['bytes_chosen'])} bytes",
         ]
         notes = [f"  {row.path or '(root)'}: {row.note}" for row in self.modules if row.note]
         if notes:

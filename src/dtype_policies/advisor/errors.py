@@ -25,7 +25,15 @@ Metric = Callable[[Any, Any], float]
 
 def relative_error(outputs: Any, reference: Any) -> float:
     """The relative Frobenius error of `outputs` against `reference` (both
-    possibly nested); `inf` when their floating tensors do not line up."""
+    possibly nested); `inf` when their floating tensors do not line up.
+
+    >>> import torch
+    >>> from dtype_policies.advisor import relative_error
+    >>> relative_error(torch.tensor([3.0, 5.0]), torch.tensor([3.0, 4.0]))
+    0.2
+    >>> relative_error((torch.ones(2),), torch.ones(3))
+    inf
+    """
     diff, norm = _squared_norms(outputs, reference)
     return _ratio(diff, norm)
 

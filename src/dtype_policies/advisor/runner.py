@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from numbers import Real
 from typing import Any
 
@@ -96,13 +97,41 @@ def advise(
     Returns:
         An `Advice`: `policy_map`, the measured `error`, `table()`,
         `to_json()`, `save(path)`, `apply(model)`.
+
+    Raises:
+        ValueError: `max_error` not a number > 0, an unknown candidate or
+            objective, empty inputs, or a model that fails on the inputs.
+        TypeError: `model` not a module, inputs of the wrong type, `metric`
+            not callable.
+
+    Example:
+
+    >>> import torch
+    >>> import dtype_policies
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(
+    ...     torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)
+    ... )
+    >>> advice = dtype_policies.advise(
+    ...     model, torch.randn(32, 64), max_error=0.02, objective="memory", progress=False
+    ... )
+    >>> advice.error <= 0.02
+    True
+    >>> {key: policy.name for key, policy in advice.policy_map.items()}
+    {'0': 'int8_from_mixed_bfloat16', '2': 'int8_from_mixed_bfloat16'}
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"advise() expects a torch.nn.Module. Received: {type(model).__name__}")
-    if isinstance(max_error, bool) or not isinstance(max_error, Real) or math.isnan(max_error):
-        raise ValueError(f"advise(): `max_error` must be a number. Received: {max_error!r}")
-    if max_error < 0:
-        raise ValueError(f"advise(): `max_error` must be >= 0. Received: max_error={max_error!r}")
+    if (
+        isinstance(max_error, bool)
+        or not isinstance(max_error, Real)
+        or math.isnan(max_error)
+        or max_error <= 0
+    ):
+        raise ValueError(
+            "advise(): `max_error` must be a number > 0 (the relative error allowed, e.g. "
+            f"0.02). Received: max_error={max_error!r}"
+        )
     if objective not in OBJECTIVES:
         raise ValueError(
             f"advise(): `objective` must be one of {OBJECTIVES}. Received: {objective!r}"
@@ -128,7 +157,9 @@ def advise(
         with torch.inference_mode():
             references = [first, *(batch(work) for batch in batches[1:])]
     except Exception as e:
-        raise type(e)(f"advise(): calling the model on the inputs failed: {e}") from e
+        raise ValueError(
+            f"advise(): calling the model on the inputs failed: {type(e).__name__}: {e}"
+        ) from e
     meter = ErrorMeter(batches, references, metric)
     called = [unit for unit in units if unit.calls > 0]
     groups = group_units(called, shared)
@@ -139,10 +170,18 @@ def advise(
 
     # 2. Sensitivity, latency and bytes per group and candidate.
     originals = dict(named_module_paths(model, root_path_of(model)))
-    measurements = [
-        _measure_group(group, choices, originals, work, meter, repeats)
-        for group in _progress(groups, progress, "dtype_policies.advise: measuring")
-    ]
+    say(
+        f"dtype_policies.advise: {len(called)} modules in {len(groups)} groups, "
+        f"{len(choices) - 1} candidates, {len(batches)} batch(es)"
+    )
+    measurements = []
+    for index, group in enumerate(groups):
+        measurements.append(_measure_group(group, choices, originals, work, meter, repeats))
+        say(
+            f"dtype_policies.advise: measured {index + 1}/{len(groups)} "
+            f"{group[0].path or '(root)'}{f' (+{len(group) - 1})' if len(group) > 1 else ''} "
+            f"[{time.perf_counter() - started:.1f} s]"
+        )
     measured_at = time.perf_counter()
 
     # 3. The sequence of steps and the predicted prefix.
@@ -159,7 +198,7 @@ def advise(
         for group, option in zip(groups, state_after(ladders, steps, k)):
             if option.rank:
                 for unit in group:
-                    entries[unit.path] = choices[option.rank].policy
+                    entries[map_key(unit.path)] = choices[option.rank].policy
         return DTypePolicyMap("float32", entries)
 
     def report(check: Check) -> None:
@@ -317,7 +356,12 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
     for unit in units:
         if unit.calls == 0:
             by_path[unit.path] = ModuleAdvice(
-                unit.path, unit.class_name, None, 0, "float32", "float32",
+                unit.path,
+                unit.class_name,
+                None,
+                0,
+                "float32",
+                "float32",
                 note="not called on the given inputs",
             )
     for item in skipped:
@@ -327,17 +371,15 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
     return [by_path[path] for path in originals if path in by_path]
 
 
+def map_key(path: str) -> str:
+    """The policy map key of a module path: the path itself, escaped when it
+    holds regex characters (so it can only ever match that path)."""
+    return path if re.escape(path) == path else re.escape(path)
+
+
 def _printer(enabled: bool) -> Callable[[str], None]:
     def say(message: str) -> None:
         if enabled:
             print(message, file=sys.stderr, flush=True)
 
     return say
-
-
-def _progress(items: list[Any], enabled: bool, description: str) -> Iterator[Any]:
-    if not enabled:
-        return iter(items)
-    from dtype_policies.cli.output import progress  # rich when installed; not at import time
-
-    return progress(items, len(items), description)

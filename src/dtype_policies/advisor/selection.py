@@ -16,6 +16,7 @@ a prefix of the same sequence: never more, never more aggressive.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ def step_sequence(ladders: list[list[Option]]) -> list[Step]:
         (step.ratio, index, group, step)
         for group, rungs in enumerate(ladders)
         for index, step in enumerate(
-            Step(group, before, after) for before, after in zip(rungs, rungs[1:])
+            Step(group, before, after) for before, after in itertools.pairwise(rungs)
         )
     ]
     steps.sort(key=lambda item: (-item[0], item[2], item[1]))

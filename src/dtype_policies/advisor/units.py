@@ -96,9 +96,7 @@ def _first_floating(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def record(
-    model: torch.nn.Module, units: list[Unit], batch: Batch
-) -> tuple[Any, list[list[str]]]:
+def record(model: torch.nn.Module, units: list[Unit], batch: Batch) -> tuple[Any, list[list[str]]]:
     """Runs `batch` once with hooks on the units: fills in each unit's calls,
     first arguments and output dtype. Returns the outputs and the lists of
     unit paths that received the very same input tensor object."""

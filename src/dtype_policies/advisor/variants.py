@@ -25,7 +25,7 @@ def build_variant(module: torch.nn.Module, candidate: Candidate) -> torch.nn.Mod
             return f"{type(module).__name__} cannot be quantized"
         if mode not in kind.modes:
             return f"{type(module).__name__} supports {', '.join(kind.modes)}, not {mode}"
-    variant = copy.deepcopy(module)
+    variant = copy.deepcopy(module).eval()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
