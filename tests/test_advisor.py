@@ -178,6 +178,11 @@ def test_table_and_json(tmp_path):
     assert by_path["0"]["bytes"]["float32"] == (32 * 64 + 64) * 4
     assert dtype_policies.deserialize(data["policy"]) == advice.policy_map
 
+    assert data["model_bytes"]["chosen"] < data["model_bytes"]["float32"]
+    assert data["model_bytes"]["float32"] == sum(t.nbytes for t in model.state_dict().values())
+    assert data["forward_micros"]["float32"] > 0 and data["forward_micros"]["chosen"] > 0
+    assert "whole model, float32 -> chosen:" in table
+
     path = advice.save(tmp_path / "map.json")
     assert saving.load_policy(path) == advice.policy_map
     assert json.loads(path.read_text())["advice"]["error"] == advice.error
@@ -332,6 +337,16 @@ def test_cli_advise_bad_argument_exits_with_one_line(tmp_path):
     )
     assert "Traceback" not in result.stderr
     assert cli("advise_models:mlp", "--objective", "speed", cwd=tmp_path).returncode == 2
+
+
+def test_cli_help_lists_advise_and_the_inputs_forms(capsys):
+    from dtype_policies.cli import main
+
+    assert main(["--help"]) == 0
+    assert "advise" in capsys.readouterr().out
+    assert main(["advise", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "[NAME=]SHAPE[:DTYPE[:HIGH]]" in text and "package.module:callable" in text
 
 
 @pytest.mark.parametrize(

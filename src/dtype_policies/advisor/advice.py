@@ -81,6 +81,10 @@ class Advice:
         seconds: Time spent measuring, verifying, and in all.
         baseline_error: The error of the model under a float32 policy
             (0 for a deterministic float32 model).
+        forward_micros: The whole model's microseconds per forward on the
+            first batch, `"float32"` (as given) and `"chosen"` (the map
+            applied), measured interleaved (the fastest sample of each).
+        model_bytes: The whole model's state-dict bytes, float32 and chosen.
 
     Example:
 
@@ -116,6 +120,8 @@ class Advice:
     steps_total: int
     seconds: dict[str, float]
     baseline_error: float = 0.0
+    forward_micros: dict[str, float] = field(default_factory=dict)
+    model_bytes: dict[str, int] = field(default_factory=dict)
 
     def apply(self, model: torch.nn.Module, **kwargs: Any) -> PolicyHandle:
         """`apply_policy(model, advice.policy_map, **kwargs)`: every module
@@ -191,6 +197,7 @@ class Advice:
             "measured modules per forward, float32 -> chosen: "
             f"{_ratio(totals['micros_float32'], totals['micros_chosen'])} µs, "
             f"{_ratio(totals['bytes_float32'], totals['bytes_chosen'])} bytes",
+            *self._whole_model_line(),
         ]
         notes = [f"  {row.path or '(root)'}: {row.note}" for row in self.modules if row.note]
         if notes:
@@ -200,6 +207,16 @@ class Advice:
             f"verifying, {self.seconds['total']:.1f} s in all"
         )
         return "\n".join(lines)
+
+    def _whole_model_line(self) -> list[str]:
+        forward, size = self.forward_micros, self.model_bytes
+        if not forward or not size:
+            return []
+        return [
+            "whole model, float32 -> chosen: "
+            f"{_ratio(forward['float32'], forward['chosen'])} µs per forward, "
+            f"{_ratio(size['float32'], size['chosen'])} bytes"
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready (the map in the Keras dict format)."""
@@ -217,6 +234,8 @@ class Advice:
             "steps_total": self.steps_total,
             "checks": [{"steps": k, "error": _finite(error)} for k, error in self.checks],
             "totals": self.totals(),
+            "forward_micros": self.forward_micros,
+            "model_bytes": self.model_bytes,
             "seconds": self.seconds,
             "groups": self.groups,
             "modules": [_finite_row(row.as_dict()) for row in self.modules],

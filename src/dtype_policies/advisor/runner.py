@@ -31,8 +31,8 @@ from dtype_policies.advisor.selection import (
 )
 from dtype_policies.advisor.sensitivity import group_error
 from dtype_policies.advisor.units import Unit, find_units, record
-from dtype_policies.advisor.variants import build_variant, stored_bytes
-from dtype_policies.advisor.verify import Check, back_off, measure_map
+from dtype_policies.advisor.variants import build_variant, model_bytes, stored_bytes
+from dtype_policies.advisor.verify import Check, back_off, prepared
 from dtype_policies.apply import apply_policy
 from dtype_policies.policies import DTypePolicyMap
 
@@ -165,7 +165,7 @@ def advise(
     groups = group_units(called, shared)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        apply_policy(work, "float32")  # every module casts its inputs, as under the map
+        float32 = apply_policy(work, "float32")  # every module casts, as under the map
     baseline = meter(work)
 
     # 2. Sensitivity, latency and bytes per group and candidate.
@@ -207,9 +207,14 @@ def advise(
             f"error {check.error:.4g} (budget {max_error:g})"
         )
 
-    taken, error, checks = back_off(
-        start, max_error, lambda k: measure_map(model, policy_map_after(k), meter), report
-    )
+    verified: dict[int, torch.nn.Module] = {}
+
+    def evaluate(k: int) -> float:
+        verified.clear()
+        verified[k] = prepared(model, policy_map_after(k))
+        return meter(verified[k])
+
+    taken, error, checks = back_off(start, max_error, evaluate, report)
     if error > max_error:
         warnings.warn(
             f"advise(): even float32 everywhere measures an error of {error:.4g} > "
@@ -217,6 +222,13 @@ def advise(
             UserWarning,
             stacklevel=2,
         )
+    verified_at = time.perf_counter()
+
+    # 5. The whole model, as given and under the chosen map.
+    float32.remove()
+    say("dtype_policies.advise: timing the whole model, float32 and chosen")
+    whole = {"float32": work, "chosen": verified[taken]}
+    forward = time_variants(whole, batches[0].args, batches[0].kwargs, repeats)
     finished = time.perf_counter()
     state = state_after(ladders, steps, taken)
     rows = _rows(originals, units, skipped, groups, measurements, state, choices)
@@ -234,10 +246,12 @@ def advise(
         steps_total=len(steps),
         seconds={
             "measure": measured_at - started,
-            "verify": finished - measured_at,
+            "verify": verified_at - measured_at,
             "total": finished - started,
         },
         baseline_error=baseline,
+        forward_micros={name: value * 1e6 for name, value in forward.items()},
+        model_bytes={name: model_bytes(m) for name, m in whole.items()},
     )
 
 

@@ -56,3 +56,15 @@ def stored_bytes(variant: torch.nn.Module) -> int:
     """The bytes of the module's own parameters and buffers (as `summary`
     counts them: int8/int4 data and scales, float weights)."""
     return module_summaries(variant)[0].bytes
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a whole model's state dict, tensors shared by several
+    entries (tied weights) counted once."""
+    seen, total = set(), 0
+    for tensor in model.state_dict().values():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.nbytes)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.nbytes
+    return total

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dtype_policies.advisor.errors import ErrorMeter
 from dtype_policies.apply import apply_policy
 from dtype_policies.policies import DTypePolicyMap
 
@@ -27,16 +26,13 @@ class Check:
     error: float
 
 
-def measure_map(model: torch.nn.Module, policy_map: DTypePolicyMap, meter: ErrorMeter) -> float:
-    """The error of a deep copy of `model` (eval mode) with `policy_map` applied."""
+def prepared(model: torch.nn.Module, policy_map: DTypePolicyMap) -> torch.nn.Module:
+    """A deep copy of `model` (eval mode) with `policy_map` applied."""
     candidate = copy.deepcopy(model).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         apply_policy(candidate, policy_map)
-    try:
-        return meter(candidate)
-    finally:
-        del candidate
+    return candidate
 
 
 def back_off(
