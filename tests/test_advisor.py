@@ -197,6 +197,8 @@ def test_table_and_json(tmp_path):
         ({"max_error": "0.1"}, ValueError, "max_error"),
         ({"candidates": ("int8", "int3")}, ValueError, "unknown candidate 'int3'"),
         ({"candidates": ("float8_e4m3fn",)}, ValueError, "unknown candidate"),
+        ({"candidates": ()}, ValueError, "empty"),
+        ({"candidates": 8}, ValueError, "candidates"),
         ({"objective": "speed"}, ValueError, "objective"),
         ({"inputs": []}, ValueError, "empty"),
         ({"inputs": iter(())}, ValueError, "empty"),

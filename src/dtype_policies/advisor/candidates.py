@@ -87,6 +87,10 @@ def parse_candidates(specs: Iterable[object] | str) -> list[Candidate]:
         raise ValueError(
             f"advise(): `candidates` must be a sequence of policy names. Received: {specs!r}"
         ) from None
+    if not specs:
+        raise ValueError(
+            "advise(): `candidates` is empty; give at least one, e.g. ('int8', 'mixed_bfloat16')."
+        )
     policies: list[tuple[str, DTypePolicy]] = []
     for spec in specs:
         policy = parse_candidate(spec)

@@ -70,8 +70,12 @@ def advise(
     4. The map is applied to a fresh copy and its error measured; while it
        exceeds the budget, the last step is undone. Float32 everywhere (the
        model as given) ends it.
+    5. The whole model is timed on the first batch as given and under the
+       chosen map (`Advice.forward_micros`), and its bytes counted.
 
-    The model is never changed (every measurement runs on copies).
+    Microseconds are the fastest of `repeats` interleaved samples (see
+    `dtype_policies.advisor.latency`). The model is never changed (every
+    measurement runs on copies).
 
     Args:
         model: A float32 model.
