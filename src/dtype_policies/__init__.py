@@ -20,6 +20,9 @@ from dtype_policies import (
 from dtype_policies._core.cpu_float16 import CPUFloat16Warning
 from dtype_policies._core.weight_casts import clear_cast_caches
 from dtype_policies._version import __version__
+
+# The advisor sits at the top: it imports the rest, nothing imports it.
+from dtype_policies.advisor import Advice, advise
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
@@ -38,6 +41,7 @@ from dtype_policies.quantization import quantize
 
 __all__ = [
     "QUANTIZATION_MODES",
+    "Advice",
     "CPUFloat16Warning",
     "DTypePolicy",
     "DTypePolicyMap",
@@ -47,6 +51,7 @@ __all__ = [
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
     "__version__",
+    "advise",
     "apply_policy",
     "clear_cast_caches",
     "config",

@@ -15,10 +15,10 @@ import traceback
 from collections.abc import Sequence
 
 from dtype_policies._version import __version__
-from dtype_policies.cli import bench_command, demo, inspect_command
+from dtype_policies.cli import advise_command, bench_command, demo, inspect_command
 from dtype_policies.cli.targets import CLIError
 
-COMMANDS = (demo, inspect_command, bench_command)
+COMMANDS = (demo, inspect_command, advise_command, bench_command)
 
 
 def parser() -> argparse.ArgumentParser:

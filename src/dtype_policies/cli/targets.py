@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,27 @@ def _put_working_directory_on_path() -> None:
         sys.path.insert(0, cwd)
 
 
+def load_callable(target: str, what: str = "TARGET") -> Any:
+    """The callable `package.module:attribute` names (`what` names the
+    argument in errors)."""
+    module_name, colon, attribute = target.partition(":")
+    if not colon or not module_name or not attribute:
+        raise CLIError(f"{what} {target!r} is not 'package.module:callable'.")
+    _put_working_directory_on_path()
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise CLIError(f"cannot import {module_name!r} from {what} {target!r}: {e}") from e
+    found = module
+    for part in attribute.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            raise CLIError(f"{module_name!r} has no attribute {attribute!r} ({what} {target!r})")
+    if not callable(found):
+        raise CLIError(f"{target!r} is not callable (expected a function)")
+    return found
+
+
 def build_model(target: str) -> torch.nn.Module:
     """Calls the factory `package.module:callable` and returns its model."""
     module_name, colon, attribute = target.partition(":")
@@ -37,18 +59,7 @@ def build_model(target: str) -> torch.nn.Module:
             f"TARGET {target!r} is neither 'package.module:factory' nor a checkpoint "
             "(a .safetensors file or a directory written by dtype_policies.saving.save)."
         )
-    _put_working_directory_on_path()
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise CLIError(f"cannot import {module_name!r} from TARGET {target!r}: {e}") from e
-    factory = module
-    for part in attribute.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise CLIError(f"{module_name!r} has no attribute {attribute!r} (TARGET {target!r})")
-    if not callable(factory):
-        raise CLIError(f"{target!r} is not callable (expected a function returning a model)")
+    factory = load_callable(target)
     try:
         model = factory()
     except Exception as e:

@@ -1,0 +1,101 @@
+"""The candidate policies of `advise`, from the most to the least aggressive,
+with float32 always last (the model as given)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dtype_policies._dtypes import is_float_dtype
+from dtype_policies.policies import DTypePolicy, Int4DTypePolicy, QuantizedDTypePolicy, get
+
+DEFAULT_CANDIDATES = ("int4", "int8", "mixed_bfloat16")
+DEFAULT_SOURCE = "mixed_bfloat16"
+FLOAT32 = DTypePolicy("float32")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A policy a module may get.
+
+    Attributes:
+        label: The name as given (`"int8"`), used in tables.
+        policy: The policy (`int8_from_mixed_bfloat16`).
+        rank: 0 for float32, higher for more aggressive candidates.
+    """
+
+    label: str
+    policy: DTypePolicy
+    rank: int
+
+    @property
+    def mode(self) -> str | None:
+        return self.policy.quantization_mode
+
+
+def parse_candidate(spec: object) -> DTypePolicy:
+    """One candidate: a mode name (`"int8"`, `"int4"`, `"int4/64"`,
+    `"float8"`: quantized from mixed_bfloat16), a float policy name
+    (`"mixed_bfloat16"`, `"bfloat16"`), a full quantized name
+    (`"int4/-1_from_mixed_bfloat16"`) or a policy object."""
+    if isinstance(spec, str):
+        name = spec.strip()
+        try:
+            if name in ("int8", "float8") or name == "int4":
+                policy = (
+                    Int4DTypePolicy("int4/128", DEFAULT_SOURCE)
+                    if name == "int4"
+                    else QuantizedDTypePolicy(name, DEFAULT_SOURCE)
+                )
+            elif name.startswith("int4/") and "_from_" not in name:
+                policy = Int4DTypePolicy(name, DEFAULT_SOURCE)
+            else:
+                policy = get(name)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"advise(): unknown candidate {spec!r}: {e}") from None
+    elif isinstance(spec, DTypePolicy):
+        policy = spec
+    else:
+        raise ValueError(
+            f"advise(): unknown candidate {spec!r}: expected a policy name such as 'int8' or "
+            "'mixed_bfloat16', or a DTypePolicy."
+        )
+    if policy.is_map:
+        raise ValueError(f"advise(): candidate {spec!r} is a DTypePolicyMap, not one policy.")
+    compute = policy.compute_dtype
+    if policy.quantization_mode is None and (
+        not is_float_dtype(compute) or compute.startswith("float8")
+    ):
+        raise ValueError(
+            f"advise(): unknown candidate {spec!r}: it computes in {compute}, which "
+            "no module can compute in (quantized candidates are 'int8', 'int4', 'int4/64', "
+            "'float8' or full names such as 'int8_from_mixed_bfloat16')."
+        )
+    return policy
+
+
+def parse_candidates(specs: Iterable[object] | str) -> list[Candidate]:
+    """The candidates, most aggressive first, float32 last (always there).
+
+    Duplicates (by policy) are dropped, keeping the first.
+    """
+    if isinstance(specs, (str, DTypePolicy)):
+        specs = (specs,)
+    try:
+        specs = list(specs)
+    except TypeError:
+        raise ValueError(
+            f"advise(): `candidates` must be a sequence of policy names. Received: {specs!r}"
+        ) from None
+    if not specs:
+        raise ValueError(
+            "advise(): `candidates` is empty; give at least one, e.g. ('int8', 'mixed_bfloat16')."
+        )
+    policies: list[tuple[str, DTypePolicy]] = []
+    for spec in specs:
+        policy = parse_candidate(spec)
+        if policy != FLOAT32 and all(policy != seen for _, seen in policies):
+            label = spec.strip() if isinstance(spec, str) else policy.name
+            policies.append((label, policy))
+    ordered = [("float32", FLOAT32), *reversed(policies)]  # least aggressive first
+    return [Candidate(label, policy, rank) for rank, (label, policy) in enumerate(ordered)]

@@ -1,0 +1,387 @@
+"""The precision advisor: `dtype_policies.advise` and `dtype-policies advise`."""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import dtype_policies
+from dtype_policies import Advice, DTypePolicyMap, advise, saving
+from dtype_policies.advisor import relative_error
+
+# Aggressiveness of the labels advise uses, least first.
+ORDER = ["float32", "mixed_bfloat16", "int8", "int4"]
+QUANTIZED = {"int8", "int4"}
+FAST = {"progress": False, "repeats": 2}
+
+
+def fragile_mlp() -> torch.nn.Sequential:
+    """Three linears; the first reads inputs with four outlier channels (x100),
+    its weight columns for them scaled down so its outputs stay normal: int8
+    and int4 (activations quantized per row, weights per output channel)
+    crush the other 60 channels there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128),
+        torch.nn.GELU(),
+        torch.nn.Linear(128, 128),
+        torch.nn.GELU(),
+        torch.nn.Linear(128, 16),
+    )
+    with torch.no_grad():
+        model[0].weight[:, :4] /= 100.0
+    return model
+
+
+def outlier_inputs(seed: int = 1) -> torch.Tensor:
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed))
+    x[:, :4] *= 100.0
+    return x
+
+
+def snapshot(model: torch.nn.Module):
+    return (
+        {key: value.clone() for key, value in model.state_dict().items()},
+        [(name, type(module), module.training) for name, module in model.named_modules()],
+        [(name, p.requires_grad, p.dtype) for name, p in model.named_parameters()],
+    )
+
+
+def assert_unchanged(model: torch.nn.Module, before) -> None:
+    state, modules, parameters = before
+    now = model.state_dict()
+    assert list(now) == list(state)
+    for key, value in state.items():
+        assert now[key].dtype == value.dtype and torch.equal(now[key], value), key
+    assert [(n, type(m), m.training) for n, m in model.named_modules()] == modules
+    assert [(n, p.requires_grad, p.dtype) for n, p in model.named_parameters()] == parameters
+    assert not any(hasattr(m, "dtype_policy") for m in model.modules())
+
+
+def measured_error(model: torch.nn.Module, advice: Advice, batches, call=None) -> float:
+    """Applies the advice to a fresh copy and measures its error ourselves."""
+    call = call or (lambda module, x: module(x))
+    fresh = copy.deepcopy(model).eval()
+    advice.apply(fresh)
+    with torch.no_grad():
+        got = [call(fresh, x) for x in batches]
+        want = [call(model.eval(), x) for x in batches]
+    diff = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(got, want))
+    norm = sum(float(b.double().square().sum()) for b in want)
+    return math.sqrt(diff / norm)
+
+
+def choices(advice: Advice) -> dict[str, str]:
+    return {row.path: row.choice for row in advice.modules}
+
+
+def test_fragile_layer_stays_precise_the_rest_is_quantized():
+    model = fragile_mlp()
+    before = snapshot(model)
+    x = outlier_inputs()
+    advice = advise(model, x, max_error=0.03, objective="memory", **FAST)
+    assert_unchanged(model, before)
+
+    chosen = choices(advice)
+    assert chosen["0"] not in QUANTIZED  # the fragile layer
+    assert chosen["2"] in QUANTIZED and chosen["4"] in QUANTIZED
+    sensitivity = {row.path: row.errors for row in advice.modules}
+    assert sensitivity["0"]["int8"] > 10 * sensitivity["2"]["int8"]
+    assert set(advice.policy_map) == {"2", "4"}  # exact paths, float32 by default
+    assert advice.policy_map.default_policy.name == "float32"
+
+    error = measured_error(model, advice, [x])
+    assert error <= 0.03
+    assert error == pytest.approx(advice.error, rel=1e-4, abs=1e-6)
+    # apply quantizes by the map: int8 storage on the chosen modules only
+    fresh = copy.deepcopy(model)
+    advice.apply(fresh)
+    keys = fresh.state_dict()
+    assert "2.weight_int8" in keys or "2.weight_int4" in keys
+    assert "0.weight" in keys and keys["0.weight"].dtype == torch.float32
+    assert relative_error(torch.ones(3), torch.ones(3)) == 0.0
+
+
+def test_a_tighter_budget_never_quantizes_more():
+    model = fragile_mlp()
+    x = outlier_inputs()
+    previous = None
+    for budget in (0.1, 0.02, 0.01, 0.004):
+        advice = advise(model, x, max_error=budget, objective="memory", **FAST)
+        assert advice.error <= budget
+        assert measured_error(model, advice, [x]) <= budget
+        ranks = {path: ORDER.index(choice) for path, choice in choices(advice).items()}
+        if previous is not None:
+            for path, rank in ranks.items():
+                assert rank <= previous[path], (budget, path, choices(advice))
+        previous = ranks
+    assert previous == {"0": 0, "2": 0, "4": 0}  # the tightest keeps everything float32
+
+
+def test_latency_objective_on_several_batches_meets_the_budget():
+    model = fragile_mlp()
+    batches = [outlier_inputs(seed) for seed in (1, 2)]
+    before = snapshot(model)
+    advice = advise(model, iter(batches), max_error=0.02, objective="latency", **FAST)
+    assert_unchanged(model, before)
+    assert advice.error <= 0.02
+    assert measured_error(model, advice, batches) <= 0.02
+    for row in advice.modules:
+        assert row.micros["float32"] > 0 and row.calls == 1
+        assert row.bytes["int8"] < row.bytes["float32"]
+
+
+def test_metric_replaces_the_relative_error():
+    model = fragile_mlp()
+    x = outlier_inputs()
+    calls = []
+
+    def max_abs(outputs, reference):
+        calls.append(1)
+        return float((outputs.float() - reference).abs().max())
+
+    advice = advise(model, (x,), max_error=0.05, metric=max_abs, objective="memory", **FAST)
+    fresh = copy.deepcopy(model)
+    advice.apply(fresh)
+    with torch.no_grad():
+        assert max_abs(fresh(x), model(x)) <= 0.05
+    assert calls and advice.error <= 0.05
+
+
+def test_table_and_json(tmp_path):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+    )
+    advice = advise(model, torch.randn(8, 32), max_error=0.02, objective="memory", **FAST)
+    table = advice.table()
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["path", "class", "group", "policy"]
+    assert "sensitivity int8" in lines[0] and "µs/call f32" in lines[0]
+    row_3 = next(line for line in lines if line.startswith("3 "))
+    assert row_3.split()[1] == "Linear" and row_3.split()[3] == choices(advice)["3"]
+    assert "float32 (fixed)" in next(line for line in lines if line.startswith("2 "))
+    assert f"error {advice.error:.4g} measured" in table
+
+    data = json.loads(advice.to_json())
+    assert data["format"] == "dtype_policies.advice"
+    assert data["error"] == advice.error and data["max_error"] == 0.02
+    assert [row["path"] for row in data["modules"]] == ["0", "2", "3"]
+    by_path = {row["path"]: row for row in data["modules"]}
+    assert by_path["2"]["note"] == "normalization layer (float32 island)"
+    assert by_path["0"]["bytes"]["float32"] == (32 * 64 + 64) * 4
+    assert dtype_policies.deserialize(data["policy"]) == advice.policy_map
+
+    assert data["model_bytes"]["chosen"] < data["model_bytes"]["float32"]
+    assert data["model_bytes"]["float32"] == sum(t.nbytes for t in model.state_dict().values())
+    assert data["forward_micros"]["float32"] > 0 and data["forward_micros"]["chosen"] > 0
+    assert "whole model, float32 -> chosen:" in table
+
+    path = advice.save(tmp_path / "map.json")
+    assert saving.load_policy(path) == advice.policy_map
+    assert json.loads(path.read_text())["advice"]["error"] == advice.error
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"max_error": 0}, ValueError, "max_error"),
+        ({"max_error": -0.1}, ValueError, "max_error"),
+        ({"max_error": float("nan")}, ValueError, "max_error"),
+        ({"max_error": "0.1"}, ValueError, "max_error"),
+        ({"candidates": ("int8", "int3")}, ValueError, "unknown candidate 'int3'"),
+        ({"candidates": ("float8_e4m3fn",)}, ValueError, "unknown candidate"),
+        ({"candidates": ()}, ValueError, "empty"),
+        ({"candidates": 8}, ValueError, "candidates"),
+        ({"objective": "speed"}, ValueError, "objective"),
+        ({"inputs": []}, ValueError, "empty"),
+        ({"inputs": iter(())}, ValueError, "empty"),
+        ({"inputs": None}, ValueError, "None"),
+        ({"inputs": 3.0}, TypeError, "float"),
+        ({"inputs": torch.randn(4, 7)}, ValueError, "calling the model"),
+        ({"metric": "mse"}, TypeError, "metric"),
+    ],
+)
+def test_bad_arguments_raise_and_leave_the_model_alone(kwargs, error, match):
+    model = fragile_mlp()
+    before = snapshot(model)
+    arguments = {"inputs": outlier_inputs(), "max_error": 0.02, **kwargs}
+    with pytest.raises(error, match=match):
+        advise(model, **arguments, progress=False)
+    assert_unchanged(model, before)
+
+
+def tiny_llama(tie: bool = False):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_llama_q_k_v_share_one_precision():
+    model = tiny_llama()
+    before = snapshot(model)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    advice = advise(model, {"input_ids": ids}, max_error=0.02, objective="memory", **FAST)
+    assert_unchanged(model, before)
+    groups = [set(group) for group in advice.groups]
+    chosen = choices(advice)
+    for layer in (0, 1):
+        attention = f"model/layers/{layer}/self_attn/"
+        qkv = {attention + name for name in ("q_proj", "k_proj", "v_proj")}
+        assert qkv in groups
+        assert len({chosen[path] for path in qkv}) == 1
+        mlp = f"model/layers/{layer}/mlp/"
+        assert {mlp + "gate_proj", mlp + "up_proj"} in groups
+        assert {attention + "o_proj"} in groups
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            assert chosen[f"model/layers/{layer}/{norm}"] == "float32"
+    assert any(choice in QUANTIZED for choice in chosen.values())
+    assert advice.error <= 0.02
+
+    logits = lambda module, ids: module(input_ids=ids).logits  # noqa: E731
+    assert measured_error(model, advice, [ids], logits) <= 0.02
+
+
+def test_tied_embedding_and_head_are_one_group():
+    model = tiny_llama(tie=True)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    advice = advise(model, {"input_ids": ids}, max_error=0.02, objective="memory", **FAST)
+    assert ["model/embed_tokens", "lm_head"] in advice.groups
+    chosen = choices(advice)
+    assert chosen["lm_head"] == chosen["model/embed_tokens"]
+    assert advice.error <= 0.02
+    logits = lambda module, ids: module(input_ids=ids).logits  # noqa: E731
+    assert measured_error(model, advice, [ids], logits) <= 0.02
+
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+        )
+
+    def batches():
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randn(8, 32, generator=generator) for _ in range(2)]
+    """
+)
+
+
+def cli(*args, cwd):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "dtype_policies", "advise", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def test_cli_advise(tmp_path):
+    (tmp_path / "advise_models.py").write_text(FACTORY)
+    result = cli(
+        "advise_models:mlp",
+        "--inputs",
+        "16x32",
+        "--objective",
+        "memory",
+        "--max-error",
+        "0.02",
+        "--output",
+        "map.json",
+        "--json",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["target"] == "advise_models:mlp" and data["error"] <= 0.02
+    assert "measured 1/2" in result.stderr  # progress
+    policy_map = saving.load_policy(tmp_path / "map.json")
+    assert isinstance(policy_map, DTypePolicyMap)
+    assert dtype_policies.serialize(policy_map) == data["policy"]
+
+    table = cli("advise_models:mlp", "--inputs", "advise_models:batches", "--quiet", cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.startswith("path") and "sensitivity int8" in table.stdout
+    assert table.stderr.strip() == "" or "measured" not in table.stderr
+
+
+def test_cli_advise_bad_argument_exits_with_one_line(tmp_path):
+    (tmp_path / "advise_models.py").write_text(FACTORY)
+    result = cli("advise_models:mlp", "--inputs", "16x32", "--max-error", "0", cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert (
+        lines[-1] == "dtype-policies advise: error: --max-error must be a number > 0. Received: 0.0"
+    )
+    assert "Traceback" not in result.stderr
+    assert cli("advise_models:mlp", "--objective", "speed", cwd=tmp_path).returncode == 2
+
+
+def test_cli_help_lists_advise_and_the_inputs_forms(capsys):
+    from dtype_policies.cli import main
+
+    assert main(["--help"]) == 0
+    assert "advise" in capsys.readouterr().out
+    assert main(["advise", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "[NAME=]SHAPE[:DTYPE[:HIGH]]" in text and "package.module:callable" in text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--inputs", "16x32", "--candidates", "int8,int3"], "unknown candidate 'int3'"),
+        (["--inputs", "16xq"], "cannot read '16xq'"),
+        (["--inputs", "nonsense"], "cannot read 'nonsense'"),
+        (["--inputs", "16x32:int64"], "cannot tell the range"),
+        (["--inputs", "x=16x32", "8x8"], "name every SPEC"),
+        (["--inputs", "16x32:float7"], "unknown dtype 'float7'"),
+        (["--inputs", "advise_models:missing"], "has no attribute 'missing'"),
+    ],
+)
+def test_cli_advise_bad_inputs_in_process(tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / "advise_models.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from dtype_policies.cli import main
+
+    assert main(["advise", "advise_models:mlp", "--quiet", *args]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("dtype-policies advise: error:")
+    assert message in error[0]
+
+
+@pytest.mark.slow
+def test_benchmark_mlp_advice_within_a_minute():
+    from dtype_policies.bench.workloads.mlp import mlp
+
+    torch.manual_seed(0)
+    model = mlp().eval()
+    x = torch.randn(64, 1024)
+    start = time.perf_counter()
+    advice = advise(model, x, max_error=0.02, progress=False)
+    assert time.perf_counter() - start < 60
+    assert advice.error <= 0.02
