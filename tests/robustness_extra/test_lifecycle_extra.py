@@ -142,11 +142,16 @@ def test_func_grad_matches_autograd(setup):
     def loss(p):
         return torch.func.functional_call(model, p, (X,)).float().square().sum()
 
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     grads = torch.func.grad(loss)(params)
+    for name, b in model.named_buffers():  # a transform never advances float8 scales
+        assert torch.equal(b, buffers[name]), name
     model.zero_grad()
     model(X).float().square().sum().backward()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-2, atol=1e-3)
+        # Under torch.func the int8 product runs in plain bfloat16 ops (one
+        # more bfloat16 rounding than the int8 kernel): bfloat16 noise apart.
+        assert relative_error(grads[name], p.grad) < 0.02, name
 
 
 @pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int8_wo", "int4_128", "float8"])
@@ -168,7 +173,14 @@ def test_jit_trace(setup):
     model = _policied(setup).eval()
     with torch.no_grad():
         traced = torch.jit.trace(model, (X,), check_trace=False)
-        assert torch.equal(traced(X), model(X))
+        if setup == "int8_wo":
+            # Eager weight-only int8 runs `_weight_int8pack_mm` for a few rows;
+            # a trace records the plain product (the kernel's shape and
+            # alignment conditions cannot be baked into a trace): the same
+            # values up to bfloat16 rounding.
+            assert relative_error(traced(X), model(X)) < 0.01
+        else:
+            assert torch.equal(traced(X), model(X))
         other = torch.randn(20, 32)
         tolerance = TOLERANCE.get(setup, 0.01)
         assert relative_error(traced(other), model(other)) < tolerance

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dtype_policies._core.casting import tracing
+from dtype_policies._core.casting import functorch_wrapped, tracing
 from dtype_policies.quantizers.config import QuantizationConfig
 
 LAYOUTS = ("out_in", "in_out")
@@ -144,7 +144,7 @@ class Scheme(abc.ABC):
         )
         if tracing():
             y = self.traced_linear(module, qw, x2, bias, compute, needs_grad)
-        elif _functorch_wrapped(x2) or (bias is not None and _functorch_wrapped(bias)):
+        elif functorch_wrapped(x2) or (bias is not None and functorch_wrapped(bias)):
             # functorch transforms (torch.func.grad, vmap, ...) need plain ops
             y = self.traced_linear(module, qw, x2, bias, compute, needs_grad=True)
         elif needs_grad:
@@ -241,14 +241,6 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight(mode={self.mode!r}, weight={self.weight_name!r}, {self.config})"
-
-
-try:
-    from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrapped
-except ImportError:  # pragma: no cover - older torch
-
-    def _functorch_wrapped(tensor: torch.Tensor) -> bool:
-        return False
 
 
 class _StraightThrough(torch.autograd.Function):

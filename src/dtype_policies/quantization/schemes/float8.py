@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies._core.call import leaf_weights
+from dtype_policies._core.casting import functorch_wrapped, tracing
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Float8QuantizationConfig
 from dtype_policies.quantizers.math import (
@@ -121,8 +122,12 @@ class _QDQForward(torch.autograd.Function):
     """Forward: quantize-dequantize in e4m3fn. Backward: straight through."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return quantize_and_dequantize(x, scale, torch.float8_e4m3fn, x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
+        pass  # a separate setup_context: what torch.func transforms require
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -134,15 +139,17 @@ class _QDQGradient(torch.autograd.Function):
     then commit the step's scale and history updates."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
+    def forward(  # type: ignore[override]
         y: torch.Tensor,
         scale: torch.Tensor,
         history: torch.Tensor,
         updates: _Updates | None,
     ) -> torch.Tensor:
-        ctx.scale, ctx.history, ctx.updates = scale, history, updates
         return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
+        _, ctx.scale, ctx.history, ctx.updates = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -168,10 +175,12 @@ def float8_contract(
 ) -> torch.Tensor:
     """`contract(qdq(inputs), qdq(kernel))` with the output gradient
     quantize-dequantized, and the delayed-scaling state of `module` advanced
-    when `training` and a backward runs."""
+    when `training` and a backward runs. Under `torch.func` transforms the
+    state is read, never advanced: they forbid writing to captured tensors."""
     state = module._buffers  # read directly: never through a policy's autocasting
     updates = None
-    if training and torch.is_grad_enabled() and inputs.numel() > 0:
+    functional = not tracing() and (functorch_wrapped(inputs) or functorch_wrapped(kernel))
+    if training and torch.is_grad_enabled() and inputs.numel() > 0 and not functional:
         updates = _Updates()
         with torch.no_grad():
             for name, tensor, fmt_max in (
