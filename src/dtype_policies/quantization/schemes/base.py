@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.checkpoints import QUANTIZED_SUFFIXES
 from dtype_policies.quantizers.config import QuantizationConfig
 
 LAYOUTS = ("out_in", "in_out")
@@ -222,6 +223,42 @@ class QuantizedWeight:
     def dequantized(self, module: torch.nn.Module) -> torch.Tensor:
         """The float32 weight in the float parameter's shape."""
         return self.spec.from_nk(self.scheme.dequantize(module, self))
+
+    def check_checkpoint(self, module: torch.nn.Module, state_dict: dict, prefix: str) -> None:
+        """Raises `ValueError` naming the keys if `state_dict` holds this
+        weight stored by another mode, or by this mode with another layout
+        (int4 per channel against grouped, another block size); reads only."""
+        name = self.weight_name
+        path = prefix[:-1] or "(root)"
+        expected = self.scheme.stored_shapes(self.spec, self.config)
+        foreign = [
+            prefix + name + suffix
+            for suffix in (*QUANTIZED_SUFFIXES, "_zero")
+            if prefix + name + suffix in state_dict and name + suffix not in expected
+        ]
+        if foreign:
+            raise ValueError(
+                f"The checkpoint holds {foreign}, stored by another quantization mode or "
+                f"configuration, but the module at '{path}' is quantized in mode "
+                f"'{self.mode}' ({self.config}; it expects {sorted(prefix + n for n in expected)})."
+                " Quantize the model the same way before loading; nothing was loaded."
+            )
+        mismatched = []
+        for buffer, (shape, dtype) in expected.items():
+            value = state_dict.get(prefix + buffer)
+            if isinstance(value, torch.Tensor) and (
+                tuple(value.shape) != tuple(shape) or value.dtype != dtype
+            ):
+                mismatched.append(
+                    f"'{prefix + buffer}': {tuple(value.shape)} {value.dtype} "
+                    f"(expected {tuple(shape)} {dtype})"
+                )
+        if mismatched:
+            raise ValueError(
+                f"The checkpoint's {', '.join(mismatched)} do not fit the module at '{path}', "
+                f"quantized in mode '{self.mode}' ({self.config}): it was quantized with another "
+                "configuration. Quantize the model the same way before loading; nothing was loaded."
+            )
 
     def integer_values(self, module: torch.nn.Module) -> torch.Tensor:
         """The integer values in the float parameter's shape (Keras's `kernel`)."""
