@@ -15,7 +15,11 @@ import torch
 import torch.nn as nn
 
 from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize, saving
-from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
+from dtype_policies.quantization import (
+    Float8QuantizationConfig,
+    Int4QuantizationConfig,
+    Int8QuantizationConfig,
+)
 
 pytest.importorskip("safetensors")
 
@@ -75,8 +79,14 @@ CASES = {
     ),
     "int4_grouped": ("mixed_bfloat16", "int4", Int4QuantizationConfig(block_size=32)),
     "int4_per_channel": ("mixed_bfloat16", "int4", Int4QuantizationConfig(block_size=-1)),
+    "int4_searched": (
+        "mixed_bfloat16",
+        "int4",
+        Int4QuantizationConfig(block_size=32, scale_search=True),
+    ),
     "int8_from_float32": (None, "int8", None),
     "float8": ("mixed_bfloat16", "float8", None),
+    "float8_dynamic": ("mixed_bfloat16", "float8", Float8QuantizationConfig(scaling="dynamic")),
 }
 
 

@@ -13,6 +13,7 @@ from dtype_policies._dtypes import COMPUTE_FLOAT_DTYPES
 from dtype_policies.policies.dtype_policy import DTypePolicy, default_source_name, parse_float_name
 from dtype_policies.quantizers.config import (
     DEFAULT_AMAX_HISTORY_LENGTH,
+    FLOAT8_SCALINGS,
     Float8QuantizationConfig,
     Int4QuantizationConfig,
     Int8QuantizationConfig,
@@ -90,16 +91,22 @@ class QuantizedDTypePolicy(DTypePolicy):
 
 
 class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
-    """A float8 policy: quantize-dequantize training with delayed scaling.
+    """A float8 policy: quantize-dequantize training.
 
     Inputs and kernels are quantized in float8_e4m3fn, output gradients in
-    float8_e5m2, with scales taken from the maximum of the last
-    `amax_history_length` absolute maxima.
+    float8_e5m2. With `scaling="delayed"` (the default, Keras's only mode) the
+    scales are the maximum of the last `amax_history_length` absolute maxima,
+    learnt in training steps; with `scaling="dynamic"` each scale comes from
+    the tensor being quantized, in every call (no calibration, no history).
+    The name does not say which: `get_config()` does (a `"scaling"` key,
+    present only for dynamic scaling, so delayed configs stay Keras's).
 
     >>> from dtype_policies import QuantizedFloat8DTypePolicy
     >>> policy = QuantizedFloat8DTypePolicy("float8", "float32", amax_history_length=16)
-    >>> policy, policy.amax_history_length
-    (<QuantizedFloat8DTypePolicy "float8_from_float32">, 16)
+    >>> policy, policy.amax_history_length, policy.scaling
+    (<QuantizedFloat8DTypePolicy "float8_from_float32">, 16, 'delayed')
+    >>> QuantizedFloat8DTypePolicy("float8", "float32", scaling="dynamic")
+    <QuantizedFloat8DTypePolicy "float8_from_float32" scaling="dynamic">
     """
 
     keras_module = "keras.dtype_policies"
@@ -110,7 +117,12 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         mode: str,
         source_name: str | torch.dtype | None = None,
         amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH,
+        scaling: str = "delayed",
     ) -> None:
+        if scaling not in FLOAT8_SCALINGS:
+            raise ValueError(
+                f"`scaling` must be one of {FLOAT8_SCALINGS}. Received: scaling={scaling!r}"
+            )
         if not isinstance(amax_history_length, int) or isinstance(amax_history_length, bool):
             raise TypeError(
                 "`amax_history_length` must be an integer. "
@@ -128,6 +140,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
             )
         super().__init__(mode, source_name)
         self._set("_amax_history_length", amax_history_length)
+        self._set("_scaling", scaling)
 
     @property
     def amax_history_length(self) -> int:
@@ -135,19 +148,32 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         return self._amax_history_length
 
     @property
+    def scaling(self) -> str:
+        """`"delayed"` (scales from past maxima) or `"dynamic"` (from the current tensor)."""
+        return self._scaling
+
+    @property
     def quantization_config(self) -> QuantizationConfig:
-        return Float8QuantizationConfig(amax_history_length=self._amax_history_length)
+        return Float8QuantizationConfig(
+            amax_history_length=self._amax_history_length, scaling=self._scaling
+        )
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["amax_history_length"] = self._amax_history_length
+        if self._scaling != "delayed":
+            config["scaling"] = self._scaling
         return config
 
     def _init_args(self) -> tuple:
-        return (*super()._init_args(), self._amax_history_length)
+        return (*super()._init_args(), self._amax_history_length, self._scaling)
 
     def _equality_key(self) -> tuple:
-        return (*super()._equality_key(), self._amax_history_length)
+        return (*super()._equality_key(), self._amax_history_length, self._scaling)
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        return text if self._scaling == "delayed" else f'{text[:-1]} scaling="{self._scaling}">'
 
 
 class Int4DTypePolicy(QuantizedDTypePolicy):
@@ -207,7 +233,9 @@ def policy_for_config(config: QuantizationConfig, source_name: str) -> Quantized
     if config.mode == "int4":
         return Int4DTypePolicy(f"int4/{config.group_size}", source_name)
     if config.mode == "float8":
-        return QuantizedFloat8DTypePolicy("float8", source_name, config.history_length)
+        return QuantizedFloat8DTypePolicy(
+            "float8", source_name, config.history_length, config.scaling
+        )
     return QuantizedDTypePolicy(config.mode, source_name)
 
 

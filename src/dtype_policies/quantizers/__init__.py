@@ -23,6 +23,7 @@ from dtype_policies.quantizers.config import (
 from dtype_policies.quantizers.math import (
     abs_max_quantize,
     compute_float8_amax_history,
+    compute_float8_dynamic_scale,
     compute_float8_scale,
     dequantize_grouped,
     grouped_quantize_with_zero_point,
@@ -30,6 +31,7 @@ from dtype_policies.quantizers.math import (
     quantize_and_dequantize,
     unpack_int4,
 )
+from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
 
 __all__ = [
     "DEFAULT_AMAX_HISTORY_LENGTH",
@@ -41,12 +43,15 @@ __all__ = [
     "QuantizationConfig",
     "abs_max_quantize",
     "compute_float8_amax_history",
+    "compute_float8_dynamic_scale",
     "compute_float8_scale",
     "dequantize_grouped",
     "deserialize_config",
     "grouped_quantize_with_zero_point",
     "pack_int4",
     "quantize_and_dequantize",
+    "search_grouped_int4",
+    "search_per_channel_int4",
     "serialize_config",
     "unpack_int4",
     "validate_and_resolve_config",

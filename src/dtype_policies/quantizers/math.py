@@ -7,8 +7,9 @@
   input rows (the range widened to include 0): `scale = (max - min + eps) / 15`,
   `zero = clip(round(-min / scale) - 8, -8, 7)`,
   `q = clip(round(x / scale) + zero, -8, 7)`, and `x ≈ (q - zero) * scale`.
-* float8 is quantize-dequantize with delayed scaling: `x ≈ fp8(x / scale) * scale`
-  with `scale = amax / fp8_max`, amax taken from a history of past maxima.
+* float8 is quantize-dequantize: `x ≈ fp8(x / scale) * scale` with
+  `scale = amax / fp8_max`, amax taken from a history of past maxima (delayed
+  scaling) or from the tensor itself (dynamic scaling).
 """
 
 from __future__ import annotations
@@ -142,6 +143,24 @@ def compute_float8_scale(
     keep = (amax <= 0) | ~torch.isfinite(amax)
     factor = torch.where(keep, 1.0 / scale, factor)
     return 1.0 / factor
+
+
+def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Tensor:
+    """Dynamic scaling: the float32 scalar `max|x| / dtype_max` of `x` itself,
+    1 when `x` is empty, all zero or its maximum is not finite (no graph, no
+    history).
+
+    >>> import torch
+    >>> compute_float8_dynamic_scale(torch.tensor([1.0, -896.0]), FLOAT8_E4M3_MAX)
+    tensor(2.)
+    >>> compute_float8_dynamic_scale(torch.zeros(3), FLOAT8_E4M3_MAX)
+    tensor(1.)
+    """
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.float32, device=x.device)
+    amax = x.detach().abs().amax().float()
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, amax / dtype_max, torch.ones_like(amax))
 
 
 def compute_float8_amax_history(x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,16 @@
 """float8 (Keras's `float8` mode): quantize-dequantize training with delayed
-scaling. The float weight stays a trained parameter; six float32 buffers hold
-the scaling state: `inputs_scale`, `kernel_scale`, `outputs_grad_scale`
-(scalars) and their `*_amax_history` (the policy's length, default 1024).
+(the default, as Keras) or dynamic scaling. The float weight stays a trained
+parameter; six float32 buffers hold the delayed-scaling state:
+`inputs_scale`, `kernel_scale`, `outputs_grad_scale` (scalars) and their
+`*_amax_history` (the policy's length, default 1024).
 
-In a training step (a forward in training mode and its backward): inputs and
+Dynamic scaling (`Float8QuantizationConfig(scaling="dynamic")`) takes each
+scale from the tensor being quantized, in every call (inputs and kernel in the
+forward, the output gradient in the backward): `max|t| / format max`. It
+needs no calibration and never reads or writes the six buffers (they stay,
+so that checkpoints have one format).
+
+Delayed scaling: in a training step (a forward in training mode and its backward): inputs and
 kernel are quantize-dequantized in float8_e4m3fn with the scales from before
 the step, the output gradient in float8_e5m2 with its scale; gradients pass
 straight through; once the backward has run, each scale becomes
@@ -28,6 +35,7 @@ from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
     FLOAT8_E5M2_MAX,
     compute_float8_amax_history,
+    compute_float8_dynamic_scale,
     compute_float8_scale,
     quantize_and_dequantize,
 )
@@ -96,7 +104,8 @@ class Float8Scheme(Scheme):
 
         else:
             contract = F.linear
-        y = float8_contract(module, x, kernel, contract, module.training)
+        dynamic = qw.config.scaling == "dynamic"
+        y = float8_contract(module, x, kernel, contract, module.training, dynamic)
         if bias is not None:
             y = y + bias
         return y.to(compute)
@@ -135,8 +144,9 @@ class _QDQForward(torch.autograd.Function):
 
 
 class _QDQGradient(torch.autograd.Function):
-    """Forward: identity. Backward: quantize-dequantize the gradient in e5m2,
-    then commit the step's scale and history updates."""
+    """Forward: identity. Backward: quantize-dequantize the gradient in e5m2
+    (with the stored scale, or with its own when `dynamic`), then commit the
+    step's scale and history updates (delayed scaling)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -144,15 +154,20 @@ class _QDQGradient(torch.autograd.Function):
         scale: torch.Tensor,
         history: torch.Tensor,
         updates: _Updates | None,
+        dynamic: bool,
     ) -> torch.Tensor:
         return y.view_as(y)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
-        _, ctx.scale, ctx.history, ctx.updates = inputs
+        _, ctx.scale, ctx.history, ctx.updates, ctx.dynamic = inputs
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        if ctx.dynamic:
+            scale = compute_float8_dynamic_scale(grad, FLOAT8_E5M2_MAX)
+            qdq = quantize_and_dequantize(grad, scale, torch.float8_e5m2, grad.dtype)
+            return qdq, None, None, None, None
         scale, history = ctx.scale, ctx.history
         qdq = quantize_and_dequantize(grad, scale, torch.float8_e5m2, grad.dtype)
         if ctx.updates is not None and grad.numel() > 0:
@@ -163,7 +178,7 @@ class _QDQGradient(torch.autograd.Function):
                 scale.copy_(new_scale)
                 history.copy_(new_history)
             ctx.updates = None  # a second backward through this graph commits nothing
-        return qdq, None, None, None
+        return qdq, None, None, None, None
 
 
 def float8_contract(
@@ -172,12 +187,20 @@ def float8_contract(
     kernel: torch.Tensor,
     contract: Any,
     training: bool,
+    dynamic: bool = False,
 ) -> torch.Tensor:
     """`contract(qdq(inputs), qdq(kernel))` with the output gradient
-    quantize-dequantized, and the delayed-scaling state of `module` advanced
-    when `training` and a backward runs. Under `torch.func` transforms the
-    state is read, never advanced: they forbid writing to captured tensors."""
+    quantize-dequantized. Delayed scaling: with the scales of `module`'s
+    state, advanced when `training` and a backward runs (read, never advanced,
+    under `torch.func` transforms: they forbid writing to captured tensors).
+    `dynamic`: with scales from the tensors themselves, the state untouched."""
     state = module._buffers  # read directly: never through a policy's autocasting
+    if dynamic:
+        x = _QDQForward.apply(inputs, compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX))
+        k = _QDQForward.apply(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
+        y = contract(x, k)
+        scale, history = state["outputs_grad_scale"], state["outputs_grad_amax_history"]
+        return _QDQGradient.apply(y, scale, history, None, True)
     updates = None
     functional = not tracing() and (functorch_wrapped(inputs) or functorch_wrapped(kernel))
     if training and torch.is_grad_enabled() and inputs.numel() > 0 and not functional:
@@ -195,5 +218,5 @@ def float8_contract(
     k = _QDQForward.apply(kernel, state["kernel_scale"])
     y = contract(x, k)
     return _QDQGradient.apply(
-        y, state["outputs_grad_scale"], state["outputs_grad_amax_history"], updates
+        y, state["outputs_grad_scale"], state["outputs_grad_amax_history"], updates, False
     )

@@ -18,6 +18,7 @@ from dtype_policies.quantizers.math import (
     pack_int4,
     unpack_int4,
 )
+from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
 
 
 class Int4Scheme(Scheme):
@@ -35,11 +36,17 @@ class Int4Scheme(Scheme):
     ) -> dict[str, torch.Tensor]:
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
         names = self.buffer_names(spec, config)
+        quantizer = config.weight_quantizer
         if config.group_size > 0:
-            q_kn, scale, zero = grouped_quantize_with_zero_point(w_nk.t(), config.group_size)
+            grouped = (
+                search_grouped_int4 if config.scale_search else grouped_quantize_with_zero_point
+            )
+            q_kn, scale, zero = grouped(w_nk.t(), config.group_size)
             q_nk, extra = q_kn.t(), {names[1]: scale, names[2]: zero}
+        elif config.scale_search:
+            q_kn, scale = search_per_channel_int4(w_nk.t(), epsilon=quantizer.epsilon)
+            q_nk, extra = q_kn.t(), {names[1]: scale}
         else:
-            quantizer = config.weight_quantizer
             q_nk, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
             extra = {names[1]: scale.reshape(-1)}
         data = q_nk.t() if spec.layout == "in_out" else q_nk
