@@ -20,6 +20,15 @@ _CAST_METHODS = {
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+try:
+    from torch._C._functorch import is_functorch_wrapped_tensor as functorch_wrapped
+except ImportError:  # pragma: no cover - older torch
+
+    def functorch_wrapped(tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a `torch.func` transform's wrapper (never, here)."""
+        return False
+
+
 def tracing() -> bool:
     """Whether a compiler or tracer records the ops (`torch.compile`,
     `torch.export`, `torch.jit.trace`): kept casts and opaque kernels are

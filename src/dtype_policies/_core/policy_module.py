@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
+from dtype_policies._core.checkpoints import check_checkpoint
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._core.weight_casts import WeightCasts, cast_pair, prepacked_linear
@@ -79,6 +80,10 @@ class PolicyModule:
         return super().__getattr__(name)
 
     _is_fsdp_managed_module = sharded.fsdp_managed
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # `.to()`, `.half()`, ... may change weight dtypes: re-derive the state.

@@ -23,16 +23,8 @@ import threading
 
 import torch
 
-from dtype_policies._core.casting import cast_tensor, tracing
+from dtype_policies._core.casting import cast_tensor, functorch_wrapped, tracing
 from dtype_policies._core.scope import AutocastScope
-
-try:
-    from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapped
-except ImportError:  # pragma: no cover - older torch
-
-    def _is_functorch_wrapped(tensor: torch.Tensor) -> bool:
-        return False
-
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _get_ident = threading.get_ident
@@ -75,7 +67,7 @@ def can_keep(weight: torch.Tensor) -> bool:
         type(weight) in _PLAIN_TYPES
         and not weight.is_inference()
         and not tracing()
-        and not _is_functorch_wrapped(weight)
+        and not functorch_wrapped(weight)
     )
 
 

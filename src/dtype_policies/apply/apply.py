@@ -276,7 +276,7 @@ def _plan_policies(
     cast_buffers: bool,
     weight_cache: bool,
 ) -> tuple[list[Step], set[str]]:
-    steps, used_keys = [], set()
+    steps, used_keys, conflicts = [], set(), []
     for path, submodule in named_module_paths(module, root_path_of(module)):
         explicit = False
         resolved = policy
@@ -296,7 +296,10 @@ def _plan_policies(
                 f"quantize weights, use a quantized policy such as "
                 f"'{resolved.name}_from_mixed_bfloat16', or call dtype_policies.quantize()."
             )
-        _check_quantized(path, submodule, resolved)
+        conflict = _quantized_conflict(path, submodule, resolved)
+        if conflict is not None:
+            conflicts.append(conflict)
+            continue
         island = not explicit and _matches(path, submodule, rules)
         resolved = _FLOAT32 if island else resolved
         options = None
@@ -311,23 +314,34 @@ def _plan_policies(
                 weight_cache=weight_cache,
             )
         steps.append(Step(path, submodule, resolved, island, options))
+    if conflicts:
+        others = [path for path, _ in conflicts[1:]]
+        also = f" The same holds for {others}." if others else ""
+        raise ValueError(
+            f"apply_policy(): {conflicts[0][1]}.{also} Apply a float policy (a quantized "
+            "module computes with it) or rebuild the model from a float checkpoint."
+        )
     return steps, used_keys
 
 
-def _check_quantized(path: str, module: torch.nn.Module, policy: DTypePolicy) -> None:
-    """A quantized module can take float policies (it computes with them) or a
-    quantized policy of its own mode and settings, nothing else."""
+def _quantized_conflict(
+    path: str, module: torch.nn.Module, policy: DTypePolicy
+) -> tuple[str, str] | None:
+    """`(path, why)` if `module` is quantized and cannot take `policy`: a
+    quantized module takes float policies (it computes with them) or a quantized
+    policy of its own mode and settings, nothing else."""
     quantized = attach.quantization_of(module)
     mode = policy.quantization_mode
     if quantized is None or mode is None:
-        return
-    if mode != quantized.mode or policy.quantization_config != quantized.config:
-        raise ValueError(
-            f"apply_policy(): the module at '{path or '(root)'}' is quantized in mode "
-            f"'{quantized.mode}' ({quantized.config}); it cannot take the policy "
-            f"'{policy.name}' (mode '{mode}', {policy.quantization_config}). Apply a float "
-            "policy (it computes with it) or rebuild the model from a float checkpoint."
-        )
+        return None
+    if mode == quantized.mode and policy.quantization_config == quantized.config:
+        return None
+    label = path or "(root)"
+    return label, (
+        f"the module at '{label}' is quantized in mode '{quantized.mode}' "
+        f"({quantized.config}); it cannot take the policy '{policy.name}' "
+        f"(mode '{mode}', {policy.quantization_config})"
+    )
 
 
 def _plan_quantization(steps: list[Step]) -> list[attach.Plan]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from dtype_policies.layers.layer import Layer
 from dtype_policies.policies import get as get_policy
 from dtype_policies.policies import policy_for_config
@@ -19,7 +17,6 @@ from dtype_policies.quantization.kinds import (
     register_module_kind,
 )
 from dtype_policies.quantization.modules import (
-    QUANTIZED_SUFFIXES,
     adapt_state_dict,
     apply_keeping_stored_dtypes,
 )
@@ -128,13 +125,10 @@ class QuantizableLayer(Layer):
             return quantized.integer_values(self)  # Keras: the quantized integer values
         return super().__getattr__(name)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _adapt_checkpoint(self, state_dict: dict, prefix: str) -> None:
         quantized = self._quantized
         if quantized is not None:
             adapt_state_dict(self, quantized, state_dict, prefix)
-        else:
-            _refuse_quantized_keys(self, state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return apply_keeping_stored_dtypes(self, fn, super()._apply, args, kwargs)
@@ -143,20 +137,6 @@ class QuantizableLayer(Layer):
         config = super().get_config()
         config["quantization_config"] = serialize_config(self.quantization_config)
         return config
-
-
-def _refuse_quantized_keys(layer: torch.nn.Module, state_dict: dict, prefix: str) -> None:
-    keys = [
-        prefix + name + suffix
-        for name in layer._parameters
-        for suffix in QUANTIZED_SUFFIXES
-        if prefix + name + suffix in state_dict
-    ]
-    if keys:
-        raise ValueError(
-            f"The checkpoint holds quantized weights {keys}, but layer '{layer.name}' is not "
-            "quantized. Quantize it the same way before loading."
-        )
 
 
 def _after_quantized(layer: QuantizableLayer, plan: attach.Plan) -> None:

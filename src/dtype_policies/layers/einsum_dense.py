@@ -230,10 +230,14 @@ class EinsumDense(QuantizableLayer):
         if plan is None:  # float8 on a general equation: its own contraction
             outputs = quantized.linear(self, inputs, None, compute)
         else:
+            # The output is the input's leading axes (any number under `...`,
+            # not only the build-time ones) followed by the kernel's free axes.
             lead = inputs.shape[: inputs.dim() - plan[1]]
+            free_count = len(self.spec.kernel) - plan[1]
+            free = self.full_output_shape[len(self.full_output_shape) - free_count :]
             flat = inputs.reshape(*lead, quantized.spec.in_features)
             outputs = quantized.linear(self, flat, None, compute)
-            outputs = outputs.reshape(*lead, *self.full_output_shape[len(lead) :])
+            outputs = outputs.reshape(*lead, *free)
         if self.bias is not None:
             outputs = outputs + self.bias
         return self.activation(outputs)

@@ -19,6 +19,7 @@ from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import first_tensor
+from dtype_policies._core.checkpoints import check_checkpoint
 from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._core.weight_casts import WeightCasts
 from dtype_policies._paths import named_module_paths
@@ -289,6 +290,14 @@ class Layer(LayerWeights, torch.nn.Module):
         return super().__getattr__(name)
 
     _is_fsdp_managed_module = sharded.fsdp_managed
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
+        self._adapt_checkpoint(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _adapt_checkpoint(self, state_dict: dict, prefix: str) -> None:
+        """Rewrites this layer's own entries of a checkpoint (quantized layers)."""
 
     def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Layer:
         # `.to()`, `.double()`, ... may change weight dtypes: re-derive call state.

@@ -63,6 +63,16 @@ def _owns_weights(module: torch.nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values())
 
 
+def _not_ready(module: torch.nn.Module) -> str | None:
+    """Why a module has no weights to quantize yet, if it has none (`layer.quantize()`
+    on such a layer raises instead, as Keras's does)."""
+    if getattr(module, "built", True) is False:
+        return "not built yet (call or build it first)"
+    if any(torch.nn.parameter.is_lazy(p) for p in module._parameters.values() if p is not None):
+        return "its parameters are not initialized yet (a lazy module: call it once first)"
+    return None
+
+
 def _read_by_parent(path: str, module: torch.nn.Module, modules: dict[str, Any]) -> str | None:
     if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "weight read by its parent (NonDynamicallyQuantizableLinear)"
@@ -150,7 +160,7 @@ def quantize(
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))
             continue
-        reason = _read_by_parent(path, module, modules)
+        reason = _not_ready(module) or _read_by_parent(path, module, modules)
         if reason is not None:
             report.skipped.append((label, reason))
             continue

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils import parametrize
 
-from dtype_policies._core.compose import mixins_of, set_mixins
+from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.policy_module import ModuleOptions, install, uninstall
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
@@ -85,6 +85,21 @@ def _check_weight(module: torch.nn.Module, name: str, needs_values: bool) -> tor
     return weight
 
 
+def _check_forward_replaceable(module: torch.nn.Module, kind: ModuleKind) -> None:
+    """A quantized forward replaces the registered class's forward: a subclass
+    with a forward of its own (extra computation around the product) would
+    silently lose it, so it is refused (unless registered itself)."""
+    for cls in original_class(module).__mro__:
+        if kind_of_class(cls) is kind:
+            return
+        if "forward" in vars(cls):
+            raise NotImplementedError(
+                f"its class {cls.__name__} defines its own forward(), which a quantized "
+                "forward would bypass (register the class with register_linear_kind if its "
+                "forward is the plain product)"
+            )
+
+
 def plan(
     module: torch.nn.Module,
     config: QuantizationConfig,
@@ -135,6 +150,8 @@ def plan(
                 f"Layer {name} does not have a `quantize` method implemented. Pass "
                 f"`type_check=False` to quantize a subclass whose `call` is {base.__name__}'s."
             )
+    if kind.forward is not None:
+        _check_forward_replaceable(module, kind)
     if parametrize.is_parametrized(module):
         raise NotImplementedError("its weights are parametrized (torch.nn.utils.parametrize)")
     hooks = [type(hook).__name__ for hook in module._forward_pre_hooks.values()]

@@ -15,11 +15,9 @@ from typing import Any
 import torch
 
 from dtype_policies._core.call import leaf_weights
+from dtype_policies._core.checkpoints import check_checkpoint
 from dtype_policies._core.scope import current_scope
 from dtype_policies.quantization.schemes.base import QuantizedWeight
-
-QUANTIZED_SUFFIXES = ("_int8", "_int4")
-"""Suffixes of the integer data buffers (`<weight>_int8`, `<weight>_int4`)."""
 
 
 def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
@@ -47,6 +45,7 @@ class QuantizedForward:
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         qw = self.__dict__.get("_dp_quant")
         if qw is not None:
+            check_checkpoint(self, state_dict, prefix)
             adapt_state_dict(self, qw, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -119,24 +118,13 @@ def adapt_state_dict(
 
     * a float checkpoint (the float `<weight>` instead of the stored buffers)
       is quantized with the module's own mode and config;
-    * stored buffers of another mode raise `ValueError` naming the keys;
+    * stored buffers of another mode or layout raise `ValueError` naming the
+      keys (`QuantizedWeight.check_checkpoint`);
     * float8 scaling state missing from a float checkpoint keeps its values.
     """
+    qw.check_checkpoint(module, state_dict, prefix)
     weight_key = prefix + qw.weight_name
-    stored = sorted(prefix + name for name in qw.stored_names)
-    present = [key for key in stored if key in state_dict]
-    foreign = [
-        prefix + qw.weight_name + suffix
-        for suffix in QUANTIZED_SUFFIXES
-        if prefix + qw.weight_name + suffix in state_dict
-        and qw.weight_name + suffix not in qw.stored_names
-    ]
-    if foreign:
-        raise ValueError(
-            f"The checkpoint holds {foreign}, stored by another quantization mode, but the "
-            f"module at '{prefix[:-1] or '(root)'}' is quantized in mode '{qw.mode}' "
-            f"(it expects {stored}). Quantize the model the same way before loading."
-        )
+    present = [prefix + name for name in qw.stored_names if prefix + name in state_dict]
     if qw.scheme.keeps_float_weight:
         for name in qw.stored_names:
             state_dict.setdefault(prefix + name, module._buffers[name].detach())

@@ -127,7 +127,8 @@ def unpack_int4(packed: torch.Tensor, length: int, axis: int = 0) -> torch.Tenso
     moved = packed.movedim(axis, 0).to(torch.int16) & 0xFF  # the bytes, unsigned
     low = moved & 0xF
     high = (moved >> 4) & 0xF
-    nibbles = torch.stack([low, high], dim=1).reshape(-1, *moved.shape[1:])[:length]
+    nibbles = torch.stack([low, high], dim=1).reshape(2 * moved.shape[0], *moved.shape[1:])
+    nibbles = nibbles[:length]
     signed = torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
     return signed.movedim(0, axis)
 

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from dtype_policies._core.casting import tracing
+from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.checkpoints import QUANTIZED_SUFFIXES
 from dtype_policies.quantizers.config import QuantizationConfig
 
 LAYOUTS = ("out_in", "in_out")
@@ -144,7 +145,7 @@ class Scheme(abc.ABC):
         )
         if tracing():
             y = self.traced_linear(module, qw, x2, bias, compute, needs_grad)
-        elif _functorch_wrapped(x2) or (bias is not None and _functorch_wrapped(bias)):
+        elif functorch_wrapped(x2) or (bias is not None and functorch_wrapped(bias)):
             # functorch transforms (torch.func.grad, vmap, ...) need plain ops
             y = self.traced_linear(module, qw, x2, bias, compute, needs_grad=True)
         elif needs_grad:
@@ -223,6 +224,42 @@ class QuantizedWeight:
         """The float32 weight in the float parameter's shape."""
         return self.spec.from_nk(self.scheme.dequantize(module, self))
 
+    def check_checkpoint(self, module: torch.nn.Module, state_dict: dict, prefix: str) -> None:
+        """Raises `ValueError` naming the keys if `state_dict` holds this
+        weight stored by another mode, or by this mode with another layout
+        (int4 per channel against grouped, another block size); reads only."""
+        name = self.weight_name
+        path = prefix[:-1] or "(root)"
+        expected = self.scheme.stored_shapes(self.spec, self.config)
+        foreign = [
+            prefix + name + suffix
+            for suffix in (*QUANTIZED_SUFFIXES, "_zero")
+            if prefix + name + suffix in state_dict and name + suffix not in expected
+        ]
+        if foreign:
+            raise ValueError(
+                f"The checkpoint holds {foreign}, stored by another quantization mode or "
+                f"configuration, but the module at '{path}' is quantized in mode "
+                f"'{self.mode}' ({self.config}; it expects {sorted(prefix + n for n in expected)})."
+                " Quantize the model the same way before loading; nothing was loaded."
+            )
+        mismatched = []
+        for buffer, (shape, dtype) in expected.items():
+            value = state_dict.get(prefix + buffer)
+            if isinstance(value, torch.Tensor) and (
+                tuple(value.shape) != tuple(shape) or value.dtype != dtype
+            ):
+                mismatched.append(
+                    f"'{prefix + buffer}': {tuple(value.shape)} {value.dtype} "
+                    f"(expected {tuple(shape)} {dtype})"
+                )
+        if mismatched:
+            raise ValueError(
+                f"The checkpoint's {', '.join(mismatched)} do not fit the module at '{path}', "
+                f"quantized in mode '{self.mode}' ({self.config}): it was quantized with another "
+                "configuration. Quantize the model the same way before loading; nothing was loaded."
+            )
+
     def integer_values(self, module: torch.nn.Module) -> torch.Tensor:
         """The integer values in the float parameter's shape (Keras's `kernel`)."""
         return self.spec.from_nk(self.scheme.integer_values(module, self))
@@ -241,14 +278,6 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight(mode={self.mode!r}, weight={self.weight_name!r}, {self.config})"
-
-
-try:
-    from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrapped
-except ImportError:  # pragma: no cover - older torch
-
-    def _functorch_wrapped(tensor: torch.Tensor) -> bool:
-        return False
 
 
 class _StraightThrough(torch.autograd.Function):

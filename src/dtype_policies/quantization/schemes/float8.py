@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies._core.call import leaf_weights
+from dtype_policies._core.casting import functorch_wrapped, tracing
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Float8QuantizationConfig
 from dtype_policies.quantizers.math import (
@@ -130,8 +131,12 @@ class _QDQForward(torch.autograd.Function):
     """Forward: quantize-dequantize in e4m3fn. Backward: straight through."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return quantize_and_dequantize(x, scale, torch.float8_e4m3fn, x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
+        pass  # a separate setup_context: what torch.func transforms require
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -144,16 +149,18 @@ class _QDQGradient(torch.autograd.Function):
     step's scale and history updates (delayed scaling)."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
+    def forward(  # type: ignore[override]
         y: torch.Tensor,
         scale: torch.Tensor,
         history: torch.Tensor,
         updates: _Updates | None,
         dynamic: bool,
     ) -> torch.Tensor:
-        ctx.scale, ctx.history, ctx.updates, ctx.dynamic = scale, history, updates, dynamic
         return y.view_as(y)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
+        _, ctx.scale, ctx.history, ctx.updates, ctx.dynamic = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
@@ -184,8 +191,9 @@ def float8_contract(
 ) -> torch.Tensor:
     """`contract(qdq(inputs), qdq(kernel))` with the output gradient
     quantize-dequantized. Delayed scaling: with the scales of `module`'s
-    state, advanced when `training` and a backward runs. `dynamic`: with
-    scales from the tensors themselves, the state untouched."""
+    state, advanced when `training` and a backward runs (read, never advanced,
+    under `torch.func` transforms: they forbid writing to captured tensors).
+    `dynamic`: with scales from the tensors themselves, the state untouched."""
     state = module._buffers  # read directly: never through a policy's autocasting
     if dynamic:
         x = _QDQForward.apply(inputs, compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX))
@@ -194,7 +202,8 @@ def float8_contract(
         scale, history = state["outputs_grad_scale"], state["outputs_grad_amax_history"]
         return _QDQGradient.apply(y, scale, history, None, True)
     updates = None
-    if training and torch.is_grad_enabled() and inputs.numel() > 0:
+    functional = not tracing() and (functorch_wrapped(inputs) or functorch_wrapped(kernel))
+    if training and torch.is_grad_enabled() and inputs.numel() > 0 and not functional:
         updates = _Updates()
         with torch.no_grad():
             for name, tensor, fmt_max in (

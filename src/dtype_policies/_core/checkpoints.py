@@ -1,0 +1,48 @@
+"""Checks a checkpoint against a whole module tree before any of it loads.
+
+`load_state_dict` visits a module, then its children: a module of ours that
+refused a checkpoint in its own turn would leave its earlier siblings loaded.
+The root of a load (any policied module or `Layer`) checks its whole subtree
+first, so a checkpoint that cannot load changes nothing:
+
+* quantized weights (`<w>_int8`, `<w>_int4`) for a module that is not quantized
+  raise `ValueError` naming the keys (never int8 values cast into float weights);
+* a quantized module checks its own keys (`QuantizedWeight.check_checkpoint`:
+  another mode, or the same mode stored with another layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANTIZED_SUFFIXES = ("_int8", "_int4")
+"""Suffixes of the integer data buffers (`<weight>_int8`, `<weight>_int4`)."""
+
+
+def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> None:
+    """Raises `ValueError` if `state_dict` cannot load into the tree at `root`
+    (loaded under `prefix`); reads only, changes nothing."""
+    if not any(key.endswith(QUANTIZED_SUFFIXES) for key in state_dict) and not any(
+        "_dp_quant" in module.__dict__ for module in root.modules()
+    ):
+        return
+    refused: list[str] = []
+    for name, module in root.named_modules(prefix=prefix[:-1]):
+        module_prefix = f"{name}." if name else ""
+        quantized = module.__dict__.get("_dp_quant")
+        if quantized is not None:
+            quantized.check_checkpoint(module, state_dict, module_prefix)
+            continue
+        refused += [
+            module_prefix + weight + suffix
+            for weight in module._parameters
+            for suffix in QUANTIZED_SUFFIXES
+            if module_prefix + weight + suffix in state_dict
+        ]
+    if refused:
+        paths = sorted({key.rsplit(".", 1)[0] if "." in key else "(root)" for key in refused})
+        raise ValueError(
+            f"The checkpoint holds quantized weights {refused}, but the module(s) {paths} "
+            "are not quantized. Quantize the model the same way (quantize() with the same "
+            "mode and config) before loading; nothing was loaded."
+        )

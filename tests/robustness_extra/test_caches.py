@@ -1,0 +1,191 @@
+"""Contract (weight-cast caches): a kept compute-dtype cast is reused only while
+the weight is the same object with the same `_version`, `data_ptr()` and
+dtype, so every ordinary way of changing a weight is seen by the next call,
+in every grad mode. `.data.<op>_()` edits are the documented exception:
+`clear_cast_caches(model)` drops kept casts, `weight_cache=False` keeps none."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from robust_helpers import relative_error
+
+import dtype_policies
+from dtype_policies import apply_policy, layers
+
+KINDS = ["linear", "dense", "einsum"]
+
+
+def _build(kind, weight_cache, seed=0):
+    """`(model, weight_name)`: a small layer (its casts are kept by default)
+    computing in bfloat16 with float32 weights."""
+    torch.manual_seed(seed)
+    if kind == "linear":
+        model = nn.Sequential(nn.Linear(32, 16))
+        apply_policy(model, "mixed_bfloat16", weight_cache=weight_cache)
+        return model, "0.weight"
+    if kind == "dense":
+        model = layers.Dense(16, dtype="mixed_bfloat16")
+    else:
+        model = layers.EinsumDense(
+            "ab,bc->ac", output_shape=16, bias_axes="c", dtype="mixed_bfloat16"
+        )
+    model.build((None, 32))
+    return model, "kernel"
+
+
+def _weight_and_bias_nk(model, kind):
+    params = dict(model.named_parameters())
+    if kind == "linear":
+        return params["0.weight"], params["0.bias"]
+    return params["kernel"].t(), params["bias"]
+
+
+def _reference(model, kind, x):
+    """The output computed from the weights as they are now (float32)."""
+    weight, bias = _weight_and_bias_nk(model, kind)
+    return F.linear(x, weight.detach().float(), bias.detach().float())
+
+
+X = torch.randn(6, 32, generator=torch.Generator().manual_seed(9))
+G = torch.randn(6, 16, generator=torch.Generator().manual_seed(10))
+
+
+def _warm_up(model, last="no_grad"):
+    """Calls in every mode, so whatever can be kept is kept; the last call is
+    in the mode `last` (the one the checked call will use)."""
+    with torch.no_grad():
+        model(X)
+    model(X).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    with torch.inference_mode():
+        model(X)
+    if last == "no_grad":
+        with torch.no_grad():
+            model(X)
+    else:
+        model(X)
+
+
+def _new_values(tensor, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tensor.shape, generator=generator) * 2
+
+
+def _mutate(model, name, how):
+    param = dict(model.named_parameters())[name]
+    if how == "optimizer_step":
+        optimizer = torch.optim.SGD([param], lr=1.0)
+        param.grad = _new_values(param, 1)
+        optimizer.step()
+        param.grad = None
+    elif how.startswith("load_state_dict"):
+        state = {k: _new_values(v, i) for i, (k, v) in enumerate(model.state_dict().items())}
+        if how == "load_state_dict":
+            model.load_state_dict(state)
+        elif how == "load_state_dict_non_strict":
+            model.load_state_dict({name: state[name]}, strict=False)
+        else:
+            model.load_state_dict(state, assign=True)
+    elif how == "copy_":
+        with torch.no_grad():
+            param.copy_(_new_values(param, 2))
+    elif how == "ema":
+        with torch.no_grad():
+            param.mul_(0.5).add_(_new_values(param, 3), alpha=0.5)
+    elif how == "data_assign":
+        param.data = _new_values(param, 4)
+    elif how == "init":
+        with torch.no_grad():
+            nn.init.normal_(param, std=2.0)
+    else:
+        raise ValueError(how)
+
+
+MUTATIONS = [
+    "optimizer_step",
+    "load_state_dict",
+    "load_state_dict_non_strict",
+    "load_state_dict_assign",
+    "copy_",
+    "ema",
+    "data_assign",
+    "init",
+]
+
+
+def _check_next_call(model, kind, then):
+    reference = _reference(model, kind, X)
+    if then == "no_grad":
+        with torch.no_grad():
+            out = model(X)
+        assert relative_error(out, reference) < 0.02
+        return
+    out = model(X)
+    assert relative_error(out, reference) < 0.02
+    (out.float() * G).sum().backward()
+    _weight, _ = _weight_and_bias_nk(model, kind)
+    grad = dict(model.named_parameters())["0.weight" if kind == "linear" else "kernel"].grad
+    assert grad is not None, "the cast carried no graph to the (new) weight"
+    expected = G.t() @ X  # d/dW of sum(G * (x W^T)), (N, K)
+    if kind != "linear":
+        expected = expected.t()
+    assert relative_error(grad, expected) < 0.02
+
+
+@pytest.mark.parametrize("then", ["no_grad", "grad"])
+@pytest.mark.parametrize("how", MUTATIONS)
+@pytest.mark.parametrize(
+    ("kind", "weight_cache"),
+    [("linear", False), ("linear", True), ("dense", None), ("einsum", None)],
+)
+def test_weight_change_is_seen_by_the_next_call(kind, weight_cache, how, then):
+    model, name = _build(kind, weight_cache)
+    _warm_up(model, last=then)
+    before = _reference(model, kind, X)
+    _mutate(model, name, how)
+    assert relative_error(_reference(model, kind, X), before) > 0.5  # a visible change
+    _check_next_call(model, kind, then)
+
+
+@pytest.mark.parametrize("then", ["no_grad", "grad"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_data_edit_seen_after_clear_cast_caches(kind, then):
+    model, name = _build(kind, weight_cache=True)
+    _warm_up(model, last=then)
+    param = dict(model.named_parameters())[name]
+    param.data.mul_(-3.0)  # no version bump: invisible to kept casts
+    dtype_policies.clear_cast_caches(model)
+    _check_next_call(model, kind, then)
+
+
+@pytest.mark.parametrize("then", ["no_grad", "grad"])
+def test_data_edit_always_seen_without_weight_cache(then):
+    model, name = _build("linear", weight_cache=False)
+    _warm_up(model, last=then)
+    dict(model.named_parameters())[name].data.mul_(-3.0)
+    _check_next_call(model, "linear", then)
+
+
+def test_clear_cast_caches_on_a_plain_module_is_harmless():
+    model = nn.Linear(4, 4)
+    dtype_policies.clear_cast_caches(model)  # nothing kept, nothing to do
+    assert model(torch.ones(1, 4)).shape == (1, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_to_double_then_back_is_seen(kind):
+    """`.to()` replaces the tensors: the next call uses the new ones."""
+    model, _ = _build(kind, weight_cache=True)
+    _warm_up(model)
+    model.double()
+    with torch.no_grad():
+        out = model(X)
+    assert out.dtype == torch.bfloat16
+    model.float()
+    with torch.no_grad():
+        nn.init.normal_(
+            dict(model.named_parameters())["0.weight" if kind == "linear" else "kernel"]
+        )
+        out = model(X)
+    assert relative_error(out, _reference(model, kind, X)) < 0.02

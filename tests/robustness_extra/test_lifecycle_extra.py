@@ -1,0 +1,329 @@
+"""Contract (lifecycle): `handle.remove()`, slicing, EmbeddingBag,
+torch.func / jit.trace / export, copies after use, and dtype moves of
+quantized models."""
+
+import copy
+import io
+import pickle
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from robust_helpers import (
+    IN_FEATURES,
+    OUT_FEATURES,
+    QUANT_MODES,
+    TOLERANCE,
+    make_linear,
+    quantize_with,
+    relative_error,
+    snapshot,
+)
+
+from dtype_policies import DTypePolicyMap, apply_policy, layers
+
+
+def _named_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(OrderedDict(enc=nn.Linear(32, 64), act=nn.ReLU(), head=nn.Linear(64, 16)))
+
+
+X = torch.randn(4, 32, generator=torch.Generator().manual_seed(5))
+
+
+# ---------------------------------------------------------------- remove()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["mixed_bfloat16", "bfloat16", "float32", "float8_from_mixed_bfloat16", "float8_from_float32"],
+)
+def test_remove_restores_exactly(policy):
+    model = _named_mlp()
+    reference = model(X)
+    before = snapshot(model)
+    handle = apply_policy(model, policy)
+    model.train()
+    model(X).float().sum().backward()  # float8: a training step moves its scales
+    model.zero_grad(set_to_none=True)
+    handle.remove()
+    assert type(model.enc) is nn.Linear and type(model.head) is nn.Linear
+    after = snapshot(model)
+    assert list(after["state"]) == list(before["state"])
+    for key, value in before["state"].items():
+        assert torch.equal(after["state"][key], value), key
+    assert torch.equal(model(X), reference)
+
+
+def test_remove_after_int8_application_warns_and_keeps_quantized():
+    model = _named_mlp()
+    handle = apply_policy(
+        model, DTypePolicyMap("mixed_bfloat16", {"enc": "int8_from_mixed_bfloat16"})
+    )
+    quantized_state = {k: v.clone() for k, v in model.enc.state_dict().items()}
+    with pytest.warns(UserWarning, match="enc"):
+        handle.remove()
+    assert type(model.head) is nn.Linear  # the float module is restored exactly
+    assert any(v.dtype == torch.int8 for v in model.enc.state_dict().values())
+    for key, value in quantized_state.items():
+        assert torch.equal(model.enc.state_dict()[key], value), key
+    out = model(X)
+    assert torch.isfinite(out).all() and out.shape == (4, 16)
+
+
+# ---------------------------------------------------------------- slicing
+
+
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8"])
+def test_slicing_a_policied_sequential(setup):
+    model = _named_mlp()
+    reference = model[:2](X)
+    apply_policy(model, "mixed_bfloat16")
+    if setup != "mixed_bfloat16":
+        quantize_with(model, setup)
+    part = model[:2]
+    assert part[0] is model.enc
+    out = part(X)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, reference) < TOLERANCE.get(setup, 0.02)
+    assert part[0].dtype_policy.name == model.enc.dtype_policy.name
+
+
+# ---------------------------------------------------------------- EmbeddingBag
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "bfloat16"])
+def test_embedding_bag_per_sample_weights(policy):
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(20, 8, mode="sum")
+    ids, offsets = torch.tensor([1, 2, 3, 4, 19]), torch.tensor([0, 2])
+    weights = torch.rand(5)
+    reference = bag(ids, offsets, per_sample_weights=weights)
+    apply_policy(bag, policy)
+    out = bag(ids, offsets, per_sample_weights=weights)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, reference) < 0.02
+    out.float().sum().backward()
+    assert bag.weight.grad is not None and bag.weight.grad.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- torch.func
+
+
+def _policied(setup):
+    model = _named_mlp()
+    apply_policy(model, "mixed_bfloat16")
+    if setup != "mixed_bfloat16":
+        quantize_with(model, setup)
+    return model
+
+
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int4_128", "float8"])
+def test_functional_call_uses_the_given_tensors(setup):
+    model = _policied(setup)
+    params = {name: p.detach() * 1.5 + 0.1 for name, p in model.named_parameters()}
+    out = torch.func.functional_call(model, params, (X,))
+    # The same model with those values loaded must agree.
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(params[name])
+    torch.testing.assert_close(out, twin(X))
+    assert not torch.equal(out, model(X))  # the given tensors were used
+
+
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int4_128", "float8"])
+def test_func_grad_matches_autograd(setup):
+    model = _policied(setup)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p):
+        return torch.func.functional_call(model, p, (X,)).float().square().sum()
+
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    grads = torch.func.grad(loss)(params)
+    for name, b in model.named_buffers():  # a transform never advances float8 scales
+        assert torch.equal(b, buffers[name]), name
+    model.zero_grad()
+    model(X).float().square().sum().backward()
+    for name, p in model.named_parameters():
+        # Under torch.func the int8 product runs in plain bfloat16 ops (one
+        # more bfloat16 rounding than the int8 kernel): bfloat16 noise apart.
+        assert relative_error(grads[name], p.grad) < 0.02, name
+
+
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int8_wo", "int4_128", "float8"])
+def test_func_grad_wrt_input(setup):
+    model = _policied(setup)
+    x = X.clone()
+    g = torch.func.grad(lambda inp: model(inp).float().sum())(x)
+    x.requires_grad_(True)
+    model(x).float().sum().backward()
+    assert g.shape == x.shape and torch.isfinite(g).all()
+    assert F.cosine_similarity(g.flatten(), x.grad.flatten(), 0) > 0.999
+
+
+# ---------------------------------------------------------------- jit.trace / export
+
+
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int8_wo", "int4_128", "float8"])
+def test_jit_trace(setup):
+    model = _policied(setup).eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (X,), check_trace=False)
+        if setup == "int8_wo":
+            # Eager weight-only int8 runs `_weight_int8pack_mm` for a few rows;
+            # a trace records the plain product (the kernel's shape and
+            # alignment conditions cannot be baked into a trace): the same
+            # values up to bfloat16 rounding.
+            assert relative_error(traced(X), model(X)) < 0.01
+        else:
+            assert torch.equal(traced(X), model(X))
+        other = torch.randn(20, 32)
+        tolerance = TOLERANCE.get(setup, 0.01)
+        assert relative_error(traced(other), model(other)) < tolerance
+
+
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int8_wo", "int4_128", "int4_pc"])
+def test_torch_export(setup):
+    model = _policied(setup).eval()
+    program = torch.export.export(model, (X,))
+    with torch.no_grad():
+        out = program.module()(X)
+        want = model(X)
+    assert out.dtype == want.dtype
+    assert relative_error(out, want) < 0.01
+
+
+# ---------------------------------------------------------------- float8 empty batch
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_float8_empty_batch(training):
+    model = _named_mlp()
+    apply_policy(model, "float8_from_mixed_bfloat16")
+    model.train(training)
+    x = torch.randn(0, 32, requires_grad=True)
+    out = model(x)
+    assert out.shape == (0, 16)
+    out.float().sum().backward()
+    for name, buffer in model.named_buffers():
+        assert torch.isfinite(buffer).all(), name
+    # Ordinary steps afterwards still work and move the scales (the second
+    # step applies the amax the first one recorded).
+    model.train()
+    for _ in range(2):
+        model(torch.randn(8, 32) * 10).float().sum().backward()
+    assert model.enc.inputs_scale.item() != 1.0
+
+
+# ---------------------------------------------------------------- copies after use
+
+
+def _copies(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return {
+        "deepcopy": copy.deepcopy(model),
+        "pickle": pickle.loads(pickle.dumps(model)),
+        "torch.save": torch.load(buffer, weights_only=False),
+    }
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "mixed_bfloat16",
+        "int8_from_mixed_bfloat16",
+        "int4/128_from_mixed_bfloat16",
+        "float8_from_mixed_bfloat16",
+    ],
+)
+def test_layers_model_copies_after_forward_and_backward(dtype):
+    torch.manual_seed(0)
+    model = layers.Sequential([layers.Dense(64, activation="relu"), layers.Dense(16)], dtype=dtype)
+    model(X)
+    model.train()
+    model(X).float().sum().backward()
+    with torch.inference_mode():
+        model(X)  # leaves inference-mode casts around, if anything keeps them
+    model.eval()
+    want = model(X)
+    for how, twin in _copies(model).items():
+        twin.eval()
+        assert torch.equal(twin(X), want), how
+        twin.train()
+        twin(X).float().sum().backward()  # the copy trains too
+        assert any(p.grad is not None for p in twin.parameters()), how
+
+
+@pytest.mark.parametrize("weight_cache", [False, True])
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int4_128", "float8"])
+def test_policied_model_copies_after_forward_and_backward(setup, weight_cache):
+    model = _named_mlp()
+    apply_policy(model, "mixed_bfloat16", weight_cache=weight_cache)
+    if setup != "mixed_bfloat16":
+        quantize_with(model, setup)
+    model(X).float().sum().backward()
+    with torch.inference_mode():
+        model(X)
+    want = model(X)
+    for how, twin in _copies(model).items():
+        assert torch.equal(twin(X), want), how
+
+
+# ---------------------------------------------------------------- dtype moves
+
+
+QUANTIZED_STATE_DTYPES = {
+    "int8": torch.int8,
+    "int4": torch.int8,
+    "zero": torch.int8,
+    "scale": torch.float32,
+    "history": torch.float32,
+}
+
+
+def _quantized_state_dtypes(model):
+    found = {}
+    for key, value in model.state_dict().items():
+        for suffix, _dtype in QUANTIZED_STATE_DTYPES.items():
+            if key.endswith(suffix) or value.dtype == torch.int8:
+                found[key] = value.dtype
+    return found
+
+
+@pytest.mark.parametrize("move", ["half", "bfloat16", "to_bfloat16", "double"])
+@pytest.mark.parametrize("kind", ["linear", "dense"])
+@pytest.mark.parametrize("mode", QUANT_MODES)
+def test_dtype_moves_leave_quantized_state_alone(mode, kind, move):
+    model, leaf, reference = make_linear(kind, "mixed_bfloat16")
+    quantize_with(model, mode)
+    model.eval()
+    x = torch.randn(5, IN_FEATURES)
+    before = model(x)
+    dtypes = _quantized_state_dtypes(model)
+    assert dtypes, "no quantized state found"
+    policy = leaf.dtype_policy.name
+    if move == "half":
+        model.half()
+    elif move == "bfloat16":
+        model.bfloat16()
+    elif move == "to_bfloat16":
+        model.to(torch.bfloat16)
+    else:
+        model.double()
+    for key, dtype in dtypes.items():
+        assert model.state_dict()[key].dtype == dtype, (
+            f"{key} became {model.state_dict()[key].dtype}"
+        )
+    assert leaf.dtype_policy.name == policy
+    after = model(x)
+    assert after.dtype == before.dtype  # the compute dtype comes from the policy
+    assert torch.isfinite(after).all()
+    assert after.shape == (5, OUT_FEATURES)
+    assert relative_error(after, before) < 0.02
+    assert relative_error(after, reference(x)) < TOLERANCE[mode] + 0.02

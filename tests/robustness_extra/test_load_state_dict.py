@@ -1,0 +1,211 @@
+"""Contract: a quantized state dict never shares the float weight's key; float
+checkpoints re-quantize into quantized modules (strict or not); quantized
+checkpoints never load silently into float weights; a checkpoint of another
+quantization mode raises naming the keys."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from robust_helpers import (
+    INTEGER_MODES,
+    assert_unchanged,
+    quantize_with,
+    relative_error,
+    snapshot,
+)
+
+from dtype_policies import apply_policy, layers
+
+X = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
+
+
+def _float_model(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "torch":
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        apply_policy(model, "mixed_bfloat16")
+    else:
+        model = layers.Sequential(
+            [layers.Dense(64, activation="relu"), layers.Dense(16)], dtype="mixed_bfloat16"
+        )
+        model(X)
+    return model
+
+
+def _weight_keys(model):
+    return [k for k in model.state_dict() if k.endswith(("weight", "kernel"))]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", ["torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_float_checkpoint_into_quantized_model_requantizes(mode, kind, strict):
+    trained = _float_model(kind, seed=1)
+    checkpoint = {k: v.clone() for k, v in trained.state_dict().items()}
+    # What the result must be: a model quantized from that checkpoint.
+    expected = copy.deepcopy(trained)
+    quantize_with(expected, mode)
+
+    target = _float_model(kind, seed=2)
+    quantize_with(target, mode)  # same mode and config as `expected`
+    result = target.load_state_dict(checkpoint, strict=strict)
+    if not strict:
+        assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    want = expected(X)
+    got = target(X)
+    assert torch.equal(got, want)
+    for key, value in expected.state_dict().items():  # the stored tensors too
+        assert torch.equal(target.state_dict()[key], value), key
+    assert relative_error(got, trained(X)) < 0.25
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", ["torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_float_checkpoint_never_truncated_to_integers(mode, kind, strict):
+    """Whatever else happens, the quantized model never ends with all-zero
+    (or float-truncated-to-int) weights after loading a float checkpoint."""
+    trained = _float_model(kind, seed=1)
+    target = _float_model(kind, seed=2)
+    quantize_with(target, mode)
+    try:
+        target.load_state_dict(trained.state_dict(), strict=strict)
+    except (RuntimeError, ValueError):
+        return  # refusing is acceptable here; re-quantizing is tested above
+    out = target(X)
+    assert out.float().abs().sum() > 0
+    assert relative_error(out, trained(X)) < 0.25
+
+
+def _quantized_checkpoint_and_float_target(mode, kind):
+    source = _float_model("layers" if kind == "layers" else "torch", seed=1)
+    quantize_with(source, mode)
+    if kind == "plain":
+        torch.manual_seed(2)
+        target = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    else:
+        target = _float_model(kind, seed=2)
+    return source.state_dict(), target
+
+
+@pytest.mark.parametrize("kind", ["plain", "torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_quantized_checkpoint_into_float_model_strict_raises(mode, kind):
+    """Strict: an error naming the quantized keys. A model of ours (a Layer
+    or under apply_policy) raises ValueError; a plain torch model raises
+    torch's RuntimeError (its keys no longer match)."""
+    checkpoint, target = _quantized_checkpoint_and_float_target(mode, kind)
+    before = snapshot(target)
+    quantized_keys = [k for k in checkpoint if k not in before["state"]]
+    assert quantized_keys, "a quantized state dict shares every key with the float one"
+    expected = (RuntimeError, ValueError) if kind == "plain" else ValueError
+    with pytest.raises(expected) as info:
+        target.load_state_dict(checkpoint, strict=True)
+    assert any(key in str(info.value) for key in quantized_keys), str(info.value)
+    for key in _weight_keys(target):  # never int8 values in a float weight
+        assert torch.equal(target.state_dict()[key], before["state"][key]), key
+
+
+@pytest.mark.parametrize("kind", ["torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_quantized_checkpoint_into_float_model_strict_failure_changes_nothing(mode, kind):
+    """Stricter than torch (whose failing strict load has already copied the
+    matching keys): a model of ours refuses before loading anything."""
+    checkpoint, target = _quantized_checkpoint_and_float_target(mode, kind)
+    before = snapshot(target)
+    with pytest.raises((RuntimeError, ValueError)):
+        target.load_state_dict(checkpoint, strict=True)
+    assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize("kind", ["plain", "torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_quantized_checkpoint_into_float_model_non_strict(mode, kind):
+    """Non-strict: the float weights are unchanged (never int8 values cast to
+    float) and the quantized keys are reported (returned, or in a ValueError)."""
+    checkpoint, target = _quantized_checkpoint_and_float_target(mode, kind)
+    before = snapshot(target)
+    weight_keys = _weight_keys(target)
+    try:
+        result = target.load_state_dict(checkpoint, strict=False)
+    except ValueError as error:
+        assert any(key in str(error) for key in checkpoint if key not in before["state"])
+        assert_unchanged(target, before)
+        return
+    state = target.state_dict()
+    for key in weight_keys:
+        assert torch.equal(state[key], before["state"][key]), f"{key} was overwritten"
+        assert state[key].dtype == before["state"][key].dtype
+    reported = set(result.missing_keys) | set(result.unexpected_keys)
+    assert set(weight_keys) <= set(result.missing_keys)
+    assert {k for k in checkpoint if k not in before["state"]} <= reported
+
+
+OTHER_MODE_CASES = [
+    ("int4_128", "int8"),
+    ("int8", "int4_128"),
+    ("int4_pc", "int4_128"),
+    ("int8", "int4_pc"),
+]
+
+
+def _other_mode_pair(saved, loaded):
+    source = _float_model("torch", seed=1)
+    quantize_with(source, saved)
+    target = _float_model("torch", seed=2)
+    quantize_with(target, loaded)
+    return source.state_dict(), target
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize(("saved", "loaded"), OTHER_MODE_CASES)
+def test_checkpoint_of_another_mode_raises(saved, loaded, strict):
+    checkpoint, target = _other_mode_pair(saved, loaded)
+    before = snapshot(target)
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        target.load_state_dict(checkpoint, strict=strict)
+    message = str(info.value)
+    assert "0.weight" in message or "0/weight" in message, message  # names the keys
+    for key, value in before["state"].items():  # the quantized data is intact
+        if value.dtype == torch.int8:
+            assert torch.equal(target.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize(("saved", "loaded"), OTHER_MODE_CASES)
+def test_checkpoint_of_another_mode_changes_nothing(saved, loaded):
+    checkpoint, target = _other_mode_pair(saved, loaded)
+    before = snapshot(target)
+    with pytest.raises((RuntimeError, ValueError)):
+        target.load_state_dict(checkpoint, strict=False)
+    assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize("kind", ["torch", "layers"])
+@pytest.mark.parametrize("mode", [*INTEGER_MODES, "float8"])
+def test_same_mode_quantized_round_trip(mode, kind):
+    """The documented route keeps working: a quantized checkpoint into a fresh
+    model quantized the same way, loaded with weights_only=True."""
+    import io
+
+    source = _float_model(kind, seed=1)
+    quantize_with(source, mode)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    target = _float_model(kind, seed=2)
+    quantize_with(target, mode)
+    target.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(target(X), source(X))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4_128"])
+def test_quantized_state_dict_keys_do_not_shadow_float_keys(mode):
+    """`<w>_int8` / `<w>_int4` never `<w>`: the float key is absent."""
+    model = _float_model("torch", seed=1)
+    quantize_with(model, mode)
+    keys = set(model.state_dict())
+    suffix = "int8" if mode == "int8" else "int4"
+    assert "0.weight" not in keys and "2.weight" not in keys
+    assert {f"0.weight_{suffix}", "0.weight_scale", f"2.weight_{suffix}"} <= keys

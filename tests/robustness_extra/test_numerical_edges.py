@@ -1,0 +1,187 @@
+"""Numerical edges: all-zero weights, one huge outlier, inf/nan input rows
+(confined to their rows), empty batches in every mode, and the weight-only
+int8 kernel on awkward shapes (in a subprocess: it can crash the interpreter)."""
+
+import pytest
+import torch
+from robust_helpers import (
+    EMBEDDING_KINDS,
+    IN_FEATURES,
+    LINEAR_KINDS,
+    OUT_FEATURES,
+    QUANT_MODES,
+    TOLERANCE,
+    make_embedding,
+    make_linear,
+    quantize_with,
+    relative_error,
+)
+
+
+def _weight_param(leaf, kind):
+    return leaf.weight if kind == "linear" else leaf.kernel
+
+
+# ---------------------------------------------------------------- zero weights
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("mode", QUANT_MODES)
+def test_all_zero_weights(mode, kind):
+    model, leaf, _ = make_linear(kind, "mixed_bfloat16")
+    with torch.no_grad():
+        _weight_param(leaf, kind).zero_()
+    bias = leaf.bias.detach().clone()
+    quantize_with(model, mode)
+    for name, buffer in leaf.named_buffers():
+        assert torch.isfinite(buffer.float()).all(), name
+    x = torch.randn(5, IN_FEATURES)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(
+        out.float(), bias.expand(5, -1).bfloat16().float(), rtol=0.01, atol=0.01
+    )
+    zeros = torch.zeros(3, IN_FEATURES)  # zero inputs too (a zero activation scale)
+    with torch.no_grad():
+        out = model(zeros)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kind", EMBEDDING_KINDS)
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "int4_pc"])
+def test_all_zero_embedding_table(mode, kind):
+    model, leaf, _ = make_embedding(kind, "mixed_bfloat16")
+    with torch.no_grad():
+        (leaf.weight if kind == "nn_embedding" else leaf.embeddings).zero_()
+    quantize_with(model, mode)
+    out = model(torch.tensor([[0, 5, 9]]))
+    assert torch.isfinite(out).all() and out.abs().max() == 0
+
+
+# ---------------------------------------------------------------- an outlier
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("mode", QUANT_MODES)
+def test_one_huge_outlier_stays_in_its_channel(mode, kind):
+    model, leaf, _reference = make_linear(kind, "float32")
+    channel = 3
+    with torch.no_grad():
+        weight = _weight_param(leaf, kind)
+        if kind == "linear":
+            weight[channel, 7] = 1e4
+        else:
+            weight[7, channel] = 1e4
+    _, _, fresh_reference = _reference_after_edit(leaf, kind)
+    quantize_with(model, mode)
+    model.eval()
+    x = torch.randn(6, IN_FEATURES)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.isfinite(out).all()
+    want = fresh_reference(x)
+    others = [c for c in range(OUT_FEATURES) if c != channel]
+    assert relative_error(out[:, others], want[:, others]) < TOLERANCE[mode]
+    if mode != "float8":  # per-channel scales keep the outlier's own channel usable
+        assert relative_error(out[:, channel], want[:, channel]) < 0.05
+
+
+def _reference_after_edit(leaf, kind):
+    weight = (leaf.weight if kind == "linear" else leaf.kernel.t()).detach().float().clone()
+    bias = leaf.bias.detach().float().clone()
+    return weight, bias, lambda x: torch.nn.functional.linear(x, weight, bias)
+
+
+# ---------------------------------------------------------------- inf / nan rows
+
+
+@pytest.mark.parametrize("rows", [6, 20])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("mode", ["int8", "int8_wo", "int4_128", "int4_pc", "float8"])
+def test_non_finite_input_rows_stay_in_their_rows(mode, kind, rows):
+    model, _leaf, reference = make_linear(kind, "mixed_bfloat16")
+    quantize_with(model, mode)
+    model.eval()
+    torch.manual_seed(4)
+    x = torch.randn(rows, IN_FEATURES)
+    x[1, 5] = float("inf")
+    x[3, 0] = float("nan")
+    x[4, 9] = -float("inf")
+    with torch.no_grad():
+        out = model(x)
+    clean = [r for r in range(rows) if r not in (1, 3, 4)]
+    assert torch.isfinite(out[clean]).all(), "a non-finite input row leaked into other rows"
+    assert relative_error(out[clean], reference(x[clean])) < TOLERANCE[mode]
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_float8_training_step_with_an_inf_row_keeps_scales_finite(kind):
+    """A float8 training step on a batch holding inf: the delayed-scaling state
+    stays finite (no scale of inf or 0 poisoning every later step)."""
+    model, leaf, reference = make_linear(kind, "mixed_bfloat16")
+    quantize_with(model, "float8")
+    model.train()
+    for step in range(3):
+        x = torch.randn(6, IN_FEATURES)
+        if step == 0:
+            x[2, 3] = float("inf")
+        model(x).float().nan_to_num(0.0, 0.0, 0.0).sum().backward()
+    for name in ("inputs_scale", "kernel_scale", "outputs_grad_scale"):
+        value = dict(leaf.named_buffers())[name]
+        assert torch.isfinite(value).all() and (value > 0).all(), (name, value)
+    model.eval()
+    x = torch.randn(6, IN_FEATURES)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, reference(x)) < TOLERANCE["float8"]
+
+
+# ---------------------------------------------------------------- empty batches
+
+
+EMPTY_SHAPES = [(0, IN_FEATURES), (2, 0, IN_FEATURES)]
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("mode", ["mixed_bfloat16", *QUANT_MODES])
+def test_empty_batches_forward(mode, kind, shape):
+    model, _leaf, _ = make_linear(kind, "mixed_bfloat16")
+    if mode != "mixed_bfloat16":
+        quantize_with(model, mode)
+    for training in (False, True):
+        model.train(training)
+        with torch.no_grad():
+            out = model(torch.randn(shape))
+        assert out.shape == (*shape[:-1], OUT_FEATURES)
+        out = model(torch.randn(shape))  # grad mode
+        assert out.shape == (*shape[:-1], OUT_FEATURES)
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES)
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("mode", ["mixed_bfloat16", *QUANT_MODES])
+def test_empty_batches_backward(mode, kind, shape):
+    model, leaf, _ = make_linear(kind, "mixed_bfloat16")
+    if mode != "mixed_bfloat16":
+        quantize_with(model, mode)
+    model.train()
+    x = torch.randn(shape, requires_grad=True)
+    model(x).float().sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert leaf.bias.grad is not None and leaf.bias.grad.abs().max() == 0
+    for name, buffer in leaf.named_buffers():  # float8 state untouched by nothing
+        assert torch.isfinite(buffer.float()).all(), name
+
+
+@pytest.mark.parametrize("kind", EMBEDDING_KINDS)
+@pytest.mark.parametrize("mode", ["mixed_bfloat16", "int8", "int4_128", "int4_pc"])
+def test_empty_id_batches(mode, kind):
+    model, _, _ = make_embedding(kind, "mixed_bfloat16")
+    if mode != "mixed_bfloat16":
+        quantize_with(model, mode)
+    for ids in (torch.zeros(0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        out = model(ids)
+        assert out.shape == (*ids.shape, 256)

@@ -1,0 +1,165 @@
+"""Contract (policy misuse): clear errors that name the offending value or
+path, raised before anything changes; warnings for map keys matching nothing."""
+
+import re
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+from robust_helpers import assert_unchanged, quantize_with, snapshot
+
+import dtype_policies
+from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        OrderedDict(
+            encoder=nn.Sequential(
+                OrderedDict(layers=nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)]))
+            ),
+            head=nn.Linear(16, 4),
+        )
+    )
+
+
+def test_apply_policy_with_bare_int8():
+    """`"int8"` is a plain (non-float) policy: refused with a pointer to the
+    quantized policy name and to quantize(); nothing changes."""
+    model = _model()
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        apply_policy(model, "int8")
+    message = str(info.value)
+    assert "int8_from_mixed_bfloat16" in message, message
+    assert "quantize(" in message, message
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("name", ["int4", "float8", "uint8", "int32"])
+def test_apply_policy_with_other_non_float_names(name):
+    model = _model()
+    before = snapshot(model)
+    with pytest.raises(ValueError):
+        apply_policy(model, name)
+    assert_unchanged(model, before)
+
+
+def test_apply_policy_int8_message_names_the_alternatives():
+    with pytest.raises(ValueError, match=re.escape("int8_from_mixed_bfloat16")):
+        apply_policy(_model(), "int8")
+
+
+@pytest.mark.parametrize("via", ["policy", "map"])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("int8", "int4/128_from_mixed_bfloat16"),
+        ("int4_128", "int8_from_mixed_bfloat16"),
+        ("int8", "float8_from_mixed_bfloat16"),
+    ],
+)
+def test_other_mode_policy_over_a_quantized_model(first, second, via):
+    model = _model()
+    apply_policy(model, "mixed_bfloat16")
+    quantize_with(model, first)
+    before = snapshot(model)
+    policy = second if via == "policy" else DTypePolicyMap("mixed_bfloat16", {"head": second})
+    with pytest.raises(ValueError) as info:
+        apply_policy(model, policy)
+    message = str(info.value)
+    assert "head" in message, message
+    first_mode = first[:4]
+    second_mode = second.split("_")[0].split("/")[0]
+    assert first_mode in message and second_mode in message, message
+    assert_unchanged(model, before)
+    assert model.head(torch.randn(2, 16)).dtype == torch.bfloat16  # still working
+
+
+def test_other_mode_policy_over_a_quantized_layer():
+    torch.manual_seed(0)
+    layer = layers.Dense(8, dtype="int8_from_mixed_bfloat16", name="q_dense")
+    layer.build((None, 16))
+    model = nn.Sequential(OrderedDict(block=layer))
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        apply_policy(model, "int4/128_from_mixed_bfloat16")
+    assert "block" in str(info.value).replace("q_dense", "")
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("pattern", ["[", "(", "a{2,1}", "*x"])
+def test_quantize_with_an_invalid_filter_regex(pattern):
+    model = _model()
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        quantize(model, "int8", filters=pattern)
+    assert pattern in str(info.value)
+    assert_unchanged(model, before)
+
+
+def test_quantize_with_an_invalid_filter_in_a_list():
+    model = _model()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=re.escape("'['")):
+        quantize(model, "int8", filters=["head", "["])
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "int8_from_",
+        "int4/ 128_from_float32",
+        "int4/+128_from_float32",
+        "int4/128 _from_float32",
+        "int4/_from_float32",
+        "int4/1.5_from_float32",
+        "int8_from_int8_from_float32",
+        "float8_from_",
+        "_from_float32",
+    ],
+)
+def test_get_rejects_malformed_names(name):
+    with pytest.raises(ValueError):
+        dtype_policies.get(name)
+
+
+def test_map_key_matching_no_module_warns():
+    model = _model()
+    with pytest.warns(UserWarning, match="decoder"):
+        apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"decoder": "float32"}))
+
+
+def test_escaped_dotted_key_matching_nothing_warns():
+    """r"encoder\\.layers\\.0" matches no path: paths use "/"."""
+    key = r"encoder\.layers\.0"
+    model = _model()
+    with pytest.warns(UserWarning) as record:
+        apply_policy(model, DTypePolicyMap("mixed_bfloat16", {key: "float32"}))
+    # Named as Python prints it (repr), like every key in these warnings.
+    assert any(repr(key) in str(w.message) for w in record), [str(w.message) for w in record]
+    # And indeed nothing took the entry.
+    assert model.encoder.layers[0].dtype_policy.name == "mixed_bfloat16"
+
+
+def test_matching_keys_do_not_warn():
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        apply_policy(
+            model,
+            DTypePolicyMap("mixed_bfloat16", {"encoder.layers.0": "float32", "head": "bfloat16"}),
+        )
+    assert model.encoder.layers[0].dtype_policy.name == "float32"
+
+
+def test_unknown_quantization_mode_in_quantize():
+    model = _model()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="Invalid quantization mode"):
+        quantize(model, "int7")
+    assert_unchanged(model, before)

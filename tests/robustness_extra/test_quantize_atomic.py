@@ -1,0 +1,141 @@
+"""Contract: `quantize()` is atomic over the whole model: if any module raises,
+no module changed (bit-for-bit state_dict, classes, policies), and the error
+names the module path."""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+from robust_helpers import assert_unchanged, quantize_with, snapshot
+
+from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
+from dtype_policies.quantization import Int8QuantizationConfig
+
+
+def _three_linears():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        OrderedDict(
+            first=nn.Linear(16, 32),
+            act=nn.ReLU(),
+            second=nn.Sequential(OrderedDict(inner=nn.Linear(32, 32))),
+            third=nn.Linear(32, 8),
+        )
+    )
+
+
+@pytest.mark.parametrize("config", [None, Int8QuantizationConfig(activation_quantizer=None)])
+def test_int8_over_a_float16_module_changes_nothing(config):
+    """int8 refuses a float16 compute dtype (Keras's rule). The module that
+    refuses comes after one that could be quantized."""
+    model = _three_linears()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"second/inner": "mixed_float16"}))
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        quantize(model, "int8", config)
+    assert_unchanged(model, before)
+    assert "second/inner" in str(info.value)
+    out = model(torch.randn(2, 16))  # still the float model
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_int8_over_a_float16_layer_changes_nothing():
+    torch.manual_seed(0)
+    first = layers.Dense(32, dtype="mixed_bfloat16", name="ok_dense")
+    second = layers.Dense(8, dtype="mixed_float16", name="fp16_dense")
+    model = nn.Sequential(OrderedDict(a=first, b=second))
+    model(torch.randn(2, 16))
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        quantize(model, "int8")
+    assert_unchanged(model, before)
+    assert "b" in str(info.value).replace("fp16_dense", "")  # the path "b", not only the name
+    assert not first.is_quantized and not second.is_quantized
+
+
+def test_unbuilt_layer_inside_a_model():
+    """An unbuilt layer among built ones: either the whole call raises
+    (naming the path, nothing changed) or the layer is skipped with a reason;
+    never a half-quantized model that then crashes."""
+    torch.manual_seed(0)
+    built = layers.Dense(32, name="built_dense")
+    built.build((None, 16))
+    unbuilt = layers.Dense(8, name="unbuilt_dense")
+    model = nn.Sequential(OrderedDict(built=built, later=unbuilt))
+    before = snapshot(model)
+    try:
+        report = quantize(model, "int8")
+    except ValueError as error:
+        assert_unchanged(model, before)
+        assert "later" in str(error).replace("unbuilt_dense", "")
+        return
+    assert "later" in dict(report.skipped), report.render()
+    assert dict(report.skipped)["later"]
+    out = model(torch.randn(2, 16))  # builds the skipped layer: float
+    assert out.shape == (2, 8) and torch.isfinite(out).all()
+
+
+def test_failing_third_party_kind_changes_nothing():
+    """A registered linear kind whose weight is not a matrix: quantizing it
+    fails, and the modules planned before it are left alone."""
+    from dtype_policies.quantization import register_linear_kind
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 8, 2))
+
+        def forward(self, x):
+            return x @ self.weight.flatten(1).t()[: x.shape[-1]]
+
+    register_linear_kind(Odd, weight="weight", layout="out_in", bias=None)
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(first=nn.Linear(16, 16), odd=Odd()))
+    before = snapshot(model)
+    try:
+        report = quantize(model, "int8")
+    except (ValueError, NotImplementedError) as error:
+        assert_unchanged(model, before)
+        assert "odd" in str(error)
+        return
+    assert "odd" in dict(report.skipped), report.render()
+    assert torch.equal(model.odd.weight, before["state"]["odd.weight"])
+
+
+def test_error_leaves_layers_policies_unchanged():
+    """The layers' own policies (and the map they may share) are untouched."""
+    torch.manual_seed(0)
+    policy = DTypePolicyMap("mixed_bfloat16", {"model/1": "mixed_float16"})
+    model = layers.Sequential(
+        [layers.Dense(32, dtype=policy), layers.Dense(8, dtype=policy)], name="model"
+    )
+    model(torch.randn(2, 16))
+    before = snapshot(model)
+    config_before = policy.get_config()
+    with pytest.raises(ValueError) as info:
+        quantize(model, "int8")
+    assert_unchanged(model, before)
+    assert policy.get_config() == config_before
+    assert "model/1" in str(info.value)
+
+
+def test_non_matmul_einsum_is_skipped_with_a_reason():
+    """int8 on an EinsumDense whose equation is not a matrix product is not an
+    error: it is skipped and reported, the rest is quantized."""
+    torch.manual_seed(0)
+    odd = layers.EinsumDense("abc,cb->ab", output_shape=(3,), name="odd_einsum")
+    model = nn.Sequential(OrderedDict(first=nn.Linear(12, 12), reshape=nn.Unflatten(1, (3, 4))))
+    model.add_module("odd", odd)
+    x = torch.randn(2, 12)
+    with torch.no_grad():
+        reference = model(x)
+    odd_before = {k: v.clone() for k, v in odd.state_dict().items()}
+    report = quantize_with(model, "int8")
+    assert "odd" in dict(report.skipped) and dict(report.skipped)["odd"]
+    assert [path for path, *_ in report.quantized] == ["first"]
+    for key, value in odd_before.items():
+        assert torch.equal(odd.state_dict()[key], value), key
+    with torch.no_grad():
+        out = model(x)
+    assert ((out - reference).norm() / reference.norm()) < 0.05

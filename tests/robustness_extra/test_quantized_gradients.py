@@ -1,0 +1,121 @@
+"""Contract: through int8 (W8A8 and weight-only) and int4 layers, d(out)/d(input)
+is the straight-through gradient through the dequantized weight,
+`grad_x = grad_y @ W_deq` (cosine > 0.999). Bias gradients flow; the quantized
+weight gets none; an embedding table gets none."""
+
+import pytest
+import torch
+import torch.nn as nn
+from robust_helpers import (
+    EMBEDDING_KINDS,
+    IN_FEATURES,
+    INTEGER_MODES,
+    LINEAR_KINDS,
+    OUT_FEATURES,
+    VOCAB,
+    cosine,
+    dequantized_nk,
+    make_embedding,
+    make_linear,
+    quantize_with,
+    snapshot,
+)
+
+
+def _forward_backward(model, shape, seed=7):
+    torch.manual_seed(seed)
+    x = torch.randn(*shape, requires_grad=True)
+    y = model(x)
+    g = torch.randn(y.shape)
+    (y.float() * g).sum().backward()
+    return x, y, g
+
+
+@pytest.mark.parametrize("rows", [6, 20])
+@pytest.mark.parametrize("source", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_input_gradient_is_straight_through(mode, kind, source, rows):
+    model, leaf, reference = make_linear(kind, source)
+    quantize_with(model, mode)
+    x, _y, g = _forward_backward(model, (rows, IN_FEATURES))
+    assert x.grad is not None
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+    # Against the float weight first (independent of the stored names): the
+    # quantized weight is within a few percent of it.
+    with_float_weight = g.float() @ reference.weight_nk
+    assert cosine(x.grad, with_float_weight) > 0.97
+    # The contract: exactly the straight-through gradient of W_deq.
+    with_dequantized = g.float() @ dequantized_nk(leaf, kind, mode)
+    assert cosine(x.grad, with_dequantized) > 0.999
+
+
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_input_gradient_3d_inputs(mode):
+    model, leaf, reference = make_linear("linear", "mixed_bfloat16")
+    quantize_with(model, mode)
+    x, y, g = _forward_backward(model, (2, 9, IN_FEATURES))
+    assert y.shape == (2, 9, OUT_FEATURES)
+    assert cosine(x.grad, g.float() @ reference.weight_nk) > 0.97
+    assert cosine(x.grad, g.float() @ dequantized_nk(leaf, "linear", mode)) > 0.999
+
+
+def test_float8_input_gradient_close_to_float():
+    model, leaf, reference = make_linear("linear", "mixed_bfloat16")
+    quantize_with(model, "float8")
+    x, _y, g = _forward_backward(model, (6, IN_FEATURES))
+    assert cosine(x.grad, g.float() @ reference.weight_nk) > 0.99
+    assert leaf.weight.grad is not None  # float8 keeps training its float weight
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_bias_gradient_flows_weight_gets_none(mode, kind):
+    model, leaf, _ = make_linear(kind, "float32")
+    quantize_with(model, mode)
+    before = snapshot(model)
+    names = [name for name, _ in model.named_parameters()]
+    assert all(not name.endswith(("weight", "kernel")) for name in names), names
+    _x, _y, g = _forward_backward(model, (6, IN_FEATURES))
+    bias = leaf.bias
+    assert bias.grad is not None
+    torch.testing.assert_close(bias.grad, g.sum(0), rtol=1e-4, atol=1e-4)
+    for name, buffer in leaf.named_buffers():
+        assert not buffer.requires_grad, name
+        assert buffer.grad is None, name
+    state = model.state_dict()
+    for key, value in before["state"].items():  # backward wrote nothing stored
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.parametrize("kind", EMBEDDING_KINDS)
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "int4_pc"])
+def test_quantized_embedding_table_gets_no_gradient(mode, kind):
+    embedding_model, leaf, _ = make_embedding(kind, "mixed_bfloat16")
+    quantize_with(embedding_model, mode)
+    assert list(leaf.parameters()) == []
+    head = nn.Linear(leaf_dim(leaf), 4)
+    ids = torch.tensor([[1, 2, VOCAB - 1]])
+    out = head(embedding_model(ids).float())
+    out.sum().backward()
+    assert head.weight.grad is not None
+    for name, buffer in leaf.named_buffers():
+        assert buffer.grad is None and not buffer.requires_grad, name
+
+
+def leaf_dim(leaf):
+    return getattr(leaf, "embedding_dim", None) or leaf.output_dim
+
+
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_torch_module_weight_is_dequantized_float(mode):
+    """`module.weight` of a quantized torch module is the dequantized float
+    weight in the variable dtype (so parents reading it keep working)."""
+    model, leaf, reference = make_linear("linear", "mixed_bfloat16")
+    quantize_with(model, mode)
+    weight = leaf.weight
+    assert weight.dtype == torch.float32
+    assert weight.shape == (OUT_FEATURES, IN_FEATURES)
+    torch.testing.assert_close(weight, dequantized_nk(leaf, "linear", mode), rtol=1e-5, atol=1e-6)
+    error = (weight - reference.weight_nk).norm() / reference.weight_nk.norm()
+    assert error < (0.02 if mode.startswith("int8") else 0.2)

@@ -1,0 +1,332 @@
+"""Contract: `quantize()` on modules whose weights are read by the parent,
+parametrized weights, tied weights, subclasses and other unusual modules
+leaves a working model: each is skipped with a reason in the report, or
+quantized correctly; never half-applied, never a crash."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from robust_helpers import TOLERANCE, quantize_with, relative_error
+
+from dtype_policies import apply_policy
+
+torch.manual_seed(0)
+X3 = torch.randn(2, 6, 64)
+
+
+def _check_skipped_or_quantized(report, path, module, float_state):
+    """`path` is either reported as quantized, or skipped with a reason and
+    then its float tensors are bit-for-bit what they were."""
+    quantized = [p for p, *_ in report.quantized]
+    skipped = dict(report.skipped)
+    assert (path in quantized) != (path in skipped), report.render()
+    if path in skipped:
+        assert isinstance(skipped[path], str) and skipped[path].strip()
+        for key, value in float_state.items():
+            now = module.state_dict()[key]
+            assert now.dtype == value.dtype and torch.equal(now, value), f"{path}.{key}"
+
+
+def _quantize_quietly(model, mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return quantize_with(model, mode)
+
+
+# ------------------------------------------------------- weights read by the parent
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "float8"])
+def test_multihead_attention(mode, policy):
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(64, 4, batch_first=True).eval()
+    if policy:
+        apply_policy(model, policy)
+    with torch.no_grad():
+        reference = model(X3, X3, X3)[0]
+    out_proj_state = {k: v.clone() for k, v in model.out_proj.state_dict().items()}
+    report = _quantize_quietly(model, mode)
+    _check_skipped_or_quantized(report, "out_proj", model.out_proj, out_proj_state)
+    with torch.no_grad():
+        out = model(X3, X3, X3)[0]
+    assert torch.isfinite(out).all()
+    assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "float8"])
+def test_transformer_encoder(mode, training):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    model.train(training)
+    with torch.no_grad():
+        reference = model(X3)
+    states = {
+        name: {k: v.clone() for k, v in m.state_dict().items()}
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    report = _quantize_quietly(model, mode)
+    for name, state in states.items():
+        _check_skipped_or_quantized(
+            report, name.replace(".", "/"), model.get_submodule(name), state
+        )
+    with torch.no_grad():
+        out = model(X3)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+class ReadsChildWeight(nn.Module):
+    """A parent computing with its child's weight directly (as tied heads do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(64, 64)
+        self.other = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.other(F.linear(x, self.child.weight) + self.child(x))
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", ["int8", "int8_wo", "int4_128", "int4_pc"])
+def test_parent_reading_child_weight(mode, policy):
+    torch.manual_seed(0)
+    model = ReadsChildWeight()
+    if policy:
+        apply_policy(model, policy)
+    with torch.no_grad():
+        reference = model(X3)
+    child_state = {k: v.clone() for k, v in model.child.state_dict().items()}
+    report = _quantize_quietly(model, mode)
+    _check_skipped_or_quantized(report, "child", model.child, child_state)
+    with torch.no_grad():
+        out = model(X3)
+    assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+# ------------------------------------------------------- parametrized weights
+
+
+class Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def _parametrized(kind):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    if kind == "weight_norm":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch.nn.utils.weight_norm(linear)
+    if kind == "parametrizations.weight_norm":
+        return torch.nn.utils.parametrizations.weight_norm(linear)
+    if kind == "spectral_norm":
+        return torch.nn.utils.spectral_norm(linear)
+    if kind == "parametrizations.spectral_norm":
+        return torch.nn.utils.parametrizations.spectral_norm(linear)
+    torch.nn.utils.parametrize.register_parametrization(linear, "weight", Doubled())
+    return linear
+
+
+PARAMETRIZED = [
+    "weight_norm",
+    "parametrizations.weight_norm",
+    "spectral_norm",
+    "parametrizations.spectral_norm",
+    "register_parametrization",
+]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "float8"])
+@pytest.mark.parametrize("kind", PARAMETRIZED)
+def test_parametrized_weights_are_skipped(kind, mode):
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), _parametrized(kind)).eval()
+    with torch.no_grad():
+        reference = model(X3)
+    state = {k: v.clone() for k, v in model[2].state_dict().items()}
+    report = _quantize_quietly(model, mode)
+    skipped = dict(report.skipped)
+    assert "2" in skipped and skipped["2"].strip(), report.render()
+    assert "2" not in [p for p, *_ in report.quantized]
+    assert "0" in [p for p, *_ in report.quantized]  # the rest is quantized
+    for key, value in state.items():
+        assert torch.equal(model[2].state_dict()[key], value), key
+    with torch.no_grad():
+        out = model(X3)
+    assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+# ------------------------------------------------------- tied weights
+
+
+def _tied_lm(vocab=50, dim=64):
+    torch.manual_seed(0)
+    embedding = nn.Embedding(vocab, dim)
+    head = nn.Linear(dim, vocab, bias=False)
+    head.weight = embedding.weight
+    return nn.ModuleDict({"embed": embedding, "head": head})
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "int4_pc"])
+def test_tied_embedding_and_head_quantized_once(mode, policy):
+    model = _tied_lm()
+    if policy:
+        apply_policy(model, policy)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model["head"](model["embed"](ids))
+    report = _quantize_quietly(model, mode)
+    with torch.no_grad():
+        out = model["head"](model["embed"](ids))
+    assert relative_error(out, reference) < TOLERANCE[mode]
+    quantized = [p for p, *_ in report.quantized]
+    state = model.state_dict()
+    integer = {k: v for k, v in state.items() if v.dtype == torch.int8}
+    embed_data = [v for k, v in integer.items() if k.startswith("embed.")]
+    head_data = [v for k, v in integer.items() if k.startswith("head.")]
+    shared = bool(embed_data and head_data) and any(
+        a.data_ptr() == b.data_ptr() for a in embed_data for b in head_data
+    )
+    assert shared or len(quantized) == 1, (report.render(), list(integer))
+
+
+# ------------------------------------------------------- subclasses and others
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass with its own forward (LoRA-style wrappers look like this)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2 + 1
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "float8"])
+def test_linear_subclass_with_own_forward(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledLinear(64, 32))
+    with torch.no_grad():
+        reference = model(X3)
+    state = {k: v.clone() for k, v in model[0].state_dict().items()}
+    report = _quantize_quietly(model, mode)
+    _check_skipped_or_quantized(report, "0", model[0], state)
+    with torch.no_grad():
+        out = model(X3)
+    assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+def test_uninitialized_lazy_linear_is_skipped():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LazyLinear(16))
+    report = _quantize_quietly(model, "int8")
+    assert "1" in dict(report.skipped) and dict(report.skipped)["1"].strip()
+    out = model(X3)  # the lazy module initializes itself (float) and works
+    assert out.shape == (2, 6, 16) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "float8"])
+def test_unsupported_modules_are_reported_and_untouched(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(6, 6, 3, padding=1), nn.Flatten(), nn.Linear(6 * 64, 8))
+    gru = nn.GRU(8, 8, batch_first=True)
+    model.add_module("gru_in", nn.Unflatten(1, (1, 8)))
+    model.add_module("gru", gru)
+    with torch.no_grad():
+        reference = model(X3)[0]
+    conv_state = {k: v.clone() for k, v in model[0].state_dict().items()}
+    report = _quantize_quietly(model, mode)
+    skipped = dict(report.skipped)
+    assert skipped.get("0") and skipped.get("gru"), report.render()
+    for key, value in conv_state.items():
+        assert torch.equal(model[0].state_dict()[key], value)
+    with torch.no_grad():
+        out = model(X3)[0]
+    assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4_128", "int4_pc", "float8"])
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(1, 1, True), (5, 3, False)])
+def test_degenerate_linear_shapes(mode, in_features, out_features, bias):
+    """Tiny layers. (Weight-only int8 crashes the interpreter on such shapes:
+    it is exercised in a subprocess in test_numerical_edges.py.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(in_features, out_features, bias=bias))
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(4, in_features)
+    with torch.no_grad():
+        reference = model(x)
+    _quantize_quietly(model, mode)
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == (4, out_features) and torch.isfinite(out).all()
+    tolerance = 0.35 if mode.startswith("int4") else TOLERANCE[mode]
+    assert relative_error(out, reference) < tolerance
+
+
+def test_module_reached_twice_is_quantized_once():
+    torch.manual_seed(0)
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    with torch.no_grad():
+        reference = model(X3)
+    report = _quantize_quietly(model, "int8")
+    assert [p for p, *_ in report.quantized] == ["0"]
+    with torch.no_grad():
+        assert relative_error(model(X3), reference) < TOLERANCE["int8"]
+
+
+def test_register_linear_kind_third_party_class():
+    """A class storing its weight as (in, out) joins the linear kinds."""
+    from dtype_policies.quantization import register_linear_kind
+
+    class InOut(nn.Module):
+        def __init__(self, k, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(k, n) / k**0.5)
+            self.bias = nn.Parameter(torch.randn(n))
+
+        def forward(self, x):
+            return x @ self.weight + self.bias
+
+    register_linear_kind(InOut, weight="weight", layout="in_out", bias="bias")
+    torch.manual_seed(0)
+    model = nn.Sequential(InOut(64, 32))
+    with torch.no_grad():
+        reference = model(X3)
+    report = quantize_with(model, "int8")
+    assert [p for p, *_ in report.quantized] == ["0"]
+    assert "0.weight_int8" in model.state_dict()
+    assert model.state_dict()["0.weight_int8"].shape == (64, 32)  # the module's own orientation
+    with torch.no_grad():
+        assert relative_error(model(X3), reference) < TOLERANCE["int8"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8_wo", "int4_128", "float8"])
+@pytest.mark.parametrize(
+    ("built_with", "called_with"),
+    [((4, 64), (2, 3, 64)), ((2, 3, 64), (5, 64)), ((2, 3, 64), (4, 7, 64))],
+)
+def test_quantized_einsum_with_ellipsis_other_input_ranks(mode, built_with, called_with):
+    """An EinsumDense with a `...` equation takes any leading shape when
+    float; quantized, it must too (not only the shape it was built with)."""
+    from dtype_policies import layers
+
+    torch.manual_seed(0)
+    layer = layers.EinsumDense("...b,bc->...c", output_shape=32, bias_axes="c")
+    layer(torch.randn(built_with))
+    x = torch.randn(called_with)
+    with torch.no_grad():
+        reference = layer(x)
+    quantize_with(layer, mode)
+    with torch.no_grad():
+        out = layer(x)
+    assert out.shape == (*called_with[:-1], 32)
+    assert relative_error(out, reference) < TOLERANCE[mode]
