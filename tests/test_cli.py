@@ -168,3 +168,12 @@ def test_console_script_finds_a_factory_in_the_working_directory(factory):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["total_parameters"] == 32 * 64 + 64 + 128 + 64 * 8 + 8
+
+
+def test_installed_version_is_the_package_version():
+    from importlib.metadata import version
+
+    import dtype_policies
+
+    assert version("dtype-policies") == dtype_policies.__version__
+    assert cli("--version").stdout.strip().endswith(dtype_policies.__version__)
