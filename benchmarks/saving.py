@@ -28,14 +28,20 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIG = dict(
-    hidden_size=1024,
-    num_hidden_layers=8,
-    intermediate_size=2816,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    vocab_size=32000,
-)
+from dtype_policies.bench.workloads.llm import llama_config
+
+# The benchmark Llama of `llm_decode` / `llm_prefill`, one definition.
+CONFIG = {
+    key: getattr(llama_config(), key)
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    )
+}
 VARIANTS = ("float32", "mixed_bfloat16", "int8", "int4/128")
 LOADS = {
     "load_cpu": "saving.load, CPU-built target",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 from dtype_policies._core import policy_module
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
+from dtype_policies._core.module_rules import ModuleRule, matches_any
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.layers.layer import Layer
@@ -43,25 +44,11 @@ _HALF_INPUT_NORMS = (
 
 _GATHER_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
-Float32Rule = type[torch.nn.Module] | str | Callable[[str, torch.nn.Module], bool]
-
-
-def _matches(path: str, module: torch.nn.Module, rules: Iterable[Float32Rule]) -> bool:
-    cls = original_class(module)
-    for rule in rules:
-        if isinstance(rule, type):
-            if issubclass(cls, rule):
-                return True
-        elif isinstance(rule, str):
-            if cls.__name__.endswith(rule):
-                return True
-        elif rule(path, module):
-            return True
-    return False
+Float32Rule = ModuleRule
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
-    return _matches("", module, (*DEFAULT_FLOAT32_MODULES, "Norm"))
+    return matches_any("", module, (*DEFAULT_FLOAT32_MODULES, "Norm"))
 
 
 @dataclass
@@ -300,7 +287,7 @@ def _plan_policies(
         if conflict is not None:
             conflicts.append(conflict)
             continue
-        island = not explicit and _matches(path, submodule, rules)
+        island = not explicit and matches_any(path, submodule, rules)
         resolved = _FLOAT32 if island else resolved
         options = None
         if not isinstance(submodule, Layer):

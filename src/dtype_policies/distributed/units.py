@@ -14,16 +14,17 @@ them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from dtype_policies._core.compose import original_class
+from dtype_policies._core.module_rules import ModuleRule, matches_any
 from dtype_policies.distributed.mixed_precision import quantized_error
 from dtype_policies.quantization.attach import quantization_of
 
-UnitRule = type[torch.nn.Module] | str | Callable[[str, torch.nn.Module], bool]
+UnitRule = ModuleRule
 
 
 @dataclass
@@ -65,20 +66,6 @@ def _never_called(module: torch.nn.Module) -> bool:
 
 def _has_parameters(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is not None
-
-
-def _matches(name: str, module: torch.nn.Module, rules: Iterable[UnitRule]) -> bool:
-    cls = original_class(module)
-    for rule in rules:
-        if isinstance(rule, type):
-            if issubclass(cls, rule):
-                return True
-        elif isinstance(rule, str):
-            if cls.__name__.endswith(rule):
-                return True
-        elif rule(name, module):
-            return True
-    return False
 
 
 def _default_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -197,7 +184,7 @@ def shard_plan(
             if module is not model
             and _has_parameters(module)
             and not _never_called(module)
-            and _matches(name, module, rules)
+            and matches_any(name, module, rules)
         ]
     block_ids = {id(module) for _, module in blocks}
     plan: list[tuple[int, ShardUnit]] = []  # (depth, unit)
