@@ -19,6 +19,7 @@ from dtype_policies.quantizers import (
     search_grouped_int4,
     search_per_channel_int4,
 )
+from dtype_policies.quantizers.math import EPSILON
 
 # float32 rounding: the search compares errors computed in another order than
 # here, and a dequantized value is only exact to a few float32 ulps.
@@ -156,11 +157,15 @@ def test_per_channel_format_and_never_worse_than_abs_max(w, balance):
 def test_column_slabs_do_not_change_the_error(w, block_size, chunk_elements):
     whole = search_grouped_int4(w, block_size)
     sliced = search_grouped_int4(w, block_size, chunk_elements=chunk_elements)
+    # Slabs change the order of float sums: values near a rounding boundary may
+    # round the other way, which only shows for groups at the epsilon floor
+    # (step EPSILON / 15): allow 1% of one floor step squared per value.
+    floor_step = EPSILON / 15
     torch.testing.assert_close(
         _group_errors(w, *sliced, block_size).sum(),
         _group_errors(w, *whole, block_size).sum(),
         rtol=1e-3,
-        atol=1e-300,
+        atol=0.01 * floor_step**2 * w.numel(),
     )
     q, scale = search_per_channel_int4(w, chunk_elements=chunk_elements)
     _assert_channel_format(q, scale, *w.shape)
