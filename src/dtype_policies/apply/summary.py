@@ -53,14 +53,16 @@ def _dtype_names(tensors: list[torch.Tensor]) -> str:
 def quantization_label(module: torch.nn.Module) -> str:
     """`"int8"`, `"int8 weight-only"`, `"int4/128"`, `"float8"`, or `"-"`."""
     quantized = quantization_of(module)
-    if quantized is None:
-        return "-"
-    config = quantized.config
-    if quantized.mode == "int4":
+    return "-" if quantized is None else label_of(quantized.mode, quantized.config)
+
+
+def label_of(mode: str, config: Any) -> str:
+    """The quantization column's text for `mode` with its `config`."""
+    if mode == "int4":
         return f"int4/{config.group_size}"
-    if quantized.mode == "int8" and config.weight_only:
+    if mode == "int8" and config.weight_only:
         return "int8 weight-only"
-    return quantized.mode
+    return mode
 
 
 def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:

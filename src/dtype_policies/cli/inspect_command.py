@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from dtype_policies.apply import apply_policy, module_summaries
-from dtype_policies.apply.summary import COLUMNS
+from dtype_policies.apply.summary import COLUMNS, label_of
 from dtype_policies.cli import output
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 from dtype_policies.policies import deserialize, policy_for_config
 from dtype_policies.quantization import quantize
 from dtype_policies.saving import load_policy
-from dtype_policies.saving.checkpoint import _model_file, _read_header
-
-_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8"}
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
+from dtype_policies.saving.checkpoint import dtype_of_code, model_file, read_header
 
 
 def add_parser(subparsers: Any) -> None:
@@ -77,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
     """The table of a checkpoint, from its manifest and tensor header alone."""
-    file = _model_file(target)
+    file = model_file(target)
     if not file.is_file():
         raise CLIError(f"no checkpoint at '{file}'")
-    manifest, header = _read_header(file)
+    manifest, header = read_header(file)
     names = set(manifest.classes) | set(manifest.modules) | set(manifest.layers)
     rows = []
     for name in sorted(names | set(manifest.quantized), key=lambda n: (n != "", n)):
@@ -97,46 +95,36 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
         quantized = manifest.quantized.get(name)
         stored = set(quantized.stored) if quantized is not None else set()
         parameters = sum(
-            _numel(shape) for tensor, (shape, code) in own.items() if tensor not in stored
+            math.prod(shape) for tensor, (shape, code) in own.items() if tensor not in stored
         )
         if quantized is not None:
             if policy is not None and policy.quantization_mode is None:
                 policy = policy_for_config(quantized.quantization_config, policy.name)
             if quantized.mode != "float8":
-                parameters += _numel(quantized.float_shape)
+                parameters += math.prod(quantized.float_shape)
         rows.append(
             {
                 "path": name.replace(".", "/") or "(root)",
                 "class_name": manifest.classes.get(name, "?"),
                 "policy": policy.name if policy is not None else "-",
                 "compute_dtype": policy.compute_dtype if policy is not None else "-",
-                "variable_dtype": ",".join(
-                    sorted({_DTYPE_NAMES.get(code, code.lower()) for _, code in own.values()})
-                )
+                "variable_dtype": ",".join(sorted({_dtype_name(code) for _, code in own.values()}))
                 or "-",
-                "quantization": _label(quantized),
+                "quantization": "-"
+                if quantized is None
+                else label_of(quantized.mode, quantized.quantization_config),
                 "parameters": parameters,
-                "bytes": sum(
-                    _numel(shape) * _DTYPE_BYTES.get(code, 1) for shape, code in own.values()
-                ),
+                "bytes": sum(math.prod(shape) * _itemsize(code) for shape, code in own.values()),
             }
         )
     return rows
 
 
-def _numel(shape: Any) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
+def _dtype_name(code: str) -> str:
+    dtype = dtype_of_code(code)
+    return code.lower() if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def _label(quantized: Any) -> str:
-    if quantized is None:
-        return "-"
-    config = quantized.quantization_config
-    if quantized.mode == "int4":
-        return f"int4/{config.group_size}"
-    if quantized.mode == "int8" and config.weight_only:
-        return "int8 weight-only"
-    return quantized.mode
+def _itemsize(code: str) -> int:
+    dtype = dtype_of_code(code)
+    return 1 if dtype is None else dtype.itemsize

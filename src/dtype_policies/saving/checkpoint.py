@@ -40,7 +40,7 @@ MANIFEST_FILE = "dtype_policies.json"
 METADATA_KEY = "dtype_policies"
 
 
-def _model_file(path: str | os.PathLike) -> Path:
+def model_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     return path if path.suffix == ".safetensors" else path / MODEL_FILE
 
@@ -73,7 +73,7 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
-    file = _model_file(path)
+    file = model_file(path)
     manifest = describe(module, __version__)
     tensors, sharded = _collect_tensors(module, manifest)
     if not sharded or _rank() == 0:
@@ -169,10 +169,10 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load() expects a torch.nn.Module. Received: {type(module).__name__}")
-    file = _model_file(path)
+    file = model_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"No dtype_policies checkpoint at '{file}'.")
-    manifest, header = _read_header(file)
+    manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest)
     steps, plans = plan_from_manifest(module, manifest, _saved_tensors(state), str(file))
@@ -197,7 +197,7 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     return module
 
 
-def _read_header(file: Path) -> tuple[Manifest, dict[str, tuple[tuple[int, ...], str]]]:
+def read_header(file: Path) -> tuple[Manifest, dict[str, tuple[tuple[int, ...], str]]]:
     try:
         with safe_open(str(file), framework="pt") as reader:
             metadata = reader.metadata() or {}
@@ -231,9 +231,17 @@ _DTYPE_CODES = {
 }
 
 
+_DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
 def dtype_code(dtype: torch.dtype) -> str:
     """The safetensors header's name for `dtype` (`"F32"`, `"I8"`, ...)."""
     return _DTYPE_CODES.get(dtype, str(dtype))
+
+
+def dtype_of_code(code: str) -> torch.dtype | None:
+    """The torch dtype a safetensors header names (`None` if unknown here)."""
+    return _DTYPES_BY_CODE.get(code)
 
 
 TensorFor = Callable[[str, tuple, torch.dtype], torch.Tensor]
