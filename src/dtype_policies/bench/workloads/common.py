@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from collections.abc import Callable
@@ -47,6 +48,24 @@ def inference_call(model, x) -> Callable[[], object]:
             return model(x)
 
     return run
+
+
+def policied_copy(
+    base: nn.Module,
+    policy: str,
+    mode: str | None = None,
+    config: object | None = None,
+    **apply_options: object,
+) -> nn.Module:
+    """A deep copy of `base` under `apply_policy(policy)`, then quantized to
+    `mode` (with `config`) when one is given."""
+    from dtype_policies import apply_policy, quantize
+
+    model = copy.deepcopy(base)
+    apply_policy(model, policy, **apply_options)
+    if mode is not None:
+        quantize(model, mode, config)
+    return model
 
 
 def torchao_int8(model: nn.Module) -> nn.Module | None:

@@ -15,6 +15,7 @@ from dtype_policies.bench.workloads.common import (
     Variants,
     inference_call,
     keras_module,
+    policied_copy,
     torchao_int8,
     train_step,
 )
@@ -126,12 +127,10 @@ def mlp_inference(batch: int = 256) -> tuple[Variants, dict[str, str]]:
     variants: Variants = {}
     notes: dict[str, str] = {}
     variants["float32"] = inference_call(copy.deepcopy(base), x)
-    m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16")
+    m = policied_copy(base, "mixed_bfloat16")
     variants["dtype_policies mixed_bfloat16"] = inference_call(m, x)
     notes["dtype_policies mixed_bfloat16"] = "keeps a bf16 copy: +50% weight memory"
-    m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16", weight_cache=False)
+    m = policied_copy(base, "mixed_bfloat16", weight_cache=False)
     variants["dtype_policies mixed_bfloat16, weight_cache=False"] = inference_call(m, x)
     m = copy.deepcopy(base)
 
@@ -141,15 +140,12 @@ def mlp_inference(batch: int = 256) -> tuple[Variants, dict[str, str]]:
 
     variants["torch.autocast bfloat16"] = autocast_run
     variants["whole model bfloat16"] = inference_call(copy.deepcopy(base).bfloat16(), x.bfloat16())
-    m = copy.deepcopy(base)
-    apply_policy(m, "int8_from_mixed_bfloat16")
+    m = policied_copy(base, "int8_from_mixed_bfloat16")
     variants["dtype_policies int8_from_mixed_bfloat16"] = inference_call(m, x)
     m = copy.deepcopy(base)
     quantize(m, "int8")
     variants["dtype_policies int8_from_float32"] = inference_call(m, x)
-    m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16")
-    quantize(m, "int4")
+    m = policied_copy(base, "mixed_bfloat16", "int4")
     variants["dtype_policies int4/128_from_mixed_bfloat16"] = inference_call(m, x)
     ao = torchao_int8(copy.deepcopy(base))
     if ao is not None:
@@ -179,20 +175,15 @@ def mlp_decode() -> tuple[Variants, dict[str, str]]:
         "float32": inference_call(copy.deepcopy(base), x),
         "whole model bfloat16": inference_call(copy.deepcopy(base).bfloat16(), x.bfloat16()),
     }
-    m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16")
-    variants["dtype_policies mixed_bfloat16"] = inference_call(m, x)
-    m = copy.deepcopy(base)
-    apply_policy(m, "int8_from_mixed_bfloat16")
-    variants["dtype_policies int8_from_mixed_bfloat16"] = inference_call(m, x)
-    m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16")
-    quantize(m, "int4")
-    variants["dtype_policies int4/128_from_mixed_bfloat16"] = inference_call(m, x)
-    m = copy.deepcopy(base)
-    apply_policy(m, "mixed_bfloat16")
-    quantize(m, "int4", Int4QuantizationConfig(block_size=-1))
-    variants["dtype_policies int4/-1_from_mixed_bfloat16"] = inference_call(m, x)
+    per_channel = Int4QuantizationConfig(block_size=-1)
+    for name, policy, mode, config in (
+        ("mixed_bfloat16", "mixed_bfloat16", None, None),
+        ("int8_from_mixed_bfloat16", "int8_from_mixed_bfloat16", None, None),
+        ("int4/128_from_mixed_bfloat16", "mixed_bfloat16", "int4", None),
+        ("int4/-1_from_mixed_bfloat16", "mixed_bfloat16", "int4", per_channel),
+    ):
+        m = policied_copy(base, policy, mode, config)
+        variants[f"dtype_policies {name}"] = inference_call(m, x)
     ao = torchao_int8(copy.deepcopy(base))
     if ao is not None:
         variants["torchao Int8DynamicActivationInt8Weight, compiled"] = inference_call(
@@ -218,9 +209,7 @@ def quantization_accuracy() -> list[dict]:
         ("int4/-1_from_mixed_bfloat16", "int4", Int4QuantizationConfig(block_size=-1)),
     ]
     for name, mode, config in cases:
-        model = copy.deepcopy(base)
-        apply_policy(model, name.split("_from_")[1])
-        quantize(model, mode, config)
+        model = policied_copy(base, name.split("_from_")[1], mode, config)
         if mode == "float8":
             # Delayed scaling learns its scales in training steps: two steps
             # (forward in training mode and backward) fill the amax histories.
