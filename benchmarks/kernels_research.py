@@ -359,37 +359,11 @@ def path_builders() -> dict[str, tuple[str, Callable[[Case], tuple[Callable, tor
 
     @add("int8 dyn: library kernels.int8_linear, DTYPE_POLICIES_COMPILE=0", "int8 dyn")
     def _(c):
-        from dtype_policies.quantization import kernels
-
-        runtime = kernels.Int8Runtime()
-        inverse = c.step8.clone()
-
-        def call():
-            previous = kernels._compile_enabled
-            kernels.set_compile_epilogues(False)
-            try:
-                return kernels.int8_linear(c.xb, c.q8, inverse, None, BF16, runtime)
-            finally:
-                kernels.set_compile_epilogues(previous)
-
-        return call, ref8(c)
+        return _library_int8(c, compiled=False), ref8(c)
 
     @add("int8 dyn: library kernels.int8_linear, compiled epilogues", "int8 dyn")
     def _(c):
-        from dtype_policies.quantization import kernels
-
-        runtime = kernels.Int8Runtime()
-        inverse = c.step8.clone()
-
-        def call():
-            previous = kernels._compile_enabled
-            kernels.set_compile_epilogues(True)
-            try:
-                return kernels.int8_linear(c.xb, c.q8, inverse, None, BF16, runtime)
-            finally:
-                kernels.set_compile_epilogues(previous)
-
-        return call, ref8(c)
+        return _library_int8(c, compiled=True), ref8(c)
 
     @add("int8 dyn: torchao Int8DynamicActivationInt8Weight (eager)", "int8 dyn")
     def _(c):
@@ -457,24 +431,40 @@ def path_builders() -> dict[str, tuple[str, Callable[[Case], tuple[Callable, tor
 
     @add("int4/128: library kernels.int4_linear", "int4")
     def _(c):
-        from dtype_policies.quantization.quantizers import grouped_quantize_with_zero_point
-
-        from dtype_policies.quantization import kernels
+        from dtype_policies.quantization.kernels import int4
+        from dtype_policies.quantizers import grouped_quantize_with_zero_point
 
         q_kn, scale, zero = grouped_quantize_with_zero_point(c.w32.t(), 128)
         q_nk = q_kn.t().contiguous()
-        runtime = kernels.Int4Runtime()
-        dq = kernels.dequantize_int4(q_nk, scale, zero, 128)
-        tensors = (q_nk, scale, zero)
+        runtime = int4.Int4Runtime()
+        runtime.refresh(q_nk, scale, zero, 128, (q_nk, scale, zero))
+        dq = int4.dequantize_int4(q_nk, scale, zero, 128)
 
         def call():
-            return kernels.int4_linear(
-                c.xb, lambda: q_nk, tensors, scale, zero, 128, c.n, None, BF16, runtime
-            )
+            return int4.int4_linear(c.xb, q_nk, scale, zero, 128, None, BF16, runtime)
 
         return call, c.xb.float() @ dq.t()
 
     return paths
+
+
+def _library_int8(c, compiled: bool):
+    """The library's W8A8 kernel on the case's weight (`W = q8 * step8`, i.e.
+    Keras's scale `1 / step8`), with the epilogues compiled or eager."""
+    from dtype_policies.quantization.kernels import epilogues, int8
+
+    runtime = int8.Int8Runtime()
+    runtime.refresh(c.q8, 1.0 / c.step8, lambda q: q, prepack=True)
+
+    def call():
+        previous = epilogues._compile_enabled
+        epilogues.set_compile_epilogues(compiled)
+        try:
+            return int8.int8_linear(c.xb, runtime, None, BF16)
+        finally:
+            epilogues.set_compile_epilogues(previous)
+
+    return call
 
 
 def int8pack_safe(m: int, k: int, n: int) -> bool:
