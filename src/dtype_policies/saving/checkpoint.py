@@ -197,14 +197,20 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     return module
 
 
+def tensor_headers(reader: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`{key: (shape, dtype code)}` of an open safetensors file (headers only)."""
+    headers = {}
+    for key in reader.keys():  # noqa: SIM118 (not a dict)
+        piece = reader.get_slice(key)
+        headers[key] = (tuple(piece.get_shape()), piece.get_dtype())
+    return headers
+
+
 def read_header(file: Path) -> tuple[Manifest, dict[str, tuple[tuple[int, ...], str]]]:
     try:
         with safe_open(str(file), framework="pt") as reader:
             metadata = reader.metadata() or {}
-            header = {}
-            for key in reader.keys():  # noqa: SIM118 (not a dict)
-                piece = reader.get_slice(key)
-                header[key] = (tuple(piece.get_shape()), piece.get_dtype())
+            header = tensor_headers(reader)
     except SafetensorError as e:
         raise CheckpointError(f"'{file}' is not a readable safetensors file: {e}") from None
     if METADATA_KEY not in metadata:

@@ -91,7 +91,7 @@ from dtype_policies._version import __version__
 from dtype_policies.apply.apply import commit_application
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.schemes import scheme_for
-from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest
+from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest, tensor_headers
 from dtype_policies.saving.manifest import CheckpointError, Manifest, describe
 
 QUANT_METHOD = "dtype_policies"
@@ -375,9 +375,7 @@ def _read_headers(files: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
     header: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
         with safe_open(file, framework="pt") as reader:
-            for key in reader.keys():  # noqa: SIM118 (not a dict)
-                piece = reader.get_slice(key)
-                header[key] = (tuple(piece.get_shape()), piece.get_dtype())
+            header.update(tensor_headers(reader))
     return header
 
 
