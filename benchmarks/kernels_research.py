@@ -457,7 +457,7 @@ def _library_int8(c, compiled: bool):
     runtime.refresh(c.q8, 1.0 / c.step8, lambda q: q, prepack=True)
 
     def call():
-        previous = epilogues._compile_enabled
+        previous = epilogues.compile_epilogues_enabled()
         epilogues.set_compile_epilogues(compiled)
         try:
             return int8.int8_linear(c.xb, runtime, None, BF16)

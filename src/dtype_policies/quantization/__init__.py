@@ -8,7 +8,10 @@ Int4QuantizationConfig(block_size=64)
 """
 
 from dtype_policies.quantization.api import quantize
-from dtype_policies.quantization.kernels.epilogues import set_compile_epilogues
+from dtype_policies.quantization.kernels.epilogues import (
+    compile_epilogues_enabled,
+    set_compile_epilogues,
+)
 from dtype_policies.quantization.kinds import register_linear_kind
 from dtype_policies.quantization.report import QuantizationReport
 from dtype_policies.quantizers.config import (
@@ -26,6 +29,7 @@ __all__ = [
     "Int8QuantizationConfig",
     "QuantizationConfig",
     "QuantizationReport",
+    "compile_epilogues_enabled",
     "quantize",
     "register_linear_kind",
     "set_compile_epilogues",

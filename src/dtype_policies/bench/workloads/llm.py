@@ -116,7 +116,7 @@ def _epilogue_compile(enabled: bool | None):
     if enabled is None:
         yield
         return
-    previous = epilogues._compile_enabled
+    previous = epilogues.compile_epilogues_enabled()
     epilogues.set_compile_epilogues(enabled)
     try:
         yield

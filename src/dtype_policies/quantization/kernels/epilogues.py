@@ -32,6 +32,20 @@ def set_compile_epilogues(enabled: bool) -> None:
     _compile_enabled = bool(enabled)
 
 
+def compile_epilogues_enabled() -> bool:
+    """Whether the quantize/rescale passes are fused with `torch.compile`.
+
+    Off unless `DTYPE_POLICIES_COMPILE=1` or `set_compile_epilogues(True)`.
+
+    >>> from dtype_policies.quantization import compile_epilogues_enabled, set_compile_epilogues
+    >>> set_compile_epilogues(True)
+    >>> compile_epilogues_enabled()
+    True
+    >>> set_compile_epilogues(False)
+    """
+    return _compile_enabled
+
+
 def run(fn: Callable, *args: Any) -> Any:
     """`fn(*args)`, through its compiled form when fusion is on (falling back
     to eager, after one warning, if compilation fails)."""
