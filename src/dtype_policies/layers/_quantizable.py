@@ -84,8 +84,12 @@ class QuantizableLayer(Layer):
         path = self._path or ""
         if mode_record(config.mode).calibrated:
             checked = attach.check(self, config, path=path, type_check=type_check)
-            plans = plan_calibrated(self, [(path, checked)], config).plans
-            attach.commit(plans[0])
+            calibration = plan_calibrated(self, [(path, checked)], config)
+            if not calibration.plans:
+                raise ValueError(
+                    f"Layer '{self.name}' is outside its config's quantization_layer_structure."
+                )
+            attach.commit(calibration.plans[0])
             return
         attach.commit(attach.plan(self, config, path=path, type_check=type_check))
 

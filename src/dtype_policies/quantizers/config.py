@@ -106,7 +106,7 @@ class AbsMaxQuantizer:
         self.output_dtype = output_dtype
 
     def __call__(
-        self, x: torch.Tensor, axis: int | tuple[int, ...] | None = None
+        self, x: torch.Tensor, axis: int | tuple[int, ...] | None = None, to_numpy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(q, scale)` for `x`, reducing over `axis` (kept with size 1 in `scale`)."""
         if axis is None:
@@ -514,3 +514,71 @@ def deserialize_config(data: Any) -> QuantizationConfig | None:
         return cls.from_config(config)
     except TypeError as e:
         raise ValueError(f"Cannot rebuild {cls.__name__} from {config!r}: {e}") from None
+
+
+def _quantizer_classes() -> dict[str, type]:
+    """Keras's `keras.quantizers` object names: class names and their snake_case."""
+    classes: list[type] = [AbsMaxQuantizer, QuantizationConfig]
+    classes += [record.config_class for record in registered_modes()]
+    names = {cls.__name__: cls for cls in classes}
+    names.update({_snake_case(cls.__name__): cls for cls in classes})
+    return names
+
+
+def _snake_case(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+def serialize(obj: Any) -> dict[str, Any] | None:
+    """`{"class_name", "config"}` of a quantizer or a quantization config
+    (Keras's `keras.quantizers.serialize`).
+
+    >>> serialize(AbsMaxQuantizer(axis=0))["class_name"]
+    'AbsMaxQuantizer'
+    """
+    if obj is None:
+        return None
+    return {"class_name": type(obj).__name__, "config": obj.get_config()}
+
+
+def deserialize(config: Any) -> Any:
+    """Inverse of `serialize` (Keras's `keras.quantizers.deserialize`).
+
+    >>> deserialize(serialize(Int4QuantizationConfig(block_size=64)))
+    Int4QuantizationConfig(block_size=64)
+    """
+    if config is None:
+        return None
+    classes = _quantizer_classes()
+    cls = classes.get(config.get("class_name")) if isinstance(config, dict) else None
+    if cls is None:
+        raise ValueError(
+            f"Could not interpret quantizer config {config!r}: expected a dict with "
+            f"'class_name' in {sorted(n for n in classes if n[0].isupper())} and 'config'."
+        )
+    return cls.from_config(dict(config.get("config", {})))
+
+
+def get(identifier: Any) -> Any:
+    """A quantizer or quantization config from an identifier (Keras's
+    `keras.quantizers.get`): `None`, an object (returned as is), a serialized
+    dict, or a class name (`"abs_max_quantizer"`, `"Int8QuantizationConfig"`)
+    giving a default instance.
+
+    >>> get("abs_max_quantizer")
+    AbsMaxQuantizer(value_range=(-127, 127), epsilon=1e-07)
+    >>> get(None) is None
+    True
+    """
+    if identifier is None:
+        return None
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if isinstance(identifier, str):
+        cls = _quantizer_classes().get(identifier)
+        if cls is None:
+            raise ValueError(f"Could not interpret quantizer identifier: {identifier}")
+        return cls()
+    if callable(identifier) or isinstance(identifier, (AbsMaxQuantizer, QuantizationConfig)):
+        return identifier
+    raise ValueError(f"Could not interpret quantizer identifier: {identifier}")
