@@ -96,15 +96,20 @@ class QuantizableLayer(Layer):
     def _quantize_from_policy(self) -> None:
         """Once built under a quantized policy: quantize the new weights as
         the policy says (a calibrated mode gets placeholder tensors, filled by
-        loading a checkpoint: Keras's loading path)."""
+        loading a checkpoint: Keras's loading path). A layer that cannot take
+        the mode (an `EinsumDense` whose equation is no matrix product under
+        int8) computes with the policy's float source."""
         mode = self.quantization_mode
         if mode is None or self.is_quantized or not self.built:
             return
         config = self.quantization_config
         if config is None or config.mode != mode:
             config = self._resolve_policy().quantization_config
-        if mode_record(mode).calibrated:
+        try:
             checked = attach.check(self, config, path=self._path or "", type_check=False)
+        except NotImplementedError:
+            return
+        if mode_record(mode).calibrated:
             tensors = checked.scheme.placeholder_tensors(
                 checked.spec, config, checked.weight.device
             )

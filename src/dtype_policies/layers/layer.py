@@ -362,4 +362,5 @@ def _call_takes_training(cls: type) -> bool:
     parameters = inspect.signature(cls.call).parameters.values()
     return any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in parameters)
 
+
 __all__ = ["DTypePolicyMap", "Layer"]
