@@ -19,9 +19,25 @@ GPTQ_AWQ = pytest.mark.xfail(
 )
 
 
-def deliberate(reason: str) -> pytest.MarkDecorator:
-    """A strict expected failure for a difference listed in the README."""
-    return pytest.mark.xfail(strict=True, reason=f"Deliberate difference (README): {reason}")
+DELIBERATE = {
+    "maps": "Policies are immutable and hashable; maps compare by content and `get_config()` "
+    "never mutates them (a map built with no default policy saves the default in force then, "
+    "instead of resolving its entries against the default in force at load time).",
+    "buffers": "Quantized state is plain tensors: integer data, scales and float8's scaling "
+    "state are buffers, not parameters, so an optimizer never sees them; float8's scales and "
+    "amax histories are updated by the backward pass, not overwritten by the optimizer.",
+    "einsum": "`EinsumDense` takes int8 and int4 only when its equation is a matrix product of "
+    "the input's last axes (the integer kernels are matrix products); other equations take "
+    "float8.",
+}
+"""The README's "Deliberate differences" entries that Keras tests cover, verbatim."""
+
+
+def deliberate(key: str) -> pytest.MarkDecorator:
+    """A strict expected failure quoting a "Deliberate differences" entry of the README."""
+    return pytest.mark.xfail(
+        strict=True, reason=f"Deliberate difference (README): {DELIBERATE[key]}"
+    )
 
 
 def as_array(value: Any) -> np.ndarray:

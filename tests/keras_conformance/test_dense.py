@@ -35,10 +35,7 @@ from .helpers import (
     variables,
 )
 
-FLOAT8_STATE = deliberate(
-    "float8's scaling state (scales and amax histories) is buffers updated by the backward "
-    "pass, not trainable variables the optimizer overwrites"
-)
+FLOAT8_STATE = deliberate("buffers")
 
 
 def stored_kernel(layer):

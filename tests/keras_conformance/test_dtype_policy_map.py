@@ -119,11 +119,7 @@ class TestDTypePolicyMapTest:
         assert "layer/dense_0" in policy_map and "layer/dense_1" in policy_map
         assert "layer/dense_2" not in policy_map
 
-    @deliberate(
-        "maps compare by content and get_config() never mutates them: a map built with no "
-        "default policy saves the default in force then, instead of resolving its entries "
-        "against the default in force at load time"
-    )
+    @deliberate("maps")
     def test_default_policy(self):
         policy_map = DTypePolicyMap(default_policy="mixed_bfloat16")
         policy_map["layer/dense_0"] = dtype_policies.DTypePolicy("mixed_bfloat16")

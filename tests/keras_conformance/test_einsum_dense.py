@@ -35,10 +35,7 @@ from .helpers import (
 )
 from .test_dense import FLOAT8_STATE, stored_kernel
 
-GENERAL_EINSUM = deliberate(
-    "EinsumDense takes int8 and int4 only when its equation is a matrix product of the "
-    "input's last axes (the integer kernels are matrix products); other equations take float8"
-)
+GENERAL_EINSUM = deliberate("einsum")
 MHA_VALUE = {"equation": "ab,bcd->acd", "output_shape": (8, 32), "bias_axes": "d"}
 MODES3 = pytest.mark.parametrize("mode", ["int8", "float8", "int4"], ids=["int8", "float8", "int4"])
 

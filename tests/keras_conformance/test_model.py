@@ -14,10 +14,7 @@ from dtype_policies import layers, quantize
 from .helpers import deliberate, quantize_quietly, variables
 
 MODES = pytest.mark.parametrize("mode", ["int8", "float8"], ids=["int8", "float8"])
-QUANTIZED_STATE_IS_BUFFERS = deliberate(
-    "quantized state is plain tensors (buffers: integer data, scales, float8's scaling "
-    "state), not parameters, so an optimizer never sees them"
-)
+QUANTIZED_STATE_IS_BUFFERS = deliberate("buffers")
 
 
 class TwoInputs(layers.Layer):

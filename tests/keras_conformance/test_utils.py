@@ -38,3 +38,14 @@ class TestUtilsTest:
         model(torch.ones(1, 2))
         report = quantize_quietly(model, "int8", filters=filters)
         assert layer.is_quantized == expected, report.render()
+
+
+def test_deliberate_differences_quote_the_readme():
+    """Not in Keras: each strict expected failure's reason is in the README."""
+    from pathlib import Path
+
+    from .helpers import DELIBERATE
+
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    for text in DELIBERATE.values():
+        assert " ".join(text.split()) in readme
