@@ -118,3 +118,34 @@ def run_layer_test(
     assert len(non_trainable_weights(layer)) == expected_num_non_trainable_weights
     revived = layer_cls.from_config(layer.get_config())
     assert revived.get_config() == layer.get_config()
+
+
+def assert_float8_delayed_scaling(layer: torch.nn.Module, inputs: int, units: int) -> None:
+    """Keras's test_quantize_float8: three training steps (AdamW) replayed by
+    hand; every scale and amax history matches."""
+    from dtype_policies import quantizers
+
+    optimizer = torch.optim.AdamW(trainable_weights(layer), lr=0.1)
+    scale_x, amax_history_x = torch.ones(()), torch.zeros(1024)
+    scale_k, amax_history_k = torch.ones(()), torch.zeros(1024)
+    scale_g, amax_history_g = torch.ones(()), torch.zeros(1024)
+    e4m3_max = float(torch.finfo(torch.float8_e4m3fn).max)
+    e5m2_max = float(torch.finfo(torch.float8_e5m2).max)
+    for _ in range(3):
+        x, g = torch.randn(16, inputs), torch.randn(16, units)
+        k = layer.kernel.detach().clone()
+        scale_x = quantizers.compute_float8_scale(amax_history_x.max(), scale_x, e4m3_max)
+        scale_k = quantizers.compute_float8_scale(amax_history_k.max(), scale_k, e4m3_max)
+        scale_g = quantizers.compute_float8_scale(amax_history_g.max(), scale_g, e5m2_max)
+        amax_history_x = quantizers.compute_float8_amax_history(x, amax_history_x)
+        amax_history_k = quantizers.compute_float8_amax_history(k, amax_history_k)
+        amax_history_g = quantizers.compute_float8_amax_history(g, amax_history_g)
+        layer.zero_grad()
+        (layer(x, training=True) * g).sum().backward()
+        optimizer.step()
+        assert_all_close(layer.inputs_amax_history, amax_history_x)
+        assert_all_close(layer.kernel_amax_history, amax_history_k)
+        assert_all_close(layer.outputs_grad_amax_history, amax_history_g)
+        assert_all_close(layer.inputs_scale, scale_x)
+        assert_all_close(layer.kernel_scale, scale_k)
+        assert_all_close(layer.outputs_grad_scale, scale_g)

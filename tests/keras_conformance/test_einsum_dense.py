@@ -25,6 +25,7 @@ from .helpers import (
     INT4_STORAGE,
     assert_all_close,
     assert_dtype,
+    assert_float8_delayed_scaling,
     deliberate,
     non_trainable_weights,
     reload_model,
@@ -236,31 +237,7 @@ class TestEinsumDenseTest:
         layer = layers.EinsumDense("ab,bc->ac", output_shape=[32], bias_axes="c")
         layer.build((None, 16))
         layer.quantize("float8")
-        optimizer = torch.optim.AdamW(trainable_weights(layer), lr=0.1)
-        scale_x, amax_history_x = torch.ones(()), torch.zeros(1024)
-        scale_k, amax_history_k = torch.ones(()), torch.zeros(1024)
-        scale_g, amax_history_g = torch.ones(()), torch.zeros(1024)
-        e4m3_max = float(torch.finfo(torch.float8_e4m3fn).max)
-        e5m2_max = float(torch.finfo(torch.float8_e5m2).max)
-        for _ in range(3):
-            x, g = torch.randn(16, 16), torch.randn(16, 32)
-            k = layer.kernel.detach().clone()
-            scale_x = quantizers.compute_float8_scale(amax_history_x.max(), scale_x, e4m3_max)
-            scale_k = quantizers.compute_float8_scale(amax_history_k.max(), scale_k, e4m3_max)
-            scale_g = quantizers.compute_float8_scale(amax_history_g.max(), scale_g, e5m2_max)
-            amax_history_x = quantizers.compute_float8_amax_history(x, amax_history_x)
-            amax_history_k = quantizers.compute_float8_amax_history(k, amax_history_k)
-            amax_history_g = quantizers.compute_float8_amax_history(g, amax_history_g)
-            layer.zero_grad()
-            y = layer(x, training=True)
-            (y * g).sum().backward()
-            optimizer.step()
-            assert_all_close(layer.inputs_amax_history, amax_history_x)
-            assert_all_close(layer.kernel_amax_history, amax_history_k)
-            assert_all_close(layer.outputs_grad_amax_history, amax_history_g)
-            assert_all_close(layer.inputs_scale, scale_x)
-            assert_all_close(layer.kernel_scale, scale_k)
-            assert_all_close(layer.outputs_grad_scale, scale_g)
+        assert_float8_delayed_scaling(layer, 16, 32)
 
     @FLOAT8_STATE
     def test_quantize_float8_fitting(self):
