@@ -239,7 +239,7 @@ class ModeNames(Sequence):
         return name in _MODES
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, list, ModeNames)):
+        if isinstance(other, (tuple, ModeNames)):
             return self._names() == tuple(other)
         return NotImplemented
 

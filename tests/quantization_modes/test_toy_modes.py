@@ -31,6 +31,10 @@ def test_a_mode_unregistered_is_unknown_everywhere(tmp_path):
     with registered(TOY8):
         assert "toy8" in dtype_policies.QUANTIZATION_MODES
         assert "toy8" in cli_quantize_choices()
+        policy = dtype_policies.get("toy8_from_float32")
+        assert type(policy.quantization_config) is ToyConfig
+    with pytest.raises(ValueError, match="Invalid quantization mode"):
+        _ = policy.quantization_config  # never another mode's config
     assert "toy8" not in dtype_policies.QUANTIZATION_MODES
     assert "_toy8" not in quantized_suffixes()
     assert "toy8" not in cli_quantize_choices()

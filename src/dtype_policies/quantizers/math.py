@@ -119,7 +119,9 @@ def pack_int4(values: torch.Tensor, axis: int = 0) -> torch.Tensor:
     tensor([15,  0,  9], dtype=torch.uint8)
     """
     if values.dtype not in (torch.int8, torch.uint8):
-        raise TypeError(f"Expected int8 or uint8 tensor for packing, got {values.dtype}")
+        raise TypeError(
+            f"Expected int8 tensor for packing (or uint8 of values 0-15), got {values.dtype}"
+        )
     moved = values.movedim(axis, 0)
     if moved.shape[0] % 2:
         moved = torch.cat([moved, moved.new_zeros((1, *moved.shape[1:]))])
