@@ -81,6 +81,12 @@ class PolicyModule:
 
     _is_fsdp_managed_module = sharded.fsdp_managed
 
+    def train(self, mode: bool = True) -> Any:
+        casts = self.__dict__.get("_dp_casts")
+        if casts is not None:  # a switch of mode drops kept casts (see weight_casts)
+            casts.clear()
+        return super().train(mode)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

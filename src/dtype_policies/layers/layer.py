@@ -291,6 +291,10 @@ class Layer(LayerWeights, torch.nn.Module):
 
     _is_fsdp_managed_module = sharded.fsdp_managed
 
+    def train(self, mode: bool = True) -> Layer:
+        self.__dict__["_dp_casts"].clear()  # a switch of mode drops kept casts (see weight_casts)
+        return super().train(mode)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
         self._adapt_checkpoint(state_dict, prefix)
