@@ -98,6 +98,18 @@ class PolicyModule:
             refresh(self)
         return result
 
+    def register_parameter(self, name: str, param: Any) -> None:
+        # A weight registered after the policy (`spectral_norm` moves `weight`
+        # to `weight_orig`) is read like the others: re-derive the state.
+        super().register_parameter(name, param)
+        if "_dp_stack" in self.__dict__:
+            refresh(self)
+
+    def register_buffer(self, name: str, tensor: Any, persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        if "_dp_stack" in self.__dict__:
+            refresh(self)
+
 
 class FastLinearForward:
     """The forward of an exact `nn.Linear` under a policy: it reads its weights
@@ -110,11 +122,14 @@ class FastLinearForward:
         d = self.__dict__
         state = d.get("_dp_state")
         parameters = d["_parameters"]
-        weight, bias = parameters["weight"], parameters["bias"]
+        weight, bias = parameters.get("weight"), parameters["bias"]
+        store = d.get("_dp_casts")
+        if weight is None:
+            # Not a registered parameter: a tensor that a hook or parametrization
+            # computes in every call (`spectral_norm`, `weight_norm`). Cast per call.
+            weight, store = self.weight, None
         if state is not None and state.autocast and weight.dtype is not state.compute:
-            weight, bias, packed = cast_pair(
-                d.get("_dp_casts"), weight, bias, state.compute, pack=True
-            )
+            weight, bias, packed = cast_pair(store, weight, bias, state.compute, pack=True)
             if packed:
                 return prepacked_linear(input, weight, bias)
             if input.dim() > 2:
@@ -215,6 +230,13 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
     if options.cast_buffers and not (options.norm or options.gather or options.island):
         buffer_names.update(n for n, b in buffers.items() if b.is_floating_point())
         weight_names |= buffer_names
+    stored_dtype = None
+    if options.norm:
+        dtypes = {
+            t.dtype for t in (*parameters.values(), *buffers.values()) if t.is_floating_point()
+        }
+        if len(dtypes) == 1:
+            stored_dtype = dtypes.pop()
     gather_dtype = None
     if options.gather:
         weight = parameters.get("weight")
@@ -234,6 +256,7 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
         half_inputs_ok=options.half_inputs_ok,
         gather_dtype=gather_dtype,
         output_compute=options.norm,
+        norm_dtype=stored_dtype,
         casts_own_weights=quantization is not None or original_class(module) in FAST_LINEARS,
     )
 
