@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import dtype_policies
 from dtype_policies import apply_policy, layers
+from dtype_policies._core.module_state import state_of
 
 IN, HIDDEN, OUT = 24, 48, 4
 STEPS = 6
@@ -273,9 +274,9 @@ def _kept(module: nn.Module) -> int:
     """How many casts `module` and its submodules keep between calls."""
     count = 0
     for m in module.modules():
-        casts = m.__dict__.get("_dp_casts")
-        if casts is not None:
-            count += len(casts.entries) + (casts.pair is not None)
+        state = state_of(m)
+        if state is not None:
+            count += len(state.casts.entries) + (state.casts.pair is not None)
     return count
 
 

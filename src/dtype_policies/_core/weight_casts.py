@@ -212,27 +212,3 @@ def _pair_key(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtyp
     if bias is None:
         return (weight._version, weight.data_ptr(), dtype)
     return (weight._version, weight.data_ptr(), bias._version, bias.data_ptr(), dtype)
-
-
-def clear_cast_caches(model: torch.nn.Module) -> None:
-    """Drops the compute-dtype casts kept by `model` and its submodules.
-
-    Needed only in the one case kept casts cannot see (docs/apply_policy.md,
-    "What a kept cast cannot see"): a write that bypasses torch's version
-    counter between two calls without gradients.
-
-    >>> import torch
-    >>> import dtype_policies
-    >>> model = torch.nn.Linear(4, 4)
-    >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
-    >>> with torch.no_grad():
-    ...     _ = model(torch.ones(1, 4))
-    ...     _ = model.weight.data.zero_()  # invisible to torch's version counter
-    ...     dtype_policies.clear_cast_caches(model)
-    ...     bool((model(torch.ones(1, 4)) == model.bias.bfloat16()).all())
-    True
-    """
-    for module in model.modules():
-        casts = module.__dict__.get("_dp_casts")
-        if casts is not None:
-            casts.clear()
