@@ -462,3 +462,32 @@ def test_lora_adapters_on_a_quantized_base_read_every_update(mode):
         assert torch.equal(a, b)
     for a, b in zip(through_data.parameters(), tracked.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_training_through_data_while_another_thread_evaluates(kind):
+    """A thread evaluating under no_grad keeps casts all along; the training
+    thread, writing through `.data`, never reads them (bit for bit)."""
+    import threading
+
+    pair = Pair(kind)
+    stop, errors = threading.Event(), []
+    x_val, _ = _data(99)
+
+    def evaluate():
+        try:
+            while not stop.is_set():
+                with torch.no_grad():
+                    pair.model(x_val)
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=evaluate)
+    thread.start()
+    try:
+        losses = _train(pair, "data_add", steps=STEPS * 2)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert losses[-1] < 0.9 * losses[0]
