@@ -9,12 +9,11 @@ are wrapped here; the non-torch peers (`peers`) implement the same methods.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 import torch
 
-from dtype_policies.bench.harness import Timed
+from dtype_policies.bench.harness import Timed, TokenClock
 
 
 class LMEngine(Protocol):
@@ -25,23 +24,6 @@ class LMEngine(Protocol):
 
 class EncoderEngine(Protocol):
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
-
-
-class _TokenClock:
-    """A `generate` streamer that records when each new token is produced."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value: Any) -> None:
-        if not self._prompt_seen:  # the first call carries the prompt
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 class TorchLM:
@@ -57,7 +39,7 @@ class TorchLM:
     def decode(self, prompt: torch.Tensor, new_tokens: int) -> Timed:
         """Greedy `generate`; the time per token after the first (the prompt's
         forward and the first token are excluded)."""
-        clock = _TokenClock()
+        clock = TokenClock()
         with torch.inference_mode():
             out = self.module.generate(
                 prompt,
