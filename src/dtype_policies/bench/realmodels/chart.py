@@ -18,6 +18,9 @@ AXES = {
 }
 
 
+COSINE_DISTANCE_FLOOR = 1e-6
+
+
 def points(table: dict) -> list[tuple[str, str, float, float]]:
     """(variant, family, time, quality) of every row with both figures."""
     time_key, _, quality_key, _ = AXES[table["model"]]
@@ -25,7 +28,10 @@ def points(table: dict) -> list[tuple[str, str, float, float]]:
     for row in table["rows"]:
         if row.get("status") != "ok" or time_key not in row:
             continue
-        value = 1 - row["cosine_mean"] if quality_key == "cosine_distance" else row[quality_key]
+        if quality_key == "cosine_distance":  # float32 itself is 0: drawn at the floor
+            value = max(1 - row["cosine_mean"], COSINE_DISTANCE_FLOOR)
+        else:
+            value = row[quality_key]
         out.append((row["variant"], row["family"], row[time_key], value))
     return out
 

@@ -62,18 +62,56 @@ def gguf_file(file_type: str) -> Path:
     return target
 
 
+def amx_build() -> bool:
+    """Whether the installed llama.cpp was built with its AMX matrix kernels.
+
+    Those crash (SIGSEGV in `ggml_backend_amx_mul_mat`) on the AMX machine
+    these benchmarks were developed on, killing the whole process; such a
+    build runs here without its extra buffer types (no AMX, no weight
+    repacking) and its rows say so. Build the `bench-llamacpp` extra with
+    `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+    -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"` on AMX
+    CPUs to keep the repacked kernels."""
+    import llama_cpp
+
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+
+def _llama(extra_buffer_types: bool, **options):
+    """A `llama_cpp.Llama`, with the model's extra buffer types on or off
+    (llama-cpp-python has no argument for it: its default params are
+    swapped for the one constructor call)."""
+    import llama_cpp.llama_cpp as api
+    from llama_cpp import Llama
+
+    if extra_buffer_types:
+        return Llama(**options)
+    default = api.llama_model_default_params
+
+    def without_extra_buffer_types():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    api.llama_model_default_params = without_extra_buffer_types
+    try:
+        return Llama(**options)
+    finally:
+        api.llama_model_default_params = default
+
+
 class LlamaCppLM:
     """An LM engine on one GGUF: 2 threads for decode and for batches."""
 
     def __init__(self, path: Path) -> None:
-        from llama_cpp import Llama
-
+        extra = not amx_build()
+        self.note = "" if extra else "AMX build: run without extra buffer types"
         common = dict(model_path=str(path), n_threads=THREADS, n_threads_batch=THREADS)
         common.update(verbose=False, n_batch=512, n_ubatch=512)
         # One context that returns every position's logits (quality), one that
         # returns the last one only (speed, as a user would run it).
-        self._all = Llama(**common, n_ctx=512, logits_all=True)
-        self._last = Llama(**common, n_ctx=1024, logits_all=False)
+        self._all = _llama(extra, **common, n_ctx=512, logits_all=True)
+        self._last = _llama(extra, **common, n_ctx=1024, logits_all=False)
         self._vocab = self._last.n_vocab()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,9 @@ class OnnxRuntimeEncoder:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = THREADS
         options.inter_op_num_threads = 1
+        # Idle pool threads would spin on the 2 cores the torch variants
+        # timed in the same rounds need.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(
             str(path), options, providers=["CPUExecutionProvider"]
         )

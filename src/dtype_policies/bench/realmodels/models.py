@@ -92,8 +92,12 @@ def smollm2_plain_dir() -> Path:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     # save_pretrained refuses a model loaded from a quantized GGUF: copy its
-    # weights into a plain model built from the same config.
-    plain = LlamaForCausalLM(loaded.config)
+    # weights into a plain model built from the same config, minus the GGUF
+    # "quantization" record (the weights are plain float32 now).
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
     plain.load_state_dict(loaded.state_dict())
     partial = target.with_name(target.name + ".partial")
     plain.save_pretrained(partial)

@@ -70,6 +70,8 @@ def prepare_and_score(
     try:
         engine = prepare_engine(variant, base, calibration)
         row["prepare_s"] = time.perf_counter() - start
+        if getattr(engine, "note", ""):
+            row["note"] = "; ".join(filter(None, [row["note"], engine.note]))
         row.update(score(engine, calibration.model))
         row["status"] = "ok"
     except Exception as error:  # a failing variant is a row, not a crash
