@@ -118,33 +118,23 @@ def _openvino(int8_weights: bool):
 
 
 VARIANTS: list[Variant] = [
-    Variant(
-        "onnxruntime float32",
-        _onnx(False),
-        models=(ENCODER,),
-        requires=("onnxruntime", "onnxscript"),
-        family="onnxruntime",
-    ),
-    Variant(
-        "onnxruntime int8 (quantize_dynamic)",
-        _onnx(True),
-        models=(ENCODER,),
-        requires=("onnxruntime", "onnxscript"),
-        family="onnxruntime",
-    ),
-    Variant(
-        "openvino (CPU default precision)",
-        _openvino(False),
-        models=(ENCODER,),
-        requires=("openvino",),
-        family="openvino",
-        note="bfloat16 on CPUs with native bfloat16",
-    ),
-    Variant(
-        "openvino + nncf int8 weights",
-        _openvino(True),
-        models=(ENCODER,),
-        requires=("openvino", "nncf"),
-        family="openvino",
-    ),
+    Variant(name, prepare, models=(ENCODER,), requires=requires, family=family, note=note)
+    for name, prepare, requires, family, note in [
+        ("onnxruntime float32", _onnx(False), ("onnxruntime", "onnxscript"), "onnxruntime", ""),
+        (
+            "onnxruntime int8 (quantize_dynamic)",
+            _onnx(True),
+            ("onnxruntime", "onnxscript"),
+            "onnxruntime",
+            "",
+        ),
+        (
+            "openvino (CPU default precision)",
+            _openvino(False),
+            ("openvino",),
+            "openvino",
+            "bfloat16 on CPUs with native bfloat16",
+        ),
+        ("openvino + nncf int8 weights", _openvino(True), ("openvino", "nncf"), "openvino", ""),
+    ]
 ]

@@ -196,19 +196,18 @@ def llm_workload(kind: str) -> tuple[Variants, dict[str, str]]:
     return variants, notes
 
 
-register(
-    "llm_decode",
-    f"Llama-style LM decode (batch 1, prompt {LLM_PROMPT}, greedy), ms per new token",
-    lambda: llm_workload("decode"),
-    baseline="whole model bfloat16",
-    heavy=True,
-    first_call="decode",
-)
-register(
-    "llm_prefill",
-    f"Llama-style LM prefill ({LLM_PREFILL[0]} x {LLM_PREFILL[1]} tokens), ms per forward",
-    lambda: llm_workload("prefill"),
-    baseline="whole model bfloat16",
-    heavy=True,
-    first_call="prefill",
-)
+_TITLES = {
+    "decode": f"Llama-style LM decode (batch 1, prompt {LLM_PROMPT}, greedy), ms per new token",
+    "prefill": (
+        f"Llama-style LM prefill ({LLM_PREFILL[0]} x {LLM_PREFILL[1]} tokens), ms per forward"
+    ),
+}
+for _kind, _title in _TITLES.items():
+    register(
+        f"llm_{_kind}",
+        _title,
+        lambda kind=_kind: llm_workload(kind),
+        baseline="whole model bfloat16",
+        heavy=True,
+        first_call=_kind,
+    )
