@@ -33,6 +33,7 @@ class RunContext:
     output: Path
     machine: dict[str, str]
     variants: str | None = None
+    speed_only: bool = False
 
 
 @dataclass

@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="real-model workloads: comma-separated variant names (default: all)",
     )
+    parser.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="real-model workloads: time the variants without scoring their quality",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     all_samples: dict[str, dict] = {}
     sections = []
     real_models: dict[str, dict] = {}
-    context = RunContext(args.quick, Path(args.output), info, args.variants)
+    context = RunContext(args.quick, Path(args.output), info, args.variants, args.speed_only)
     for key in selected:
         workload = workloads.WORKLOADS[key]
         print(f"\n== {workload.title}", flush=True)

@@ -26,7 +26,8 @@ def points(table: dict) -> list[tuple[str, str, float, float]]:
     time_key, _, quality_key, _ = AXES[table["model"]]
     out = []
     for row in table["rows"]:
-        if row.get("status") != "ok" or time_key not in row:
+        source = "cosine_mean" if quality_key == "cosine_distance" else quality_key
+        if row.get("status") != "ok" or time_key not in row or source not in row:
             continue
         if quality_key == "cosine_distance":  # float32 itself is 0: drawn at the floor
             value = max(1 - row["cosine_mean"], COSINE_DISTANCE_FLOOR)

@@ -56,10 +56,10 @@ def failure(error: BaseException) -> str:
 
 
 def prepare_and_score(
-    variant: Variant, base: torch.nn.Module, calibration: Calibration
+    variant: Variant, base: torch.nn.Module, calibration: Calibration, scored: bool = True
 ) -> tuple[dict[str, Any], Any]:
     """The variant's quality row and its engine (None when it has no figures:
-    the row's status says why)."""
+    the row's status says why); `scored=False` prepares without scoring."""
     row: dict[str, Any] = {"variant": variant.name, "family": variant.family, "note": variant.note}
     missing = missing_packages(variant)
     if missing:
@@ -72,7 +72,8 @@ def prepare_and_score(
         row["prepare_s"] = time.perf_counter() - start
         if getattr(engine, "note", ""):
             row["note"] = "; ".join(filter(None, [row["note"], engine.note]))
-        row.update(score(engine, calibration.model))
+        if scored:
+            row.update(score(engine, calibration.model))
         row["status"] = "ok"
     except Exception as error:  # a failing variant is a row, not a crash
         row["status"] = failure(error)
@@ -102,8 +103,12 @@ def markdown_row(model: str, row: dict[str, Any]) -> str:
     label = row["variant"] + (f" ({row['note']})" if row.get("note") else "")
     if row["status"] != "ok":
         return f"| {label}: {row['status']} |" + " - |" * len(COLUMNS[model])
-    cells = [fmt.format(row[name]) for name, fmt in COLUMNS[model]]
-    return f"| {label} | " + " | ".join(cells) + " |"
+    return f"| {label} | " + " | ".join(quality_cells(model, row)) + " |"
+
+
+def quality_cells(model: str, row: dict[str, Any]) -> list[str]:
+    """The row's formatted quality figures ("-" where not measured)."""
+    return [fmt.format(row[name]) if name in row else "-" for name, fmt in COLUMNS[model]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,14 +55,21 @@ def time_workload(
     echo(f"  timed {workload}: {len(samples)} variants", flush=True)
 
 
-def model_table(model: str, names: str | None = None, quick: bool = False, echo=print) -> dict:
-    """`{"model", "rows", "workloads"}`: quality and speed of every variant."""
+def model_table(
+    model: str,
+    names: str | None = None,
+    quick: bool = False,
+    echo=print,
+    quality: bool = True,
+) -> dict:
+    """`{"model", "rows", "workloads"}`: quality (unless `quality=False`) and
+    speed of every variant."""
     base, tokenizer = quality_table.load(model)
     calibration = Calibration(model, tokenizer)
     rows: dict[str, dict] = {}
     engines: dict[str, Any] = {}
     for variant in variants.select(names, model):
-        row, engine = quality_table.prepare_and_score(variant, base, calibration)
+        row, engine = quality_table.prepare_and_score(variant, base, calibration, quality)
         rows[variant.name] = row
         if engine is not None:
             engines[variant.name] = engine
@@ -86,7 +93,7 @@ def markdown(table: dict, title: str) -> str:
         if row["status"] != "ok":
             lines.append(f"| {label}: {row['status']} |" + " - |" * (len(header) - 1))
             continue
-        cells = [fmt.format(row[name]) for name, fmt in quality_columns]
+        cells = quality_table.quality_cells(model, row)
         for workload in workloads:
             status = row.get(f"{workload}_status", "")
             if f"{workload}_ms" not in row:

@@ -25,7 +25,9 @@ TITLES = {
 def run_model(model: str, context: RunContext) -> Section:
     title = TITLES[model]
     try:
-        measured = table.model_table(model, context.variants, context.quick)
+        measured = table.model_table(
+            model, context.variants, context.quick, quality=not context.speed_only
+        )
     except (models.ModelUnavailable, text.TextUnavailable) as e:
         return Section(f"**{title}**\n\nskipped: {e}", {"skipped": str(e)})
     machine = context.machine
