@@ -68,10 +68,12 @@ def amx_build() -> bool:
     Those crash (SIGSEGV in `ggml_backend_amx_mul_mat`) on the AMX machine
     these benchmarks were developed on, killing the whole process; such a
     build runs here without its extra buffer types (no AMX, no weight
-    repacking) and its rows say so. Build the `bench-llamacpp` extra with
-    `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
-    -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"` on AMX
-    CPUs to keep the repacked kernels."""
+    repacking) and its rows say so. On AMX CPUs, build the `bench-llamacpp`
+    extra with `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON
+    -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
+    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"` (what ran here, 2026-11-25)
+    to keep the repacked kernels."""
     import llama_cpp
 
     return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
