@@ -27,6 +27,7 @@ from dtype_policies.quantization import (
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("safetensors")
 
+from dtype_policies._core.module_state import state_of  # noqa: E402
 from dtype_policies.saving import huggingface  # noqa: E402 (after the importorskip)
 from dtype_policies.saving.manifest import CheckpointError  # noqa: E402
 
@@ -132,9 +133,9 @@ def reload(model, directory, **kwargs):
 
 def policies(model):
     return {
-        name: module.__dict__["_dp_state"].policy.name
+        name: state_of(module).call.policy.name
         for name, module in model.named_modules()
-        if "_dp_state" in module.__dict__
+        if getattr(state_of(module), "call", None) is not None
     }
 
 

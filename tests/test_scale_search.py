@@ -162,7 +162,7 @@ def test_importance_weights_the_error_where_it_is_given():
     importance = torch.ones(256)
     importance[::16] = 100.0  # a few inputs that matter much more
     plain_q, plain_scale, plain_zero = search_grouped_int4(w, 64)
-    q, scale, zero, new, _ = _check_grouped(w, 64, importance)
+    _q, _scale, _zero, new, _ = _check_grouped(w, 64, importance)
     weighted_plain = _group_errors(w, plain_q, plain_scale, plain_zero, 64, importance)
     assert new.sum() < weighted_plain.sum()
     _check_channel(w, importance)
@@ -231,7 +231,7 @@ def test_argument_errors():
 def test_half_precision_inputs_are_accepted():
     w = torch.randn(64, 8, generator=torch.Generator().manual_seed(6))
     for dtype in (torch.bfloat16, torch.float16):
-        q, scale, zero = search_grouped_int4(w.to(dtype), 32)
+        q, scale, _zero = search_grouped_int4(w.to(dtype), 32)
         assert scale.dtype == torch.float32 and q.dtype == torch.int8
 
 

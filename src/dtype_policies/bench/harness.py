@@ -1,4 +1,12 @@
-"""Timing and reporting helpers: medians over interleaved repeats, machine info."""
+"""The one timer of the benchmarks, and what a result records about the machine.
+
+`measure_interleaved` times every variant of a table in turn, round after
+round, so that drift of a shared machine hits all variants alike;
+`paired_ratio` is the median over rounds of the ratio of two variants'
+per-round medians (each table states its ratios against its reference
+variant). Every benchmark in `dtype_policies.bench` and `benchmarks/` times
+through these two functions.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +29,24 @@ class Timed(float):
     variant that returns one is timed by it instead of by its wall-clock call."""
 
 
+class TokenClock:
+    """A `generate` streamer that records when each new token is produced
+    (`times`; the prompt, passed first, is not a new token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: object) -> None:
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @dataclass
 class Result:
     workload: str
@@ -32,19 +58,40 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
+def _calls_per_sample(fn: Callable[[], object], min_sample_s: float) -> int:
+    """How many calls of `fn` make a sample of at least `min_sample_s` (1 to 200)."""
+    if min_sample_s <= 0:
+        return 1
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    return max(1, min(200, int(min_sample_s / max(once, 1e-7))))
+
+
 def measure_interleaved(
     variants: dict[str, Callable[[], object]],
     *,
     warmup: int = 3,
     repeats: int = 15,
     rounds: int = 3,
+    min_sample_s: float = 0.0,
 ) -> dict[str, list[list[float]]]:
     """Times every variant in turn, `rounds` times over, so that drift of the
     machine (thermal, other load) hits all variants alike. Returns, per
-    variant, the samples (seconds) of each round."""
+    variant, the samples (seconds per call) of each round.
+
+    A sample is one call, or, with `min_sample_s`, as many calls as take that
+    long (counted once per variant after the warm-up; for microsecond
+    kernels). A variant returning `Timed` is timed by that value instead.
+
+    >>> samples = measure_interleaved({"a": lambda: Timed(2.0)}, warmup=0, repeats=4, rounds=2)
+    >>> samples, paired_ratio({"b": [[4.0], [2.0]], "a": [[2.0], [2.0]]}, "b", "a")
+    ({'a': [[2.0, 2.0], [2.0, 2.0]]}, 1.5)
+    """
     for fn in variants.values():
         for _ in range(warmup):
             fn()
+    calls = {name: _calls_per_sample(fn, min_sample_s) for name, fn in variants.items()}
     samples: dict[str, list[list[float]]] = {name: [] for name in variants}
     per_round = max(1, repeats // rounds)
     for _ in range(rounds):
@@ -52,8 +99,9 @@ def measure_interleaved(
             times = []
             for _ in range(per_round):
                 start = time.perf_counter()
-                out = fn()
-                elapsed = time.perf_counter() - start
+                for _ in range(calls[name]):
+                    out = fn()
+                elapsed = (time.perf_counter() - start) / calls[name]
                 times.append(float(out) if isinstance(out, Timed) else elapsed)
             samples[name].append(times)
     return samples
@@ -111,10 +159,29 @@ def cpu_flags() -> str:
     return ""
 
 
+def cpu_class() -> str:
+    """The CPU class the kernels run as: "amx", "avx512_bf16", "avx512" or
+    "avx2" (or torch's capability name otherwise). It follows torch's own
+    view, so `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` set before
+    torch is imported reads as "avx2" on any x86 machine."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AMX"):
+        return capability.lower()
+    flags = set(cpu_flags().split())
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if "amx_bf16" in flags and (not isa or "AMX" in isa or isa == "ALL"):
+        return "amx"
+    if "avx512_bf16" in flags and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "avx512_bf16"
+    return "avx512"
+
+
 def machine_info() -> dict[str, str]:
+    """What a result records about where it was measured."""
     return {
         "date": datetime.date.today().isoformat(),
         "cpu": cpu_model(),
+        "cpu_class": cpu_class(),
         "cpu_flags": cpu_flags(),
         "cores": str(os.cpu_count()),
         "threads": str(torch.get_num_threads()),

@@ -13,6 +13,7 @@ import torch
 
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
+from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import check, commit, is_quantized, plan
@@ -132,7 +133,10 @@ def _not_ready(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _read_by_parent(path: str, module: torch.nn.Module, modules: dict[str, Any]) -> str | None:
+def read_by_parent(path: str, module: torch.nn.Module, modules: dict[str, Any]) -> str | None:
+    """Why `module`'s weight is read directly by its parent (so that it cannot
+    change how it computes on its own), or `None`; `modules` maps paths to
+    modules (the advisor keeps such weights as they are too)."""
     if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "weight read by its parent (NonDynamicallyQuantizableLinear)"
     parent_path, _, name = path.rpartition("/")
@@ -240,7 +244,7 @@ def quantize(
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))
             continue
-        reason = _not_ready(module) or _read_by_parent(path, module, modules)
+        reason = _not_ready(module) or read_by_parent(path, module, modules)
         if reason is not None:
             report.skipped.append((label, reason))
             continue
@@ -270,7 +274,9 @@ def quantize(
     for module_plan in plans:  # nothing above changed the model
         commit(module_plan)
         label = module_plan.path or "(root)"
-        report.quantized.append((label, module_plan.mode, module_plan.module._dp_state.policy.name))
+        report.quantized.append(
+            (label, module_plan.mode, state_of(module_plan.module).call.policy.name)
+        )
     if plans:
         model_changed(model)
     for unmatched in keep.unmatched():

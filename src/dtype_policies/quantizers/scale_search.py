@@ -107,7 +107,7 @@ def search_grouped_int4(
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive integer. Received: {block_size}")
     _check(kernel, ratios, importance)
-    rows, columns = kernel.shape
+    rows, _columns = kernel.shape
     kernel = kernel.float()
     q, scale, zero = grouped_quantize_with_zero_point(kernel, block_size, epsilon)
     weights = torch.ones(rows, device=kernel.device) if importance is None else importance.float()

@@ -86,7 +86,7 @@ except ImportError as e:  # pragma: no cover - transformers missing or too old
         f"(transformers.quantizers.register_quantizer): {e}"
     ) from e
 
-from dtype_policies._core.policy_module import refresh
+from dtype_policies._core.policy_module import is_policied, refresh
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import commit_application
 from dtype_policies.quantization import attach
@@ -216,7 +216,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         self._stored = []
         steps, self._steps = self._steps, []
         for submodule in model.modules():
-            if "_dp_stack" in submodule.__dict__:
+            if is_policied(submodule):
                 refresh(submodule)
         if steps:
             commit_application(model, steps, [])  # tells the listener, which calls sync

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
@@ -88,7 +89,7 @@ class Float8Scheme(Scheme):
     def forward(self, module, qw, x, bias, compute):
         spec = qw.spec
         kernel, bias = leaf_weights(
-            module.__dict__.get("_dp_casts"),
+            state_of(module).casts,
             module._parameters[spec.weight],
             bias,
             compute,
