@@ -65,7 +65,8 @@ def test_dense_every_mode(mode, policy, units, input_shape, use_bias):
         assert tuple(state["kernel_int4"].shape) == (input_shape[-1], (units + 1) // 2)
         groups = -(-input_shape[-1] // 128)
         assert tuple(state["kernel_scale"].shape) == (groups, units)
-        assert state["kernel_zero"].dtype == torch.int8
+        assert state["kernel_zero"].dtype == torch.float32  # real-valued zero points
+        assert torch.equal(state["kernel_g_idx"], torch.arange(input_shape[-1]) // 128)
     else:
         assert state["kernel"].dtype == torch.float32
         assert state["inputs_amax_history"].shape == (1024,)
@@ -130,9 +131,8 @@ def test_embedding_modes(mode, policy):
     assert relative_error(out, reference) < TOLERANCE[mode]
     assert layer.embeddings.dtype == torch.int8  # Keras: the quantized integer values
     assert tuple(layer.embeddings.shape) == (100, 48)
-    # Grouped scales are (groups, rows) for every weight kind, so a table tied
-    # to an LM head stores the same tensors as the head.
-    expected = (100,) if mode == "int8" else (1, 100)
+    # Keras's layout: a table's grouped scales are (rows, groups).
+    expected = (100,) if mode == "int8" else (100, 1)
     assert tuple(layer.embeddings_scale.shape) == expected
 
 
@@ -556,3 +556,31 @@ def test_float8_training_learns():
         losses.append(loss.item())
     assert losses[-1] < 0.2 * losses[0]
     assert model.layers[0].inputs_scale.item() != 1.0
+
+
+def test_int4_checkpoint_of_earlier_versions_loads_unchanged_in_value():
+    """Before 0.3 grouped int4 stored an int8 zero point, (G, N) grids for every
+    weight and no g_idx; such a state dict loads and computes the same."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.ReLU(), layers.Dense(16))
+    model(torch.randn(1, 256))
+    quantize(model, "int4", Int4QuantizationConfig(block_size=64))
+    x = torch.randn(3, 256)
+    expected = model(x)
+    legacy = {}
+    for key, value in model.state_dict().items():
+        if key.endswith("_g_idx"):
+            continue
+        if key.startswith("0.") and key.endswith(("_scale", "_zero")):
+            value = value.t()  # nn.Linear's grids were (G, N)
+        if key.endswith("_zero"):
+            assert torch.equal(value, value.round())  # normal weights: integer zero points
+            value = value.to(torch.int8)
+        legacy[key] = value.contiguous()
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.ReLU(), layers.Dense(16))
+    fresh(torch.randn(1, 256))
+    quantize(fresh, "int4", Int4QuantizationConfig(block_size=64))
+    fresh.load_state_dict(legacy)
+    assert fresh[0].weight_zero.dtype == torch.float32
+    assert torch.equal(fresh[0].weight_g_idx, torch.arange(256) // 64)
+    assert torch.equal(fresh(x), expected)

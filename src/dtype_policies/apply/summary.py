@@ -76,7 +76,8 @@ def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
             stored = [module._buffers[n] for n in sorted(quantized.stored_names)]
             if not quantized.scheme.keeps_float_weight:
                 parameters += int(torch.Size(quantized.spec.float_shape).numel())
-                stored = stored[:1]  # the integer data (scales are bookkeeping)
+                data = quantized.weight_name + (mode_record(quantized.mode).data_suffix or "")
+                stored = [module._buffers[data]]  # the integer data (scales are bookkeeping)
         state = getattr(state_of(module), "call", None)
         if state is not None:
             policy, compute = state.policy.name, state.policy.compute_dtype

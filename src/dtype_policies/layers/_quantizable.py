@@ -182,6 +182,10 @@ class QuantizableLayer(Layer):
             and not quantized.scheme.keeps_float_weight
         ):
             return quantized.integer_values(self)  # Keras: the quantized integer values
+        if quantized is not None and name == "g_idx":  # Keras's name, without the weight's
+            g_idx = self.__dict__["_buffers"].get(f"{quantized.weight_name}_g_idx")
+            if g_idx is not None:
+                return g_idx
         return super().__getattr__(name)
 
     def _adapt_checkpoint(self, state_dict: dict, prefix: str) -> None:

@@ -124,6 +124,7 @@ def adapt_state_dict(
     * float8 scaling state missing from a float checkpoint keeps its values.
     """
     qw.check_checkpoint(module, state_dict, prefix)
+    qw.scheme.upgrade_checkpoint(qw.spec, qw.config, state_dict, prefix)
     weight_key = prefix + qw.weight_name
     present = [prefix + name for name in qw.stored_names if prefix + name in state_dict]
     if qw.scheme.keeps_float_weight:

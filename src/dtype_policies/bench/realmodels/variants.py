@@ -105,7 +105,7 @@ def ours(
 
     def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
         from dtype_policies import apply_policy, quantize
-        from dtype_policies.quantizers.config import CONFIG_CLASSES
+        from dtype_policies._modes import mode_record
 
         if policy is not None:
             apply_policy(model, policy)
@@ -113,7 +113,7 @@ def ours(
             if config is not None:
                 resolved = config(calibration)
             elif options:
-                resolved = CONFIG_CLASSES[mode](**options)
+                resolved = mode_record(mode).config_class(**options)
             else:
                 resolved = None
             with warnings.catch_warnings():
