@@ -96,11 +96,19 @@ class Int4Scheme(Scheme):
         if qw.runtime.needs_refresh(stored):
             q_nk = self.integer_values(module, qw)
             qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored)
-        if qw.runtime.packed is None or x2.dtype != torch.bfloat16:
+        if qw.runtime.packed is None:  # no packed kernel here: dequantize per call
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
         return kernels.int4_linear(
             x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime
         )
+
+    def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
+        _, scale, zero = self._stored(module, qw)
+        if scale.device.type != "cpu":
+            return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
+        q_nk = self.integer_values(module, qw)
+        weight = kernels.kernel_weight(q_nk, scale, zero, qw.config.group_size)
+        return kernels.int4_linear_traceable(x2, weight, bias, compute)
 
     def lookup(self, module, qw, ids, compute):
         packed, scale, zero = self._stored(module, qw)
