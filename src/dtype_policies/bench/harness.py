@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dtype_policies._cpu import processor
+
 
 class Timed(float):
     """Seconds measured by a variant itself (e.g. per generated token); a
@@ -104,7 +106,16 @@ def cpu_flags() -> str:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"]
+                    wanted = [
+                        "avx2",
+                        "avx_vnni",
+                        "avx512f",
+                        "avx512_bf16",
+                        "avx512_vnni",
+                        "avx512_fp16",
+                        "amx_bf16",
+                        "amx_int8",
+                    ]
                     return " ".join(flag for flag in wanted if flag in flags)
     except OSError:
         pass
@@ -120,6 +131,7 @@ def machine_info() -> dict[str, str]:
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_class": processor().describe(),
         "python": platform.python_version(),
     }
 

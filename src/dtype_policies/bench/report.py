@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtype_policies.bench import harness
-from dtype_policies.bench.workloads import llm
+from dtype_policies.bench.workloads import cpu_mlp, llm
 
 # (workload, our variant, baseline, kind, bound, label). "speedup": baseline time /
 # our time >= bound. "overhead": our time / baseline time <= bound.
@@ -127,6 +127,8 @@ for _workload, _variant, _bound, _label in [
 ]:
     TARGETS.append((_workload, _variant, "whole model bfloat16", "speedup", _bound, _label))
 
+TARGETS += cpu_mlp.TARGETS
+
 # Workloads whose variants are whole LLMs: fewer repeats, and a first-call column.
 LLM_WORKLOADS = {"llm_decode": "decode", "llm_prefill": "prefill"}
 
@@ -139,6 +141,7 @@ BASELINES = {
     "overhead_grad": "nn.Linear float32",
     "llm_decode": "whole model bfloat16",
     "llm_prefill": "whole model bfloat16",
+    **cpu_mlp.BASELINES,
 }
 
 

@@ -1,6 +1,7 @@
 """The benchmark workloads: each builds its variants on the same model and
 inputs and returns `{variant: callable}` plus notes."""
 
+from dtype_policies.bench.workloads import cpu_mlp, shape_sweep
 from dtype_policies.bench.workloads.llm import LLM_PREFILL, LLM_PROMPT, llm_workload
 from dtype_policies.bench.workloads.mlp import mlp_decode, mlp_inference, mlp_train
 from dtype_policies.bench.workloads.small import call_overhead, transformer_train
@@ -27,3 +28,7 @@ WORKLOADS = {
         lambda: llm_workload("prefill"),
     ),
 }
+WORKLOADS.update(cpu_mlp.WORKLOADS)
+# Workloads that time and report themselves: key -> run(quick) -> (markdown, targets, results).
+SELF_TIMED = {"shape_sweep": shape_sweep.sweep}
+WORKLOADS["shape_sweep"] = (shape_sweep.TITLE, lambda: ({}, {}))
