@@ -88,11 +88,11 @@ def _exact_int8(xq, q_nk):
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 16, 40])
 @pytest.mark.parametrize("data", ["random", "extreme"])
-def test_int8_products_are_exact_on_every_class(cpu_class, rows, data):
+@pytest.mark.parametrize(("n", "k"), [(48, 200), (512, 520)])  # below / above oneDNN's size
+def test_int8_products_are_exact_on_every_class(cpu_class, rows, data, n, k):
     """Extreme data (every activation and weight at +-127) is what saturates
     16-bit pair sums without VNNI."""
     torch.manual_seed(rows)
-    k, n = 200, 48
     if data == "extreme":
         weight = torch.full((n, k), 0.05)
         weight[::2] = -0.05
@@ -108,10 +108,13 @@ def test_int8_products_are_exact_on_every_class(cpu_class, rows, data):
     xq, xs = abs_max_quantize(x, axis=-1)
     reference = _exact_int8(xq, q) / (xs * scale)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-6)
-    assert runtime.split == (not cpu_class.exact_int8)
-    if X86:
-        path = runtime.w8a8_path(max(rows, 1))
-        assert (path == "onednn_split") == (not cpu_class.exact_int8)
+    assert runtime.exact == cpu_class.exact_int8
+    path = runtime.w8a8_path(max(rows, 1))
+    large = n * k >= int8_kernels.ONEDNN_MIN_ELEMENTS
+    if not cpu_class.exact_int8:
+        assert path == ("onednn_split" if large and X86 else "float")
+    else:
+        assert path in (("onednn", "int_mm") if large else ("int_mm",))
     for path in runtime.w8a8_paths():  # every exact path the library has here
         forced = int8_kernels.int8_linear(x, runtime, None, torch.float32, path)
         torch.testing.assert_close(forced, reference, atol=1e-5, rtol=1e-6)
@@ -236,15 +239,18 @@ from dtype_policies.quantization.kernels import int8 as k
 from dtype_policies.quantizers import abs_max_quantize
 info = _cpu.processor()
 assert info.name == "avx2" and not info.exact_int8 and not info.native_bf16, info
-w = torch.full((48, 256), 0.05); w[::2] = -0.05
-q, s = abs_max_quantize(w, axis=1)
-rt = k.Int8Runtime(); rt.refresh(q, s[:, 0], lambda d: d, True)
-for rows in (1, 3, 16, 40):
-    x = torch.full((rows, 256), 2.0); x[:, ::3] = -2.0
-    xq, xs = abs_max_quantize(x, axis=-1)
-    want = (xq.double() @ q.double().t()).float() / (xs * s[:, 0])
-    got = k.int8_linear(x, rt, None, torch.float32)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-6), (rows, (got - want).abs().max())
+for n, K in ((48, 256), (512, 520)):  # exact float products; oneDNN on split activations
+    w = torch.full((n, K), 0.05); w[::2] = -0.05
+    q, s = abs_max_quantize(w, axis=1)
+    rt = k.Int8Runtime(); rt.refresh(q, s[:, 0], lambda d: d, True)
+    assert rt.w8a8_paths() == ("onednn_split", "float"), rt.w8a8_paths()
+    for rows in (1, 3, 16, 40):
+        x = torch.full((rows, K), 2.0); x[:, ::3] = -2.0
+        xq, xs = abs_max_quantize(x, axis=-1)
+        want = (xq.double() @ q.double().t()).float() / (xs * s[:, 0])
+        for path in (None, *rt.w8a8_paths()):
+            got = k.int8_linear(x, rt, None, torch.float32, path)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-6), (n, rows, path)
 model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 256))
 apply_policy(model, "mixed_bfloat16")
 with torch.no_grad():

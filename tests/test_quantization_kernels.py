@@ -216,3 +216,29 @@ print("ok")
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-1500:]
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16, torch.float16])
+def test_float8_arithmetic_rounding_matches_torch_conversion(compute):
+    from dtype_policies.quantization.kernels.float8 import quantize_dequantize_e4m3
+    from dtype_policies.quantizers.math import quantize_and_dequantize
+
+    torch.manual_seed(0)
+    special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 448.0, 449.0, 464.0, 465.0]
+    grid = [1e30, 2**-6, 2**-7, 2**-9, 2**-10, 3 * 2**-11, 1.5 * 2**-9, 2.5 * 2**-9]
+    edges = torch.tensor([*special, *grid])
+    values = [
+        torch.randn(50_000) * 10 ** torch.empty(50_000).uniform_(-6, 4),
+        torch.linspace(-500, 500, 400_001),  # every grid step and tie, many times over
+        torch.linspace(-0.02, 0.02, 400_001),  # the subnormal range
+        edges.repeat(600),
+    ]
+    for scale in (1.0, 0.0123, 3.7e-5, 250.0):
+        scale = torch.tensor(scale)
+        for x in values:
+            x = (x * scale).to(compute)
+            want = quantize_and_dequantize(x, scale, torch.float8_e4m3fn, compute)
+            got = quantize_dequantize_e4m3(x, scale, compute)
+            assert got.dtype == compute
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got[~got.isnan()], want[~want.isnan()])

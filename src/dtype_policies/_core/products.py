@@ -14,6 +14,8 @@ trying a kernel and catching its error.
   of a native product. Up to `FEW_ROWS` rows, where reading the weight
   dominates, the half-precision weight is multiplied directly. The float32
   copy of the rounded weight is made on the first call that needs it.
+* Either way, small weights at a few rows multiply in float32 (see
+  `LinearProduct`).
 * `None`: `F.linear` in the compute dtype.
 
 >>> import torch
@@ -36,6 +38,11 @@ KINDS = ("onednn_prepacked", "float32_products")
 # still beats float32 (half the bytes of weight read); beyond it, float32
 # products of the rounded values win (measured on AVX2: see docs/cpu_classes.md).
 FEW_ROWS = 4
+
+# Up to `FEW_ROWS` rows, weights of fewer elements than this multiply faster in
+# float32 than by any half-precision path (a call's fixed cost dominates; 1
+# thread, AVX2 and AMX classes, e.g. 576 x 192: 10-12 us against 15-22 us).
+SMALL_ELEMENTS = 1 << 18
 
 # Below this many elements the prepacked product's fixed cost outweighs the
 # saved reorder (measured: a 64x64 layer is slower packed, 1024x1024 faster).
@@ -109,15 +116,25 @@ class LinearProduct:
 
     Built by `linear_product` when the weight is cast; immutable except for
     the float32 copy made on first use (a concurrent first use makes it twice,
-    with the same values).
+    with the same values). Up to `FEW_ROWS` rows a weight of fewer than
+    `SMALL_ELEMENTS` elements is multiplied in float32 whatever the kind: the
+    fixed cost of a half-precision or oneDNN call dominates there.
     """
 
-    __slots__ = ("_float32", "kind", "weight")
+    __slots__ = ("_float32", "dtype", "kind", "small", "weight")
 
-    def __init__(self, kind: str, weight: torch.Tensor) -> None:
+    def __init__(
+        self,
+        kind: str,
+        weight: torch.Tensor,
+        dtype: torch.dtype,
+        float32: torch.Tensor | None = None,
+    ) -> None:
         self.kind = kind
         self.weight = weight
-        self._float32: torch.Tensor | None = None
+        self.dtype = dtype
+        self._float32 = float32
+        self.small = float32 is not None
 
     def float32_weight(self) -> torch.Tensor:
         """The weight's values in float32 (kept when the weight carries no graph)."""
@@ -131,30 +148,36 @@ class LinearProduct:
         return weight32
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kind == "onednn_prepacked":
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        few = x2.shape[0] <= FEW_ROWS
+        if self.kind == "onednn_prepacked" and not (few and self.small):
             return torch.ops.mkldnn._linear_pointwise(
                 x if x.is_contiguous() else x.contiguous(), self.weight, bias, "none", [], ""
             )
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= FEW_ROWS:
+        if few and not self.small:
             out = F.linear(x2, self.weight, bias)
         else:
             out = F.linear(
                 x2.float(), self.float32_weight(), None if bias is None else bias.float()
-            ).to(self.weight.dtype)
+            ).to(self.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
     def __repr__(self) -> str:
-        return f"LinearProduct({self.kind}, {tuple(self.weight.shape)} {self.weight.dtype})"
+        return f"LinearProduct({self.kind}, {tuple(self.weight.shape)} {self.dtype})"
 
 
 def linear_product(weight: torch.Tensor, kept: bool) -> LinearProduct | None:
     """The product of the compute-dtype (N, K) `weight`, or `None` for a
     plain `F.linear`. A prepacked weight is packed here (graph-free only)."""
-    kind = product_kind(weight, kept and not weight.requires_grad)
+    graph_free = kept and not weight.requires_grad
+    kind = product_kind(weight, graph_free)
     if kind is None:
         return None
-    if kind == "onednn_prepacked":
-        with torch.inference_mode(False), torch.no_grad():
+    float32 = None
+    dtype = weight.dtype
+    with torch.inference_mode(False), torch.no_grad():
+        if graph_free and weight.numel() < SMALL_ELEMENTS:
+            float32 = weight.float()
+        if kind == "onednn_prepacked":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-    return LinearProduct(kind, weight)
+    return LinearProduct(kind, weight, dtype, float32)

@@ -73,11 +73,15 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         head = f"_weight_int8pack_mm up to {few} rows, then " if multiple else ""
         return f"{head}int8 weight cast per call, {rest}"
     if qw.mode == "int8":
-        if on_cpu and int8.onednn_int8_applies(device, cpu):
-            if not cpu.exact_int8:
+        large = spec.in_features * spec.out_features >= int8.ONEDNN_MIN_ELEMENTS
+        exact = cpu.exact_int8 or not on_cpu
+        if on_cpu and int8.onednn_int8_applies(device, cpu) and large:
+            if not exact:
                 return "oneDNN u8 x s8 on sign-split activations (exact without VNNI)"
-            return f"oneDNN u8 x s8 from {int8.ONEDNN_MIN_ROWS} rows, torch._int_mm below"
-        return "torch._int_mm" if cpu.exact_int8 or not on_cpu else "exact float products"
+            if cpu.amx:
+                return "oneDNN u8 x s8 (AMX)"
+            return f"oneDNN u8 x s8 (VNNI) from {int8.ONEDNN_MIN_ROWS} rows, torch._int_mm below"
+        return "torch._int_mm" if exact else "exact float products (no VNNI)"
     if qw.mode == "int4":
         if not on_cpu:
             return "int4 dequantized per call"

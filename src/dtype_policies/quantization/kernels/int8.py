@@ -34,7 +34,12 @@ from dtype_policies._core.products import native_half_products
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import epilogues, tensor_key
 
-ONEDNN_MIN_ROWS = 16
+# oneDNN's int8 product pays off for weights of at least this many elements;
+# below it `torch._int_mm` (exact classes) or exact float products (no VNNI)
+# are faster at any row count (1 thread, AMX, AVX-512 VNNI and AVX2 classes).
+ONEDNN_MIN_ELEMENTS = 1 << 18
+# ... and, without AMX, from this many rows (`torch._int_mm` is faster below).
+ONEDNN_MIN_ROWS = 4
 WEIGHT_INT8PACK_MAX_ROWS = 16
 
 PATHS = {
@@ -69,7 +74,17 @@ class Int8Runtime:
     change or the processor description does. Never stored; never the only
     copy of anything."""
 
-    __slots__ = ("_key", "column_step", "exact", "ones", "packed", "q_nk", "zero_point")
+    __slots__ = (
+        "_key",
+        "amx",
+        "column_step",
+        "exact",
+        "large",
+        "ones",
+        "packed",
+        "q_nk",
+        "zero_point",
+    )
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -79,6 +94,8 @@ class Int8Runtime:
         self.zero_point: torch.Tensor | None = None
         self.ones: torch.Tensor | None = None
         self.exact = True
+        self.amx = False
+        self.large = False
 
     @property
     def split(self) -> bool:
@@ -99,21 +116,33 @@ class Int8Runtime:
         if key == self._key:
             return
         with torch.inference_mode(False), torch.no_grad():
-            q_nk = to_nk(data)
-            self.q_nk = q_nk.contiguous()
-            if self.q_nk.data_ptr() % 16:  # see `weight_int8pack_supported`
-                self.q_nk = self.q_nk.clone()  # a fresh allocation is aligned
-            self.column_step = (1.0 / scale.float()).contiguous()
-            self.packed = None
+            q_nk = to_nk(data).contiguous()
+            if q_nk.data_ptr() % 16:  # see `weight_int8pack_supported`
+                q_nk = q_nk.clone()  # a fresh allocation is aligned
+            column_step = (1.0 / scale.float()).contiguous()
             # u8 x s8 products saturate in 16-bit pair sums on x86 CPUs without
             # VNNI; elsewhere (and on other devices) integer products are exact.
-            self.exact = cpu.exact_int8 or q_nk.device.type != "cpu"
+            exact = cpu.exact_int8 or q_nk.device.type != "cpu"
+            # (exact float products of a small weight beyond 2**24 need float64)
+            large = q_nk.numel() >= ONEDNN_MIN_ELEMENTS or (
+                not exact and q_nk.shape[1] > FLOAT32_EXACT_TERMS
+            )
+            packed = zero_point = ones = None
             if prepack and onednn_int8_applies(q_nk.device, cpu):
-                self.packed = torch.ops.onednn.qlinear_prepack(
-                    self.q_nk, [ONEDNN_MIN_ROWS * 16, q_nk.shape[1]]
+                packed = torch.ops.onednn.qlinear_prepack(
+                    q_nk, [ONEDNN_MIN_ROWS * 16, q_nk.shape[1]]
                 )
-                self.zero_point = torch.zeros(1, dtype=torch.int32)
-                self.ones = torch.ones(q_nk.shape[0])
+                zero_point = torch.zeros(1, dtype=torch.int32)
+                ones = torch.ones(q_nk.shape[0])
+        # Every field goes from one valid value to the next (never through
+        # None): a thread reading while another rebuilds sees either.
+        self.q_nk, self.column_step, self.zero_point, self.ones = (
+            q_nk,
+            column_step,
+            zero_point,
+            ones,
+        )
+        self.exact, self.amx, self.large, self.packed = exact, cpu.amx, large, packed
         self._key = key
 
     def w8a8_paths(self) -> tuple[str, ...]:
@@ -126,11 +155,15 @@ class Int8Runtime:
         return (*paths, "float")
 
     def w8a8_path(self, rows: int) -> str:
-        """The W8A8 path (a key of `PATHS`) for `rows` rows: oneDNN from
-        `ONEDNN_MIN_ROWS` rows with VNNI/AMX, on split activations at any
-        rows without; `torch._int_mm` below that; exact floats otherwise."""
-        if self.packed is not None and (not self.exact or rows >= ONEDNN_MIN_ROWS):
-            return "onednn_split" if not self.exact else "onednn"
+        """The W8A8 path (a key of `PATHS`) for `rows` rows: oneDNN for large
+        weights (with AMX at any rows, else from `ONEDNN_MIN_ROWS`; on split
+        activations without VNNI); `torch._int_mm` for the rest where
+        products are exact, exact float products where they are not."""
+        if self.packed is not None and self.large:
+            if not self.exact:
+                return "onednn_split"
+            if self.amx or rows >= ONEDNN_MIN_ROWS:
+                return "onednn"
         return "int_mm" if self.exact else "float"
 
 
