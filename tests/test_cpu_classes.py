@@ -114,7 +114,8 @@ def test_int8_products_are_exact_on_every_class(cpu_class, rows, data, n, k):
     if not cpu_class.exact_int8:
         assert path == ("onednn_split" if large and X86 else "float")
     else:
-        assert path in (("onednn", "int_mm") if large else ("int_mm",))
+        assert path in (("onednn", "onednn_s8", "int_mm") if large else ("int_mm",))
+        assert (path == "onednn_s8") == (large and cpu_class.amx and rows >= 16)
     for path in runtime.w8a8_paths():  # every exact path the library has here
         forced = int8_kernels.int8_linear(x, runtime, None, torch.float32, path)
         torch.testing.assert_close(forced, reference, atol=1e-5, rtol=1e-6)

@@ -79,7 +79,7 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             if not exact:
                 return "oneDNN u8 x s8 on sign-split activations (exact without VNNI)"
             if cpu.amx:
-                return "oneDNN u8 x s8 (AMX)"
+                return f"oneDNN u8 x s8 (AMX), s8 x s8 from {int8.ONEDNN_S8_MIN_ROWS} rows"
             return f"oneDNN u8 x s8 (VNNI) from {int8.ONEDNN_MIN_ROWS} rows, torch._int_mm below"
         return "torch._int_mm" if exact else "exact float products (no VNNI)"
     if qw.mode == "int4":
@@ -93,6 +93,8 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             text += f", K padded to {layout.padded_k}"
         if spec.out_features % 16:
             text += ", N padded to a multiple of 16"
+        if config.group_size <= 0:
+            text += f"; from {int4.DEQUANTIZED_MIN_ROWS} rows one GEMM on the integer weights"
         return text
     if qw.mode == "float8":
         numel = spec.in_features * spec.out_features

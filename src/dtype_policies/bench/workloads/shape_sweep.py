@@ -116,16 +116,12 @@ def _quantized_paths(layer: nn.Module, x: torch.Tensor, compute: torch.dtype):
         _, scale, zero = scheme._stored(layer, qw)
         q_nk = scheme.integer_values(layer, qw)
         block = config.group_size
-        empty = int4_kernels.Int4Runtime()  # no packed kernel: the dequantizing path
         paths = {
-            "int4 packed kernel": lambda: int4_kernels.int4_linear(
-                xd, None, scale, zero, block, bias, compute, runtime
-            ),
-            "dequantized per call": lambda: int4_kernels.int4_linear(
-                xd, q_nk, scale, zero, block, bias, compute, empty
-            ),
-        }
-        return paths, "int4 packed kernel", None
+            name: (lambda name=name: int4_kernels.int4_linear(
+                xd, q_nk, scale, zero, block, bias, compute, runtime, name))
+            for name in int4_kernels.PATHS
+        }  # fmt: skip
+        return paths, int4_kernels.int4_path(runtime, xd.shape[0], block), None
     # float8: the kept quantize-dequantized kernel, or both per call (the
     # training path's work)
     weight = layer.weight

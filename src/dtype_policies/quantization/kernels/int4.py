@@ -1,12 +1,12 @@
-"""int4 (weight-only) products.
+"""int4 (weight-only) products, on the path chosen per weight (`int4_path`).
 
-On CPU every shape runs on torch's packed kernel `_weight_int4pack_mm_for_cpu`
-with bfloat16 activations, scales and offsets, whatever the compute dtype:
-its float32 and float16 variants are scalar code, 50-100x slower (measured,
-torch 2.13, AVX2 and AVX-512). From a float32 or float16 source the
-activations and the outputs are rounded to bfloat16 around the kernel (a
-relative 2**-9, small against int4's own error); outputs come back in the
-compute dtype. The weight is laid out once (`Int4Layout`):
+On CPU every shape can run on torch's packed kernel
+`_weight_int4pack_mm_for_cpu`, with bfloat16 activations, scales and offsets
+whatever the compute dtype: its float32 and float16 variants are scalar code,
+50-100x slower (measured, torch 2.13, AVX2 and AVX-512). From a float32 or
+float16 source the activations and the outputs are rounded to bfloat16 around
+the kernel (a relative 2**-9, small against int4's own error); outputs come
+back in the compute dtype. The weight is laid out once (`Int4Layout`):
 
 * the kernel's group (32, 64, 128 or 256 values along K sharing a scale and
   an offset) is the largest that divides both the block and K, so that a block
@@ -20,8 +20,11 @@ compute dtype. The weight is laid out once (`Int4Layout`):
 
 Grouped weights are `(q - zero) * scale` along the input axis (the kernel
 computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
-may be any real value); per-channel weights are `q / scale`. Elsewhere (other
-devices): dequantize and multiply in the compute dtype.
+may be any real value); per-channel weights are `q / scale`. Per-channel
+weights at `DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their
+integer values cast per call, scaled after (faster there: the kernel is
+compute-bound). Elsewhere (other devices): dequantize and multiply in the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._core.products import native_half_products
 from dtype_policies._cpu import processor
-from dtype_policies.quantization.kernels import tensor_key
+from dtype_policies.quantization.kernels import epilogues, tensor_key
 from dtype_policies.quantizers.math import dequantize_grouped
 
 KERNEL_GROUPS = (256, 128, 64, 32)
@@ -202,6 +206,28 @@ def _pack(
     return Int4Packed(layout, packed, n, positions, pair.contiguous())
 
 
+# Per-channel weights from this many rows: the weight's integer values cast
+# per call and one GEMM in the product dtype beat the packed kernel, which is
+# compute-bound (1 thread: 2-4x at 128 rows, 576 x 1536 and 576 x 192, AMX
+# class). Grouped weights keep the kernel: their per-call dequantization
+# (a scale and an offset per group) costs more than it saves.
+DEQUANTIZED_MIN_ROWS = 32
+
+PATHS = {
+    "packed": "torch's packed int4 kernel, bfloat16 activations",
+    "dequantized": "the weight dequantized per call, one GEMM",
+}
+
+
+def int4_path(runtime: Int4Runtime, rows: int, block_size: int) -> str:
+    """The path (a key of `PATHS`) for `rows` rows."""
+    if runtime.packed is None:
+        return "dequantized"
+    if block_size <= 0 and rows >= DEQUANTIZED_MIN_ROWS:
+        return "dequantized"
+    return "packed"
+
+
 def int4_linear(
     x2: torch.Tensor,
     q_nk: torch.Tensor | None,
@@ -211,29 +237,46 @@ def int4_linear(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     runtime: Int4Runtime,
+    path: str | None = None,
 ) -> torch.Tensor:
     """`x2 @ W.T + bias` for int4 weights `W` (grouped: `(q - zero) * scale`
-    along the input axis; per channel: `q / scale`) on a 2-D `x2` (M, K).
-    `q_nk` (the int values, (N, K)) is needed when the packed kernel is not used."""
+    along the input axis; per channel: `q / scale`) on a 2-D `x2` (M, K), by
+    `path` (default `int4_path`). `q_nk` (the int values, (N, K)) is needed
+    by the dequantized path."""
     n = scale.shape[-1]
     if x2.shape[0] == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
-    plan = runtime._plan
-    if plan is not None and x2.device.type == "cpu":
-        xk = x2 if x2.dtype is torch.bfloat16 else x2.bfloat16()
-        layout = plan.layout
-        if plan.positions is not None:
-            spread = xk.new_zeros((xk.shape[0], layout.padded_k))
-            xk = spread.index_copy_(1, plan.positions, xk)
-        elif layout.padded_k != xk.shape[1]:
-            xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xk.contiguous(), plan.packed, layout.group, plan.scales_and_zeros
-        )
-        if y.shape[1] != n:
-            y = y[:, :n]
-        y = y if y.dtype == out_dtype else y.to(out_dtype)
+    if (path or int4_path(runtime, x2.shape[0], block_size)) == "packed":
+        return _packed(x2, runtime._plan, n, bias, out_dtype)
+    dtype = x2.dtype
+    if x2.device.type == "cpu" and not native_half_products(dtype, processor()):
+        dtype = torch.float32  # the same values, at float32 speed (`_core.products`)
+    if block_size > 0:
+        weight = dequantize_int4(q_nk, scale, zero, block_size).to(dtype)
+        y = F.linear(x2.to(dtype), weight).to(out_dtype)
         return y if bias is None else y + bias.to(out_dtype)
-    weight = dequantize_int4(q_nk, scale, zero, block_size).to(x2.dtype)
-    out = F.linear(x2, weight, None if bias is None else bias.to(x2.dtype))
-    return out.to(out_dtype)
+    y = F.linear(x2.to(dtype), q_nk.to(dtype))  # exact integer weights, scaled after
+    return epilogues.rescale(y, (1.0 / scale.float())[None, :], None, bias, out_dtype)
+
+
+def _packed(
+    x2: torch.Tensor,
+    plan: Int4Packed,
+    n: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    xk = x2 if x2.dtype is torch.bfloat16 else x2.bfloat16()
+    layout = plan.layout
+    if plan.positions is not None:
+        spread = xk.new_zeros((xk.shape[0], layout.padded_k))
+        xk = spread.index_copy_(1, plan.positions, xk)
+    elif layout.padded_k != xk.shape[1]:
+        xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        xk.contiguous(), plan.packed, layout.group, plan.scales_and_zeros
+    )
+    if y.shape[1] != n:
+        y = y[:, :n]
+    y = y if y.dtype == out_dtype else y.to(out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)

@@ -2,20 +2,20 @@
 can do (`dtype_policies._cpu.processor()`).
 
 W8A8 dynamic (Keras's convention `y = acc / (x_scale * w_scale) + b`), exact
-integer accumulation on every CPU class:
-  * x86 with VNNI or AMX (`exact_int8`), 16 rows or more: oneDNN's
-    `qlinear_pointwise` on a prepacked weight, with activations as uint8
-    (q + 128, zero point 128), the fastest int8 GEMM on x86;
-  * x86 with VNNI or AMX, fewer rows (and aarch64): `torch._int_mm` on the
-    (N, K) weight's transposed view;
-  * x86 without VNNI, any rows: the same prepacked oneDNN product on the
-    activations split by sign (`x = x+ - x-`, each in [0, 127], stacked as
-    2M rows with zero point 0). Without VNNI, x86 int8 kernels add adjacent
-    u8 x s8 products in saturating 16-bit sums; with both factors at most 127
-    a pair stays below 2 * 127 * 127 < 32767, so the sums are exact. The
-    accumulators come back as float32 integers, `x+` rows minus `x-` rows;
-  * elsewhere: `torch._int_mm` where CUDA accepts the shape, else exact
-    integer arithmetic in float32.
+integer accumulation on every CPU class (`Int8Runtime.w8a8_path`):
+  * weights of `ONEDNN_MIN_ELEMENTS` or more, x86: oneDNN's
+    `qlinear_pointwise` on a prepacked weight. With AMX: uint8 activations
+    (q + 128, zero point 128) below `ONEDNN_S8_MIN_ROWS` rows, int8 ones
+    (no zero point) from there; with VNNI: uint8 from `ONEDNN_MIN_ROWS` rows,
+    `torch._int_mm` below. Without VNNI (AVX2, AVX-512 before Cascade Lake),
+    x86 int8 kernels add adjacent u8 x s8 products in saturating 16-bit sums:
+    the activations are split by sign (`x = x+ - x-`, each in [0, 127],
+    stacked as 2M rows with zero point 0), so that a pair stays below
+    2 * 127 * 127 < 32767 and the sums are exact; the accumulators come back
+    as float32 integers, `x+` rows minus `x-` rows;
+  * smaller weights: `torch._int_mm` where products are exact (VNNI, AMX,
+    aarch64, CUDA where it accepts the shape), else exact integer arithmetic
+    in float32 (float64 beyond 2**24);
   oneDNN writes bfloat16 outputs itself only where its bfloat16 is native.
 Weight-only: `_weight_int8pack_mm` for bfloat16/float16/float32 activations of
   a few rows on CPU (within the shapes it supports), else the product with the
@@ -40,11 +40,16 @@ from dtype_policies.quantization.kernels import epilogues, tensor_key
 ONEDNN_MIN_ELEMENTS = 1 << 18
 # ... and, without AMX, from this many rows (`torch._int_mm` is faster below).
 ONEDNN_MIN_ROWS = 4
+# With AMX, signed activations (no zero point to compensate) are faster from
+# this many rows (1 thread: 1.2-1.5x at 16-128 rows); oneDNN runs them on a
+# scalar reference kernel without AMX (100-1000x slower): never there.
+ONEDNN_S8_MIN_ROWS = 16
 WEIGHT_INT8PACK_MAX_ROWS = 16
 
 PATHS = {
     "onednn": "oneDNN u8 x s8 (VNNI/AMX)",
     "onednn_split": "oneDNN u8 x s8, activations split by sign (exact without VNNI)",
+    "onednn_s8": "oneDNN s8 x s8 (AMX)",
     "int_mm": "torch._int_mm s8 x s8",
     "float": "integer values multiplied exactly in floating point",
     "int8pack": "torch._weight_int8pack_mm",
@@ -150,19 +155,24 @@ class Int8Runtime:
         paths = []
         if self.packed is not None:
             paths += ["onednn", "onednn_split"] if self.exact else ["onednn_split"]
+            if self.amx:
+                paths.append("onednn_s8")
         if self.exact:
             paths.append("int_mm")
         return (*paths, "float")
 
     def w8a8_path(self, rows: int) -> str:
         """The W8A8 path (a key of `PATHS`) for `rows` rows: oneDNN for large
-        weights (with AMX at any rows, else from `ONEDNN_MIN_ROWS`; on split
-        activations without VNNI); `torch._int_mm` for the rest where
-        products are exact, exact float products where they are not."""
+        weights (with AMX at any rows, signed from `ONEDNN_S8_MIN_ROWS`; with
+        VNNI from `ONEDNN_MIN_ROWS`; on split activations without VNNI);
+        `torch._int_mm` for the rest where products are exact, exact float
+        products where they are not."""
         if self.packed is not None and self.large:
             if not self.exact:
                 return "onednn_split"
-            if self.amx or rows >= ONEDNN_MIN_ROWS:
+            if self.amx:
+                return "onednn_s8" if rows >= ONEDNN_S8_MIN_ROWS else "onednn"
+            if rows >= ONEDNN_MIN_ROWS:
                 return "onednn"
         return "int_mm" if self.exact else "float"
 
@@ -199,13 +209,19 @@ def _qlinear(
     )
 
 
-def _onednn(x2, runtime, bias, out_dtype):
-    xu, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
+def _onednn(x2, runtime, bias, out_dtype, signed=False):
+    if signed:  # s8 activations, no zero point (AMX only)
+        xq, row_step = epilogues.run(epilogues.quantize_rows_int8, x2)
+    else:  # u8 activations, zero point 128
+        xq, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
     # oneDNN applies the per-channel weight steps and writes the output dtype
     # directly (where its bfloat16 is native); the per-row steps and the bias
     # follow in place.
     direct = out_dtype is torch.float32 or (out_dtype is torch.bfloat16 and processor().native_bf16)
-    y = _qlinear(xu, 128, runtime, runtime.column_step, out_dtype if direct else torch.float32)
+    zero_point = 0 if signed else 128
+    y = _qlinear(
+        xq, zero_point, runtime, runtime.column_step, out_dtype if direct else torch.float32
+    )
     y.mul_(row_step)
     if bias is not None:
         y.add_(bias)
@@ -237,6 +253,7 @@ def _integer(x2, runtime, bias, out_dtype, use_int_mm):
 _W8A8 = {
     "onednn": _onednn,
     "onednn_split": _onednn_split,
+    "onednn_s8": lambda x2, runtime, bias, out_dtype: _onednn(x2, runtime, bias, out_dtype, True),
     "int_mm": lambda x2, runtime, bias, out_dtype: _integer(x2, runtime, bias, out_dtype, True),
     "float": lambda x2, runtime, bias, out_dtype: _integer(x2, runtime, bias, out_dtype, False),
 }

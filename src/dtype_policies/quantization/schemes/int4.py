@@ -96,7 +96,7 @@ class Int4Scheme(Scheme):
         if qw.runtime.needs_refresh(stored):
             q_nk = self.integer_values(module, qw)
             qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored)
-        if qw.runtime.packed is None:  # no packed kernel here: dequantize per call
+        if kernels.int4_path(qw.runtime, x2.shape[0], qw.config.group_size) != "packed":
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
         return kernels.int4_linear(
             x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime
