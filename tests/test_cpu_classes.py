@@ -270,12 +270,8 @@ print("ok")
 def test_int8_and_bfloat16_under_real_avx2_caps(tmp_path):
     """torch and oneDNN capped to AVX2 (their saturating int8 kernels, no
     bfloat16 prepacking): int8 stays exact and bfloat16 never crashes."""
-    env = {
-        **os.environ,
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-    }
+    inductor = str(tmp_path / "inductor")  # never a cache shared across classes
+    env = {**os.environ, **_cpu.EMULATION["avx2"], "TORCHINDUCTOR_CACHE_DIR": inductor}
     done = subprocess.run(
         [sys.executable, "-c", _AVX2_SCRIPT],
         capture_output=True,
