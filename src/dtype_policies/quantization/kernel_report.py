@@ -70,8 +70,9 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             if not products.native_half_products(compute, cpu)
             else f"{str(compute).removeprefix('torch.')} products"
         )
-        head = f"_weight_int8pack_mm up to {few} rows, then " if multiple else ""
-        return f"{head}int8 weight cast per call, {rest}"
+        half = compute in (torch.bfloat16, torch.float16)
+        head = f"_weight_int8pack_mm up to {few} rows, then " if multiple and half else ""
+        return f"{head}int8 weight cast per call in cache-sized chunks, {rest}"
     if qw.mode == "int8":
         large = spec.in_features * spec.out_features >= int8.ONEDNN_MIN_ELEMENTS
         exact = cpu.exact_int8 or not on_cpu
@@ -93,7 +94,8 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             text += f", K padded to {layout.padded_k}"
         if spec.out_features % 16:
             text += ", N padded to a multiple of 16"
-        if config.group_size <= 0:
+        small = spec.in_features * spec.out_features < int4.DEQUANTIZED_MAX_ELEMENTS
+        if config.group_size <= 0 and small:
             text += f"; from {int4.DEQUANTIZED_MIN_ROWS} rows one GEMM on the integer weights"
         return text
     if qw.mode == "float8":

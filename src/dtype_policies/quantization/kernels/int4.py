@@ -21,10 +21,10 @@ back in the compute dtype. The weight is laid out once (`Int4Layout`):
 Grouped weights are `(q - zero) * scale` along the input axis (the kernel
 computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
 may be any real value); per-channel weights are `q / scale`. Per-channel
-weights at `DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their
-integer values cast per call, scaled after (faster there: the kernel is
-compute-bound). Elsewhere (other devices): dequantize and multiply in the
-compute dtype.
+weights of fewer than `DEQUANTIZED_MAX_ELEMENTS` elements at
+`DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their integer values
+cast per call, scaled after (faster there: the kernel is compute-bound).
+Elsewhere (other devices): dequantize and multiply in the compute dtype.
 """
 
 from __future__ import annotations
@@ -212,6 +212,9 @@ def _pack(
 # class). Grouped weights keep the kernel: their per-call dequantization
 # (a scale and an offset per group) costs more than it saves.
 DEQUANTIZED_MIN_ROWS = 32
+# ... for weights of fewer elements than this: per-call unpacking is several
+# slow elementwise passes (2048 x 5632: 10x slower than the kernel, measured).
+DEQUANTIZED_MAX_ELEMENTS = 1 << 20
 
 PATHS = {
     "packed": "torch's packed int4 kernel, bfloat16 activations",
@@ -223,7 +226,11 @@ def int4_path(runtime: Int4Runtime, rows: int, block_size: int) -> str:
     """The path (a key of `PATHS`) for `rows` rows."""
     if runtime.packed is None:
         return "dequantized"
-    if block_size <= 0 and rows >= DEQUANTIZED_MIN_ROWS:
+    if (
+        block_size <= 0
+        and rows >= DEQUANTIZED_MIN_ROWS
+        and runtime._plan.n * runtime._plan.layout.padded_k < DEQUANTIZED_MAX_ELEMENTS
+    ):
         return "dequantized"
     return "packed"
 
