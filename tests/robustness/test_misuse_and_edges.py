@@ -267,7 +267,7 @@ def test_loss_scaling_never_writes_non_finite_values():
 
 def test_keras_compatibility_details():
     quantizer = AbsMaxQuantizer(axis=-1, value_range=(-63, 63))
-    assert quantizer.axis == -1 and quantizer.get_config()["axis"] == -1
+    assert quantizer.axis == (-1,) and quantizer.get_config()["axis"] == (-1,)  # as Keras
     q, scale = quantizer(torch.tensor([[0.5, -1.0]]))
     assert q.tolist() == [[31, -63]] and q.dtype == torch.int8  # 31.49999..., epsilon included
     assert torch.allclose(scale, torch.tensor([[63.0]]))

@@ -5,8 +5,9 @@ refused a checkpoint in its own turn would leave its earlier siblings loaded.
 The root of a load (any policied module or `Layer`) checks its whole subtree
 first, so a checkpoint that cannot load changes nothing:
 
-* quantized weights (`<w>_int8`, `<w>_int4`) for a module that is not quantized
-  raise `ValueError` naming the keys (never int8 values cast into float weights);
+* quantized weights (`<w>_int8`, `<w>_int4`: the data suffix of every
+  registered mode) for a module that is not quantized raise `ValueError`
+  naming the keys (never int8 values cast into float weights);
 * a quantized module checks its own keys (`QuantizedWeight.check_checkpoint`:
   another mode, or the same mode stored with another layout).
 """
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZED_SUFFIXES = ("_int8", "_int4")
-"""Suffixes of the integer data buffers (`<weight>_int8`, `<weight>_int4`)."""
+from dtype_policies._modes import quantized_suffixes
 
 
 def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> None:
     """Raises `ValueError` if `state_dict` cannot load into the tree at `root`
     (loaded under `prefix`); reads only, changes nothing."""
-    if not any(key.endswith(QUANTIZED_SUFFIXES) for key in state_dict) and not any(
+    suffixes = quantized_suffixes()
+    if not any(key.endswith(suffixes) for key in state_dict) and not any(
         "_dp_quant" in module.__dict__ for module in root.modules()
     ):
         return
@@ -36,7 +37,7 @@ def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> No
         refused += [
             module_prefix + weight + suffix
             for weight in module._parameters
-            for suffix in QUANTIZED_SUFFIXES
+            for suffix in suffixes
             if module_prefix + weight + suffix in state_dict
         ]
     if refused:

@@ -336,7 +336,7 @@ def _plan_quantization(steps: list[Step]) -> list[attach.Plan]:
     for step in steps:
         mode = step.policy.quantization_mode
         kind = kind_of(step.module)
-        if mode is None or kind is None or mode not in kind.modes:
+        if mode is None or kind is None or not kind.supports(mode):
             continue
         if attach.quantization_of(step.module) is not None:
             continue

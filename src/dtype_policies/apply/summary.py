@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import quantization_of
 
@@ -57,12 +58,8 @@ def quantization_label(module: torch.nn.Module) -> str:
 
 
 def label_of(mode: str, config: Any) -> str:
-    """The quantization column's text for `mode` with its `config`."""
-    if mode == "int4":
-        return f"int4/{config.group_size}"
-    if mode == "int8" and config.weight_only:
-        return "int8 weight-only"
-    return mode
+    """The quantization column's text for `mode` with its `config` (its record's label)."""
+    return mode_record(mode).label_of(config)
 
 
 def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:

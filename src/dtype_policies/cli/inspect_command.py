@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from dtype_policies._cpu import processor
+from dtype_policies._modes import mode_record, registered_modes
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.apply import apply_policy, module_summaries
 from dtype_policies.apply.summary import COLUMNS, label_of
@@ -36,10 +37,15 @@ def add_parser(subparsers: Any) -> None:
     policy.add_argument("--policy", help="apply this policy first (e.g. mixed_bfloat16)")
     policy.add_argument("--policy-map", metavar="FILE", help="apply a policy file (JSON) first")
     parser.add_argument(
-        "--quantize", metavar="MODE", choices=("int8", "int4", "float8"), help="then quantize"
+        "--quantize", metavar="MODE", choices=quantize_choices(), help="then quantize"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=run)
+
+
+def quantize_choices() -> tuple[str, ...]:
+    """The modes `--quantize` offers: those that quantize without calibration data."""
+    return tuple(record.name for record in registered_modes() if not record.calibrated)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +119,7 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
         if quantized is not None:
             if policy is not None and policy.quantization_mode is None:
                 policy = policy_for_config(quantized.quantization_config, policy.name)
-            if quantized.mode != "float8":
+            if not mode_record(quantized.mode).keeps_float_weight:
                 parameters += math.prod(quantized.float_shape)
         rows.append(
             {

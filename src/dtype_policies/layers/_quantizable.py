@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtype_policies._modes import mode_record
 from dtype_policies.layers.layer import Layer
+from dtype_policies.policies import QuantizedDTypePolicy, policy_for_config
 from dtype_policies.policies import get as get_policy
-from dtype_policies.policies import policy_for_config
 from dtype_policies.quantization import attach
+from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.kinds import (
     ModuleKind,
     SpecFunction,
@@ -57,7 +59,7 @@ class QuantizableLayer(Layer):
         if quantized is not None:
             return quantized.mode
         mode = self._resolve_policy().quantization_mode
-        return mode if mode in kind_of(self).modes else None
+        return mode if mode is not None and kind_of(self).supports(mode) else None
 
     def quantize(
         self, mode: str | None = None, config: Any = None, type_check: bool = True
@@ -65,10 +67,12 @@ class QuantizableLayer(Layer):
         """Quantizes this built layer's weights in place.
 
         Args:
-            mode: `"int8"`, `"int4"` or `"float8"` (not needed when `config`
-                is given).
-            config: An `Int8QuantizationConfig`, `Int4QuantizationConfig` or
-                `Float8QuantizationConfig`; `None` means the mode's default.
+            mode: A quantization mode (`"int8"`, `"int4"`, `"float8"`, ...; not
+                needed when `config` is given).
+            config: The mode's config (`Int8QuantizationConfig`, ...); `None`
+                means the mode's default. A calibrated mode's config holds its
+                calibration data: the layer is calibrated on it as a model of
+                one block.
             type_check: Refuse subclasses (whose `call` may not dispatch to the
                 quantized product); pass `False` to quantize one anyway.
 
@@ -77,23 +81,44 @@ class QuantizableLayer(Layer):
         exactly as it was.
         """
         config = validate_and_resolve_config(mode, config)
-        attach.commit(attach.plan(self, config, path=self._path or "", type_check=type_check))
+        path = self._path or ""
+        if mode_record(config.mode).calibrated:
+            checked = attach.check(self, config, path=path, type_check=type_check)
+            calibration = plan_calibrated(self, [(path, checked)], config)
+            if not calibration.plans:
+                raise ValueError(
+                    f"Layer '{self.name}' is outside its config's quantization_layer_structure."
+                )
+            attach.commit(calibration.plans[0])
+            return
+        attach.commit(attach.plan(self, config, path=path, type_check=type_check))
 
     def _quantize_from_policy(self) -> None:
+        """Once built under a quantized policy: quantize the new weights as
+        the policy says (a calibrated mode gets placeholder tensors, filled by
+        loading a checkpoint: Keras's loading path). A layer that cannot take
+        the mode (an `EinsumDense` whose equation is no matrix product under
+        int8) computes with the policy's float source."""
         mode = self.quantization_mode
         if mode is None or self.is_quantized or not self.built:
             return
         config = self.quantization_config
         if config is None or config.mode != mode:
             config = self._resolve_policy().quantization_config
+        try:
+            checked = attach.check(self, config, path=self._path or "", type_check=False)
+        except NotImplementedError:
+            return
+        if mode_record(mode).calibrated:
+            tensors = checked.scheme.placeholder_tensors(
+                checked.spec, config, checked.weight.device
+            )
+            attach.commit(attach.plan(self, config, type_check=False, tensors=tensors))
+            return
         self.quantize(mode, config, type_check=False)
 
     def _after_build(self) -> None:
         super()._after_build()
-        self._quantize_from_policy()
-
-    def _on_policy_change(self) -> None:
-        super()._on_policy_change()
         self._quantize_from_policy()
 
     @property
@@ -102,6 +127,11 @@ class QuantizableLayer(Layer):
 
     @dtype_policy.setter
     def dtype_policy(self, value: Any) -> None:
+        """Sets the policy; a quantized policy on a built float layer quantizes
+        it as Keras's `quantize(policy.quantization_mode)` does (the bare
+        legacy `"int4_from_X"` with int4's default config, block 128; a policy
+        carrying settings, such as `"int4/64_from_X"`, with its own). Any
+        error leaves the layer and its policy unchanged."""
         policy = get_policy(value)
         quantized = self._quantized
         if (
@@ -113,7 +143,35 @@ class QuantizableLayer(Layer):
                 f"Layer '{self.name}' is quantized in mode '{quantized.mode}'; it cannot "
                 f"take the policy '{policy.name}'. Build a new layer instead."
             )
-        Layer.dtype_policy.fset(self, policy)
+        resolved = policy[self._path] if policy.is_map and self._path is not None else policy
+        mode = resolved.quantization_mode
+        if policy.is_map and self._path is None:
+            mode = None
+        if not self.built or quantized is not None or mode is None:
+            Layer.dtype_policy.fset(self, policy)
+            return
+        if not kind_of(self).supports(mode):
+            Layer.dtype_policy.fset(self, policy)  # computes with the policy's float source
+            return
+        record = mode_record(mode)
+        if record.calibrated:
+            raise ValueError(
+                f"Implicitly enabling {mode.upper()} quantization by setting `dtype_policy` "
+                f"to '{resolved.name}' is not supported. {mode.upper()} requires a "
+                f"calibration dataset and a `{record.config_class.__name__}` object.\n\n"
+                f"Please use the `.quantize('{mode}', config=...)` method on the layer or "
+                "model instead."
+            )
+        config = (
+            record.default_config()
+            if type(resolved) is QuantizedDTypePolicy
+            else resolved.quantization_config
+        )
+        module_plan = attach.plan(
+            self, config, path=self._path or "", type_check=False, source=resolved.source_policy
+        )
+        self._set_policy(policy)
+        attach.commit(module_plan)
 
     def __getattr__(self, name: str) -> Any:
         quantized = self.__dict__.get("_dp_quant")
@@ -159,11 +217,11 @@ def _after_quantized(layer: QuantizableLayer, plan: attach.Plan) -> None:
     layer._refresh_policy_state()
 
 
-def register_layer_kind(
-    cls: type[QuantizableLayer], spec: SpecFunction, modes: tuple[str, ...]
-) -> None:
-    """Registers a quantizable layer class (subclasses need `type_check=False`)."""
+def register_layer_kind(cls: type[QuantizableLayer], spec: SpecFunction, role: str) -> None:
+    """Registers a quantizable layer class whose weight has `role` (`"linear"`,
+    `"embedding"`): it supports every mode that quantizes such weights.
+    Subclasses need `type_check=False`."""
     register_module_kind(
         cls,
-        ModuleKind(spec, modes, exact=True, forward=None, after_commit=_after_quantized),
+        ModuleKind(spec, role, exact=True, forward=None, after_commit=_after_quantized),
     )

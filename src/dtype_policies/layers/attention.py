@@ -20,8 +20,9 @@ _MASK_VALUE = -1e9
 class MultiHeadAttention(Layer):
     """Multi-head attention over inputs of shape `(batch, sequence, features)`.
 
-    Its sublayers `query`, `key`, `value` and `attention_output` (paths
-    `<name>/query`, ...) receive this layer's own policy, so a
+    Its sublayers `query`, `key`, `value`, `attention_output` and, with
+    `use_gate=True`, `gate` (paths `<name>/query`, ...) receive this layer's
+    own policy, so a
     `DTypePolicyMap` given as `dtype` sets each of them by its path. The
     softmax runs in float32 and its result is cast back to the compute dtype.
 
@@ -36,6 +37,9 @@ class MultiHeadAttention(Layer):
         kernel_initializer, bias_initializer, kernel_regularizer,
         bias_regularizer, kernel_constraint, bias_constraint: For the
             projections.
+        use_gate: Gated attention (Keras's `use_gate`, arXiv:2505.06708): a
+            sigmoid projection of the query (sublayer `gate`) multiplies the
+            attended values of each head before the output projection.
         seed: Seed of the attention dropout.
 
     Call arguments: `query`, `value`, `key=None` (defaults to `value`),
@@ -70,6 +74,7 @@ class MultiHeadAttention(Layer):
         kernel_constraint: Any = None,
         bias_constraint: Any = None,
         seed: int | None = None,
+        use_gate: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
@@ -94,12 +99,16 @@ class MultiHeadAttention(Layer):
             bias_constraint=bias_constraint,
         )
         self.seed = seed
+        self.use_gate = bool(use_gate)
         self.dropout_layer = Dropout(self.dropout, seed=seed, dtype=self.dtype_policy)
 
-    def _projection(self, name: str, equation: str, output_shape: Any, bias_axes: str):
+    def _projection(
+        self, name: str, equation: str, output_shape: Any, bias_axes: str, activation: Any = None
+    ):
         return EinsumDense(
             equation,
             output_shape=output_shape,
+            activation=activation,
             bias_axes=bias_axes if self.use_bias else None,
             kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer,
@@ -123,6 +132,10 @@ class MultiHeadAttention(Layer):
         self.query = self._projection("query", "abc,cde->abde", (None, heads, key_dim), "de")
         self.key = self._projection("key", "abc,cde->abde", (None, heads, key_dim), "de")
         self.value = self._projection("value", "abc,cde->abde", (None, heads, value_dim), "de")
+        if self.use_gate:
+            self.gate = self._projection(
+                "gate", "abc,cde->abde", (None, heads, value_dim), "de", activation="sigmoid"
+            )
         output_dim = self._output_shape or query_shape[-1]
         self.attention_output = self._projection(
             "attention_output", "abcd,cde->abe", (None, output_dim), "e"
@@ -130,6 +143,8 @@ class MultiHeadAttention(Layer):
         self.query.build(query_shape)
         self.key.build(key_shape)
         self.value.build(value_shape)
+        if self.use_gate:
+            self.gate.build(query_shape)
         self.attention_output.build((*query_shape[:2], heads, value_dim))
 
     def _mask(
@@ -183,7 +198,10 @@ class MultiHeadAttention(Layer):
             attended = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if training else 0.0
             )
-        outputs = self.attention_output(attended.transpose(1, 2))
+        attended = attended.transpose(1, 2)  # (batch, sequence, heads, head_dim)
+        if self.use_gate:
+            attended = attended * self.gate(query).to(attended.dtype)
+        outputs = self.attention_output(attended)
         if return_attention_scores:
             return outputs, probabilities
         return outputs
@@ -200,4 +218,5 @@ class MultiHeadAttention(Layer):
             "attention_axes": None,
             **kernel_bias_config(self),
             "seed": self.seed,
+            "use_gate": self.use_gate,
         }

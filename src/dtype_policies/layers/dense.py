@@ -148,4 +148,4 @@ def _dense_spec(layer: Dense, mode: str) -> WeightSpec:
     )
 
 
-register_layer_kind(Dense, _dense_spec, ("int8", "int4", "float8"))
+register_layer_kind(Dense, _dense_spec, role="linear")

@@ -265,13 +265,7 @@ class EinsumDense(QuantizableLayer):
 def _einsum_spec(layer: EinsumDense, mode: str) -> WeightSpec:
     kernel_shape = tuple(layer._parameters["kernel"].shape)
     plan = layer.spec.matmul_plan()
-    if plan is None:
-        if mode != "float8":
-            raise NotImplementedError(
-                f"EinsumDense '{layer.name}': the equation {layer.equation!r} is not a "
-                f"matrix product of the input's last axes, so mode '{mode}' is not "
-                "supported for it (float8 is)."
-            )
+    if plan is None:  # only modes with a general contraction take it (float8)
         equation = layer.equation
         return WeightSpec(
             weight="kernel",
@@ -295,4 +289,4 @@ def _einsum_spec(layer: EinsumDense, mode: str) -> WeightSpec:
     )
 
 
-register_layer_kind(EinsumDense, _einsum_spec, ("int8", "int4", "float8"))
+register_layer_kind(EinsumDense, _einsum_spec, role="linear")

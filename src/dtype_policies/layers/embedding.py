@@ -105,4 +105,4 @@ def _embedding_spec(layer: Embedding, mode: str) -> WeightSpec:
     )
 
 
-register_layer_kind(Embedding, _embedding_spec, ("int8", "int4"))
+register_layer_kind(Embedding, _embedding_spec, role="embedding")

@@ -10,6 +10,8 @@ casting code of its own. Calls run through the same call core as the modules
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -315,6 +317,8 @@ class Layer(LayerWeights, torch.nn.Module):
         raise NotImplementedError(f"Layer {type(self).__name__} does not implement `call`.")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "training" in kwargs and not _call_takes_training(type(self)):
+            del kwargs["training"]  # as Keras: `training` reaches `call` only if it takes it
         if not self.built:
             self._build_on_first_call(args, kwargs)
         outputs = run_call(self._call_state, super().__call__, args, kwargs)
@@ -351,5 +355,12 @@ class Layer(LayerWeights, torch.nn.Module):
 
 
 Layer.build = wrap_build(Layer.build)
+
+
+@functools.cache
+def _call_takes_training(cls: type) -> bool:
+    parameters = inspect.signature(cls.call).parameters.values()
+    return any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in parameters)
+
 
 __all__ = ["DTypePolicyMap", "Layer"]

@@ -10,13 +10,13 @@ from typing import Any, ClassVar
 import torch
 
 from dtype_policies._dtypes import COMPUTE_FLOAT_DTYPES
+from dtype_policies._modes import mode_record
 from dtype_policies.policies.dtype_policy import DTypePolicy, default_source_name, parse_float_name
 from dtype_policies.quantizers.config import (
     DEFAULT_AMAX_HISTORY_LENGTH,
     FLOAT8_SCALINGS,
     Float8QuantizationConfig,
     Int4QuantizationConfig,
-    Int8QuantizationConfig,
     QuantizationConfig,
     check_mode,
     check_mode_and_compute_dtype,
@@ -73,12 +73,9 @@ class QuantizedDTypePolicy(DTypePolicy):
     @property
     def quantization_config(self) -> QuantizationConfig:
         """The quantization config this policy implies (used when a layer is
-        quantized by its policy rather than by an explicit `quantize()` call)."""
-        if self._quantization_mode == "int8":
-            return Int8QuantizationConfig()
-        if self._quantization_mode == "int4":
-            return Int4QuantizationConfig(block_size=None)
-        return Float8QuantizationConfig()
+        quantized by its policy rather than by an explicit `quantize()` call),
+        as its mode's record says."""
+        return mode_record(self._quantization_mode).config_of(self)
 
     def get_config(self) -> dict[str, Any]:
         return {"mode": self._quantization_mode, "source_name": self._source_name}
@@ -230,13 +227,7 @@ def policy_for_config(config: QuantizationConfig, source_name: str) -> Quantized
     >>> policy_for_config(Int4QuantizationConfig(block_size=64), "mixed_bfloat16")
     <Int4DTypePolicy "int4/64_from_mixed_bfloat16">
     """
-    if config.mode == "int4":
-        return Int4DTypePolicy(f"int4/{config.group_size}", source_name)
-    if config.mode == "float8":
-        return QuantizedFloat8DTypePolicy(
-            "float8", source_name, config.history_length, config.scaling
-        )
-    return QuantizedDTypePolicy(config.mode, source_name)
+    return mode_record(config.mode).policy_of(config, source_name)
 
 
 def parse_source_name(source: Any) -> tuple[str, str, str]:

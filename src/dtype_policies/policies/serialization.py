@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from dtype_policies._dtypes import standardize_dtype
+from dtype_policies._modes import KERAS_ONLY_MODES, keras_only_modes, refusal
 from dtype_policies.policies import _default_state
 from dtype_policies.policies.dtype_policy import KERAS_MODULES, POLICY_CLASSES, DTypePolicy
 from dtype_policies.policies.names import parse_policy_name
-
-UNSUPPORTED_KERAS_CLASSES = ("GPTQDTypePolicy", "AWQDTypePolicy", "TernaryDTypePolicy")
 
 
 def get(identifier: Any) -> DTypePolicy:
@@ -102,11 +101,9 @@ def deserialize(
     if cls is None and config.get("registered_name"):
         cls = (custom_objects or {}).get(config["registered_name"])
     if cls is None:
-        if class_name in UNSUPPORTED_KERAS_CLASSES:
-            raise ValueError(
-                f"'{class_name}' is a Keras policy class that dtype_policies does not "
-                "implement (supported quantization modes: int8, int4, float8)."
-            )
+        refused = {KERAS_ONLY_MODES[mode]: mode for mode in keras_only_modes()}
+        if class_name in refused:
+            raise refusal(refused[class_name], f"the Keras policy class '{class_name}'")
         raise ValueError(
             f"Unknown dtype policy class '{class_name}'. Expected one of "
             f"{sorted(POLICY_CLASSES)} or a class given in `custom_objects`."

@@ -16,6 +16,7 @@ from dtype_policies.quantization.kinds import register_linear_kind
 from dtype_policies.quantization.report import QuantizationReport
 from dtype_policies.quantizers.config import (
     AbsMaxQuantizer,
+    CalibratedQuantizationConfig,
     Float8QuantizationConfig,
     Int4QuantizationConfig,
     Int8QuantizationConfig,
@@ -24,6 +25,7 @@ from dtype_policies.quantizers.config import (
 
 __all__ = [
     "AbsMaxQuantizer",
+    "CalibratedQuantizationConfig",
     "Float8QuantizationConfig",
     "Int4QuantizationConfig",
     "Int8QuantizationConfig",

@@ -3,6 +3,7 @@ all or nothing."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from collections.abc import Callable
@@ -12,13 +13,17 @@ import torch
 
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
+from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
-from dtype_policies.quantization.attach import commit, is_quantized, plan
+from dtype_policies.quantization.attach import check, commit, is_quantized, plan
+from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.report import (
     SKIP_ALREADY_QUANTIZED,
     SKIP_FILTERED,
     SKIP_NO_SUPPORT,
+    SKIP_NOT_READY,
+    SKIP_OUTSIDE_STRUCTURE,
     QuantizationReport,
 )
 from dtype_policies.quantizers.config import validate_and_resolve_config
@@ -40,23 +45,80 @@ def _compile(pattern: str) -> re.Pattern:
         raise ValueError(f"Invalid regex in `filters`: {pattern!r} ({e}).") from None
 
 
-def _filter_function(filters: Filters) -> Callable[[str, torch.nn.Module], bool]:
-    if filters is None:
-        return lambda path, module: True
-    if isinstance(filters, str):
-        pattern = _compile(filters)
-        return lambda path, module: pattern.search(path) is not None
-    if isinstance(filters, (list, tuple)):
-        if not all(isinstance(item, str) for item in filters):
-            raise ValueError(f"A `filters` list must hold regex strings. Received: {filters!r}")
-        patterns = [_compile(item) for item in filters]
-        return lambda path, module: any(p.search(path) for p in patterns)
-    if callable(filters):
-        return filters
-    raise ValueError(
-        "The `filters` argument must be a regex string, a list of regex strings, or a "
-        f"callable (path, module) -> bool. Received: {type(filters)}"
-    )
+class _Filter:
+    """`quantize()`'s `filters`, in Keras's forms and this library's: a regex
+    (or a list of them, any matching) searched in the module's path and, for
+    this library's layers, in the layer's name (Keras matches names); or a
+    callable `(module) -> bool` (Keras's) or `(path, module) -> bool`. It
+    remembers which patterns matched a quantizable module, so that a filter
+    matching none can be named in a warning."""
+
+    def __init__(self, filters: Filters) -> None:
+        self.filters = filters
+        self.patterns: list[tuple[str, re.Pattern]] = []
+        self.call: Callable[[str, torch.nn.Module], bool] | None = None
+        if filters is None:
+            return
+        if isinstance(filters, str):
+            self.patterns = [(filters, _compile(filters))]
+        elif isinstance(filters, (list, tuple)):
+            if not all(isinstance(item, str) for item in filters):
+                raise ValueError(f"A `filters` list must hold regex strings. Received: {filters!r}")
+            self.patterns = [(item, _compile(item)) for item in filters]
+        elif callable(filters):
+            self.call = _two_argument_form(filters)
+        else:
+            raise ValueError(
+                "The `filters` argument must be a regex string, a list of regex strings, or a "
+                f"callable (module) -> bool or (path, module) -> bool. Received: {type(filters)}"
+            )
+        self.matched: set[str] = set()
+        self.called = False
+
+    def __call__(self, path: str, module: torch.nn.Module, quantizable: bool = True) -> bool:
+        if self.filters is None:
+            return True
+        if self.call is not None:
+            keep = bool(self.call(path, module))
+            self.called = self.called or (keep and quantizable)
+            return keep
+        names = [path]
+        name = getattr(module, "name", None)
+        if hasattr(module, "built") and isinstance(name, str):
+            names.append(name)
+        hits = [text for text, pattern in self.patterns if any(pattern.search(n) for n in names)]
+        if quantizable:
+            self.matched.update(hits)
+        return bool(hits)
+
+    def unmatched(self) -> list[Any]:
+        """The patterns (or the callable) that selected no quantizable module."""
+        if self.filters is None:
+            return []
+        if self.call is not None:
+            return [] if self.called else [self.filters]
+        return [text for text, _ in self.patterns if text not in self.matched]
+
+
+def _two_argument_form(function: Callable) -> Callable[[str, torch.nn.Module], bool]:
+    """`(path, module) -> bool` for a filter taking `(path, module)` or Keras's `(module)`."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return function
+    try:
+        signature.bind(None, None)
+        return function
+    except TypeError:
+        pass
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise TypeError(
+            "A `filters` callable must take (module) (Keras's form) or (path, module). "
+            f"Received: {function!r} with signature {signature}"
+        ) from None
+    return lambda path, module: function(module)
 
 
 def _owns_weights(module: torch.nn.Module) -> bool:
@@ -64,12 +126,9 @@ def _owns_weights(module: torch.nn.Module) -> bool:
 
 
 def _not_ready(module: torch.nn.Module) -> str | None:
-    """Why a module has no weights to quantize yet, if it has none (`layer.quantize()`
-    on such a layer raises instead, as Keras's does)."""
-    if getattr(module, "built", True) is False:
-        return "not built yet (call or build it first)"
+    """Why a torch module has no weights to quantize yet (a lazy module), if so."""
     if any(torch.nn.parameter.is_lazy(p) for p in module._parameters.values() if p is not None):
-        return "its parameters are not initialized yet (a lazy module: call it once first)"
+        return f"{SKIP_NOT_READY}: a lazy module, call the model once first"
     return None
 
 
@@ -94,6 +153,7 @@ def quantize(
     *,
     type_check: bool = True,
     verbose: bool = False,
+    **kwargs: Any,
 ) -> QuantizationReport:
     """Quantizes every module of `model` that supports `mode`, in place: all of
     them or, if any raises, none (the error names the module's path).
@@ -101,28 +161,38 @@ def quantize(
     Supported: this library's `Dense`, `EinsumDense` (int8, int4, float8) and
     `Embedding` (int8, int4); `torch.nn.Linear`, transformers' `Conv1D` and any
     class registered with `register_linear_kind` (int8, int4, float8); and
-    `torch.nn.Embedding` (int8, int4). Skipped and reported, with one summary
-    warning: modules that own weights but cannot be quantized, weights that a
-    parent module reads directly (`nn.MultiheadAttention.out_proj`, the
-    linears of `nn.TransformerEncoderLayer`), parametrized weights. A weight
-    shared by several modules (an embedding tied to an LM head) is quantized
-    once and its stored tensors are shared.
+    `torch.nn.Embedding` (int8, int4): every registered mode whose scheme
+    quantizes the module's kind of weight. Skipped and reported, with one
+    summary warning: modules that own weights but cannot be quantized,
+    weights that a parent module reads directly (`nn.MultiheadAttention.out_proj`,
+    the linears of `nn.TransformerEncoderLayer`), parametrized weights, lazy
+    modules not initialized yet. A weight shared by several modules (an
+    embedding tied to an LM head) is quantized once and its stored tensors are
+    shared. A calibrated mode (its config holds calibration data) runs the
+    model on it block by block first (`dtype_policies.quantization.calibration`);
+    nothing changes until every module is planned.
 
     A module's policy becomes `"<mode>_from_<its float policy>"`; under
     `apply_policy(model, "mixed_bfloat16")` that is e.g.
     `int8_from_mixed_bfloat16`, which computes in bfloat16.
 
     Args:
-        model: Any module (built, for this library's layers).
-        mode: `"int8"`, `"int4"` or `"float8"` (optional when `config` is given).
+        model: Any module (built, for this library's layers: an unbuilt layer
+            raises `ValueError`, as in Keras).
+        mode: A registered mode such as `"int8"`, `"int4"` or `"float8"`
+            (optional when `config` is given).
         config: A quantization config (`Int8QuantizationConfig(activation_quantizer=None)`
             for weight-only int8, `Int4QuantizationConfig(block_size=-1)` for
             per-channel int4, ...).
-        filters: Which modules to quantize: a regex searched in the module path,
-            a list of them (any matches), or a callable `(path, module) -> bool`.
+        filters: Which modules to quantize (Keras's forms): a regex searched
+            in each module's path and in the names of this library's layers,
+            a list of them (any matches), or a callable `(module) -> bool`
+            (or `(path, module) -> bool`). A filter that selects no
+            quantizable module is named in a warning.
         type_check: Refuse subclasses of this library's layers (whose `call`
             may not dispatch to the quantized product) unless `False`.
         verbose: Print the report.
+        **kwargs: None accepted: an unknown keyword raises `ValueError` (as Keras).
 
     Returns:
         A `QuantizationReport` of the quantized and skipped modules.
@@ -137,23 +207,32 @@ def quantize(
     >>> model[0].weight_int8.dtype, model(torch.randn(2, 64)).dtype
     (torch.int8, torch.float32)
     """
+    if kwargs:
+        raise ValueError(
+            f"Unrecognized keyword arguments passed to quantize(): {kwargs}. Accepted: "
+            "mode, config, filters, type_check, verbose."
+        )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module. Received: {type(model).__name__}")
     config = validate_and_resolve_config(mode, config)
     mode = config.mode
-    keep = _filter_function(filters)
+    calibrated = mode_record(mode).calibrated
+    keep = _Filter(filters)
     report = QuantizationReport(mode)
     modules = dict(named_module_paths(model, root_path_of(model)))
     plans = []
+    checked = []
+    quantizable: list[str] = []
     planned_weights: dict[int, Any] = {}
     for path, module in modules.items():
         label = path or "(root)"
         kind = kind_of(module)
         if kind is None:
             if _owns_weights(module):
-                reason = SKIP_NO_SUPPORT if keep(path, module) else SKIP_FILTERED
+                reason = SKIP_NO_SUPPORT if keep(path, module, False) else SKIP_FILTERED
                 report.skipped.append((label, reason))
             continue
+        quantizable.append(label)
         if is_quantized(module):
             report.skipped.append((label, SKIP_ALREADY_QUANTIZED))
             continue
@@ -165,7 +244,11 @@ def quantize(
             report.skipped.append((label, reason))
             continue
         try:
-            shared = _shared_tensors(module, kind, mode, planned_weights)
+            found = check(module, config, path=path, type_check=type_check, kind=kind)
+            if calibrated:
+                checked.append((path, found))
+                continue
+            shared = _shared_tensors(module, found.spec, planned_weights)
             module_plan = plan(
                 module, config, path=path, type_check=type_check, kind=kind, tensors=shared
             )
@@ -177,12 +260,25 @@ def quantize(
         weight = module._parameters[module_plan.spec.weight]
         planned_weights.setdefault(id(weight), module_plan)
         plans.append(module_plan)
+    if checked:
+        calibration = plan_calibrated(model, checked, config)
+        plans += calibration.plans
+        outside = [(path or "(root)", SKIP_OUTSIDE_STRUCTURE) for path in calibration.outside]
+        report.skipped += outside
     for module_plan in plans:  # nothing above changed the model
         commit(module_plan)
         label = module_plan.path or "(root)"
         report.quantized.append((label, mode, module_plan.module._dp_state.policy.name))
     if plans:
         model_changed(model)
+    for unmatched in keep.unmatched():
+        warnings.warn(
+            f"quantize(): the filter {unmatched!r} matched no quantizable module (strings are "
+            "searched in module paths such as 'encoder/layers/0/linear1' and in layer names; "
+            f"quantizable modules here: {_examples(quantizable)}).",
+            UserWarning,
+            stacklevel=2,
+        )
     message = report.summary_warning()
     if message is not None:
         warnings.warn(message, UserWarning, stacklevel=2)
@@ -191,13 +287,14 @@ def quantize(
     return report
 
 
-def _shared_tensors(module, kind, mode, planned_weights) -> dict | None:
+def _examples(paths: list[str], count: int = 3) -> str:
+    text = ", ".join(repr(path) for path in paths[:count]) or "none"
+    return text + (", ..." if len(paths) > count else "")
+
+
+def _shared_tensors(module, spec, planned_weights) -> dict | None:
     """The stored tensors of an already planned module holding the same weight
     Parameter with the same orientation (tied weights), if any."""
-    try:
-        spec = kind.spec(module, mode)
-    except NotImplementedError:
-        return None  # `plan` says why
     weight = module._parameters.get(spec.weight)
     earlier = planned_weights.get(id(weight)) if weight is not None else None
     if earlier is None:

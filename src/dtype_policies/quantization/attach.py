@@ -13,11 +13,17 @@ from torch.nn.utils import parametrize
 
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.policy_module import ModuleOptions, install, uninstall
+from dtype_policies._modes import QuantizationMode, mode_record, registered_modes
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
 from dtype_policies.quantization.modules import FORWARDS
-from dtype_policies.quantization.schemes import QuantizedWeight, Scheme, WeightSpec, scheme_for
-from dtype_policies.quantizers.config import QuantizationConfig, check_mode_and_compute_dtype
+from dtype_policies.quantization.schemes import (
+    ActivationStatistics,
+    QuantizedWeight,
+    Scheme,
+    WeightSpec,
+)
+from dtype_policies.quantizers.config import QuantizationConfig
 
 
 class _Token:
@@ -100,25 +106,39 @@ def _check_forward_replaceable(module: torch.nn.Module, kind: ModuleKind) -> Non
             )
 
 
-def plan(
+@dataclass(frozen=True)
+class Checked:
+    """A module found able to take a quantization (what `check` returns)."""
+
+    module: torch.nn.Module
+    kind: ModuleKind
+    record: QuantizationMode
+    spec: WeightSpec
+    weight: torch.nn.Parameter
+    source: DTypePolicy
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.record.scheme
+
+
+def check(
     module: torch.nn.Module,
     config: QuantizationConfig,
     *,
     path: str = "",
     type_check: bool = True,
     kind: ModuleKind | None = None,
-    tensors: dict[str, torch.Tensor] | None = None,
     source: DTypePolicy | None = None,
-) -> Plan:
-    """Plans quantizing `module` with `config`.
+    needs_values: bool = True,
+) -> Checked:
+    """Everything `plan` checks, without computing stored tensors.
 
     Raises `NotImplementedError` when the module cannot take this mode (the
-    message says why) and `ValueError` for invalid states. `tensors` reuses
-    stored tensors already computed for the same weight (tied weights).
-    `source` is the float policy the module will compute with (default: the
-    one it computes with now).
+    message says why) and `ValueError` for invalid states.
     """
     mode = config.mode
+    record = mode_record(mode)
     kind = kind or kind_of(module)
     name = type(module).__name__
     if kind is None:
@@ -133,16 +153,16 @@ def plan(
             f"Layer '{getattr(module, 'name', path or name)}' is already quantized with "
             f"dtype_policy='{module._dp_state.policy.name}'. Received: mode={mode}"
         )
-    if mode not in kind.modes:
+    if not kind.supports(mode):
         raise NotImplementedError(
             f"Invalid quantization mode. Expected one of {kind.modes}. "
             f"Received: quantization_mode={mode}"
         )
     state = module.__dict__.get("_dp_state")
     if source is not None:
-        check_mode_and_compute_dtype(mode, source.compute_dtype)
+        record.check_compute_dtype(source.compute_dtype)
     elif state is not None:
-        check_mode_and_compute_dtype(mode, state.policy.compute_dtype)
+        record.check_compute_dtype(state.policy.compute_dtype)
     if type_check and kind.exact:
         base = next(cls for cls in type(module).__mro__ if kind_of_class(cls) is kind)
         if type(module) is not base:
@@ -157,19 +177,70 @@ def plan(
     hooks = [type(hook).__name__ for hook in module._forward_pre_hooks.values()]
     if "WeightNorm" in hooks or "SpectralNorm" in hooks:
         raise NotImplementedError("its weight is recomputed by weight_norm/spectral_norm")
-    scheme = scheme_for(mode)
+    scheme = record.scheme
     spec = kind.spec(module, mode)
     if spec.role not in scheme.roles:
         raise NotImplementedError(f"mode '{mode}' does not support {spec.role} weights")
+    if spec.contract is not None and not scheme.general_contraction:
+        able = [r.name for r in registered_modes() if r.scheme.general_contraction]
+        raise NotImplementedError(
+            f"{name} '{getattr(module, 'name', path)}': its contraction is not a matrix "
+            f"product of the input's last axes, so mode '{mode}' is not supported for it "
+            f"({', '.join(able) or 'no mode'} is)."
+        )
     scheme.check_shapes(spec, config)
-    weight = _check_weight(module, spec.weight, needs_values=tensors is None)
+    weight = _check_weight(module, spec.weight, needs_values=needs_values)
     if source is None:
         source = _source_policy(module, weight)
-    check_mode_and_compute_dtype(mode, source.compute_dtype)
+    record.check_compute_dtype(source.compute_dtype)
+    return Checked(module, kind, record, spec, weight, source)
+
+
+def plan(
+    module: torch.nn.Module,
+    config: QuantizationConfig,
+    *,
+    path: str = "",
+    type_check: bool = True,
+    kind: ModuleKind | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+    source: DTypePolicy | None = None,
+    statistics: ActivationStatistics | None = None,
+) -> Plan:
+    """Plans quantizing `module` with `config`.
+
+    Raises `NotImplementedError` when the module cannot take this mode (the
+    message says why) and `ValueError` for invalid states. `tensors` reuses
+    stored tensors already computed for the same weight (tied weights, or a
+    checkpoint's). `source` is the float policy the module will compute with
+    (default: the one it computes with now). A calibrated mode computes its
+    tensors from `statistics` (what `quantization.calibration` gathered).
+    """
+    checked = check(
+        module,
+        config,
+        path=path,
+        type_check=type_check,
+        kind=kind,
+        source=source,
+        needs_values=tensors is None,
+    )
+    scheme, spec, weight = checked.scheme, checked.spec, checked.weight
     if tensors is None:
         with torch.no_grad(), torch.inference_mode(False):
-            tensors = scheme.quantize(weight, spec, config)
-    return Plan(module, path, kind, scheme, spec, config, weight.dtype, source, tensors)
+            if checked.record.calibrated:
+                if statistics is None:
+                    raise ValueError(
+                        f"Mode '{config.mode}' quantizes from calibration data: quantize the "
+                        f"model with a `{checked.record.config_class.__name__}` holding a "
+                        "dataset (quantize(model, config=...))."
+                    )
+                tensors = scheme.quantize_calibrated(weight, spec, config, statistics)
+            else:
+                tensors = scheme.quantize(weight, spec, config)
+    return Plan(
+        module, path, checked.kind, scheme, spec, config, weight.dtype, checked.source, tensors
+    )
 
 
 def commit(plan: Plan) -> QuantizedWeight:

@@ -1,5 +1,8 @@
 """The registry of quantizable module kinds: for each module class, where its
-weight is, its orientation, and the modes it supports.
+weight is, its orientation and its role (a linear product or an embedding
+table). The modes a kind supports are derived: every registered mode whose
+scheme quantizes weights of its role (`QuantizationMode.roles`), unless the
+kind restricts them.
 
 Third-party linear-like classes join with `register_linear_kind`:
 
@@ -22,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from dtype_policies._core.compose import original_class
-from dtype_policies.quantization.schemes.base import LAYOUTS, WeightSpec
-from dtype_policies.quantizers.config import QUANTIZATION_MODES
+from dtype_policies._modes import mode_record, registered_modes
+from dtype_policies.quantization.schemes.base import LAYOUTS, ROLES, WeightSpec
 
 SpecFunction = Callable[[torch.nn.Module, str], WeightSpec]
 
@@ -35,7 +38,10 @@ class ModuleKind:
     Attributes:
         spec: `(module, mode) -> WeightSpec`; raises `NotImplementedError`
             (with the reason) when this module cannot take `mode`.
-        modes: The modes the class supports.
+        role: What its weight is: `"linear"` (a product over the input's
+            last axis) or `"embedding"` (rows looked up).
+        only_modes: Restricts the modes to these (`None`: every mode whose
+            scheme quantizes weights of this role).
         exact: Subclasses are refused unless `type_check=False` (Keras's rule
             for its layers, whose subclasses may override `call`).
         forward: The quantized forward the module gets (`"linear"`,
@@ -46,10 +52,27 @@ class ModuleKind:
     """
 
     spec: SpecFunction
-    modes: tuple[str, ...]
+    role: str = "linear"
+    only_modes: tuple[str, ...] | None = None
     exact: bool = False
     forward: str | None = "linear"
     after_commit: Callable[[torch.nn.Module, object], None] | None = None
+
+    def supports(self, mode: str) -> bool:
+        """Whether modules of this kind can be quantized in `mode`."""
+        if self.only_modes is not None and mode not in self.only_modes:
+            return False
+        return mode in self.modes
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The registered modes this kind supports, in registration order."""
+        return tuple(
+            record.name
+            for record in registered_modes()
+            if self.role in record.roles
+            and (self.only_modes is None or record.name in self.only_modes)
+        )
 
 
 _KINDS: dict[type | str, ModuleKind] = {}
@@ -58,6 +81,8 @@ _KINDS: dict[type | str, ModuleKind] = {}
 def register_module_kind(cls: type | str, kind: ModuleKind) -> None:
     """Registers `kind` for `cls` and its subclasses. `cls` may be a
     `"module.QualName"` string, matched without importing that module."""
+    if kind.role not in ROLES:
+        raise ValueError(f"`role` must be one of {ROLES}. Received: role={kind.role!r}")
     _KINDS[cls] = kind
 
 
@@ -66,7 +91,7 @@ def register_linear_kind(
     weight: str = "weight",
     layout: str = "out_in",
     bias: str | None = "bias",
-    modes: tuple[str, ...] = QUANTIZATION_MODES,
+    modes: tuple[str, ...] | None = None,
 ) -> None:
     """Makes a linear-like module class quantizable.
 
@@ -77,18 +102,15 @@ def register_linear_kind(
             `nn.Linear`), `"in_out"` for (in, out) (`y = x @ W`, like
             transformers' `Conv1D`).
         bias: The name of its bias parameter, or `None`.
-        modes: The modes to allow.
+        modes: The modes to allow (`None`: every mode that quantizes linear weights).
 
     The quantized module computes `x @ W (+ bias)` over the input's last axis
     in place of the class's own forward.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
-    bad = [mode for mode in modes if mode not in QUANTIZATION_MODES]
-    if bad:
-        raise ValueError(
-            f"Unknown quantization modes {bad}. Expected some of {QUANTIZATION_MODES}."
-        )
+    for mode in modes or ():
+        mode_record(mode)  # an unknown mode raises
     if not isinstance(weight, str) or not weight:
         raise ValueError(f"`weight` must be a parameter name. Received: weight={weight!r}")
 
@@ -111,7 +133,9 @@ def register_linear_kind(
             float_shape=tuple(parameter.shape),
         )
 
-    register_module_kind(cls, ModuleKind(spec, tuple(modes)))
+    register_module_kind(
+        cls, ModuleKind(spec, "linear", tuple(modes) if modes is not None else None)
+    )
 
 
 def _embedding_spec(module: torch.nn.Module, mode: str) -> WeightSpec:
@@ -149,6 +173,6 @@ def kind_of(module: torch.nn.Module) -> ModuleKind | None:
 
 register_linear_kind(torch.nn.Linear)
 register_module_kind(
-    torch.nn.Embedding, ModuleKind(_embedding_spec, ("int8", "int4"), forward="embedding")
+    torch.nn.Embedding, ModuleKind(_embedding_spec, "embedding", forward="embedding")
 )
 register_linear_kind("transformers.pytorch_utils.Conv1D", layout="in_out")

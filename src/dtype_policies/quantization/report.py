@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 SKIP_NO_SUPPORT = "no quantize support"
 SKIP_FILTERED = "filtered out"
 SKIP_ALREADY_QUANTIZED = "already quantized"
+SKIP_NOT_READY = "not initialized yet"
+SKIP_OUTSIDE_STRUCTURE = "outside quantization structure"  # calibrated modes (as Keras)
 
 
 @dataclass
@@ -45,18 +47,30 @@ class QuantizationReport:
     def summary_warning(self, max_examples: int = 5) -> str | None:
         """The one warning a `quantize` call emits, or `None` when only filtered
         modules were skipped."""
+        quiet = (SKIP_FILTERED, SKIP_ALREADY_QUANTIZED)
+        not_ready = self.skipped_by_reason(SKIP_NOT_READY)
         unsupported = [
-            path for path, why in self.skipped if why not in (SKIP_FILTERED, SKIP_ALREADY_QUANTIZED)
+            path
+            for path, why in self.skipped
+            if why not in quiet and path not in not_ready and why != SKIP_OUTSIDE_STRUCTURE
         ]
-        if not unsupported:
+        if not unsupported and not not_ready:
             return None
-        examples = ", ".join(repr(path) for path in unsupported[:max_examples])
-        more = ", ..." if len(unsupported) > max_examples else ""
+        parts = []
+        if unsupported:
+            parts.append(
+                f"{len(unsupported)} module(s) were skipped because they do not support "
+                f"quantization (e.g. {_examples(unsupported, max_examples)})."
+            )
+        if not_ready:
+            parts.append(
+                f"{len(not_ready)} module(s) were skipped because their weights are not "
+                f"initialized yet (lazy modules: call the model once first; e.g. "
+                f"{_examples(not_ready, max_examples)})."
+            )
         return (
-            f"quantize(): {len(unsupported)} module(s) were skipped because they do not "
-            f"support quantization (e.g. {examples}{more}). Quantized {self.num_quantized} "
-            f"module(s) in mode '{self.mode}'. Inspect the returned QuantizationReport "
-            "for details."
+            f"quantize(): {' '.join(parts)} Quantized {self.num_quantized} module(s) in mode "
+            f"'{self.mode}'. Inspect the returned QuantizationReport for details."
         )
 
     def render(self) -> str:
@@ -75,3 +89,7 @@ class QuantizationReport:
             f"QuantizationReport(mode={self.mode!r}, quantized={self.num_quantized}, "
             f"skipped={self.num_skipped}, errors={self.num_errors})"
         )
+
+
+def _examples(paths: list[str], count: int) -> str:
+    return ", ".join(repr(path) for path in paths[:count]) + (", ..." if len(paths) > count else "")

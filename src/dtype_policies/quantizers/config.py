@@ -3,8 +3,8 @@
 
 Configs are plain, immutable-by-convention settings. The quantized policies
 own them: `QuantizedDTypePolicy(...).quantization_config` is the config a
-policy implies, and one rule (`check_mode_and_compute_dtype`) says which
-modes a compute dtype supports.
+policy implies. Which modes exist, their config classes and which compute
+dtypes each refuses come from the mode records (`dtype_policies._modes`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from dtype_policies._modes import ModeNames, mode_record, registered_modes
 from dtype_policies.quantizers.math import EPSILON, INT4_RANGE, INT8_RANGE, abs_max_quantize
 
-QUANTIZATION_MODES = ("int8", "float8", "int4")
-"""The quantization modes this library implements."""
+QUANTIZATION_MODES = ModeNames()
+"""The quantization modes this library implements (read live from the mode records)."""
 
 DEFAULT_AMAX_HISTORY_LENGTH = 1024
 """float8 delayed scaling: how many past absolute maxima a scale looks at (Keras's default)."""
@@ -28,22 +29,14 @@ _INTEGER_DTYPES = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int3
 
 def check_mode(mode: Any) -> str:
     """`mode` if it is one of `QUANTIZATION_MODES`, else Keras's ValueError."""
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(
-            f"Invalid quantization mode. Expected one of {QUANTIZATION_MODES}. "
-            f"Received: mode={mode}"
-        )
-    return mode
+    return mode_record(mode).name
 
 
 def check_mode_and_compute_dtype(mode: str, compute_dtype: str) -> None:
-    """The one rule on modes and compute dtypes: int8 does not compute in float16
-    (Keras refuses it; use a bfloat16 or float32 source such as 'mixed_bfloat16')."""
-    if mode == "int8" and compute_dtype == "float16":
-        raise ValueError(
-            "Quantization mode='int8' doesn't work well with compute_dtype='float16'. "
-            "Use a bfloat16 or float32 source policy such as 'mixed_bfloat16'."
-        )
+    """The one rule on modes and compute dtypes, from the mode's record: int8
+    does not compute in float16 (Keras refuses it; use a bfloat16 or float32
+    source such as 'mixed_bfloat16')."""
+    mode_record(mode).check_compute_dtype(compute_dtype)
 
 
 class AbsMaxQuantizer:
@@ -68,6 +61,8 @@ class AbsMaxQuantizer:
             [ 7,  3]], dtype=torch.int8)
     >>> quantizer.get_config()
     {'value_range': (-8, 7), 'epsilon': 1e-07, 'output_dtype': 'int8'}
+    >>> AbsMaxQuantizer(axis=0).axis
+    (0,)
     """
 
     def __init__(
@@ -96,15 +91,22 @@ class AbsMaxQuantizer:
             )
         if not isinstance(epsilon, (int, float)) or not epsilon > 0:
             raise ValueError(f"`epsilon` must be a positive number. Received: {epsilon!r}")
-        if axis is not None and not isinstance(axis, (int, tuple, list)):
-            raise TypeError(f"`axis` must be an int, a tuple of ints or None. Received: {axis!r}")
-        self.axis = tuple(axis) if isinstance(axis, list) else axis
+        if axis is not None:  # Keras keeps a tuple: AbsMaxQuantizer(axis=0).axis == (0,)
+            axes = (axis,) if isinstance(axis, int) else axis
+            if not isinstance(axes, (tuple, list)) or not all(
+                isinstance(a, int) and not isinstance(a, bool) for a in axes
+            ):
+                raise TypeError(
+                    f"`axis` must be an int, a tuple of ints or None. Received: {axis!r}"
+                )
+            axis = tuple(axes)
+        self.axis: tuple[int, ...] | None = axis
         self.value_range = value_range
         self.epsilon = float(epsilon)
         self.output_dtype = output_dtype
 
     def __call__(
-        self, x: torch.Tensor, axis: int | tuple[int, ...] | None = None
+        self, x: torch.Tensor, axis: int | tuple[int, ...] | None = None, to_numpy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(q, scale)` for `x`, reducing over `axis` (kept with size 1 in `scale`)."""
         if axis is None:
@@ -151,20 +153,56 @@ def _quantizer(value: Any, default: AbsMaxQuantizer | None, name: str) -> AbsMax
 
 
 class QuantizationConfig:
-    """Base class of the per-mode configs.
+    """Base class of the per-mode configs (Keras's `QuantizationConfig`).
+
+    Subclasses set `mode` (the base class's raises `NotImplementedError`, as
+    Keras's) and may take a `weight_quantizer` and an `activation_quantizer`.
 
     Two configs are equal when they store the same tensors and compute the
     same way; settings that only change how `quantize()` chooses the stored
     values (`quantize_time_settings`, e.g. int4's `scale_search`) are
     serialized but not compared, so a checkpoint quantized with them loads
     into a model quantized without them.
+
+    >>> QuantizationConfig().weight_quantizer is None
+    True
+    >>> try:
+    ...     QuantizationConfig().mode
+    ... except NotImplementedError as e:
+    ...     print(e)
+    Subclasses must implement this property. Do not instantiate QuantizationConfig directly.
     """
 
-    mode: ClassVar[str]
     quantize_time_settings: ClassVar[tuple[str, ...]] = ()
 
+    def __init__(self, weight_quantizer: Any = None, activation_quantizer: Any = None) -> None:
+        self.weight_quantizer = _quantizer(weight_quantizer, None, "weight_quantizer")
+        self.activation_quantizer = _quantizer(activation_quantizer, None, "activation_quantizer")
+
+    @property
+    def mode(self) -> str:
+        raise NotImplementedError(
+            "Subclasses must implement this property. Do not instantiate "
+            "QuantizationConfig directly."
+        )
+
+    @staticmethod
+    def weight_quantizer_or_default(config: Any, default: Any) -> Any:
+        """`config.weight_quantizer` if there is one, else `default` (Keras's rule)."""
+        if config is not None and config.weight_quantizer is not None:
+            return config.weight_quantizer
+        return default
+
+    @staticmethod
+    def activation_quantizer_or_default(config: Any, default: Any) -> Any:
+        """`config.activation_quantizer` when there is a config (even `None`), else `default`."""
+        return config.activation_quantizer if config is not None else default
+
     def get_config(self) -> dict[str, Any]:
-        return {}
+        return {
+            "weight_quantizer": _quantizer_config(self.weight_quantizer),
+            "activation_quantizer": _quantizer_config(self.activation_quantizer),
+        }
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
@@ -185,44 +223,51 @@ class QuantizationConfig:
         return f"{type(self).__name__}({args})"
 
 
+def _quantizer_config(quantizer: AbsMaxQuantizer | None) -> dict[str, Any] | None:
+    return None if quantizer is None else quantizer.get_config()
+
+
+def _stored_values(quantizer: AbsMaxQuantizer | None) -> tuple | None:
+    """What of a quantizer changes stored values (the schemes choose the axes)."""
+    if quantizer is None:
+        return None
+    return (quantizer.value_range, quantizer.epsilon, quantizer.output_dtype)
+
+
 class Int8QuantizationConfig(QuantizationConfig):
     """int8: weights per output channel; activations per token (W8A8 dynamic)
-    unless `activation_quantizer=None` (weight-only int8).
+    unless `activation_quantizer=None` (weight-only int8). Without a
+    `weight_quantizer` (`None`, Keras's default) weights use `AbsMaxQuantizer()`.
 
     >>> Int8QuantizationConfig().weight_only, Int8QuantizationConfig(None).weight_only
     (False, False)
     >>> Int8QuantizationConfig(activation_quantizer=None).weight_only
     True
+    >>> Int8QuantizationConfig().weight_quantizer is None
+    True
     """
 
-    mode = "int8"
+    mode = "int8"  # type: ignore[assignment]
 
     def __init__(self, weight_quantizer: Any = None, activation_quantizer: Any = "default") -> None:
-        self.weight_quantizer = _quantizer(weight_quantizer, None, "weight_quantizer") or (
-            AbsMaxQuantizer()
-        )
-        if self.weight_quantizer.output_dtype != "int8":
+        activation = _quantizer(activation_quantizer, AbsMaxQuantizer(), "activation_quantizer")
+        super().__init__(weight_quantizer, activation)
+        if self.weight_quantizer is not None and self.weight_quantizer.output_dtype != "int8":
             raise ValueError(
                 "Int8QuantizationConfig requires a weight_quantizer with output_dtype='int8'. "
                 f"Received: output_dtype={self.weight_quantizer.output_dtype}"
             )
-        self.activation_quantizer = _quantizer(
-            activation_quantizer, AbsMaxQuantizer(), "activation_quantizer"
-        )
 
     @property
     def weight_only(self) -> bool:
         """True without activation quantization (the product runs in the compute dtype)."""
         return self.activation_quantizer is None
 
-    def get_config(self) -> dict[str, Any]:
+    def _identity(self) -> dict[str, Any]:
+        weights = self.weight_quantizer_or_default(self, AbsMaxQuantizer())
         return {
-            "weight_quantizer": self.weight_quantizer.get_config(),
-            "activation_quantizer": (
-                None
-                if self.activation_quantizer is None
-                else self.activation_quantizer.get_config()
-            ),
+            "weight_quantizer": _stored_values(weights),
+            "activation_quantizer": _stored_values(self.activation_quantizer),
         }
 
 
@@ -246,7 +291,7 @@ class Int4QuantizationConfig(QuantizationConfig):
     {'block_size': 128, 'scale_search': True}
     """
 
-    mode = "int4"
+    mode = "int4"  # type: ignore[assignment]
     quantize_time_settings = ("scale_search",)
 
     def __init__(
@@ -284,15 +329,19 @@ class Int4QuantizationConfig(QuantizationConfig):
             raise ValueError(
                 "int4 is weight-only here: activation_quantizer must be None or 'default'."
             )
-        if weight is not None and (weight.value_range != INT4_RANGE):
+        if weight is not None and weight.value_range != INT4_RANGE:
             raise ValueError(
-                "An int4 weight_quantizer needs value_range=(-8, 7) and output_dtype='int8'. "
-                f"Received: {weight!r}"
+                "Int4QuantizationConfig requires a weight_quantizer with value_range=(-8, 7). "
+                f"Received: value_range={weight.value_range}"
             )
+        if weight is not None and weight.output_dtype != "int8":
+            raise ValueError(
+                "Int4QuantizationConfig requires a weight_quantizer with output_dtype='int8'. "
+                f"Received: output_dtype={weight.output_dtype}"
+            )
+        super().__init__(weight, None)
         self.block_size = block_size
         self.scale_search = scale_search
-        self.weight_quantizer = weight or AbsMaxQuantizer(value_range=INT4_RANGE)
-        self.activation_quantizer = None
 
     @property
     def group_size(self) -> int:
@@ -301,6 +350,8 @@ class Int4QuantizationConfig(QuantizationConfig):
 
     def get_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {"block_size": self.block_size}
+        if self.weight_quantizer is not None:
+            config["weight_quantizer"] = self.weight_quantizer.get_config()
         if self.scale_search:  # absent when off: Keras's configs have no such key
             config["scale_search"] = True
         return config
@@ -309,9 +360,15 @@ class Int4QuantizationConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> Int4QuantizationConfig:
         # Configs without a block size come from per-channel-only versions.
         return cls(
+            weight_quantizer=config.get("weight_quantizer"),
+            activation_quantizer=config.get("activation_quantizer"),
             block_size=config.get("block_size"),
             scale_search=config.get("scale_search", False),
         )
+
+    def _identity(self) -> dict[str, Any]:
+        weights = self.weight_quantizer_or_default(self, AbsMaxQuantizer(value_range=INT4_RANGE))
+        return {"block_size": self.group_size, "weight_quantizer": _stored_values(weights)}
 
 
 class Float8QuantizationConfig(QuantizationConfig):
@@ -325,9 +382,10 @@ class Float8QuantizationConfig(QuantizationConfig):
             the current tensor; needs no calibration).
     """
 
-    mode = "float8"
+    mode = "float8"  # type: ignore[assignment]
 
     def __init__(self, amax_history_length: int | None = None, scaling: str = "delayed") -> None:
+        super().__init__(None, None)
         if amax_history_length is not None and (
             not isinstance(amax_history_length, int)
             or isinstance(amax_history_length, bool)
@@ -356,11 +414,48 @@ class Float8QuantizationConfig(QuantizationConfig):
         return config
 
 
-CONFIG_CLASSES: dict[str, type[QuantizationConfig]] = {
-    "int8": Int8QuantizationConfig,
-    "int4": Int4QuantizationConfig,
-    "float8": Float8QuantizationConfig,
-}
+class CalibratedQuantizationConfig(QuantizationConfig):
+    """Base of the configs of calibrated modes (GPTQ, AWQ: quantization that
+    needs the activations each weight sees on calibration data). Such a
+    config carries the data and the model's block structure; neither is a
+    setting of the stored tensors, so neither is serialized or compared.
+
+    Args:
+        dataset: The calibration data: an iterable of model inputs, each a
+            tensor (called as `model(x)`), a tuple of positional arguments or
+            a dict of keyword arguments. Subclasses may take other forms
+            (text and a tokenizer) and override `calibration_batches`.
+        quantization_layer_structure: The blocks calibration runs one at a
+            time, in the order the model runs them: a sequence of submodules
+            or their paths, or Keras's `{"sequential_blocks": [...]}`;
+            `None` makes the whole model one block.
+    """
+
+    def __init__(
+        self,
+        dataset: Any = None,
+        *,
+        quantization_layer_structure: Any = None,
+        weight_quantizer: Any = None,
+        activation_quantizer: Any = None,
+    ) -> None:
+        super().__init__(weight_quantizer, activation_quantizer)
+        self.dataset = dataset
+        self.quantization_layer_structure = quantization_layer_structure
+
+    def calibration_batches(self, model: torch.nn.Module) -> list[Any]:
+        """The model inputs to calibrate on, one batch each."""
+        if self.dataset is None:
+            raise ValueError(
+                f"{type(self).__name__} has no calibration `dataset`: pass one to quantize "
+                f"in mode '{self.mode}'."
+            )
+        if isinstance(self.dataset, (torch.Tensor, dict)):
+            return [self.dataset]
+        return list(self.dataset)
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
 
 
 def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
@@ -374,8 +469,10 @@ def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
         mode, config = config, None
     if mode is None and config is None:
         raise ValueError("You must provide either `mode` or `config` to `quantize`.")
+    if mode is not None:
+        mode_record(mode)  # an unknown mode is the first error, as in Keras
     if config is None:
-        return CONFIG_CLASSES[check_mode(mode)]()
+        return mode_record(mode).default_config()
     if not isinstance(config, QuantizationConfig):
         raise ValueError(
             "Argument `config` must be an instance of `QuantizationConfig`. "
@@ -383,6 +480,12 @@ def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
         )
     if mode is not None and mode != config.mode:
         raise ValueError(f"Contradictory arguments: mode='{mode}' but config.mode='{config.mode}'")
+    record = mode_record(config.mode)
+    if not isinstance(config, record.config_class):
+        raise ValueError(
+            f"Mode '{record.name}' requires a valid `config` argument of type "
+            f"`{record.config_class.__name__}`. Received: {type(config)}"
+        )
     return config
 
 
@@ -397,7 +500,7 @@ def deserialize_config(data: Any) -> QuantizationConfig | None:
     """Inverse of `serialize_config` (a config object is returned as is)."""
     if data is None or isinstance(data, QuantizationConfig):
         return data
-    classes = {cls.__name__: cls for cls in CONFIG_CLASSES.values()}
+    classes = {record.config_class.__name__: record.config_class for record in registered_modes()}
     cls = classes.get(data.get("class_name")) if isinstance(data, dict) else None
     if cls is None:
         raise ValueError(
@@ -411,3 +514,71 @@ def deserialize_config(data: Any) -> QuantizationConfig | None:
         return cls.from_config(config)
     except TypeError as e:
         raise ValueError(f"Cannot rebuild {cls.__name__} from {config!r}: {e}") from None
+
+
+def _quantizer_classes() -> dict[str, type]:
+    """Keras's `keras.quantizers` object names: class names and their snake_case."""
+    classes: list[type] = [AbsMaxQuantizer, QuantizationConfig]
+    classes += [record.config_class for record in registered_modes()]
+    names = {cls.__name__: cls for cls in classes}
+    names.update({_snake_case(cls.__name__): cls for cls in classes})
+    return names
+
+
+def _snake_case(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+def serialize(obj: Any) -> dict[str, Any] | None:
+    """`{"class_name", "config"}` of a quantizer or a quantization config
+    (Keras's `keras.quantizers.serialize`).
+
+    >>> serialize(AbsMaxQuantizer(axis=0))["class_name"]
+    'AbsMaxQuantizer'
+    """
+    if obj is None:
+        return None
+    return {"class_name": type(obj).__name__, "config": obj.get_config()}
+
+
+def deserialize(config: Any) -> Any:
+    """Inverse of `serialize` (Keras's `keras.quantizers.deserialize`).
+
+    >>> deserialize(serialize(Int4QuantizationConfig(block_size=64)))
+    Int4QuantizationConfig(block_size=64)
+    """
+    if config is None:
+        return None
+    classes = _quantizer_classes()
+    cls = classes.get(config.get("class_name")) if isinstance(config, dict) else None
+    if cls is None:
+        raise ValueError(
+            f"Could not interpret quantizer config {config!r}: expected a dict with "
+            f"'class_name' in {sorted(n for n in classes if n[0].isupper())} and 'config'."
+        )
+    return cls.from_config(dict(config.get("config", {})))
+
+
+def get(identifier: Any) -> Any:
+    """A quantizer or quantization config from an identifier (Keras's
+    `keras.quantizers.get`): `None`, an object (returned as is), a serialized
+    dict, or a class name (`"abs_max_quantizer"`, `"Int8QuantizationConfig"`)
+    giving a default instance.
+
+    >>> get("abs_max_quantizer")
+    AbsMaxQuantizer(value_range=(-127, 127), epsilon=1e-07)
+    >>> get(None) is None
+    True
+    """
+    if identifier is None:
+        return None
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if isinstance(identifier, str):
+        cls = _quantizer_classes().get(identifier)
+        if cls is None:
+            raise ValueError(f"Could not interpret quantizer identifier: {identifier}")
+        return cls()
+    if callable(identifier) or isinstance(identifier, (AbsMaxQuantizer, QuantizationConfig)):
+        return identifier
+    raise ValueError(f"Could not interpret quantizer identifier: {identifier}")

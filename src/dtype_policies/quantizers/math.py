@@ -29,11 +29,15 @@ def abs_max_quantize(
     value_range: tuple[int, int] = INT8_RANGE,
     epsilon: float = EPSILON,
     dtype: torch.dtype = torch.int8,
+    to_numpy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric abs-max quantization reducing over `axis`.
 
-    Returns `(q, scale)`: `q` (`dtype`, int8 by default) in `value_range`, `scale` (float32, `axis`
-    kept with size 1) such that `x ≈ q / scale`.
+    Returns `(q, scale)`: `q` (`dtype`, int8 by default) in `value_range`, `scale`
+    (`axis` kept with size 1) such that `x ≈ q / scale`. The scale is in the
+    input's floating dtype (float32 for other inputs), as Keras's; it is
+    computed in float32 and `q` uses it as returned. `to_numpy` (Keras's
+    memory hint) changes nothing here.
 
     >>> import torch
     >>> q, scale = abs_max_quantize(torch.tensor([[0.5, -1.0], [2.0, 0.25]]), axis=-1)
@@ -46,7 +50,9 @@ def abs_max_quantize(
     x32 = x.float()
     qmax = float(value_range[1])
     scale = qmax / (x32.abs().amax(dim=axis, keepdim=True) + epsilon)
-    q = torch.round(x32 * scale).clamp_(value_range[0], value_range[1]).to(dtype)
+    if x.is_floating_point() and x.dtype != torch.float32:
+        scale = scale.to(x.dtype)
+    q = torch.round(x32 * scale.float()).clamp_(value_range[0], value_range[1]).to(dtype)
     return q, scale
 
 
@@ -98,37 +104,51 @@ def dequantize_grouped(
 
 
 def pack_int4(values: torch.Tensor, axis: int = 0) -> torch.Tensor:
-    """Packs int8 values in [-8, 7] two per byte along `axis` (Keras layout).
+    """Packs int8 values in [-8, 7] (or uint8 values in [0, 15]) two per byte
+    along `axis` (Keras layout).
 
     Element `2i` goes to the low nibble and `2i+1` to the high nibble of byte
-    `i`; an odd length is zero-padded. Returns int8 with `ceil(n/2)` along
-    `axis`.
+    `i`; an odd length is zero-padded. Returns the input's dtype with
+    `ceil(n/2)` along `axis`.
 
     >>> import torch
     >>> packed = pack_int4(torch.tensor([1, -2, 7], dtype=torch.int8))
     >>> packed, unpack_int4(packed, 3)
     (tensor([-31,   7], dtype=torch.int8), tensor([ 1, -2,  7], dtype=torch.int8))
+    >>> unpack_int4(pack_int4(torch.tensor([15, 0, 9], dtype=torch.uint8)), 3, dtype="uint8")
+    tensor([15,  0,  9], dtype=torch.uint8)
     """
-    if values.dtype != torch.int8:
-        raise TypeError(f"Expected int8 tensor for packing, got {values.dtype}")
+    if values.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(
+            f"Expected int8 tensor for packing (or uint8 of values 0-15), got {values.dtype}"
+        )
     moved = values.movedim(axis, 0)
     if moved.shape[0] % 2:
         moved = torch.cat([moved, moved.new_zeros((1, *moved.shape[1:]))])
     low = moved[0::2].to(torch.int16) & 0xF
     high = moved[1::2].to(torch.int16) & 0xF
-    packed = (low | (high << 4)).to(torch.uint8).view(torch.int8)
+    packed = (low | (high << 4)).to(torch.uint8)
+    if values.dtype == torch.int8:
+        packed = packed.view(torch.int8)
     return packed.movedim(0, axis)
 
 
-def unpack_int4(packed: torch.Tensor, length: int, axis: int = 0) -> torch.Tensor:
-    """Inverse of `pack_int4`: sign-extended int8 values, `length` along `axis`."""
+def unpack_int4(
+    packed: torch.Tensor, length: int, axis: int = 0, dtype: str | torch.dtype = "int8"
+) -> torch.Tensor:
+    """Inverse of `pack_int4`: `length` values along `axis`, sign-extended
+    int8 (`dtype="int8"`) or unsigned uint8 in [0, 15] (`dtype="uint8"`)."""
     if packed.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"Expected an int8 or uint8 packed tensor, got {packed.dtype}")
+    if dtype not in ("int8", "uint8", torch.int8, torch.uint8):
+        raise ValueError(f"Expected dtype to be 'int8' or 'uint8', but got '{dtype}'.")
     moved = packed.movedim(axis, 0).to(torch.int16) & 0xFF  # the bytes, unsigned
     low = moved & 0xF
     high = (moved >> 4) & 0xF
     nibbles = torch.stack([low, high], dim=1).reshape(2 * moved.shape[0], *moved.shape[1:])
     nibbles = nibbles[:length]
+    if dtype in ("uint8", torch.uint8):
+        return nibbles.to(torch.uint8).movedim(0, axis)
     signed = torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
     return signed.movedim(0, axis)
 
@@ -138,7 +158,8 @@ def compute_float8_scale(
 ) -> torch.Tensor:
     """The delayed-scaling update (Transformer Engine's rule, as Keras uses it):
     `amax * 2**margin / dtype_max`, keeping the old scale when `amax` is zero or
-    not finite."""
+    not finite. Numbers are taken as float32 tensors."""
+    amax, scale = torch.as_tensor(amax, dtype=torch.float32), torch.as_tensor(scale)
     factor = (dtype_max / amax) / (2.0**margin)
     keep = (amax <= 0) | ~torch.isfinite(amax)
     factor = torch.where(keep, 1.0 / scale, factor)
@@ -172,10 +193,17 @@ def compute_float8_amax_history(x: torch.Tensor, history: torch.Tensor) -> torch
 
 
 def quantize_and_dequantize(
-    x: torch.Tensor, scale: torch.Tensor, qdtype: torch.dtype, compute_dtype: torch.dtype
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    qdtype: torch.dtype | str,
+    compute_dtype: torch.dtype | str,
 ) -> torch.Tensor:
     """`x / scale`, clipped to the format's range, rounded to float8 and back,
-    times `scale`, in `compute_dtype`."""
+    times `scale`, in `compute_dtype` (dtypes as torch dtypes or names)."""
+    qdtype = getattr(torch, qdtype) if isinstance(qdtype, str) else qdtype
+    compute_dtype = (
+        getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
+    )
     limit = float(torch.finfo(qdtype).max)
     scaled = (x.float() / scale).clamp(-limit, limit)
     return (scaled.to(qdtype).float() * scale).to(compute_dtype)

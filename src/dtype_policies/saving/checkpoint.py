@@ -326,7 +326,7 @@ def _plan_quantized(
         raise CheckpointError("no such module in the target")
     config = record.quantization_config
     kind = kind_of(target)
-    if kind is None or record.mode not in kind.modes:
+    if kind is None or not kind.supports(record.mode):
         raise CheckpointError(
             f"{type(target).__name__} cannot be quantized in mode '{record.mode}'"
         )

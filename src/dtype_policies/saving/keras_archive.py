@@ -59,9 +59,9 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtype_policies._modes import KERAS_ONLY_MODES
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap, deserialize, get
 from dtype_policies.policies.dtype_policy import POLICY_CLASSES
-from dtype_policies.policies.serialization import UNSUPPORTED_KERAS_CLASSES
 
 __all__ = ["policy_map_from_keras"]
 
@@ -83,7 +83,7 @@ _RNN_CELL_NAMES = {
 }
 
 # Policy dicts have a "config" with a "name" too; they are never layers.
-_POLICY_CLASS_NAMES = frozenset(POLICY_CLASSES) | frozenset(UNSUPPORTED_KERAS_CLASSES)
+_POLICY_CLASS_NAMES = frozenset(POLICY_CLASSES) | frozenset(KERAS_ONLY_MODES.values())
 # Keys of a serialized object (outside its "config") that hold no sublayers.
 _NODE_KEYS_WITHOUT_LAYERS = frozenset(
     {"build_config", "compile_config", "inbound_nodes", "module", "registered_name", "name"}

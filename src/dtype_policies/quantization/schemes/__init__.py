@@ -1,35 +1,34 @@
-"""The registry of quantization schemes: one per mode.
+"""The quantization schemes: one file per mode, each registering its mode's
+record (`dtype_policies._modes.QuantizationMode`: config class, policy class,
+scheme, stored suffixes, label) when imported.
 
-A new mode is one new file defining a `Scheme` subclass, registered here with
-`register_scheme` (and its config in `dtype_policies.quantizers`).
+A new mode is one new file here defining a `Scheme` subclass and registering
+its record (and its config in `dtype_policies.quantizers`); see
+`docs/architecture.md`.
 """
 
 from __future__ import annotations
 
-from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
-from dtype_policies.quantization.schemes.float8 import Float8Scheme
-from dtype_policies.quantization.schemes.int4 import Int4Scheme
-from dtype_policies.quantization.schemes.int8 import Int8Scheme
+from dtype_policies._modes import mode_record
 
-SCHEMES: dict[str, Scheme] = {}
+# Registered in Keras's order of QUANTIZATION_MODES.
+# isort: off
+from dtype_policies.quantization.schemes import int8  # noqa: F401
+from dtype_policies.quantization.schemes import float8  # noqa: F401
+from dtype_policies.quantization.schemes import int4  # noqa: F401
 
-
-def register_scheme(scheme: Scheme) -> Scheme:
-    """Makes `scheme` the implementation of its mode."""
-    SCHEMES[scheme.mode] = scheme
-    return scheme
+# isort: on
+from dtype_policies.quantization.schemes.base import (
+    ActivationStatistics,
+    QuantizedWeight,
+    Scheme,
+    WeightSpec,
+)
 
 
 def scheme_for(mode: str) -> Scheme:
-    try:
-        return SCHEMES[mode]
-    except KeyError:
-        raise ValueError(
-            f"Invalid quantization mode. Expected one of {tuple(SCHEMES)}. Received: mode={mode}"
-        ) from None
+    """The scheme of a registered mode (`ValueError` naming the modes otherwise)."""
+    return mode_record(mode).scheme
 
 
-for _scheme in (Int8Scheme(), Int4Scheme(), Float8Scheme()):
-    register_scheme(_scheme)
-
-__all__ = ["SCHEMES", "QuantizedWeight", "Scheme", "WeightSpec", "register_scheme", "scheme_for"]
+__all__ = ["ActivationStatistics", "QuantizedWeight", "Scheme", "WeightSpec", "scheme_for"]

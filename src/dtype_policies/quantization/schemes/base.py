@@ -5,6 +5,13 @@ stored tensors and computes with them. A `WeightSpec` says where a module's
 weight is and how it is oriented. A `QuantizedWeight` binds the two to one
 module: it is what a quantized module keeps (besides its stored buffers), and
 its runtime caches are derived from the buffers, never stored.
+
+A calibrated scheme (its mode's record says `calibrated=True`: GPTQ's
+Hessian, AWQ's channel statistics) computes its stored tensors from the
+activations the weight sees on calibration data: `new_statistics` gives an
+accumulator that `quantization.calibration` feeds with the weight's input
+rows, block by block, and `quantize_calibrated` turns weight and statistics
+into the stored tensors (a pure function, as `quantize`).
 """
 
 from __future__ import annotations
@@ -12,12 +19,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from dtype_policies._core.casting import functorch_wrapped, tracing
-from dtype_policies._core.checkpoints import QUANTIZED_SUFFIXES
+from dtype_policies._modes import stored_suffixes
 from dtype_policies.quantizers.config import QuantizationConfig
 
 LAYOUTS = ("out_in", "in_out")
@@ -76,12 +83,33 @@ class WeightSpec:
         return matrix.reshape(permuted).permute(inverse)
 
 
+class ActivationStatistics(Protocol):
+    """What a calibrated scheme accumulates about one weight's inputs."""
+
+    def update(self, rows: torch.Tensor) -> None:
+        """Adds a batch of the weight's input rows: float32, `(M, K)`, `K`
+        the weight's `in_features` (the product's contracted axis)."""
+
+
 class Scheme(abc.ABC):
-    """One quantization mode: storage, dequantization and products."""
+    """One quantization mode: storage, dequantization and products.
+
+    Class attributes:
+        mode: The mode's name (its record's).
+        roles: The weight roles it quantizes (`"linear"`, `"embedding"`).
+        keeps_float_weight: The float weight stays a parameter (float8).
+        general_contraction: It computes any einsum contraction with the
+            weight (`WeightSpec.contract`), not only matrix products.
+        calibrated_on_quantized_outputs: In calibration, the next block's
+            inputs are this block's outputs with its weights quantized (GPTQ)
+            rather than float (`False`).
+    """
 
     mode: ClassVar[str]
     roles: ClassVar[tuple[str, ...]] = ("linear",)
     keeps_float_weight: ClassVar[bool] = False
+    general_contraction: ClassVar[bool] = False
+    calibrated_on_quantized_outputs: ClassVar[bool] = True
 
     @abc.abstractmethod
     def buffer_names(self, spec: WeightSpec, config: QuantizationConfig) -> tuple[str, ...]:
@@ -98,6 +126,34 @@ class Scheme(abc.ABC):
         self, spec: WeightSpec, config: QuantizationConfig
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The shape and dtype of each buffer `quantize` stores for `spec`."""
+
+    def new_statistics(self, spec: WeightSpec, config: QuantizationConfig) -> ActivationStatistics:
+        """A calibrated scheme's fresh accumulator for the inputs of the weight `spec`."""
+        raise NotImplementedError(f"mode '{self.mode}' does not calibrate on activations")
+
+    def quantize_calibrated(
+        self,
+        weight: torch.Tensor,
+        spec: WeightSpec,
+        config: QuantizationConfig,
+        statistics: ActivationStatistics,
+    ) -> dict[str, torch.Tensor]:
+        """A calibrated scheme's buffers for the float `weight`, given the
+        statistics of its inputs (a pure function)."""
+        raise NotImplementedError(f"mode '{self.mode}' does not calibrate on activations")
+
+    def placeholder_tensors(
+        self, spec: WeightSpec, config: QuantizationConfig, device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Stored tensors of the right shapes holding no quantization (integers
+        0, floats 1): what a layer built with a calibrated mode's policy holds
+        until a checkpoint is loaded into it (Keras's loading path)."""
+        return {
+            name: (torch.ones if dtype.is_floating_point else torch.zeros)(
+                shape, dtype=dtype, device=device
+            )
+            for name, (shape, dtype) in self.stored_shapes(spec, config).items()
+        }
 
     def new_runtime(self) -> Any:
         """Derived per-module data (packed kernel layouts); rebuilt after copies."""
@@ -233,7 +289,7 @@ class QuantizedWeight:
         expected = self.scheme.stored_shapes(self.spec, self.config)
         foreign = [
             prefix + name + suffix
-            for suffix in (*QUANTIZED_SUFFIXES, "_zero")
+            for suffix in stored_suffixes()
             if prefix + name + suffix in state_dict and name + suffix not in expected
         ]
         if foreign:

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._modes import QuantizationMode, register_mode
+from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
 from dtype_policies.quantization.kernels.float8 import Float8Runtime, float8_linear
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Float8QuantizationConfig
@@ -54,6 +56,7 @@ STATE_NAMES = (
 class Float8Scheme(Scheme):
     mode = "float8"
     keeps_float_weight = True
+    general_contraction = True
 
     def buffer_names(self, spec: WeightSpec, config: Float8QuantizationConfig) -> tuple[str, ...]:
         return STATE_NAMES
@@ -263,3 +266,16 @@ def float8_contract(
     return _QDQGradient.apply(
         y, state["outputs_grad_scale"], state["outputs_grad_amax_history"], updates, False
     )
+
+
+register_mode(
+    QuantizationMode(
+        name="float8",
+        config_class=Float8QuantizationConfig,
+        policy_class=QuantizedFloat8DTypePolicy,
+        scheme=Float8Scheme(),
+        policy_for_config=lambda config, source: QuantizedFloat8DTypePolicy(
+            "float8", source, config.history_length, config.scaling
+        ),
+    )
+)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._modes import QuantizationMode, register_mode
+from dtype_policies.policies.quantized import Int4DTypePolicy, QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import int4 as kernels
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
-from dtype_policies.quantizers.config import Int4QuantizationConfig
+from dtype_policies.quantizers.config import AbsMaxQuantizer, Int4QuantizationConfig
 from dtype_policies.quantizers.math import (
+    INT4_RANGE,
     abs_max_quantize,
     grouped_quantize_with_zero_point,
     pack_int4,
@@ -36,7 +39,7 @@ class Int4Scheme(Scheme):
     ) -> dict[str, torch.Tensor]:
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
         names = self.buffer_names(spec, config)
-        quantizer = config.weight_quantizer
+        quantizer = config.weight_quantizer or AbsMaxQuantizer(value_range=INT4_RANGE)
         if config.group_size > 0:
             grouped = (
                 search_grouped_int4 if config.scale_search else grouped_quantize_with_zero_point
@@ -120,3 +123,30 @@ class Int4Scheme(Scheme):
         rows_scale = scale.t()[ids].float()[..., group]
         rows_zero = zero.t()[ids].float()[..., group]
         return ((q - rows_zero) * rows_scale).to(compute)
+
+
+def _int4_policy(mode: str, source_name: str) -> QuantizedDTypePolicy:
+    """`"int4/<block>"` names an `Int4DTypePolicy`; the legacy `"int4"` a
+    per-channel `QuantizedDTypePolicy` (as in Keras)."""
+    if "/" in mode:
+        return Int4DTypePolicy(mode, source_name)
+    return QuantizedDTypePolicy(mode, source_name)
+
+
+register_mode(
+    QuantizationMode(
+        name="int4",
+        config_class=Int4QuantizationConfig,
+        policy_class=Int4DTypePolicy,
+        scheme=Int4Scheme(),
+        stored_suffixes=("_int4", "_scale", "_zero"),
+        data_suffix="_int4",
+        parse_policy=_int4_policy,
+        # the legacy `int4_from_X` builds per-channel layers (Keras's loading path)
+        config_for_policy=lambda policy: Int4QuantizationConfig(block_size=None),
+        policy_for_config=lambda config, source: Int4DTypePolicy(
+            f"int4/{config.group_size}", source
+        ),
+        label=lambda config: f"int4/{config.group_size}",
+    )
+)

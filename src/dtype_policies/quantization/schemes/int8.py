@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._modes import QuantizationMode, register_mode
+from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import int8 as kernels
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
-from dtype_policies.quantizers.config import Int8QuantizationConfig
+from dtype_policies.quantizers.config import AbsMaxQuantizer, Int8QuantizationConfig
 from dtype_policies.quantizers.math import abs_max_quantize
 
 
@@ -24,7 +26,7 @@ class Int8Scheme(Scheme):
     def quantize(
         self, weight: torch.Tensor, spec: WeightSpec, config: Int8QuantizationConfig
     ) -> dict[str, torch.Tensor]:
-        quantizer = config.weight_quantizer
+        quantizer = config.weight_quantizer or AbsMaxQuantizer()
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
         q, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
         data = q.t() if spec.layout == "in_out" else q
@@ -87,3 +89,17 @@ class Int8Scheme(Scheme):
     def lookup(self, module, qw, ids, compute):
         data, scale = self._stored(module, qw)
         return (data[ids].float() / scale[ids].float().unsqueeze(-1)).to(compute)
+
+
+register_mode(
+    QuantizationMode(
+        name="int8",
+        config_class=Int8QuantizationConfig,
+        policy_class=QuantizedDTypePolicy,
+        scheme=Int8Scheme(),
+        stored_suffixes=("_int8", "_scale"),
+        data_suffix="_int8",
+        refused_compute_dtypes=("float16",),
+        label=lambda config: "int8 weight-only" if config.weight_only else "int8",
+    )
+)

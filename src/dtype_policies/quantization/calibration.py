@@ -1,0 +1,258 @@
+"""Calibration: planning a calibrated mode's quantization block by block.
+
+A calibrated mode (its record says `calibrated=True`; GPTQ needs each
+weight's input Hessian, AWQ its per-channel activation statistics) computes
+its stored tensors from the activations each weight sees on calibration data.
+`plan_calibrated` gathers them and plans, without changing the model:
+
+1. the inputs of the first block are captured by running the model on the
+   config's calibration batches (`config.calibration_batches(model)`) up to
+   that block;
+2. for each block in turn, every target weight in it gets its scheme's
+   statistics (`Scheme.new_statistics`), fed with the weight's input rows
+   while the block runs on the captured inputs; each target is then planned
+   from them (`Scheme.quantize_calibrated`);
+3. the block's outputs, computed with its planned (quantized) weights, or its
+   float weights if the scheme says so, are the next block's inputs, so that
+   memory holds one block's activations for the calibration set at a time.
+
+The model is only ever run (in eval mode, without gradients, with its
+weights read, or swapped for the planned ones inside `functional_call`); its
+hooks and modes are restored on the way out, whatever happens. Nothing is
+committed here: `quantize()` commits every plan at the end, so a failure or a
+`KeyboardInterrupt` part-way leaves the model bit-for-bit unchanged.
+
+Blocks come from `config.quantization_layer_structure`: `None` (the whole
+model is one block), a sequence of submodules or their paths, in the order the
+model runs them, or Keras's dict `{"pre_block_layers": [...],
+"sequential_blocks": [...]}` (the pre-block layers run as part of the model's
+forward). A block receives the previous block's first output as its first
+positional argument and the first block's other arguments unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from dtype_policies._paths import join, named_module_paths, root_path_of
+from dtype_policies.quantization.attach import Checked, Plan, plan
+from dtype_policies.quantization.schemes.base import ActivationStatistics, QuantizedWeight
+from dtype_policies.quantizers.config import QuantizationConfig
+
+Call = tuple[tuple, dict]
+
+
+@dataclass
+class CalibrationResult:
+    """Plans for the targets inside the blocks, and the paths outside them."""
+
+    plans: list[Plan] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
+
+
+class _Captured(Exception):
+    """Stops the model's forward once the first block's inputs are captured."""
+
+
+def plan_calibrated(
+    model: torch.nn.Module,
+    targets: Sequence[tuple[str, Checked]],
+    config: QuantizationConfig,
+) -> CalibrationResult:
+    """Plans the calibrated quantization of `targets` (checked modules of
+    `model`, with their paths) from `config`'s calibration data."""
+    blocks = _blocks(model, config)
+    result = CalibrationResult()
+    members: list[list[tuple[str, Checked]]] = [[] for _ in blocks]
+    for path, checked in targets:
+        index = next((i for i, b in enumerate(blocks) if _inside(path, b[0])), None)
+        if index is None:
+            result.outside.append(path)
+        else:
+            members[index].append((path, checked))
+    if not any(members):
+        return result
+    last = max(i for i, group in enumerate(members) if group)
+    with _calibrating(model):
+        calls = _first_block_calls(model, blocks[0][1], config)
+        for index, (_, block) in enumerate(blocks[: last + 1]):
+            plans = _plan_block(block, calls, members[index], config)
+            result.plans += plans
+            if index < last:
+                calls = _next_calls(block, calls, plans)
+    return result
+
+
+def _plan_block(
+    block: torch.nn.Module,
+    calls: list[Call],
+    group: list[tuple[str, Checked]],
+    config: QuantizationConfig,
+) -> list[Plan]:
+    if not group:
+        return []
+    statistics = {
+        id(checked.module): checked.scheme.new_statistics(checked.spec, config)
+        for _, checked in group
+    }
+    with _observing(group, statistics):
+        for args, kwargs in calls:
+            block(*args, **kwargs)
+    return [
+        plan(
+            checked.module,
+            config,
+            path=path,
+            type_check=False,
+            kind=checked.kind,
+            source=checked.source,
+            statistics=statistics[id(checked.module)],
+        )
+        for path, checked in group
+    ]
+
+
+def _next_calls(block: torch.nn.Module, calls: list[Call], plans: list[Plan]) -> list[Call]:
+    """The next block's calls: this block's first output in place of the first argument."""
+    swapped = {}
+    if plans and plans[0].scheme.calibrated_on_quantized_outputs:
+        names = {id(module): name for name, module in block.named_modules()}
+        for module_plan in plans:
+            prefix = names[id(module_plan.module)]
+            key = f"{prefix}.{module_plan.spec.weight}" if prefix else module_plan.spec.weight
+            swapped[key] = _dequantized(module_plan)
+    outputs = []
+    for args, kwargs in calls:
+        out = functional_call(block, swapped, args, kwargs) if swapped else block(*args, **kwargs)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(first, torch.Tensor):
+            first = first[0]  # a ModelOutput
+        outputs.append(((first, *args[1:]), kwargs))
+    return outputs
+
+
+def _dequantized(module_plan: Plan) -> torch.Tensor:
+    """The float weight the planned tensors stand for, in the parameter's shape and dtype."""
+    holder = torch.nn.Module()
+    holder._buffers.update(module_plan.tensors)
+    qw = QuantizedWeight(module_plan.scheme, module_plan.spec, module_plan.config)
+    weight = module_plan.spec.from_nk(module_plan.scheme.dequantize(holder, qw))
+    return weight.to(module_plan.float_dtype)
+
+
+def _first_block_calls(
+    model: torch.nn.Module, first: torch.nn.Module, config: QuantizationConfig
+) -> list[Call]:
+    """The arguments the first block is called with, one per calibration batch."""
+    batches = config.calibration_batches(model)
+    if first is model:
+        return [_as_call(batch) for batch in batches]
+    calls: list[Call] = []
+
+    def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        calls.append((args, kwargs))
+        raise _Captured
+
+    handle = first.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        for batch in batches:
+            args, kwargs = _as_call(batch)
+            try:
+                model(*args, **kwargs)
+            except _Captured:
+                continue
+            raise ValueError(
+                f"The model's forward never reached the first block of the quantization "
+                f"structure ({type(first).__name__}): check `quantization_layer_structure`."
+            )
+    finally:
+        handle.remove()
+    return calls
+
+
+def _as_call(batch: Any) -> Call:
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+@contextlib.contextmanager
+def _observing(
+    group: list[tuple[str, Checked]], statistics: dict[int, ActivationStatistics]
+) -> Iterator[None]:
+    """Feeds each target's input rows to its statistics while the block runs."""
+
+    def observe(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = args[0] if args else next(iter(kwargs.values()))
+        spec = next(c.spec for _, c in group if c.module is module)
+        rows = inputs.detach().reshape(-1, spec.in_features).float()
+        statistics[id(module)].update(rows)
+
+    handles = []
+    try:
+        for _, checked in group:
+            handles.append(checked.module.register_forward_pre_hook(observe, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _calibrating(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode and no gradients while calibrating; every module's mode restored."""
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _blocks(model: torch.nn.Module, config: QuantizationConfig) -> list[tuple[str, Any]]:
+    """`(path, module)` of each block, in order."""
+    structure = getattr(config, "quantization_layer_structure", None)
+    if structure is None:
+        return [("", model)]
+    if isinstance(structure, dict):
+        if "sequential_blocks" not in structure:
+            raise ValueError(
+                "A `quantization_layer_structure` dict needs the key 'sequential_blocks'. "
+                f"Received keys: {sorted(structure)}"
+            )
+        structure = structure["sequential_blocks"]
+    root = root_path_of(model)
+    named = list(named_module_paths(model, root))
+    paths = {id(module): path for path, module in named}
+    by_path = dict(named)
+    blocks = []
+    for block in structure:
+        if isinstance(block, str):
+            wanted = block.replace(".", "/")
+            module = by_path.get(wanted) or by_path.get(join(root, wanted))
+            if module is None:
+                raise ValueError(f"No module at '{block}' in the model (quantization structure).")
+            block = module
+        if not isinstance(block, torch.nn.Module) or id(block) not in paths:
+            raise ValueError(
+                f"Every block of the quantization structure must be a module of the model "
+                f"(or its path). Received: {block!r}"
+            )
+        blocks.append((paths[id(block)], block))
+    if not blocks:
+        raise ValueError("The quantization structure has no sequential blocks.")
+    return blocks
+
+
+def _inside(path: str, block_path: str) -> bool:
+    return block_path == "" or path == block_path or path.startswith(block_path + "/")
