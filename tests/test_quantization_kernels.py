@@ -242,3 +242,21 @@ def test_float8_arithmetic_rounding_matches_torch_conversion(compute):
             assert got.dtype == compute
             assert torch.equal(got.isnan(), want.isnan())
             assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 20])
+def test_int8_weight_only_cast_in_chunks(rows, dtype):
+    """Weights larger than one chunk are cast and multiplied chunk by chunk."""
+    torch.manual_seed(rows)
+    n, k = 600, 1024
+    assert int8_kernels.CHUNK_BYTES // (k * torch.finfo(dtype).bits // 8) < n  # several chunks
+    q, scale = abs_max_quantize(torch.randn(n, k), axis=1)
+    runtime = _runtime(q, scale[:, 0], prepack=False)
+    x = torch.randn(rows, k).to(dtype)
+    for path in ("dequantized", "dequantized_float32"):
+        out = int8_kernels.int8_weight_only_linear(x, runtime, None, dtype, path)
+        reference = x.float() @ (q.float() / scale).t()
+        tolerance = 1e-4 if dtype == torch.float32 else 0.02
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert ((out.float() - reference).norm() / reference.norm()).item() < tolerance
