@@ -249,7 +249,7 @@ def test_float8_arithmetic_rounding_matches_torch_conversion(compute):
 def test_int8_weight_only_cast_in_chunks(rows, dtype):
     """Weights larger than one chunk are cast and multiplied chunk by chunk."""
     torch.manual_seed(rows)
-    n, k = 600, 1024
+    n, k = 2500, 1024
     assert int8_kernels.CHUNK_BYTES // (k * torch.finfo(dtype).bits // 8) < n  # several chunks
     q, scale = abs_max_quantize(torch.randn(n, k), axis=1)
     runtime = _runtime(q, scale[:, 0], prepack=False)

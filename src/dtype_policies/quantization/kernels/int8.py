@@ -363,8 +363,9 @@ def weight_only_path(x2: torch.Tensor, runtime: Int8Runtime) -> str:
 # (in the product dtype), so that each cast chunk is multiplied while it is in
 # cache: reading 1 byte per weight from memory instead of writing and reading
 # 2-4 (1 thread, 5632 x 2048: 1.0-2.2x a float32 product at 8-64 rows, against
-# 0.3-0.45x casting the whole weight).
-CHUNK_BYTES = 1 << 20
+# 0.3-0.45x casting the whole weight). Large enough to keep the number of
+# products per call small (each one is a parallel region).
+CHUNK_BYTES = 1 << 22
 
 
 def _cast_in_chunks(x2: torch.Tensor, q_nk: torch.Tensor) -> torch.Tensor:
