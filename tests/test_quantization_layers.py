@@ -584,3 +584,58 @@ def test_int4_checkpoint_of_earlier_versions_loads_unchanged_in_value():
     assert fresh[0].weight_zero.dtype == torch.float32
     assert torch.equal(fresh[0].weight_g_idx, torch.arange(256) // 64)
     assert torch.equal(fresh(x), expected)
+
+
+def _int4_linear(block_size=128, in_features=256, out_features=64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(in_features, out_features))
+    with torch.no_grad():
+        model[0].weight[:, :block_size] *= 8.0  # groups of different ranges
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", config=Int4QuantizationConfig(block_size=block_size))
+    return model.eval()
+
+
+def test_int4_kernel_is_packed_once_per_stored_weight(monkeypatch):
+    """nn.Linear stores grouped scales as (N, G); the kernel's key is taken on
+    the stored buffers, not on the (G, N) views made per call."""
+    from dtype_policies.quantization.kernels import int4 as int4_kernels
+
+    model = _int4_linear()
+    packs = []
+    original = int4_kernels._pack
+    monkeypatch.setattr(int4_kernels, "_pack", lambda *a: packs.append(1) or original(*a))
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(6)]
+    assert len(packs) == 1
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    with torch.no_grad():
+        model[0].weight_scale.mul_(2.0)  # an in-place write repacks once
+        halved = model(x)
+        model(x)
+    assert len(packs) == 2
+    bias = model[0].bias.detach().to(halved.dtype)
+    assert torch.allclose(halved - bias, 2 * (outputs[0] - bias), rtol=0.02, atol=0.02)
+
+
+def test_int4_products_follow_a_stored_g_idx():
+    """A `g_idx` that is not `arange(K) // block` (Keras's activation order)
+    is honoured: the same weight with its groups stored in another order
+    gives the same outputs."""
+    model = _int4_linear()
+    x = torch.randn(5, 256)
+    with torch.no_grad():
+        expected = model(x).float()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        # groups 0 and 1 swap places: features 0-127 now read group 1's grid
+        state["0.weight_scale"] = state["0.weight_scale"].flip(1)
+        state["0.weight_zero"] = state["0.weight_zero"].flip(1)
+        model.load_state_dict(state)
+        wrong = model(x).float()  # grids swapped, g_idx not: another weight
+        state["0.weight_g_idx"] = 1.0 - state["0.weight_g_idx"]
+        model.load_state_dict(state)
+        swapped = model(x).float()
+    assert not torch.allclose(wrong, expected, rtol=0.1, atol=0.1)
+    assert torch.allclose(swapped, expected, rtol=0.02, atol=0.02)
+    assert model[0].weight_g_idx[0].item() == 1.0

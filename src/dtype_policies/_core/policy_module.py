@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
+from dtype_policies._core.casting import HALF_DTYPES, tracing
 from dtype_policies._core.checkpoints import check_checkpoint
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import (
@@ -26,8 +27,9 @@ from dtype_policies._core.module_state import (
     push_application,
     state_of,
 )
+from dtype_policies._core.products import linear_product
 from dtype_policies._core.state import CallState, derive_call_state
-from dtype_policies._core.weight_casts import WeightCasts, cast_pair, prepacked_linear
+from dtype_policies._core.weight_casts import WeightCasts, cast_pair
 from dtype_policies.policies import DTypePolicy, policy_for_config
 
 
@@ -146,9 +148,9 @@ class FastLinearForward:
             # computes in every call (`spectral_norm`, `weight_norm`). Cast per call.
             weight, store = self.weight, None
         if call is not None and call.autocast and weight.dtype is not call.compute:
-            weight, bias, packed = cast_pair(store, weight, bias, call.compute, pack=True)
-            if packed:
-                return prepacked_linear(input, weight, bias)
+            weight, bias, product = cast_pair(store, weight, bias, call.compute, pack=True)
+            if product is not None:  # the path this CPU runs it by (`_core.products`)
+                return product(input, bias)
             if input.dim() > 2:
                 # A kept cast does not require grad, and for such weights torch's
                 # matmul turns a strided 3-D input (the last position of a
@@ -156,6 +158,12 @@ class FastLinearForward:
                 # fold to 2-D here.
                 out = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
                 return out.view(*input.shape[:-1], out.shape[-1])
+        elif call is not None and call.compute in HALF_DTYPES and not tracing():
+            # Weights already in the compute dtype (sharded or half-precision
+            # parameters) take the same product path as cast ones.
+            product = linear_product(weight, kept=False)
+            if product is not None:
+                return product(input, bias)
         return F.linear(input, weight, bias)
 
 

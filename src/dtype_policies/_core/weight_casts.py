@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 
 from dtype_policies._core.casting import cast_tensor, functorch_wrapped, tracing
+from dtype_policies._core.products import LinearProduct, linear_product
 from dtype_policies._core.scope import AutocastScope, current_scope
+from dtype_policies._cpu import processor
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
@@ -39,7 +41,7 @@ class WeightCasts:
     """A module's store of kept graph-free casts.
 
     `entries` maps a weight name to `(weight, key, cast)`; `pair` holds a
-    linear leaf's `(weight, bias, key, weight cast, bias cast, packed)`,
+    linear leaf's `(weight, bias, key, weight cast, bias cast, product)`,
     checked in one step. Entries are immutable tuples replaced whole, so
     concurrent readers see the old entry or the new one. Copies, pickles and
     deep copies of a module start with an empty store.
@@ -140,75 +142,67 @@ def cast_pair(
     bias: torch.Tensor | None,
     dtype: torch.dtype,
     pack: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    transposed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, LinearProduct | None]:
     """A linear leaf's weight and bias in `dtype`: the rules of `cast_weight`,
     with one check for both (the per-call cost that matters for small layers).
 
-    With `pack`, a kept bfloat16 weight of an `(out, in)` linear on CPU is kept
-    in oneDNN's prepacked layout instead (the same values, a faster product:
-    `prepacked_linear`). Returns `(weight, bias, packed)`.
+    With `pack`, the weight of an `(out, in)` linear (`(in, out)` with
+    `transposed`) also gets the product path this processor runs it by
+    (`products.linear_product`: e.g. oneDNN's prepacked layout, or float32
+    products where half-precision ones are emulated), kept with the cast.
+    Returns `(weight, bias, product)`; `product` is `None` for a plain product.
     """
+    if tracing():  # the compiler chooses the product
+        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), None
     if not _uses_store(store):
         scope = current_scope()
         if scope is not None and scope.dtype is dtype:
-            return scope.cast(weight), None if bias is None else scope.cast(bias), False
-        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), False
+            weight_cast, bias_cast = scope.cast(weight), None if bias is None else scope.cast(bias)
+        else:
+            weight_cast = cast_tensor(weight, dtype)
+            bias_cast = None if bias is None else cast_tensor(bias, dtype)
+        return weight_cast, bias_cast, _product(weight_cast, pack, transposed, kept=False)
     entry = store.pair
     if (
         entry is not None
         and entry[0] is weight
         and entry[1] is bias
         and entry[2] == _pair_key(weight, bias, dtype)
-        and entry[5] <= pack
+        and (entry[5] is None or pack)
     ):
         return entry[3], entry[4], entry[5]
     if can_keep(weight) and (bias is None or (can_keep(bias) and bias.dtype == weight.dtype)):
         key = _pair_key(weight, bias, dtype)  # before the casts read the values
         weight_cast = _make_cast(weight, dtype)
         bias_cast = None if bias is None else _make_cast(bias, dtype)
-        packed = pack and _can_prepack(weight_cast)
-        if packed:
-            with torch.inference_mode(False), torch.no_grad():
-                weight_cast = torch.ops.mkldnn._reorder_linear_weight(weight_cast, 1)
-        store.pair = (weight, bias, key, weight_cast, bias_cast, packed)
-        return weight_cast, bias_cast, packed
-    return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), False
+        product = _product(weight_cast, pack, transposed, kept=True)
+        if product is not None and product.kind == "onednn_prepacked":
+            weight_cast = product.weight  # the packed layout replaces the cast
+        store.pair = (weight, bias, key, weight_cast, bias_cast, product)
+        return weight_cast, bias_cast, product
+    weight_cast = cast_tensor(weight, dtype)
+    bias_cast = None if bias is None else cast_tensor(bias, dtype)
+    return weight_cast, bias_cast, _product(weight_cast, pack, transposed, kept=False)
 
 
-_PREPACK_AVAILABLE = (
-    torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-)
-
-
-# Below this many elements the packed product's fixed cost outweighs the
-# saved reorder (measured: a 64x64 layer is slower packed, 1024x1024 faster).
-PREPACK_MIN_ELEMENTS = 1 << 16
-
-
-def _can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        _PREPACK_AVAILABLE
-        and weight.numel() >= PREPACK_MIN_ELEMENTS
-        and weight.dtype is torch.bfloat16
-        and weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.is_contiguous()
-    )
-
-
-def prepacked_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with a weight prepacked by `cast_pair`
-    (bit-identical results; oneDNN skips reordering the weight each call)."""
-    return torch.ops.mkldnn._linear_pointwise(
-        x if x.is_contiguous() else x.contiguous(), packed, bias, "none", [], ""
-    )
+def _product(
+    weight_cast: torch.Tensor, pack: bool, transposed: bool, kept: bool
+) -> LinearProduct | None:
+    if not pack:
+        return None
+    return linear_product(weight_cast.t() if transposed else weight_cast, kept=kept)
 
 
 def _pair_key(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+    # The processor is part of the key: its product path was chosen for it.
     if bias is None:
-        return (weight._version, weight.data_ptr(), dtype)
-    return (weight._version, weight.data_ptr(), bias._version, bias.data_ptr(), dtype)
+        return (weight._version, weight.data_ptr(), dtype, processor())
+    return (
+        weight._version,
+        weight.data_ptr(),
+        bias._version,
+        bias.data_ptr(),
+        dtype,
+        processor(),
+    )

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dtype_policies._cpu import processor
+
 
 class Timed(float):
     """Seconds measured by a variant itself (e.g. per generated token); a
@@ -152,28 +154,20 @@ def cpu_flags() -> str:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"]
+                    wanted = [
+                        "avx2",
+                        "avx_vnni",
+                        "avx512f",
+                        "avx512_bf16",
+                        "avx512_vnni",
+                        "avx512_fp16",
+                        "amx_bf16",
+                        "amx_int8",
+                    ]
                     return " ".join(flag for flag in wanted if flag in flags)
     except OSError:
         pass
     return ""
-
-
-def cpu_class() -> str:
-    """The CPU class the kernels run as: "amx", "avx512_bf16", "avx512" or
-    "avx2" (or torch's capability name otherwise). It follows torch's own
-    view, so `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` set before
-    torch is imported reads as "avx2" on any x86 machine."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX512", "AMX"):
-        return capability.lower()
-    flags = set(cpu_flags().split())
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if "amx_bf16" in flags and (not isa or "AMX" in isa or isa == "ALL"):
-        return "amx"
-    if "avx512_bf16" in flags and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "avx512_bf16"
-    return "avx512"
 
 
 def machine_info() -> dict[str, str]:
@@ -181,12 +175,13 @@ def machine_info() -> dict[str, str]:
     return {
         "date": datetime.date.today().isoformat(),
         "cpu": cpu_model(),
-        "cpu_class": cpu_class(),
+        "cpu_class": processor().name,
         "cpu_flags": cpu_flags(),
         "cores": str(os.cpu_count()),
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_features": processor().describe(),
         "python": platform.python_version(),
     }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dtype_policies.bench import harness
 from dtype_policies.bench.registry import Workload
-from dtype_policies.bench.workloads import llm
+from dtype_policies.bench.workloads import cpu_mlp, llm
 
 # (workload, our variant, baseline, kind, bound, label). "speedup": baseline time /
 # our time >= bound. "overhead": our time / baseline time <= bound.
@@ -127,6 +127,8 @@ for _workload, _variant, _bound, _label in [
     ),
 ]:
     TARGETS.append((_workload, _variant, "whole model bfloat16", "speedup", _bound, _label))
+
+TARGETS += cpu_mlp.TARGETS
 
 
 def markdown_table(workload: Workload, results: list[harness.Result], samples: dict) -> str:

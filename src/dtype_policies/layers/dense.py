@@ -110,7 +110,17 @@ class Dense(QuantizableLayer):
         if self._casts_own_weights:
             kernel, bias = self._parameters["kernel"], self._parameters["bias"]
             if self._autocast and compute is not None and kernel.dtype is not compute:
-                kernel, bias, _ = cast_pair(self.__dict__[STATE_KEY].casts, kernel, bias, compute)
+                kernel, bias, product = cast_pair(
+                    self.__dict__[STATE_KEY].casts,
+                    kernel,
+                    bias,
+                    compute,
+                    pack=True,
+                    transposed=True,
+                )
+                if product is not None:  # the path this CPU runs it by (`_core.products`)
+                    outputs = product(inputs, bias)
+                    return outputs if self._linear_activation else self.activation(outputs)
         else:
             kernel, bias = self.kernel, self.bias
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel

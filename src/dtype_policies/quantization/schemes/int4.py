@@ -125,27 +125,51 @@ class Int4Scheme(Scheme):
         g_idx = module._buffers[f"{qw.spec.weight}_g_idx"]
         return dequantize_grouped(q_nk.t(), scale, zero, qw.config.group_size, g_idx).t()
 
+    def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight) -> tuple:
+        """The module's own stored buffers (never per-call views: a view is a
+        new object on every call)."""
+        buffers = module._buffers
+        names = self.buffer_names(qw.spec, qw.config)
+        return tuple(buffers[name] for name in names if buffers.get(name) is not None)
+
+    def _g_idx(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
+        """The stored `g_idx`, or None where it is `arange(K) // block_size`."""
+        g_idx = module._buffers.get(f"{qw.spec.weight}_g_idx")
+        if g_idx is None or qw.config.group_size <= 0:
+            return None
+        natural = default_g_idx(qw.spec.in_features, qw.config.group_size, g_idx.device)
+        return None if torch.equal(g_idx, natural) else g_idx
+
     def linear(self, module, qw, x2, bias, compute):
         if qw.config.activation_quantizer is not None:
             return self._per_row_quantized_linear(module, qw, x2, bias, compute)
-        packed, scale, zero = self._stored(module, qw)
+        _, scale, zero = self._stored(module, qw)
         if qw.runtime is None:
             qw.runtime = self.new_runtime()
-        stored = (packed, scale) if zero is None else (packed, scale, zero)
-        q_nk = None
+        stored = self._key_tensors(module, qw)
+        q_nk = g_idx = None
         if qw.runtime.needs_refresh(stored):
             q_nk = self.integer_values(module, qw)
-            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored)
-        if qw.runtime.packed is None or x2.dtype != torch.bfloat16:
+            natural = self._g_idx(module, qw) is None
+            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored, natural)
+        path = kernels.int4_path(qw.runtime, x2.shape[0], qw.config.group_size)
+        if path != "packed":
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
+            g_idx = self._g_idx(module, qw)
         return kernels.int4_linear(
-            x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime
+            x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime, path, g_idx
         )
 
     def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
         if qw.config.activation_quantizer is not None and not needs_grad:
             return self._per_row_quantized_linear(module, qw, x2, bias, compute)
-        return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
+        _, scale, zero = self._stored(module, qw)
+        if scale.device.type != "cpu":
+            return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
+        q_nk = self.integer_values(module, qw)
+        g_idx = module._buffers.get(f"{qw.spec.weight}_g_idx")  # no data-dependent test
+        weight = kernels.kernel_weight(q_nk, scale, zero, qw.config.group_size, g_idx)
+        return kernels.int4_linear_traceable(x2, weight, bias, compute)
 
     def _per_row_quantized_linear(self, module, qw, x2, bias, compute):
         """Per-channel W4A8 (Keras's int4 with an activation quantizer): inputs
