@@ -109,7 +109,7 @@ def test_config_policy_and_checkpoint_carry_weight_only(tmp_path):
 
 
 def test_an_unknown_scaling_names_what_is_accepted():
-    with pytest.raises(ValueError, match="weight_only.*Received: scaling='per_row'"):
+    with pytest.raises(ValueError, match=r"weight_only.*Received: scaling='per_row'"):
         Float8QuantizationConfig(scaling="per_row")
 
 
