@@ -71,6 +71,8 @@ class QuantizationMode:
         policy_for_config: `(config, source name) -> policy` of a module
             quantized with `config` (default: `policy_class(name, source)`).
         label: `config -> str` shown by `summary` and `inspect` (default: the name).
+        default: `() -> config` that `quantize(mode)` and the mode's policies
+            use when none is given (default: `config_class()`).
     """
 
     name: str
@@ -85,6 +87,7 @@ class QuantizationMode:
     config_for_policy: Callable[[Any], Any] | None = None
     policy_for_config: Callable[[Any, str], Any] | None = None
     label: Callable[[Any], str] | None = None
+    default: Callable[[], Any] | None = None
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -105,7 +108,7 @@ class QuantizationMode:
         """The config `policy` implies."""
         if self.config_for_policy is not None:
             return self.config_for_policy(policy)
-        return self.config_class()
+        return self.default() if self.default is not None else self.config_class()
 
     def policy_of(self, config: Any, source_name: str) -> Any:
         """The policy of a module quantized with `config` from `source_name`."""
@@ -125,7 +128,7 @@ class QuantizationMode:
                 f"For {self.name.upper()}, you must pass a `{self.config_class.__name__}` "
                 "object in the `config` argument (it holds the calibration data)."
             )
-        return self.config_class()
+        return self.default() if self.default is not None else self.config_class()
 
     def check_compute_dtype(self, compute_dtype: str) -> None:
         """Raises `ValueError` if this mode does not work with `compute_dtype`."""

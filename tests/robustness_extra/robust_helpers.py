@@ -33,7 +33,7 @@ VOCAB, EMBED_DIM = 40, 256
 def mode_and_config(name: str):
     """`(mode, config)` for a mode label of this suite."""
     return {
-        "int8": ("int8", None),
+        "int8": ("int8", Int8QuantizationConfig()),  # Keras's W8A8 (the default is weight-only)
         "int8_wo": ("int8", Int8QuantizationConfig(activation_quantizer=None)),
         "int4_128": ("int4", Int4QuantizationConfig(block_size=128)),
         "int4_pc": ("int4", Int4QuantizationConfig(block_size=-1)),

@@ -228,7 +228,7 @@ def quantize(
     checked = []
     quantizable: list[str] = []
     planned_weights: dict[int, Any] = {}
-    tied = _tied_embeddings(modules.values(), mode)
+    tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
     for path, module in modules.items():
         label = path or "(root)"
         kind = kind_of(module)
@@ -321,8 +321,8 @@ def _shared_tensors(module, spec, config, planned_weights) -> dict | None:
 
 def _tied_embeddings(modules: Any, mode: str) -> set[int]:
     """The ids of modules whose weight is shared by an embedding table and a
-    linear (a tied LM head): `quantize()` gives them the config's
-    `tied_embeddings_config()`."""
+    linear (a tied LM head), both quantizable in `mode` (the mode of the
+    config's `tied_embeddings_config()`, which `quantize()` gives them)."""
     roles: dict[int, set[str]] = {}
     holders: dict[int, list[int]] = {}
     for module in modules:

@@ -244,6 +244,20 @@ def compute_float8_amax_history(x: torch.Tensor, history: torch.Tensor) -> torch
     return rolled
 
 
+def compute_float8_channel_scale(w_nk: torch.Tensor, dtype_max: float) -> torch.Tensor:
+    """Per-output-channel scales `max|row| / dtype_max` of an (N, K) weight,
+    as float32 (N, 1); 1 for a row that is all zero or not finite.
+
+    >>> import torch
+    >>> compute_float8_channel_scale(torch.tensor([[1.0, -896.0], [0.0, 0.0]]), 448.0)
+    tensor([[2.],
+            [1.]])
+    """
+    amax = w_nk.detach().abs().amax(dim=-1, keepdim=True).float()
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, amax / dtype_max, torch.ones_like(amax))
+
+
 def quantize_and_dequantize(
     x: torch.Tensor,
     scale: torch.Tensor | float,

@@ -75,11 +75,14 @@ class Float8Runtime:
         scale: torch.Tensor | None,
         compute: torch.dtype,
         to_nk,
+        quantize=None,
     ) -> tuple[torch.Tensor, LinearProduct | None]:
         """`(kernel, product)`: the kernel quantize-dequantized in `compute`,
         in the weight's own shape, and the product path of its (N, K) view
         `to_nk(kernel)` (`None`: `F.linear` or the layer's contraction).
-        `scale` is the stored kernel scale, `None` for dynamic scaling."""
+        `scale` is the stored kernel scale, `None` for scales of the weight's
+        own: per tensor, or by `quantize` (the weight in `compute` to its
+        quantize-dequantized kernel) when given."""
         stored = (weight,) if scale is None else (weight, scale)
         key = (*tensor_key(*stored), compute, processor())
         entry = self._entry
@@ -87,9 +90,12 @@ class Float8Runtime:
             return entry[1], entry[2]
         with torch.inference_mode(False), torch.no_grad():
             cast = cast_tensor(weight.detach(), compute)
-            if scale is None:
-                scale = compute_float8_dynamic_scale(cast, FLOAT8_E4M3_MAX)
-            kernel = quantize_dequantize_e4m3(cast, scale, compute)
+            if quantize is not None:
+                kernel = quantize(cast)
+            else:
+                if scale is None:
+                    scale = compute_float8_dynamic_scale(cast, FLOAT8_E4M3_MAX)
+                kernel = quantize_dequantize_e4m3(cast, scale, compute)
             nk = to_nk(kernel)
             product = None
             if nk is not None:

@@ -4,6 +4,11 @@ parameter; six float32 buffers hold the delayed-scaling state:
 `inputs_scale`, `kernel_scale`, `outputs_grad_scale` (scalars) and their
 `*_amax_history` (the policy's length, default 1024).
 
+Weight-only (`Float8QuantizationConfig(scaling="weight_only")`) rounds the
+kernel to e4m3fn with a scale per output channel taken from the kernel itself
+(per tensor for contractions without an output-channel axis); inputs and
+output gradients are not quantized, and the buffers are not used.
+
 Dynamic scaling (`Float8QuantizationConfig(scaling="dynamic")`) takes each
 scale from the tensor being quantized, in every call (inputs and kernel in the
 forward, the output gradient in the backward): `max|t| / format max`. It
@@ -39,6 +44,7 @@ from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
     FLOAT8_E5M2_MAX,
     compute_float8_amax_history,
+    compute_float8_channel_scale,
     compute_float8_dynamic_scale,
     compute_float8_scale,
     quantize_and_dequantize,
@@ -115,8 +121,11 @@ class Float8Scheme(Scheme):
 
         else:
             contract = F.linear
-        dynamic = qw.config.scaling == "dynamic"
-        y = float8_contract(module, x, kernel, contract, module.training, dynamic)
+        if qw.config.scaling == "weight_only":
+            y = contract(x, weight_only_kernel(spec, kernel))
+        else:
+            dynamic = qw.config.scaling == "dynamic"
+            y = float8_contract(module, x, kernel, contract, module.training, dynamic)
         if bias is not None:
             y = y + bias
         return y.to(compute)
@@ -131,18 +140,22 @@ class Float8Scheme(Scheme):
             x = x.to(compute)
         if qw.runtime is None:
             qw.runtime = self.new_runtime()
-        dynamic = qw.config.scaling == "dynamic"
-        state = module._buffers
+        scaling = qw.config.scaling
+        stored = None if scaling != "delayed" else module._buffers["kernel_scale"]
         kernel, product = qw.runtime.kernel(
             weight,
-            None if dynamic else state["kernel_scale"],
+            stored,
             compute,
             None if spec.contract is not None else lambda k: spec.nk(spec.matrix(k)),
+            (lambda k: weight_only_kernel(spec, k)) if scaling == "weight_only" else None,
         )
         contract = spec.contract or (lambda a, k: F.linear(a, spec.nk(spec.matrix(k))))
-        y = float8_linear(
-            x, None if dynamic else state["inputs_scale"], kernel, product, contract, bias
-        )
+        if scaling == "weight_only":
+            y = product(x, None) if product is not None else contract(x, kernel)
+            y = y if bias is None else y + bias
+        else:
+            input_scale = None if scaling == "dynamic" else module._buffers["inputs_scale"]
+            y = float8_linear(x, input_scale, kernel, product, contract, bias)
         return y.to(compute)
 
 
@@ -156,6 +169,17 @@ def _without_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return not (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
+
+
+def weight_only_kernel(spec: WeightSpec, kernel: torch.Tensor) -> torch.Tensor:
+    """`kernel` rounded to float8_e4m3fn with a scale per output channel (per
+    tensor for contractions without one), in its own shape and dtype;
+    gradients pass straight through."""
+    if spec.contract is not None:
+        return _QDQForward.apply(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
+    w_nk = spec.nk(spec.matrix(kernel))
+    scale = compute_float8_channel_scale(w_nk, FLOAT8_E4M3_MAX)
+    return spec.from_nk(_QDQForward.apply(w_nk, scale))
 
 
 class _Updates:

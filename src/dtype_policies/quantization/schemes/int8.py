@@ -101,5 +101,8 @@ register_mode(
         data_suffix="_int8",
         refused_compute_dtypes=("float16",),
         label=lambda config: "int8 weight-only" if config.weight_only else "int8",
+        # Weight-only unless asked: per-token activations (Keras's W8A8) cost
+        # SmolLM2-135M 4.8% perplexity and 12% of its top-1 tokens, weight-only 0.4% / 5%.
+        default=lambda: Int8QuantizationConfig(activation_quantizer=None),
     )
 )
