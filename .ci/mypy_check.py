@@ -10,7 +10,10 @@ passes and says how to shrink the baseline; it never grows:
     python .ci/mypy_check.py --shrink    # rewrite the baseline without fixed errors
 
 `--shrink` refuses while there are new errors, so a new error is fixed (or
-silenced with a `# type: ignore[code]` that names it), never baselined.
+silenced with a `# type: ignore[code]` that names it), never baselined. The
+baseline belongs to the mypy version pinned in the dev extra: the commit that
+moves the pin deletes it and writes it again with `--create`, and its diff is
+reviewed there.
 """
 
 from __future__ import annotations
