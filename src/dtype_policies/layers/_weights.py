@@ -11,16 +11,12 @@ import torch
 from dtype_policies import constraints as constraints_lib
 from dtype_policies import initializers as initializers_lib
 from dtype_policies import regularizers as regularizers_lib
+from dtype_policies._core.compose import ModuleMixin
 from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
 
-if TYPE_CHECKING:
-    _LayerBase = torch.nn.Module  # `Layer` combines this mixin with `torch.nn.Module`
-else:
-    _LayerBase = object
 
-
-class LayerWeights(_LayerBase):
+class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
     """The weight-tracking half of `Layer` (see `Layer.add_weight`)."""
 
     # Written by `_init_weight_tracking`.
