@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
+_MAJOR, _MINOR = (int(p) for p in torch.__version__.split(".")[:2])
+TORCH_VERSION: tuple[int, int] = (_MAJOR, _MINOR)
 
 # Strict `torch.export` before torch 2.13 (the oldest version measured
 # without it) also runs module calls as plain Python on fake tensors, with

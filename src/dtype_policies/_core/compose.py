@@ -11,9 +11,17 @@ the same mixins.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    ModuleMixin = torch.nn.Module
+else:
+    ModuleMixin = object
+"""The base of the classes this library composes onto torch modules:
+`object` at run time, `torch.nn.Module` for type checkers (the mixins' `self`
+is always a module)."""
 
 
 class ComposedModule:

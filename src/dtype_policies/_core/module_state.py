@@ -39,6 +39,7 @@ class Token:
     """
 
     __slots__ = ("name",)
+    name: str
     _by_name: dict[str, Token] = {}
 
     def __new__(cls, name: str) -> Token:

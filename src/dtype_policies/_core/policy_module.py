@@ -20,7 +20,7 @@ from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import HALF_DTYPES, tracing
 from dtype_policies._core.checkpoints import check_checkpoint
-from dtype_policies._core.compose import mixins_of, original_class, set_mixins
+from dtype_policies._core.compose import ModuleMixin, mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import (
     STATE_KEY,
     drop_state_if_empty,
@@ -58,7 +58,7 @@ class ModuleOptions:
     weight_cache: bool = True
 
 
-class PolicyModule:
+class PolicyModule(ModuleMixin):
     """The mixin that runs a torch module's calls by its policy."""
 
     _dp_order = 0
@@ -129,7 +129,7 @@ class PolicyModule:
             release(self)
 
 
-class FastLinearForward:
+class FastLinearForward(ModuleMixin):
     """The forward of an exact `nn.Linear` under a policy: it reads its weights
     in the compute dtype itself (a leaf needs no autocast scope), which keeps
     the call cost of small layers low."""

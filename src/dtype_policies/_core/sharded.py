@@ -62,3 +62,12 @@ def as_is(d: dict[str, Any], value: torch.Tensor) -> bool:
     """Whether a weight read from a module with `__dict__` `d` is FSDP's
     sharded parameter (a DTensor outside the module's forward)."""
     return type(value) not in _PLAIN_TYPES and bool(d.get(FSDP_MANAGED, False))
+
+
+def class_under_fsdp(cls: type) -> type:
+    """The class FSDP2's wrapper class `FSDP<cls>` (made by `fully_shard`) stands
+    for; any other class itself."""
+    index = getattr(cls, "_orig_cls_mro_index", None)
+    if isinstance(index, int) and len(cls.__mro__) > index:
+        return cls.__mro__[index]
+    return cls

@@ -38,6 +38,7 @@ def parse_candidate(spec: object) -> DTypePolicy:
     `"float8"`: quantized from mixed_bfloat16), a float policy name
     (`"mixed_bfloat16"`, `"bfloat16"`), a full quantized name
     (`"int4/-1_from_mixed_bfloat16"`) or a policy object."""
+    policy: DTypePolicy
     if isinstance(spec, str):
         name = spec.strip()
         try:

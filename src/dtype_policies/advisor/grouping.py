@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._core.slots import own_parameters
 from dtype_policies.advisor.units import Unit, _first_floating
 
 
@@ -60,10 +61,9 @@ def group_units(units: list[Unit], shared_inputs: list[list[str]]) -> list[list[
                     sets.union(a.path, b.path)
     owners: dict[int, str] = {}
     for unit in units:
-        for parameter in unit.module._parameters.values():
-            if parameter is not None:
-                first = owners.setdefault(id(parameter), unit.path)
-                sets.union(first, unit.path)
+        for parameter in own_parameters(unit.module):
+            first = owners.setdefault(id(parameter), unit.path)
+            sets.union(first, unit.path)
     groups: dict[str, list[Unit]] = {}
     for unit in units:
         groups.setdefault(sets.find(unit.path), []).append(unit)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from dtype_policies._core.slots import swap_child
 from dtype_policies.advisor.errors import ErrorMeter
 
 
@@ -26,12 +27,11 @@ def swapped(
                 continue
             parent_path, _, name = path.rpartition("/")
             parent = target.get_submodule(parent_path.replace("/", ".")) if parent_path else target
-            restore.append((parent, name, parent._modules[name]))
-            parent._modules[name] = replacement
+            restore.append((parent, name, swap_child(parent, name, replacement)))
         yield target
     finally:
         for parent, name, original in reversed(restore):
-            parent._modules[name] = original
+            swap_child(parent, name, original)
 
 
 def group_error(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.module_rules import matches_any
+from dtype_policies._core.slots import own_parameters
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.batches import Batch, floating_tensors
 from dtype_policies.apply.apply import DEFAULT_FLOAT32_MODULES
@@ -53,7 +54,7 @@ class Skipped:
 
 
 def _owns_float_weights(module: torch.nn.Module) -> bool:
-    return any(p is not None and p.is_floating_point() for p in module._parameters.values())
+    return any(p.is_floating_point() for p in own_parameters(module))
 
 
 def find_units(model: torch.nn.Module) -> tuple[list[Unit], list[Skipped]]:

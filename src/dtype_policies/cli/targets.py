@@ -41,7 +41,7 @@ def load_callable(target: str, what: str = "TARGET") -> Any:
         module = importlib.import_module(module_name)
     except Exception as e:
         raise CLIError(f"cannot import {module_name!r} from {what} {target!r}: {e}") from e
-    found = module
+    found: Any = module
     for part in attribute.split("."):
         found = getattr(found, part, None)
         if found is None:

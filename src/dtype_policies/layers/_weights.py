@@ -4,19 +4,41 @@ flags, regularization losses and constraints), as a mixin of `Layer`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dtype_policies import constraints as constraints_lib
 from dtype_policies import initializers as initializers_lib
 from dtype_policies import regularizers as regularizers_lib
+from dtype_policies._core.compose import ModuleMixin
 from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
 
 
-class LayerWeights:
+class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
     """The weight-tracking half of `Layer` (see `Layer.add_weight`)."""
+
+    # Written by `_init_weight_tracking`.
+    _autocast_weight_names: set[str]
+    _declared_trainable: dict[str, bool]
+    _weight_regularizers: dict[str, Any]
+    _weight_constraints: dict[str, Any]
+
+    if TYPE_CHECKING:  # what `Layer` provides
+        name: str
+        _trainable: bool
+        _build_device: torch.device | None
+        _activity_losses: list[torch.Tensor]
+
+        @property
+        def _path(self) -> str | None: ...
+        @_path.setter
+        def _path(self, path: str | None) -> None: ...
+        @property
+        def variable_dtype(self) -> str: ...
+        def _refresh_policy_state(self) -> None: ...
+        def _assign_paths(self) -> None: ...
 
     def _init_weight_tracking(self) -> None:
         d = self.__dict__

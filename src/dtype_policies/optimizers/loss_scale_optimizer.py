@@ -104,6 +104,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     (1, 16384.0)
     """
 
+    # Written in `__init__` (the first five straight into `__dict__`: the
+    # optimizer's `param_groups`, `state` and `defaults` are the inner one's).
+    _inner: torch.optim.Optimizer
+    name: str
+    _initial_scale: float
+    _dynamic_growth_steps: int
+    _process_group: Any
+    _scale: float
+    _step_counter: int
+    _iterations: int
+
     def __init__(
         self,
         inner_optimizer: torch.optim.Optimizer,

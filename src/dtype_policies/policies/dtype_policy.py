@@ -51,6 +51,10 @@ class DTypePolicy:
     'float64'
     """
 
+    # Written once, in `__init__`, through `_set` (see `__setattr__`).
+    _name: str
+    _compute_dtype: str
+    _variable_dtype: str
     _quantization_mode: str | None = None
     # A `DTypePolicyMap` is a policy whose entries depend on the layer path.
     is_map: ClassVar[bool] = False

@@ -58,7 +58,11 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
     Path 'encoder/attention/query' matches multiple dtype policy specification keys
     """
 
-    __hash__ = None  # a mutable mapping
+    _default_policy: DTypePolicy
+    _policy_map: dict[str, DTypePolicy]
+    _patterns: dict[str, re.Pattern[str]]
+    _version: int
+    __hash__ = None  # type: ignore[assignment]  # a mutable mapping
     is_map = True
     keras_module = "keras.dtype_policies"
 

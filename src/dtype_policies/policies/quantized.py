@@ -46,6 +46,7 @@ class QuantizedDTypePolicy(DTypePolicy):
     'Int8QuantizationConfig'
     """
 
+    _source_name: str
     keras_module = "keras.dtype_policies"
 
     def __init__(self, mode: str, source_name: str | torch.dtype | None = None) -> None:
@@ -110,6 +111,8 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
     <QuantizedFloat8DTypePolicy "float8_from_float32" scaling="dynamic">
     """
 
+    _amax_history_length: int
+    _scaling: str
     keras_module = "keras.dtype_policies"
     default_amax_history_length: ClassVar[int] = DEFAULT_AMAX_HISTORY_LENGTH
 
@@ -192,6 +195,7 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
     'int4/-1_from_float32'
     """
 
+    _block_size: int
     keras_module = "keras.dtype_policies"
 
     def __init__(self, mode: str, source_name: str | torch.dtype | None = None) -> None:

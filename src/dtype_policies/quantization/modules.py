@@ -16,6 +16,7 @@ import torch
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.checkpoints import check_checkpoint
+from dtype_policies._core.compose import ModuleMixin
 from dtype_policies._core.module_state import quantization_of, state_of
 from dtype_policies._core.scope import current_scope
 from dtype_policies.quantization.schemes.base import QuantizedWeight
@@ -29,7 +30,7 @@ def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
     return leaf_weights(state_of(module).casts, bias, None, compute, weight_name=name)[0]
 
 
-class QuantizedForward:
+class QuantizedForward(ModuleMixin):
     """Shared by the quantized forwards: the weight attribute and loading."""
 
     _dp_order = 10

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+def write_atomically(path: str | os.PathLike, write: Callable[[str], object]) -> None:
     """Calls `write(temporary_path)`, flushes the file to disk and renames it
     to `path` (atomic on POSIX and Windows). On any error, or if the process
     dies first, `path` is untouched: the old file (if any) stays whole.

@@ -20,6 +20,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dtype_policies._core.listeners import model_changed
+from dtype_policies._core.slots import (
+    replace_buffer,
+    replace_parameter,
+    stored_buffer,
+    stored_parameter,
+)
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import Step, commit_application
 from dtype_policies.layers.layer import Layer, resolved_policy
@@ -108,8 +114,7 @@ def _collect_tensors(
     sharded = any(_is_sharded(tensor) for tensor in state.values())
     keep = not sharded or _rank() == 0
     for key in manifest.non_persistent:
-        owner, _, name = key.rpartition(".")
-        state[key] = module.get_submodule(owner)._buffers[name]
+        state[key] = stored_buffer(module, key)
     tensors: dict[str, torch.Tensor] = {}
     first_key: dict[tuple, str] = {}
     storages: set[tuple] = set()
@@ -188,9 +193,10 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     persistent = {k: v for k, v in state.items() if k not in non_persistent}
     module.load_state_dict(persistent, strict=True, assign=assign)
     for key in manifest.non_persistent:
-        owner, _, name = key.rpartition(".")
-        buffers = module.get_submodule(owner)._buffers
-        buffers[name] = state[key] if assign else buffers[name].copy_(state[key])
+        if assign:
+            replace_buffer(module, key, state[key])
+        else:
+            stored_buffer(module, key).copy_(state[key])
     if assign:
         _retie(module, tied)
     model_changed(module)
@@ -375,13 +381,9 @@ def _tied_parameters(module: torch.nn.Module) -> list[list[str]]:
 def _retie(module: torch.nn.Module, tied: list[list[str]]) -> None:
     """After `load_state_dict(assign=True)`, makes tied parameters one object again."""
     for names in tied:
-        owner, _, attribute = names[0].rpartition(".")
-        first = module.get_submodule(owner)._parameters.get(attribute)
+        first = stored_parameter(module, names[0])
         for name in names[1:]:
-            owner, _, attribute = name.rpartition(".")
-            parameters = module.get_submodule(owner)._parameters
-            if attribute in parameters:
-                parameters[attribute] = first
+            replace_parameter(module, name, first)
 
 
 def _module_tensors(module: torch.nn.Module):
@@ -402,9 +404,8 @@ def _check_state(
     for key, tensor in module.state_dict(keep_vars=True).items():
         expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     for key in manifest.non_persistent:
-        owner, _, name = key.rpartition(".")
         try:
-            buffer = module.get_submodule(owner)._buffers.get(name)
+            buffer = stored_buffer(module, key)
         except AttributeError:
             buffer = None
         if buffer is not None:

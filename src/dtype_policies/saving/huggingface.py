@@ -87,6 +87,7 @@ except ImportError as e:  # pragma: no cover - transformers missing or too old
     ) from e
 
 from dtype_policies._core.policy_module import is_policied, refresh
+from dtype_policies._core.slots import replace_buffer
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import commit_application
 from dtype_policies.quantization import attach
@@ -206,8 +207,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         for alias, key in self._aliases.items():
-            owner, _, name = alias.rpartition(".")
-            model.get_submodule(owner)._buffers[name] = model.get_buffer(key)
+            replace_buffer(model, alias, model.get_buffer(key))
         left = [key for key in self._stored if model.get_buffer(key).device.type == "meta"]
         if left:
             raise CheckpointError(

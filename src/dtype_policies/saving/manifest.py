@@ -17,6 +17,8 @@ import torch
 
 from dtype_policies._core.compose import original_class, original_of
 from dtype_policies._core.policy_module import ModuleOptions, top_options
+from dtype_policies._core.sharded import class_under_fsdp
+from dtype_policies._core.slots import non_persistent_buffer_names
 from dtype_policies.layers.layer import Layer, resolved_policy
 from dtype_policies.policies import DTypePolicy, deserialize, serialize
 from dtype_policies.quantization.attach import quantization_of
@@ -142,9 +144,8 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
                 float_dtype=str(quantized.float_dtype).removeprefix("torch."),
                 stored=sorted(quantized.stored_names),
             )
-        for buffer_name in sorted(submodule._non_persistent_buffers_set):
-            if submodule._buffers.get(buffer_name) is not None:
-                manifest.non_persistent.append(_join(name, buffer_name))
+        for buffer_name in non_persistent_buffer_names(submodule):
+            manifest.non_persistent.append(_join(name, buffer_name))
     return manifest
 
 
@@ -152,9 +153,9 @@ def _class_name(module: torch.nn.Module) -> str:
     """The module's own class name, without this library's mixins or FSDP2's
     `FSDP<class>` wrapper class."""
     cls = original_class(module)
-    index = getattr(cls, "_orig_cls_mro_index", None)  # FSDP2's wrapper classes
-    if isinstance(index, int) and len(cls.__mro__) > index:
-        cls = original_of(cls.__mro__[index])
+    wrapped = class_under_fsdp(cls)
+    if wrapped is not cls:
+        cls = original_of(wrapped)
     return cls.__name__
 
 

@@ -1,17 +1,22 @@
 """Contract: through int8 (W8A8 and weight-only) and int4 layers, d(out)/d(input)
 is the straight-through gradient through the dequantized weight,
 `grad_x = grad_y @ W_deq` (cosine > 0.999). Bias gradients flow; the quantized
-weight gets none; an embedding table gets none."""
+weight gets none; an embedding table gets none; an adapter trained in front of
+a frozen int8 layer learns."""
 
 import pytest
 import torch
 import torch.nn as nn
-from robust_helpers import (
+
+from dtype_policies import apply_policy, quantize
+
+from .helpers import (
     EMBEDDING_KINDS,
     IN_FEATURES,
     INTEGER_MODES,
     LINEAR_KINDS,
     OUT_FEATURES,
+    QUANTIZE_ARGS,
     VOCAB,
     cosine,
     dequantized_nk,
@@ -119,3 +124,44 @@ def test_torch_module_weight_is_dequantized_float(mode):
     torch.testing.assert_close(weight, dequantized_nk(leaf, "linear", mode), rtol=1e-5, atol=1e-6)
     error = (weight - reference.weight_nk).norm() / reference.weight_nk.norm()
     assert error < (0.02 if mode.startswith("int8") else 0.2)
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("mode", ["int8", "int8_weight_only", "int4", "int4_per_channel"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_input_gradient_is_the_straight_through_one(mode, policy):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    apply_policy(linear, policy)
+    quantize(linear, *QUANTIZE_ARGS[mode])
+    x = torch.randn(8, 64, requires_grad=True)
+    linear(x).float().square().sum().backward()
+    dequantized = linear.weight.detach().float()  # reads as the dequantized weight
+    reference_x = x.detach().clone().requires_grad_(True)
+    y = torch.nn.functional.linear(reference_x, dequantized, linear.bias.detach())
+    y.square().sum().backward()
+    cosine = torch.nn.functional.cosine_similarity(
+        x.grad.flatten(), reference_x.grad.flatten(), dim=0
+    )
+    assert cosine > (0.999 if policy == "float32" else 0.99)
+    assert linear.bias.grad is not None and linear.bias.grad.dtype == torch.float32
+    assert all(not t.requires_grad for t in linear.buffers())
+
+
+@pytest.mark.usefixtures("quiet")
+def test_adapter_before_a_quantized_layer_learns():
+    torch.manual_seed(0)
+    frozen = nn.Linear(32, 16)
+    target = torch.randn(64, 16)
+    x = torch.randn(64, 32)
+    quantize(frozen, "int8")
+    adapter = nn.Linear(32, 32)
+    optimizer = torch.optim.Adam(adapter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        loss = (frozen(adapter(x)) - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]

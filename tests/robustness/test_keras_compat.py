@@ -4,7 +4,6 @@
 
 import pytest
 import torch
-from robust_helpers import unpack_int4
 
 import dtype_policies
 from dtype_policies import layers
@@ -13,6 +12,8 @@ from dtype_policies.quantization import (
     Int4QuantizationConfig,
     Int8QuantizationConfig,
 )
+
+from .helpers import unpack_int4
 
 
 @pytest.mark.parametrize("mode", ["int7", "float7", "float16"])
@@ -166,3 +167,26 @@ def test_int8_einsum_kernel_gives_int8_values():
     layer.quantize("int8")
     kernel = layer.kernel
     assert kernel.dtype == torch.int8 and kernel.numel() == 16 * 2 * 8
+
+
+@pytest.mark.usefixtures("quiet")
+def test_keras_compatibility_details():
+    quantizer = AbsMaxQuantizer(axis=-1, value_range=(-63, 63))
+    assert quantizer.axis == (-1,) and quantizer.get_config()["axis"] == (-1,)  # as Keras
+    q, scale = quantizer(torch.tensor([[0.5, -1.0]]))
+    assert q.tolist() == [[31, -63]] and q.dtype == torch.int8  # 31.49999..., epsilon included
+    assert torch.allclose(scale, torch.tensor([[63.0]]))
+    assert Int4QuantizationConfig(block_size=None).block_size is None
+
+    embedding = layers.Embedding(50, 16)
+    embedding.build()
+    embedding.quantize("int8", Int8QuantizationConfig(weight_quantizer=quantizer))
+    assert embedding.embeddings.abs().max() <= 63
+
+    dense = layers.Dense(10)
+    dense.build((None, 20))
+    float_kernel = dense.kernel.detach().clone()
+    dense.quantize("int4", Int4QuantizationConfig(block_size=-1))
+    values = dense.kernel
+    assert values.shape == float_kernel.shape and values.dtype == torch.int8
+    assert values.min() >= -8 and values.max() <= 7

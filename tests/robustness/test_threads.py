@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-from robust_helpers import quantize_with
 
 from dtype_policies import apply_policy, layers
+
+from .helpers import quantize_with
 
 STEPS = 8
 
@@ -125,3 +126,36 @@ def test_concurrent_evaluation_threads_agree(setup):
         thread.join()
     assert not errors, errors
     assert not results, sorted(results)[:5]
+
+
+@pytest.mark.usefixtures("quiet")
+def test_training_thread_keeps_its_gradients_while_another_evaluates():
+    def train(parallel):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        apply_policy(model, "mixed_bfloat16")
+        x = torch.randn(8, 16)
+        stop = threading.Event()
+
+        def evaluate():
+            while not stop.is_set():
+                with torch.no_grad():
+                    model(x)
+
+        worker = threading.Thread(target=evaluate)
+        if parallel:
+            worker.start()
+        grads = []
+        try:
+            for _ in range(25):
+                model.zero_grad()
+                model(x).float().sum().backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+        finally:
+            stop.set()
+            if parallel:
+                worker.join()
+        return grads
+
+    together, alone = train(True), train(False)
+    assert all(torch.equal(a, b) for ga, gb in zip(together, alone) for a, b in zip(ga, gb))

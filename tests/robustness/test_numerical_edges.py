@@ -2,9 +2,16 @@
 (confined to their rows), empty batches in every mode, and the weight-only
 int8 kernel on awkward shapes (in a subprocess: it can crash the interpreter)."""
 
+import copy
+
 import pytest
 import torch
-from robust_helpers import (
+import torch.nn as nn
+
+from dtype_policies import apply_policy, quantize
+from dtype_policies.quantization import Int8QuantizationConfig
+
+from .helpers import (
     EMBEDDING_KINDS,
     IN_FEATURES,
     LINEAR_KINDS,
@@ -185,3 +192,47 @@ def test_empty_id_batches(mode, kind):
     for ids in (torch.zeros(0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
         out = model(ids)
         assert out.shape == (*ids.shape, 256)
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_numerical_edges(mode):
+    linear = nn.Linear(64, 32)
+    with torch.no_grad():
+        linear.weight.zero_()
+    zero = copy.deepcopy(linear)
+    quantize(zero, mode)
+    x = torch.randn(4, 64)
+    out = zero(x)
+    assert torch.isfinite(out).all() and torch.allclose(out, linear.bias.expand(4, 32), atol=1e-6)
+
+    outlier = nn.Linear(64, 32)
+    with torch.no_grad():
+        outlier.weight[3, 5] = 1e4
+    reference = outlier(x)
+    quantize(outlier, mode)
+    assert torch.isfinite(outlier(x)).all()
+    if mode != "float8":  # delayed scaling starts at scale 1: an outlier saturates until calibrated
+        assert ((outlier(x) - reference).norm() / reference.norm()) < 0.2
+
+    if mode == "int8":  # a bad row stays in its row (per-row activation scales)
+        bad = x.clone()
+        bad[1, 7] = float("inf")
+        bad[2, 0] = float("nan")
+        result = outlier(bad)
+        assert torch.isfinite(result[[0, 3]]).all()
+
+
+@pytest.mark.usefixtures("quiet")
+def test_small_weight_only_int8_shapes_never_crash():
+    for in_features in (17, 33, 100, 64):
+        for rows in (1, 2, 5, 16, 17):
+            linear = nn.Linear(in_features, 24)
+            apply_policy(linear, "mixed_bfloat16")
+            quantize(linear, "int8", Int8QuantizationConfig(activation_quantizer=None))
+            x = torch.randn(rows, in_features)
+            out = linear(x)
+            reference = nn.functional.linear(
+                x.bfloat16().float(), linear.weight.float(), linear.bias
+            )
+            assert ((out.float() - reference).norm() / reference.norm()) < 0.02

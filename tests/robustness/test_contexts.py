@@ -5,13 +5,17 @@ inside it, and models created inside it then used under `no_grad` or grad mode."
 import pytest
 import torch
 import torch.nn as nn
-from robust_helpers import (
+
+from dtype_policies import apply_policy, layers, quantize
+
+from .helpers import (
     CONTEXTS,
     EMBEDDING_KINDS,
     FLOAT_POLICIES,
     INTEGER_MODES,
     LINEAR_KINDS,
     QUANT_MODES,
+    QUANTIZE_ARGS,
     TOLERANCE,
     VOCAB,
     compute_dtype_of,
@@ -20,8 +24,6 @@ from robust_helpers import (
     quantize_with,
     relative_error,
 )
-
-from dtype_policies import apply_policy, layers, quantize
 
 FLOAT_TOLERANCE = {"float32": 1e-5, "mixed_bfloat16": 0.02, "bfloat16": 0.02}
 
@@ -179,3 +181,78 @@ def test_int8_with_compiled_epilogues(compiled_epilogues):
                 out = model(x)
             assert torch.isfinite(out).all(), (context, rows)
             assert relative_error(out, reference(x)) < TOLERANCE["int8"], (context, rows)
+
+
+def torch_linear():
+    return nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32))
+
+
+def keras_dense():
+    model = layers.Sequential([layers.Dense(48, activation="gelu"), layers.Dense(32)])
+    model(torch.zeros(1, 64))
+    return model
+
+
+def keras_einsum():
+    model = layers.Sequential(
+        [layers.EinsumDense("ab,bc->ac", output_shape=48, bias_axes="c"), layers.Dense(32)]
+    )
+    model(torch.zeros(1, 64))
+    return model
+
+
+BUILDERS = {"nn.Linear": torch_linear, "Dense": keras_dense, "EinsumDense": keras_einsum}
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("mode", list(QUANTIZE_ARGS))
+@pytest.mark.parametrize("context", list(CONTEXTS))
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_every_mode_runs_in_every_context(mode, context, kind, rows):
+    torch.manual_seed(0)
+    model = BUILDERS[kind]()
+    x = torch.randn(rows, 64)
+    with torch.no_grad():
+        reference = model(x)
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, *QUANTIZE_ARGS[mode])
+    with CONTEXTS[context]():
+        out = model(x)
+        empty = model(x[:0])
+    assert out.dtype == torch.bfloat16 and out.shape == reference.shape
+    assert relative_error(out, reference) < (0.25 if mode.startswith("int4") else 0.1)
+    assert empty.shape == (0, 32)
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("mode", list(QUANTIZE_ARGS))
+def test_quantize_inside_inference_mode_then_use_elsewhere(mode):
+    torch.manual_seed(0)
+    model = torch_linear()
+    x = torch.randn(20, 64)
+    with torch.inference_mode():
+        apply_policy(model, "mixed_bfloat16")
+        quantize(model, *QUANTIZE_ARGS[mode])
+        inside = model(x)
+    with torch.no_grad():
+        outside = model(x)
+    assert torch.equal(inside, outside)
+    out = model(x.requires_grad_())
+    out.float().sum().backward()  # buffers made in inference mode never block autograd
+    assert x.grad is not None
+
+
+@pytest.mark.usefixtures("quiet")
+def test_models_built_in_inference_mode_work_under_no_grad_and_quantize():
+    with torch.inference_mode():
+        model = torch_linear()
+        dense = layers.Dense(8, dtype="mixed_bfloat16")
+        dense(torch.randn(2, 4))
+    apply_policy(model, "mixed_bfloat16")
+    with torch.no_grad():
+        assert model(torch.randn(2, 64)).dtype == torch.bfloat16
+        assert dense(torch.randn(2, 4)).dtype == torch.bfloat16
+    quantize(model, "int8")
+    with torch.no_grad():
+        assert model(torch.randn(20, 64)).dtype == torch.bfloat16

@@ -8,10 +8,24 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn as nn
-from robust_helpers import assert_unchanged, quantize_with, snapshot
 
 import dtype_policies
-from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
+from dtype_policies import (
+    DTypePolicyMap,
+    QuantizedFloat8DTypePolicy,
+    apply_policy,
+    layers,
+    quantize,
+)
+
+from .helpers import (
+    assert_unchanged,
+    mlp,
+    quantize_with,
+    snapshot,
+    snapshot_with_call_states,
+    unchanged_with_call_states,
+)
 
 
 def _model():
@@ -163,3 +177,40 @@ def test_unknown_quantization_mode_in_quantize():
     with pytest.raises(ValueError, match="Invalid quantization mode"):
         quantize(model, "int7")
     assert_unchanged(model, before)
+
+
+@pytest.mark.usefixtures("quiet")
+def test_policy_misuse_errors_name_the_value_and_change_nothing():
+    model = mlp()
+    before = snapshot_with_call_states(model)
+    with pytest.raises(ValueError, match=r"'int8'.*int8_from_mixed_bfloat16.*quantize"):
+        apply_policy(model, "int8")
+    with pytest.raises(ValueError, match=r"Invalid regex in `filters`: '\['"):
+        quantize(model, "int8", filters="[")
+    assert unchanged_with_call_states(model, before)
+    quantize(model, "int8")
+    before = snapshot_with_call_states(model)
+    with pytest.raises(ValueError, match=r"'0'.*mode 'int8'.*int4/128_from_float32"):
+        apply_policy(model, "int4/128_from_float32")
+    assert unchanged_with_call_states(model, before)
+    for name in (
+        "int8_from_",
+        "int4/ 128_from_float32",
+        "int4/+128_from_float32",
+        "int4/1.5_from_float32",
+    ):
+        with pytest.raises(ValueError):
+            dtype_policies.get(name)
+    with pytest.raises(ValueError, match=r"Invalid quantization mode.*int7"):
+        QuantizedFloat8DTypePolicy(mode="int7")
+
+
+@pytest.mark.usefixtures("quiet")
+def test_map_keys_matching_nothing_warn_by_name():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    with pytest.warns(UserWarning, match=r"'encoder\\\\\.layers\\\\\.0' matches no module path"):
+        apply_policy(model, DTypePolicyMap("float32", {r"encoder\.layers\.0": "bfloat16"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_policy(model, DTypePolicyMap("float32", {"1.0": "bfloat16"}))  # dotted: matches
+    assert model[1][0].dtype_policy.name == "bfloat16"

@@ -7,10 +7,18 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn as nn
-from robust_helpers import assert_unchanged, quantize_with, snapshot
 
 from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
+from dtype_policies._core.module_state import state_of
 from dtype_policies.quantization import Int8QuantizationConfig
+
+from .helpers import (
+    assert_unchanged,
+    quantize_with,
+    snapshot,
+    snapshot_with_call_states,
+    unchanged_with_call_states,
+)
 
 
 def _three_linears():
@@ -139,3 +147,18 @@ def test_non_matmul_einsum_is_skipped_with_a_reason():
     with torch.no_grad():
         out = model(x)
     assert ((out - reference).norm() / reference.norm()) < 0.05
+
+
+@pytest.mark.usefixtures("quiet")
+def test_quantize_is_atomic_and_names_the_failing_module():
+    model = nn.Sequential(
+        nn.Linear(32, 32),
+        layers.Dense(16, dtype="mixed_float16"),  # int8 with float16 compute is refused
+        nn.Linear(16, 8),
+    )
+    model[1].build((None, 32))
+    before = snapshot_with_call_states(model)
+    with pytest.raises(ValueError, match=r"module '1'.*float16"):
+        quantize(model, "int8")
+    assert unchanged_with_call_states(model, before)
+    assert getattr(state_of(model[0]), "quantization", None) is None

@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from robust_helpers import TOLERANCE, quantize_with, relative_error
 
-from dtype_policies import apply_policy
+from dtype_policies import apply_policy, quantize
+from dtype_policies.quantization import Int4QuantizationConfig
+
+from .helpers import TOLERANCE, quantize_with, relative_error
 
 torch.manual_seed(0)
 X3 = torch.randn(2, 6, 64)
@@ -330,3 +332,84 @@ def test_quantized_einsum_with_ellipsis_other_input_ranks(mode, built_with, call
         out = layer(x)
     assert out.shape == (*called_with[:-1], 32)
     assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+@pytest.mark.usefixtures("quiet")
+def test_unusual_modules_stay_correct():
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
+    encoder.eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        reference = encoder(x)
+    report = quantize(encoder, "int8")
+    reasons = dict(report.skipped)
+    assert "read by its parent" in reasons["layers/0/self_attn/out_proj"]
+    assert "read by its parent" in reasons["layers/0/linear1"]
+    with torch.no_grad():
+        assert torch.allclose(encoder(x), reference, atol=1e-5)
+
+    class ReadsChild(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.child.weight, self.child.bias)
+
+    parent = ReadsChild()
+    x = torch.randn(3, 16)
+    reference = parent(x)
+    quantize(parent, "int8")
+    assert ((parent(x) - reference).norm() / reference.norm()) < 0.02
+
+    normed = nn.Sequential(
+        nn.Linear(16, 16),
+        torch.nn.utils.parametrizations.weight_norm(nn.Linear(16, 16)),
+        nn.utils.spectral_norm(nn.Linear(16, 8)),
+    ).eval()
+    reference = normed(x)
+    report = quantize(normed, "int8")
+    assert [path for path, _, _ in report.quantized] == ["0"]
+    assert "parametrized" in dict(report.skipped)["1"]
+    assert "spectral_norm" in dict(report.skipped)["2"]
+    assert ((normed(x) - reference).norm() / reference.norm()) < 0.02
+
+    bag = nn.EmbeddingBag(10, 4, mode="sum")
+    apply_policy(bag, "mixed_bfloat16")
+    ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    for weights in (torch.rand(4), torch.rand(4).bfloat16()):
+        assert bag(ids, offsets, per_sample_weights=weights).dtype == torch.bfloat16
+
+    recurrent = nn.LSTM(8, 16, batch_first=True)
+    apply_policy(recurrent, "float32")
+    report = quantize(recurrent, "int8")
+    assert report.num_quantized == 0 and report.skipped == [("(root)", "no quantize support")]
+
+
+@pytest.mark.usefixtures("quiet")
+def test_tied_weights_are_quantized_once_and_shared():
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 32)
+            self.head = nn.Linear(32, 100, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    # int4 keeps a tied table in (weight-only) int8 unless told otherwise.
+    for mode, config, stored in (
+        ("int8", None, "int8"),
+        ("int4", None, "int8"),
+        ("int4", Int4QuantizationConfig(tied_embeddings="int4"), "int4"),
+    ):
+        model = TiedLM()
+        ids = torch.randint(0, 100, (2, 5))
+        reference = model(ids)
+        report = quantize(model, mode, config)
+        assert {m for _, m, _ in report.quantized} == {stored}
+        assert getattr(model.head, f"weight_{stored}") is getattr(model.embed, f"weight_{stored}")
+        assert model.head.weight_scale is model.embed.weight_scale
+        assert ((model(ids) - reference).norm() / reference.norm()) < 0.2

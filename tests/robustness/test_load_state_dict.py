@@ -8,15 +8,17 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from robust_helpers import (
+
+from dtype_policies import apply_policy, layers, quantize
+
+from .helpers import (
     INTEGER_MODES,
     assert_unchanged,
+    mlp,
     quantize_with,
     relative_error,
     snapshot,
 )
-
-from dtype_policies import apply_policy, layers
 
 X = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
 
@@ -209,3 +211,55 @@ def test_quantized_state_dict_keys_do_not_shadow_float_keys(mode):
     suffix = "int8" if mode == "int8" else "int4"
     assert "0.weight" not in keys and "2.weight" not in keys
     assert {f"0.weight_{suffix}", "0.weight_scale", f"2.weight_{suffix}"} <= keys
+
+
+@pytest.mark.usefixtures("quiet")
+def test_load_state_dict_float_into_quantized_requantizes_and_quantized_into_float_refuses():
+    torch.manual_seed(0)
+    source = mlp()
+    quantized = mlp()
+    quantize(quantized, "int8")
+    quantized.load_state_dict(source.state_dict())  # strict
+    expected = copy.deepcopy(source)
+    quantize(expected, "int8")
+    x = torch.randn(4, 32)
+    assert torch.equal(quantized(x), expected(x))
+
+    float_model = mlp()
+    weights = {k: v.clone() for k, v in float_model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="weight_int8"):
+        float_model.load_state_dict(quantized.state_dict())
+    report = float_model.load_state_dict(quantized.state_dict(), strict=False)
+    assert "0.weight_int8" in report.unexpected_keys and "0.weight" in report.missing_keys
+    assert all(  # the float weights are untouched (only the biases matched)
+        torch.equal(float_model.state_dict()[k], weights[k]) for k in weights if "weight" in k
+    )
+
+    policied = mlp()
+    apply_policy(policied, "mixed_bfloat16")
+    dense = layers.Dense(32)
+    dense.build((None, 32))
+    dense_q = layers.Dense(32)
+    dense_q.build((None, 32))
+    dense_q.quantize("int8")
+    with pytest.raises(ValueError, match="kernel_int8"):
+        dense.load_state_dict(dense_q.state_dict(), strict=False)
+
+    int4_model = mlp()
+    quantize(int4_model, "int4")
+    with pytest.raises(ValueError, match=r"'0\.weight_int8'.*mode 'int4'"):
+        int4_model.load_state_dict(quantized.state_dict())
+
+
+@pytest.mark.usefixtures("quiet")
+def test_load_state_dict_assign_sees_new_values():
+    model = mlp()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        model(x)
+        other = mlp()
+        model.load_state_dict(other.state_dict(), assign=True)
+        reference = copy.deepcopy(other)
+        apply_policy(reference, "mixed_bfloat16")
+        assert torch.equal(model(x), reference(x))

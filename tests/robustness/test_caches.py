@@ -4,14 +4,17 @@ dtype, so every ordinary way of changing a weight is seen by the next call,
 in every grad mode. `.data.<op>_()` edits are the documented exception:
 `clear_cast_caches(model)` drops kept casts, `weight_cache=False` keeps none."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from robust_helpers import relative_error
 
 import dtype_policies
 from dtype_policies import apply_policy, layers
+
+from .helpers import mlp, relative_error
 
 KINDS = ["linear", "dense", "einsum"]
 
@@ -189,3 +192,43 @@ def test_to_double_then_back_is_seen(kind):
         )
         out = model(X)
     assert relative_error(out, _reference(model, kind, X)) < 0.02
+
+
+@pytest.mark.usefixtures("quiet")
+def test_weight_changes_are_seen_by_kept_casts():
+    model = mlp()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(4, 32)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def same():
+        with torch.no_grad():
+            return torch.equal(model(x), reference(x))
+
+    assert same()
+    for m, opt in ((model, optimizer), (reference, reference_optimizer)):
+        m(x).float().sum().backward()
+        opt.step()
+    assert same()
+    with torch.no_grad():
+        for m in (model, reference):
+            m[0].weight.mul_(0.5).add_(m[2].bias.mean())  # an EMA-style update
+    assert same()
+    new = torch.randn(32, 32)
+    model[0].weight.data = new.clone()
+    reference[0].weight.data = new.clone()
+    assert same()
+    with torch.no_grad():
+        model[0].weight.data.mul_(3)  # invisible to torch's version counter
+        reference[0].weight.data.mul_(3)
+    dtype_policies.clear_cast_caches(model)
+    dtype_policies.clear_cast_caches(reference)  # a policied copy: its kept casts too
+    assert same()
+    uncached = mlp()
+    apply_policy(uncached, "mixed_bfloat16", weight_cache=False)
+    with torch.no_grad():
+        first = uncached(x)
+        uncached[0].weight.data.zero_()
+        assert not torch.equal(uncached(x), first)

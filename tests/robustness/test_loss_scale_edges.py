@@ -153,3 +153,18 @@ def test_normal_steps_still_apply():
     assert optimizer.iterations == 1
     assert any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
     _assert_all_finite(model)
+
+
+@pytest.mark.usefixtures("quiet")
+def test_loss_scaling_never_writes_non_finite_values():
+    for initial_scale in (1e-44, 1e-30, 2.0**15):
+        weight = nn.Parameter(torch.ones(4))
+        optimizer = LossScaleOptimizer(
+            torch.optim.SGD([weight], lr=0.1), initial_scale=initial_scale
+        )
+        for step in range(200):
+            loss = (weight * (1e30 if step < 150 else 1.0)).sum()
+            optimizer.scale_loss(loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert torch.isfinite(weight).all(), (initial_scale, step)

@@ -9,9 +9,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from robust_helpers import relative_error  # noqa: E402
-
 from dtype_policies import apply_policy, quantize  # noqa: E402
+
+from .helpers import relative_error  # noqa: E402
 
 PROMPT = torch.tensor([[5, 17, 3, 99, 42, 8]])
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtype_policies import apply_policy, layers, quantize
+from dtype_policies._core.module_state import state_of
 from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
 
 CONTEXTS = {
@@ -210,4 +211,40 @@ def run_isolated(code: str, timeout: float = 120):
     env["DTYPE_POLICIES_COMPILE"] = "0"
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+# ---------------------------------------------------------------- first-generation builders
+
+QUANTIZE_ARGS = {
+    "int8": ("int8", None),
+    "int8_weight_only": ("int8", Int8QuantizationConfig(activation_quantizer=None)),
+    "int4": ("int4", None),
+    "int4_per_channel": ("int4", Int4QuantizationConfig(block_size=-1)),
+    "float8": ("float8", None),
+}
+"""`quantize(model, *QUANTIZE_ARGS[label])` for each label (int4 in its default blocks)."""
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def snapshot_with_call_states(module: nn.Module) -> tuple:
+    """State dict values, module classes and each module's derived call state."""
+    return (
+        {k: v.clone() for k, v in module.state_dict().items()},
+        [type(m) for m in module.modules()],
+        [getattr(state_of(m), "call", None) for m in module.modules()],
+    )
+
+
+def unchanged_with_call_states(module: nn.Module, before: tuple) -> bool:
+    tensors, classes, states = before
+    after = module.state_dict()
+    return (
+        list(after) == list(tensors)
+        and all(torch.equal(after[k], tensors[k]) for k in tensors)
+        and [type(m) for m in module.modules()] == classes
+        and [getattr(state_of(m), "call", None) for m in module.modules()] == states
     )
