@@ -217,7 +217,7 @@ def run_isolated(code: str, timeout: float = 120):
 # ---------------------------------------------------------------- first-generation builders
 
 QUANTIZE_ARGS = {
-    "int8": ("int8", None),
+    "int8": ("int8", Int8QuantizationConfig()),  # Keras's W8A8 (the default is weight-only)
     "int8_weight_only": ("int8", Int8QuantizationConfig(activation_quantizer=None)),
     "int4": ("int4", None),
     "int4_per_channel": ("int4", Int4QuantizationConfig(block_size=-1)),
