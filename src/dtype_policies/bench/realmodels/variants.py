@@ -126,6 +126,23 @@ def ours(
     return Variant(name, prepare, models=models, note=note)
 
 
+def compiled(variant: Variant) -> Variant:
+    """`variant` with `compile_for_generation` (decode compiled on a static
+    KV cache; prefill and quality stay eager): SmolLM2 only."""
+
+    def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
+        from dtype_policies import compile_for_generation
+
+        return compile_for_generation(variant.prepare(model, calibration))
+
+    return Variant(
+        f"{variant.name} compiled",
+        prepare,
+        models=(LM,),
+        note="compile_for_generation (first generate compiles)",
+    )
+
+
 def whole_model(dtype: torch.dtype) -> Prepare:
     def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
         return model.to(dtype).eval()
@@ -147,6 +164,11 @@ OURS: list[Variant] = [
     ours("int4/-1 scale_search", mode="int4", block_size=-1, scale_search=True),
     ours("float8 delayed", mode="float8", calibrate=True, note="2 calibration train steps"),
     ours("float8 dynamic", mode="float8", scaling="dynamic"),
+]
+OURS += [
+    compiled(v)
+    for v in OURS
+    if v.name in ("float32", "mixed_bfloat16", "int8", "int8 weight-only", "int4/32", "int4/128")
 ]
 """This library's variants, in table order (the reference is `float32`)."""
 

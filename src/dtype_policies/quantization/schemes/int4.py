@@ -166,6 +166,15 @@ class Int4Scheme(Scheme):
         _, scale, zero = self._stored(module, qw)
         if scale.device.type != "cpu":
             return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
+        plan = None if qw.runtime is None else qw.runtime.plan
+        if plan is not None and not needs_grad:
+            # The packed weight an eager call prepared (Hugging Face `generate`
+            # runs its prefill eagerly): the compiled graph calls the same
+            # kernel on it, with no per-call dequantization. The compiler
+            # guards on the plan object, so a refreshed plan recompiles.
+            return kernels.int4_linear(
+                x2, None, scale, zero, qw.config.group_size, bias, compute, qw.runtime, "packed"
+            )
         q_nk = self.integer_values(module, qw)
         g_idx = module._buffers.get(f"{qw.spec.weight}_g_idx")  # no data-dependent test
         weight = kernels.kernel_weight(q_nk, scale, zero, qw.config.group_size, g_idx)

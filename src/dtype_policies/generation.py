@@ -1,0 +1,130 @@
+"""A fast small-batch path for Hugging Face `generate`: `torch.compile`
+(Inductor, with frozen weights) on a static KV cache.
+
+At batch 1 an eager decoder spends most of each token outside its matrix
+products (Python, module calls, the policies' per-call bookkeeping). Compiled,
+one decode step is one graph. `compile_for_generation` sets this up on the
+model's own generation config, so that `model.generate(...)` stays the call:
+
+* `cache_implementation="static"`: a fixed-size KV cache, so that every
+  decode step has the same shapes (one graph, no recompilation per token);
+* `compile_config`: the decode step compiled with `fullgraph=True`,
+  `dynamic=False`, by Inductor with weight freezing (`freezing=True` for this
+  compilation only). Freezing folds what depends on weights alone into
+  constants once: the policies' compute-dtype casts of float weights (bf16
+  copies, as the eager weight cache keeps) and oneDNN's prepacked layouts.
+  Quantized weights keep their storage: int4 runs torch's packed kernel on
+  the packed weight its eager path prepared (the prefill runs eagerly), int8
+  its integer weight, never a float32 dequantization per call.
+
+The policies, the float32 islands and the quantized products are what the
+compiled graph computes (the traced forms of the same products): on a float32
+model the tokens are those of eager `generate`; with bfloat16 compute they may
+differ where Inductor rounds differently (fused normalizations).
+
+Cost: the first `generate` compiles (tens of seconds to minutes for a
+30-layer model on 2 cores; measured in docs/speed.md); later calls with the
+same batch size and the same `max_new_tokens` bound reuse the graph. Inductor
+keeps compiled kernels in its cache (`TORCHINDUCTOR_CACHE_DIR`), which makes
+the next process's first call faster. Frozen weights are read once: after
+changing weights (training, `load_state_dict`), call `compile_for_generation`
+again.
+
+>>> import torch
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> from dtype_policies import apply_policy, compile_for_generation
+>>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+...                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+>>> model = LlamaForCausalLM(config).eval()
+>>> _ = apply_policy(model, "mixed_bfloat16")
+>>> model = compile_for_generation(model)
+>>> model.generation_config.cache_implementation
+'static'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
+
+
+def _unmark_static_cache(cache: Any) -> None:
+    """Makes the tensors of a static KV cache ordinary graph inputs.
+
+    transformers marks them as static addresses (for CUDA graphs); freezing
+    would then fold them into the graph as constants, and the next `generate`
+    (a new cache) would write into the first one's."""
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor) and hasattr(value, "_dynamo_static_input_type"):
+                del value._dynamo_static_input_type
+
+
+class _FrozenCompiledCall:
+    """The compiled forward, called with Inductor's weight freezing on (Dynamo
+    reads the setting while tracing, so it must hold during the call, not
+    only in the backend)."""
+
+    def __init__(self, call: Any, freeze_weights: bool) -> None:
+        self.compiled = torch.compile(call, fullgraph=True, dynamic=False)
+        self.freeze_weights = freeze_weights
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._inductor import config
+
+        if self.freeze_weights:
+            for name in ("cache", "past_key_values"):  # transformers 5, 4
+                _unmark_static_cache(kwargs.get(name))
+        with config.patch(freezing=self.freeze_weights):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_for_generation(model: torch.nn.Module, *, freeze_weights: bool = True) -> Any:
+    """Makes `model.generate(...)` run its decode steps compiled, on a static
+    KV cache (see the module docstring for what is compiled and its cost).
+
+    Args:
+        model: A Hugging Face generative model (with `generate` and a
+            `generation_config`), policied and/or quantized by this library
+            or not.
+        freeze_weights: Fold weight-only computations (casts, packing) into
+            constants at compile time (default). Without it, the compiled
+            step casts float weights to the compute dtype on every call.
+
+    Returns:
+        `model`, changed in place: its generation config asks for a static
+        cache and a compiled forward (compiled at the first decode step); an
+        earlier compiled forward is dropped. A copy of the model (deepcopy)
+        shares the original's compiled forward: call this on the copy.
+
+    Raises:
+        TypeError: `model` has no `generate` or no `generation_config`.
+
+    The compiled step keeps this library's quantized storage: no float weight
+    becomes a parameter or a buffer of the model.
+
+    >>> compile_for_generation(torch.nn.Linear(2, 2))
+    Traceback (most recent call last):
+    ...
+    TypeError: compile_for_generation needs a Hugging Face generative model (with `generate` and `generation_config`), got Linear
+    """
+    if not callable(getattr(model, "generate", None)) or not hasattr(model, "generation_config"):
+        raise TypeError(
+            "compile_for_generation needs a Hugging Face generative model (with `generate` "
+            f"and `generation_config`), got {type(model).__name__}"
+        )
+    from transformers.generation.configuration_utils import CompileConfig
+
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, mode=None)
+    # transformers compiles on accelerators only, unless this is set.
+    compile_config._compile_all_devices = True
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = compile_config
+    # transformers reuses `_compiled_call` while `_last_compile_config` equals
+    # the config it is asked for (`get_compiled_call`).
+    setattr(model, _COMPILED_CALL, _FrozenCompiledCall(model.__call__, freeze_weights))
+    model._last_compile_config = compile_config
+    return model
