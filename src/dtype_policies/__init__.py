@@ -25,6 +25,7 @@ from dtype_policies._version import __version__
 from dtype_policies.advisor import Advice, advise
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
+from dtype_policies.generation import compile_for_generation
 from dtype_policies.policies import (
     QUANTIZATION_MODES,
     DTypePolicy,
@@ -54,6 +55,7 @@ __all__ = [
     "advise",
     "apply_policy",
     "clear_cast_caches",
+    "compile_for_generation",
     "config",
     "deserialize",
     "distributed",

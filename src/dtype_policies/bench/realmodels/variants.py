@@ -132,6 +132,23 @@ def _int8_w8a8() -> Any:
     return Int8QuantizationConfig()  # Keras's int8: per-token activation quantizer
 
 
+def compiled(variant: Variant) -> Variant:
+    """`variant` with `compile_for_generation` (decode compiled on a static
+    KV cache; prefill and quality stay eager): SmolLM2 only."""
+
+    def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
+        from dtype_policies import compile_for_generation
+
+        return compile_for_generation(variant.prepare(model, calibration))
+
+    return Variant(
+        f"{variant.name} compiled",
+        prepare,
+        models=(LM,),
+        note="compile_for_generation (first generate compiles)",
+    )
+
+
 def whole_model(dtype: torch.dtype) -> Prepare:
     def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
         return model.to(dtype).eval()
@@ -154,6 +171,11 @@ OURS: list[Variant] = [
     ours("float8 delayed", mode="float8", calibrate=True, note="2 calibration train steps"),
     ours("float8 dynamic", mode="float8", scaling="dynamic"),
     ours("float8 weight-only", mode="float8", scaling="weight_only"),
+]
+OURS += [
+    compiled(v)
+    for v in OURS
+    if v.name in ("float32", "mixed_bfloat16", "int8", "int8 W8A8", "int4/32", "int4/128")
 ]
 """This library's variants, in table order (the reference is `float32`)."""
 

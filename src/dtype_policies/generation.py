@@ -1,0 +1,175 @@
+"""A fast small-batch path for Hugging Face `generate`: `torch.compile`
+(Inductor, with frozen weights) on a static KV cache.
+
+At batch 1 an eager decoder spends most of each token outside its matrix
+products (Python, module calls, the policies' per-call bookkeeping). Compiled,
+one decode step is one graph. `compile_for_generation` sets this up on the
+model's own generation config, so that `model.generate(...)` stays the call:
+
+* `cache_implementation="static"`: a fixed-size KV cache, so that every
+  decode step has the same shapes (one graph, no recompilation per token);
+* `compile_config`: the decode step compiled with `fullgraph=True`,
+  `dynamic=False`, by Inductor with weight freezing (`freezing=True` for this
+  compilation only). Freezing folds what depends on weights alone into
+  constants once: the policies' compute-dtype casts of float weights (bf16
+  copies, as the eager weight cache keeps) and oneDNN's prepacked layouts.
+  Quantized models keep their storage; the graph folds each quantized
+  product's traced form into a constant it holds (int4: a float32 weight,
+  int8 weight-only: a bfloat16 one), so for int4 eager decoding is faster
+  today (docs/speed.md).
+
+The policies, the float32 islands and the quantized products are what the
+compiled graph computes (the traced forms of the same products): on a float32
+model the tokens are those of eager `generate`; with bfloat16 compute they may
+differ where Inductor rounds differently (fused normalizations).
+
+Cost: the first `generate` compiles (tens of seconds to minutes for a
+30-layer model on 2 cores; measured in docs/speed.md); later calls with the
+same batch size and the same `max_new_tokens` bound reuse the graph. Inductor
+keeps compiled kernels in its cache (`TORCHINDUCTOR_CACHE_DIR`), which makes
+the next process's first call faster. Frozen weights are read once: after
+changing weights (training, `load_state_dict`), `generate` runs eagerly (with
+a warning) until `compile_for_generation` is called again, which compiles the
+new weights; it never runs a graph with the old ones.
+
+>>> import torch
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> from dtype_policies import apply_policy, compile_for_generation
+>>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+...                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+>>> model = LlamaForCausalLM(config).eval()
+>>> _ = apply_policy(model, "mixed_bfloat16")
+>>> model = compile_for_generation(model)
+>>> model.generation_config.cache_implementation
+'static'
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+_COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
+
+
+def _unmark_static_cache(cache: Any) -> None:
+    """Makes the tensors of a static KV cache ordinary graph inputs.
+
+    transformers marks them as static addresses (for CUDA graphs); freezing
+    would then fold them into the graph as constants, and the next `generate`
+    (a new cache) would write into the first one's."""
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor) and hasattr(value, "_dynamo_static_input_type"):
+                del value._dynamo_static_input_type
+
+
+def _step(call: Any, *args: Any, **kwargs: Any) -> Any:
+    return call(*args, **kwargs)
+
+
+def _weights_key(model: torch.nn.Module) -> tuple:
+    """Changes whenever a parameter or buffer of `model` is replaced or
+    written through torch (identity, address, version)."""
+    return tuple(
+        (id(t), t.data_ptr(), -1 if t.is_inference() else t._version)
+        for t in (*model.parameters(), *model.buffers())
+    )
+
+
+class _FrozenCompiledCall:
+    """The compiled forward, called with Inductor's weight freezing on (Dynamo
+    reads the setting while tracing, so it must hold during the call, not
+    only in the backend).
+
+    Frozen weights are constants of the graph, and Dynamo's guards do not see
+    their values: each instance compiles its own copy of the step's code (so
+    its graphs are its own, never an earlier compilation's), and a call after
+    any parameter or buffer changed runs eagerly, with a warning, until
+    `compile_for_generation` is called again."""
+
+    def __init__(self, model: torch.nn.Module, freeze_weights: bool) -> None:
+        fresh = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
+        self.compiled = torch.compile(
+            functools.partial(fresh, model.__call__), fullgraph=True, dynamic=False
+        )
+        self.eager = model.__call__
+        self.model_ref = weakref.ref(model)
+        self.freeze_weights = freeze_weights
+        self.key: tuple | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._inductor import config
+
+        model = self.model_ref()
+        if self.freeze_weights and model is not None:
+            key = _weights_key(model)
+            if self.key is None:
+                self.key = key
+            elif key != self.key:
+                warnings.warn(
+                    "compile_for_generation: the model's weights changed after its decode "
+                    "step was compiled with frozen weights; running eagerly. Call "
+                    "compile_for_generation(model) again to compile the new weights.",
+                    stacklevel=2,
+                )
+                return self.eager(*args, **kwargs)
+            for name in ("cache", "past_key_values"):  # transformers 5, 4
+                _unmark_static_cache(kwargs.get(name))
+        with config.patch(freezing=self.freeze_weights):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_for_generation(model: torch.nn.Module, *, freeze_weights: bool = True) -> Any:
+    """Makes `model.generate(...)` run its decode steps compiled, on a static
+    KV cache (see the module docstring for what is compiled and its cost).
+
+    Args:
+        model: A Hugging Face generative model (with `generate` and a
+            `generation_config`), policied and/or quantized by this library
+            or not.
+        freeze_weights: Fold weight-only computations (casts, packing) into
+            constants at compile time (default). Without it, the compiled
+            step casts float weights to the compute dtype on every call.
+
+    Returns:
+        `model`, changed in place: its generation config asks for a static
+        cache and a compiled forward (compiled at the first decode step); an
+        earlier compiled forward is dropped. A copy of the model (deepcopy)
+        shares the original's compiled forward: call this on the copy.
+
+    Raises:
+        TypeError: `model` has no `generate` or no `generation_config`.
+
+    The compiled step keeps this library's quantized storage: no float weight
+    becomes a parameter or a buffer of the model.
+
+    >>> try:
+    ...     compile_for_generation(torch.nn.Linear(2, 2))
+    ... except TypeError as error:
+    ...     print(str(error)[-10:])
+    got Linear
+    """
+    if not callable(getattr(model, "generate", None)) or not hasattr(model, "generation_config"):
+        raise TypeError(
+            "compile_for_generation needs a Hugging Face generative model (with `generate` "
+            f"and `generation_config`), got {type(model).__name__}"
+        )
+    from transformers.generation.configuration_utils import CompileConfig
+
+    compile_config: Any = CompileConfig(fullgraph=True, dynamic=False, mode=None)  # type: ignore[arg-type]
+    # transformers compiles on accelerators only, unless this is set.
+    compile_config._compile_all_devices = True
+    generation_config: Any = model.generation_config
+    generation_config.cache_implementation = "static"
+    generation_config.compile_config = compile_config
+    # transformers reuses `_compiled_call` while `_last_compile_config` equals
+    # the config it is asked for (`get_compiled_call`).
+    setattr(model, _COMPILED_CALL, _FrozenCompiledCall(model, freeze_weights))
+    setattr(model, "_last_compile_config", compile_config)  # noqa: B010 (a Module attribute)
+    return model

@@ -1,0 +1,132 @@
+"""`compile_for_generation`: a compiled, static-cache `generate` that gives
+eager's tokens and keeps the policies and the quantized storage."""
+
+import copy
+
+import pytest
+import torch
+
+from dtype_policies import apply_policy, compile_for_generation, quantize
+from dtype_policies.generation import _unmark_static_cache
+from dtype_policies.quantization import Int4QuantizationConfig
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+PROMPT = torch.arange(3, 19)[None]
+
+
+def greedy(model: torch.nn.Module, new_tokens: int = 6) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+def step_scores(model: torch.nn.Module, new_tokens: int = 4) -> torch.Tensor:
+    """The raw logits of each greedy step, (steps, vocab), float32 (the first
+    step is the eager prefill, the others the compiled decode step)."""
+    with torch.inference_mode():
+        out = model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return torch.cat([logits.float() for logits in out.logits])
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_refuses_a_model_without_generate_naming_its_type():
+    with pytest.raises(TypeError, match="got Linear"):
+        compile_for_generation(torch.nn.Linear(2, 2))
+
+
+def test_sets_a_static_cache_and_replaces_an_earlier_compiled_forward():
+    model = tiny_llama()
+    first = compile_for_generation(model)._compiled_call
+    assert model.generation_config.cache_implementation == "static"
+    assert model.generation_config.compile_config.fullgraph is True
+    assert model._last_compile_config is model.generation_config.compile_config
+    assert compile_for_generation(model)._compiled_call is not first
+
+
+def test_static_cache_tensors_become_ordinary_graph_inputs():
+    cache = transformers.StaticCache(config=tiny_llama().config, max_cache_len=8)
+    keys = torch.zeros(2)
+    torch._dynamo.mark_static_address(keys)
+    cache.layers[0].keys = keys
+    _unmark_static_cache(cache)
+    assert not hasattr(keys, "_dynamo_static_input_type")
+    _unmark_static_cache(None)  # no cache: nothing to do
+
+
+@pytest.mark.slow
+def test_float32_policy_gives_eager_tokens_across_calls_and_lengths():
+    model = tiny_llama()
+    apply_policy(model, "float32")
+    fast = compile_for_generation(copy.deepcopy(model))
+    expected = greedy(model)
+    assert torch.equal(greedy(fast), expected)
+    assert torch.equal(greedy(fast), expected)  # a new static cache per call
+    # A longer generation (a larger cache) recompiles and stays right.
+    assert torch.equal(greedy(fast, 10), greedy(model, 10))
+
+
+@pytest.mark.slow
+def test_int4_keeps_its_storage_and_eager_scores_and_sees_new_weights():
+    model = tiny_llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32))
+    fast = compile_for_generation(copy.deepcopy(model))
+    # The compiled step runs int4's traced form (the kernel's values, another
+    # summation order): the same scores up to bfloat16 rounding, not always
+    # the same argmax on a random model whose logits are nearly tied.
+    assert close(step_scores(fast)[1:2], step_scores(model)[1:2]) < 0.02
+    proj = fast.model.layers[0].mlp.down_proj
+    assert "weight" not in dict(proj.named_parameters())
+    assert proj.weight_int4.dtype == torch.int8
+    floats = [
+        name
+        for name, p in fast.named_parameters()
+        if ".layers." in name and p.dim() == 2 and p.is_floating_point()
+    ]
+    assert floats == []  # no float weight of a quantized linear became a parameter
+    # New weights (a checkpoint load), then compile again: the new tokens.
+    other = tiny_llama(seed=1)
+    apply_policy(other, "mixed_bfloat16")
+    quantize(other, "int4", Int4QuantizationConfig(block_size=32))
+    fast.load_state_dict(other.state_dict())
+    with pytest.warns(UserWarning, match="weights changed"):
+        stale_guarded = step_scores(fast)[1:2]  # eager until compiled again
+    assert close(stale_guarded, step_scores(other)[1:2]) < 0.02
+    compile_for_generation(fast)
+    new_scores, other_scores = step_scores(fast)[1:2], step_scores(other)[1:2]
+    assert close(new_scores, other_scores) < 0.02
+    assert close(new_scores, step_scores(model)[1:2]) > 0.2
