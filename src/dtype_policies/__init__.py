@@ -27,9 +27,11 @@ from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.policies import (
     QUANTIZATION_MODES,
+    AWQDTypePolicy,
     DTypePolicy,
     DTypePolicyMap,
     FloatDTypePolicy,
+    GPTQDTypePolicy,
     Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
@@ -41,11 +43,13 @@ from dtype_policies.quantization import quantize
 
 __all__ = [
     "QUANTIZATION_MODES",
+    "AWQDTypePolicy",
     "Advice",
     "CPUFloat16Warning",
     "DTypePolicy",
     "DTypePolicyMap",
     "FloatDTypePolicy",
+    "GPTQDTypePolicy",
     "Int4DTypePolicy",
     "PolicyHandle",
     "QuantizedDTypePolicy",

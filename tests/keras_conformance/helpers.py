@@ -12,11 +12,6 @@ import torch
 import dtype_policies
 
 INT4_STORAGE = pytest.mark.xfail(strict=True, reason="int4 storage: pending (lead)")
-GPTQ_AWQ = pytest.mark.xfail(
-    strict=True,
-    reason="GPTQ and AWQ: pending (lead; issue 20 section 2). Until then the modes are refused "
-    "by name: 'a Keras mode this library does not implement'.",
-)
 
 
 DELIBERATE = {

@@ -21,7 +21,6 @@ from dtype_policies.quantizers import (
 )
 
 from .helpers import (
-    GPTQ_AWQ,
     INT4_STORAGE,
     assert_all_close,
     assert_dtype,
@@ -254,7 +253,6 @@ class TestEinsumDenseTest:
         x = torch.rand(64, 3)
         assert_all_close(layer(x, training=False), layer(x, training=True))
 
-    @GPTQ_AWQ
     @pytest.mark.parametrize(
         "mode", ["gptq", "awq"], ids=["test_gptq_serialization", "test_awq_serialization"]
     )

@@ -1,0 +1,309 @@
+"""What GPTQ and AWQ share: the statistics of a weight's inputs, and storage
+and products on int4's (2, 3 and 4 bits) and int8's (8 bits) plain tensors
+and kernels.
+
+Stored, for a weight `<w>` with K inputs and N outputs in groups of `block`
+input features (`block = K` for `group_size=-1`), G = ceil(K / block):
+
+* `<w>_int4` (int8, two values per byte along the last axis of the weight's
+  own orientation, values `q` in [-8, 7]; 2 and 3 bits use [-2, 1] and
+  [-4, 3]) or `<w>_int8` (int8, one value per byte, [-128, 127]);
+* `<w>_scale`, `<w>_zero` (float32, (G, N)): `zero` is real-valued;
+* `<w>_g_idx` (float32, (K,)): the group of each input feature (Keras's
+  `g_idx`): `arange(K) // block`, or a permutation of it when the columns
+  were quantized in activation order;
+
+with `W[n, k] ~= (q[n, k] - zero[g_idx[k], n]) * scale[g_idx[k], n]`: the
+same tensors and convention as grouped int4. Keras's unsigned levels `u` in
+`[0, 2**bits - 1]` and zero points `z` are stored as `u - 2**(bits - 1)` and
+`z - 2**(bits - 1)`.
+
+Products: 2-4 bits run on the int4 kernel (`kernels.int4`); a `g_idx` that
+is not sorted is handled by multiplying `x[:, perm]` with the columns in
+`perm` order (`perm` sorts `g_idx`, so each group's columns are contiguous),
+one gather of the input per call. 8 bits per channel run on the int8
+weight-only kernel plus a rank-one correction for the zero point
+(`x @ ((q - z) s)ᵀ = (x @ (q s)ᵀ) - x.sum(-1) (z s)`); 8 bits in groups
+dequantize and multiply (correct, not fast).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies.quantization.kernels import int4 as int4_kernels
+from dtype_policies.quantization.kernels import int8 as int8_kernels
+from dtype_policies.quantization.kernels import tensor_key
+from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantizers.gptq import quantize_rtn
+from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig
+from dtype_policies.quantizers.math import pack_int4, unpack_int4
+
+
+class InputStatistics:
+    """What GPTQ and AWQ gather about one weight's inputs (`ActivationStatistics`):
+    the sum of `XᵀX` (float32), the row count, and per input feature the sum
+    and the maximum of |x|.
+
+    Weights fed the same rows object (q/k/v projections of one input) share
+    the product: it is computed once per batch of rows.
+    """
+
+    def __init__(self, in_features: int) -> None:
+        self.in_features = in_features
+        self.gram = torch.zeros(in_features, in_features)
+        self.rows = 0
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.abs_max = torch.zeros(in_features)
+
+    def update(self, rows: torch.Tensor) -> None:
+        if rows.dim() != 2 or rows.shape[1] != self.in_features:
+            raise ValueError(
+                f"Input rows of shape {tuple(rows.shape)} do not match input features "
+                f"({self.in_features})."
+            )
+        if rows.shape[0] == 0:
+            return
+        gram, abs_sum, abs_max = _shared_moments(rows)
+        self.gram += gram
+        self.abs_sum += abs_sum
+        torch.maximum(self.abs_max, abs_max, out=self.abs_max)
+        self.rows += rows.shape[0]
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """`2 XᵀX / n` (Keras's and the reference GPTQ's normalisation)."""
+        return self.gram * (2.0 / max(self.rows, 1))
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(self.rows, 1)).float()
+
+
+_last_moments: list[Any] = [None, None, -1]  # weakref to rows, moments, rows' version
+
+
+def _shared_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(XᵀX, sum |x|, max |x|)` of `rows`, reused when the same rows object
+    (unchanged) comes again."""
+    ref, moments, version = _last_moments
+    if ref is not None and ref() is rows and version == rows._version:
+        return moments
+    x = rows.float()
+    gram = x.t() @ x
+    absolute = x.abs()
+    moments = (gram, absolute.sum(0, dtype=torch.float64), absolute.amax(0))
+    _last_moments[:] = [weakref.ref(rows), moments, rows._version]
+    return moments
+
+
+def signed_offset(bits: int) -> int:
+    """What Keras's unsigned levels lose to become the stored signed ones."""
+    return 2 ** (bits - 1)
+
+
+class _Runtime:
+    """Derived data of one weight, rebuilt when its stored tensors change:
+    the column permutation sorting `g_idx` (or None), the (N, K) levels in
+    that order, and the int4 / int8 kernels' own runtimes."""
+
+    __slots__ = ("_key", "int4", "int8", "perm", "q_nk", "step", "zero_step")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self.perm: torch.Tensor | None = None
+        self.q_nk: torch.Tensor | None = None
+        self.int4 = int4_kernels.Int4Runtime()
+        self.int8 = int8_kernels.Int8Runtime()
+        self.step: torch.Tensor | None = None
+        self.zero_step: torch.Tensor | None = None
+
+
+class CalibratedIntScheme(Scheme):
+    """Storage and products of GPTQ and AWQ (see the module docstring);
+    subclasses compute the stored values (`quantize_calibrated`)."""
+
+    roles = ("linear",)
+    extra_buffers: ClassVar[tuple[str, ...]] = ()  # AWQ: ("awq_scales",)
+
+    # -- storage ---------------------------------------------------------
+    def bits(self, config: TokenCalibrationConfig) -> int:
+        return config.weight_bits
+
+    def data_suffix(self, config: TokenCalibrationConfig) -> str:
+        return "_int8" if self.bits(config) == 8 else "_int4"
+
+    def buffer_names(self, spec: WeightSpec, config: TokenCalibrationConfig) -> tuple[str, ...]:
+        w = spec.weight
+        names = (w + self.data_suffix(config), f"{w}_scale", f"{w}_zero", f"{w}_g_idx")
+        return names + tuple(f"{w}_{extra}" for extra in self.extra_buffers)
+
+    def stored_shapes(self, spec: WeightSpec, config: TokenCalibrationConfig) -> dict:
+        k, n = spec.in_features, spec.out_features
+        rows, columns = (k, n) if spec.layout == "in_out" else (n, k)
+        if self.bits(config) <= 4:
+            columns = (columns + 1) // 2
+        groups = -(-k // config.block_size(k))
+        data, scale, zero, g_idx, *extras = self.buffer_names(spec, config)
+        shapes = {
+            data: ((rows, columns), torch.int8),
+            scale: ((groups, n), torch.float32),
+            zero: ((groups, n), torch.float32),
+            g_idx: ((k,), torch.float32),
+        }
+        shapes.update({name: ((k,), torch.float32) for name in extras})
+        return shapes
+
+    def placeholder_tensors(
+        self, spec: WeightSpec, config: TokenCalibrationConfig, device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        tensors = super().placeholder_tensors(spec, config, device)
+        g_idx = self.buffer_names(spec, config)[3]
+        k = spec.in_features
+        tensors[g_idx] = (torch.arange(k, device=device) // config.block_size(k)).float()
+        return tensors
+
+    def stored_tensors(
+        self,
+        spec: WeightSpec,
+        config: TokenCalibrationConfig,
+        levels: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        g_idx: torch.Tensor,
+        extras: tuple[torch.Tensor, ...] = (),
+    ) -> dict[str, torch.Tensor]:
+        """The buffers for Keras-convention results: unsigned (N, K) `levels`,
+        (N, G) `scale` and `zero`, each input's group `g_idx`."""
+        offset = signed_offset(self.bits(config))
+        q_nk = (levels.to(torch.int32) - offset).to(torch.int8)
+        data = q_nk.t() if spec.layout == "in_out" else q_nk
+        if self.bits(config) <= 4:
+            data = pack_int4(data.contiguous(), axis=-1)
+        names = self.buffer_names(spec, config)
+        tensors = {
+            names[0]: data.contiguous(),
+            names[1]: scale.float().t().contiguous(),
+            names[2]: (zero.float() - offset).t().contiguous(),
+            names[3]: g_idx.float().contiguous(),
+        }
+        tensors.update({name: e.float().contiguous() for name, e in zip(names[4:], extras)})
+        return tensors
+
+    def quantize(
+        self, weight: torch.Tensor, spec: WeightSpec, config: TokenCalibrationConfig
+    ) -> dict[str, torch.Tensor]:
+        """Without calibration data: round to nearest on the mode's grid (what
+        the calibrated algorithm gives with no information about the inputs)."""
+        warnings.warn(
+            f"{config.mode.upper()} without calibration data: the weight is rounded to nearest "
+            f"on {config.mode.upper()}'s grid, without the calibrated search. Quantize the model "
+            f"with a `{type(config).__name__}` holding a dataset to calibrate it.",
+            UserWarning,
+            stacklevel=4,  # the caller of Layer.quantize
+        )
+        w_nk = spec.nk(spec.matrix(weight.detach())).float()
+        levels, scale, zero, g_idx = quantize_rtn(
+            w_nk, bits=self.bits(config), group_size=config.block_size(w_nk.shape[1])
+        )
+        extras = tuple(torch.ones(spec.in_features) for _ in self.extra_buffers)
+        return self.stored_tensors(spec, config, levels, scale, zero, g_idx, extras)
+
+    def new_statistics(self, spec: WeightSpec, config: TokenCalibrationConfig) -> InputStatistics:
+        return InputStatistics(spec.in_features)
+
+    # -- reading ---------------------------------------------------------
+    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight) -> list[torch.Tensor]:
+        buffers = module._buffers
+        return [buffers[name] for name in self.buffer_names(qw.spec, qw.config)]
+
+    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        data = self._stored(module, qw)[0]
+        spec = qw.spec
+        if self.bits(qw.config) <= 4:
+            length = spec.out_features if spec.layout == "in_out" else spec.in_features
+            data = unpack_int4(data, length, axis=-1)
+        return spec.nk(data)
+
+    def input_divisor(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
+        """A per-input-feature divisor of the activations (AWQ's scales)."""
+        return None
+
+    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        groups = g_idx.long()
+        q = self.integer_values(module, qw).float()
+        weight = (q - zero.float()[groups].t()) * scale.float()[groups].t()
+        divisor = self.input_divisor(module, qw)
+        return weight if divisor is None else weight / divisor.float()[None, :]
+
+    # -- products --------------------------------------------------------
+    def new_runtime(self) -> _Runtime:
+        return _Runtime()
+
+    def _runtime(self, module: torch.nn.Module, qw: QuantizedWeight) -> _Runtime:
+        stored = self._stored(module, qw)
+        if not isinstance(qw.runtime, _Runtime):
+            qw.runtime = self.new_runtime()
+        runtime = qw.runtime
+        key = tensor_key(*stored)
+        if runtime._key == key:
+            return runtime
+        _, scale, zero, g_idx, *_ = stored
+        k = qw.spec.in_features
+        block = qw.config.block_size(k)
+        groups = g_idx.long()
+        natural = torch.arange(k, device=g_idx.device) // block
+        with torch.inference_mode(False), torch.no_grad():
+            q_nk = self.integer_values(module, qw)
+            perm = None
+            if not torch.equal(groups, natural):
+                perm = torch.argsort(groups, stable=True)
+                if not torch.equal(groups[perm], natural):
+                    raise ValueError(
+                        f"The stored g_idx of '{qw.weight_name}' does not give each group "
+                        f"{block} input features (group_size {qw.config.group_size})."
+                    )
+                q_nk = q_nk[:, perm]
+            runtime.perm = perm
+            runtime.q_nk = q_nk.contiguous()
+            if self.bits(qw.config) <= 4:
+                runtime.int4 = int4_kernels.Int4Runtime()
+                stored_q = (runtime.q_nk, scale, zero, g_idx)
+                runtime.int4.refresh(runtime.q_nk, scale, zero, block, stored_q)
+            elif scale.shape[0] == 1:
+                runtime.step = (1.0 / scale.float()[0]).contiguous()
+                runtime.zero_step = (zero.float()[0] * scale.float()[0]).contiguous()
+                runtime.int8 = int8_kernels.Int8Runtime()
+                runtime.int8.refresh(runtime.q_nk, runtime.step, lambda t: t, False)
+        runtime._key = key
+        return runtime
+
+    def linear(self, module, qw, x2, bias, compute):
+        runtime = self._runtime(module, qw)
+        divisor = self.input_divisor(module, qw)
+        if divisor is not None:
+            x2 = (x2.float() / divisor.float()).to(compute)
+        if runtime.perm is not None:
+            x2 = x2.index_select(1, runtime.perm)
+        _, scale, zero, _, *_ = self._stored(module, qw)
+        block = qw.config.block_size(qw.spec.in_features)
+        if self.bits(qw.config) <= 4:
+            return int4_kernels.int4_linear(
+                x2, runtime.q_nk, scale, zero, block, bias, compute, runtime.int4
+            )
+        if bias is not None and bias.dtype != compute:
+            bias = bias.to(compute)
+        if runtime.step is not None:  # per channel: int8 weight-only, then the zero points
+            y = int8_kernels.int8_weight_only_linear(x2, runtime.int8, None, torch.float32)
+            y = y - x2.float().sum(-1, keepdim=True) * runtime.zero_step[None, :]
+            y = y.to(compute)
+            return y if bias is None else y + bias
+        groups = torch.arange(qw.spec.in_features, device=x2.device) // block
+        weight = (runtime.q_nk.float() - zero.float()[groups].t()) * scale.float()[groups].t()
+        return F.linear(x2.to(compute), weight.to(compute), bias)
