@@ -33,7 +33,7 @@ class AWQConfig(TokenCalibrationConfig):
 
     Args:
         dataset, tokenizer, num_samples, sequence_length,
-        quantization_layer_structure: As `GPTQConfig`'s.
+        quantization_layer_structure, calibration_batch_size: As `GPTQConfig`'s.
         weight_bits: 4 (the only width AWQ supports).
         group_size: Input features sharing a scale and zero point (-1: all).
         num_grid_points: Ratios tried in the scale search (`0, 1/n, ..., 1`).
@@ -53,6 +53,7 @@ class AWQConfig(TokenCalibrationConfig):
     quantize_time_settings = (
         "num_samples",
         "sequence_length",
+        "calibration_batch_size",
         "num_grid_points",
         "objective",
         "quantization_layer_structure",
@@ -70,6 +71,7 @@ class AWQConfig(TokenCalibrationConfig):
         num_grid_points: int = 20,
         quantization_layer_structure: Any = None,
         objective: str = "output",
+        calibration_batch_size: int = 8,
     ) -> None:
         if weight_bits != 4 or isinstance(weight_bits, bool):
             raise ValueError(
@@ -83,6 +85,7 @@ class AWQConfig(TokenCalibrationConfig):
             sequence_length=sequence_length,
             group_size=group_size,
             quantization_layer_structure=quantization_layer_structure,
+            calibration_batch_size=calibration_batch_size,
         )
         if (
             not isinstance(num_grid_points, int)
@@ -115,7 +118,7 @@ class AWQConfig(TokenCalibrationConfig):
         }
         if self.objective != "output":  # absent by default: Keras's configs have no such key
             config["objective"] = self.objective
-        return config
+        return self._extra_config(config)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AWQConfig:

@@ -156,15 +156,19 @@ def calibration_inputs(
     num_samples: int,
     sequence_length: int,
     model: torch.nn.Module,
+    batch_size: int = 1,
 ) -> list[Any]:
-    """The model inputs to calibrate on: one `(1, sequence_length)` window of
-    ids per sample (`{"input_ids": ..., "use_cache": False}` for Hugging Face
-    models, so that no cache is shared across block calls), or the dataset's
-    own floating-point model inputs (at most `num_samples` of them)."""
+    """The model inputs to calibrate on: the windows of ids in batches of
+    `batch_size` (`(B, sequence_length)`; `{"input_ids": ..., "use_cache":
+    False}` for Hugging Face models, so that no cache is shared across block
+    calls), or the dataset's own floating-point model inputs (at most
+    `num_samples` of them, as they are)."""
     items = _items(dataset)
     if all(_is_model_input(item) for item in items):
-        return [torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in items][:num_samples]
+        inputs = [torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in items]
+        return inputs[:num_samples]
     windows = token_windows(items, tokenizer, num_samples, sequence_length)
+    batches = [windows[i : i + batch_size] for i in range(0, num_samples, batch_size)]
     if is_huggingface_model(model):
-        return [{"input_ids": window[None], "use_cache": False} for window in windows]
-    return [window[None] for window in windows]
+        return [{"input_ids": batch, "use_cache": False} for batch in batches]
+    return batches

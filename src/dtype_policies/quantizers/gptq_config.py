@@ -52,14 +52,18 @@ class TokenCalibrationConfig(CalibratedQuantizationConfig):
         sequence_length: int,
         group_size: int,
         quantization_layer_structure: Any,
+        calibration_batch_size: int = 8,
     ) -> None:
         for name, value in (
             ("weight_bits", weight_bits),
             ("num_samples", num_samples),
             ("sequence_length", sequence_length),
             ("group_size", group_size),
+            ("calibration_batch_size", calibration_batch_size),
         ):
             _check_int(name, value)
+        if calibration_batch_size <= 0:
+            raise ValueError("calibration_batch_size must be a positive integer.")
         if num_samples <= 0:
             raise ValueError("num_samples must be a positive integer.")
         if sequence_length <= 0:
@@ -75,19 +79,33 @@ class TokenCalibrationConfig(CalibratedQuantizationConfig):
         self.num_samples = num_samples
         self.sequence_length = sequence_length
         self.group_size = group_size
+        self.calibration_batch_size = calibration_batch_size
 
     def calibration_batches(self, model: torch.nn.Module) -> list[Any]:
-        """`num_samples` windows of `sequence_length` token ids as model inputs
-        (`{"input_ids": (1, L), "use_cache": False}` for Hugging Face models,
-        the `(1, L)` ids otherwise), or the dataset's own floating-point inputs."""
+        """`num_samples` windows of `sequence_length` token ids as model
+        inputs, `calibration_batch_size` windows a batch
+        (`{"input_ids": (B, L), "use_cache": False}` for Hugging Face models,
+        the `(B, L)` ids otherwise), or the dataset's own floating-point inputs."""
         if self.dataset is None:
             raise ValueError(
                 f"{self.mode.upper()} quantization requires a dataset (text with a tokenizer, "
                 f"or token ids). Please provide it in the `{type(self).__name__}`."
             )
         return calibration_inputs(
-            self.dataset, self.tokenizer, self.num_samples, self.sequence_length, model
+            self.dataset,
+            self.tokenizer,
+            self.num_samples,
+            self.sequence_length,
+            model,
+            self.calibration_batch_size,
         )
+
+    def _extra_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """`config` plus this library's settings that differ from their
+        defaults (absent otherwise: Keras's configs have no such keys)."""
+        if self.calibration_batch_size != 8:
+            config["calibration_batch_size"] = self.calibration_batch_size
+        return config
 
     def block_size(self, in_features: int) -> int:
         """The group size in input features (`in_features` for `group_size=-1`)."""
@@ -127,6 +145,10 @@ class GPTQConfig(TokenCalibrationConfig):
             a list of blocks (modules or paths), or `None` to find them (the
             repeated decoder blocks of a Hugging Face model; otherwise the
             whole model is one block).
+        calibration_batch_size: Windows per model call while calibrating
+            (not Keras's, which runs one at a time: batching them is 4-5x
+            faster on CPU and gives the same statistics). In `get_config`
+            only when not 8.
 
     >>> from dtype_policies.quantizers import GPTQConfig
     >>> config = GPTQConfig(dataset=None, tokenizer=None, weight_bits=4, group_size=64)
@@ -146,6 +168,7 @@ class GPTQConfig(TokenCalibrationConfig):
         "num_samples",
         "per_channel",
         "sequence_length",
+        "calibration_batch_size",
         "hessian_damping",
         "symmetric",
         "activation_order",
@@ -166,6 +189,7 @@ class GPTQConfig(TokenCalibrationConfig):
         symmetric: bool = False,
         activation_order: bool = False,
         quantization_layer_structure: Any = None,
+        calibration_batch_size: int = 8,
     ) -> None:
         if weight_bits not in GPTQ_WEIGHT_BITS or isinstance(weight_bits, bool):
             raise ValueError(
@@ -181,6 +205,7 @@ class GPTQConfig(TokenCalibrationConfig):
             sequence_length=sequence_length,
             group_size=group_size,
             quantization_layer_structure=quantization_layer_structure,
+            calibration_batch_size=calibration_batch_size,
         )
         if hessian_damping < 0 or hessian_damping > 1:
             raise ValueError("hessian_damping must be between 0 and 1.")
@@ -201,7 +226,7 @@ class GPTQConfig(TokenCalibrationConfig):
         return f"gptq/{self.weight_bits}/{self.group_size}"
 
     def get_config(self) -> dict[str, Any]:
-        return {
+        config = {
             # the data is needed once, for calibration, and never saved (as Keras)
             "dataset": None,
             "tokenizer": None,
@@ -215,6 +240,7 @@ class GPTQConfig(TokenCalibrationConfig):
             "activation_order": self.activation_order,
             "quantization_layer_structure": _structure_config(self.quantization_layer_structure),
         }
+        return self._extra_config(config)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:

@@ -20,6 +20,11 @@ class AWQScheme(CalibratedIntScheme):
     extra_buffers = ("awq_scales",)
     calibrated_on_quantized_outputs = True
 
+    def new_statistics(self, spec: WeightSpec, config: AWQConfig) -> InputStatistics:
+        if config.objective == "weight":  # Keras's: the maximum |x| per input feature
+            return InputStatistics(spec.in_features, gram=False, max_abs=True)
+        return InputStatistics(spec.in_features, mean_abs=True)
+
     def quantize_calibrated(
         self,
         weight: torch.Tensor,

@@ -29,6 +29,7 @@ dequantize and multiply (correct, not fast).
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Any, ClassVar
@@ -47,19 +48,27 @@ from dtype_policies.quantizers.math import pack_int4, unpack_int4
 
 class InputStatistics:
     """What GPTQ and AWQ gather about one weight's inputs (`ActivationStatistics`):
-    the sum of `XᵀX` (float32), the row count, and per input feature the sum
-    and the maximum of |x|.
+    the sum of `XᵀX` (float32; GPTQ's Hessian, AWQ's output error), the row
+    count, and per input feature the sum and the maximum of |x| (AWQ's
+    activation magnitudes), each only if asked for.
 
-    Weights fed the same rows object (q/k/v projections of one input) share
-    the product: it is computed once per batch of rows.
+    Weights fed the same rows object (the q/k/v projections of one input)
+    share the work: it is done once per batch of rows. Rows that come in
+    bfloat16 (a model computing in bfloat16) on a CPU with native bfloat16
+    products get their `XᵀX` from a bfloat16 product of 512-row chunks
+    (float32 accumulation inside, each chunk's result rounded to bfloat16,
+    then summed in float32): 3-4x faster, a relative error near 2**-9 per
+    chunk that averages out over the calibration set.
     """
 
-    def __init__(self, in_features: int) -> None:
+    def __init__(
+        self, in_features: int, *, gram: bool = True, mean_abs: bool = False, max_abs: bool = False
+    ) -> None:
         self.in_features = in_features
-        self.gram = torch.zeros(in_features, in_features)
         self.rows = 0
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self.abs_max = torch.zeros(in_features)
+        self.gram = torch.zeros(in_features, in_features) if gram else None
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64) if mean_abs else None
+        self.abs_max = torch.zeros(in_features) if max_abs else None
 
     def update(self, rows: torch.Tensor) -> None:
         if rows.dim() != 2 or rows.shape[1] != self.in_features:
@@ -69,35 +78,89 @@ class InputStatistics:
             )
         if rows.shape[0] == 0:
             return
-        gram, abs_sum, abs_max = _shared_moments(rows)
-        self.gram += gram
-        self.abs_sum += abs_sum
-        torch.maximum(self.abs_max, abs_max, out=self.abs_max)
+        moments = _shared_moments(rows)
+        if self.gram is not None:
+            self.gram += moments.gram()
+        if self.abs_sum is not None:
+            self.abs_sum += moments.abs_sum()
+        if self.abs_max is not None:
+            torch.maximum(self.abs_max, moments.abs_max(), out=self.abs_max)
         self.rows += rows.shape[0]
 
     @property
     def hessian(self) -> torch.Tensor:
-        """`2 XᵀX / n` (Keras's and the reference GPTQ's normalisation)."""
-        return self.gram * (2.0 / max(self.rows, 1))
+        """`2 XᵀX / n` (Keras's and the reference GPTQ's normalisation),
+        symmetrised as Keras does."""
+        return (self.gram + self.gram.t()) / 2 * (2.0 / max(self.rows, 1))
 
     @property
     def mean_abs(self) -> torch.Tensor:
         return (self.abs_sum / max(self.rows, 1)).float()
 
 
-_last_moments: list[Any] = [None, None, -1]  # weakref to rows, moments, rows' version
+GRAM_CHUNK = 512
 
 
-def _shared_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(XᵀX, sum |x|, max |x|)` of `rows`, reused when the same rows object
-    (unchanged) comes again."""
+def _native_bf16() -> bool:
+    """bfloat16 products run on hardware bfloat16 instructions here (not under
+    an AVX2 cap). Local check until the processor description lands."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith(("AVX2", "SSE", "AVX_"))
+    return (
+        ("avx512_bf16" in flags or "amx_bf16" in flags)
+        and torch.backends.cpu.get_cpu_capability() != "AVX2"
+        and not capped
+    )
+
+
+class _Moments:
+    """The moments of one batch of rows, each computed on first use."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self._gram = self._abs_sum = self._abs_max = None
+
+    def gram(self) -> torch.Tensor:
+        if self._gram is None:
+            rows = self.rows
+            if rows.dtype == torch.bfloat16 and _NATIVE_BF16[0]:
+                gram = torch.zeros(rows.shape[1], rows.shape[1])
+                for start in range(0, rows.shape[0], GRAM_CHUNK):
+                    chunk = rows[start : start + GRAM_CHUNK]
+                    gram += (chunk.t() @ chunk).float()
+            else:
+                x = rows.float()
+                gram = x.t() @ x
+            self._gram = gram
+        return self._gram
+
+    def abs_sum(self) -> torch.Tensor:
+        if self._abs_sum is None:
+            self._abs_sum = self.rows.abs().float().sum(0).double()
+        return self._abs_sum
+
+    def abs_max(self) -> torch.Tensor:
+        if self._abs_max is None:
+            self._abs_max = self.rows.abs().amax(0).float()
+        return self._abs_max
+
+
+_NATIVE_BF16: list[bool] = []
+_last_moments: list[Any] = [None, None, -1]  # weakref to rows, their moments, rows' version
+
+
+def _shared_moments(rows: torch.Tensor) -> _Moments:
+    """The moments of `rows`, shared while the same rows object (unchanged) comes again."""
+    if not _NATIVE_BF16:
+        _NATIVE_BF16.append(_native_bf16())
     ref, moments, version = _last_moments
     if ref is not None and ref() is rows and version == rows._version:
         return moments
-    x = rows.float()
-    gram = x.t() @ x
-    absolute = x.abs()
-    moments = (gram, absolute.sum(0, dtype=torch.float64), absolute.amax(0))
+    moments = _Moments(rows)
     _last_moments[:] = [weakref.ref(rows), moments, rows._version]
     return moments
 
@@ -215,7 +278,7 @@ class CalibratedIntScheme(Scheme):
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx, extras)
 
     def new_statistics(self, spec: WeightSpec, config: TokenCalibrationConfig) -> InputStatistics:
-        return InputStatistics(spec.in_features)
+        return InputStatistics(spec.in_features)  # XᵀX (GPTQ's Hessian)
 
     # -- reading ---------------------------------------------------------
     def _stored(self, module: torch.nn.Module, qw: QuantizedWeight) -> list[torch.Tensor]:
