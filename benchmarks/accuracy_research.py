@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
+import statistics
 import warnings
 
 import torch
 import torch.nn as nn
 
 from dtype_policies import apply_policy, quantize
+from dtype_policies.bench import harness
 from dtype_policies.bench.workloads.llm import llama
 from dtype_policies.bench.workloads.mlp import mlp
 from dtype_policies.quantization import Float8QuantizationConfig, Int4QuantizationConfig
@@ -136,13 +137,11 @@ def part_timing(repeats: int = 5) -> None:
         "per-channel abs-max": lambda: abs_max_quantize(w, 0, INT4_RANGE),
         "per-channel searched": lambda: search_per_channel_int4(w),
     }
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(repeats):  # interleaved
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    samples = harness.measure_interleaved(methods, warmup=0, repeats=repeats, rounds=repeats)
+    medians = {
+        name: statistics.median(t for r in per_round for t in r)
+        for name, per_round in samples.items()
+    }
     print(f"**Quantize time of a 4096x4096 weight, {torch.get_num_threads()} threads, ")
     print(f"interleaved median of {repeats}**\n")
     print("| method | seconds | x min/max |")

@@ -29,6 +29,7 @@ import torch
 from dtype_policies import advise, apply_policy, quantize
 from dtype_policies.advisor import relative_error
 from dtype_policies.advisor.variants import model_bytes
+from dtype_policies.bench import harness
 
 
 def build_llama(layers: int, hidden: int) -> torch.nn.Module:
@@ -65,19 +66,20 @@ def variants(model: torch.nn.Module, advice: dict) -> dict[str, torch.nn.Module]
 
 
 def forward_ms(models: dict[str, torch.nn.Module], ids: torch.Tensor, rounds: int) -> dict:
-    """Per variant: (median, fastest) milliseconds per forward."""
-    names = list(models)
-    samples = {name: [] for name in names}
-    with torch.inference_mode():
-        for name in names:  # warm-up
-            models[name](input_ids=ids)
-        for index in range(rounds):
-            shift = index % len(names)
-            for name in names[shift:] + names[:shift]:
-                start = time.perf_counter()
-                models[name](input_ids=ids)
-                samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: (statistics.median(v), min(v)) for name, v in samples.items()}
+    """Per variant: (median, fastest) milliseconds per forward, interleaved
+    rounds of the suite's timer."""
+
+    def forward(model):
+        def call():
+            with torch.inference_mode():
+                model(input_ids=ids)
+
+        return call
+
+    calls = {name: forward(model) for name, model in models.items()}
+    samples = harness.measure_interleaved(calls, warmup=1, repeats=rounds, rounds=rounds)
+    flat = {name: [t * 1e3 for r in per_round for t in r] for name, per_round in samples.items()}
+    return {name: (statistics.median(v), min(v)) for name, v in flat.items()}
 
 
 def main() -> None:

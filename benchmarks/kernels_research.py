@@ -30,13 +30,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from dtype_policies.bench import harness
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(1024, 1024), (1024, 2816), (2816, 1024), (1024, 32000)]  # (K, N)
@@ -477,26 +478,13 @@ def int8pack_safe(m: int, k: int, n: int) -> bool:
 # ---------------------------------------------------------------- timing
 
 
-def _time_calls(fn: Callable, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
-
-
 def time_cell(calls: dict[str, Callable], rounds: int, target_s: float = 0.004) -> dict:
-    """Median seconds per call of each path, interleaved; plus per-round times."""
-    counts = {}
-    for name, fn in calls.items():
-        fn()
-        once = _time_calls(fn, 1)
-        counts[name] = max(1, min(200, int(target_s / max(once, 1e-7))))
-        _time_calls(fn, counts[name])
-    per_round: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            per_round[name].append(_time_calls(fn, counts[name]))
-    return per_round
+    """Seconds per call of each path in each round (the suite's interleaved timer;
+    a sample is as many calls as take `target_s`)."""
+    samples = harness.measure_interleaved(
+        calls, warmup=1, repeats=rounds, rounds=rounds, min_sample_s=target_s
+    )
+    return {name: [times[0] for times in per_round] for name, per_round in samples.items()}
 
 
 def run_timing(shapes, rows, rounds, paths_filter=None) -> list[dict]:
@@ -814,7 +802,8 @@ def markdown(data: dict) -> str:
     """Per (K, N): one row per path, one column per M, "us (x bf16)"."""
     out = []
     timing = data.get("timing", [])
-    shapes = sorted({(r["K"], r["N"]) for r in timing}, key=lambda s: SHAPES.index(s))
+    order = {shape: index for index, shape in enumerate(SHAPES)}
+    shapes = sorted({(r["K"], r["N"]) for r in timing}, key=lambda s: (order.get(s, len(order)), s))
     for k, n in shapes:
         cells = [r for r in timing if (r["K"], r["N"]) == (k, n)]
         rows = sorted({r["M"] for r in cells})

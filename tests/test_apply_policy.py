@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import dtype_policies
 from dtype_policies import DTypePolicy, DTypePolicyMap, apply_policy, layers
+from dtype_policies._core.module_state import state_of
 
 
 def mlp():
@@ -385,17 +386,17 @@ def test_weight_cache_keeps_copies_until_parameters_change():
     x = torch.randn(2, 300)
     with torch.no_grad():
         first = model(x)
-        cached = model[0].__dict__["_dp_casts"].pair[3]
+        cached = state_of(model[0]).casts.pair[3]
         assert cached.dtype == torch.bfloat16
         model(x)
-        assert model[0].__dict__["_dp_casts"].pair[3] is cached  # no recast
+        assert state_of(model[0]).casts.pair[3] is cached  # no recast
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(x).float().sum().backward()
     assert model[0].weight.grad.dtype == torch.float32
     optimizer.step()
     with torch.no_grad():
         after = model(x)
-        assert model[0].__dict__["_dp_casts"].pair[3] is not cached  # recast
+        assert state_of(model[0]).casts.pair[3] is not cached  # recast
     assert not torch.equal(first, after)
     reference = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))
     reference.load_state_dict(model.state_dict())
@@ -404,7 +405,7 @@ def test_weight_cache_keeps_copies_until_parameters_change():
     apply_policy(uncached, "mixed_bfloat16", weight_cache=False)
     with torch.no_grad():
         uncached(x)
-    assert uncached[0].__dict__["_dp_casts"].pair is None  # nothing kept
+    assert state_of(uncached[0]).casts.pair is None  # nothing kept
 
 
 def test_listeners_hear_each_committed_change_once():
@@ -427,7 +428,7 @@ def test_listeners_hear_each_committed_change_once():
         dtype_policies.quantize(model, "int8", filters=r"^0$")
         dtype_policies.quantize(model, "int8", filters="nothing matches")  # no change
         handle.remove()  # already replaced: nothing
-        model.__dict__["_dp_handle"].remove()
+        state_of(model).handle.remove()
         assert heard == ["Sequential"] * 4
         listeners.add_listener(broken)
         with pytest.warns(RuntimeWarning, match=r"broken failed after a change to Sequential"):

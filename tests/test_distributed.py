@@ -29,6 +29,7 @@ import torch.nn as nn
 
 import dtype_policies
 from dtype_policies import DTypePolicyMap, apply_policy, saving
+from dtype_policies._core.module_state import state_of
 from dtype_policies.distributed import (
     describe_plan,
     fully_shard,
@@ -426,15 +427,15 @@ def test_the_fsdp_marker_turns_kept_casts_off():
     apply_policy(layer, "mixed_bfloat16")
     with torch.no_grad():
         layer(torch.ones(1, 4))
-    assert layer._dp_casts.pair is not None  # a cast is kept
+    assert state_of(layer).casts.pair is not None  # a cast is kept
     layer._is_fsdp_managed_module = True  # what FSDP2 sets on the modules it manages
     assert layer._is_fsdp_managed_module is True
-    assert not layer._dp_casts.enabled and layer._dp_casts.pair is None
+    assert not state_of(layer).casts.enabled and state_of(layer).casts.pair is None
     layer.float()  # a refresh keeps them off
-    assert not layer._dp_casts.enabled
+    assert not state_of(layer).casts.enabled
     with torch.no_grad():
         layer(torch.ones(1, 4))
-    assert layer._dp_casts.pair is None
+    assert state_of(layer).casts.pair is None
 
 
 def test_sharded_weights_of_managed_modules_are_read_as_they_are():

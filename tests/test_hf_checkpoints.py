@@ -27,6 +27,7 @@ from dtype_policies.quantization import (
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("safetensors")
 
+from dtype_policies._core.module_state import state_of  # noqa: E402
 from dtype_policies.saving import huggingface  # noqa: E402 (after the importorskip)
 from dtype_policies.saving.manifest import CheckpointError  # noqa: E402
 
@@ -132,9 +133,9 @@ def reload(model, directory, **kwargs):
 
 def policies(model):
     return {
-        name: module.__dict__["_dp_state"].policy.name
+        name: state_of(module).call.policy.name
         for name, module in model.named_modules()
-        if "_dp_state" in module.__dict__
+        if getattr(state_of(module), "call", None) is not None
     }
 
 
@@ -247,7 +248,19 @@ def test_llama_tied_embeddings_int4(tmp_path):
     torch.manual_seed(0)
     model = llama(tie=True)
     apply_policy(model, "mixed_bfloat16")
-    quantize(model, "int4", Int4QuantizationConfig(block_size=32))
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32))  # the tied table: int8
+    loaded, logged = reload(model, tmp_path)
+    assert not [m for m in logged if "LOAD REPORT" in m], logged
+    assert loaded.lm_head.weight_int8 is loaded.model.embed_tokens.weight_int8
+    assert loaded.model.layers[0].mlp.up_proj.weight_int4.dtype == torch.int8
+    assert_same_model(loaded, model)
+
+
+def test_llama_tied_embeddings_int4_when_asked(tmp_path):
+    torch.manual_seed(0)
+    model = llama(tie=True)
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32, tied_embeddings="int4"))
     loaded, logged = reload(model, tmp_path)
     assert not [m for m in logged if "LOAD REPORT" in m], logged
     assert loaded.lm_head.weight_int4 is loaded.model.embed_tokens.weight_int4

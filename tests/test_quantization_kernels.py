@@ -1,7 +1,11 @@
 """Kernel paths: each fast path agrees with the exact reference, compiled or not."""
 
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtype_policies.quantization.kernels import epilogues
 from dtype_policies.quantization.kernels import int4 as int4_kernels
@@ -93,25 +97,92 @@ def test_int8_weight_only(rows, dtype, k):
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "block"), [(64, 256, 128), (64, 256, 32), (48, 200, 40), (30, 256, 128)]
+    ("n", "k", "block"),
+    [
+        (64, 256, 128),
+        (64, 256, 32),
+        (48, 200, 40),  # a block that is not a multiple of 32: padded blocks
+        (30, 256, 128),  # N not a multiple of 16: padded rows
+        (24, 576, 128),  # a block that does not divide K: kernel groups of 64
+        (16, 100, 64),  # K not a multiple of 32: a padded tail
+        (7, 17, 32),
+    ],
 )
-def test_int4_kernel_and_fallback_agree(n, k, block):
+def test_int4_kernel_runs_every_shape(n, k, block):
     torch.manual_seed(n + k)
     w_kn = torch.randn(k, n) * 0.05
     q, scale, zero = grouped_quantize_with_zero_point(w_kn, block)
     dense = dequantize_grouped(q, scale, zero, block)  # (K, N)
-    x = torch.randn(3, k)
     runtime = int4_kernels.Int4Runtime()
     runtime.refresh(q.t(), scale, zero, block, (q,))
-    out = int4_kernels.int4_linear(
-        x.bfloat16(), q.t(), scale, zero, block, None, torch.bfloat16, runtime
-    )
-    kernel_applies = n % 16 == 0 and block in (32, 64, 128, 256) and k % block == 0
-    assert (runtime.packed is not None) == kernel_applies
-    reference = x.bfloat16().float() @ dense
-    assert ((out.float() - reference).norm() / reference.norm()).item() < 0.01
-    exact = int4_kernels.int4_linear(x, q.t(), scale, zero, block, None, torch.float32, runtime)
-    torch.testing.assert_close(exact, x @ dense, atol=1e-4, rtol=1e-4)
+    assert runtime.packed is not None  # never a per-call dequantization on CPU
+    layout = runtime.layout
+    assert layout.padded_k % layout.group == 0 and layout.group in int4_kernels.KERNEL_GROUPS
+    if math.gcd(k, block) % 32 == 0:
+        assert layout.padded_k == k and not layout.spread  # exact: repeated scales
+    for rows, dtype in ((1, torch.bfloat16), (3, torch.float32), (20, torch.float16)):
+        x = torch.randn(rows, k)
+        out = int4_kernels.int4_linear(x.to(dtype), None, scale, zero, block, None, dtype, runtime)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        reference = x.to(dtype).float() @ dense
+        # bfloat16 activations, scales and outputs around the kernel
+        assert ((out.float() - reference).norm() / reference.norm()).item() < 0.01
+
+
+@pytest.mark.parametrize(("n", "k", "block"), [(32, 256, 64), (48, 200, 40), (24, 576, 128)])
+def test_int4_kernel_folds_a_permuted_g_idx(n, k, block):
+    """GPTQ's activation order (a `g_idx` permuting `arange(K) // block`)
+    stays on the packed kernel: columns packed by group, the activations
+    gathered (or, with padded blocks, scattered) into that order per call."""
+    torch.manual_seed(k)
+    q = torch.randint(-8, 8, (k, n), dtype=torch.int8)  # (K, N)
+    groups = -(-k // block)
+    scale = torch.rand(groups, n) * 0.02 + 0.01
+    zero = torch.randn(groups, n)
+    g_idx = (torch.arange(k) // block)[torch.randperm(k)].float()
+    dense = dequantize_grouped(q, scale, zero, block, g_idx)  # (K, N)
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q.t(), scale, zero, block, (q,), g_idx)
+    assert runtime.packed is not None
+    assert int4_kernels.int4_path(runtime, 1, block) == "packed"
+    x = torch.randn(3, k)
+    out = int4_kernels.int4_linear(x, None, scale, zero, block, None, torch.float32, runtime)
+    reference = x @ dense
+    assert ((out - reference).norm() / reference.norm()).item() < 0.01
+    # a g_idx that does not give each block `block` inputs: the dequantized path
+    uneven = torch.zeros(k)
+    runtime.refresh(q.t(), scale, zero, block, (q,), uneven)
+    assert runtime.packed is None
+
+
+def test_int4_kernel_takes_real_valued_zero_points():
+    """The kernel's offset is `-zero * scale`: a zero point need not be an integer."""
+    torch.manual_seed(1)
+    q = torch.randint(-8, 8, (32, 128), dtype=torch.int8)  # (N, K)
+    scale = torch.rand(2, 32) * 0.02 + 0.01
+    zero = torch.randn(2, 32) * 3  # real-valued
+    dense = dequantize_grouped(q.t(), scale, zero, 64)
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q, scale, zero, 64, (q,))
+    x = torch.randn(4, 128)
+    out = int4_kernels.int4_linear(x, None, scale, zero, 64, None, torch.float32, runtime)
+    reference = x @ dense
+    assert ((out - reference).norm() / reference.norm()).item() < 0.01
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(1, 700), block=st.sampled_from([-1, 16, 32, 40, 64, 96, 128, 256, 300]))
+def test_int4_layout_maps_every_input_inside_its_block(k, block):
+    layout = int4_kernels.Int4Layout.plan(k, block)
+    positions = layout.positions(k, block)
+    assert positions.unique().numel() == k and int(positions.max()) < layout.padded_k
+    assert layout.padded_k % layout.group == 0 and layout.stride % layout.group == 0
+    # every kernel group reads the scale of the block its inputs belong to
+    width = block if block > 0 else k
+    blocks_of_groups = layout.block_of_groups()
+    assert torch.equal(blocks_of_groups[positions // layout.group], torch.arange(k) // width)
+    if not layout.spread:
+        assert torch.equal(positions, torch.arange(k))
 
 
 def test_int4_per_channel_kernel():
@@ -171,3 +242,47 @@ print("ok")
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-1500:]
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16, torch.float16])
+def test_float8_arithmetic_rounding_matches_torch_conversion(compute):
+    from dtype_policies.quantization.kernels.float8 import quantize_dequantize_e4m3
+    from dtype_policies.quantizers.math import quantize_and_dequantize
+
+    torch.manual_seed(0)
+    special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 448.0, 449.0, 464.0, 465.0]
+    grid = [1e30, 2**-6, 2**-7, 2**-9, 2**-10, 3 * 2**-11, 1.5 * 2**-9, 2.5 * 2**-9]
+    edges = torch.tensor([*special, *grid])
+    values = [
+        torch.randn(50_000) * 10 ** torch.empty(50_000).uniform_(-6, 4),
+        torch.linspace(-500, 500, 400_001),  # every grid step and tie, many times over
+        torch.linspace(-0.02, 0.02, 400_001),  # the subnormal range
+        edges.repeat(600),
+    ]
+    for scale in (1.0, 0.0123, 3.7e-5, 250.0):
+        scale = torch.tensor(scale)
+        for x in values:
+            x = (x * scale).to(compute)
+            want = quantize_and_dequantize(x, scale, torch.float8_e4m3fn, compute)
+            got = quantize_dequantize_e4m3(x, scale, compute)
+            assert got.dtype == compute
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 20])
+def test_int8_weight_only_cast_in_chunks(rows, dtype):
+    """Weights larger than one chunk are cast and multiplied chunk by chunk."""
+    torch.manual_seed(rows)
+    n, k = 2500, 1024
+    assert int8_kernels.CHUNK_BYTES // (k * torch.finfo(dtype).bits // 8) < n  # several chunks
+    q, scale = abs_max_quantize(torch.randn(n, k), axis=1)
+    runtime = _runtime(q, scale[:, 0], prepack=False)
+    x = torch.randn(rows, k).to(dtype)
+    for path in ("dequantized", "dequantized_float32"):
+        out = int8_kernels.int8_weight_only_linear(x, runtime, None, dtype, path)
+        reference = x.float() @ (q.float() / scale).t()
+        tolerance = 1e-4 if dtype == torch.float32 else 0.02
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert ((out.float() - reference).norm() / reference.norm()).item() < tolerance

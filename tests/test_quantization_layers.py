@@ -65,7 +65,8 @@ def test_dense_every_mode(mode, policy, units, input_shape, use_bias):
         assert tuple(state["kernel_int4"].shape) == (input_shape[-1], (units + 1) // 2)
         groups = -(-input_shape[-1] // 128)
         assert tuple(state["kernel_scale"].shape) == (groups, units)
-        assert state["kernel_zero"].dtype == torch.int8
+        assert state["kernel_zero"].dtype == torch.float32  # real-valued zero points
+        assert torch.equal(state["kernel_g_idx"], torch.arange(input_shape[-1]) // 128)
     else:
         assert state["kernel"].dtype == torch.float32
         assert state["inputs_amax_history"].shape == (1024,)
@@ -130,9 +131,8 @@ def test_embedding_modes(mode, policy):
     assert relative_error(out, reference) < TOLERANCE[mode]
     assert layer.embeddings.dtype == torch.int8  # Keras: the quantized integer values
     assert tuple(layer.embeddings.shape) == (100, 48)
-    # Grouped scales are (groups, rows) for every weight kind, so a table tied
-    # to an LM head stores the same tensors as the head.
-    expected = (100,) if mode == "int8" else (1, 100)
+    # Keras's layout: a table's grouped scales are (rows, groups).
+    expected = (100,) if mode == "int8" else (100, 1)
     assert tuple(layer.embeddings_scale.shape) == expected
 
 
@@ -556,3 +556,86 @@ def test_float8_training_learns():
         losses.append(loss.item())
     assert losses[-1] < 0.2 * losses[0]
     assert model.layers[0].inputs_scale.item() != 1.0
+
+
+def test_int4_checkpoint_of_earlier_versions_loads_unchanged_in_value():
+    """Before 0.3 grouped int4 stored an int8 zero point, (G, N) grids for every
+    weight and no g_idx; such a state dict loads and computes the same."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.ReLU(), layers.Dense(16))
+    model(torch.randn(1, 256))
+    quantize(model, "int4", Int4QuantizationConfig(block_size=64))
+    x = torch.randn(3, 256)
+    expected = model(x)
+    legacy = {}
+    for key, value in model.state_dict().items():
+        if key.endswith("_g_idx"):
+            continue
+        if key.startswith("0.") and key.endswith(("_scale", "_zero")):
+            value = value.t()  # nn.Linear's grids were (G, N)
+        if key.endswith("_zero"):
+            assert torch.equal(value, value.round())  # normal weights: integer zero points
+            value = value.to(torch.int8)
+        legacy[key] = value.contiguous()
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 32), torch.nn.ReLU(), layers.Dense(16))
+    fresh(torch.randn(1, 256))
+    quantize(fresh, "int4", Int4QuantizationConfig(block_size=64))
+    fresh.load_state_dict(legacy)
+    assert fresh[0].weight_zero.dtype == torch.float32
+    assert torch.equal(fresh[0].weight_g_idx, torch.arange(256) // 64)
+    assert torch.equal(fresh(x), expected)
+
+
+def _int4_linear(block_size=128, in_features=256, out_features=64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(in_features, out_features))
+    with torch.no_grad():
+        model[0].weight[:, :block_size] *= 8.0  # groups of different ranges
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", config=Int4QuantizationConfig(block_size=block_size))
+    return model.eval()
+
+
+def test_int4_kernel_is_packed_once_per_stored_weight(monkeypatch):
+    """nn.Linear stores grouped scales as (N, G); the kernel's key is taken on
+    the stored buffers, not on the (G, N) views made per call."""
+    from dtype_policies.quantization.kernels import int4 as int4_kernels
+
+    model = _int4_linear()
+    packs = []
+    original = int4_kernels._pack
+    monkeypatch.setattr(int4_kernels, "_pack", lambda *a: packs.append(1) or original(*a))
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(6)]
+    assert len(packs) == 1
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    with torch.no_grad():
+        model[0].weight_scale.mul_(2.0)  # an in-place write repacks once
+        halved = model(x)
+        model(x)
+    assert len(packs) == 2
+    bias = model[0].bias.detach().to(halved.dtype)
+    assert torch.allclose(halved - bias, 2 * (outputs[0] - bias), rtol=0.02, atol=0.02)
+
+
+def test_int4_products_follow_a_stored_g_idx():
+    """A `g_idx` that is not `arange(K) // block` (Keras's activation order)
+    is honoured: the same weight with its groups stored in another order
+    gives the same outputs."""
+    model = _int4_linear()
+    x = torch.randn(5, 256)
+    with torch.no_grad():
+        expected = model(x).float()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        # groups 0 and 1 swap places: features 0-127 now read group 1's grid
+        state["0.weight_scale"] = state["0.weight_scale"].flip(1)
+        state["0.weight_zero"] = state["0.weight_zero"].flip(1)
+        model.load_state_dict(state)
+        wrong = model(x).float()  # grids swapped, g_idx not: another weight
+        state["0.weight_g_idx"] = 1.0 - state["0.weight_g_idx"]
+        model.load_state_dict(state)
+        swapped = model(x).float()
+    assert not torch.allclose(wrong, expected, rtol=0.1, atol=0.1)
+    assert torch.allclose(swapped, expected, rtol=0.02, atol=0.02)
+    assert model[0].weight_g_idx[0].item() == 1.0

@@ -44,19 +44,62 @@ def test_grouped_quantization_error_and_shapes(rows, block):
     q, scale, zero = grouped_quantize_with_zero_point(w, block)
     groups = -(-rows // block)
     assert q.shape == (rows, 6) and q.dtype == torch.int8
-    assert scale.shape == (groups, 6) and zero.shape == (groups, 6) and zero.dtype == torch.int8
-    assert q.min() >= -8 and q.max() <= 7 and zero.min() >= -8 and zero.max() <= 7
+    assert scale.shape == (groups, 6) and zero.shape == (groups, 6) and zero.dtype == torch.float32
+    assert q.min() >= -8 and q.max() <= 7
     restored = dequantize_grouped(q, scale, zero, block)
     step = scale.repeat_interleave(block, dim=0)[:rows]
     assert torch.all((restored - w).abs() <= step / 2 + 1e-5)
 
 
-def test_grouped_quantization_same_sign_group_keeps_zero_point_in_range():
-    w = torch.linspace(0.5, 1.0, 8).reshape(8, 1)  # all positive
+def test_grouped_quantization_same_sign_group_uses_its_whole_range():
+    w = torch.linspace(0.5, 1.0, 16).reshape(16, 1)  # all positive, 16 evenly spaced values
+    q, scale, zero = grouped_quantize_with_zero_point(w, 16)
+    torch.testing.assert_close(scale, torch.tensor([[0.5 / 15]]))
+    assert q.flatten().tolist() == list(range(-8, 8))  # every code used, none wasted on [0, 0.5)
+    torch.testing.assert_close(dequantize_grouped(q, scale, zero, 16), w, rtol=0, atol=1e-7)
+
+
+def test_grouped_quantization_two_sided_group_represents_zero_exactly():
+    torch.manual_seed(3)
+    w = torch.randn(128, 8)
+    w[::7] = 0.0
+    q, scale, zero = grouped_quantize_with_zero_point(w, 64)
+    assert torch.equal(zero, zero.round())  # integer zero points
+    restored = dequantize_grouped(q, scale, zero, 64)
+    assert torch.equal(restored[::7], torch.zeros_like(restored[::7]))
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_grouped_quantization_reproduces_q4_1_blocks(block):
+    """Weights on a block-32 min/max grid (a GGUF's Q4_1: each block's min and max are
+    codes 0 and 15) come back exactly at /32; at /128 they quantize like any weights."""
+    torch.manual_seed(0)
+    k, n = 256, 24
+    d = torch.rand(k // 32, 1, n) * 0.02 + 1e-3
+    m = -torch.rand(k // 32, 1, n) * 0.1
+    codes = torch.randint(0, 16, (k // 32, 32, n)).float()
+    codes[:, 0], codes[:, 1] = 0.0, 15.0
+    w = (m + codes * d).reshape(k, n)
+    q, scale, zero = grouped_quantize_with_zero_point(w, block)
+    restored = dequantize_grouped(q, scale, zero, block)
+    if block == 32:
+        torch.testing.assert_close(restored, w, rtol=0, atol=1e-7)
+    assert q.min() >= -8 and q.max() <= 7
+
+
+def test_grouped_quantization_short_last_group_uses_its_own_values():
+    w = torch.cat([torch.randn(8, 3), 5.0 + torch.rand(3, 3)])  # the last group: 3 rows, all > 5
     q, scale, zero = grouped_quantize_with_zero_point(w, 8)
+    tail = w[8:]
+    torch.testing.assert_close(scale[1], (tail.amax(0) - tail.amin(0)) / 15)
     restored = dequantize_grouped(q, scale, zero, 8)
-    assert torch.all((restored - w).abs() <= scale / 2 + 1e-6)
-    assert zero.item() == -8  # the range [0, max] puts 0 at the bottom code
+    assert torch.all((restored[8:] - tail).abs() <= scale[1] / 2 + 1e-6)
+
+
+def test_grouped_quantization_of_constant_groups_is_exact():
+    w = torch.tensor([[0.0, 2.5, -1e-3]]).repeat(4, 1)
+    q, scale, zero = grouped_quantize_with_zero_point(w, 4)
+    torch.testing.assert_close(dequantize_grouped(q, scale, zero, 4), w, rtol=1e-6, atol=0)
 
 
 @settings(max_examples=60, deadline=None)

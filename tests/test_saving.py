@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize, saving
+from dtype_policies._core.module_state import state_of
 from dtype_policies.quantization import (
     Float8QuantizationConfig,
     Int4QuantizationConfig,
@@ -42,7 +43,7 @@ def snapshot(module):
     return (
         {k: v.clone() for k, v in module.state_dict().items()},
         [type(m) for m in module.modules()],
-        [getattr(m, "_dp_state", None) for m in module.modules()],
+        [getattr(state_of(m), "call", None) for m in module.modules()],
     )
 
 
@@ -52,7 +53,7 @@ def assert_unchanged(module, before):
     assert list(after) == list(tensors)
     assert all(torch.equal(after[k], tensors[k]) for k in tensors)
     assert [type(m) for m in module.modules()] == classes
-    assert [getattr(m, "_dp_state", None) for m in module.modules()] == states
+    assert [getattr(state_of(m), "call", None) for m in module.modules()] == states
 
 
 def prepare(model, policy, mode, config):
@@ -126,9 +127,9 @@ def test_round_trip_is_bit_exact(case, on_meta, tmp_path):
     original_state, loaded_state = model.state_dict(), loaded.state_dict()
     assert list(loaded_state) == list(original_state)
     assert all(torch.equal(loaded_state[k], original_state[k]) for k in original_state)
-    assert [m.__dict__.get("_dp_state") and m._dp_state.policy for m in loaded.modules()] == [
-        m.__dict__.get("_dp_state") and m._dp_state.policy for m in model.modules()
-    ]
+    assert [
+        getattr(state_of(m), "call", None) and state_of(m).call.policy for m in loaded.modules()
+    ] == [getattr(state_of(m), "call", None) and state_of(m).call.policy for m in model.modules()]
     assert not any(t.device.type == "meta" for t in loaded.state_dict().values())
 
 

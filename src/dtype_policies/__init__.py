@@ -18,7 +18,7 @@ from dtype_policies import (
     saving,
 )
 from dtype_policies._core.cpu_float16 import CPUFloat16Warning
-from dtype_policies._core.weight_casts import clear_cast_caches
+from dtype_policies._core.module_state import clear_cast_caches
 from dtype_policies._version import __version__
 
 # The advisor sits at the top: it imports the rest, nothing imports it.

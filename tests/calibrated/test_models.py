@@ -15,9 +15,10 @@ import torch.nn as nn
 
 from dtype_policies import apply_policy, layers, quantize, saving, summary
 from dtype_policies.quantization.attach import quantization_of
+from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.schemes import calibrated_int
 from dtype_policies.quantization.structure import find_blocks
-from dtype_policies.quantizers import AWQConfig, GPTQConfig, gptq
+from dtype_policies.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig, gptq
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,6 +148,34 @@ def test_activation_order_stores_g_idx_and_the_kernel_permutes_the_input():
             out = proj(x.to(dtype)).float()
             expected = x.to(dtype).float() @ weight.t()
             assert torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+    # int4's own runtime and packed kernel, the permutation folded into it
+    runtime = quantization_of(proj).runtime
+    assert isinstance(runtime, int4_kernels.Int4Runtime) and runtime.packed is not None
+    assert int4_kernels.int4_path(runtime, 1, 16) == "packed"
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_calibrated_int4_is_stored_and_runs_as_round_to_nearest_int4(mode):
+    """The same buffers (names, dtypes, shapes laid out like the weight) and
+    the same packed kernel as `int4/<block>`: the same decode speed."""
+    model = llama(layers_count=1)
+    rtn = copy.deepcopy(model)
+    quantize(rtn.model.layers, config=Int4QuantizationConfig(block_size=32))
+    cls = GPTQConfig if mode == "gptq" else AWQConfig
+    quiet_quantize(model, cls(token_data(), None, num_samples=4, sequence_length=32, group_size=32))
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        ours = model.model.layers[0].get_submodule(name)
+        theirs = rtn.model.layers[0].get_submodule(name)
+        for suffix in ("_int4", "_scale", "_zero", "_g_idx"):
+            a, b = ours._buffers["weight" + suffix], theirs._buffers["weight" + suffix]
+            assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        with torch.no_grad():
+            ours(torch.randn(1, ours.in_features))
+            theirs(torch.randn(1, ours.in_features))
+        mine, reference = quantization_of(ours).runtime, quantization_of(theirs).runtime
+        assert type(mine) is type(reference) is int4_kernels.Int4Runtime
+        assert mine.layout == reference.layout and mine.plan.order is None
+        assert mine.packed.shape == reference.packed.shape
 
 
 @pytest.mark.parametrize("bits, group", [(2, 32), (3, 16), (8, -1), (8, 32), (4, -1)])

@@ -11,9 +11,6 @@ import torch
 
 import dtype_policies
 
-INT4_STORAGE = pytest.mark.xfail(strict=True, reason="int4 storage: pending (lead)")
-
-
 DELIBERATE = {
     "maps": "Policies are immutable and hashable; maps compare by content and `get_config()` "
     "never mutates them (a map built with no default policy saves the default in force then, "

@@ -22,7 +22,6 @@ from dtype_policies.quantizers import (
 )
 
 from .helpers import (
-    INT4_STORAGE,
     assert_all_close,
     assert_dtype,
     assert_float8_delayed_scaling,
@@ -52,7 +51,6 @@ class TestDenseTest:
                 "int4",
                 {"axis": 0, "value_range": (-8, 7), "output_dtype": "int8"},
                 {"axis": -1},
-                marks=INT4_STORAGE,
             ),
             ("int8", {"axis": 0}, None),
         ],
@@ -145,7 +143,7 @@ class TestDenseTest:
         "policy, expected_num_variables",
         [
             ("int8_from_float32", 3),
-            pytest.param("int4_from_float32", 5, marks=INT4_STORAGE),  # + zero + g_idx
+            pytest.param("int4_from_float32", 5),  # + zero + g_idx
             ("float8_from_float32", 8),
         ],
         ids=["int8", "int4", "float8"],
@@ -326,7 +324,6 @@ class TestDenseTest:
         assert isinstance(new_layer.quantization_config.weight_quantizer, AbsMaxQuantizer)
         assert new_layer.quantization_config.activation_quantizer is None
 
-    @INT4_STORAGE  # per-channel int4 with an activation quantizer (W4A8)
     def test_dense_int4_custom_quantizer(self):
         weight_range, act_range = (-8, 7), (-2, 2)
         config = Int4QuantizationConfig(
@@ -395,7 +392,6 @@ class TestDenseTest:
         assert tuple(layer_pc.kernel_scale.shape) == (output_dim,)
         assert tuple(layer_grouped.kernel_scale.shape) == (input_dim // block_size, output_dim)
 
-    @INT4_STORAGE
     @pytest.mark.parametrize("block_size", [64, 128], ids=["grouped_block_64", "grouped_block_128"])
     def test_int4_subchannel_g_idx_created(self, block_size):
         input_dim, output_dim = 256, 64
@@ -412,7 +408,6 @@ class TestDenseTest:
         layer.quantize("int4", config=Int4QuantizationConfig(block_size=None))
         assert not hasattr(layer, "g_idx")
 
-    @INT4_STORAGE
     def test_int4_subchannel_g_idx_serialization(self, tmp_path):
         input_dim, output_dim, block_size = 128, 32, 64
         layer = layers.Dense(units=output_dim)

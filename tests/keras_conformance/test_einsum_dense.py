@@ -21,7 +21,6 @@ from dtype_policies.quantizers import (
 )
 
 from .helpers import (
-    INT4_STORAGE,
     assert_all_close,
     assert_dtype,
     assert_float8_delayed_scaling,
@@ -49,7 +48,6 @@ class TestEinsumDenseTest:
                 "int4",
                 {"axis": 0, "value_range": (-8, 7), "output_dtype": "int8"},
                 {"axis": -1},
-                marks=INT4_STORAGE,
             ),
             ("int8", {"axis": 0}, None),
             ("int4", {"axis": 0, "value_range": (-8, 7), "output_dtype": "int8"}, None),
@@ -194,7 +192,7 @@ class TestEinsumDenseTest:
         [
             ("int8_from_float32", 3),
             ("float8_from_float32", 8),
-            pytest.param("int4_from_float32", 5, marks=INT4_STORAGE),  # + zero + g_idx
+            pytest.param("int4_from_float32", 5),  # + zero + g_idx
         ],
         ids=["int8", "float8", "int4"],
     )
@@ -413,7 +411,6 @@ class TestEinsumDenseTest:
         assert tuple(layer_single(torch.rand(2, 128)).shape) == (2, 32)
         assert tuple(layer_multi(torch.rand(2, 4, 32)).shape) == (2, 128)
 
-    @INT4_STORAGE
     @pytest.mark.parametrize("block_size", [64, 128], ids=["grouped_block_64", "grouped_block_128"])
     def test_int4_subchannel_g_idx_created(self, block_size):
         layer = layers.EinsumDense(equation="ab,bc->ac", output_shape=(32,), bias_axes="c")
@@ -429,7 +426,6 @@ class TestEinsumDenseTest:
         layer.quantize("int4", config=Int4QuantizationConfig(block_size=None))
         assert not hasattr(layer, "g_idx")
 
-    @INT4_STORAGE
     def test_int4_subchannel_g_idx_serialization(self, tmp_path):
         layer = layers.EinsumDense(equation="ab,bc->ac", output_shape=(32,), bias_axes="c")
         layer.build((None, 128))

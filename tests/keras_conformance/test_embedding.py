@@ -21,7 +21,6 @@ from dtype_policies.quantizers import (
 )
 
 from .helpers import (
-    INT4_STORAGE,
     assert_all_close,
     assert_dtype,
     reload_model,
@@ -124,7 +123,7 @@ class TestEmbeddingTest:
         "policy, expected_num_variables",
         [
             ("int8_from_float32", 2),
-            pytest.param("int4_from_float32", 4, marks=INT4_STORAGE),  # + zero + g_idx
+            pytest.param("int4_from_float32", 4),  # + zero + g_idx
         ],
         ids=["int8", "int4"],
     )
@@ -179,8 +178,8 @@ class TestEmbeddingTest:
     @pytest.mark.parametrize(
         "block_size",
         [
-            pytest.param(64, marks=INT4_STORAGE),
-            pytest.param(128, marks=INT4_STORAGE),
+            pytest.param(64),
+            pytest.param(128),
             None,
             -1,
         ],
@@ -219,7 +218,6 @@ class TestEmbeddingTest:
         assert loaded_layer.quantization_config.block_size == block_size
         assert_all_close(y_before, loaded_model(x))
 
-    @INT4_STORAGE  # Embedding's grouped scale is (groups, rows) here, (rows, groups) in Keras
     def test_int4_grouped_vs_perchannel_scale_shapes(self):
         input_dim, output_dim, block_size = 100, 256, 64
         layer_pc = layers.Embedding(input_dim=input_dim, output_dim=output_dim)
@@ -232,7 +230,6 @@ class TestEmbeddingTest:
         n_groups = math.ceil(output_dim / block_size)
         assert tuple(layer_grouped.embeddings_scale.shape) == (input_dim, n_groups)
 
-    @INT4_STORAGE
     @pytest.mark.parametrize("block_size", [4, 8], ids=["grouped_block_4", "grouped_block_8"])
     def test_int4_subchannel_g_idx_created(self, block_size):
         layer = layers.Embedding(input_dim=10, output_dim=16)
@@ -248,7 +245,6 @@ class TestEmbeddingTest:
         layer.quantize("int4", config=Int4QuantizationConfig(block_size=None))
         assert not hasattr(layer, "g_idx")
 
-    @INT4_STORAGE
     def test_int4_subchannel_g_idx_serialization(self, tmp_path):
         layer = layers.Embedding(input_dim=10, output_dim=16)
         layer.build()

@@ -12,8 +12,6 @@ from dtype_policies.quantizers import (
     validate_and_resolve_config,
 )
 
-from .helpers import INT4_STORAGE
-
 
 class TestQuantizationConfigTest:
     def test_base_quantization_config(self):
@@ -46,7 +44,6 @@ class TestQuantizationConfigTest:
         with pytest.raises(ValueError, match="value_range"):
             Int4QuantizationConfig(weight_quantizer=q, block_size=None)
 
-    @INT4_STORAGE  # per-channel int4 with an activation quantizer (W4A8)
     def test_int4_quantization_config_subchannel_rejects_custom_quantizer(self):
         weight_q = AbsMaxQuantizer(axis=0, value_range=(-8, 7))
         activation_q = AbsMaxQuantizer(axis=-1)

@@ -54,7 +54,7 @@ def snapshot(model):
         {name: id(p) for name, p in model.named_parameters()},
         [m.training for m in model.modules()],
         [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()],
-        [m.__dict__.get("_dp_quant") for m in model.modules()],
+        [quantization_of(m) for m in model.modules()],
         [type(m) for m in model.modules()],
     )
 
@@ -67,7 +67,7 @@ def assert_unchanged(model, before):
     assert {name: id(p) for name, p in model.named_parameters()} == ids
     assert [m.training for m in model.modules()] == training
     assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == hooks
-    assert [m.__dict__.get("_dp_quant") for m in model.modules()] == quantized
+    assert [quantization_of(m) for m in model.modules()] == quantized
     assert [type(m) for m in model.modules()] == classes
 
 

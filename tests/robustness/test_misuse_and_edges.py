@@ -17,6 +17,7 @@ from dtype_policies import (
     layers,
     quantize,
 )
+from dtype_policies._core.module_state import state_of
 from dtype_policies.optimizers import LossScaleOptimizer
 from dtype_policies.quantization import (
     AbsMaxQuantizer,
@@ -36,7 +37,7 @@ def snapshot(module):
     return (
         {k: v.clone() for k, v in module.state_dict().items()},
         [type(m) for m in module.modules()],
-        [m.__dict__.get("_dp_state") for m in module.modules()],
+        [getattr(state_of(m), "call", None) for m in module.modules()],
     )
 
 
@@ -47,7 +48,7 @@ def unchanged(module, before):
         list(after) == list(tensors)
         and all(torch.equal(after[k], tensors[k]) for k in tensors)
         and [type(m) for m in module.modules()] == classes
-        and [m.__dict__.get("_dp_state") for m in module.modules()] == states
+        and [getattr(state_of(m), "call", None) for m in module.modules()] == states
     )
 
 
@@ -101,7 +102,7 @@ def test_quantize_is_atomic_and_names_the_failing_module():
     with pytest.raises(ValueError, match=r"module '1'.*float16"):
         quantize(model, "int8")
     assert unchanged(model, before)
-    assert "_dp_quant" not in model[0].__dict__
+    assert getattr(state_of(model[0]), "quantization", None) is None
 
 
 def test_unusual_modules_stay_correct():
@@ -167,12 +168,18 @@ def test_tied_weights_are_quantized_once_and_shared():
         def forward(self, ids):
             return self.head(self.embed(ids))
 
-    for mode in ("int8", "int4"):
+    # int4 keeps a tied table in (weight-only) int8 unless told otherwise.
+    for mode, config, stored in (
+        ("int8", None, "int8"),
+        ("int4", None, "int8"),
+        ("int4", Int4QuantizationConfig(tied_embeddings="int4"), "int4"),
+    ):
         model = TiedLM()
         ids = torch.randint(0, 100, (2, 5))
         reference = model(ids)
-        quantize(model, mode)
-        assert getattr(model.head, f"weight_{mode}") is getattr(model.embed, f"weight_{mode}")
+        report = quantize(model, mode, config)
+        assert {m for _, m, _ in report.quantized} == {stored}
+        assert getattr(model.head, f"weight_{stored}") is getattr(model.embed, f"weight_{stored}")
         assert model.head.weight_scale is model.embed.weight_scale
         assert ((model(ids) - reference).norm() / reference.norm()) < 0.2
 

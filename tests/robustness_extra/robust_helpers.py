@@ -152,7 +152,9 @@ def dequantized_nk(leaf: nn.Module, kind: str, mode_name: str, n=OUT_FEATURES, k
     q = int_values_nk(leaf, kind, mode, n, k).float()
     scale = buffers[f"{prefix}_scale"].float()
     zero = buffers.get(f"{prefix}_zero")
-    if mode == "int4" and zero is not None:  # grouped: (q - zero) * scale, (G, N)
+    if mode == "int4" and zero is not None:  # grouped: (q - zero) * scale
+        if kind == "linear":  # laid out like the (out, in) weight: (N, G)
+            scale, zero = scale.t(), zero.t()
         groups = scale.shape[0]
         block = -(-k // groups)
         group_of_k = torch.arange(k) // block

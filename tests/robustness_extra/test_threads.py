@@ -1,7 +1,7 @@
-"""Contract (threads): casts that carry an autograd graph are kept for the
-thread that made them only; a thread evaluating under no_grad while another
-trains never changes the trainer's gradients (`.grad` is set and equals a
-single-threaded run's)."""
+"""Contract (threads): casts that carry an autograd graph are never kept
+beyond the call that made it (so never shared between threads); a thread
+evaluating under no_grad while another trains never changes the trainer's
+gradients (`.grad` is set and equals a single-threaded run's)."""
 
 import threading
 

@@ -24,10 +24,10 @@ from dtype_policies._core.weight_casts import WeightCasts, cast_weight
 def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Calls `call(*args, **kwargs)` as `state` says: floating arguments cast,
     inside the right autocast scope, outputs cast back where needed."""
-    if state.leaf_fast_path and not kwargs and len(args) == 1:
+    if state.leaf_fast_path and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
         # The common leaf call (one tensor in, weights cast by the forward).
         x = args[0]
-        if isinstance(x, torch.Tensor) and x.dtype is not state.inputs and x.is_floating_point():
+        if x.dtype is not state.inputs and x.is_floating_point():
             x = cast_tensor(x, state.inputs)
         return call(x)
     cast_to = state.inputs

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._core.module_state import quantization_of
 from dtype_policies._modes import quantized_suffixes
 
 
@@ -24,13 +25,13 @@ def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> No
     (loaded under `prefix`); reads only, changes nothing."""
     suffixes = quantized_suffixes()
     if not any(key.endswith(suffixes) for key in state_dict) and not any(
-        "_dp_quant" in module.__dict__ for module in root.modules()
+        quantization_of(module) is not None for module in root.modules()
     ):
         return
     refused: list[str] = []
     for name, module in root.named_modules(prefix=prefix[:-1]):
         module_prefix = f"{name}." if name else ""
-        quantized = module.__dict__.get("_dp_quant")
+        quantized = quantization_of(module)
         if quantized is not None:
             quantized.check_checkpoint(module, state_dict, module_prefix)
             continue

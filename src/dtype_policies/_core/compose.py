@@ -72,7 +72,11 @@ def _rebuild(original: type, mixins: tuple[type, ...]) -> torch.nn.Module:
 
 def original_class(module: torch.nn.Module) -> type[torch.nn.Module]:
     """The module's own class, without this library's mixins."""
-    cls = type(module)
+    return original_of(type(module))
+
+
+def original_of(cls: type) -> type:
+    """`cls` without this library's mixins (itself when it is not composed)."""
     return cls._dp_original if issubclass(cls, ComposedModule) else cls
 
 

@@ -6,9 +6,13 @@ import warnings
 
 import torch
 
+from dtype_policies._core.products import native_half_products
+from dtype_policies._cpu import processor
+
 
 class CPUFloat16Warning(UserWarning):
-    """float16 compute on a CPU tensor: correct but very slow; use bfloat16."""
+    """float16 compute on a CPU tensor: correct, rarely faster than bfloat16 and
+    often far slower (by CPU class); use bfloat16."""
 
 
 _warned = False
@@ -20,10 +24,20 @@ def warn_if_cpu_float16(device: torch.device) -> None:
     if _warned or device.type != "cpu":
         return
     _warned = True
+    info = processor()
+    if native_half_products(torch.float16, info):
+        detail = (
+            f"this CPU ({info.name}) has native float16 products, but bfloat16 ones are "
+            "as fast or faster and need no loss scaling"
+        )
+    else:
+        detail = (
+            f"this CPU ({info.name}) has no native float16 products: linear layers multiply "
+            "in float32 on the float16 values (float32 speed, no gain), other ops run "
+            "emulated float16, often far slower than float32"
+        )
     warnings.warn(
-        "A float16 compute dtype is running on CPU tensors. CPU float16 matrix "
-        "products are orders of magnitude slower than float32 (about 2.5 GFLOP/s "
-        "against 175 measured on an AVX-512 machine); use 'bfloat16' or "
+        f"A float16 compute dtype is running on CPU tensors: {detail}. Use 'bfloat16' or "
         "'mixed_bfloat16' on CPU. This warning is shown once.",
         CPUFloat16Warning,
         stacklevel=4,

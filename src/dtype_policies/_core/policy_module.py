@@ -1,11 +1,11 @@
 """The call core for any torch module: `PolicyModule`, the mixin put in front
-of a module's class, and the per-module stack of policy applications.
+of a module's class, and what its policy applications hold.
 
 Each application (an `apply_policy` handle, or `quantize()` on a plain module)
-pushes `(token, ModuleOptions)` on the module's stack; the top entry decides
-the module's `CallState`. Removing an application takes its entry out
-wherever it is, so nested applications compose: the most recent one wins,
-and removing it brings back the one below.
+pushes `(token, ModuleOptions)` on the module's application stack (in its
+`ModuleState`, see `module_state`); the top entry decides the module's
+`CallState`. When the last application is taken off, the module gets its own
+class back.
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ import torch.nn.functional as F
 
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
+from dtype_policies._core.casting import HALF_DTYPES, tracing
 from dtype_policies._core.checkpoints import check_checkpoint
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
+from dtype_policies._core.module_state import (
+    STATE_KEY,
+    drop_state_if_empty,
+    push_application,
+    state_of,
+)
+from dtype_policies._core.products import linear_product
 from dtype_policies._core.state import CallState, derive_call_state
-from dtype_policies._core.weight_casts import WeightCasts, cast_pair, prepacked_linear
+from dtype_policies._core.weight_casts import WeightCasts, cast_pair
 from dtype_policies.policies import DTypePolicy, policy_for_config
 
 
@@ -59,27 +67,35 @@ class PolicyModule:
     @property
     def dtype_policy(self) -> DTypePolicy:
         """The policy this module computes by (quantized when it is)."""
-        return self.__dict__["_dp_state"].policy
+        return self.__dict__[STATE_KEY].call.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = self.__dict__.get("_dp_state")
-        if state is None:  # built by the module's own code (a slice of a Sequential)
+        state = self.__dict__.get(STATE_KEY)
+        call = None if state is None else state.call
+        if call is None:  # built by the module's own code (a slice of a Sequential)
             return super().__call__(*args, **kwargs)
-        return run_call(state, super().__call__, args, kwargs)
+        return run_call(call, super().__call__, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
-        state = d.get("_dp_state")
-        if state is not None and name in state.weight_names:
-            is_buffer = name in state.buffer_names
+        state = d.get(STATE_KEY)
+        call = None if state is None else state.call
+        if call is not None and name in call.weight_names:
+            is_buffer = name in call.buffer_names
             value = (d["_buffers"] if is_buffer else d["_parameters"]).get(name)
             if value is not None:
                 if sharded.as_is(d, value):  # FSDP2 reading its sharded parameter
                     return value
-                return read_weight(d.get("_dp_casts"), name, value, is_buffer)
+                return read_weight(state.casts, name, value, is_buffer)
         return super().__getattr__(name)
 
     _is_fsdp_managed_module = sharded.fsdp_managed
+
+    def train(self, mode: bool = True) -> Any:
+        state = self.__dict__.get(STATE_KEY)
+        if state is not None:  # a switch of mode drops kept casts (see weight_casts)
+            state.casts.clear()
+        return super().train(mode)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
@@ -88,9 +104,29 @@ class PolicyModule:
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # `.to()`, `.half()`, ... may change weight dtypes: re-derive the state.
         result = super()._apply(fn, *args, **kwargs)
-        if "_dp_stack" in self.__dict__:
+        if is_policied(self):
             refresh(self)
         return result
+
+    def register_parameter(self, name: str, param: Any) -> None:
+        # A weight registered after the policy (`spectral_norm` moves `weight`
+        # to `weight_orig`) is read like the others: re-derive the state.
+        super().register_parameter(name, param)
+        if is_policied(self):
+            refresh(self)
+
+    def register_buffer(self, name: str, tensor: Any, persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        if is_policied(self):
+            refresh(self)
+
+    def _refresh_policy_state(self) -> None:
+        """Re-derives the call state after a change of the application stack
+        (`module_state.push_application` / `pop_application`)."""
+        if self.__dict__[STATE_KEY].applications:
+            refresh(self)
+        else:
+            release(self)
 
 
 class FastLinearForward:
@@ -102,15 +138,19 @@ class FastLinearForward:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         d = self.__dict__
-        state = d.get("_dp_state")
+        state = d.get(STATE_KEY)
+        call = None if state is None else state.call
         parameters = d["_parameters"]
-        weight, bias = parameters["weight"], parameters["bias"]
-        if state is not None and state.autocast and weight.dtype is not state.compute:
-            weight, bias, packed = cast_pair(
-                d.get("_dp_casts"), weight, bias, state.compute, pack=True
-            )
-            if packed:
-                return prepacked_linear(input, weight, bias)
+        weight, bias = parameters.get("weight"), parameters["bias"]
+        store = None if state is None else state.casts
+        if weight is None:
+            # Not a registered parameter: a tensor that a hook or parametrization
+            # computes in every call (`spectral_norm`, `weight_norm`). Cast per call.
+            weight, store = self.weight, None
+        if call is not None and call.autocast and weight.dtype is not call.compute:
+            weight, bias, product = cast_pair(store, weight, bias, call.compute, pack=True)
+            if product is not None:  # the path this CPU runs it by (`_core.products`)
+                return product(input, bias)
             if input.dim() > 2:
                 # A kept cast does not require grad, and for such weights torch's
                 # matmul turns a strided 3-D input (the last position of a
@@ -118,6 +158,12 @@ class FastLinearForward:
                 # fold to 2-D here.
                 out = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
                 return out.view(*input.shape[:-1], out.shape[-1])
+        elif call is not None and call.compute in HALF_DTYPES and not tracing():
+            # Weights already in the compute dtype (sharded or half-precision
+            # parameters) take the same product path as cast ones.
+            product = linear_product(weight, kept=False)
+            if product is not None:
+                return product(input, bias)
         return F.linear(input, weight, bias)
 
 
@@ -128,65 +174,55 @@ def install(
     module: torch.nn.Module, token: object, options: ModuleOptions, bottom: bool = False
 ) -> None:
     """Pushes an application on the module's stack (at the bottom with
-    `bottom`, for permanent entries such as `quantize()`'s) and refreshes it."""
-    stack = module.__dict__.setdefault("_dp_stack", [])
-    if bottom:
-        stack.insert(0, (token, options))
-    else:
-        stack.append((token, options))
-    refresh(module)
-
-
-def uninstall(module: torch.nn.Module, token: object) -> bool:
-    """Removes the application `token` from the module; returns whether it had one."""
-    stack = module.__dict__.get("_dp_stack")
-    if not stack:
-        return False
-    remaining = [entry for entry in stack if entry[0] is not token]
-    if len(remaining) == len(stack):
-        return False
-    if remaining:
-        module.__dict__["_dp_stack"] = remaining
-        refresh(module)
-    else:
-        for key in ("_dp_stack", "_dp_state", "_dp_casts"):
-            module.__dict__.pop(key, None)
-        set_mixins(
-            module,
-            tuple(m for m in mixins_of(module) if m not in (PolicyModule, FastLinearForward)),
-        )
-    return True
+    `bottom`, for permanent entries such as `quantize()`'s); the module
+    computes by the top entry from now on. `module_state.pop_application`
+    takes it off again."""
+    set_mixins(module, (*mixins_of(module), PolicyModule))  # it re-derives itself
+    push_application(module, token, options, bottom)
 
 
 def top_options(module: torch.nn.Module) -> ModuleOptions | None:
-    stack = module.__dict__.get("_dp_stack")
-    return stack[-1][1] if stack else None
+    """The options in force on a torch module (`None` when it has none)."""
+    state = state_of(module)
+    top = None if state is None else state.top
+    return top if isinstance(top, ModuleOptions) else None
 
 
 def refresh(module: torch.nn.Module) -> None:
     """Re-derives the module's call state from the top of its stack."""
-    options = module.__dict__["_dp_stack"][-1][1]
-    module.__dict__["_dp_state"] = module_call_state(module, options)
-    casts = module.__dict__.get("_dp_casts")
+    state = module.__dict__[STATE_KEY]
+    options = state.top
+    state.call = module_call_state(module, options)
     keep = sharded.keeps_casts(module, options.weight_cache)
-    if casts is None or casts.enabled != keep:
-        module.__dict__["_dp_casts"] = WeightCasts(keep)
+    if state.casts.enabled != keep:
+        state.casts = WeightCasts(keep)
     else:
-        casts.clear()
-    quantization = module.__dict__.get("_dp_quant")
+        state.casts.clear()
     mixins = set(mixins_of(module)) | {PolicyModule}
-    if quantization is None and original_class(module) in FAST_LINEARS:
+    if state.quantization is None and original_class(module) in FAST_LINEARS:
         mixins.add(FastLinearForward)
     else:
         mixins.discard(FastLinearForward)
     set_mixins(module, tuple(mixins))
 
 
+def release(module: torch.nn.Module) -> None:
+    """Gives a module without applications its own class back (and drops its
+    state unless something else is left in it)."""
+    state = module.__dict__[STATE_KEY]
+    state.call = None
+    state.casts = WeightCasts()
+    set_mixins(
+        module, tuple(m for m in mixins_of(module) if m not in (PolicyModule, FastLinearForward))
+    )
+    drop_state_if_empty(module)
+
+
 def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallState:
     """The `CallState` of a torch module under `options` (quantized modules
     compute by the quantized policy of their mode on the options' policy)."""
     policy = options.policy
-    quantization = module.__dict__.get("_dp_quant")
+    quantization = module.__dict__[STATE_KEY].quantization
     stored: frozenset[str] = frozenset()
     if quantization is not None:
         source = getattr(policy, "source_name", policy.name)
@@ -209,6 +245,13 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
     if options.cast_buffers and not (options.norm or options.gather or options.island):
         buffer_names.update(n for n, b in buffers.items() if b.is_floating_point())
         weight_names |= buffer_names
+    stored_dtype = None
+    if options.norm:
+        dtypes = {
+            t.dtype for t in (*parameters.values(), *buffers.values()) if t.is_floating_point()
+        }
+        if len(dtypes) == 1:
+            stored_dtype = dtypes.pop()
     gather_dtype = None
     if options.gather:
         weight = parameters.get("weight")
@@ -228,10 +271,12 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
         half_inputs_ok=options.half_inputs_ok,
         gather_dtype=gather_dtype,
         output_compute=options.norm,
+        norm_dtype=stored_dtype,
         casts_own_weights=quantization is not None or original_class(module) in FAST_LINEARS,
     )
 
 
 def is_policied(module: torch.nn.Module) -> bool:
-    """Whether the module is prepared by `apply_policy` or `quantize()`."""
-    return "_dp_stack" in module.__dict__
+    """Whether the torch module is prepared by `apply_policy` or `quantize()`
+    (never true of a `Layer`, whose policy is its own)."""
+    return top_options(module) is not None

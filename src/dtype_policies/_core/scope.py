@@ -27,26 +27,36 @@ class AutocastScope:
 
     def __init__(self, dtype: torch.dtype | None) -> None:
         self.dtype = dtype
-        self._casts: dict[int, torch.Tensor] = {}
+        # id(tensor) -> (tensor, its cast); the tensor is held so that its id
+        # cannot be reused by another tensor while the scope lives.
+        self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._buffers: list | None = None
 
     def cast(self, value: torch.Tensor) -> torch.Tensor:
         """`value` in this scope's dtype, cast at most once per scope."""
         if tracing():  # the compiler deduplicates casts itself
             return cast_tensor(value, self.dtype)
-        cast = self._casts.get(id(value))
-        if cast is None:
-            cast = self._casts[id(value)] = cast_tensor(value, self.dtype)
-        return cast
+        entry = self._casts.get(id(value))
+        if (
+            entry is None
+            or entry[0] is not value
+            # made under no_grad earlier in this call: a read with gradients needs a graph
+            or (value.requires_grad and not entry[1].requires_grad and torch.is_grad_enabled())
+        ):
+            entry = self._casts[id(value)] = (value, cast_tensor(value, self.dtype))
+        return entry[1]
 
     def cast_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
         """Like `cast`, and remembers the pair so that an in-place update of
         the cast copy during the call reaches `buffer` when the scope ends."""
         if tracing():
             return cast_tensor(buffer, self.dtype)
-        cast = self._casts.get(id(buffer))
-        if cast is None:
-            cast = self._casts[id(buffer)] = cast_tensor(buffer, self.dtype)
+        entry = self._casts.get(id(buffer))
+        if entry is not None and entry[0] is buffer:
+            cast = entry[1]
+        else:
+            cast = cast_tensor(buffer, self.dtype)
+            self._casts[id(buffer)] = (buffer, cast)
             if not cast.is_inference():
                 if self._buffers is None:
                     self._buffers = []

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.module_state import STATE_KEY
+
 FSDP_MANAGED = "_is_fsdp_managed_module"
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -37,10 +39,10 @@ def _get(module: torch.nn.Module) -> bool:
 def _set(module: torch.nn.Module, value: Any) -> None:
     d = module.__dict__
     d[FSDP_MANAGED] = value
-    casts = d.get("_dp_casts")
-    if value and casts is not None:
-        casts.enabled = False
-        casts.clear()
+    state = d.get(STATE_KEY)
+    if value and state is not None:
+        state.casts.enabled = False
+        state.casts.clear()
 
 
 def _delete(module: torch.nn.Module) -> None:

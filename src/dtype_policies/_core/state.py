@@ -74,6 +74,7 @@ def derive_call_state(
     output_compute: bool = False,
     casts_own_weights: bool = False,
     convert_arrays: bool = False,
+    norm_dtype: torch.dtype | None = None,
 ) -> CallState:
     """The call state of a module under `policy` (see `CallState`).
 
@@ -81,7 +82,11 @@ def derive_call_state(
     (embeddings): its floating arguments (`per_sample_weights`) are cast to the
     table's dtype and its outputs to the compute dtype. `output_compute`:
     outputs are cast to the compute dtype (normalization layers, whose float32
-    weights would otherwise promote them).
+    weights would otherwise promote them). `norm_dtype`: (normalization
+    layers, which never cast their own tensors) the dtype their parameters and
+    running statistics are stored in; when a conversion of the model
+    (`.double()`, `.half()`, `.to(dtype)`) left it other than float32 and the
+    compute dtype, no kernel combines the two: the layer computes in it.
     """
     compute = compute_dtype_of(policy)
     inputs = outputs = None
@@ -91,6 +96,13 @@ def derive_call_state(
             inputs, outputs = gather_dtype, compute
         elif output_compute and not island:
             outputs = compute
+    if (
+        compute is not None
+        and norm_dtype is not None
+        and norm_dtype not in (torch.float32, compute)
+    ):
+        compute, half_inputs_ok = norm_dtype, False
+        inputs = compute if inputs is not None else None
     return CallState(
         policy=policy,
         compute=compute,

@@ -1,43 +1,50 @@
-"""Compute-dtype copies of weights kept between calls, correct by construction.
+"""Compute-dtype copies of weights, and which of them may be kept between calls.
 
-A kept cast is reused only while its weight is the same object, at the same
-address, with the same version counter: every write through torch (in-place
-ops, `copy_`, `load_state_dict`, optimizer steps, `nn.init`, `p.data = ...`,
-`.to()`) changes one of these, so the next call casts afresh. Casts that carry
-an autograd graph (grad mode, trainable weight) are kept for the thread that
-made them only, so a thread evaluating under `no_grad` and a thread training
-never hand each other a cast, and training never reads a graph-free one.
+Two kinds of cast, two lifetimes, both fixed by construction:
+
+* A cast made with gradients enabled (a training call) is never kept by the
+  module. It lives in the autocast scope of the call that made it (so a weight
+  read twice in one forward is cast once, and its gradient accumulates through
+  one node) and goes with that call; nothing of it survives into the next
+  step. Whatever happens to a weight between two training calls (an optimizer
+  step, fused or not, a write through `p.data`), the next call reads it.
+* A cast made without gradients (`no_grad`, `inference_mode`) is graph-free and
+  may be kept in the module's `WeightCasts` for the next such call, which is
+  what makes repeated inference fast. It is reused only while its weight is the
+  same object, at the same address, with the same version counter, so every
+  write that torch tracks is seen. All of a module's kept casts are dropped
+  whenever the module reads a weight with gradients enabled (it runs in a
+  training call) and whenever it switches mode (`train()`, `eval()`).
 
 Never kept: casts of inference tensors (no version counter), of tensor
 subclasses and functorch-wrapped tensors, and anything under `torch.compile`
 or `torch.jit.trace` (the compiler deduplicates casts itself).
 
-Not seen: writes that bypass torch's version counter (in-place ops on
-`p.data`, writes through a NumPy view); after one, call
-`dtype_policies.clear_cast_caches(model)`.
+What a kept cast cannot see is stated once, in docs/apply_policy.md
+("What a kept cast cannot see"); `clear_cast_caches(model)` covers it.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from dtype_policies._core.casting import cast_tensor, functorch_wrapped, tracing
-from dtype_policies._core.scope import AutocastScope
+from dtype_policies._core.products import LinearProduct, linear_product
+from dtype_policies._core.scope import AutocastScope, current_scope
+from dtype_policies._cpu import processor
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_get_ident = threading.get_ident
+_grad_enabled = torch.is_grad_enabled
 
 
 class WeightCasts:
-    """A module's store of kept casts.
+    """A module's store of kept graph-free casts.
 
     `entries` maps a weight name to `(weight, key, cast)`; `pair` holds a
-    linear leaf's `(weight, bias, key, weight cast, bias cast, packed)`,
-    checked in one step. Entries are immutable tuples replaced whole, so concurrent readers
-    see the old entry or the new one. Copies, pickles and deep copies of a
-    module start with an empty store.
+    linear leaf's `(weight, bias, key, weight cast, bias cast, product)`,
+    checked in one step. Entries are immutable tuples replaced whole, so
+    concurrent readers see the old entry or the new one. Copies, pickles and
+    deep copies of a module start with an empty store.
     """
 
     __slots__ = ("enabled", "entries", "pair")
@@ -48,7 +55,8 @@ class WeightCasts:
         self.pair: tuple | None = None
 
     def clear(self) -> None:
-        self.entries.clear()
+        if self.entries:
+            self.entries = {}
         self.pair = None
 
     def __deepcopy__(self, memo: dict) -> WeightCasts:
@@ -71,24 +79,33 @@ def can_keep(weight: torch.Tensor) -> bool:
     )
 
 
-def _owner(*tensors: torch.Tensor | None) -> int:
-    """0 for a cast without an autograd graph, else the calling thread."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _get_ident()
-    return 0
+def _uses_store(store: WeightCasts | None) -> bool:
+    """Whether this read may use `store`'s kept casts: a store that keeps
+    casts, no tracing, and gradients disabled. A read with gradients enabled
+    empties the store instead (its module runs in a training call)."""
+    if store is None or not store.enabled or tracing():
+        return False
+    if _grad_enabled():
+        if store.pair is not None or store.entries:
+            store.clear()
+        return False
+    return True
 
 
-def _make_cast(weight: torch.Tensor, dtype: torch.dtype, owner: int) -> torch.Tensor:
-    """A cast to keep: with its graph for an owning thread, else a normal
-    tensor without one (also inside inference mode, so it can be used
-    outside it later)."""
-    if owner:
-        return cast_tensor(weight, dtype)
+def _make_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A graph-free cast to keep (made outside inference mode, so that it can
+    be used outside it later)."""
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
             return cast_tensor(weight, dtype)
-    with torch.no_grad():
-        return cast_tensor(weight, dtype)
+    return cast_tensor(weight, dtype)
+
+
+def _call_cast(
+    weight: torch.Tensor, dtype: torch.dtype, scope: AutocastScope | None
+) -> torch.Tensor:
+    """`weight` in `dtype` for this call only (once per `scope` when given)."""
+    return scope.cast(weight) if scope is not None else cast_tensor(weight, dtype)
 
 
 def cast_weight(
@@ -98,24 +115,24 @@ def cast_weight(
     dtype: torch.dtype,
     scope: AutocastScope | None = None,
 ) -> torch.Tensor:
-    """`weight` in `dtype`: kept from an earlier call when still valid, else
-    cast now (once per `scope` when one is given, and kept when allowed)."""
+    """`weight` in `dtype`: a kept graph-free cast when still valid, else cast
+    now (once per `scope` when one is given; kept when allowed)."""
     if weight.dtype == dtype:
         return weight
-    if store is None or not store.enabled or tracing():
-        return scope.cast(weight) if scope is not None else cast_tensor(weight, dtype)
-    owner = _owner(weight)
+    if not _uses_store(store):
+        return _call_cast(weight, dtype, scope)
     entry = store.entries.get(name)
     if (
         entry is not None
         and entry[0] is weight
-        and entry[1] == (weight._version, weight.data_ptr(), dtype, owner)
+        and entry[1] == (weight._version, weight.data_ptr(), dtype)
     ):
         return entry[2]
     if not can_keep(weight):
-        return scope.cast(weight) if scope is not None else cast_tensor(weight, dtype)
-    cast = _make_cast(weight, dtype, owner)
-    store.entries[name] = (weight, (weight._version, weight.data_ptr(), dtype, owner), cast)
+        return _call_cast(weight, dtype, scope)
+    key = (weight._version, weight.data_ptr(), dtype)  # before the cast reads the values
+    cast = _make_cast(weight, dtype)
+    store.entries[name] = (weight, key, cast)
     return cast
 
 
@@ -125,98 +142,67 @@ def cast_pair(
     bias: torch.Tensor | None,
     dtype: torch.dtype,
     pack: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    transposed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, LinearProduct | None]:
     """A linear leaf's weight and bias in `dtype`: the rules of `cast_weight`,
     with one check for both (the per-call cost that matters for small layers).
 
-    With `pack`, a kept graph-free bfloat16 weight of an `(out, in)` linear on
-    CPU is kept in oneDNN's prepacked layout instead (the same values, a
-    faster product: `prepacked_linear`). Returns `(weight, bias, packed)`.
+    With `pack`, the weight of an `(out, in)` linear (`(in, out)` with
+    `transposed`) also gets the product path this processor runs it by
+    (`products.linear_product`: e.g. oneDNN's prepacked layout, or float32
+    products where half-precision ones are emulated), kept with the cast.
+    Returns `(weight, bias, product)`; `product` is `None` for a plain product.
     """
-    if store is None or not store.enabled or tracing():
-        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), False
-    owner = _owner(weight, bias)
+    if tracing():  # the compiler chooses the product
+        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), None
+    if not _uses_store(store):
+        scope = current_scope()
+        if scope is not None and scope.dtype is dtype:
+            weight_cast, bias_cast = scope.cast(weight), None if bias is None else scope.cast(bias)
+        else:
+            weight_cast = cast_tensor(weight, dtype)
+            bias_cast = None if bias is None else cast_tensor(bias, dtype)
+        return weight_cast, bias_cast, _product(weight_cast, pack, transposed, kept=False)
     entry = store.pair
     if (
         entry is not None
         and entry[0] is weight
         and entry[1] is bias
-        and entry[2] == _pair_key(weight, bias, dtype, owner)
-        and entry[5] <= pack
+        and entry[2] == _pair_key(weight, bias, dtype)
+        and (entry[5] is None or pack)
     ):
         return entry[3], entry[4], entry[5]
     if can_keep(weight) and (bias is None or (can_keep(bias) and bias.dtype == weight.dtype)):
-        weight_cast = _make_cast(weight, dtype, owner)
-        bias_cast = None if bias is None else _make_cast(bias, dtype, owner)
-        packed = pack and not owner and _can_prepack(weight_cast)
-        if packed:
-            with torch.inference_mode(False), torch.no_grad():
-                weight_cast = torch.ops.mkldnn._reorder_linear_weight(weight_cast, 1)
-        key = _pair_key(weight, bias, dtype, owner)
-        store.pair = (weight, bias, key, weight_cast, bias_cast, packed)
-        return weight_cast, bias_cast, packed
-    return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), False
+        key = _pair_key(weight, bias, dtype)  # before the casts read the values
+        weight_cast = _make_cast(weight, dtype)
+        bias_cast = None if bias is None else _make_cast(bias, dtype)
+        product = _product(weight_cast, pack, transposed, kept=True)
+        if product is not None and product.kind == "onednn_prepacked":
+            weight_cast = product.weight  # the packed layout replaces the cast
+        store.pair = (weight, bias, key, weight_cast, bias_cast, product)
+        return weight_cast, bias_cast, product
+    weight_cast = cast_tensor(weight, dtype)
+    bias_cast = None if bias is None else cast_tensor(bias, dtype)
+    return weight_cast, bias_cast, _product(weight_cast, pack, transposed, kept=False)
 
 
-_PREPACK_AVAILABLE = (
-    torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-)
+def _product(
+    weight_cast: torch.Tensor, pack: bool, transposed: bool, kept: bool
+) -> LinearProduct | None:
+    if not pack:
+        return None
+    return linear_product(weight_cast.t() if transposed else weight_cast, kept=kept)
 
 
-# Below this many elements the packed product's fixed cost outweighs the
-# saved reorder (measured: a 64x64 layer is slower packed, 1024x1024 faster).
-PREPACK_MIN_ELEMENTS = 1 << 16
-
-
-def _can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        _PREPACK_AVAILABLE
-        and weight.numel() >= PREPACK_MIN_ELEMENTS
-        and weight.dtype is torch.bfloat16
-        and weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.is_contiguous()
-    )
-
-
-def prepacked_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with a weight prepacked by `cast_pair`
-    (bit-identical results; oneDNN skips reordering the weight each call)."""
-    return torch.ops.mkldnn._linear_pointwise(
-        x if x.is_contiguous() else x.contiguous(), packed, bias, "none", [], ""
-    )
-
-
-def _pair_key(
-    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, owner: int
-) -> tuple:
+def _pair_key(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+    # The processor is part of the key: its product path was chosen for it.
     if bias is None:
-        return (weight._version, weight.data_ptr(), dtype, owner)
-    return (weight._version, weight.data_ptr(), bias._version, bias.data_ptr(), dtype, owner)
-
-
-def clear_cast_caches(model: torch.nn.Module) -> None:
-    """Drops the compute-dtype casts kept by `model` and its submodules.
-
-    Needed only after writes that torch's version counter does not see
-    (in-place ops on `p.data`, writes through a NumPy view).
-
-    >>> import torch
-    >>> import dtype_policies
-    >>> model = torch.nn.Linear(4, 4)
-    >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
-    >>> with torch.no_grad():
-    ...     _ = model(torch.ones(1, 4))
-    ...     _ = model.weight.data.zero_()  # invisible to torch's version counter
-    ...     dtype_policies.clear_cast_caches(model)
-    ...     bool((model(torch.ones(1, 4)) == model.bias.bfloat16()).all())
-    True
-    """
-    for module in model.modules():
-        casts = module.__dict__.get("_dp_casts")
-        if casts is not None:
-            casts.clear()
+        return (weight._version, weight.data_ptr(), dtype, processor())
+    return (
+        weight._version,
+        weight.data_ptr(),
+        bias._version,
+        bias.data_ptr(),
+        dtype,
+        processor(),
+    )

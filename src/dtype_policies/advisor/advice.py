@@ -85,6 +85,8 @@ class Advice:
             first batch, `"float32"` (as given) and `"chosen"` (the map
             applied), measured interleaved (the fastest sample of each).
         model_bytes: The whole model's state-dict bytes, float32 and chosen.
+        cpu: The CPU class the measurements ran on (`dtype_policies._cpu`):
+            speed and the kernels chosen depend on it.
 
     Example:
 
@@ -122,6 +124,7 @@ class Advice:
     baseline_error: float = 0.0
     forward_micros: dict[str, float] = field(default_factory=dict)
     model_bytes: dict[str, int] = field(default_factory=dict)
+    cpu: str = ""
 
     def apply(self, model: torch.nn.Module, **kwargs: Any) -> PolicyHandle:
         """`apply_policy(model, advice.policy_map, **kwargs)`: every module
@@ -198,6 +201,7 @@ class Advice:
             f"{_ratio(totals['micros_float32'], totals['micros_chosen'])} µs, "
             f"{_ratio(totals['bytes_float32'], totals['bytes_chosen'])} bytes",
             *self._whole_model_line(),
+            *([f"measured on CPU class {self.cpu}"] if self.cpu else []),
         ]
         notes = [f"  {row.path or '(root)'}: {row.note}" for row in self.modules if row.note]
         if notes:
@@ -236,6 +240,7 @@ class Advice:
             "totals": self.totals(),
             "forward_micros": self.forward_micros,
             "model_bytes": self.model_bytes,
+            "cpu": self.cpu,
             "seconds": self.seconds,
             "groups": self.groups,
             "modules": [_finite_row(row.as_dict()) for row in self.modules],

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.products import FEW_ROWS, native_half_products
+from dtype_policies._cpu import processor
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.advice import Advice, ModuleAdvice
 from dtype_policies.advisor.batches import as_batches
@@ -195,6 +197,12 @@ def advise(
             _retime(group, measure, choices, originals, second_pass)
             say(f"dtype_policies.advise: timed again {index + 1}/{len(groups)}")
     measured_at = time.perf_counter()
+    if objective == "latency":
+        for group, measure in zip(groups, measurements):
+            for candidate in choices:
+                reason = _emulated_half_products(candidate, group)
+                if reason is not None:
+                    measure.unavailable.setdefault(candidate.rank, reason)
 
     # 3. The sequence of steps and the predicted prefix.
     options = [_options(group, m, choices, objective) for group, m in zip(groups, measurements)]
@@ -264,6 +272,7 @@ def advise(
         baseline_error=baseline,
         forward_micros={name: value * 1e6 for name, value in forward.items()},
         model_bytes={name: model_bytes(m) for name, m in whole.items()},
+        cpu=processor().describe(),
     )
 
 
@@ -349,6 +358,29 @@ def _time_each(per_rank, unit, repeats, result) -> dict[int, float]:
                 raise
             result.unavailable.setdefault(rank, f"{unit.path}: calling it failed: {e}")
     return seconds
+
+
+def _emulated_half_products(candidate: Candidate, group: list[Unit]) -> str | None:
+    """Why a half-precision float candidate cannot be faster for this group
+    on this CPU, or `None`: without native products of its dtype, beyond
+    `FEW_ROWS` rows its linear products run in float32 (`_core.products`)."""
+    policy = candidate.policy
+    dtype = policy.torch_compute_dtype if policy.quantization_mode is None else None
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    cpu = processor()
+    if native_half_products(dtype, cpu):
+        return None
+    for unit in group:
+        x = next((a for a in unit.args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        if x is not None and x.device.type == "cpu" and x.numel() > FEW_ROWS * x.shape[-1]:
+            name = policy.compute_dtype
+            return (
+                f"not for speed: this CPU ({cpu.name}) has no native {name} products, so "
+                f"beyond {FEW_ROWS} rows {candidate.label} multiplies in float32, as fast "
+                "as float32 at best"
+            )
+    return None
 
 
 def _options(

@@ -13,7 +13,7 @@ from dtype_policies._core.module_rules import matches_any
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.batches import Batch, floating_tensors
 from dtype_policies.apply.apply import DEFAULT_FLOAT32_MODULES
-from dtype_policies.quantization.api import _read_by_parent
+from dtype_policies.quantization.api import read_by_parent
 from dtype_policies.quantization.attach import quantization_of
 
 ISLAND_RULES = (*DEFAULT_FLOAT32_MODULES, "Norm")  # apply_policy's default float32 modules
@@ -71,7 +71,7 @@ def find_units(model: torch.nn.Module) -> tuple[list[Unit], list[Skipped]]:
             skipped.append(Skipped(path, name, "already quantized"))
         elif matches_any(path, module, ISLAND_RULES):
             skipped.append(Skipped(path, name, "normalization layer (float32 island)"))
-        elif (reason := _read_by_parent(path, module, modules)) is not None:
+        elif (reason := read_by_parent(path, module, modules)) is not None:
             skipped.append(Skipped(path, name, reason))
         else:
             units.append(Unit(path, module))

@@ -13,9 +13,16 @@ from dtype_policies._core import policy_module
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_rules import ModuleRule, matches_any
+from dtype_policies._core.module_state import (
+    drop_state_if_empty,
+    ensure_state,
+    pop_application,
+    push_application,
+    state_of,
+)
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths, root_path_of
-from dtype_policies.layers.layer import Layer
+from dtype_policies.layers.layer import Layer, LayerApplication
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.policies import get as get_policy
 from dtype_policies.quantization import attach
@@ -66,7 +73,6 @@ class PolicyHandle:
     float32_paths: list[str] = field(default_factory=list)
     quantized_paths: list[str] = field(default_factory=list)
     _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
-    _layers: list[Layer] = field(default_factory=list, repr=False)
     _quantized: list[tuple[str, torch.nn.Module]] = field(default_factory=list, repr=False)
     _token: object = field(default_factory=object, repr=False)
     removed: bool = False
@@ -96,11 +102,11 @@ class PolicyHandle:
             else:
                 kept.append(path or "(root)")
         for module in self._modules:
-            policy_module.uninstall(module, self._token)
-        for layer in self._layers:
-            layer._pop_policy(self._token)
-        if self.module.__dict__.get("_dp_handle") is self:
-            del self.module.__dict__["_dp_handle"]
+            pop_application(module, self._token)
+        state = state_of(self.module)
+        if state is not None and state.handle is self:
+            state.handle = None
+            drop_state_if_empty(self.module)
         self.removed = True
         if kept:
             warnings.warn(
@@ -233,7 +239,7 @@ def commit_application(
 ) -> PolicyHandle:
     """Applies planned steps and quantizations to `module` as one application
     (replacing an earlier one on the same module). Cannot fail."""
-    previous = module.__dict__.get("_dp_handle")
+    previous = getattr(state_of(module), "handle", None)
     if previous is not None and not previous.removed:
         previous._remove(stacklevel=4)
     handle = PolicyHandle(module)
@@ -242,16 +248,16 @@ def commit_application(
         if step.island:
             handle.float32_paths.append(step.path)
         if step.options is None:
-            step.module._push_policy(handle._token, step.policy, step.path or step.module.name)
-            handle._layers.append(step.module)
+            entry = LayerApplication(step.policy, step.path or step.module.name)
+            push_application(step.module, handle._token, entry)
         else:
             policy_module.install(step.module, handle._token, step.options)
-            handle._modules.append(step.module)
+        handle._modules.append(step.module)
     for plan in plans:
         attach.commit(plan)
         handle._quantized.append((plan.path, plan.module))
         handle.quantized_paths.append(plan.path or "(root)")
-    module.__dict__["_dp_handle"] = handle
+    ensure_state(module).handle = handle
     model_changed(module)
     return handle
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import quantization_of
@@ -75,8 +76,9 @@ def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
             stored = [module._buffers[n] for n in sorted(quantized.stored_names)]
             if not quantized.scheme.keeps_float_weight:
                 parameters += int(torch.Size(quantized.spec.float_shape).numel())
-                stored = stored[:1]  # the integer data (scales are bookkeeping)
-        state = module.__dict__.get("_dp_state")
+                data = quantized.weight_name + (mode_record(quantized.mode).data_suffix or "")
+                stored = [module._buffers[data]]  # the integer data (scales are bookkeeping)
+        state = getattr(state_of(module), "call", None)
         if state is not None:
             policy, compute = state.policy.name, state.policy.compute_dtype
         else:

@@ -1,4 +1,12 @@
-"""Timing and reporting helpers: medians over interleaved repeats, machine info."""
+"""The one timer of the benchmarks, and what a result records about the machine.
+
+`measure_interleaved` times every variant of a table in turn, round after
+round, so that drift of a shared machine hits all variants alike;
+`paired_ratio` is the median over rounds of the ratio of two variants'
+per-round medians (each table states its ratios against its reference
+variant). Every benchmark in `dtype_policies.bench` and `benchmarks/` times
+through these two functions.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +23,30 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dtype_policies._cpu import processor
+
 
 class Timed(float):
     """Seconds measured by a variant itself (e.g. per generated token); a
     variant that returns one is timed by it instead of by its wall-clock call."""
+
+
+class TokenClock:
+    """A `generate` streamer that records when each new token is produced
+    (`times`; the prompt, passed first, is not a new token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: object) -> None:
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 @dataclass
@@ -32,19 +60,40 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
+def _calls_per_sample(fn: Callable[[], object], min_sample_s: float) -> int:
+    """How many calls of `fn` make a sample of at least `min_sample_s` (1 to 200)."""
+    if min_sample_s <= 0:
+        return 1
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    return max(1, min(200, int(min_sample_s / max(once, 1e-7))))
+
+
 def measure_interleaved(
     variants: dict[str, Callable[[], object]],
     *,
     warmup: int = 3,
     repeats: int = 15,
     rounds: int = 3,
+    min_sample_s: float = 0.0,
 ) -> dict[str, list[list[float]]]:
     """Times every variant in turn, `rounds` times over, so that drift of the
     machine (thermal, other load) hits all variants alike. Returns, per
-    variant, the samples (seconds) of each round."""
+    variant, the samples (seconds per call) of each round.
+
+    A sample is one call, or, with `min_sample_s`, as many calls as take that
+    long (counted once per variant after the warm-up; for microsecond
+    kernels). A variant returning `Timed` is timed by that value instead.
+
+    >>> samples = measure_interleaved({"a": lambda: Timed(2.0)}, warmup=0, repeats=4, rounds=2)
+    >>> samples, paired_ratio({"b": [[4.0], [2.0]], "a": [[2.0], [2.0]]}, "b", "a")
+    ({'a': [[2.0, 2.0], [2.0, 2.0]]}, 1.5)
+    """
     for fn in variants.values():
         for _ in range(warmup):
             fn()
+    calls = {name: _calls_per_sample(fn, min_sample_s) for name, fn in variants.items()}
     samples: dict[str, list[list[float]]] = {name: [] for name in variants}
     per_round = max(1, repeats // rounds)
     for _ in range(rounds):
@@ -52,8 +101,9 @@ def measure_interleaved(
             times = []
             for _ in range(per_round):
                 start = time.perf_counter()
-                out = fn()
-                elapsed = time.perf_counter() - start
+                for _ in range(calls[name]):
+                    out = fn()
+                elapsed = (time.perf_counter() - start) / calls[name]
                 times.append(float(out) if isinstance(out, Timed) else elapsed)
             samples[name].append(times)
     return samples
@@ -104,7 +154,16 @@ def cpu_flags() -> str:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"]
+                    wanted = [
+                        "avx2",
+                        "avx_vnni",
+                        "avx512f",
+                        "avx512_bf16",
+                        "avx512_vnni",
+                        "avx512_fp16",
+                        "amx_bf16",
+                        "amx_int8",
+                    ]
                     return " ".join(flag for flag in wanted if flag in flags)
     except OSError:
         pass
@@ -112,14 +171,17 @@ def cpu_flags() -> str:
 
 
 def machine_info() -> dict[str, str]:
+    """What a result records about where it was measured."""
     return {
         "date": datetime.date.today().isoformat(),
         "cpu": cpu_model(),
+        "cpu_class": processor().name,
         "cpu_flags": cpu_flags(),
         "cores": str(os.cpu_count()),
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_features": processor().describe(),
         "python": platform.python_version(),
     }
 

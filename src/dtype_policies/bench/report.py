@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dtype_policies.bench import harness
-from dtype_policies.bench.workloads import llm
+from dtype_policies.bench.registry import Workload
+from dtype_policies.bench.workloads import cpu_mlp, llm
 
 # (workload, our variant, baseline, kind, bound, label). "speedup": baseline time /
 # our time >= bound. "overhead": our time / baseline time <= bound.
@@ -127,27 +128,15 @@ for _workload, _variant, _bound, _label in [
 ]:
     TARGETS.append((_workload, _variant, "whole model bfloat16", "speedup", _bound, _label))
 
-# Workloads whose variants are whole LLMs: fewer repeats, and a first-call column.
-LLM_WORKLOADS = {"llm_decode": "decode", "llm_prefill": "prefill"}
-
-BASELINES = {
-    "mlp_train": "torch.autocast bfloat16",
-    "mlp_inference": "whole model bfloat16",
-    "mlp_decode": "whole model bfloat16",
-    "transformer_train": "torch.autocast bfloat16",
-    "overhead_no_grad": "nn.Linear float32",
-    "overhead_grad": "nn.Linear float32",
-    "llm_decode": "whole model bfloat16",
-    "llm_prefill": "whole model bfloat16",
-}
+TARGETS += cpu_mlp.TARGETS
 
 
-def markdown_table(title: str, results: list[harness.Result], samples: dict, baseline: str) -> str:
-    reference = "float32" if "float32" in samples else "nn.Linear float32"
+def markdown_table(workload: Workload, results: list[harness.Result], samples: dict) -> str:
+    reference, baseline = workload.reference, workload.baseline
     lines = [
-        f"**{title}**",
+        f"**{workload.title}**",
         "",
-        f"| variant | median ms | IQR ms | x float32 | x {baseline} |",
+        f"| variant | median ms | IQR ms | x {reference} | x {baseline} |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -181,16 +170,16 @@ def first_calls(kind: str, names: list[str]) -> dict[str, tuple[float, float] | 
 
 
 def llm_table(
-    title: str,
+    workload: Workload,
     results: list[harness.Result],
     samples: dict,
     notes: dict[str, str],
     calls: dict,
     unit: str,
 ) -> str:
-    baseline = BASELINES["llm_decode"]
+    baseline = workload.baseline
     lines = [
-        f"**{title}**",
+        f"**{workload.title}**",
         "",
         f"| variant | median {unit} | IQR | x float32 | x {baseline} | first call s | "
         "later call s |",
@@ -206,7 +195,8 @@ def llm_table(
         if r is None:
             lines.append(f"| {name}{note} | - | - | - | - | - | - |")
             continue
-        ratio = harness.paired_ratio(samples, "float32", name) if "float32" in samples else 0
+        reference = workload.reference
+        ratio = harness.paired_ratio(samples, reference, name) if reference in samples else 0
         versus = harness.paired_ratio(samples, baseline, name) if baseline in samples else 0
         call = calls.get(name)
         first = (

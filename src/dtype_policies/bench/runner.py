@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 from dtype_policies.bench import harness, workloads
+from dtype_policies.bench.registry import RunContext
 from dtype_policies.bench.report import (
-    BASELINES,
-    LLM_WORKLOADS,
     TARGETS,
     first_calls,
     llm_table,
@@ -46,6 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         "--no-first-call", action="store_true", help="skip the LLM first-call processes"
     )
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="directory for JSON/markdown")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="real-model workloads: comma-separated variant names (default: all)",
+    )
+    parser.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="real-model workloads: time the variants without scoring their quality",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -61,35 +70,45 @@ def main(argv: list[str] | None = None) -> int:
     all_results: list[harness.Result] = []
     all_samples: dict[str, dict] = {}
     sections = []
+    real_models: dict[str, dict] = {}
+    self_timed_targets: list[dict] = []
+    context = RunContext(args.quick, Path(args.output), info, args.variants, args.speed_only)
     for key in selected:
-        title, build = workloads.WORKLOADS[key]
-        print(f"\n== {title}", flush=True)
-        variants, notes = build()
-        if key in LLM_WORKLOADS:
+        workload = workloads.WORKLOADS[key]
+        print(f"\n== {workload.title}", flush=True)
+        if workload.run is not None:
+            section = workload.run(context)
+            real_models[key] = section.data
+            self_timed_targets += section.data.get("targets", [])
+            sections.append(section.markdown)
+            print(section.markdown, flush=True)
+            continue
+        variants, notes = workload.build()
+        if workload.heavy:
             # Each variant was called once when built; two more warm-up calls
             # cover the shapes torch.compile specializes on.
-            llm_repeats, llm_rounds = (4, 2) if args.quick else (12, 4)
+            heavy_repeats, heavy_rounds = (4, 2) if args.quick else (12, 4)
             samples = harness.measure_interleaved(
-                variants, warmup=2, repeats=llm_repeats, rounds=llm_rounds
+                variants, warmup=2, repeats=heavy_repeats, rounds=heavy_rounds
             )
         else:
             samples = harness.measure_interleaved(variants, repeats=repeats, rounds=rounds)
         results = harness.summarize(key, samples, notes)
         all_results.extend(results)
         all_samples[key] = samples
-        if key in LLM_WORKLOADS:
+        if workload.first_call is not None:
             del variants
-            calls = {} if args.no_first_call else first_calls(LLM_WORKLOADS[key], list(samples))
+            calls = {} if args.no_first_call else first_calls(workload.first_call, list(samples))
             for r in results:
                 if isinstance(calls.get(r.variant), tuple):
                     r.extra["first_call_s"], r.extra["later_call_s"] = calls[r.variant]
             for name, note in notes.items():
                 if note.startswith("failed"):
                     all_results.append(harness.Result(key, name, float("nan"), 0, 0, note))
-            unit = "ms/token" if key == "llm_decode" else "ms"
-            section = llm_table(title, results, samples, notes, calls, unit)
+            unit = "ms/token" if workload.first_call == "decode" else "ms"
+            section = llm_table(workload, results, samples, notes, calls, unit)
         else:
-            section = markdown_table(title, results, samples, BASELINES[key])
+            section = markdown_table(workload, results, samples)
         sections.append(section)
         print(section, flush=True)
         variants = None
@@ -129,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         sections.append("\n".join(lines))
         print("\n" + sections[-1], flush=True)
 
-    target_rows = []
+    target_rows = list(self_timed_targets)
     for workload, variant, baseline, kind, bound, label in TARGETS:
         samples = all_samples.get(workload, {})
         if workload in all_samples and baseline in samples and variant not in samples:
@@ -157,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     harness.write_json(str(output / "latest.json"), info, all_results, target_rows)
     with open(output / "latest.json") as f:
         data = json.load(f)
-    data["accuracy"], data["memory"] = accuracy, memory
+    data["accuracy"], data["memory"], data["real_models"] = accuracy, memory, real_models
     with open(output / "latest.json", "w") as f:
         json.dump(data, f, indent=2)
     header = (
-        f"Measured {info['date']} on {info['cpu']} ({info['cpu_flags']}), "
+        f"Measured {info['date']} on {info['cpu']} (class {info['cpu_class']}: "
+        f"{info['cpu_flags']}), "
         f"{info['threads']} threads, torch {info['torch']}."
     )
     (output / "latest.md").write_text(header + "\n\n" + "\n\n".join(sections) + "\n")

@@ -35,6 +35,17 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--no-first-call", action="store_true", help="skip the LLM first-call processes"
     )
+    parser.add_argument(
+        "--variants",
+        metavar="A,B",
+        default=None,
+        help="real-model workloads (smollm2, minilm): only these variants (and float32)",
+    )
+    parser.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="real-model workloads: time the variants without scoring their quality",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(run=run)
 
@@ -52,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     argv += ["--threads", str(args.threads)] if args.threads else []
     argv += ["--no-memory"] if args.no_memory else []
     argv += ["--no-first-call"] if args.no_first_call else []
+    argv += ["--variants", args.variants] if args.variants else []
+    argv += ["--speed-only"] if args.speed_only else []
     if not args.json:
         return runner.main(argv)
     with contextlib.redirect_stdout(sys.stderr):  # the tables go to stderr

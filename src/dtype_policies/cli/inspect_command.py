@@ -6,13 +6,16 @@ import argparse
 import math
 from typing import Any
 
+from dtype_policies._cpu import processor
 from dtype_policies._modes import mode_record, registered_modes
+from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.apply import apply_policy, module_summaries
 from dtype_policies.apply.summary import COLUMNS, label_of
 from dtype_policies.cli import output
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 from dtype_policies.policies import deserialize, policy_for_config
 from dtype_policies.quantization import quantize
+from dtype_policies.quantization.kernel_report import kernel_of
 from dtype_policies.saving import load_policy
 from dtype_policies.saving.checkpoint import dtype_of_code, model_file, read_header
 
@@ -58,10 +61,14 @@ def run(args: argparse.Namespace) -> int:
         if args.quantize:
             quantize(model, args.quantize)
         rows = [row.as_dict() for row in module_summaries(model)]
+        for row, (_, module) in zip(rows, named_module_paths(model, root_path_of(model))):
+            row["kernel"] = kernel_of(module)
+    cpu = processor().describe()
     if args.json:
         output.print_json(
             {
                 "target": args.target,
+                "cpu": cpu,
                 "modules": rows,
                 "total_parameters": sum(r["parameters"] for r in rows),
                 "total_bytes": sum(r["bytes"] for r in rows),
@@ -76,6 +83,12 @@ def run(args: argparse.Namespace) -> int:
         footer=f"Total: {sum(r['parameters'] for r in rows):,} parameters, "
         f"{sum(r['bytes'] for r in rows):,} bytes",
     )
+    kernels = [(row["path"], row["kernel"]) for row in rows if row.get("kernel", "-") != "-"]
+    print(f"CPU class: {cpu}")
+    if kernels:
+        print("Kernels on this CPU:")
+        for path, kernel in kernels:
+            print(f"  {path}: {kernel}")
     return 0
 
 

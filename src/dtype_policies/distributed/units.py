@@ -21,6 +21,7 @@ import torch
 
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.module_rules import ModuleRule, matches_any
+from dtype_policies._core.module_state import state_of
 from dtype_policies.distributed.mixed_precision import quantized_error
 from dtype_policies.quantization.attach import quantization_of
 
@@ -101,7 +102,7 @@ def refuse_quantized(model: torch.nn.Module, where: str) -> None:
 def _read_dtypes(module: torch.nn.Module) -> set[torch.dtype | None]:
     """How the module reads its own floating parameters in a forward: `None`
     for as stored, else the dtype the policy casts them to."""
-    state = module.__dict__.get("_dp_state")
+    state = getattr(state_of(module), "call", None)
     compute = getattr(state, "compute", None)
     casts = getattr(state, "autocast", False) and compute is not None
     names = getattr(state, "weight_names", frozenset())
@@ -135,7 +136,7 @@ def _block_dtype(module: torch.nn.Module) -> torch.dtype | None:
     has_own, own = _requirement(module)
     if has_own:
         return own
-    state = module.__dict__.get("_dp_state")
+    state = getattr(state_of(module), "call", None)
     compute = getattr(state, "compute", None)
     if compute is None or compute == _stored_dtype(module):
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtype_policies._core.module_state import STATE_KEY, quantization_of
 from dtype_policies._modes import mode_record
 from dtype_policies.layers.layer import Layer
 from dtype_policies.policies import QuantizedDTypePolicy, policy_for_config
@@ -47,11 +48,11 @@ class QuantizableLayer(Layer):
 
     @property
     def _quantized(self) -> QuantizedWeight | None:
-        return self.__dict__.get("_dp_quant")
+        return self.__dict__[STATE_KEY].quantization
 
     @property
     def is_quantized(self) -> bool:
-        return "_dp_quant" in self.__dict__
+        return self.__dict__[STATE_KEY].quantization is not None
 
     @property
     def quantization_mode(self) -> str | None:
@@ -177,13 +178,17 @@ class QuantizableLayer(Layer):
         attach.commit(module_plan)
 
     def __getattr__(self, name: str) -> Any:
-        quantized = self.__dict__.get("_dp_quant")
+        quantized = quantization_of(self)
         if (
             quantized is not None
             and name == quantized.weight_name
             and not quantized.scheme.keeps_float_weight
         ):
             return quantized.integer_values(self)  # Keras: the quantized integer values
+        if quantized is not None and name == "g_idx":  # Keras's name, without the weight's
+            g_idx = self.__dict__["_buffers"].get(f"{quantized.weight_name}_g_idx")
+            if g_idx is not None:
+                return g_idx
         return super().__getattr__(name)
 
     def _adapt_checkpoint(self, state_dict: dict, prefix: str) -> None:

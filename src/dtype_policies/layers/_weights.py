@@ -11,6 +11,7 @@ import torch
 from dtype_policies import constraints as constraints_lib
 from dtype_policies import initializers as initializers_lib
 from dtype_policies import regularizers as regularizers_lib
+from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
 
 
@@ -162,7 +163,7 @@ class LayerWeights:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, LayerWeights) and value._path is None:
-            path = self.__dict__.get("_path")
+            path = self._path if STATE_KEY in self.__dict__ else None
             if path is not None:  # a sublayer added after this layer got its path
                 value._path = f"{path}/{name}"
                 value._assign_paths()
@@ -174,7 +175,8 @@ class LayerWeights:
                         self._rename_weight(existing, name)
                         return
         super().__setattr__(name, value)
-        if isinstance(value, torch.nn.Module) and "_dp_state" in self.__dict__:
+        state = self.__dict__.get(STATE_KEY)
+        if isinstance(value, torch.nn.Module) and state is not None and state.call is not None:
             self._refresh_policy_state()  # whether the layer has weights may change
 
     def _rename_weight(self, old: str, new: str) -> None:
@@ -191,7 +193,7 @@ class LayerWeights:
         ):
             if old in table:
                 table[new] = table.pop(old)
-        self._dp_casts.clear()
+        self.__dict__[STATE_KEY].casts.clear()
         if old in self._autocast_weight_names:
             self._autocast_weight_names.discard(old)
             self._autocast_weight_names.add(new)

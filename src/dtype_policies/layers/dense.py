@@ -8,6 +8,7 @@ import torch
 
 from dtype_policies import activations
 from dtype_policies._core.call import leaf_weights
+from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies._core.weight_casts import cast_pair
 from dtype_policies.layers._quantizable import QuantizableLayer, register_layer_kind
 from dtype_policies.layers._weight_arguments import (
@@ -103,13 +104,23 @@ class Dense(QuantizableLayer):
         if quantized is not None:
             bias = self._parameters["bias"]
             if bias is not None and compute is not None:
-                bias = leaf_weights(self._dp_casts, bias, None, compute, "bias")[0]
+                bias = leaf_weights(self.__dict__[STATE_KEY].casts, bias, None, compute, "bias")[0]
             outputs = quantized.linear(self, inputs, bias, compute)
             return outputs if self._linear_activation else self.activation(outputs)
         if self._casts_own_weights:
             kernel, bias = self._parameters["kernel"], self._parameters["bias"]
             if self._autocast and compute is not None and kernel.dtype is not compute:
-                kernel, bias, _ = cast_pair(self._dp_casts, kernel, bias, compute)
+                kernel, bias, product = cast_pair(
+                    self.__dict__[STATE_KEY].casts,
+                    kernel,
+                    bias,
+                    compute,
+                    pack=True,
+                    transposed=True,
+                )
+                if product is not None:  # the path this CPU runs it by (`_core.products`)
+                    outputs = product(inputs, bias)
+                    return outputs if self._linear_activation else self.activation(outputs)
         else:
             kernel, bias = self.kernel, self.bias
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -22,8 +23,8 @@ from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import first_tensor
 from dtype_policies._core.checkpoints import check_checkpoint
+from dtype_policies._core.module_state import STATE_KEY, ModuleState, Token, replace_top
 from dtype_policies._core.state import CallState, derive_call_state
-from dtype_policies._core.weight_casts import WeightCasts
 from dtype_policies._paths import named_module_paths
 from dtype_policies.layers._build import build_arguments, wrap_build
 from dtype_policies.layers._naming import auto_name
@@ -31,6 +32,20 @@ from dtype_policies.layers._weights import LayerWeights
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.policies import get as get_policy
 from dtype_policies.policies import serialize as serialize_policy
+
+
+@dataclass(frozen=True)
+class LayerApplication:
+    """A layer's entry on its application stack (`ModuleState.applications`):
+    the policy in force (a map resolves at `path`). The bottom entry is the
+    layer's own (token `LAYER_OWN`); `apply_policy` pushes others on top."""
+
+    policy: DTypePolicy
+    path: str | None
+
+
+LAYER_OWN = Token("LAYER_OWN")
+"""The token of a layer's own policy, the bottom of its application stack."""
 
 
 class Layer(LayerWeights, torch.nn.Module):
@@ -105,14 +120,10 @@ class Layer(LayerWeights, torch.nn.Module):
         policy = get_policy(dtype)
         super().__init__()
         self._init_weight_tracking()
-        d = self.__dict__
-        d["_dp_casts"] = WeightCasts()
-        d["_policy_stack"] = []  # (token, policy, path) pushed by apply_policy
+        self.__dict__[STATE_KEY] = ModuleState([(LAYER_OWN, LayerApplication(policy, None))])
         self.name = name or auto_name(type(self).__name__)
         self.built = False
-        self._path: str | None = None
         self._build_device: torch.device | None = None
-        self._dtype_policy = policy
         self._autocast = bool(autocast if experimental is None else experimental)
         self._trainable = bool(trainable)
         self._activity_regularizer = regularizers_lib.get(activity_regularizer)
@@ -145,6 +156,25 @@ class Layer(LayerWeights, torch.nn.Module):
     def _on_policy_change(self) -> None:
         """Hook for subclasses (quantizable layers quantize when built)."""
 
+    @property
+    def _dtype_policy(self) -> DTypePolicy:
+        """The policy in force (a map when one was given): the top entry of the
+        application stack, the layer's own unless `apply_policy` pushed one."""
+        return self.__dict__[STATE_KEY].top.policy
+
+    @_dtype_policy.setter
+    def _dtype_policy(self, policy: DTypePolicy) -> None:
+        replace_top(self, LayerApplication(policy, self._path))
+
+    @property
+    def _path(self) -> str | None:
+        """The path the policy in force resolves at (see `path`)."""
+        return self.__dict__[STATE_KEY].top.path
+
+    @_path.setter
+    def _path(self, path: str | None) -> None:
+        replace_top(self, LayerApplication(self._dtype_policy, path))
+
     def _resolve_policy(self) -> DTypePolicy:
         policy = self._dtype_policy
         if policy.is_map:
@@ -158,7 +188,8 @@ class Layer(LayerWeights, torch.nn.Module):
             name for name in self._autocast_weight_names if self._parameters.get(name) is not None
         )
         d = self.__dict__
-        d["_dp_state"] = derive_call_state(
+        state = d[STATE_KEY]
+        state.call = derive_call_state(
             policy,
             has_weights=next(self.parameters(), None) is not None
             or next(self.buffers(), None) is not None,
@@ -169,13 +200,13 @@ class Layer(LayerWeights, torch.nn.Module):
             convert_arrays=not self._is_container,
         )
         d["_map_version"] = self._dtype_policy._version if self._dtype_policy.is_map else None
-        d["_dp_casts"].clear()
+        state.casts.clear()
 
     @property
     def _call_state(self) -> CallState:
         if self._map_version is not None and self._dtype_policy._version != self._map_version:
             self._refresh_policy_state()
-        return self.__dict__["_dp_state"]
+        return self.__dict__[STATE_KEY].call
 
     @property
     def _compute_torch_dtype(self) -> torch.dtype | None:
@@ -236,26 +267,6 @@ class Layer(LayerWeights, torch.nn.Module):
                 module._path = path
                 module._refresh_policy_state()
 
-    def _push_policy(self, token: object, policy: DTypePolicy, path: str | None) -> None:
-        """Makes `policy` (at `path`) the one in force, remembering what it
-        replaces (used by `apply_policy`; undone by `_pop_policy`)."""
-        self._policy_stack.append([token, self._dtype_policy, self._path])
-        self._dtype_policy, self._path = policy, path
-        self._refresh_policy_state()
-
-    def _pop_policy(self, token: object) -> None:
-        """Undoes `_push_policy(token, ...)`, wherever it is in the stack."""
-        stack = self._policy_stack
-        index = next((i for i, entry in enumerate(stack) if entry[0] is token), None)
-        if index is None:
-            return
-        _, policy, path = stack.pop(index)
-        if index == len(stack):  # it was in force: bring back what it replaced
-            self._dtype_policy, self._path = policy, path
-            self._refresh_policy_state()
-        else:  # the entry above now restores what this one replaced
-            stack[index][1:] = [policy, path]
-
     # ------------------------------------------------------------------ build
 
     def build(self, *input_shapes: Any) -> None:
@@ -284,14 +295,19 @@ class Layer(LayerWeights, torch.nn.Module):
     def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: parameters, buffers, submodules.
         d = self.__dict__
-        state = d.get("_dp_state")
-        if state is not None and name in state.weight_names:
+        state = d.get(STATE_KEY)
+        call = None if state is None else state.call
+        if call is not None and name in call.weight_names:
             parameter = d["_parameters"].get(name)
             if parameter is not None and not sharded.as_is(d, parameter):
-                return read_weight(d["_dp_casts"], name, parameter, False)
+                return read_weight(state.casts, name, parameter, False)
         return super().__getattr__(name)
 
     _is_fsdp_managed_module = sharded.fsdp_managed
+
+    def train(self, mode: bool = True) -> Layer:
+        self.__dict__[STATE_KEY].casts.clear()  # a switch of mode drops kept casts (weight_casts)
+        return super().train(mode)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
@@ -361,6 +377,12 @@ Layer.build = wrap_build(Layer.build)
 def _call_takes_training(cls: type) -> bool:
     parameters = inspect.signature(cls.call).parameters.values()
     return any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def resolved_policy(layer: Layer) -> DTypePolicy:
+    """The policy `layer` computes by now: its own, or the entry of its map
+    for its path, or what an `apply_policy` in force gave it (never a map)."""
+    return layer._resolve_policy()
 
 
 __all__ = ["DTypePolicyMap", "Layer"]

@@ -111,6 +111,9 @@ class LayerNormalization(Layer):
             and not self.rms_scaling
             and inputs.dtype == compute
             and compute in (torch.bfloat16, torch.float16)
+            and all(  # not after `.double()` or `.half()` of the layer
+                w is None or w.dtype == torch.float32 for w in self._parameters.values()
+            )
         ):
             # torch's mixed-dtype kernel: half-precision in and out, float32
             # statistics and float32 gamma/beta, with no extra pass over the data.

@@ -13,6 +13,7 @@ import torch
 
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
+from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import check, commit, is_quantized, plan
@@ -132,7 +133,10 @@ def _not_ready(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _read_by_parent(path: str, module: torch.nn.Module, modules: dict[str, Any]) -> str | None:
+def read_by_parent(path: str, module: torch.nn.Module, modules: dict[str, Any]) -> str | None:
+    """Why `module`'s weight is read directly by its parent (so that it cannot
+    change how it computes on its own), or `None`; `modules` maps paths to
+    modules (the advisor keeps such weights as they are too)."""
     if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "weight read by its parent (NonDynamicallyQuantizableLinear)"
     parent_path, _, name = path.rpartition("/")
@@ -228,6 +232,7 @@ def quantize(
     checked = []
     quantizable: list[str] = []
     planned_weights: dict[int, Any] = {}
+    tied = _tied_embeddings(modules.values(), mode)
     for path, module in modules.items():
         label = path or "(root)"
         kind = kind_of(module)
@@ -243,18 +248,19 @@ def quantize(
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))
             continue
-        reason = _not_ready(module) or _read_by_parent(path, module, modules)
+        reason = _not_ready(module) or read_by_parent(path, module, modules)
         if reason is not None:
             report.skipped.append((label, reason))
             continue
+        module_config = config.tied_embeddings_config() if id(module) in tied else config
         try:
-            found = check(module, config, path=path, type_check=type_check, kind=kind)
-            if calibrated:
+            found = check(module, module_config, path=path, type_check=type_check, kind=kind)
+            if calibrated and module_config is config:
                 checked.append((path, found))
                 continue
-            shared = _shared_tensors(module, found.spec, planned_weights)
+            shared = _shared_tensors(module, found.spec, module_config, planned_weights)
             module_plan = plan(
-                module, config, path=path, type_check=type_check, kind=kind, tensors=shared
+                module, module_config, path=path, type_check=type_check, kind=kind, tensors=shared
             )
         except NotImplementedError as e:
             report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {e}"))
@@ -272,7 +278,9 @@ def quantize(
     for module_plan in plans:  # nothing above changed the model
         commit(module_plan)
         label = module_plan.path or "(root)"
-        report.quantized.append((label, mode, module_plan.module._dp_state.policy.name))
+        report.quantized.append(
+            (label, module_plan.mode, state_of(module_plan.module).call.policy.name)
+        )
     if plans:
         model_changed(model)
     for unmatched in keep.unmatched():
@@ -296,17 +304,47 @@ def _examples(paths: list[str], count: int = 3) -> str:
     return text + (", ..." if len(paths) > count else "")
 
 
-def _shared_tensors(module, spec, planned_weights) -> dict | None:
+def _shared_tensors(module, spec, config, planned_weights) -> dict | None:
     """The stored tensors of an already planned module holding the same weight
-    Parameter with the same orientation (tied weights), if any."""
+    Parameter, stored the same way (tied weights), if any."""
     weight = module._parameters.get(spec.weight)
     earlier = planned_weights.get(id(weight)) if weight is not None else None
     if earlier is None:
         return None
     same = (
-        earlier.spec.layout == spec.layout
+        earlier.config == config
+        and earlier.spec.layout == spec.layout
         and earlier.spec.float_shape == spec.float_shape
         and earlier.spec.weight == spec.weight
         and not earlier.scheme.keeps_float_weight
+        and earlier.scheme.stored_shapes(earlier.spec, earlier.config)
+        == earlier.scheme.stored_shapes(spec, config)
     )
     return earlier.tensors if same else None
+
+
+def _tied_embeddings(modules: Any, mode: str) -> set[int]:
+    """The ids of modules whose weight is shared by an embedding table and a
+    linear (a tied LM head): `quantize()` gives them the config's
+    `tied_embeddings_config()`."""
+    roles: dict[int, set[str]] = {}
+    holders: dict[int, list[int]] = {}
+    for module in modules:
+        kind = kind_of(module)
+        if kind is None or not kind.supports(mode):
+            continue
+        try:
+            spec = kind.spec(module, mode)
+        except Exception:  # the planning pass reports why, module by module
+            continue
+        weight = module._parameters.get(spec.weight)
+        if weight is None:
+            continue
+        roles.setdefault(id(weight), set()).add(spec.role)
+        holders.setdefault(id(weight), []).append(id(module))
+    return {
+        holder
+        for weight, kinds in roles.items()
+        if {"embedding", "linear"} <= kinds
+        for holder in holders[weight]
+    }

@@ -12,7 +12,14 @@ import torch
 from torch.nn.utils import parametrize
 
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
-from dtype_policies._core.policy_module import ModuleOptions, install, uninstall
+from dtype_policies._core.module_state import (
+    Token,
+    ensure_state,
+    pop_application,
+    quantization_of,
+    state_of,
+)
+from dtype_policies._core.policy_module import ModuleOptions, install
 from dtype_policies._modes import QuantizationMode, mode_record, registered_modes
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
@@ -25,23 +32,7 @@ from dtype_policies.quantization.schemes import (
 )
 from dtype_policies.quantizers.config import QuantizationConfig
 
-
-class _Token:
-    """A named, picklable application token (the permanent `quantize()` entry)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self) -> str:
-        return self.name
-
-    def __repr__(self) -> str:
-        return f"<token {self.name}>"
-
-
-QUANTIZE_TOKEN = _Token("QUANTIZE_TOKEN")
+QUANTIZE_TOKEN = Token("QUANTIZE_TOKEN")
 
 
 @dataclass
@@ -64,17 +55,13 @@ class Plan:
 
 
 def is_quantized(module: torch.nn.Module) -> bool:
-    return "_dp_quant" in module.__dict__
-
-
-def quantization_of(module: torch.nn.Module) -> QuantizedWeight | None:
-    return module.__dict__.get("_dp_quant")
+    return quantization_of(module) is not None
 
 
 def _source_policy(module: torch.nn.Module, weight: torch.Tensor) -> DTypePolicy:
     """The float policy a module computes with now: its policy's float part,
     else the dtype of its weight."""
-    state = module.__dict__.get("_dp_state")
+    state = getattr(state_of(module), "call", None)
     policy = state.policy if state is not None else None
     if policy is None:
         return DTypePolicy(str(weight.dtype).removeprefix("torch."))
@@ -151,14 +138,14 @@ def check(
     if quantization_of(module) is not None:
         raise ValueError(
             f"Layer '{getattr(module, 'name', path or name)}' is already quantized with "
-            f"dtype_policy='{module._dp_state.policy.name}'. Received: mode={mode}"
+            f"dtype_policy='{state_of(module).call.policy.name}'. Received: mode={mode}"
         )
     if not kind.supports(mode):
         raise NotImplementedError(
             f"Invalid quantization mode. Expected one of {kind.modes}. "
             f"Received: quantization_mode={mode}"
         )
-    state = module.__dict__.get("_dp_state")
+    state = getattr(state_of(module), "call", None)
     if source is not None:
         record.check_compute_dtype(source.compute_dtype)
     elif state is not None:
@@ -246,7 +233,7 @@ def commit(plan: Plan) -> QuantizedWeight:
         del module._parameters[spec.weight]
     for name, tensor in plan.tensors.items():
         module._buffers[name] = tensor
-    module.__dict__["_dp_quant"] = qw
+    ensure_state(module).quantization = qw
     if plan.kind.forward is not None:
         set_mixins(module, (*mixins_of(module), FORWARDS[plan.kind.forward]))
         # Below any application: the module computes in its own dtype without one.
@@ -262,6 +249,6 @@ def detach_float8(module: torch.nn.Module) -> None:
     qw = quantization_of(module)
     for name in qw.stored_names:
         module._buffers.pop(name, None)
-    del module.__dict__["_dp_quant"]
+    state_of(module).quantization = None
     set_mixins(module, tuple(m for m in mixins_of(module) if m not in FORWARDS.values()))
-    uninstall(module, QUANTIZE_TOKEN)
+    pop_application(module, QUANTIZE_TOKEN)

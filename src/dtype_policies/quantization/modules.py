@@ -16,6 +16,7 @@ import torch
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.checkpoints import check_checkpoint
+from dtype_policies._core.module_state import quantization_of, state_of
 from dtype_policies._core.scope import current_scope
 from dtype_policies.quantization.schemes.base import QuantizedWeight
 
@@ -25,7 +26,7 @@ def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
     bias = module._parameters.get(name) if name else None
     if bias is None or bias.dtype == compute:
         return bias
-    return leaf_weights(module.__dict__.get("_dp_casts"), bias, None, compute, weight_name=name)[0]
+    return leaf_weights(state_of(module).casts, bias, None, compute, weight_name=name)[0]
 
 
 class QuantizedForward:
@@ -34,7 +35,7 @@ class QuantizedForward:
     _dp_order = 10
 
     def __getattr__(self, name: str) -> Any:
-        qw = self.__dict__.get("_dp_quant")
+        qw = quantization_of(self)
         if qw is not None and name == qw.weight_name and not qw.scheme.keeps_float_weight:
             weight = qw.spec.from_nk(qw.scheme.dequantize(self, qw))
             scope = current_scope()
@@ -43,7 +44,7 @@ class QuantizedForward:
         return super().__getattr__(name)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        qw = self.__dict__.get("_dp_quant")
+        qw = quantization_of(self)
         if qw is not None:
             check_checkpoint(self, state_dict, prefix)
             adapt_state_dict(self, qw, state_dict, prefix)
@@ -57,13 +58,13 @@ class QuantizedLinearForward(QuantizedForward):
     """`x @ W + bias` with the quantized weight, in the module's compute dtype."""
 
     def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        d = self.__dict__
-        qw: QuantizedWeight = d["_dp_quant"]
-        compute = d["_dp_state"].compute
+        state = state_of(self)
+        qw: QuantizedWeight = state.quantization
+        compute = state.call.compute
         return qw.linear(self, input, _bias(self, qw, compute), compute)
 
     def extra_repr(self) -> str:
-        qw = self.__dict__["_dp_quant"]
+        qw = quantization_of(self)
         spec = qw.spec
         return (
             f"in_features={spec.in_features}, out_features={spec.out_features}, "
@@ -75,11 +76,11 @@ class QuantizedEmbeddingForward(QuantizedForward):
     """Rows looked up in the quantized table, in the module's compute dtype."""
 
     def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        d = self.__dict__
-        return d["_dp_quant"].lookup(self, input, d["_dp_state"].compute)
+        state = state_of(self)
+        return state.quantization.lookup(self, input, state.call.compute)
 
     def extra_repr(self) -> str:
-        qw = self.__dict__["_dp_quant"]
+        qw = quantization_of(self)
         return f"{qw.spec.out_features}, {qw.spec.in_features}, quantization={qw.mode}"
 
 
@@ -93,7 +94,7 @@ def apply_keeping_stored_dtypes(
     quantized state between devices but never changes its dtypes: integer data
     stays integer and scales stay float32, whatever `.half()` or `.to(dtype)`
     asks (a float16 scale of a small weight would overflow)."""
-    qw = module.__dict__.get("_dp_quant")
+    qw = quantization_of(module)
     if qw is None:
         return module_apply(fn, *args, **kwargs)
     buffers = module._buffers
@@ -123,6 +124,7 @@ def adapt_state_dict(
     * float8 scaling state missing from a float checkpoint keeps its values.
     """
     qw.check_checkpoint(module, state_dict, prefix)
+    qw.scheme.upgrade_checkpoint(qw.spec, qw.config, state_dict, prefix)
     weight_key = prefix + qw.weight_name
     present = [prefix + name for name in qw.stored_names if prefix + name in state_dict]
     if qw.scheme.keeps_float_weight:

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import Step, commit_application
-from dtype_policies.layers.layer import Layer
+from dtype_policies.layers.layer import Layer, resolved_policy
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.schemes import scheme_for
@@ -285,7 +285,7 @@ def plan_from_manifest(
             problems.append(f"'{name or '(root)'}': no such dtype_policies layer in the target")
             continue
         policy = layer_policy(record)
-        if target._resolve_policy() != policy:
+        if resolved_policy(target) != policy:
             steps.append(Step(name.replace(".", "/"), target, policy))
     plans = []
     for name, record in manifest.quantized.items():

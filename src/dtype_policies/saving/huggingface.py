@@ -86,7 +86,7 @@ except ImportError as e:  # pragma: no cover - transformers missing or too old
         f"(transformers.quantizers.register_quantizer): {e}"
     ) from e
 
-from dtype_policies._core.policy_module import refresh
+from dtype_policies._core.policy_module import is_policied, refresh
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import commit_application
 from dtype_policies.quantization import attach
@@ -190,7 +190,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
             _check_headers(model, manifest, plans, header)
         for plan in plans:
             attach.commit(plan)
-            if header is not None and _all_keys_saved(plan, header):
+            if header is not None and _all_keys_saved(plan, header, manifest.aliases):
                 plan.module._is_hf_initialized = True  # every tensor of it comes from the file
         self._steps = steps
         self._aliases = dict(manifest.aliases)
@@ -216,7 +216,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         self._stored = []
         steps, self._steps = self._steps, []
         for submodule in model.modules():
-            if "_dp_stack" in submodule.__dict__:
+            if is_policied(submodule):
                 refresh(submodule)
         if steps:
             commit_application(model, steps, [])  # tells the listener, which calls sync
@@ -401,9 +401,14 @@ def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) ->
         )
 
 
-def _all_keys_saved(plan: attach.Plan, header: dict) -> bool:
+def _all_keys_saved(plan: attach.Plan, header: dict, aliases: dict) -> bool:
+    """Whether every tensor of the plan's module comes from the file, itself
+    or through a tied module's (an alias, shared again after loading)."""
     prefix = f"{plan.path}." if plan.path else ""
-    return all(prefix + key in header for key in plan.module.state_dict())
+    return all(
+        prefix + key in header or aliases.get(prefix + key) in header
+        for key in plan.module.state_dict()
+    )
 
 
 def _untie_quantized(model: Any, manifest: Manifest) -> None:

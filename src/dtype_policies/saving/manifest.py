@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from dtype_policies._core.compose import ComposedModule, original_class
-from dtype_policies._core.policy_module import ModuleOptions
-from dtype_policies.layers.layer import Layer
+from dtype_policies._core.compose import original_class, original_of
+from dtype_policies._core.policy_module import ModuleOptions, top_options
+from dtype_policies.layers.layer import Layer, resolved_policy
 from dtype_policies.policies import DTypePolicy, deserialize, serialize
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantizers.config import deserialize_config, serialize_config
@@ -124,11 +124,11 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     for name, submodule in module.named_modules():
         manifest.classes[name] = _class_name(submodule)
         if isinstance(submodule, Layer):
-            manifest.layers[name] = serialize(submodule._resolve_policy())
+            manifest.layers[name] = serialize(resolved_policy(submodule))
         else:
-            stack = submodule.__dict__.get("_dp_stack")
-            if stack:
-                manifest.modules[name] = ModuleRecord.of(stack[-1][1])
+            options = top_options(submodule)
+            if options is not None:
+                manifest.modules[name] = ModuleRecord.of(options)
         quantized = quantization_of(submodule)
         if quantized is not None:
             spec = quantized.spec
@@ -154,12 +154,8 @@ def _class_name(module: torch.nn.Module) -> str:
     cls = original_class(module)
     index = getattr(cls, "_orig_cls_mro_index", None)  # FSDP2's wrapper classes
     if isinstance(index, int) and len(cls.__mro__) > index:
-        cls = _unwrapped(cls.__mro__[index])
+        cls = original_of(cls.__mro__[index])
     return cls.__name__
-
-
-def _unwrapped(cls: type) -> type:
-    return cls._dp_original if issubclass(cls, ComposedModule) else cls
 
 
 def layer_policy(record: dict[str, Any]) -> DTypePolicy:

@@ -1,29 +1,16 @@
-"""The benchmark workloads: each builds its variants on the same model and
-inputs and returns `{variant: callable}` plus notes."""
+"""The benchmark workloads: each module registers its own with
+`registry.register(...)`; every module of this package is imported here (the
+suite's own first, in table order, then any other, by name), so a new
+workload is a new file."""
 
-from dtype_policies.bench.workloads.llm import LLM_PREFILL, LLM_PROMPT, llm_workload
-from dtype_policies.bench.workloads.mlp import mlp_decode, mlp_inference, mlp_train
-from dtype_policies.bench.workloads.small import call_overhead, transformer_train
+import importlib
+import pkgutil
 
-WORKLOADS = {
-    "mlp_train": ("MLP train step (batch 256, SGD)", lambda: mlp_train()),
-    "mlp_inference": ("MLP inference (batch 256)", lambda: mlp_inference()),
-    "mlp_decode": ("MLP inference at batch 1 (decoding)", lambda: mlp_decode()),
-    "transformer_train": ("Transformer encoder train step (AdamW)", lambda: transformer_train()),
-    "overhead_no_grad": (
-        "Per-call overhead, 64x64 layer, (1, 64), no_grad",
-        lambda: call_overhead(False),
-    ),
-    "overhead_grad": (
-        "Per-call overhead, 64x64 layer, (1, 64), grad enabled",
-        lambda: call_overhead(True),
-    ),
-    "llm_decode": (
-        f"Llama-style LM decode (batch 1, prompt {LLM_PROMPT}, greedy), ms per new token",
-        lambda: llm_workload("decode"),
-    ),
-    "llm_prefill": (
-        f"Llama-style LM prefill ({LLM_PREFILL[0]} x {LLM_PREFILL[1]} tokens), ms per forward",
-        lambda: llm_workload("prefill"),
-    ),
-}
+from dtype_policies.bench.registry import WORKLOADS, register
+
+_FIRST = ("mlp", "small", "llm", "real_models")
+_OTHERS = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _FIRST)
+for _name in (*_FIRST, *_OTHERS):
+    importlib.import_module(f"{__name__}.{_name}")
+
+__all__ = ["WORKLOADS", "register"]

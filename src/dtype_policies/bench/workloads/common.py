@@ -14,8 +14,6 @@ import torch.nn.functional as F
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-Variants = dict[str, Callable[[], object]]
-
 
 def optional_module(module: str):
     try:

@@ -4,7 +4,6 @@ batch 1 and prefill of 4 x 128 tokens."""
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections.abc import Callable
 
@@ -12,8 +11,9 @@ import torch
 import torch.nn as nn
 
 from dtype_policies import apply_policy, quantize
-from dtype_policies.bench.harness import Timed
-from dtype_policies.bench.workloads.common import Variants, optional_module
+from dtype_policies.bench.harness import Timed, TokenClock
+from dtype_policies.bench.registry import Variants, register
+from dtype_policies.bench.workloads.common import optional_module
 from dtype_policies.quantization import Int4QuantizationConfig
 from dtype_policies.quantization.kernels import epilogues
 
@@ -124,23 +124,6 @@ def _epilogue_compile(enabled: bool | None):
         epilogues.set_compile_epilogues(previous)
 
 
-class _TokenClock:
-    """A `generate` streamer that records when each new token is produced."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if not self._prompt_seen:  # the first call carries the prompt
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def _decode_call(model, context, compile_setting) -> Callable[[], Timed]:
     """One greedy `generate` of LLM_NEW_TOKENS tokens after a LLM_PROMPT-token
     prompt; returns the time per new token after the first (the prefill and
@@ -150,7 +133,7 @@ def _decode_call(model, context, compile_setting) -> Callable[[], Timed]:
     mask = torch.ones_like(ids)
 
     def run() -> Timed:
-        clock = _TokenClock()
+        clock = TokenClock()
         with _epilogue_compile(compile_setting), context():
             out = model.generate(
                 ids,
@@ -211,3 +194,20 @@ def llm_workload(kind: str) -> tuple[Variants, dict[str, str]]:
             continue
         variants[name] = run
     return variants, notes
+
+
+_TITLES = {
+    "decode": f"Llama-style LM decode (batch 1, prompt {LLM_PROMPT}, greedy), ms per new token",
+    "prefill": (
+        f"Llama-style LM prefill ({LLM_PREFILL[0]} x {LLM_PREFILL[1]} tokens), ms per forward"
+    ),
+}
+for _kind, _title in _TITLES.items():
+    register(
+        f"llm_{_kind}",
+        _title,
+        lambda kind=_kind: llm_workload(kind),
+        baseline="whole model bfloat16",
+        heavy=True,
+        first_call=_kind,
+    )

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from dtype_policies import apply_policy, layers, quantize
+from dtype_policies.bench.registry import Variants, register
 from dtype_policies.bench.workloads.common import (
-    Variants,
     inference_call,
     keras_module,
     policied_copy,
@@ -234,3 +234,23 @@ def quantization_accuracy() -> list[dict]:
             }
         )
     return rows
+
+
+register(
+    "mlp_train",
+    "MLP train step (batch 256, SGD)",
+    mlp_train,
+    baseline="torch.autocast bfloat16",
+)
+register(
+    "mlp_inference",
+    "MLP inference (batch 256)",
+    mlp_inference,
+    baseline="whole model bfloat16",
+)
+register(
+    "mlp_decode",
+    "MLP inference at batch 1 (decoding)",
+    mlp_decode,
+    baseline="whole model bfloat16",
+)

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 from dtype_policies import apply_policy, layers
-from dtype_policies.bench.workloads.common import Variants, keras_module, train_step
+from dtype_policies.bench.registry import Variants, register
+from dtype_policies.bench.workloads.common import keras_module, train_step
 
 
 def transformer_train() -> tuple[Variants, dict[str, str]]:
@@ -68,3 +69,25 @@ def call_overhead(grad: bool) -> tuple[Variants, dict[str, str]]:
         keras_dense(x)
         variants["Keras 3 Dense mixed_bfloat16"] = timed(keras_dense)
     return variants, {"*": "time of 100 calls"}
+
+
+register(
+    "transformer_train",
+    "Transformer encoder train step (AdamW)",
+    transformer_train,
+    baseline="torch.autocast bfloat16",
+)
+register(
+    "overhead_no_grad",
+    "Per-call overhead, 64x64 layer, (1, 64), no_grad",
+    lambda: call_overhead(False),
+    reference="nn.Linear float32",
+    baseline="nn.Linear float32",
+)
+register(
+    "overhead_grad",
+    "Per-call overhead, 64x64 layer, (1, 64), grad enabled",
+    lambda: call_overhead(True),
+    reference="nn.Linear float32",
+    baseline="nn.Linear float32",
+)

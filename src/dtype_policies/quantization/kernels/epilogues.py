@@ -89,6 +89,15 @@ def quantize_rows_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x, step).round_().add_(128.0).to(torch.uint8), step
 
 
+def quantize_rows_split_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_int8` split by sign: `(u, step)` with `u` (2M, K) uint8,
+    the first M rows `max(q, 0)`, the last M rows `max(-q, 0)` (both in
+    [0, 127]), so that `q = u[:M] - u[M:]`."""
+    step = row_steps(x)
+    q = torch.div(x, step).round_()
+    return torch.cat([q.clamp(min=0), q.neg_().clamp_(min=0)]).to(torch.uint8), step
+
+
 def rescale(
     y: torch.Tensor,
     row_step: torch.Tensor,

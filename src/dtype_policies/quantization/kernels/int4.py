@@ -1,46 +1,195 @@
-"""int4 (weight-only) products.
+"""int4 (weight-only) products, on the path chosen per weight (`int4_path`).
 
-`_weight_int4pack_mm_for_cpu` for bfloat16 activations on CPU (group size
-32/64/128/256 dividing K, N a multiple of 16; per-channel weights use the
-largest such group with a repeated scale); elsewhere, dequantize and multiply
-in the compute dtype.
+On CPU every shape can run on torch's packed kernel
+`_weight_int4pack_mm_for_cpu`, with bfloat16 activations, scales and offsets
+whatever the compute dtype: its float32 and float16 variants are scalar code,
+50-100x slower (measured, torch 2.13, AVX2 and AVX-512). From a float32 or
+float16 source the activations and the outputs are rounded to bfloat16 around
+the kernel (a relative 2**-9, small against int4's own error); outputs come
+back in the compute dtype. The weight is laid out once (`Int4Layout`):
+
+* the kernel's group (32, 64, 128 or 256 values along K sharing a scale and
+  an offset) is the largest that divides both the block and K, so that a block
+  that does not divide K (K = 576, block 128) maps exactly onto smaller kernel
+  groups with repeated scales (64 here);
+* where no kernel group fits (a block or a per-channel K that is not a
+  multiple of 32), each block is padded to a multiple of 32 with zero weights
+  and the activations are spread over the padded positions on each call (a
+  copy of the activations, not of the weight);
+* N is padded to a multiple of 16 with zero rows and the output sliced;
+* a `g_idx` that permutes the groups (GPTQ's activation order) is folded in:
+  the columns are packed sorted by group (each block contiguous again) and
+  the activations gathered into that order on each call (with the spread
+  above, one scatter does both).
+
+Grouped weights are `(q - zero) * scale` along the input axis (the kernel
+computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
+may be any real value); per-channel weights are `q / scale`. Per-channel
+weights of fewer than `DEQUANTIZED_MAX_ELEMENTS` elements at
+`DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their integer values
+cast per call, scaled after (faster there: the kernel is compute-bound).
+Elsewhere (other devices): dequantize and multiply in the compute dtype.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from dtype_policies.quantization.kernels import tensor_key
+from dtype_policies._core.products import native_half_products
+from dtype_policies._cpu import processor
+from dtype_policies.quantization.kernels import epilogues, tensor_key
 from dtype_policies.quantizers.math import dequantize_grouped
 
 KERNEL_GROUPS = (256, 128, 64, 32)
+_KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def dequantize_int4(
-    q_nk: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, block_size: int
+    q_nk: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    block_size: int,
+    g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The float32 (N, K) weight of int4 values `q_nk` with Keras's scales:
-    grouped `scale`/`zero` of shape (G, N), or per-channel `scale` (N,)."""
+    grouped `scale`/`zero` of shape (G, N) (input `k` in group `g_idx[k]`,
+    default `k // block_size`), or per-channel `scale` (N,)."""
     if block_size > 0:
-        return dequantize_grouped(q_nk.t(), scale, zero, block_size).t()
+        return dequantize_grouped(q_nk.t(), scale, zero, block_size, g_idx).t()
     return q_nk.float() / scale.float()[:, None]
 
 
-class Int4Runtime:
-    """The CPU int4 kernel's packed weight and scale/zero tensor, rebuilt when
-    the stored tensors change; `packed` is `None` when the kernel does not apply."""
+def kernel_weight(
+    q_nk: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    block_size: int,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The float32 (N, K) weight the packed kernel multiplies by: `q * s + z`
+    with its bfloat16 scale `s` and offset `z = -zero * s` (per channel:
+    `q * (1 / scale)` rounded to bfloat16). Plain ops, for compilers and
+    tracers, so that they compute what the eager kernel computes."""
+    if block_size > 0:
+        if g_idx is None:
+            block = torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
+        else:
+            block = g_idx.long()
+        group_scale = scale.float().bfloat16().float()[block].t()  # (N, K)
+        offset = (-zero.float()[block].t() * group_scale).bfloat16().float()
+        return q_nk.float() * group_scale + offset
+    return q_nk.float() * (1.0 / scale.float()).bfloat16().float()[:, None]
 
-    __slots__ = ("_key", "group_size", "packed", "scales_and_zeros")
+
+def int4_linear_traceable(
+    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The product as the CPU kernel computes it, in plain ops: bfloat16
+    activations times the kernel's float32 `weight`, a bfloat16 output."""
+    y = F.linear(x2.bfloat16().float(), weight).bfloat16().to(out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """Where the packed kernel reads each input position.
+
+    Attributes:
+        group: The kernel's group size.
+        padded_k: K of the packed weight (a multiple of `group`).
+        stride: Padded length of one block (`block_size`, or per channel K,
+            rounded up to a multiple of 32 when it is not one).
+        spread: Whether each block is padded (the activations are spread over
+            `padded_k` positions per call); otherwise only the tail is.
+    """
+
+    group: int
+    padded_k: int
+    stride: int
+    spread: bool
+
+    @staticmethod
+    def plan(k: int, block_size: int) -> Int4Layout:
+        """The layout for K inputs in blocks of `block_size` (<= 0: per channel)."""
+        block = block_size if block_size > 0 else k
+        common = math.gcd(block, k)
+        if common % 32 == 0:  # exact: kernel groups inside blocks, no padding
+            group = next(g for g in KERNEL_GROUPS if common % g == 0)
+            return Int4Layout(group, k, block, False)
+        stride = -(-block // 32) * 32
+        group = next(g for g in KERNEL_GROUPS if stride % g == 0)
+        blocks = -(-k // block)
+        last = k - (blocks - 1) * block
+        padded_k = (blocks - 1) * stride + -(-last // group) * group
+        return Int4Layout(group, padded_k, stride, stride != block and blocks > 1)
+
+    def positions(self, k: int, block_size: int) -> torch.Tensor:
+        """The padded position of each of the K inputs."""
+        block = block_size if block_size > 0 else k
+        j = torch.arange(k)
+        return (j // block) * self.stride + j % block
+
+    def block_of_groups(self) -> torch.Tensor:
+        """The block each kernel group reads its scale from."""
+        return torch.arange(self.padded_k // self.group) * self.group // self.stride
+
+
+@dataclass(frozen=True)
+class Int4Packed:
+    """One weight packed for the CPU kernel: immutable, replaced whole."""
+
+    layout: Int4Layout
+    packed: torch.Tensor
+    n: int
+    positions: torch.Tensor | None  # set when activations are spread (or permuted and spread)
+    order: torch.Tensor | None  # the inputs in kernel order, when g_idx permutes them
+    scales_and_zeros: torch.Tensor  # bfloat16 (padded_k / group, padded N, 2)
+
+
+class Int4Runtime:
+    """The CPU int4 kernel's packed weight and scale/offset tensors, rebuilt
+    when the stored tensors change; `packed` is `None` where the kernel does
+    not apply (other devices, a `g_idx` that is not `arange(K) // block`).
+    A `g_idx` that permutes `arange(K) // block` is folded into the plan
+    (the kernel still applies). The key and the plan are published together
+    as one immutable pair, so a thread reading while another refreshes sees
+    one whole plan or the other."""
+
+    __slots__ = ("_state",)
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self.packed: torch.Tensor | None = None
-        self.scales_and_zeros: torch.Tensor | None = None
-        self.group_size = 0
+        self._state: tuple[tuple, Int4Packed | None] | None = None
+
+    @property
+    def plan(self) -> Int4Packed | None:
+        """The current packed plan (read once per product)."""
+        state = self._state
+        return None if state is None else state[1]
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        plan = self.plan
+        return None if plan is None else plan.packed
+
+    @property
+    def group_size(self) -> int:
+        plan = self.plan
+        return 0 if plan is None else plan.layout.group
+
+    @property
+    def layout(self) -> Int4Layout | None:
+        plan = self.plan
+        return None if plan is None else plan.layout
 
     def needs_refresh(self, stored: tuple[torch.Tensor, ...]) -> bool:
-        return tensor_key(*stored) != self._key
+        """Whether the `stored` tensors (the module's own buffers, never views
+        made per call) or the processor changed since the last `refresh`."""
+        state = self._state
+        return state is None or state[0] != (*tensor_key(*stored), processor())
 
     def refresh(
         self,
@@ -49,34 +198,105 @@ class Int4Runtime:
         zero: torch.Tensor | None,
         block_size: int,
         stored: tuple[torch.Tensor, ...],
+        g_idx: torch.Tensor | None = None,
     ) -> None:
         """Rebuilds the packed data from the (N, K) int values `q_nk` of the
-        `stored` tensors."""
-        self._key = tensor_key(*stored)
-        self.packed = None
-        n, k = q_nk.shape
-        if scale.device.type != "cpu" or n % 16:
-            return
-        with torch.inference_mode(False), torch.no_grad():
-            if block_size > 0:
-                if block_size not in KERNEL_GROUPS or k % block_size:
-                    return
-                group = block_size
-                scale_bf16 = scale.to(torch.bfloat16)  # (G, N)
-                # The offset comes from the rounded scale, so that (u - 8) * s + z is
-                # exactly (q - zero) * s for the s the kernel uses.
-                kernel_zero = (-zero.float() * scale_bf16.float()).to(torch.bfloat16)
-            else:
-                group = next((g for g in KERNEL_GROUPS if k % g == 0), 0)
-                if not group:
-                    return
-                scale_bf16 = (1.0 / scale.float())[None, :].expand(k // group, n)
-                scale_bf16 = scale_bf16.to(torch.bfloat16)
-                kernel_zero = torch.zeros_like(scale_bf16)
-            unsigned = (q_nk.to(torch.int32) + 8).contiguous()
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
-            self.scales_and_zeros = torch.stack([scale_bf16, kernel_zero], dim=-1).contiguous()
-            self.group_size = group
+        `stored` tensors, input `k` in group `g_idx[k]` (`None`: `k //
+        block_size`). A `g_idx` that is not a permutation of `arange(K) //
+        block_size` runs on the dequantized path (no plan)."""
+        key = (*tensor_key(*stored), processor())
+        plan = None
+        if scale.device.type == "cpu" and _KERNEL_AVAILABLE:
+            with torch.inference_mode(False), torch.no_grad():
+                order = _kernel_order(g_idx, q_nk.shape[1], block_size)
+                if order is not False:
+                    plan = _pack(q_nk, scale, zero, block_size, order)
+        self._state = (key, plan)
+
+
+def _kernel_order(
+    g_idx: torch.Tensor | None, k: int, block_size: int
+) -> torch.Tensor | bool | None:
+    """The inputs sorted by group (`None` if already in order), or `False`
+    when `g_idx` does not give each block `block_size` inputs."""
+    if g_idx is None or block_size <= 0:
+        return None
+    natural = torch.arange(k, device=g_idx.device) // block_size
+    groups = g_idx.long()
+    if torch.equal(groups, natural):
+        return None
+    order = torch.argsort(groups, stable=True)
+    return order if torch.equal(groups[order], natural) else False
+
+
+def _pack(
+    q_nk: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    block_size: int,
+    order: torch.Tensor | None = None,
+) -> Int4Packed:
+    n, k = q_nk.shape
+    layout = Int4Layout.plan(k, block_size)
+    padded_n = -(-n // 16) * 16
+    unsigned = torch.full((padded_n, layout.padded_k), 8, dtype=torch.int32)
+    if order is not None:
+        q_nk = q_nk[:, order]
+    positions = layout.positions(k, block_size) if layout.spread else None
+    if positions is None:
+        unsigned[:n, :k] = q_nk.to(torch.int32) + 8
+    else:
+        unsigned[:n].index_copy_(1, positions, q_nk.to(torch.int32) + 8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+    blocks = layout.block_of_groups()
+    if block_size > 0:
+        group_scale = scale.float()[blocks].bfloat16()  # (groups, N)
+        # The offset comes from the rounded scale, so that (u - 8) * s + z is
+        # exactly (q - zero) * s for the s the kernel uses (any real zero).
+        offset = (-zero.float()[blocks] * group_scale.float()).bfloat16()
+    else:
+        group_scale = (1.0 / scale.float())[None, :].expand(len(blocks), n).bfloat16()
+        offset = torch.zeros_like(group_scale)
+    pair = torch.stack([group_scale, offset], dim=-1)
+    if padded_n != n:
+        pair = F.pad(pair, (0, 0, 0, padded_n - n))
+    if order is not None and positions is not None:  # input order[j] goes to positions[j]
+        positions = torch.empty_like(positions).index_copy_(0, order, positions)
+        order = None
+    return Int4Packed(layout, packed, n, positions, order, pair.contiguous())
+
+
+# Per-channel weights from this many rows: the weight's integer values cast
+# per call and one GEMM in the product dtype beat the packed kernel, which is
+# compute-bound (1 thread: 2-4x at 128 rows, 576 x 1536 and 576 x 192, AMX
+# class). Grouped weights keep the kernel: their per-call dequantization
+# (a scale and an offset per group) costs more than it saves.
+DEQUANTIZED_MIN_ROWS = 32
+# ... for weights of fewer elements than this: per-call unpacking is several
+# slow elementwise passes (2048 x 5632: 10x slower than the kernel, measured).
+DEQUANTIZED_MAX_ELEMENTS = 1 << 20
+
+PATHS = {
+    "packed": "torch's packed int4 kernel, bfloat16 activations",
+    "dequantized": "the weight dequantized per call, one GEMM",
+}
+
+
+def int4_path(runtime: Int4Runtime, rows: int, block_size: int) -> str:
+    """The path (a key of `PATHS`) for `rows` rows."""
+    return _path(runtime.plan, rows, block_size)
+
+
+def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
+    if plan is None:
+        return "dequantized"
+    if (
+        block_size <= 0
+        and rows >= DEQUANTIZED_MIN_ROWS
+        and plan.n * plan.layout.padded_k < DEQUANTIZED_MAX_ELEMENTS
+    ):
+        return "dequantized"
+    return "packed"
 
 
 def int4_linear(
@@ -88,20 +308,50 @@ def int4_linear(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     runtime: Int4Runtime,
+    path: str | None = None,
+    g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x2 @ W.T + bias` for int4 weights `W` (grouped: `(q - zero) * scale`
-    along the input axis; per channel: `q / scale`) on a 2-D `x2` (M, K).
-    `q_nk` (the int values, (N, K)) is needed when the packed kernel is not used."""
+    along the input axis, input `k` in group `g_idx[k]`; per channel:
+    `q / scale`) on a 2-D `x2` (M, K), by `path` (default `int4_path`).
+    `q_nk` (the int values, (N, K)) is needed by the dequantized path."""
     n = scale.shape[-1]
     if x2.shape[0] == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
-    if runtime.packed is not None and x2.dtype == torch.bfloat16:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.contiguous(), runtime.packed, runtime.group_size, runtime.scales_and_zeros
-        )
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y if y.dtype == out_dtype else y.to(out_dtype)
-    weight = dequantize_int4(q_nk, scale, zero, block_size).to(x2.dtype)
-    out = F.linear(x2, weight, None if bias is None else bias.to(x2.dtype))
-    return out.to(out_dtype)
+    plan = runtime.plan
+    if plan is not None and (path or _path(plan, x2.shape[0], block_size)) == "packed":
+        return _packed(x2, plan, n, bias, out_dtype)
+    dtype = x2.dtype
+    if x2.device.type == "cpu" and not native_half_products(dtype, processor()):
+        dtype = torch.float32  # the same values, at float32 speed (`_core.products`)
+    if block_size > 0:
+        weight = dequantize_int4(q_nk, scale, zero, block_size, g_idx).to(dtype)
+        y = F.linear(x2.to(dtype), weight).to(out_dtype)
+        return y if bias is None else y + bias.to(out_dtype)
+    y = F.linear(x2.to(dtype), q_nk.to(dtype))  # exact integer weights, scaled after
+    return epilogues.rescale(y, (1.0 / scale.float())[None, :], None, bias, out_dtype)
+
+
+def _packed(
+    x2: torch.Tensor,
+    plan: Int4Packed,
+    n: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    xk = x2 if x2.dtype is torch.bfloat16 else x2.bfloat16()
+    layout = plan.layout
+    if plan.order is not None:
+        xk = xk.index_select(1, plan.order)
+    if plan.positions is not None:
+        spread = xk.new_zeros((xk.shape[0], layout.padded_k))
+        xk = spread.index_copy_(1, plan.positions, xk)
+    elif layout.padded_k != xk.shape[1]:
+        xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        xk.contiguous(), plan.packed, layout.group, plan.scales_and_zeros
+    )
+    if y.shape[1] != n:
+        y = y[:, :n]
+    y = y if y.dtype == out_dtype else y.to(out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)

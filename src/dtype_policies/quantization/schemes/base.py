@@ -157,6 +157,13 @@ class Scheme(abc.ABC):
             for name, (shape, dtype) in self.stored_shapes(spec, config).items()
         }
 
+    def upgrade_checkpoint(
+        self, spec: WeightSpec, config: QuantizationConfig, state_dict: dict, prefix: str
+    ) -> None:
+        """Rewrites, in `state_dict`, this weight's tensors stored by an
+        earlier version into today's format (default: nothing to do)."""
+        return None
+
     def new_runtime(self) -> Any:
         """Derived per-module data (packed kernel layouts); rebuilt after copies."""
         return None
@@ -287,6 +294,8 @@ class QuantizedWeight:
         weight stored by another mode, or by this mode with another layout
         (int4 per channel against grouped, another block size); reads only."""
         name = self.weight_name
+        state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix + name)}
+        self.scheme.upgrade_checkpoint(self.spec, self.config, state_dict, prefix)
         path = prefix[:-1] or "(root)"
         expected = self.scheme.stored_shapes(self.spec, self.config)
         foreign = [

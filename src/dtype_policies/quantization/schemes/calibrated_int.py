@@ -8,20 +8,24 @@ input features (`block = K` for `group_size=-1`), G = ceil(K / block):
 * `<w>_int4` (int8, two values per byte along the last axis of the weight's
   own orientation, values `q` in [-8, 7]; 2 and 3 bits use [-2, 1] and
   [-4, 3]) or `<w>_int8` (int8, one value per byte, [-128, 127]);
-* `<w>_scale`, `<w>_zero` (float32, (G, N)): `zero` is real-valued;
+* `<w>_scale`, `<w>_zero` (float32): `zero` is real-valued; laid out like
+  the weight with the groups in place of the input axis ((N, G) for an
+  `nn.Linear`, (G, N) for an (in, out) kernel), as grouped int4;
 * `<w>_g_idx` (float32, (K,)): the group of each input feature (Keras's
   `g_idx`): `arange(K) // block`, or a permutation of it when the columns
   were quantized in activation order;
 
-with `W[n, k] ~= (q[n, k] - zero[g_idx[k], n]) * scale[g_idx[k], n]`: the
-same tensors and convention as grouped int4. Keras's unsigned levels `u` in
-`[0, 2**bits - 1]` and zero points `z` are stored as `u - 2**(bits - 1)` and
-`z - 2**(bits - 1)`.
+with `W[n, k] ~= (q[n, k] - zero[n, g_idx[k]]) * scale[n, g_idx[k]]`: the
+same tensors and convention as grouped int4 (`schemes.int4`), so that 2-4
+bits run exactly as round-to-nearest int4 does. Keras's unsigned levels `u`
+in `[0, 2**bits - 1]` and zero points `z` are stored as `u - 2**(bits - 1)`
+and `z - 2**(bits - 1)`.
 
-Products: 2-4 bits run on the int4 kernel (`kernels.int4`); a `g_idx` that
-is not sorted is handled by multiplying `x[:, perm]` with the columns in
-`perm` order (`perm` sorts `g_idx`, so each group's columns are contiguous),
-one gather of the input per call. 8 bits per channel run on the int8
+Products: 2-4 bits run on the int4 kernel (`kernels.int4`) with the same
+`Int4Runtime` as int4 (the packed kernel at every shape); a permuted `g_idx`
+(activation order) is folded into the packed weight, costing one gather of
+the activations per call. AWQ divides the activations by its per-input
+scales first (one elementwise pass). 8 bits per channel run on the int8
 weight-only kernel plus a rank-one correction for the zero point
 (`x @ ((q - z) s)ᵀ = (x @ (q s)ᵀ) - x.sum(-1) (z s)`); 8 bits in groups
 dequantize and multiply (correct, not fast).
@@ -32,7 +36,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +47,7 @@ from dtype_policies.quantization.kernels import tensor_key
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.gptq import quantize_rtn
 from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig
-from dtype_policies.quantizers.math import pack_int4, unpack_int4
+from dtype_policies.quantizers.math import dequantize_grouped, pack_int4, unpack_int4
 
 
 class InputStatistics:
@@ -170,23 +174,6 @@ def signed_offset(bits: int) -> int:
     return 2 ** (bits - 1)
 
 
-class _Runtime:
-    """Derived data of one weight, rebuilt when its stored tensors change:
-    the column permutation sorting `g_idx` (or None), the (N, K) levels in
-    that order, and the int4 / int8 kernels' own runtimes."""
-
-    __slots__ = ("_key", "int4", "int8", "perm", "q_nk", "step", "zero_step")
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self.perm: torch.Tensor | None = None
-        self.q_nk: torch.Tensor | None = None
-        self.int4 = int4_kernels.Int4Runtime()
-        self.int8 = int8_kernels.Int8Runtime()
-        self.step: torch.Tensor | None = None
-        self.zero_step: torch.Tensor | None = None
-
-
 class CalibratedIntScheme(Scheme):
     """Storage and products of GPTQ and AWQ (see the module docstring);
     subclasses compute the stored values (`quantize_calibrated`)."""
@@ -212,11 +199,12 @@ class CalibratedIntScheme(Scheme):
         if self.bits(config) <= 4:
             columns = (columns + 1) // 2
         groups = -(-k // config.block_size(k))
+        grid = (n, groups) if spec.layout == "out_in" else (groups, n)
         data, scale, zero, g_idx, *extras = self.buffer_names(spec, config)
         shapes = {
             data: ((rows, columns), torch.int8),
-            scale: ((groups, n), torch.float32),
-            zero: ((groups, n), torch.float32),
+            scale: (grid, torch.float32),
+            zero: (grid, torch.float32),
             g_idx: ((k,), torch.float32),
         }
         shapes.update({name: ((k,), torch.float32) for name in extras})
@@ -251,8 +239,8 @@ class CalibratedIntScheme(Scheme):
         names = self.buffer_names(spec, config)
         tensors = {
             names[0]: data.contiguous(),
-            names[1]: scale.float().t().contiguous(),
-            names[2]: (zero.float() - offset).t().contiguous(),
+            names[1]: _laid_out(spec, scale.float().t()),
+            names[2]: _laid_out(spec, (zero.float() - offset).t()),
             names[3]: g_idx.float().contiguous(),
         }
         tensors.update({name: e.float().contiguous() for name, e in zip(names[4:], extras)})
@@ -282,8 +270,12 @@ class CalibratedIntScheme(Scheme):
 
     # -- reading ---------------------------------------------------------
     def _stored(self, module: torch.nn.Module, qw: QuantizedWeight) -> list[torch.Tensor]:
+        """The stored tensors, scale and zero as (G, N) (views for an (out, in) weight)."""
         buffers = module._buffers
-        return [buffers[name] for name in self.buffer_names(qw.spec, qw.config)]
+        stored = [buffers[name] for name in self.buffer_names(qw.spec, qw.config)]
+        if qw.spec.layout == "out_in":
+            stored[1], stored[2] = stored[1].t(), stored[2].t()
+        return stored
 
     def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
         data = self._stored(module, qw)[0]
@@ -298,75 +290,114 @@ class CalibratedIntScheme(Scheme):
         return None
 
     def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
-        _, scale, zero, g_idx, *_ = self._stored(module, qw)
-        groups = g_idx.long()
-        q = self.integer_values(module, qw).float()
-        weight = (q - zero.float()[groups].t()) * scale.float()[groups].t()
+        weight = self._grouped_weight(module, qw)
         divisor = self.input_divisor(module, qw)
         return weight if divisor is None else weight / divisor.float()[None, :]
 
     # -- products --------------------------------------------------------
-    def new_runtime(self) -> _Runtime:
-        return _Runtime()
+    def new_runtime(self) -> None:
+        return None  # made on first use, by width (`_int4_linear`, `_int8_linear`)
 
-    def _runtime(self, module: torch.nn.Module, qw: QuantizedWeight) -> _Runtime:
-        stored = self._stored(module, qw)
-        if not isinstance(qw.runtime, _Runtime):
-            qw.runtime = self.new_runtime()
-        runtime = qw.runtime
-        key = tensor_key(*stored)
-        if runtime._key == key:
-            return runtime
-        _, scale, zero, g_idx, *_ = stored
-        k = qw.spec.in_features
-        block = qw.config.block_size(k)
-        groups = g_idx.long()
-        natural = torch.arange(k, device=g_idx.device) // block
-        with torch.inference_mode(False), torch.no_grad():
-            q_nk = self.integer_values(module, qw)
-            perm = None
-            if not torch.equal(groups, natural):
-                perm = torch.argsort(groups, stable=True)
-                if not torch.equal(groups[perm], natural):
-                    raise ValueError(
-                        f"The stored g_idx of '{qw.weight_name}' does not give each group "
-                        f"{block} input features (group_size {qw.config.group_size})."
-                    )
-                q_nk = q_nk[:, perm]
-            runtime.perm = perm
-            runtime.q_nk = q_nk.contiguous()
-            if self.bits(qw.config) <= 4:
-                runtime.int4 = int4_kernels.Int4Runtime()
-                stored_q = (runtime.q_nk, scale, zero, g_idx)
-                runtime.int4.refresh(runtime.q_nk, scale, zero, block, stored_q)
-            elif scale.shape[0] == 1:
-                runtime.step = (1.0 / scale.float()[0]).contiguous()
-                runtime.zero_step = (zero.float()[0] * scale.float()[0]).contiguous()
-                runtime.int8 = int8_kernels.Int8Runtime()
-                runtime.int8.refresh(runtime.q_nk, runtime.step, lambda t: t, False)
-        runtime._key = key
-        return runtime
+    def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight) -> tuple:
+        """The module's own stored buffers (never per-call views)."""
+        buffers = module._buffers
+        return tuple(buffers[name] for name in self.buffer_names(qw.spec, qw.config))
 
     def linear(self, module, qw, x2, bias, compute):
-        runtime = self._runtime(module, qw)
         divisor = self.input_divisor(module, qw)
         if divisor is not None:
             x2 = (x2.float() / divisor.float()).to(compute)
-        if runtime.perm is not None:
-            x2 = x2.index_select(1, runtime.perm)
-        _, scale, zero, _, *_ = self._stored(module, qw)
-        block = qw.config.block_size(qw.spec.in_features)
         if self.bits(qw.config) <= 4:
-            return int4_kernels.int4_linear(
-                x2, runtime.q_nk, scale, zero, block, bias, compute, runtime.int4
-            )
+            return self._int4_linear(module, qw, x2, bias, compute)
+        return self._int8_linear(module, qw, x2, bias, compute)
+
+    def _int4_linear(self, module, qw, x2, bias, compute):
+        """As round-to-nearest int4: the same runtime, kernel and paths."""
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        block = qw.config.block_size(qw.spec.in_features)
+        if not isinstance(qw.runtime, int4_kernels.Int4Runtime):
+            qw.runtime = int4_kernels.Int4Runtime()
+        stored = self._key_tensors(module, qw)
+        q_nk = None
+        if qw.runtime.needs_refresh(stored):
+            q_nk = self.integer_values(module, qw)
+            qw.runtime.refresh(q_nk, scale, zero, block, stored, g_idx)
+        path = int4_kernels.int4_path(qw.runtime, x2.shape[0], block)
+        if path != "packed" and q_nk is None:
+            q_nk = self.integer_values(module, qw)
+        return int4_kernels.int4_linear(
+            x2, q_nk, scale, zero, block, bias, compute, qw.runtime, path, g_idx
+        )
+
+    def _int8_linear(self, module, qw, x2, bias, compute):
+        if not isinstance(qw.runtime, _Int8Runtime):
+            qw.runtime = _Int8Runtime()
+        state = qw.runtime.current(self, module, qw)
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)
-        if runtime.step is not None:  # per channel: int8 weight-only, then the zero points
-            y = int8_kernels.int8_weight_only_linear(x2, runtime.int8, None, torch.float32)
-            y = y - x2.float().sum(-1, keepdim=True) * runtime.zero_step[None, :]
+        if state.zero_step is not None:  # per channel: int8 weight-only, then the zero points
+            y = int8_kernels.int8_weight_only_linear(x2, state.int8, None, torch.float32)
+            y = y - x2.float().sum(-1, keepdim=True) * state.zero_step[None, :]
             y = y.to(compute)
             return y if bias is None else y + bias
-        groups = torch.arange(qw.spec.in_features, device=x2.device) // block
-        weight = (runtime.q_nk.float() - zero.float()[groups].t()) * scale.float()[groups].t()
-        return F.linear(x2.to(compute), weight.to(compute), bias)
+        return F.linear(x2.to(compute), self._grouped_weight(module, qw).to(compute), bias)
+
+    def _grouped_weight(self, module, qw) -> torch.Tensor:
+        """The (N, K) weight without the input divisor (applied to `x`)."""
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        q_kn = self.integer_values(module, qw).t()
+        block = qw.config.block_size(qw.spec.in_features)
+        return dequantize_grouped(q_kn, scale, zero, block, g_idx).t()
+
+    def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
+        divisor = self.input_divisor(module, qw)
+        if self.bits(qw.config) > 4 or x2.device.type != "cpu":
+            return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
+        if divisor is not None:
+            x2 = (x2.float() / divisor.float()).to(compute)
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        block = qw.config.block_size(qw.spec.in_features)
+        weight = int4_kernels.kernel_weight(
+            self.integer_values(module, qw), scale, zero, block, g_idx
+        )
+        return int4_kernels.int4_linear_traceable(x2, weight, bias, compute)
+
+
+def _laid_out(spec: WeightSpec, grid_gn: torch.Tensor) -> torch.Tensor:
+    """A (G, N) grid laid out like the weight: (N, G) for an (out, in) one."""
+    return grid_gn.t().contiguous() if spec.layout == "out_in" else grid_gn.contiguous()
+
+
+class _Int8State(NamedTuple):
+    key: tuple
+    int8: int8_kernels.Int8Runtime
+    zero_step: torch.Tensor | None  # per channel: zero * scale; None: grouped
+
+
+class _Int8Runtime:
+    """8-bit derived data, rebuilt when the stored tensors change; published
+    as one immutable state."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state: _Int8State | None = None
+
+    def current(self, scheme, module, qw) -> _Int8State:
+        stored = scheme._key_tensors(module, qw)
+        key = tensor_key(*stored)
+        state = self._state
+        if state is not None and state.key == key:
+            return state
+        _, scale, zero, *_ = scheme._stored(module, qw)
+        int8 = int8_kernels.Int8Runtime()
+        zero_step = None
+        if scale.shape[0] == 1:
+            with torch.inference_mode(False), torch.no_grad():
+                q_nk = scheme.integer_values(module, qw)
+                step = (1.0 / scale.float()[0]).contiguous()
+                zero_step = (zero.float()[0] * scale.float()[0]).contiguous()
+                int8.refresh(q_nk.contiguous(), step, lambda t: t, False)
+        state = _Int8State(key, int8, zero_step)
+        self._state = state
+        return state

@@ -29,8 +29,10 @@ import torch.nn.functional as F
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
+from dtype_policies.quantization.kernels.float8 import Float8Runtime, float8_linear
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Float8QuantizationConfig
 from dtype_policies.quantizers.math import (
@@ -85,10 +87,16 @@ class Float8Scheme(Scheme):
     def linear(self, module, qw, x2, bias, compute):
         return self.forward(module, qw, x2, bias, compute)
 
+    def new_runtime(self) -> Float8Runtime:
+        return Float8Runtime()
+
     def forward(self, module, qw, x, bias, compute):
         spec = qw.spec
+        weight = module._parameters[spec.weight]
+        if _without_graph(x, weight, bias):
+            return self._inference(module, qw, x, weight, bias, compute)
         kernel, bias = leaf_weights(
-            module.__dict__.get("_dp_casts"),
+            state_of(module).casts,
             module._parameters[spec.weight],
             bias,
             compute,
@@ -112,6 +120,42 @@ class Float8Scheme(Scheme):
         if bias is not None:
             y = y + bias
         return y.to(compute)
+
+    def _inference(self, module, qw, x, weight, bias, compute):
+        """The forward of a call without autograd: the kept kernel (see
+        `kernels.float8`); the same values as the graph path."""
+        spec = qw.spec
+        if bias is not None:
+            bias = leaf_weights(state_of(module).casts, bias, None, compute, "bias")[0]
+        if x.dtype != compute and x.is_floating_point():
+            x = x.to(compute)
+        if qw.runtime is None:
+            qw.runtime = self.new_runtime()
+        dynamic = qw.config.scaling == "dynamic"
+        state = module._buffers
+        kernel, product = qw.runtime.kernel(
+            weight,
+            None if dynamic else state["kernel_scale"],
+            compute,
+            None if spec.contract is not None else lambda k: spec.nk(spec.matrix(k)),
+        )
+        contract = spec.contract or (lambda a, k: F.linear(a, spec.nk(spec.matrix(k))))
+        y = float8_linear(
+            x, None if dynamic else state["inputs_scale"], kernel, product, contract, bias
+        )
+        return y.to(compute)
+
+
+def _without_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a float8 call builds no autograd graph (so no scale update can
+    follow) and runs eagerly on plain tensors."""
+    if tracing() or any(functorch_wrapped(t) for t in (x, weight, bias) if t is not None):
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
 
 
 class _Updates:

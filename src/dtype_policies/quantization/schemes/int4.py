@@ -1,9 +1,19 @@
 """int4 (weight-only): grouped along the contracting axis in blocks (asymmetric
 with a zero point, `W ~= (q - zero) * scale`), or per output channel
-(symmetric, `W ~= q / scale`), Keras's conventions. Stored: `<w>_int4` (int8
-holding two values per byte along the last axis of the weight's own
-orientation), `<w>_scale` (float32, (G, N) grouped or (N,) per channel) and,
-grouped, `<w>_zero` (int8, (G, N))."""
+(symmetric, `W ~= q / scale`), Keras's conventions.
+
+Stored: `<w>_int4` (int8 holding two values per byte along the last axis of
+the weight's own orientation), `<w>_scale` (float32, (N,) per channel) and,
+grouped, `<w>_scale` and `<w>_zero` (float32: a real-valued zero point, see
+`grouped_quantize_with_zero_point`) laid out like the weight with the groups
+in place of the input axis, (G, N) for an (in, out) kernel (Keras's `Dense`,
+`EinsumDense`, transformers' `Conv1D`) and (N, G) for an (out, in) weight or a
+table (`nn.Linear`, Keras's and torch's `Embedding`), so that a table tied to
+a head stores one set of tensors; and `<w>_g_idx` (float32, (K,): the group of
+each input feature, Keras's `g_idx`, `arange(K) // block_size` here; GPTQ's
+activation order permutes it). Checkpoints of earlier versions (an int8 zero
+point, (G, N) grids, no `g_idx`) load unchanged in value.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ from dtype_policies.quantizers.config import AbsMaxQuantizer, Int4QuantizationCo
 from dtype_policies.quantizers.math import (
     INT4_RANGE,
     abs_max_quantize,
+    dequantize_grouped,
     grouped_quantize_with_zero_point,
     pack_int4,
     unpack_int4,
@@ -31,7 +42,7 @@ class Int4Scheme(Scheme):
     def buffer_names(self, spec: WeightSpec, config: Int4QuantizationConfig) -> tuple[str, ...]:
         w = spec.weight
         if config.group_size > 0:
-            return (f"{w}_int4", f"{w}_scale", f"{w}_zero")
+            return (f"{w}_int4", f"{w}_scale", f"{w}_zero", f"{w}_g_idx")
         return (f"{w}_int4", f"{w}_scale")
 
     def quantize(
@@ -45,7 +56,9 @@ class Int4Scheme(Scheme):
                 search_grouped_int4 if config.scale_search else grouped_quantize_with_zero_point
             )
             q_kn, scale, zero = grouped(w_nk.t(), config.group_size)
-            q_nk, extra = q_kn.t(), {names[1]: scale, names[2]: zero}
+            q_nk = q_kn.t()
+            extra = {names[1]: _laid_out(spec, scale), names[2]: _laid_out(spec, zero)}
+            extra[names[3]] = default_g_idx(spec.in_features, config.group_size, w_nk.device)
         elif config.scale_search:
             q_kn, scale = search_per_channel_int4(w_nk.t(), epsilon=quantizer.epsilon)
             q_nk, extra = q_kn.t(), {names[1]: scale}
@@ -64,19 +77,39 @@ class Int4Scheme(Scheme):
         shapes = {names[0]: ((rows, (columns + 1) // 2), torch.int8)}
         if config.group_size > 0:
             groups = -(-k // config.group_size)
-            shapes[names[1]] = ((groups, n), torch.float32)
-            shapes[names[2]] = ((groups, n), torch.int8)
+            grid = (n, groups) if spec.layout == "out_in" else (groups, n)
+            shapes[names[1]] = (grid, torch.float32)
+            shapes[names[2]] = (grid, torch.float32)
+            shapes[names[3]] = ((k,), torch.float32)
         else:
             shapes[names[1]] = ((n,), torch.float32)
         return shapes
+
+    def upgrade_checkpoint(
+        self, spec: WeightSpec, config: Int4QuantizationConfig, state_dict: dict, prefix: str
+    ) -> None:
+        if config.group_size <= 0 or prefix + f"{spec.weight}_int4" not in state_dict:
+            return
+        scale_key = prefix + f"{spec.weight}_scale"
+        zero_key, g_idx_key = prefix + f"{spec.weight}_zero", prefix + f"{spec.weight}_g_idx"
+        zero = state_dict.get(zero_key)
+        if isinstance(zero, torch.Tensor) and zero.dtype == torch.int8:  # before 0.3
+            state_dict[zero_key] = _laid_out(spec, zero.float())  # grids were (G, N)
+            state_dict[scale_key] = _laid_out(spec, state_dict[scale_key])
+        if g_idx_key not in state_dict:
+            state_dict[g_idx_key] = default_g_idx(spec.in_features, config.group_size)
 
     def new_runtime(self) -> kernels.Int4Runtime:
         return kernels.Int4Runtime()
 
     def _stored(self, module: torch.nn.Module, qw: QuantizedWeight):
+        """`(packed, scale, zero)`, grouped scale and zero as (G, N) views."""
         buffers = module._buffers
         w = qw.spec.weight
-        return buffers[f"{w}_int4"], buffers[f"{w}_scale"], buffers.get(f"{w}_zero")
+        scale, zero = buffers[f"{w}_scale"], buffers.get(f"{w}_zero")
+        if zero is not None and qw.spec.layout == "out_in":
+            scale, zero = scale.t(), zero.t()
+        return buffers[f"{w}_int4"], scale, zero
 
     def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
         packed, _, _ = self._stored(module, qw)
@@ -86,24 +119,70 @@ class Int4Scheme(Scheme):
 
     def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
         _, scale, zero = self._stored(module, qw)
-        return kernels.dequantize_int4(
-            self.integer_values(module, qw), scale, zero, qw.config.group_size
-        )
+        q_nk = self.integer_values(module, qw)
+        if zero is None:
+            return q_nk.float() / scale.float()[:, None]
+        g_idx = module._buffers[f"{qw.spec.weight}_g_idx"]
+        return dequantize_grouped(q_nk.t(), scale, zero, qw.config.group_size, g_idx).t()
+
+    def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight) -> tuple:
+        """The module's own stored buffers (never per-call views: a view is a
+        new object on every call)."""
+        buffers = module._buffers
+        names = self.buffer_names(qw.spec, qw.config)
+        return tuple(buffers[name] for name in names if buffers.get(name) is not None)
+
+    def _g_idx(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
+        """The stored `g_idx`, or None where it is `arange(K) // block_size`."""
+        g_idx = module._buffers.get(f"{qw.spec.weight}_g_idx")
+        if g_idx is None or qw.config.group_size <= 0:
+            return None
+        natural = default_g_idx(qw.spec.in_features, qw.config.group_size, g_idx.device)
+        return None if torch.equal(g_idx, natural) else g_idx
 
     def linear(self, module, qw, x2, bias, compute):
-        packed, scale, zero = self._stored(module, qw)
+        if qw.config.activation_quantizer is not None:
+            return self._per_row_quantized_linear(module, qw, x2, bias, compute)
+        _, scale, zero = self._stored(module, qw)
         if qw.runtime is None:
             qw.runtime = self.new_runtime()
-        stored = (packed, scale) if zero is None else (packed, scale, zero)
-        q_nk = None
+        stored = self._key_tensors(module, qw)
+        q_nk = g_idx = None
         if qw.runtime.needs_refresh(stored):
             q_nk = self.integer_values(module, qw)
-            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored)
-        if qw.runtime.packed is None or x2.dtype != torch.bfloat16:
+            g_idx = self._g_idx(module, qw)
+            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored, g_idx)
+        path = kernels.int4_path(qw.runtime, x2.shape[0], qw.config.group_size)
+        if path != "packed":
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
+            g_idx = self._g_idx(module, qw)
         return kernels.int4_linear(
-            x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime
+            x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime, path, g_idx
         )
+
+    def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
+        if qw.config.activation_quantizer is not None and not needs_grad:
+            return self._per_row_quantized_linear(module, qw, x2, bias, compute)
+        _, scale, zero = self._stored(module, qw)
+        if scale.device.type != "cpu":
+            return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
+        q_nk = self.integer_values(module, qw)
+        g_idx = module._buffers.get(f"{qw.spec.weight}_g_idx")  # no data-dependent test
+        weight = kernels.kernel_weight(q_nk, scale, zero, qw.config.group_size, g_idx)
+        return kernels.int4_linear_traceable(x2, weight, bias, compute)
+
+    def _per_row_quantized_linear(self, module, qw, x2, bias, compute):
+        """Per-channel W4A8 (Keras's int4 with an activation quantizer): inputs
+        quantized per row by the config's quantizer, integer products exact in
+        float32 (|sums| stay far below 2**24 for any K under 16,000)."""
+        _, scale, _ = self._stored(module, qw)
+        xq, x_scale = qw.config.activation_quantizer(x2.float(), axis=-1)
+        y = (xq.float() @ self.integer_values(module, qw).float().t()) / (
+            x_scale.float() * scale.float()[None, :]
+        )
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(compute)
 
     def lookup(self, module, qw, ids, compute):
         packed, scale, zero = self._stored(module, qw)
@@ -111,10 +190,20 @@ class Int4Scheme(Scheme):
         q = unpack_int4(packed[ids], features, axis=-1).float()
         if zero is None:
             return (q / scale[ids].float().unsqueeze(-1)).to(compute)
-        group = torch.arange(features, device=q.device) // qw.config.group_size
+        group = module._buffers[f"{qw.spec.weight}_g_idx"].long()
         rows_scale = scale.t()[ids].float()[..., group]
         rows_zero = zero.t()[ids].float()[..., group]
         return ((q - rows_zero) * rows_scale).to(compute)
+
+
+def _laid_out(spec: WeightSpec, grid_gn: torch.Tensor) -> torch.Tensor:
+    """A (G, N) grid laid out like the weight: (N, G) for an (out, in) one."""
+    return grid_gn.t().contiguous() if spec.layout == "out_in" else grid_gn.contiguous()
+
+
+def default_g_idx(features: int, block_size: int, device: torch.device | None = None):
+    """Keras's `g_idx` of grouped int4: the group of each input feature."""
+    return (torch.arange(features, device=device) // block_size).float()
 
 
 def _int4_policy(mode: str, source_name: str) -> QuantizedDTypePolicy:
@@ -131,7 +220,7 @@ register_mode(
         config_class=Int4QuantizationConfig,
         policy_class=Int4DTypePolicy,
         scheme=Int4Scheme(),
-        stored_suffixes=("_int4", "_scale", "_zero"),
+        stored_suffixes=("_int4", "_scale", "_zero", "_g_idx"),
         data_suffix="_int4",
         parse_policy=_int4_policy,
         # the legacy `int4_from_X` builds per-channel layers (Keras's loading path)

@@ -1,0 +1,183 @@
+"""How a linear leaf multiplies by its compute-dtype weight, chosen once per
+kept weight from what the processor can do (`dtype_policies._cpu`), never by
+trying a kernel and catching its error.
+
+* `"onednn_prepacked"`: bfloat16 on a CPU with native bfloat16 products:
+  the weight is kept in oneDNN's prepacked layout (the same values; oneDNN
+  skips reordering the weight on every call).
+* `"float32_products"`: bfloat16 or float16 on a CPU without native products
+  of that dtype, where torch's half-precision products are emulated (0.2-0.3x
+  float32 beyond a few rows, measured on AVX2). Beyond `FEW_ROWS` rows the
+  product runs in float32 on the half-precision values and rounds once to the
+  compute dtype: a product of two bfloat16 (or two float16) numbers is exact in
+  float32 and the accumulation is float32 either way, so the values are those
+  of a native product. Up to `FEW_ROWS` rows, where reading the weight
+  dominates, the half-precision weight is multiplied directly. The float32
+  copy of the rounded weight is made on the first call that needs it.
+* Either way, small weights at a few rows multiply in float32 (see
+  `LinearProduct`).
+* `None`: `F.linear` in the compute dtype.
+
+>>> import torch
+>>> from dtype_policies._core.products import linear_product
+>>> product = linear_product(torch.randn(4, 3).bfloat16(), kept=True)
+>>> product is None or product.kind in KINDS
+True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies._cpu import Processor, processor
+
+KINDS = ("onednn_prepacked", "float32_products")
+
+# Up to this many rows a half-precision product without native instructions
+# still beats float32 (half the bytes of weight read); beyond it, float32
+# products of the rounded values win (measured on AVX2: see docs/cpu_classes.md).
+FEW_ROWS = 4
+
+# Up to `FEW_ROWS` rows, weights of fewer elements than this multiply faster in
+# float32 than by any half-precision path (a call's fixed cost dominates; 1
+# thread, AVX2 and AMX classes, e.g. 576 x 192: 10-12 us against 15-22 us).
+SMALL_ELEMENTS = 1 << 18
+
+# Below this many elements the prepacked product's fixed cost outweighs the
+# saved reorder (measured: a 64x64 layer is slower packed, 1024x1024 faster).
+PREPACK_MIN_ELEMENTS = 1 << 16
+
+_PREPACK_OPS = (
+    torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
+
+
+def native_half_products(dtype: torch.dtype, cpu: Processor) -> bool:
+    """Whether products in `dtype` run on native instructions of `cpu` (half
+    precision may be emulated, slow beyond a few rows; other dtypes are native)."""
+    if dtype is torch.bfloat16:
+        return cpu.native_bf16
+    if dtype is torch.float16:
+        return cpu.native_fp16
+    return True
+
+
+def product_kind(weight: torch.Tensor, kept: bool, cpu: Processor | None = None) -> str | None:
+    """The product path for a compute-dtype (N, K) `weight` (`kept`: a
+    graph-free weight kept between calls, which may be prepacked)."""
+    return kind_for(weight.dtype, weight.device, weight.numel(), weight.dim(), kept, cpu)
+
+
+def kind_for(
+    dtype: torch.dtype,
+    device: torch.device,
+    numel: int,
+    dim: int = 2,
+    kept: bool = True,
+    cpu: Processor | None = None,
+) -> str | None:
+    """`product_kind` for a weight of this dtype, device and size."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    cpu = processor() if cpu is None else cpu
+    if not native_half_products(dtype, cpu):
+        return "float32_products"
+    if (
+        kept
+        and _PREPACK_OPS
+        and dtype is torch.bfloat16
+        and cpu.onednn_bf16
+        and numel >= PREPACK_MIN_ELEMENTS
+        and dim == 2
+    ):
+        return "onednn_prepacked"
+    return None
+
+
+def describe(kind: str | None, dtype: torch.dtype) -> str:
+    """A short description of a product path, for reports.
+
+    >>> describe("float32_products", torch.bfloat16)
+    'bfloat16 weight up to 4 rows, float32 products of its values beyond'
+    """
+    name = str(dtype).removeprefix("torch.")
+    if kind == "onednn_prepacked":
+        return f"oneDNN {name}, prepacked weight"
+    if kind == "float32_products":
+        return f"{name} weight up to {FEW_ROWS} rows, float32 products of its values beyond"
+    return f"F.linear {name}"
+
+
+class LinearProduct:
+    """`F.linear(x, weight, bias)` by one of the `KINDS`, for one weight.
+
+    Built by `linear_product` when the weight is cast; immutable except for
+    the float32 copy made on first use (a concurrent first use makes it twice,
+    with the same values). Up to `FEW_ROWS` rows a weight of fewer than
+    `SMALL_ELEMENTS` elements is multiplied in float32 whatever the kind: the
+    fixed cost of a half-precision or oneDNN call dominates there.
+    """
+
+    __slots__ = ("_float32", "dtype", "kind", "small", "weight")
+
+    def __init__(
+        self,
+        kind: str,
+        weight: torch.Tensor,
+        dtype: torch.dtype,
+        float32: torch.Tensor | None = None,
+    ) -> None:
+        self.kind = kind
+        self.weight = weight
+        self.dtype = dtype
+        self._float32 = float32
+        self.small = float32 is not None
+
+    def float32_weight(self) -> torch.Tensor:
+        """The weight's values in float32 (kept when the weight carries no graph)."""
+        weight32 = self._float32
+        if weight32 is None:
+            if self.weight.requires_grad:
+                return self.weight.float()
+            with torch.inference_mode(False), torch.no_grad():
+                weight32 = self.weight.float()
+            self._float32 = weight32
+        return weight32
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        few = x2.shape[0] <= FEW_ROWS
+        if self.kind == "onednn_prepacked" and not (few and self.small):
+            return torch.ops.mkldnn._linear_pointwise(
+                x if x.is_contiguous() else x.contiguous(), self.weight, bias, "none", [], ""
+            )
+        if few and not self.small:
+            out = F.linear(x2, self.weight, bias)
+        else:
+            out = F.linear(
+                x2.float(), self.float32_weight(), None if bias is None else bias.float()
+            ).to(self.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+    def __repr__(self) -> str:
+        return f"LinearProduct({self.kind}, {tuple(self.weight.shape)} {self.dtype})"
+
+
+def linear_product(weight: torch.Tensor, kept: bool) -> LinearProduct | None:
+    """The product of the compute-dtype (N, K) `weight`, or `None` for a
+    plain `F.linear`. A prepacked weight is packed here (graph-free only)."""
+    graph_free = kept and not weight.requires_grad
+    kind = product_kind(weight, graph_free)
+    if kind is None:
+        return None
+    float32 = None
+    dtype = weight.dtype
+    with torch.inference_mode(False), torch.no_grad():
+        if graph_free and weight.numel() < SMALL_ELEMENTS:
+            float32 = weight.float()
+        if kind == "onednn_prepacked":
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    return LinearProduct(kind, weight, dtype, float32)

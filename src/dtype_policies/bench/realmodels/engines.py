@@ -1,0 +1,81 @@
+"""What the tables measure, behind one interface per model kind.
+
+An LM engine has `logits(ids (1, T)) -> (T, vocab)` (quality),
+`decode(prompt, new_tokens) -> Timed` (seconds per generated token, batch 1,
+greedy) and `prefill(ids)` (one forward, last token's logits). An encoder
+engine has `hidden(input_ids, attention_mask) -> (B, T, H)`. Torch modules
+are wrapped here; the non-torch peers (`peers`) implement the same methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from dtype_policies.bench.harness import Timed, TokenClock
+
+
+class LMEngine(Protocol):
+    def logits(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, prompt: torch.Tensor, new_tokens: int) -> Timed: ...
+    def prefill(self, ids: torch.Tensor) -> object: ...
+
+
+class EncoderEngine(Protocol):
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchLM:
+    """A transformers causal LM, run under `torch.inference_mode()`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.module(input_ids=ids, use_cache=False).logits[0].float()
+
+    def decode(self, prompt: torch.Tensor, new_tokens: int) -> Timed:
+        """Greedy `generate`; the time per token after the first (the prompt's
+        forward and the first token are excluded)."""
+        clock = TokenClock()
+        with torch.inference_mode():
+            out = self.module.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=clock,
+            )
+        if out.shape[1] != prompt.shape[1] + new_tokens:
+            raise RuntimeError(f"generated {out.shape[1] - prompt.shape[1]} of {new_tokens} tokens")
+        times = clock.times
+        return Timed((times[-1] - times[0]) / (len(times) - 1))
+
+    def prefill(self, ids: torch.Tensor) -> object:
+        """One forward of `ids` without a cache, computing the last token's logits
+        only (as llama.cpp does)."""
+        with torch.inference_mode():
+            return self.module(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+
+class TorchEncoder:
+    """A transformers encoder, run under `torch.inference_mode()`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.module(input_ids=input_ids, attention_mask=attention_mask)
+            return out.last_hidden_state
+
+
+def as_engine(prepared: Any, model: str) -> Any:
+    """A prepared variant as an engine (torch modules are wrapped)."""
+    if not isinstance(prepared, torch.nn.Module):
+        return prepared
+    return TorchLM(prepared) if model == "smollm2" else TorchEncoder(prepared)

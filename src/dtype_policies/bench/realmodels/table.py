@@ -1,0 +1,106 @@
+"""One table per real model: every variant's quality beside its speed,
+measured in the same run, and a chart of the trade-off.
+
+`model_table(model)` prepares each variant once (`quality_table`), scores it,
+then times every speed workload of the model (`speed`) over all variants
+that prepared, interleaved, with ratios against float32. Failing variants
+are rows that say why. `chart.draw` plots time against quality.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from dtype_policies.bench import harness
+from dtype_policies.bench.realmodels import quality_table, speed, variants
+from dtype_policies.bench.realmodels.variants import Calibration
+
+REFERENCE = "float32"
+
+
+def _timed_calls(
+    engines: dict[str, Any], workload: str, rows: dict[str, dict], quick: bool
+) -> dict[str, Callable[[], object]]:
+    """Each engine's call, probed once (the warm-up); failures go to the rows."""
+    tokens = 16 if quick else speed.DECODE_TOKENS
+    calls, probes = {}, {}
+    for name, engine in engines.items():
+        try:
+            call = speed.call_of(engine, workload, tokens)
+            probes[name] = speed.probe(call)
+            calls[name] = call
+        except Exception as error:  # reported, not fatal
+            rows[name][f"{workload}_status"] = quality_table.failure(error)
+    if workload == "decode" and REFERENCE in probes:
+        for name, seconds in probes.items():
+            if seconds > speed.SLOW * probes[REFERENCE]:
+                calls[name] = speed.call_of(engines[name], workload, speed.SLOW_TOKENS)
+                rows[name][f"{workload}_status"] = f"{speed.SLOW_TOKENS} tokens (slow)"
+    return calls
+
+
+def time_workload(
+    engines: dict[str, Any], workload: str, rows: dict[str, dict], quick: bool, echo
+) -> None:
+    """Times `workload` on every engine; writes ms and x float32 into the rows."""
+    calls = _timed_calls(engines, workload, rows, quick)
+    rounds = 2 if quick else 5
+    samples = harness.measure_interleaved(calls, warmup=1, repeats=rounds, rounds=rounds)
+    for name, per_round in samples.items():
+        rows[name][f"{workload}_ms"] = statistics.median(t for r in per_round for t in r) * 1e3
+        if REFERENCE in samples:
+            rows[name][f"{workload}_x_float32"] = harness.paired_ratio(samples, REFERENCE, name)
+    echo(f"  timed {workload}: {len(samples)} variants", flush=True)
+
+
+def model_table(
+    model: str,
+    names: str | None = None,
+    quick: bool = False,
+    echo=print,
+    quality: bool = True,
+) -> dict:
+    """`{"model", "rows", "workloads"}`: quality (unless `quality=False`) and
+    speed of every variant."""
+    base, tokenizer = quality_table.load(model)
+    calibration = Calibration(model, tokenizer)
+    rows: dict[str, dict] = {}
+    engines: dict[str, Any] = {}
+    for variant in variants.select(names, model):
+        row, engine = quality_table.prepare_and_score(variant, base, calibration, quality)
+        rows[variant.name] = row
+        if engine is not None:
+            engines[variant.name] = engine
+        echo("  " + quality_table.markdown_row(model, row), flush=True)
+    del base
+    for workload in speed.WORKLOADS[model]:
+        time_workload(engines, workload, rows, quick, echo)
+    return {"model": model, "rows": list(rows.values()), "workloads": speed.WORKLOADS[model]}
+
+
+def markdown(table: dict, title: str) -> str:
+    model, workloads = table["model"], table["workloads"]
+    quality_columns = quality_table.COLUMNS[model]
+    header = ["variant", *(name for name, _ in quality_columns)]
+    for workload, unit in workloads.items():
+        header += [f"{workload} {unit}", f"{workload} x float32"]
+    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |"]
+    lines.append("|---|" + "---:|" * (len(header) - 1))
+    for row in table["rows"]:
+        label = row["variant"] + (f" ({row['note']})" if row.get("note") else "")
+        if row["status"] != "ok":
+            lines.append(f"| {label}: {row['status']} |" + " - |" * (len(header) - 1))
+            continue
+        cells = quality_table.quality_cells(model, row)
+        for workload in workloads:
+            status = row.get(f"{workload}_status", "")
+            if f"{workload}_ms" not in row:
+                cells += [status or "-", "-"]
+                continue
+            flag = f" ({status})" if status else ""
+            ratio = row.get(f"{workload}_x_float32", float("nan"))
+            cells += [f"{row[f'{workload}_ms']:.1f}{flag}", f"{ratio:.2f}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""The variants of the real-model tables, as data.
+
+A variant is a name, the models it applies to, the packages it needs, and a
+`prepare(model, calibration)` that turns a fresh float32 copy of the model
+into what is measured (a module, or an engine from `engines`). This
+library's variants are one `ours(...)` line each: a policy, then optionally
+a quantization mode with its config's options (or a `config` function that
+receives the `Calibration`, for modes that take data):
+
+    ours("int4/64", mode="int4", block_size=64)
+    ours("gptq/4/128", mode="gptq", config=lambda calibration: GPTQConfig(...))
+
+The peers (`peers.PEERS`) use the same `Variant` with their own `prepare`.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dtype_policies.bench.realmodels import text
+
+LM, ENCODER = "smollm2", "minilm"
+BOTH = (LM, ENCODER)
+
+
+@dataclass
+class Calibration:
+    """Data for variants that calibrate, from the calibration text (never the
+    evaluated text): `lm_batches` are (1, 256) token windows, `encoder_batches`
+    (input_ids, attention_mask) batches of 16 sentences."""
+
+    model: str
+    tokenizer: Any
+    steps: int = 2
+
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        """Keyword inputs of the model, `steps` of them."""
+        if self.model == LM:
+            ids = self.tokenizer(text.calibration_text(), add_special_tokens=False)["input_ids"]
+            return [
+                {"input_ids": torch.tensor(ids[i * 256 : (i + 1) * 256])[None]}
+                for i in range(self.steps)
+            ]
+        sentences = list(text.calibration_sentences())
+        return [
+            dict(
+                self.tokenizer(
+                    sentences[i * 16 : (i + 1) * 16],
+                    padding=True,
+                    truncation=True,
+                    max_length=128,
+                    return_tensors="pt",
+                )
+            )
+            for i in range(self.steps)
+        ]
+
+    def train_steps(self, model: torch.nn.Module) -> None:
+        """Forward in training mode and backward, `steps` times (fills float8
+        delayed scaling's amax histories); gradients are dropped after."""
+        model.train()
+        for inputs in self.batches():
+            out = model(**inputs, use_cache=False) if self.model == LM else model(**inputs)
+            values = out.logits if self.model == LM else out.last_hidden_state
+            values.float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        model.eval()
+
+
+Prepare = Callable[[torch.nn.Module, Calibration], Any]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    prepare: Prepare
+    models: tuple[str, ...] = BOTH
+    requires: tuple[str, ...] = ()
+    family: str = "dtype-policies"
+    note: str = ""
+
+
+def ours(
+    name: str,
+    policy: str | None = "mixed_bfloat16",
+    mode: str | None = None,
+    *,
+    config: Callable[[Calibration], Any] | None = None,
+    filters: Any = None,
+    calibrate: bool = False,
+    models: tuple[str, ...] = BOTH,
+    note: str = "",
+    **options: Any,
+) -> Variant:
+    """A variant of this library: `apply_policy(policy)` (none for float32),
+    then `quantize(mode, config)` with `config` built from `options` (the
+    mode's config class) or by `config(calibration)`; `calibrate` runs
+    `Calibration.train_steps` after quantizing (float8 delayed scaling)."""
+
+    def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
+        from dtype_policies import apply_policy, quantize
+        from dtype_policies._modes import mode_record
+
+        if policy is not None:
+            apply_policy(model, policy)
+        if mode is not None:
+            if config is not None:
+                resolved = config(calibration)
+            elif options:
+                resolved = mode_record(mode).config_class(**options)
+            else:
+                resolved = None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                quantize(model, mode, resolved, filters)
+        if calibrate:
+            calibration.train_steps(model)
+        return model.eval()
+
+    return Variant(name, prepare, models=models, note=note)
+
+
+def whole_model(dtype: torch.dtype) -> Prepare:
+    def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
+        return model.to(dtype).eval()
+
+    return prepare
+
+
+OURS: list[Variant] = [
+    ours("float32", policy=None),
+    Variant("torch bfloat16 (whole model)", whole_model(torch.bfloat16), family="torch"),
+    ours("mixed_bfloat16"),
+    ours("int8", mode="int8", note="the default int8: W8A8, per-token activations"),
+    ours("int8 weight-only", mode="int8", activation_quantizer=None),
+    ours("int4/32", mode="int4", block_size=32),
+    ours("int4/128", mode="int4", block_size=128),
+    ours("int4/-1", mode="int4", block_size=-1),
+    ours("int4/32 scale_search", mode="int4", block_size=32, scale_search=True),
+    ours("int4/128 scale_search", mode="int4", block_size=128, scale_search=True),
+    ours("int4/-1 scale_search", mode="int4", block_size=-1, scale_search=True),
+    ours("float8 delayed", mode="float8", calibrate=True, note="2 calibration train steps"),
+    ours("float8 dynamic", mode="float8", scaling="dynamic"),
+]
+"""This library's variants, in table order (the reference is `float32`)."""
+
+
+def all_variants() -> list[Variant]:
+    """Ours, then the peers."""
+    from dtype_policies.bench.realmodels.peers import PEERS
+
+    return [*OURS, *PEERS]
+
+
+def select(names: str | None, model: str) -> list[Variant]:
+    """The variants applying to `model`, all or those named in a comma-separated
+    list (float32, the reference, is always included)."""
+    available = [v for v in all_variants() if model in v.models]
+    if not names:
+        return available
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    by_name = {v.name: v for v in available}
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown} for {model}; choose from {list(by_name)}")
+    return [by_name["float32"]] + [by_name[n] for n in wanted if n != "float32"]
+
+
+def prepared(variant: Variant, base: torch.nn.Module, calibration: Calibration) -> Any:
+    """`variant` prepared on a deep copy of `base` (the float32 model)."""
+    return variant.prepare(copy.deepcopy(base), calibration)

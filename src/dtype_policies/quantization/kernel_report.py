@@ -1,0 +1,106 @@
+"""Which product path each layer runs by on this CPU, for `inspect`, `bench`
+and the docs: the same choices the kernels make (`_core.products`,
+`quantization.kernels`), stated without running anything.
+
+>>> import torch
+>>> import dtype_policies
+>>> from dtype_policies.quantization.kernel_report import kernel_of
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+>>> _ = dtype_policies.apply_policy(model, "float32")
+>>> kernel_of(model[0])
+'F.linear float32'
+>>> kernel_of(model)
+'-'
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtype_policies._core import products
+from dtype_policies._core.compose import original_class
+from dtype_policies._core.module_state import state_of
+from dtype_policies._core.policy_module import FAST_LINEARS
+from dtype_policies._cpu import processor
+from dtype_policies.layers.dense import Dense
+from dtype_policies.quantization.attach import quantization_of
+from dtype_policies.quantization.kernels import int4, int8
+from dtype_policies.quantization.schemes.base import QuantizedWeight
+
+
+def _float_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of a linear leaf that casts its own weights, if any."""
+    if original_class(module) in FAST_LINEARS:
+        return module._parameters.get("weight")
+    if isinstance(module, Dense) and module._casts_own_weights:
+        return module._parameters.get("kernel")
+    return None
+
+
+def kernel_of(module: torch.nn.Module) -> str:
+    """The product path `module` runs by here, or `"-"` for modules without
+    a linear product of their own."""
+    state = state_of(module)
+    if state is None or state.call is None:
+        return "-"
+    compute = state.call.compute
+    quantized = quantization_of(module)
+    if quantized is not None:
+        return _quantized(module, quantized, compute)
+    weight = _float_weight(module)
+    if weight is None or compute is None or weight.dim() != 2:
+        return "-"
+    kind = products.kind_for(compute, weight.device, weight.numel())
+    return products.describe(kind, compute)
+
+
+def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype) -> str:
+    spec, config = qw.spec, qw.config
+    if spec.role != "linear":
+        return f"{qw.mode} lookup"
+    device = next((b.device for b in module._buffers.values() if b is not None), None)
+    on_cpu = device is not None and device.type == "cpu"
+    cpu = processor()
+    if qw.mode == "int8" and config.weight_only:
+        few = int8.WEIGHT_INT8PACK_MAX_ROWS
+        if not on_cpu:
+            return "int8 weight cast to the compute dtype per call"
+        multiple = spec.in_features % 16 == 0 and spec.out_features % 16 == 0
+        rest = (
+            "float32 products"
+            if not products.native_half_products(compute, cpu)
+            else f"{str(compute).removeprefix('torch.')} products"
+        )
+        half = compute in (torch.bfloat16, torch.float16)
+        head = f"_weight_int8pack_mm up to {few} rows, then " if multiple and half else ""
+        return f"{head}int8 weight cast per call in cache-sized chunks, {rest}"
+    if qw.mode == "int8":
+        large = spec.in_features * spec.out_features >= int8.ONEDNN_MIN_ELEMENTS
+        exact = cpu.exact_int8 or not on_cpu
+        if on_cpu and int8.onednn_int8_applies(device, cpu) and large:
+            if not exact:
+                return "oneDNN u8 x s8 on sign-split activations (exact without VNNI)"
+            if cpu.amx:
+                return f"oneDNN u8 x s8 (AMX), s8 x s8 from {int8.ONEDNN_S8_MIN_ROWS} rows"
+            return f"oneDNN u8 x s8 (VNNI) from {int8.ONEDNN_MIN_ROWS} rows, torch._int_mm below"
+        return "torch._int_mm" if exact else "exact float products (no VNNI)"
+    if qw.mode == "int4":
+        if not on_cpu:
+            return "int4 dequantized per call"
+        layout = int4.Int4Layout.plan(spec.in_features, config.group_size)
+        text = f"int4 packed kernel, group {layout.group}, bfloat16 activations"
+        if layout.spread:
+            text += f", blocks padded to {layout.stride}"
+        elif layout.padded_k != spec.in_features:
+            text += f", K padded to {layout.padded_k}"
+        if spec.out_features % 16:
+            text += ", N padded to a multiple of 16"
+        small = spec.in_features * spec.out_features < int4.DEQUANTIZED_MAX_ELEMENTS
+        if config.group_size <= 0 and small:
+            text += f"; from {int4.DEQUANTIZED_MIN_ROWS} rows one GEMM on the integer weights"
+        return text
+    if qw.mode == "float8":
+        numel = spec.in_features * spec.out_features
+        kind = products.kind_for(compute, device or torch.device("cpu"), numel)
+        return f"kept float8 weight (no autograd), {products.describe(kind, compute)}"
+    return qw.mode

