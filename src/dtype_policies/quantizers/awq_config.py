@@ -100,10 +100,6 @@ class AWQConfig(TokenCalibrationConfig):
         self.num_grid_points = num_grid_points
         self.objective = objective
 
-    def dtype_policy_string(self) -> str:
-        """`"awq/<weight_bits>/<group_size>"`, the mode part of the policy name."""
-        return f"awq/{self.weight_bits}/{self.group_size}"
-
     def get_config(self) -> dict[str, Any]:
         config = {
             # the data is needed once, for calibration, and never saved (as Keras)

@@ -81,6 +81,10 @@ class TokenCalibrationConfig(CalibratedQuantizationConfig):
         self.group_size = group_size
         self.calibration_batch_size = calibration_batch_size
 
+    def dtype_policy_string(self) -> str:
+        """`"<mode>/<weight_bits>/<group_size>"`, the mode part of the policy name."""
+        return f"{self.mode}/{self.weight_bits}/{self.group_size}"
+
     def calibration_batches(self, model: torch.nn.Module) -> list[Any]:
         """`num_samples` windows of `sequence_length` token ids as model
         inputs, `calibration_batch_size` windows a batch
@@ -220,10 +224,6 @@ class GPTQConfig(TokenCalibrationConfig):
         self.hessian_damping = float(hessian_damping)
         self.symmetric = symmetric
         self.activation_order = activation_order
-
-    def dtype_policy_string(self) -> str:
-        """`"gptq/<weight_bits>/<group_size>"`, the mode part of the policy name."""
-        return f"gptq/{self.weight_bits}/{self.group_size}"
 
     def get_config(self) -> dict[str, Any]:
         config = {

@@ -45,6 +45,7 @@ from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantization.kernels import tensor_key
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantization.schemes.int4 import _laid_out, default_g_idx
 from dtype_policies.quantizers.gptq import quantize_rtn
 from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig
 from dtype_policies.quantizers.math import dequantize_grouped, pack_int4, unpack_int4
@@ -216,7 +217,7 @@ class CalibratedIntScheme(Scheme):
         tensors = super().placeholder_tensors(spec, config, device)
         g_idx = self.buffer_names(spec, config)[3]
         k = spec.in_features
-        tensors[g_idx] = (torch.arange(k, device=device) // config.block_size(k)).float()
+        tensors[g_idx] = default_g_idx(k, config.block_size(k), device)
         return tensors
 
     def stored_tensors(
@@ -361,11 +362,6 @@ class CalibratedIntScheme(Scheme):
             self.integer_values(module, qw), scale, zero, block, g_idx
         )
         return int4_kernels.int4_linear_traceable(x2, weight, bias, compute)
-
-
-def _laid_out(spec: WeightSpec, grid_gn: torch.Tensor) -> torch.Tensor:
-    """A (G, N) grid laid out like the weight: (N, G) for an (out, in) one."""
-    return grid_gn.t().contiguous() if spec.layout == "out_in" else grid_gn.contiguous()
 
 
 class _Int8State(NamedTuple):
