@@ -128,3 +128,46 @@ def test_the_advisor_offers_calibrated_int4_and_applies_it_as_measured():
         got, want = fresh(x), model(x)
     error = float((got - want).norm() / want.norm())
     assert error == pytest.approx(advice.error, rel=1e-3, abs=1e-6) and error <= 0.05
+
+
+def _calibrated_mlp(mode):
+    model = _mlp(seed=3)
+    apply_policy(model, "mixed_bfloat16")
+    data = [torch.randn(32, 64) for _ in range(4)]
+    config = (
+        GPTQConfig(data, None, group_size=32, activation_order=True)
+        if mode == "gptq"
+        else AWQConfig(data, None, group_size=32)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(model, config=config, progress=False)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_compiled_inference_mode_and_threads_compute_what_eager_does(mode):
+    import threading
+
+    model = _calibrated_mlp(mode)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        eager = model(x).float()
+    with torch.inference_mode():
+        assert torch.allclose(model(x).float(), eager)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        traced = compiled(x).float()
+    assert torch.allclose(traced, eager, rtol=2e-2, atol=2e-2 * float(eager.abs().max()))
+    results = [None] * 4
+
+    def run(i):
+        with torch.no_grad():
+            results[i] = model(x).float()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(r, eager) for r in results)
