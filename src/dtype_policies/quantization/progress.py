@@ -6,7 +6,7 @@ place), or always with `progress=True` (one line per block); never with
 
 >>> import io
 >>> stream = io.StringIO()
->>> clock = iter([0, 3, 9]).__next__
+>>> clock = iter([0, 3, 9, 9]).__next__
 >>> progress = CalibrationProgress("gptq", 2, enabled=True, stream=stream, clock=clock)
 >>> progress.block_done(0); progress.block_done(1); progress.finish()
 >>> print(stream.getvalue().strip())

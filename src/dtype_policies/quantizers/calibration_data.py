@@ -21,13 +21,13 @@ Floating-point tensors (or tuples and dicts of tensors) are taken as ready
 model inputs, one batch each, for models that do not read token ids.
 
 >>> import torch
->>> windows = token_windows([torch.arange(10)], None, num_samples=3, sequence_length=4)
+>>> windows = token_windows([torch.arange(12)], None, num_samples=3, sequence_length=4)
 >>> windows
 tensor([[0, 1, 2, 3],
-        [2, 3, 4, 5],
-        [4, 5, 6, 7]])
->>> token_windows(["abcd"], lambda text: [ord(c) for c in text], 2, 3).tolist()
-[[97, 98, 99], [98, 99, 100]]
+        [3, 4, 5, 6],
+        [6, 7, 8, 9]])
+>>> token_windows(["abcd"], lambda text: [ord(c) for c in text], 2, 3).tolist()  # repeated
+[[97, 98, 99], [100, 97, 98]]
 """
 
 from __future__ import annotations
