@@ -129,6 +129,32 @@ def test_int4_kernel_runs_every_shape(n, k, block):
         assert ((out.float() - reference).norm() / reference.norm()).item() < 0.01
 
 
+@pytest.mark.parametrize(("n", "k", "block"), [(32, 256, 64), (48, 200, 40), (24, 576, 128)])
+def test_int4_kernel_folds_a_permuted_g_idx(n, k, block):
+    """GPTQ's activation order (a `g_idx` permuting `arange(K) // block`)
+    stays on the packed kernel: columns packed by group, the activations
+    gathered (or, with padded blocks, scattered) into that order per call."""
+    torch.manual_seed(k)
+    q = torch.randint(-8, 8, (k, n), dtype=torch.int8)  # (K, N)
+    groups = -(-k // block)
+    scale = torch.rand(groups, n) * 0.02 + 0.01
+    zero = torch.randn(groups, n)
+    g_idx = (torch.arange(k) // block)[torch.randperm(k)].float()
+    dense = dequantize_grouped(q, scale, zero, block, g_idx)  # (K, N)
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q.t(), scale, zero, block, (q,), g_idx)
+    assert runtime.packed is not None
+    assert int4_kernels.int4_path(runtime, 1, block) == "packed"
+    x = torch.randn(3, k)
+    out = int4_kernels.int4_linear(x, None, scale, zero, block, None, torch.float32, runtime)
+    reference = x @ dense
+    assert ((out - reference).norm() / reference.norm()).item() < 0.01
+    # a g_idx that does not give each block `block` inputs: the dequantized path
+    uneven = torch.zeros(k)
+    runtime.refresh(q.t(), scale, zero, block, (q,), uneven)
+    assert runtime.packed is None
+
+
 def test_int4_kernel_takes_real_valued_zero_points():
     """The kernel's offset is `-zero * scale`: a zero point need not be an integer."""
     torch.manual_seed(1)

@@ -69,3 +69,28 @@ def test_minilm_mixed_bfloat16_embeddings_match_float32(minilm):
     assert figures["cosine_mean"] > 0.9999
     assert figures["cosine_min"] > 0.999
     assert figures["nn_agreement"] >= 0.95
+
+
+CALIBRATED_TARGET_MISSED = pytest.mark.xfail(
+    strict=False,
+    reason="issue 20 targets not met yet: gptq/4/128 measured 34.34 (+38%) calibrated on the "
+    "Python documentation topics, 30.98 (+24%) on other licence texts (2026-11-25); "
+    "awq/4/128 not measured (its search is too slow)",
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "margin"),
+    [
+        pytest.param("gptq/4/128", 0.06, marks=CALIBRATED_TARGET_MISSED),
+        pytest.param("awq/4/128", 0.08, marks=CALIBRATED_TARGET_MISSED),
+    ],
+)
+def test_smollm2_calibrated_int4_beats_round_to_nearest(smollm2, name, margin):
+    """GPTQ and AWQ at 4 bits, group 128, calibrated on 128 x 512 tokens of the
+    LM calibration text (never the evaluated text): within `margin` of float32
+    (targets +3% and +4%; the bound here is looser), far better than
+    round-to-nearest int4/128 (about +26%)."""
+    figures = quality.evaluate_lm(_variant(name, "smollm2", smollm2))
+    assert figures["perplexity"] < FLOAT32_PERPLEXITY * (1 + margin)
+    assert figures["top1"] >= 0.8

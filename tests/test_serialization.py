@@ -133,7 +133,9 @@ def test_deserialize_errors():
     with pytest.raises(ValueError, match="Unknown dtype policy class 'Nope'"):
         deserialize({"class_name": "Nope", "config": {}})
     with pytest.raises(ValueError, match="does not implement"):
-        deserialize({"class_name": "GPTQDTypePolicy", "config": {"mode": "gptq/4/128"}})
+        deserialize({"class_name": "TernaryDTypePolicy", "config": {"mode": "ternary"}})
+    with pytest.raises(ValueError, match="Invalid weight_bits in mode"):
+        deserialize({"class_name": "GPTQDTypePolicy", "config": {"mode": "gptq/5/128"}})
     with pytest.raises(TypeError, match="Cannot rebuild DTypePolicy"):
         deserialize({"class_name": "DTypePolicy", "config": {"nom": "float32"}})
     with pytest.raises(ValueError, match="Cannot convert"):
@@ -213,8 +215,10 @@ def test_float8_string_always_uses_default_history_length():
         ("int4/0_from_float32", ValueError, "Invalid block_size"),
         ("int4/-2_from_float32", ValueError, "Invalid block_size"),
         ("int4/abc_from_float32", ValueError, "must be an integer"),
-        ("gptq/4/128_from_float32", ValueError, "does not implement"),
-        ("awq/4/128_from_float32", ValueError, "does not implement"),
+        ("ternary_from_float32", ValueError, "does not implement"),
+        ("gptq/5/128_from_float32", ValueError, "Invalid weight_bits in mode"),
+        ("gptq_from_float32", ValueError, "Invalid mode for GPTQDTypePolicy"),
+        ("awq/8/128_from_float32", ValueError, "only supports 4-bit"),
         (12345, ValueError, "Cannot interpret `dtype` argument"),
         (torch.complex32, ValueError, "Cannot interpret `dtype` argument"),
         ([1, 2], ValueError, "Cannot interpret `dtype` argument"),

@@ -28,9 +28,11 @@ from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_
 from dtype_policies.generation import compile_for_generation
 from dtype_policies.policies import (
     QUANTIZATION_MODES,
+    AWQDTypePolicy,
     DTypePolicy,
     DTypePolicyMap,
     FloatDTypePolicy,
+    GPTQDTypePolicy,
     Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
@@ -42,11 +44,13 @@ from dtype_policies.quantization import quantize
 
 __all__ = [
     "QUANTIZATION_MODES",
+    "AWQDTypePolicy",
     "Advice",
     "CPUFloat16Warning",
     "DTypePolicy",
     "DTypePolicyMap",
     "FloatDTypePolicy",
+    "GPTQDTypePolicy",
     "Int4DTypePolicy",
     "PolicyHandle",
     "QuantizedDTypePolicy",

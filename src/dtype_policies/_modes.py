@@ -22,8 +22,9 @@ specific error, until a record for them is registered.
 >>> try:
 ...     mode_record("int7")
 ... except ValueError as e:
-...     print(e)
-Invalid quantization mode. Expected one of ('int8', 'float8', 'int4'). Received: mode=int7
+...     print(e)  # doctest: +NORMALIZE_WHITESPACE
+Invalid quantization mode. Expected one of ('int8', 'float8', 'int4', 'gptq',
+'awq'). Received: mode=int7
 """
 
 from __future__ import annotations
@@ -221,8 +222,8 @@ class ModeNames(Sequence):
 
     >>> from dtype_policies import QUANTIZATION_MODES
     >>> QUANTIZATION_MODES
-    ('int8', 'float8', 'int4')
-    >>> "int4" in QUANTIZATION_MODES, QUANTIZATION_MODES == ("int8", "float8", "int4")
+    ('int8', 'float8', 'int4', 'gptq', 'awq')
+    >>> "int4" in QUANTIZATION_MODES, QUANTIZATION_MODES == tuple(QUANTIZATION_MODES)
     (True, True)
     """
 

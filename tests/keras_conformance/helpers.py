@@ -11,13 +11,6 @@ import torch
 
 import dtype_policies
 
-GPTQ_AWQ = pytest.mark.xfail(
-    strict=True,
-    reason="GPTQ and AWQ: pending (lead; issue 20 section 2). Until then the modes are refused "
-    "by name: 'a Keras mode this library does not implement'.",
-)
-
-
 DELIBERATE = {
     "maps": "Policies are immutable and hashable; maps compare by content and `get_config()` "
     "never mutates them (a map built with no default policy saves the default in force then, "

@@ -22,7 +22,6 @@ from dtype_policies.quantizers import (
 )
 
 from .helpers import (
-    GPTQ_AWQ,
     assert_all_close,
     assert_dtype,
     assert_float8_delayed_scaling,
@@ -229,7 +228,6 @@ class TestDenseTest:
         x = torch.rand(64, 8)
         assert_all_close(layer(x, training=False), layer(x, training=True))
 
-    @GPTQ_AWQ
     def test_gptq_serialization(self):
         layer = layers.Dense(units=16)
         layer.build((None, 8))
@@ -239,7 +237,6 @@ class TestDenseTest:
         new_layer.build((None, 8))
         assert new_layer.quantization_mode == "gptq"
 
-    @GPTQ_AWQ
     def test_awq_serialization(self):
         layer = layers.Dense(units=16)
         layer.build((None, 8))
@@ -258,7 +255,6 @@ class TestDenseTest:
         expected = quantizers.unpack_int4(layer.kernel_int4, 2, axis=-1)
         assert_all_close(layer.kernel, expected)
 
-    @GPTQ_AWQ
     def test_int4_gptq_kernel_returns_unpacked_form(self):
         layer = layers.Dense(units=2)
         layer.build((None, 2))
@@ -266,7 +262,6 @@ class TestDenseTest:
         layer.quantize("gptq", config=config)
         assert layer.quantization_mode == "gptq"
 
-    @GPTQ_AWQ
     def test_gptq_kernel_packing(self):
         layer = layers.Dense(units=16, use_bias=False)
         layer.build((None, 8))
@@ -274,7 +269,6 @@ class TestDenseTest:
         layer.quantize("gptq", config=config)
         assert layer.quantization_mode == "gptq"
 
-    @GPTQ_AWQ
     def test_int4_awq_kernel_returns_unpacked_form(self):
         layer = layers.Dense(units=2)
         layer.build((None, 2))
@@ -284,7 +278,6 @@ class TestDenseTest:
         layer.quantize("awq", config=config)
         assert layer.quantization_mode == "awq"
 
-    @GPTQ_AWQ
     def test_awq_kernel_packing(self):
         layer = layers.Dense(units=16, use_bias=False)
         layer.build((None, 8))

@@ -19,8 +19,6 @@ from dtype_policies import (
 )
 from dtype_policies.policies.names import parse_quantized_policy_name
 
-from .helpers import GPTQ_AWQ
-
 BOTH = pytest.mark.parametrize("cls", [DTypePolicy, FloatDTypePolicy], ids=["DTypePolicy", "Float"])
 
 
@@ -434,7 +432,6 @@ class TestDTypePolicyGlobalFunctionsEdgeCasesTest:
 
 
 class TestGPTQConfigErrorHandlingTest:
-    @GPTQ_AWQ
     @pytest.mark.parametrize(
         "kwargs, message",
         [
@@ -458,17 +455,14 @@ class TestGPTQConfigErrorHandlingTest:
 
 
 class TestAWQDTypePolicyTest:
-    @GPTQ_AWQ
     def test_awq_dtype_policy_creation(self):
         policy = get("awq/4/128_from_float32")
         assert (policy.weight_bits, policy.group_size, policy.mode) == (4, 128, "awq")
 
-    @GPTQ_AWQ
     def test_awq_dtype_policy_invalid_bits(self):
         with pytest.raises(ValueError, match="only supports 4-bit"):
             get("awq/8/128_from_float32")
 
-    @GPTQ_AWQ
     def test_awq_dtype_policy_invalid_format(self):
         with pytest.raises(ValueError, match="Invalid mode"):
             get("awq/4_from_float32")

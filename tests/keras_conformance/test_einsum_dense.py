@@ -21,7 +21,6 @@ from dtype_policies.quantizers import (
 )
 
 from .helpers import (
-    GPTQ_AWQ,
     assert_all_close,
     assert_dtype,
     assert_float8_delayed_scaling,
@@ -252,7 +251,6 @@ class TestEinsumDenseTest:
         x = torch.rand(64, 3)
         assert_all_close(layer(x, training=False), layer(x, training=True))
 
-    @GPTQ_AWQ
     @pytest.mark.parametrize(
         "mode", ["gptq", "awq"], ids=["test_gptq_serialization", "test_awq_serialization"]
     )

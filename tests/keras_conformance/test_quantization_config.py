@@ -12,8 +12,6 @@ from dtype_policies.quantizers import (
     validate_and_resolve_config,
 )
 
-from .helpers import GPTQ_AWQ
-
 
 class TestQuantizationConfigTest:
     def test_base_quantization_config(self):
@@ -91,7 +89,6 @@ class TestQuantizationConfigTest:
         with pytest.raises(ValueError, match="Invalid quantization mode"):
             validate_and_resolve_config("invalid_mode", None)
 
-    @GPTQ_AWQ
     def test_validate_and_resolve_config_gptq(self):
         """The GPTQ half of Keras's test_validate_and_resolve_config."""
         with pytest.raises(ValueError, match="must pass a `GPTQConfig`"):
@@ -143,12 +140,10 @@ class TestQuantizationConfigTest:
         x = torch.randn(3, 5)
         assert torch.equal(loaded_model(x), model(x))
 
-    @GPTQ_AWQ
     def test_awq_requires_config(self):
         with pytest.raises(ValueError, match="AWQConfig"):
             validate_and_resolve_config("awq", None)
 
-    @GPTQ_AWQ
     def test_awq_requires_correct_config_type(self):
         with pytest.raises(ValueError, match="Contradictory arguments"):
             validate_and_resolve_config("awq", Int8QuantizationConfig())

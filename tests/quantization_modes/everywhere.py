@@ -77,7 +77,7 @@ def quietly(function, *args, **kwargs):
 def assert_names_and_configs(record: QuantizationMode, config) -> None:
     name = record.name
     assert name in QUANTIZATION_MODES and mode_record(name) is record
-    policy = dtype_policies.get(f"{name}_from_mixed_bfloat16")
+    policy = dtype_policies.get(policy_for_config(config, "mixed_bfloat16").name)
     assert policy.quantization_mode == name and policy.compute_dtype == "bfloat16"
     assert dtype_policies.deserialize(dtype_policies.serialize(policy)) == policy
     assert isinstance(policy.quantization_config, record.config_class)

@@ -92,8 +92,8 @@ class MeanAbsolute:
         MeanAbsolute.updates += 1
         if MeanAbsolute.fail_after is not None and MeanAbsolute.updates > MeanAbsolute.fail_after:
             raise MeanAbsolute.failure("toyact: stopped part-way (test)")
-        assert rows.dtype == torch.float32 and rows.dim() == 2
-        self.total += rows.abs().sum(0).double()
+        assert rows.is_floating_point() and rows.dim() == 2
+        self.total += rows.float().abs().sum(0).double()
         self.rows += rows.shape[0]
 
     @property

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from dtype_policies.apply import PolicyHandle, apply_policy
+from dtype_policies.advisor.variants import apply_advised
+from dtype_policies.apply import PolicyHandle
 from dtype_policies.apply.summary import render_table
 from dtype_policies.policies import DTypePolicyMap, serialize
 from dtype_policies.saving.atomic import write_atomically
@@ -125,13 +126,15 @@ class Advice:
     forward_micros: dict[str, float] = field(default_factory=dict)
     model_bytes: dict[str, int] = field(default_factory=dict)
     cpu: str = ""
+    calibration_inputs: dict[str, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     def apply(self, model: torch.nn.Module, **kwargs: Any) -> PolicyHandle:
         """`apply_policy(model, advice.policy_map, **kwargs)`: every module
         gets its policy, and modules with int8/int4 entries are quantized
         (their float weights are replaced; `handle.remove()` leaves them
-        quantized)."""
-        return apply_policy(model, self.policy_map, **kwargs)
+        quantized); gptq/awq entries are calibrated on the inputs each module
+        received in the advisor's recorded pass (`calibration_inputs`)."""
+        return apply_advised(model, self.policy_map, self.calibration_inputs, **kwargs)
 
     @property
     def measured(self) -> list[ModuleAdvice]:

@@ -11,6 +11,9 @@ from dtype_policies.policies import DTypePolicy, Int4DTypePolicy, QuantizedDType
 
 DEFAULT_CANDIDATES = ("int4", "int8", "mixed_bfloat16")
 DEFAULT_SOURCE = "mixed_bfloat16"
+# Calibrated candidates (calibrated on the inputs each module received in the
+# advisor's recorded pass): a bare mode name means 4 bits in groups of 128.
+CALIBRATED_DEFAULTS = {"gptq": "gptq/4/128", "awq": "awq/4/128"}
 FLOAT32 = DTypePolicy("float32")
 
 
@@ -35,7 +38,9 @@ class Candidate:
 
 def parse_candidate(spec: object) -> DTypePolicy:
     """One candidate: a mode name (`"int8"`, `"int4"`, `"int4/64"`,
-    `"float8"`: quantized from mixed_bfloat16), a float policy name
+    `"float8"`, `"gptq"`, `"gptq/4/64"`, `"awq"`: quantized from
+    mixed_bfloat16; gptq and awq calibrated on each module's recorded
+    inputs), a float policy name
     (`"mixed_bfloat16"`, `"bfloat16"`), a full quantized name
     (`"int4/-1_from_mixed_bfloat16"`) or a policy object."""
     policy: DTypePolicy
@@ -50,6 +55,10 @@ def parse_candidate(spec: object) -> DTypePolicy:
                 )
             elif name.startswith("int4/") and "_from_" not in name:
                 policy = Int4DTypePolicy(name, DEFAULT_SOURCE)
+            elif name in CALIBRATED_DEFAULTS or (
+                name.split("/")[0] in CALIBRATED_DEFAULTS and "_from_" not in name
+            ):
+                policy = get(f"{CALIBRATED_DEFAULTS.get(name, name)}_from_{DEFAULT_SOURCE}")
             else:
                 policy = get(name)
         except (TypeError, ValueError) as e:

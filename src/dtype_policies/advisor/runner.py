@@ -228,10 +228,11 @@ def advise(
         )
 
     verified: dict[int, torch.nn.Module] = {}
+    recorded = {unit.path: unit.args for unit in called}
 
     def evaluate(k: int) -> float:
         verified.clear()
-        verified[k] = prepared(model, policy_map_after(k))
+        verified[k] = prepared(model, policy_map_after(k), recorded)
         return meter(verified[k])
 
     taken, error, checks = back_off(start, max_error, evaluate, report)
@@ -273,6 +274,7 @@ def advise(
         forward_micros={name: value * 1e6 for name, value in forward.items()},
         model_bytes={name: model_bytes(m) for name, m in whole.items()},
         cpu=processor().describe(),
+        calibration_inputs=recorded,
     )
 
 
@@ -300,7 +302,7 @@ def _measure_group(
     for candidate in choices:
         built = {}
         for unit in group:
-            variant = build_variant(originals[unit.path], candidate)
+            variant = build_variant(originals[unit.path], candidate, unit.args)
             if isinstance(variant, str):
                 result.unavailable[candidate.rank] = f"{unit.path or '(root)'}: {variant}"
                 break
@@ -338,7 +340,9 @@ def _retime(
     the faster of the two passes."""
     for unit in group:
         micros = measure.micros[unit.path]
-        per_rank = {rank: build_variant(originals[unit.path], choices[rank]) for rank in micros}
+        per_rank = {
+            rank: build_variant(originals[unit.path], choices[rank], unit.args) for rank in micros
+        }
         try:
             seconds = time_variants(per_rank, unit.args, unit.kwargs, repeats)
         except Exception:

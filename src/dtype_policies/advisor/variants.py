@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import torch
 
+from dtype_policies._modes import mode_record
+from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.candidates import Candidate
-from dtype_policies.apply import apply_policy, module_summaries
+from dtype_policies.apply import PolicyHandle, apply_policy, module_summaries
 from dtype_policies.policies import DTypePolicyMap
 from dtype_policies.quantization import attach
+from dtype_policies.quantization.api import quantize
 from dtype_policies.quantization.kinds import kind_of
 
 
-def build_variant(module: torch.nn.Module, candidate: Candidate) -> torch.nn.Module | str:
+def build_variant(
+    module: torch.nn.Module, candidate: Candidate, inputs: tuple | None = None
+) -> torch.nn.Module | str:
     """A copy of `module` computing by `candidate` (its children, if any, in
-    float32), or the reason it cannot take the candidate."""
+    float32), or the reason it cannot take the candidate. A calibrated mode
+    (gptq, awq) calibrates on `inputs`, the module's recorded positional
+    arguments."""
     mode = candidate.mode
+    if mode is not None and mode_record(mode).calibrated:
+        return _calibrated_variant(module, candidate, inputs)
     if mode is not None:
         kind = kind_of(module)
         if kind is None:
@@ -36,6 +46,81 @@ def build_variant(module: torch.nn.Module, candidate: Candidate) -> torch.nn.Mod
         quantized = attach.quantization_of(variant)
         if quantized is None or quantized.config != candidate.policy.quantization_config:
             return f"{candidate.label}: {_why_not_quantized(module, candidate)}"
+    return variant
+
+
+def _calibrated_config(policy, first: torch.Tensor):
+    """The policy's GPTQ/AWQ config with `first` (a module's recorded input) as data."""
+    config = policy.quantization_config
+    return type(config).from_config({**config.get_config(), "dataset": [first.detach().float()]})
+
+
+def _first_input(inputs: tuple | None) -> torch.Tensor | None:
+    first = next((a for a in inputs or () if isinstance(a, torch.Tensor)), None)
+    return first if first is not None and first.is_floating_point() else None
+
+
+def _is_calibrated(policy) -> bool:
+    mode = policy.quantization_mode
+    return mode is not None and mode_record(mode).calibrated
+
+
+def apply_advised(
+    model: torch.nn.Module,
+    policy_map: DTypePolicyMap,
+    inputs: dict[str, tuple],
+    **kwargs: Any,
+) -> PolicyHandle:
+    """`apply_policy(model, policy_map)`, where each module under a gptq/awq
+    entry gets the entry's source policy and is then calibrated on its
+    recorded inputs (`inputs[path]`), as the advisor measured it."""
+    entries = policy_map.policy_map
+    calibrated = {key for key, policy in entries.items() if _is_calibrated(policy)}
+    if not calibrated and not _is_calibrated(policy_map.default_policy):
+        return apply_policy(model, policy_map, **kwargs)
+    plain = {
+        key: policy.source_policy if key in calibrated else policy
+        for key, policy in entries.items()
+    }
+    targets = []
+    for path, module in named_module_paths(model, root_path_of(model)):
+        key = policy_map.matching_key(path)
+        if key in calibrated:
+            first = _first_input(inputs.get(path))
+            if first is None:
+                raise ValueError(
+                    f"advise(): no recorded input of '{path}' to calibrate {entries[key].name} on."
+                )
+            targets.append((module, _calibrated_config(entries[key], first)))
+    handle = apply_policy(model, DTypePolicyMap(policy_map.default_policy, plain), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for module, config in targets:
+            quantize(module, config=config, progress=False)
+    return handle
+
+
+def _calibrated_variant(
+    module: torch.nn.Module, candidate: Candidate, inputs: tuple | None
+) -> torch.nn.Module | str:
+    first = _first_input(inputs)
+    if first is None:
+        return f"{candidate.label}: no recorded floating-point input to calibrate on"
+    kind = kind_of(module)
+    if kind is None or candidate.mode not in kind.modes:
+        return f"{type(module).__name__} cannot be quantized by {candidate.mode}"
+    policy = candidate.policy
+    config = _calibrated_config(policy, first)
+    variant = copy.deepcopy(module).eval()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            apply_policy(variant, DTypePolicyMap("float32", {"": policy.source_policy}))
+            quantize(variant, config=config, progress=False)
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+        return f"{candidate.label}: {e}"
+    if attach.quantization_of(variant) is None:
+        return f"{candidate.label}: {_why_not_quantized(module, candidate)}"
     return variant
 
 

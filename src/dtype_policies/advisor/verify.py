@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtype_policies.apply import apply_policy
+from dtype_policies.advisor.variants import apply_advised
 from dtype_policies.policies import DTypePolicyMap
 
 
@@ -26,12 +26,15 @@ class Check:
     error: float
 
 
-def prepared(model: torch.nn.Module, policy_map: DTypePolicyMap) -> torch.nn.Module:
-    """A deep copy of `model` (eval mode) with `policy_map` applied."""
+def prepared(
+    model: torch.nn.Module, policy_map: DTypePolicyMap, inputs: dict[str, tuple] | None = None
+) -> torch.nn.Module:
+    """A deep copy of `model` (eval mode) with `policy_map` applied (gptq/awq
+    entries calibrated on the modules' recorded `inputs`)."""
     candidate = copy.deepcopy(model).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        apply_policy(candidate, policy_map)
+        apply_advised(candidate, policy_map, inputs or {})
     return candidate
 
 

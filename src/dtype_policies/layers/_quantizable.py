@@ -73,7 +73,10 @@ class QuantizableLayer(Layer):
             config: The mode's config (`Int8QuantizationConfig`, ...); `None`
                 means the mode's default. A calibrated mode's config holds its
                 calibration data: the layer is calibrated on it as a model of
-                one block.
+                one block (without data, its scheme quantizes the weight
+                alone, where it can: GPTQ and AWQ round to nearest on their
+                grid, with a warning; Keras keeps the float kernel until a
+                model-level calibration instead).
             type_check: Refuse subclasses (whose `call` may not dispatch to the
                 quantized product); pass `False` to quantize one anyway.
 
@@ -83,7 +86,7 @@ class QuantizableLayer(Layer):
         """
         config = validate_and_resolve_config(mode, config)
         path = self._path or ""
-        if mode_record(config.mode).calibrated:
+        if mode_record(config.mode).calibrated and getattr(config, "dataset", None) is not None:
             checked = attach.check(self, config, path=path, type_check=type_check)
             calibration = plan_calibrated(self, [(path, checked)], config)
             if not calibration.plans:

@@ -6,6 +6,7 @@ quantized policies, `DTypePolicyMap`, and `get`/`serialize`/`deserialize`.
 64
 """
 
+from dtype_policies.policies.calibrated import AWQDTypePolicy, GPTQDTypePolicy
 from dtype_policies.policies.dtype_policy import DTypePolicy, FloatDTypePolicy
 from dtype_policies.policies.names import parse_policy_name
 from dtype_policies.policies.policy_map import DTypePolicyMap
@@ -20,9 +21,11 @@ from dtype_policies.quantizers.config import QUANTIZATION_MODES
 
 __all__ = [
     "QUANTIZATION_MODES",
+    "AWQDTypePolicy",
     "DTypePolicy",
     "DTypePolicyMap",
     "FloatDTypePolicy",
+    "GPTQDTypePolicy",
     "Int4DTypePolicy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",

@@ -14,6 +14,7 @@ from dtype_policies.quantization.kernels.epilogues import (
 )
 from dtype_policies.quantization.kinds import register_linear_kind
 from dtype_policies.quantization.report import QuantizationReport
+from dtype_policies.quantizers.awq_config import AWQConfig
 from dtype_policies.quantizers.config import (
     AbsMaxQuantizer,
     CalibratedQuantizationConfig,
@@ -22,11 +23,14 @@ from dtype_policies.quantizers.config import (
     Int8QuantizationConfig,
     QuantizationConfig,
 )
+from dtype_policies.quantizers.gptq_config import GPTQConfig
 
 __all__ = [
+    "AWQConfig",
     "AbsMaxQuantizer",
     "CalibratedQuantizationConfig",
     "Float8QuantizationConfig",
+    "GPTQConfig",
     "Int4QuantizationConfig",
     "Int8QuantizationConfig",
     "QuantizationConfig",

@@ -157,6 +157,7 @@ def quantize(
     *,
     type_check: bool = True,
     verbose: bool = False,
+    progress: bool | None = None,
     **kwargs: Any,
 ) -> QuantizationReport:
     """Quantizes every module of `model` that supports `mode`, in place: all of
@@ -196,6 +197,9 @@ def quantize(
         type_check: Refuse subclasses of this library's layers (whose `call`
             may not dispatch to the quantized product) unless `False`.
         verbose: Print the report.
+        progress: A calibrated mode's progress (block i of n, elapsed,
+            remaining) on standard error: `None` shows it when standard error
+            is a terminal, `False` never, `True` always.
         **kwargs: None accepted: an unknown keyword raises `ValueError` (as Keras).
 
     Returns:
@@ -214,7 +218,7 @@ def quantize(
     if kwargs:
         raise ValueError(
             f"Unrecognized keyword arguments passed to quantize(): {kwargs}. Accepted: "
-            "mode, config, filters, type_check, verbose."
+            "mode, config, filters, type_check, verbose, progress."
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module. Received: {type(model).__name__}")
@@ -267,7 +271,7 @@ def quantize(
         planned_weights.setdefault(id(weight), module_plan)
         plans.append(module_plan)
     if checked:
-        calibration = plan_calibrated(model, checked, config)
+        calibration = plan_calibrated(model, checked, config, progress)
         plans += calibration.plans
         outside = [(path or "(root)", SKIP_OUTSIDE_STRUCTURE) for path in calibration.outside]
         report.skipped += outside

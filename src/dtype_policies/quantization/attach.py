@@ -201,7 +201,8 @@ def plan(
     stored tensors already computed for the same weight (tied weights, or a
     checkpoint's). `source` is the float policy the module will compute with
     (default: the one it computes with now). A calibrated mode computes its
-    tensors from `statistics` (what `quantization.calibration` gathered).
+    tensors from `statistics` (what `quantization.calibration` gathered);
+    without them, its scheme's `quantize` (which may refuse).
     """
     checked = check(
         module,
@@ -215,13 +216,7 @@ def plan(
     scheme, spec, weight = checked.scheme, checked.spec, checked.weight
     if tensors is None:
         with torch.no_grad(), torch.inference_mode(False):
-            if checked.record.calibrated:
-                if statistics is None:
-                    raise ValueError(
-                        f"Mode '{config.mode}' quantizes from calibration data: quantize the "
-                        f"model with a `{checked.record.config_class.__name__}` holding a "
-                        "dataset (quantize(model, config=...))."
-                    )
+            if checked.record.calibrated and statistics is not None:
                 tensors = scheme.quantize_calibrated(weight, spec, config, statistics)
             else:
                 tensors = scheme.quantize(weight, spec, config)

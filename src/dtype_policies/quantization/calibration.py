@@ -22,17 +22,24 @@ hooks and modes are restored on the way out, whatever happens. Nothing is
 committed here: `quantize()` commits every plan at the end, so a failure or a
 `KeyboardInterrupt` part-way leaves the model bit-for-bit unchanged.
 
-Blocks come from `config.quantization_layer_structure`: `None` (the whole
-model is one block), a sequence of submodules or their paths, in the order the
-model runs them, or Keras's dict `{"pre_block_layers": [...],
-"sequential_blocks": [...]}` (the pre-block layers run as part of the model's
-forward). A block receives the previous block's first output as its first
-positional argument and the first block's other arguments unchanged.
+Blocks come from `config.quantization_layer_structure`: a sequence of
+submodules or their paths, in the order the model runs them, or Keras's dict
+`{"pre_block_layers": [...], "sequential_blocks": [...]}` (the pre-block
+layers run as part of the model's forward); `None` finds the model's repeated
+blocks (`quantization.structure`: the decoder layers of a Hugging Face
+model), checked to chain on the first batch, else makes the whole model one
+block. A block receives the previous block's first output as its first
+input (its first positional argument, else its first tensor keyword) and the
+first block's other arguments unchanged.
+
+Progress (block i of n, elapsed, remaining) goes to standard error when it
+is a terminal, or as `progress` says (`quantization.progress`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +49,9 @@ from torch.func import functional_call
 
 from dtype_policies._paths import join, named_module_paths, root_path_of
 from dtype_policies.quantization.attach import Checked, Plan, plan
+from dtype_policies.quantization.progress import CalibrationProgress
 from dtype_policies.quantization.schemes.base import ActivationStatistics, QuantizedWeight
+from dtype_policies.quantization.structure import blocks_chain, find_blocks, first_input
 from dtype_policies.quantizers.config import QuantizationConfig
 
 Call = tuple[tuple, dict]
@@ -64,10 +73,56 @@ def plan_calibrated(
     model: torch.nn.Module,
     targets: Sequence[tuple[str, Checked]],
     config: QuantizationConfig,
+    progress: bool | None = None,
 ) -> CalibrationResult:
     """Plans the calibrated quantization of `targets` (checked modules of
-    `model`, with their paths) from `config`'s calibration data."""
-    blocks = _blocks(model, config)
+    `model`, with their paths) from `config`'s calibration data; `progress`
+    as `CalibrationProgress`'s `enabled`."""
+    structure = getattr(config, "quantization_layer_structure", None)
+    found = structure is None
+    repeated = [module for _, module in find_blocks(model)] if found else []
+    blocks = _blocks(model, structure) if not found else _blocks(model, repeated or None)
+    result, members = _assign(blocks, targets)
+    if found and not any(members):  # nothing to calibrate inside the repeated blocks
+        blocks = [("", model)]
+        result, members = _assign(blocks, targets)
+    if not any(members):
+        return result
+    with _calibrating(model):
+        batches = config.calibration_batches(model)
+        if found and len(blocks) > 1:
+            chained, why = blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
+            if not chained:
+                warnings.warn(
+                    f"quantize(): the model's repeated blocks ({blocks[0][0]}, ...) do not run "
+                    f"one after the other ({why}); calibrating the whole model as one block. "
+                    "Pass `quantization_layer_structure` to calibrate block by block.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                blocks = [("", model)]
+                result, members = _assign(blocks, targets)
+        last = max(i for i, group in enumerate(members) if group)
+        report = CalibrationProgress(config.mode, last + 1, enabled=progress)
+        try:
+            calls = _first_block_calls(model, blocks[0][1], batches)
+            for index, (_, block) in enumerate(blocks[: last + 1]):
+                plans = _plan_block(block, calls, members[index], config)
+                result.plans += plans
+                if index < last:
+                    calls = _next_calls(block, calls, plans)
+                report.block_done(index)
+        except BaseException as error:
+            report.interrupted(error)
+            raise
+        report.finish()
+    return result
+
+
+def _assign(
+    blocks: list[tuple[str, torch.nn.Module]], targets: Sequence[tuple[str, Checked]]
+) -> tuple[CalibrationResult, list[list[tuple[str, Checked]]]]:
+    """The targets of each block, and those outside every block."""
     result = CalibrationResult()
     members: list[list[tuple[str, Checked]]] = [[] for _ in blocks]
     for path, checked in targets:
@@ -76,17 +131,12 @@ def plan_calibrated(
             result.outside.append(path)
         else:
             members[index].append((path, checked))
-    if not any(members):
-        return result
-    last = max(i for i, group in enumerate(members) if group)
-    with _calibrating(model):
-        calls = _first_block_calls(model, blocks[0][1], config)
-        for index, (_, block) in enumerate(blocks[: last + 1]):
-            plans = _plan_block(block, calls, members[index], config)
-            result.plans += plans
-            if index < last:
-                calls = _next_calls(block, calls, plans)
-    return result
+    return result, members
+
+
+def _run(model: torch.nn.Module, batch: Any) -> Any:
+    args, kwargs = _as_call(batch)
+    return model(*args, **kwargs)
 
 
 def _plan_block(
@@ -133,7 +183,11 @@ def _next_calls(block: torch.nn.Module, calls: list[Call], plans: list[Plan]) ->
         first = out[0] if isinstance(out, (tuple, list)) else out
         if not isinstance(first, torch.Tensor):
             first = first[0]  # a ModelOutput
-        outputs.append(((first, *args[1:]), kwargs))
+        if args:
+            outputs.append(((first, *args[1:]), kwargs))
+        else:  # the block took its input by keyword
+            name = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+            outputs.append(((), {**kwargs, name: first}))
     return outputs
 
 
@@ -147,10 +201,9 @@ def _dequantized(module_plan: Plan) -> torch.Tensor:
 
 
 def _first_block_calls(
-    model: torch.nn.Module, first: torch.nn.Module, config: QuantizationConfig
+    model: torch.nn.Module, first: torch.nn.Module, batches: list[Any]
 ) -> list[Call]:
     """The arguments the first block is called with, one per calibration batch."""
-    batches = config.calibration_batches(model)
     if first is model:
         return [_as_call(batch) for batch in batches]
     calls: list[Call] = []
@@ -190,10 +243,18 @@ def _observing(
 ) -> Iterator[None]:
     """Feeds each target's input rows to its statistics while the block runs."""
 
+    last: list[Any] = [None, None]  # modules fed the same input share one rows object
+
     def observe(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs = args[0] if args else next(iter(kwargs.values()))
+        inputs = first_input(args, kwargs)
         spec = next(c.spec for _, c in group if c.module is module)
-        rows = inputs.detach().reshape(-1, spec.in_features).float()
+        if last[0] is inputs and last[1].shape[1] == spec.in_features:
+            rows = last[1]
+        else:
+            rows = inputs.detach().reshape(-1, spec.in_features)
+            if not rows.is_floating_point():
+                rows = rows.float()
+            last[:] = [inputs, rows]
         statistics[id(module)].update(rows)
 
     handles = []
@@ -219,9 +280,8 @@ def _calibrating(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _blocks(model: torch.nn.Module, config: QuantizationConfig) -> list[tuple[str, Any]]:
-    """`(path, module)` of each block, in order."""
-    structure = getattr(config, "quantization_layer_structure", None)
+def _blocks(model: torch.nn.Module, structure: Any) -> list[tuple[str, Any]]:
+    """`(path, module)` of each block of `structure`, in order (none: the whole model)."""
     if structure is None:
         return [("", model)]
     if isinstance(structure, dict):

@@ -8,6 +8,7 @@ functions on tensors and plain settings objects, with Keras 3's conventions.
 (tensor([[  63, -127]], dtype=torch.int8), Int4QuantizationConfig(block_size=64))
 """
 
+from dtype_policies.quantizers.awq_config import AWQConfig
 from dtype_policies.quantizers.config import (
     DEFAULT_AMAX_HISTORY_LENGTH,
     QUANTIZATION_MODES,
@@ -24,6 +25,7 @@ from dtype_policies.quantizers.config import (
     serialize_config,
     validate_and_resolve_config,
 )
+from dtype_policies.quantizers.gptq_config import GPTQConfig
 from dtype_policies.quantizers.math import (
     abs_max_quantize,
     compute_float8_amax_history,
@@ -40,9 +42,11 @@ from dtype_policies.quantizers.scale_search import search_grouped_int4, search_p
 __all__ = [
     "DEFAULT_AMAX_HISTORY_LENGTH",
     "QUANTIZATION_MODES",
+    "AWQConfig",
     "AbsMaxQuantizer",
     "CalibratedQuantizationConfig",
     "Float8QuantizationConfig",
+    "GPTQConfig",
     "Int4QuantizationConfig",
     "Int8QuantizationConfig",
     "QuantizationConfig",

@@ -16,6 +16,11 @@ Rules (fixed; change them and every figure changes):
 * **Calibration text** (for variants that calibrate: float8 delayed scaling,
   and modes that take data): `/usr/share/common-licenses/Apache-2.0`, a
   different text, so nothing evaluated was seen in calibration.
+* **LM calibration text** (GPTQ and AWQ, 128 windows of 512 tokens: more
+  text than any licence holds): the Python documentation topics shipped with
+  the interpreter (`pydoc_data.topics.topics`, the language reference's
+  prose), values in sorted key order joined by blank lines; checked against
+  its SHA-256 for the pinned Python (3.11.7). Not the evaluation text.
 
 >>> sentences = encoder_sentences()
 >>> len(sentences), sentences[0]
@@ -33,6 +38,8 @@ EVALUATION_TEXT = Path("/usr/share/common-licenses/GPL-3")
 EVALUATION_SHA256 = "3972dc9744f6499f0f9b2dbf76696f2ae7ad8af9b23dde66d6af86c9dfb36986"
 CALIBRATION_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
 CALIBRATION_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+LM_CALIBRATION_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
 
 LM_WINDOWS = 8
 LM_WINDOW = 512
@@ -69,6 +76,21 @@ def evaluation_text() -> str:
 def calibration_text() -> str:
     """The Apache-2.0 text (checked), disjoint from the evaluation text."""
     return _read_checked(CALIBRATION_TEXT, CALIBRATION_SHA256)
+
+
+@cache
+def lm_calibration_text() -> str:
+    """The Python documentation topics (checked), for GPTQ and AWQ."""
+    from pydoc_data.topics import topics
+
+    joined = "\n\n".join(topics[key] for key in sorted(topics))
+    digest = hashlib.sha256(joined.encode()).hexdigest()
+    if digest != LM_CALIBRATION_SHA256:
+        raise TextUnavailable(
+            f"pydoc_data.topics has SHA-256 {digest}, not the {LM_CALIBRATION_SHA256} of "
+            "Python 3.11.7 these figures are defined on"
+        )
+    return joined
 
 
 def split_sentences(text: str) -> list[str]:

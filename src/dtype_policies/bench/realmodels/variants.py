@@ -61,6 +61,11 @@ class Calibration:
             for i in range(self.steps)
         ]
 
+    def lm_token_ids(self) -> torch.Tensor:
+        """The token ids of the LM calibration text (GPTQ, AWQ), one 1-D tensor."""
+        ids = self.tokenizer(text.lm_calibration_text(), add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids)
+
     def train_steps(self, model: torch.nn.Module) -> None:
         """Forward in training mode and backward, `steps` times (fills float8
         delayed scaling's amax histories); gradients are dropped after."""
@@ -149,6 +154,34 @@ def compiled(variant: Variant) -> Variant:
     )
 
 
+CALIBRATION_SAMPLES, CALIBRATION_LENGTH = 128, 512
+
+
+def calibrated(mode: str, bits: int, group: int) -> Variant:
+    """`<mode>/<bits>/<group>` calibrated on 128 windows of 512 tokens of the
+    LM calibration text (`text.lm_calibration_text`), under mixed_bfloat16."""
+
+    def config(calibration: Calibration) -> Any:
+        from dtype_policies._modes import mode_record
+
+        return mode_record(mode).config_class(
+            calibration.lm_token_ids(),
+            None,
+            weight_bits=bits,
+            group_size=group,
+            num_samples=CALIBRATION_SAMPLES,
+            sequence_length=CALIBRATION_LENGTH,
+        )
+
+    return ours(
+        f"{mode}/{bits}/{group}",
+        mode=mode,
+        config=config,
+        models=(LM,),
+        note=f"{CALIBRATION_SAMPLES} x {CALIBRATION_LENGTH} calibration tokens",
+    )
+
+
 def whole_model(dtype: torch.dtype) -> Prepare:
     def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
         return model.to(dtype).eval()
@@ -168,6 +201,17 @@ OURS: list[Variant] = [
     ours("int4/32 scale_search", mode="int4", block_size=32, scale_search=True),
     ours("int4/128 scale_search", mode="int4", block_size=128, scale_search=True),
     ours("int4/-1 scale_search", mode="int4", block_size=-1, scale_search=True),
+    *[
+        calibrated(mode, bits, group)
+        for mode, bits, group in (
+            ("gptq", 4, 128),
+            ("gptq", 4, 32),
+            ("gptq", 3, 128),
+            ("gptq", 8, -1),
+            ("awq", 4, 128),
+            ("awq", 4, 32),
+        )
+    ],
     ours("float8 delayed", mode="float8", calibrate=True, note="2 calibration train steps"),
     ours("float8 dynamic", mode="float8", scaling="dynamic"),
     ours("float8 weight-only", mode="float8", scaling="weight_only"),

@@ -16,7 +16,11 @@ back in the compute dtype. The weight is laid out once (`Int4Layout`):
   multiple of 32), each block is padded to a multiple of 32 with zero weights
   and the activations are spread over the padded positions on each call (a
   copy of the activations, not of the weight);
-* N is padded to a multiple of 16 with zero rows and the output sliced.
+* N is padded to a multiple of 16 with zero rows and the output sliced;
+* a `g_idx` that permutes the groups (GPTQ's activation order) is folded in:
+  the columns are packed sorted by group (each block contiguous again) and
+  the activations gathered into that order on each call (with the spread
+  above, one scatter does both).
 
 Grouped weights are `(q - zero) * scale` along the input axis (the kernel
 computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
@@ -141,7 +145,8 @@ class Int4Packed:
     layout: Int4Layout
     packed: torch.Tensor
     n: int
-    positions: torch.Tensor | None  # set when activations are spread
+    positions: torch.Tensor | None  # set when activations are spread (or permuted and spread)
+    order: torch.Tensor | None  # the inputs in kernel order, when g_idx permutes them
     scales_and_zeros: torch.Tensor  # bfloat16 (padded_k / group, padded N, 2)
 
 
@@ -149,8 +154,10 @@ class Int4Runtime:
     """The CPU int4 kernel's packed weight and scale/offset tensors, rebuilt
     when the stored tensors change; `packed` is `None` where the kernel does
     not apply (other devices, a `g_idx` that is not `arange(K) // block`).
-    The key and the plan are published together as one immutable pair, so a
-    thread reading while another refreshes sees one whole plan or the other."""
+    A `g_idx` that permutes `arange(K) // block` is folded into the plan
+    (the kernel still applies). The key and the plan are published together
+    as one immutable pair, so a thread reading while another refreshes sees
+    one whole plan or the other."""
 
     __slots__ = ("_state",)
 
@@ -191,26 +198,50 @@ class Int4Runtime:
         zero: torch.Tensor | None,
         block_size: int,
         stored: tuple[torch.Tensor, ...],
-        kernel_order: bool = True,
+        g_idx: torch.Tensor | None = None,
     ) -> None:
         """Rebuilds the packed data from the (N, K) int values `q_nk` of the
-        `stored` tensors; `kernel_order` is False when the inputs' groups are
-        not `arange(K) // block_size` (then the kernel does not apply)."""
+        `stored` tensors, input `k` in group `g_idx[k]` (`None`: `k //
+        block_size`). A `g_idx` that is not a permutation of `arange(K) //
+        block_size` runs on the dequantized path (no plan)."""
         key = (*tensor_key(*stored), processor())
         plan = None
-        if scale.device.type == "cpu" and _KERNEL_AVAILABLE and kernel_order:
+        if scale.device.type == "cpu" and _KERNEL_AVAILABLE:
             with torch.inference_mode(False), torch.no_grad():
-                plan = _pack(q_nk, scale, zero, block_size)
+                order = _kernel_order(g_idx, q_nk.shape[1], block_size)
+                if order is not False:
+                    plan = _pack(q_nk, scale, zero, block_size, order)
         self._state = (key, plan)
 
 
+def _kernel_order(
+    g_idx: torch.Tensor | None, k: int, block_size: int
+) -> torch.Tensor | bool | None:
+    """The inputs sorted by group (`None` if already in order), or `False`
+    when `g_idx` does not give each block `block_size` inputs."""
+    if g_idx is None or block_size <= 0:
+        return None
+    natural = torch.arange(k, device=g_idx.device) // block_size
+    groups = g_idx.long()
+    if torch.equal(groups, natural):
+        return None
+    order = torch.argsort(groups, stable=True)
+    return order if torch.equal(groups[order], natural) else False
+
+
 def _pack(
-    q_nk: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, block_size: int
+    q_nk: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    block_size: int,
+    order: torch.Tensor | None = None,
 ) -> Int4Packed:
     n, k = q_nk.shape
     layout = Int4Layout.plan(k, block_size)
     padded_n = -(-n // 16) * 16
     unsigned = torch.full((padded_n, layout.padded_k), 8, dtype=torch.int32)
+    if order is not None:
+        q_nk = q_nk[:, order]
     positions = layout.positions(k, block_size) if layout.spread else None
     if positions is None:
         unsigned[:n, :k] = q_nk.to(torch.int32) + 8
@@ -229,7 +260,10 @@ def _pack(
     pair = torch.stack([group_scale, offset], dim=-1)
     if padded_n != n:
         pair = F.pad(pair, (0, 0, 0, padded_n - n))
-    return Int4Packed(layout, packed, n, positions, pair.contiguous())
+    if order is not None and positions is not None:  # input order[j] goes to positions[j]
+        positions = torch.empty_like(positions).index_copy_(0, order, positions)
+        order = None
+    return Int4Packed(layout, packed, n, positions, order, pair.contiguous())
 
 
 # Per-channel weights from this many rows: the weight's integer values cast
@@ -307,6 +341,8 @@ def _packed(
 ) -> torch.Tensor:
     xk = x2 if x2.dtype is torch.bfloat16 else x2.bfloat16()
     layout = plan.layout
+    if plan.order is not None:
+        xk = xk.index_select(1, plan.order)
     if plan.positions is not None:
         spread = xk.new_zeros((xk.shape[0], layout.padded_k))
         xk = spread.index_copy_(1, plan.positions, xk)

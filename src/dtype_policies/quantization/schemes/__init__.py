@@ -16,6 +16,8 @@ from dtype_policies._modes import mode_record
 from dtype_policies.quantization.schemes import int8  # noqa: F401
 from dtype_policies.quantization.schemes import float8  # noqa: F401
 from dtype_policies.quantization.schemes import int4  # noqa: F401
+from dtype_policies.quantization.schemes import gptq  # noqa: F401
+from dtype_policies.quantization.schemes import awq  # noqa: F401
 
 # isort: on
 from dtype_policies.quantization.schemes.base import (

@@ -87,8 +87,10 @@ class ActivationStatistics(Protocol):
     """What a calibrated scheme accumulates about one weight's inputs."""
 
     def update(self, rows: torch.Tensor) -> None:
-        """Adds a batch of the weight's input rows: float32, `(M, K)`, `K`
-        the weight's `in_features` (the product's contracted axis)."""
+        """Adds a batch of the weight's input rows: `(M, K)` in the floating
+        dtype they came in (bfloat16 under a mixed_bfloat16 policy), `K` the
+        weight's `in_features` (the product's contracted axis). Weights fed
+        the same input get the same rows object: never modify it."""
 
 
 class Scheme(abc.ABC):

@@ -150,8 +150,8 @@ class Int4Scheme(Scheme):
         q_nk = g_idx = None
         if qw.runtime.needs_refresh(stored):
             q_nk = self.integer_values(module, qw)
-            natural = self._g_idx(module, qw) is None
-            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored, natural)
+            g_idx = self._g_idx(module, qw)
+            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored, g_idx)
         path = kernels.int4_path(qw.runtime, x2.shape[0], qw.config.group_size)
         if path != "packed":
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk

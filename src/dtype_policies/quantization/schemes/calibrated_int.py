@@ -1,0 +1,399 @@
+"""What GPTQ and AWQ share: the statistics of a weight's inputs, and storage
+and products on int4's (2, 3 and 4 bits) and int8's (8 bits) plain tensors
+and kernels.
+
+Stored, for a weight `<w>` with K inputs and N outputs in groups of `block`
+input features (`block = K` for `group_size=-1`), G = ceil(K / block):
+
+* `<w>_int4` (int8, two values per byte along the last axis of the weight's
+  own orientation, values `q` in [-8, 7]; 2 and 3 bits use [-2, 1] and
+  [-4, 3]) or `<w>_int8` (int8, one value per byte, [-128, 127]);
+* `<w>_scale`, `<w>_zero` (float32): `zero` is real-valued; laid out like
+  the weight with the groups in place of the input axis ((N, G) for an
+  `nn.Linear`, (G, N) for an (in, out) kernel), as grouped int4;
+* `<w>_g_idx` (float32, (K,)): the group of each input feature (Keras's
+  `g_idx`): `arange(K) // block`, or a permutation of it when the columns
+  were quantized in activation order;
+
+with `W[n, k] ~= (q[n, k] - zero[n, g_idx[k]]) * scale[n, g_idx[k]]`: the
+same tensors and convention as grouped int4 (`schemes.int4`), so that 2-4
+bits run exactly as round-to-nearest int4 does. Keras's unsigned levels `u`
+in `[0, 2**bits - 1]` and zero points `z` are stored as `u - 2**(bits - 1)`
+and `z - 2**(bits - 1)`.
+
+Products: 2-4 bits run on the int4 kernel (`kernels.int4`) with the same
+`Int4Runtime` as int4 (the packed kernel at every shape); a permuted `g_idx`
+(activation order) is folded into the packed weight, costing one gather of
+the activations per call. AWQ divides the activations by its per-input
+scales first (one elementwise pass). 8 bits per channel run on the int8
+weight-only kernel plus a rank-one correction for the zero point
+(`x @ ((q - z) s)ᵀ = (x @ (q s)ᵀ) - x.sum(-1) (z s)`); 8 bits in groups
+dequantize and multiply (correct, not fast).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies.quantization.kernels import int4 as int4_kernels
+from dtype_policies.quantization.kernels import int8 as int8_kernels
+from dtype_policies.quantization.kernels import tensor_key
+from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantization.schemes.int4 import _laid_out, default_g_idx
+from dtype_policies.quantizers.gptq import quantize_rtn
+from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig
+from dtype_policies.quantizers.math import dequantize_grouped, pack_int4, unpack_int4
+
+
+class InputStatistics:
+    """What GPTQ and AWQ gather about one weight's inputs (`ActivationStatistics`):
+    the sum of `XᵀX` (float32; GPTQ's Hessian, AWQ's output error), the row
+    count, and per input feature the sum and the maximum of |x| (AWQ's
+    activation magnitudes), each only if asked for.
+
+    Weights fed the same rows object (the q/k/v projections of one input)
+    share the work: it is done once per batch of rows. Rows that come in
+    bfloat16 (a model computing in bfloat16) on a CPU with native bfloat16
+    products get their `XᵀX` from a bfloat16 product of 512-row chunks
+    (float32 accumulation inside, each chunk's result rounded to bfloat16,
+    then summed in float32): 3-4x faster, a relative error near 2**-9 per
+    chunk that averages out over the calibration set.
+    """
+
+    def __init__(
+        self, in_features: int, *, gram: bool = True, mean_abs: bool = False, max_abs: bool = False
+    ) -> None:
+        self.in_features = in_features
+        self.rows = 0
+        self.gram = torch.zeros(in_features, in_features) if gram else None
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64) if mean_abs else None
+        self.abs_max = torch.zeros(in_features) if max_abs else None
+
+    def update(self, rows: torch.Tensor) -> None:
+        if rows.dim() != 2 or rows.shape[1] != self.in_features:
+            raise ValueError(
+                f"Input rows of shape {tuple(rows.shape)} do not match input features "
+                f"({self.in_features})."
+            )
+        if rows.shape[0] == 0:
+            return
+        moments = _shared_moments(rows)
+        if self.gram is not None:
+            self.gram += moments.gram()
+        if self.abs_sum is not None:
+            self.abs_sum += moments.abs_sum()
+        if self.abs_max is not None:
+            torch.maximum(self.abs_max, moments.abs_max(), out=self.abs_max)
+        self.rows += rows.shape[0]
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """`2 XᵀX / n` (Keras's and the reference GPTQ's normalisation),
+        symmetrised as Keras does."""
+        return (self.gram + self.gram.t()) / 2 * (2.0 / max(self.rows, 1))
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(self.rows, 1)).float()
+
+
+GRAM_CHUNK = 512
+
+
+def _native_bf16() -> bool:
+    """bfloat16 products run on hardware bfloat16 instructions here (not under
+    an AVX2 cap). Local check until the processor description lands."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith(("AVX2", "SSE", "AVX_"))
+    return (
+        ("avx512_bf16" in flags or "amx_bf16" in flags)
+        and torch.backends.cpu.get_cpu_capability() != "AVX2"
+        and not capped
+    )
+
+
+class _Moments:
+    """The moments of one batch of rows, each computed on first use."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self._gram = self._abs_sum = self._abs_max = None
+
+    def gram(self) -> torch.Tensor:
+        if self._gram is None:
+            rows = self.rows
+            if rows.dtype == torch.bfloat16 and _NATIVE_BF16[0]:
+                gram = torch.zeros(rows.shape[1], rows.shape[1])
+                for start in range(0, rows.shape[0], GRAM_CHUNK):
+                    chunk = rows[start : start + GRAM_CHUNK]
+                    gram += (chunk.t() @ chunk).float()
+            else:
+                x = rows.float()
+                gram = x.t() @ x
+            self._gram = gram
+        return self._gram
+
+    def abs_sum(self) -> torch.Tensor:
+        if self._abs_sum is None:
+            self._abs_sum = self.rows.abs().float().sum(0).double()
+        return self._abs_sum
+
+    def abs_max(self) -> torch.Tensor:
+        if self._abs_max is None:
+            self._abs_max = self.rows.abs().amax(0).float()
+        return self._abs_max
+
+
+_NATIVE_BF16: list[bool] = []
+_last_moments: list[Any] = [None, None, -1]  # weakref to rows, their moments, rows' version
+
+
+def _shared_moments(rows: torch.Tensor) -> _Moments:
+    """The moments of `rows`, shared while the same rows object (unchanged) comes again."""
+    if not _NATIVE_BF16:
+        _NATIVE_BF16.append(_native_bf16())
+    ref, moments, version = _last_moments
+    if ref is not None and ref() is rows and version == rows._version:
+        return moments
+    moments = _Moments(rows)
+    _last_moments[:] = [weakref.ref(rows), moments, rows._version]
+    return moments
+
+
+def signed_offset(bits: int) -> int:
+    """What Keras's unsigned levels lose to become the stored signed ones."""
+    return 2 ** (bits - 1)
+
+
+class CalibratedIntScheme(Scheme):
+    """Storage and products of GPTQ and AWQ (see the module docstring);
+    subclasses compute the stored values (`quantize_calibrated`)."""
+
+    roles = ("linear",)
+    extra_buffers: ClassVar[tuple[str, ...]] = ()  # AWQ: ("awq_scales",)
+
+    # -- storage ---------------------------------------------------------
+    def bits(self, config: TokenCalibrationConfig) -> int:
+        return config.weight_bits
+
+    def data_suffix(self, config: TokenCalibrationConfig) -> str:
+        return "_int8" if self.bits(config) == 8 else "_int4"
+
+    def buffer_names(self, spec: WeightSpec, config: TokenCalibrationConfig) -> tuple[str, ...]:
+        w = spec.weight
+        names = (w + self.data_suffix(config), f"{w}_scale", f"{w}_zero", f"{w}_g_idx")
+        return names + tuple(f"{w}_{extra}" for extra in self.extra_buffers)
+
+    def stored_shapes(self, spec: WeightSpec, config: TokenCalibrationConfig) -> dict:
+        k, n = spec.in_features, spec.out_features
+        rows, columns = (k, n) if spec.layout == "in_out" else (n, k)
+        if self.bits(config) <= 4:
+            columns = (columns + 1) // 2
+        groups = -(-k // config.block_size(k))
+        grid = (n, groups) if spec.layout == "out_in" else (groups, n)
+        data, scale, zero, g_idx, *extras = self.buffer_names(spec, config)
+        shapes = {
+            data: ((rows, columns), torch.int8),
+            scale: (grid, torch.float32),
+            zero: (grid, torch.float32),
+            g_idx: ((k,), torch.float32),
+        }
+        shapes.update({name: ((k,), torch.float32) for name in extras})
+        return shapes
+
+    def placeholder_tensors(
+        self, spec: WeightSpec, config: TokenCalibrationConfig, device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        tensors = super().placeholder_tensors(spec, config, device)
+        g_idx = self.buffer_names(spec, config)[3]
+        k = spec.in_features
+        tensors[g_idx] = default_g_idx(k, config.block_size(k), device)
+        return tensors
+
+    def stored_tensors(
+        self,
+        spec: WeightSpec,
+        config: TokenCalibrationConfig,
+        levels: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        g_idx: torch.Tensor,
+        extras: tuple[torch.Tensor, ...] = (),
+    ) -> dict[str, torch.Tensor]:
+        """The buffers for Keras-convention results: unsigned (N, K) `levels`,
+        (N, G) `scale` and `zero`, each input's group `g_idx`."""
+        offset = signed_offset(self.bits(config))
+        q_nk = (levels.to(torch.int32) - offset).to(torch.int8)
+        data = q_nk.t() if spec.layout == "in_out" else q_nk
+        if self.bits(config) <= 4:
+            data = pack_int4(data.contiguous(), axis=-1)
+        names = self.buffer_names(spec, config)
+        tensors = {
+            names[0]: data.contiguous(),
+            names[1]: _laid_out(spec, scale.float().t()),
+            names[2]: _laid_out(spec, (zero.float() - offset).t()),
+            names[3]: g_idx.float().contiguous(),
+        }
+        tensors.update({name: e.float().contiguous() for name, e in zip(names[4:], extras)})
+        return tensors
+
+    def quantize(
+        self, weight: torch.Tensor, spec: WeightSpec, config: TokenCalibrationConfig
+    ) -> dict[str, torch.Tensor]:
+        """Without calibration data: round to nearest on the mode's grid (what
+        the calibrated algorithm gives with no information about the inputs)."""
+        warnings.warn(
+            f"{config.mode.upper()} without calibration data: the weight is rounded to nearest "
+            f"on {config.mode.upper()}'s grid, without the calibrated search. Quantize the model "
+            f"with a `{type(config).__name__}` holding a dataset to calibrate it.",
+            UserWarning,
+            stacklevel=4,  # the caller of Layer.quantize
+        )
+        w_nk = spec.nk(spec.matrix(weight.detach())).float()
+        levels, scale, zero, g_idx = quantize_rtn(
+            w_nk, bits=self.bits(config), group_size=config.block_size(w_nk.shape[1])
+        )
+        extras = tuple(torch.ones(spec.in_features) for _ in self.extra_buffers)
+        return self.stored_tensors(spec, config, levels, scale, zero, g_idx, extras)
+
+    def new_statistics(self, spec: WeightSpec, config: TokenCalibrationConfig) -> InputStatistics:
+        return InputStatistics(spec.in_features)  # XᵀX (GPTQ's Hessian)
+
+    # -- reading ---------------------------------------------------------
+    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight) -> list[torch.Tensor]:
+        """The stored tensors, scale and zero as (G, N) (views for an (out, in) weight)."""
+        buffers = module._buffers
+        stored = [buffers[name] for name in self.buffer_names(qw.spec, qw.config)]
+        if qw.spec.layout == "out_in":
+            stored[1], stored[2] = stored[1].t(), stored[2].t()
+        return stored
+
+    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        data = self._stored(module, qw)[0]
+        spec = qw.spec
+        if self.bits(qw.config) <= 4:
+            length = spec.out_features if spec.layout == "in_out" else spec.in_features
+            data = unpack_int4(data, length, axis=-1)
+        return spec.nk(data)
+
+    def input_divisor(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
+        """A per-input-feature divisor of the activations (AWQ's scales)."""
+        return None
+
+    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+        weight = self._grouped_weight(module, qw)
+        divisor = self.input_divisor(module, qw)
+        return weight if divisor is None else weight / divisor.float()[None, :]
+
+    # -- products --------------------------------------------------------
+    def new_runtime(self) -> None:
+        return None  # made on first use, by width (`_int4_linear`, `_int8_linear`)
+
+    def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight) -> tuple:
+        """The module's own stored buffers (never per-call views)."""
+        buffers = module._buffers
+        return tuple(buffers[name] for name in self.buffer_names(qw.spec, qw.config))
+
+    def linear(self, module, qw, x2, bias, compute):
+        divisor = self.input_divisor(module, qw)
+        if divisor is not None:
+            x2 = (x2.float() / divisor.float()).to(compute)
+        if self.bits(qw.config) <= 4:
+            return self._int4_linear(module, qw, x2, bias, compute)
+        return self._int8_linear(module, qw, x2, bias, compute)
+
+    def _int4_linear(self, module, qw, x2, bias, compute):
+        """As round-to-nearest int4: the same runtime, kernel and paths."""
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        block = qw.config.block_size(qw.spec.in_features)
+        if not isinstance(qw.runtime, int4_kernels.Int4Runtime):
+            qw.runtime = int4_kernels.Int4Runtime()
+        stored = self._key_tensors(module, qw)
+        q_nk = None
+        if qw.runtime.needs_refresh(stored):
+            q_nk = self.integer_values(module, qw)
+            qw.runtime.refresh(q_nk, scale, zero, block, stored, g_idx)
+        path = int4_kernels.int4_path(qw.runtime, x2.shape[0], block)
+        if path != "packed" and q_nk is None:
+            q_nk = self.integer_values(module, qw)
+        return int4_kernels.int4_linear(
+            x2, q_nk, scale, zero, block, bias, compute, qw.runtime, path, g_idx
+        )
+
+    def _int8_linear(self, module, qw, x2, bias, compute):
+        if not isinstance(qw.runtime, _Int8Runtime):
+            qw.runtime = _Int8Runtime()
+        state = qw.runtime.current(self, module, qw)
+        if bias is not None and bias.dtype != compute:
+            bias = bias.to(compute)
+        if state.zero_step is not None:  # per channel: int8 weight-only, then the zero points
+            y = int8_kernels.int8_weight_only_linear(x2, state.int8, None, torch.float32)
+            y = y - x2.float().sum(-1, keepdim=True) * state.zero_step[None, :]
+            y = y.to(compute)
+            return y if bias is None else y + bias
+        return F.linear(x2.to(compute), self._grouped_weight(module, qw).to(compute), bias)
+
+    def _grouped_weight(self, module, qw) -> torch.Tensor:
+        """The (N, K) weight without the input divisor (applied to `x`)."""
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        q_kn = self.integer_values(module, qw).t()
+        block = qw.config.block_size(qw.spec.in_features)
+        return dequantize_grouped(q_kn, scale, zero, block, g_idx).t()
+
+    def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
+        divisor = self.input_divisor(module, qw)
+        if self.bits(qw.config) > 4 or x2.device.type != "cpu":
+            return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
+        if divisor is not None:
+            x2 = (x2.float() / divisor.float()).to(compute)
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        block = qw.config.block_size(qw.spec.in_features)
+        weight = int4_kernels.kernel_weight(
+            self.integer_values(module, qw), scale, zero, block, g_idx
+        )
+        return int4_kernels.int4_linear_traceable(x2, weight, bias, compute)
+
+
+class _Int8State(NamedTuple):
+    key: tuple
+    int8: int8_kernels.Int8Runtime
+    zero_step: torch.Tensor | None  # per channel: zero * scale; None: grouped
+
+
+class _Int8Runtime:
+    """8-bit derived data, rebuilt when the stored tensors change; published
+    as one immutable state."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state: _Int8State | None = None
+
+    def current(self, scheme, module, qw) -> _Int8State:
+        stored = scheme._key_tensors(module, qw)
+        key = tensor_key(*stored)
+        state = self._state
+        if state is not None and state.key == key:
+            return state
+        _, scale, zero, *_ = scheme._stored(module, qw)
+        int8 = int8_kernels.Int8Runtime()
+        zero_step = None
+        if scale.shape[0] == 1:
+            with torch.inference_mode(False), torch.no_grad():
+                q_nk = scheme.integer_values(module, qw)
+                step = (1.0 / scale.float()[0]).contiguous()
+                zero_step = (zero.float()[0] * scale.float()[0]).contiguous()
+                int8.refresh(q_nk.contiguous(), step, lambda t: t, False)
+        state = _Int8State(key, int8, zero_step)
+        self._state = state
+        return state

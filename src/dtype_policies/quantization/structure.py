@@ -1,0 +1,132 @@
+"""Finding the blocks a calibrated quantization walks one at a time, when
+the config gives no `quantization_layer_structure`.
+
+The blocks are the longest run of sibling modules of one class (at least
+two, each with parameters) held in a `torch.nn.ModuleList` or a sequential
+container (`torch.nn.Sequential`, this library's `layers.Sequential`), the
+outermost on a tie: the decoder layers of a Hugging Face model
+(`model.model.layers`), the encoder layers of a BERT, the repeated blocks of
+a Keras-style stack. Everything before the first block (embeddings, the
+rotary tables) runs as part of the model's forward when its inputs are
+captured.
+
+A found structure is used only if the model really chains it: on one
+calibration batch, each block runs once, in order, and each block's first
+input equals the previous block's first output (`blocks_chain`). Otherwise
+(or when nothing repeats) the whole model is one block.
+
+>>> import torch
+>>> model = torch.nn.Sequential(
+...     torch.nn.Linear(4, 8), *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+...                              for _ in range(3)], torch.nn.Linear(8, 2))
+>>> [path for path, _ in find_blocks(model)]
+['1', '2', '3']
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
+
+
+class _LastBlockDone(Exception):
+    """Stops the model's forward once the last block has run."""
+
+
+def _is_container(module: torch.nn.Module) -> bool:
+    return isinstance(module, _CONTAINERS) or getattr(module, "_is_container", False)
+
+
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _longest_run(children: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
+    best: list[tuple[str, torch.nn.Module]] = []
+    run: list[tuple[str, torch.nn.Module]] = []
+    for name, child in children:
+        if run and type(child) is type(run[-1][1]) and _has_parameters(child):
+            run.append((name, child))
+        else:
+            run = [(name, child)] if _has_parameters(child) else []
+        if len(run) > len(best):
+            best = list(run)
+    return best
+
+
+def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """`(dotted path, module)` of the model's repeated blocks (see the module
+    docstring), or `[]` if nothing repeats."""
+    best: list[tuple[str, torch.nn.Module]] = []
+    best_depth = 0
+    for path, module in model.named_modules():
+        if not _is_container(module):
+            continue
+        run = _longest_run(list(module.named_children()))
+        depth = path.count(".") + (1 if path else 0)
+        if len(run) >= 2 and (
+            len(run) > len(best) or (len(run) == len(best) and depth < best_depth)
+        ):
+            prefix = f"{path}." if path else ""
+            best = [(prefix + name, child) for name, child in run]
+            best_depth = depth
+    return best
+
+
+def first_input(args: tuple, kwargs: dict) -> Any:
+    """A block's first input: its first positional argument, else its first
+    keyword argument holding a tensor."""
+    if args:
+        return args[0]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
+def first_output(output: Any) -> Any:
+    """A block's first output (a tensor, or the first item of a tuple, list or `ModelOutput`)."""
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    if isinstance(output, torch.Tensor):
+        return output
+    return output[0]
+
+
+def blocks_chain(blocks: list[torch.nn.Module], run_model: Callable[[], Any]) -> tuple[bool, str]:
+    """Whether running the model (`run_model()`) calls each block once, in
+    order, each on the previous block's first output; and if not, why."""
+    seen: list[tuple[int, Any, Any]] = []
+    handles = []
+
+    def record(index: int):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            seen.append((index, first_input(args, kwargs), first_output(output)))
+            if index == len(blocks) - 1:
+                raise _LastBlockDone  # what follows the blocks (an LM head) need not run
+
+        return hook
+
+    try:
+        for index, block in enumerate(blocks):
+            handles.append(block.register_forward_hook(record(index), with_kwargs=True))
+        run_model()
+    except _LastBlockDone:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = [index for index, _, _ in seen]
+    if order != list(range(len(blocks))):
+        return False, f"the blocks ran in the order {order[:8]}{'...' if len(order) > 8 else ''}"
+    for (_, _, previous), (index, current, _) in itertools.pairwise(seen):
+        if not (
+            isinstance(previous, torch.Tensor)
+            and isinstance(current, torch.Tensor)
+            and previous.shape == current.shape
+            and torch.equal(previous, current)
+        ):
+            return False, f"block {index} does not take block {index - 1}'s output as its input"
+    return True, ""

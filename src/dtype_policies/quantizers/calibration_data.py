@@ -1,0 +1,174 @@
+"""Calibration data for GPTQ and AWQ: text or token ids turned into
+`num_samples` windows of `sequence_length` tokens (Keras's `get_dataloader`),
+and those windows turned into model inputs.
+
+The dataset is an iterable (a list, a generator, a tensor or array whose
+first axis is iterated) of
+
+* strings, tokenized with the config's tokenizer: a Hugging Face tokenizer
+  (called without special tokens), a Keras-style object with `tokenize`, or
+  any callable from text to ids (a list, a tensor, an array, or a dict with
+  `"input_ids"`);
+* integer tensors, arrays or lists (pre-tokenized ids, any shape);
+
+all concatenated into one stream of ids, repeated if shorter than
+`num_samples * sequence_length`, and cut into `num_samples` windows at
+evenly strided starts from token 0 (Keras's "strided" rule; Keras starts at
+an offset taken from Python's per-process string hash, so its windows change
+from run to run, ours do not).
+
+Floating-point tensors (or tuples and dicts of tensors) are taken as ready
+model inputs, one batch each, for models that do not read token ids.
+
+>>> import torch
+>>> windows = token_windows([torch.arange(12)], None, num_samples=3, sequence_length=4)
+>>> windows
+tensor([[0, 1, 2, 3],
+        [3, 4, 5, 6],
+        [6, 7, 8, 9]])
+>>> token_windows(["abcd"], lambda text: [ord(c) for c in text], 2, 3).tolist()  # repeated
+[[97, 98, 99], [100, 97, 98]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _is_text(item: Any) -> bool:
+    return isinstance(item, (str, bytes))
+
+
+def _is_model_input(item: Any) -> bool:
+    """A floating tensor, or a tuple/dict holding one: a ready model input."""
+    if isinstance(item, torch.Tensor):
+        return item.is_floating_point()
+    if isinstance(item, np.ndarray):
+        return np.issubdtype(item.dtype, np.floating)
+    if isinstance(item, Mapping):
+        return any(_is_model_input(v) for v in item.values())
+    if isinstance(item, tuple):
+        return any(_is_model_input(v) for v in item)
+    return False
+
+
+def _items(dataset: Any) -> list[Any]:
+    if dataset is None:
+        raise ValueError("The calibration `dataset` is None: pass text or token ids.")
+    if _is_text(dataset) or not hasattr(dataset, "__iter__"):
+        raise TypeError(
+            "The `dataset` argument must be an iterable (e.g., a list of strings, a generator, "
+            f"or a NumPy array). Got type: {type(dataset).__name__}. Please pass the loaded "
+            "dataset directly."
+        )
+    if isinstance(dataset, (Mapping, torch.Tensor, np.ndarray)):
+        return [dataset]  # one batch of inputs, or one stream of ids
+    items = list(dataset)
+    if not items:
+        raise ValueError("Provided dataset is empty.")
+    return items
+
+
+def _is_hf_tokenizer(tokenizer: Any) -> bool:
+    return any(
+        cls.__name__ == "PreTrainedTokenizerBase" and cls.__module__.startswith("transformers")
+        for cls in type(tokenizer).__mro__
+    )
+
+
+def tokenize(tokenizer: Any, text: str) -> np.ndarray:
+    """The ids of `text` (1-D int64) from a Hugging Face tokenizer (without
+    special tokens), a Keras-style `tokenize`, or a callable."""
+    if tokenizer is None:
+        raise ValueError(
+            "The calibration dataset holds text but no `tokenizer` was given: pass a Hugging "
+            "Face tokenizer or any callable from text to token ids, or pre-tokenized ids."
+        )
+    if _is_hf_tokenizer(tokenizer):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    elif callable(tokenizer):
+        ids = tokenizer(text)
+    elif hasattr(tokenizer, "tokenize"):
+        ids = tokenizer.tokenize(text)
+    else:
+        raise TypeError(
+            f"The tokenizer must be callable (text -> ids) or have `tokenize`. "
+            f"Received: {type(tokenizer).__name__}"
+        )
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return _as_ids(ids)
+
+
+def _as_ids(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype == object or not (
+        np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
+    ):
+        raise TypeError(f"Token ids must be integers. Received: {array.dtype} values")
+    if np.issubdtype(array.dtype, np.floating) and (
+        not np.all(np.isfinite(array)) or np.any(array != np.round(array))
+    ):
+        raise TypeError("Token ids must be integers. Received: non-integral floats")
+    return array.reshape(-1).astype(np.int64, copy=False)
+
+
+def token_windows(
+    dataset: Iterable[Any], tokenizer: Any, num_samples: int, sequence_length: int
+) -> torch.Tensor:
+    """`(num_samples, sequence_length)` int64 token windows (see the module docstring)."""
+    items = _items(dataset)
+    pieces = [tokenize(tokenizer, item) if _is_text(item) else _as_ids(item) for item in items]
+    stream = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+    required = num_samples * sequence_length
+    if 0 < stream.size < required:
+        stream = np.tile(stream, math.ceil(required / stream.size))
+    max_start = stream.size - sequence_length
+    if max_start < 0:
+        raise ValueError(
+            f"Not enough tokens to form one sample of length {sequence_length} "
+            f"(have {stream.size})."
+        )
+    stride = max(1, (max_start + 1) // num_samples)
+    starts = (np.arange(num_samples, dtype=np.int64) * stride) % (max_start + 1)
+    windows = np.lib.stride_tricks.sliding_window_view(stream, sequence_length)[starts]
+    return torch.from_numpy(np.ascontiguousarray(windows))
+
+
+def is_huggingface_model(model: torch.nn.Module) -> bool:
+    """A transformers `PreTrainedModel` (checked without importing transformers)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+        for cls in type(model).__mro__
+    )
+
+
+def calibration_inputs(
+    dataset: Any,
+    tokenizer: Any,
+    num_samples: int,
+    sequence_length: int,
+    model: torch.nn.Module,
+    batch_size: int = 1,
+) -> list[Any]:
+    """The model inputs to calibrate on: the windows of ids in batches of
+    `batch_size` (`(B, sequence_length)`; `{"input_ids": ..., "use_cache":
+    False}` for Hugging Face models, so that no cache is shared across block
+    calls), or the dataset's own floating-point model inputs (at most
+    `num_samples` of them, as they are)."""
+    items = _items(dataset)
+    if all(_is_model_input(item) for item in items):
+        inputs = [torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in items]
+        return inputs[:num_samples]
+    windows = token_windows(items, tokenizer, num_samples, sequence_length)
+    batches = [windows[i : i + batch_size] for i in range(0, num_samples, batch_size)]
+    if is_huggingface_model(model):
+        return [{"input_ids": batch, "use_cache": False} for batch in batches]
+    return batches

@@ -1,0 +1,173 @@
+"""GPTQ and AWQ through the rest of the library: a Keras archive whose layers
+use their policies reads into a policy map; `inspect` reads a checkpoint of
+a calibrated model; the advisor offers a calibrated candidate."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+import zipfile
+
+import pytest
+import torch
+
+from dtype_policies import apply_policy, quantize, saving
+from dtype_policies.policies import AWQDTypePolicy, GPTQDTypePolicy
+from dtype_policies.quantizers import AWQConfig, GPTQConfig
+from dtype_policies.saving import policy_map_from_keras
+
+
+def _keras_policy(class_name, mode, source):
+    return {
+        "module": "keras.dtype_policies",
+        "class_name": class_name,
+        "config": {"mode": mode, "source_name": source},
+        "registered_name": None,
+    }
+
+
+def _dense(name, dtype):
+    return {
+        "module": "keras.layers",
+        "class_name": "Dense",
+        "config": {"name": name, "trainable": True, "dtype": dtype, "units": 4},
+        "registered_name": None,
+        "build_config": {"input_shape": [None, 4]},
+    }
+
+
+def test_a_keras_archive_with_gptq_and_awq_layers_reads_into_a_policy_map(tmp_path):
+    config = {
+        "module": "keras",
+        "class_name": "Sequential",
+        "config": {
+            "name": "sequential",
+            "trainable": True,
+            "layers": [
+                _dense("a", _keras_policy("GPTQDTypePolicy", "gptq/4/128", "float32")),
+                _dense("b", _keras_policy("AWQDTypePolicy", "awq/4/64", "mixed_bfloat16")),
+                _dense("c", "float32"),
+            ],
+        },
+    }
+    file = tmp_path / "m.keras"
+    with zipfile.ZipFile(file, "w") as archive:
+        archive.writestr("metadata.json", json.dumps({"keras_version": "3.15.1"}))
+        archive.writestr("config.json", json.dumps(config))
+        archive.writestr("model.weights.h5", b"not read")
+    policy_map = policy_map_from_keras(str(file))
+    assert policy_map["sequential/a"] == GPTQDTypePolicy("gptq/4/128", "float32")
+    assert isinstance(policy_map["sequential/b"], AWQDTypePolicy)
+    assert policy_map["sequential/b"].name == "awq/4/64_from_mixed_bfloat16"
+    assert policy_map["sequential/c"].name == "float32"
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.Linear(64, 8)
+    )
+
+
+def test_inspect_reads_a_calibrated_checkpoint(tmp_path):
+    model = _mlp()
+    apply_policy(model, "mixed_bfloat16")
+    data = [torch.randn(16, 64) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(model, config=GPTQConfig(data, None, group_size=32), filters="^0$", progress=False)
+        quantize(model, config=AWQConfig(data, None, group_size=64), filters="^2$", progress=False)
+    saving.save(model, tmp_path / "ckpt")
+    result = subprocess.run(
+        [sys.executable, "-m", "dtype_policies", "inspect", str(tmp_path / "ckpt"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {row["path"]: row for row in json.loads(result.stdout)["modules"]}
+    assert rows["0"]["quantization"] == "gptq/4/32"
+    assert rows["0"]["policy"] == "gptq/4/32_from_mixed_bfloat16"
+    assert rows["2"]["quantization"] == "awq/4/64"
+    assert rows["3"]["quantization"] in (None, "", "-")
+
+
+def test_the_advisor_offers_calibrated_int4_and_applies_it_as_measured():
+    """A gptq candidate is calibrated on each module's recorded inputs, both
+    when measured and when the advice is applied; it beats data-free int4
+    where inputs have outlier channels."""
+    import copy
+
+    from dtype_policies import advise
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16)
+    ).eval()
+    x = torch.randn(64, 64)
+    x[:, :4] *= 20.0
+    both = advise(model, x, candidates=("gptq", "int4"), progress=False, repeats=1)
+    errors = {row.path: row.errors for row in both.modules}
+    assert all(errors[p]["gptq"] < 0.7 * errors[p]["int4"] for p in ("0", "2"))
+    advice = advise(
+        model,
+        x,
+        candidates=("gptq",),
+        max_error=0.05,
+        objective="memory",
+        progress=False,
+        repeats=1,
+    )
+    assert {row.path: row.choice for row in advice.modules} == {"0": "gptq", "2": "gptq"}
+    fresh = copy.deepcopy(model)
+    advice.apply(fresh)
+    assert fresh[0].dtype_policy.name == "gptq/4/128_from_mixed_bfloat16"
+    with torch.no_grad():
+        got, want = fresh(x), model(x)
+    error = float((got - want).norm() / want.norm())
+    assert error == pytest.approx(advice.error, rel=1e-3, abs=1e-6) and error <= 0.05
+
+
+def _calibrated_mlp(mode):
+    model = _mlp(seed=3)
+    apply_policy(model, "mixed_bfloat16")
+    data = [torch.randn(32, 64) for _ in range(4)]
+    config = (
+        GPTQConfig(data, None, group_size=32, activation_order=True)
+        if mode == "gptq"
+        else AWQConfig(data, None, group_size=32)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(model, config=config, progress=False)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_compiled_inference_mode_and_threads_compute_what_eager_does(mode):
+    import threading
+
+    model = _calibrated_mlp(mode)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        eager = model(x).float()
+    with torch.inference_mode():
+        assert torch.allclose(model(x).float(), eager)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        traced = compiled(x).float()
+    assert torch.allclose(traced, eager, rtol=2e-2, atol=2e-2 * float(eager.abs().max()))
+    results = [None] * 4
+
+    def run(i):
+        with torch.no_grad():
+            results[i] = model(x).float()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(r, eager) for r in results)

@@ -1,0 +1,212 @@
+"""GPTQ's and AWQ's math (`quantizers.gptq`, `quantizers.awq`) and the input
+statistics they are fed: Keras's own test cases as a model (streaming equals
+one batch, the closed form of the Hessian, an identity inverse Hessian is
+round to nearest, activation order undone), plus the properties the library
+relies on (never worse than round to nearest on the calibration inputs)."""
+
+import pytest
+import torch
+
+from dtype_policies.quantization.schemes.calibrated_int import InputStatistics
+from dtype_policies.quantizers import awq, gptq
+
+
+def correlated_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(k, k, generator=generator) / k**0.5 + torch.eye(k)
+    scales = torch.rand(k, generator=generator) * 3 + 0.1
+    return torch.randn(rows, k, generator=generator) @ mixing * scales
+
+
+def output_error(x: torch.Tensor, w: torch.Tensor, approx: torch.Tensor) -> float:
+    return float(((x @ (w - approx).T) ** 2).mean())
+
+
+# -- statistics (Keras's GPTQ tests: test_update_hessian, test_streaming_equals_big_batch, ...)
+
+
+def test_streaming_equals_one_batch_and_the_closed_form():
+    x = torch.randn(100, 7)
+    one, streamed = InputStatistics(7), InputStatistics(7)
+    one.update(x)
+    streamed.update(x[:50])
+    streamed.update(x[50:])
+    assert torch.allclose(one.hessian, streamed.hessian, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(one.hessian, 2 * x.T @ x / 100, rtol=1e-6, atol=1e-6)
+    assert streamed.rows == 100 and torch.equal(one.hessian, one.hessian.T)
+
+
+def test_statistics_of_magnitudes_and_errors():
+    x = torch.tensor([[1.0, -4.0], [-3.0, 2.0]])
+    stats = InputStatistics(2, gram=False, mean_abs=True, max_abs=True)
+    stats.update(x)
+    assert stats.gram is None
+    assert torch.equal(stats.mean_abs, torch.tensor([2.0, 3.0]))
+    assert torch.equal(stats.abs_max, torch.tensor([3.0, 4.0]))
+    with pytest.raises(ValueError, match="do not match input features"):
+        stats.update(torch.randn(3, 5))
+
+
+def test_rows_fed_twice_share_one_product():
+    x = torch.randn(64, 16)
+    first, second = InputStatistics(16), InputStatistics(16)
+    first.update(x)
+    second.update(x)  # the same object: the product is reused
+    assert torch.equal(first.gram, second.gram)
+    x.mul_(2)  # written in place: recomputed
+    second.update(x)
+    assert torch.allclose(second.gram, first.gram * 5, rtol=1e-5)
+
+
+def test_bfloat16_rows_give_the_float32_hessian_closely():
+    x = correlated_inputs(2048, 64).bfloat16()
+    low, exact = InputStatistics(64), InputStatistics(64)
+    low.update(x)
+    exact.update(x.float())
+    relative = (low.hessian - exact.hessian).norm() / exact.hessian.norm()
+    assert float(relative) < 2e-3
+
+
+# -- GPTQ
+
+
+def test_an_identity_inverse_hessian_is_round_to_nearest():
+    """Keras's test_identity_inv_hessian_matches_direct_quantization."""
+    w = torch.linspace(-0.9, 1.1, 16 * 8).reshape(8, 16)
+    q, scale, zero, g_idx = gptq.gptq_quantize_matrix(w, torch.eye(16), group_size=4)
+    expected = gptq.quantize_rtn(w, bits=4, group_size=4)
+    for got, want in zip((q, scale, zero, g_idx), expected):
+        assert torch.equal(got, want)
+
+
+def test_activation_order_with_a_diagonal_hessian_changes_nothing():
+    """Keras's test_activation_order_produces_equivalent_weights."""
+    w = torch.randn(6, 8)
+    hessian = torch.diag(torch.linspace(10.0, 1.0, 8)[torch.randperm(8)])
+    plain = gptq.gptq_quantize(w, hessian, group_size=-1)
+    ordered = gptq.gptq_quantize(w, hessian, group_size=-1, activation_order=True)
+    assert torch.equal(gptq.dequantize_with_sz_map(*plain), gptq.dequantize_with_sz_map(*ordered))
+
+
+@pytest.mark.parametrize("inverse", gptq.INVERSES)
+@pytest.mark.parametrize("bits, group", [(4, 32), (3, 16), (2, 32), (8, -1), (4, -1)])
+def test_gptq_lowers_the_output_error_on_its_inputs(inverse, bits, group):
+    x = correlated_inputs(1024, 96, seed=bits)
+    w = torch.randn(40, 96)
+    hessian = 2 * x.T @ x / x.shape[0]
+    ours = gptq.dequantize_with_sz_map(
+        *gptq.gptq_quantize(w, hessian, bits=bits, group_size=group, inverse=inverse)
+    )
+    rtn = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w, bits=bits, group_size=group))
+    assert output_error(x, w, ours) < output_error(x, w, rtn)
+
+
+def test_the_cholesky_factor_beats_the_plain_inverse():
+    """The reference's matrix is the right conditional inverse; Keras's is not."""
+    wins = 0
+    for seed in range(4):
+        x = correlated_inputs(1024, 128, seed=seed)
+        w = torch.randn(32, 128, generator=torch.Generator().manual_seed(seed))
+        hessian = 2 * x.T @ x / x.shape[0]
+        errors = {
+            inverse: output_error(
+                x, w, gptq.dequantize_with_sz_map(*gptq.gptq_quantize(w, hessian, inverse=inverse))
+            )
+            for inverse in gptq.INVERSES
+        }
+        wins += errors["cholesky"] < errors["keras"]
+    assert wins == 4
+
+
+def test_activation_order_groups_and_levels():
+    x = correlated_inputs(512, 64)
+    w = torch.randn(16, 64)
+    q, scale, _, g_idx = gptq.gptq_quantize(
+        w, 2 * x.T @ x / 512, bits=3, group_size=16, activation_order=True
+    )
+    assert torch.equal(g_idx.sort().values, torch.arange(64) // 16)
+    assert not torch.equal(g_idx, torch.arange(64) // 16)
+    assert int(q.min()) >= 0 and int(q.max()) <= 7 and scale.shape == (16, 4)
+    # the groups hold the columns quantized together: by decreasing Hessian diagonal
+    diagonal = torch.diagonal(x.T @ x)
+    first_group = g_idx == 0
+    assert diagonal[first_group].min() >= diagonal[~first_group].max()
+
+
+def test_dead_inputs_and_a_singular_hessian():
+    x = correlated_inputs(256, 32)
+    x[:, 5] = 0  # an input that never fires
+    x[:, 7] = x[:, 6]  # and two identical ones: H is singular without damping
+    w = torch.randn(8, 32)
+    hessian = 2 * x.T @ x / 256
+    q, scale, zero, g_idx = gptq.gptq_quantize(w, hessian, group_size=16, damping=0.0)
+    restored = gptq.dequantize_with_sz_map(q, scale, zero, g_idx)
+    assert torch.isfinite(restored).all() and torch.equal(restored[:, 5], torch.zeros(8))
+    with pytest.raises(ValueError, match="not positive definite"):
+        gptq.gptq_quantize(w, torch.full((32, 32), float("nan")), group_size=16)
+    with pytest.raises(ValueError, match="`inverse` must be one of"):
+        gptq.gptq_quantize(w, hessian, inverse="lu")
+
+
+def test_the_grid_keeps_a_real_zero_point_and_may_leave_it_unrounded():
+    w = torch.tensor([[0.5, 0.6, 0.9, 1.3], [-1.0, 0.2, 0.4, 0.8]])
+    _, zero, maxq = gptq.compute_quantization_parameters(w, bits=4, per_channel=True)
+    assert maxq == 15 and zero[0, 0] == -9  # round(-0.5 / (0.8 / 15)): below 0, not wrapped
+    exact, real_zero, _ = gptq.compute_quantization_parameters(
+        w, bits=4, per_channel=True, round_zero=False
+    )
+    levels = gptq.quantize_with_zero_point(w, exact, real_zero, maxq)
+    restored = gptq.dequantize_with_zero_point(levels, exact, real_zero)
+    assert torch.allclose(restored.amin(1), w.amin(1)) and torch.allclose(
+        restored.amax(1), w.amax(1)
+    )
+    _, center, _ = gptq.compute_quantization_parameters(w, bits=4, per_channel=True, symmetric=True)
+    assert torch.equal(center, torch.full((2, 1), 8.0))
+    per_tensor, _, _ = gptq.compute_quantization_parameters(w, bits=4)
+    assert per_tensor.shape == (2, 1) and per_tensor[0, 0] == per_tensor[1, 0]
+
+
+# -- AWQ (Keras's AWQ tests: shapes, positive finite scales, near-zero activations)
+
+
+@pytest.mark.parametrize("group", [-1, 8, 32])
+def test_keras_search_shapes_and_scales(group):
+    w = torch.randn(64, 32)
+    activations = torch.rand(32) + 0.1
+    activations[:5] = 1e-10
+    q, scale, zero, scales, g_idx = awq.awq_quantize_matrix(
+        w, activations, num_grid_points=5, group_size=group
+    )
+    groups = 1 if group == -1 else 32 // group
+    assert q.shape == (64, 32) and scale.shape == zero.shape == (64, groups)
+    assert scales.shape == g_idx.shape == (32,)
+    assert torch.isfinite(scales).all() and (scales > 0).all()
+    assert int(g_idx.max()) == groups - 1
+
+
+@pytest.mark.parametrize("group", [-1, 16])
+def test_the_output_search_never_loses_to_round_to_nearest(group):
+    x = correlated_inputs(1024, 64, seed=group + 3)
+    w = torch.randn(24, 64)
+    hessian = x.T @ x / x.shape[0]
+    scales = awq.awq_search_output(w, hessian, x.abs().mean(0), group_size=group)
+    size = 64 if group == -1 else group
+    searched = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w * scales, group_size=size)) / scales
+    rtn = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w, group_size=size))
+    assert output_error(x, w, searched) <= output_error(x, w, rtn)
+
+
+def test_clipping_lowers_the_error_further_and_keeps_the_scales():
+    x = correlated_inputs(2048, 64, seed=11)
+    w = torch.randn(32, 64) * (1 + 5 * (torch.rand(32, 64) > 0.98))  # a few outliers
+    hessian = x.T @ x / x.shape[0]
+    mean = x.abs().mean(0)
+    clipped = awq.awq_quantize_output(w, hessian, mean, group_size=16)
+    plain = awq.awq_quantize_output(w, hessian, mean, group_size=16, clip=False)
+    assert torch.equal(clipped[3], plain[3])
+
+    def restored(result):
+        q, scale, zero, scales, g_idx = result
+        return gptq.dequantize_with_sz_map(q, scale, zero, g_idx) / scales
+
+    assert output_error(x, w, restored(clipped)) < output_error(x, w, restored(plain))
