@@ -71,8 +71,11 @@ def test_minilm_mixed_bfloat16_embeddings_match_float32(minilm):
     assert figures["nn_agreement"] >= 0.95
 
 
+# Not run: calibrating SmolLM2 takes 10-40 minutes (AWQ over an hour) on 2
+# cores, past CI's budget, to confirm a known miss. The benchmark measures it:
+# `python -m benchmarks quality --model smollm2 --variants gptq/4/128,awq/4/128`.
 CALIBRATED_TARGET_MISSED = pytest.mark.xfail(
-    strict=False,
+    run=False,
     reason="issue 20 targets not met yet: gptq/4/128 measured 34.34 (+38%) calibrated on the "
     "Python documentation topics, 30.98 (+24%) on other licence texts (2026-11-25); "
     "awq/4/128 not measured (its search is too slow)",
