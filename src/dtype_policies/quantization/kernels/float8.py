@@ -111,11 +111,15 @@ def float8_linear(
     product: LinearProduct | None,
     contract,
     bias: torch.Tensor | None,
+    quantize_inputs: bool = True,
 ) -> torch.Tensor:
     """`contract(qdq(x), kernel) + bias` without autograd; `input_scale` is
-    the stored inputs scale, `None` for dynamic scaling."""
-    if input_scale is None:
-        input_scale = compute_float8_dynamic_scale(x, FLOAT8_E4M3_MAX)
-    xq = quantize_dequantize_e4m3(x, input_scale, x.dtype)
+    the stored inputs scale, `None` for dynamic scaling; with
+    `quantize_inputs=False` (weight-only) `x` is used as it is."""
+    xq = x
+    if quantize_inputs:
+        if input_scale is None:
+            input_scale = compute_float8_dynamic_scale(x, FLOAT8_E4M3_MAX)
+        xq = quantize_dequantize_e4m3(x, input_scale, x.dtype)
     y = product(xq, None) if product is not None else contract(xq, kernel)
     return y if bias is None else y + bias

@@ -150,12 +150,8 @@ class Float8Scheme(Scheme):
             (lambda k: weight_only_kernel(spec, k)) if scaling == "weight_only" else None,
         )
         contract = spec.contract or (lambda a, k: F.linear(a, spec.nk(spec.matrix(k))))
-        if scaling == "weight_only":
-            y = product(x, None) if product is not None else contract(x, kernel)
-            y = y if bias is None else y + bias
-        else:
-            input_scale = None if scaling == "dynamic" else module._buffers["inputs_scale"]
-            y = float8_linear(x, input_scale, kernel, product, contract, bias)
+        input_scale = module._buffers["inputs_scale"] if scaling == "delayed" else None
+        y = float8_linear(x, input_scale, kernel, product, contract, bias, scaling != "weight_only")
         return y.to(compute)
 
 

@@ -133,12 +133,11 @@ class Int4Scheme(Scheme):
         return tuple(buffers[name] for name in names if buffers.get(name) is not None)
 
     def _g_idx(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
-        """The stored `g_idx`, or None where it is `arange(K) // block_size`."""
-        g_idx = module._buffers.get(f"{qw.spec.weight}_g_idx")
-        if g_idx is None or qw.config.group_size <= 0:
+        """The stored `g_idx` of a grouped weight (the kernel's plan tells a
+        natural order from a permuted one), None per channel."""
+        if qw.config.group_size <= 0:
             return None
-        natural = default_g_idx(qw.spec.in_features, qw.config.group_size, g_idx.device)
-        return None if torch.equal(g_idx, natural) else g_idx
+        return module._buffers.get(f"{qw.spec.weight}_g_idx")
 
     def linear(self, module, qw, x2, bias, compute):
         if qw.config.activation_quantizer is not None:
@@ -167,8 +166,9 @@ class Int4Scheme(Scheme):
         if scale.device.type != "cpu":
             return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
         q_nk = self.integer_values(module, qw)
-        g_idx = module._buffers.get(f"{qw.spec.weight}_g_idx")  # no data-dependent test
-        weight = kernels.kernel_weight(q_nk, scale, zero, qw.config.group_size, g_idx)
+        weight = kernels.kernel_weight(
+            q_nk, scale, zero, qw.config.group_size, self._g_idx(module, qw)
+        )
         return kernels.int4_linear_traceable(x2, weight, bias, compute)
 
     def _per_row_quantized_linear(self, module, qw, x2, bias, compute):
