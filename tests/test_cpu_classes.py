@@ -21,6 +21,7 @@ import torch.nn as nn
 import dtype_policies
 from dtype_policies import _cpu, apply_policy, quantize
 from dtype_policies._core import products
+from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantizers import abs_max_quantize
@@ -154,6 +155,36 @@ def test_half_precision_linears_on_every_class(cpu_class, policy):
         assert kind == "float32_products"
     elif dtype is torch.bfloat16 and cpu_class.onednn_bf16:
         assert kind == "onednn_prepacked"
+
+
+def test_emulated_bfloat16_multiplies_one_row_by_its_weight_and_more_in_float32(cpu_class):
+    """Without native bfloat16 products only one row reads the bfloat16 weight
+    (by oneDNN where its bfloat16 runs, on a kept weight); two rows already
+    multiply in float32 the rounded values. Every path gives the values of a
+    bfloat16 product with float32 accumulation, and an input gradient where
+    one is asked for (oneDNN's product has none: it is used only without)."""
+    if cpu_class.native_bf16:
+        pytest.skip("native bfloat16: prepacked oneDNN at every row count")
+    torch.manual_seed(0)
+    model = nn.Linear(576, 1536)  # SmolLM2's MLP width: above SMALL_ELEMENTS
+    rounded = model.weight.detach().bfloat16().float()
+    bias = model.bias.detach().bfloat16().float()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(3, 576)
+    with torch.no_grad():
+        outputs = [model(x[:rows]) for rows in (1, 2, 3)]
+    product = model.__dict__[STATE_KEY].casts.pair[5]
+    assert product.kind == "float32_products"
+    assert product.onednn == products.onednn_gemv(torch.bfloat16, cpu_class)
+    assert products.FEW_ROWS == 1 and product._float32 is not None  # made by the 2-row call
+    for rows, out in zip((1, 2, 3), outputs):
+        reference = (x[:rows].bfloat16().float() @ rounded.t() + bias).bfloat16()
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), reference.float(), atol=1e-2, rtol=8e-3)
+    x1 = x[:1].clone().requires_grad_()
+    model(x1).float().sum().backward()
+    expected = (rounded.sum(0)).bfloat16().float()
+    torch.testing.assert_close(x1.grad, expected[None], atol=3e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

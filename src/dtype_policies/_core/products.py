@@ -7,13 +7,16 @@ trying a kernel and catching its error.
   skips reordering the weight on every call).
 * `"float32_products"`: bfloat16 or float16 on a CPU without native products
   of that dtype, where torch's half-precision products are emulated (0.2-0.3x
-  float32 beyond a few rows, measured on AVX2). Beyond `FEW_ROWS` rows the
+  float32 at many rows, 0.5-0.9x already at 2-4). Beyond `FEW_ROWS` rows the
   product runs in float32 on the half-precision values and rounds once to the
   compute dtype: a product of two bfloat16 (or two float16) numbers is exact in
   float32 and the accumulation is float32 either way, so the values are those
-  of a native product. Up to `FEW_ROWS` rows, where reading the weight
-  dominates, the half-precision weight is multiplied directly. The float32
-  copy of the rounded weight is made on the first call that needs it.
+  of a native product. At `FEW_ROWS` rows, where reading the weight
+  dominates, the half-precision weight is multiplied directly: by oneDNN where
+  its bfloat16 runs (AVX-512 without native bfloat16: 1.5-1.9x float32 at one
+  row, against 1.3x for torch's own product) on a kept weight, else by torch.
+  The float32 copy of the rounded weight is made on the first call that needs
+  it.
 * Either way, small weights at a few rows multiply in float32 (see
   `LinearProduct`).
 * `None`: `F.linear` in the compute dtype.
@@ -36,8 +39,12 @@ KINDS = ("onednn_prepacked", "float32_products")
 
 # Up to this many rows a half-precision product without native instructions
 # still beats float32 (half the bytes of weight read); beyond it, float32
-# products of the rounded values win (measured on AVX2: see docs/cpu_classes.md).
-FEW_ROWS = 4
+# products of the rounded values win. 1 thread, 2026-11-26, on AVX-512 without
+# native bfloat16 (Skylake-SP) and under AVX2 caps, torch's bfloat16 product
+# of 2048 x 5632, 5632 x 2048, 896 x 4864 and 576 x 1536 weights: 1.3x
+# float32 at 1 row, 0.55-0.93x at 2 rows, 0.5-0.98x at 4 (an earlier AVX2
+# machine gave 4 rows: the conservative bound keeps "never slower").
+FEW_ROWS = 1
 
 # Up to `FEW_ROWS` rows, weights of fewer elements than this multiply faster in
 # float32 than by any half-precision path (a call's fixed cost dominates; 1
@@ -100,15 +107,24 @@ def kind_for(
 def describe(kind: str | None, dtype: torch.dtype) -> str:
     """A short description of a product path, for reports.
 
-    >>> describe("float32_products", torch.bfloat16)
-    'bfloat16 weight up to 4 rows, float32 products of its values beyond'
+    >>> describe("float32_products", torch.float16)
+    'float16 weight at 1 row, float32 products of its values beyond'
     """
     name = str(dtype).removeprefix("torch.")
     if kind == "onednn_prepacked":
         return f"oneDNN {name}, prepacked weight"
     if kind == "float32_products":
-        return f"{name} weight up to {FEW_ROWS} rows, float32 products of its values beyond"
+        few = f"{FEW_ROWS} row" if FEW_ROWS == 1 else f"up to {FEW_ROWS} rows"
+        by = "oneDNN " if onednn_gemv(dtype, processor()) else ""
+        return f"{by}{name} weight at {few}, float32 products of its values beyond"
     return f"F.linear {name}"
+
+
+def onednn_gemv(dtype: torch.dtype, cpu: Processor) -> bool:
+    """Whether a kept half-precision weight without native products is
+    multiplied by oneDNN at `FEW_ROWS` rows (its emulated bfloat16 reads the
+    plain weight faster than torch's product there)."""
+    return dtype is torch.bfloat16 and _PREPACK_OPS and cpu.onednn_bf16 and not cpu.native_bf16
 
 
 class LinearProduct:
@@ -118,10 +134,12 @@ class LinearProduct:
     the float32 copy made on first use (a concurrent first use makes it twice,
     with the same values). Up to `FEW_ROWS` rows a weight of fewer than
     `SMALL_ELEMENTS` elements is multiplied in float32 whatever the kind: the
-    fixed cost of a half-precision or oneDNN call dominates there.
+    fixed cost of a half-precision or oneDNN call dominates there. `onednn`:
+    a graph-free `float32_products` weight multiplied by oneDNN at `FEW_ROWS`
+    rows (`onednn_gemv`; oneDNN's product has no autograd).
     """
 
-    __slots__ = ("_float32", "dtype", "kind", "small", "weight")
+    __slots__ = ("_float32", "dtype", "kind", "onednn", "small", "weight")
 
     def __init__(
         self,
@@ -129,12 +147,14 @@ class LinearProduct:
         weight: torch.Tensor,
         dtype: torch.dtype,
         float32: torch.Tensor | None = None,
+        onednn: bool = False,
     ) -> None:
         self.kind = kind
         self.weight = weight
         self.dtype = dtype
         self._float32 = float32
         self.small = float32 is not None
+        self.onednn = onednn
 
     def float32_weight(self) -> torch.Tensor:
         """The weight's values in float32 (kept when the weight carries no graph)."""
@@ -155,6 +175,10 @@ class LinearProduct:
                 x if x.is_contiguous() else x.contiguous(), self.weight, bias, "none", [], ""
             )
         if few and not self.small:
+            if self.onednn:
+                return torch.ops.mkldnn._linear_pointwise(
+                    x if x.is_contiguous() else x.contiguous(), self.weight, bias, "none", [], ""
+                )
             out = F.linear(x2, self.weight, bias)
         else:
             out = F.linear(
@@ -180,4 +204,13 @@ def linear_product(weight: torch.Tensor, kept: bool) -> LinearProduct | None:
             float32 = weight.float()
         if kind == "onednn_prepacked":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-    return LinearProduct(kind, weight, dtype, float32)
+    onednn = (
+        kind == "float32_products"
+        and graph_free
+        and weight.dim() == 2
+        and weight.numel() >= PREPACK_MIN_ELEMENTS
+        and onednn_gemv(dtype, processor())
+    )
+    if onednn:
+        weight = weight.contiguous()
+    return LinearProduct(kind, weight, dtype, float32, onednn)

@@ -381,7 +381,8 @@ def _emulated_half_products(candidate: Candidate, group: list[Unit]) -> str | No
             name = policy.compute_dtype
             return (
                 f"not for speed: this CPU ({cpu.name}) has no native {name} products, so "
-                f"beyond {FEW_ROWS} rows {candidate.label} multiplies in float32, as fast "
+                f"beyond {FEW_ROWS} row{'s' if FEW_ROWS > 1 else ''} {candidate.label} "
+                "multiplies in float32, as fast "
                 "as float32 at best"
             )
     return None
