@@ -80,7 +80,9 @@ def test_int8_runtime_follows_weight_changes():
         (1, torch.bfloat16, 64),
         (4, torch.bfloat16, 64),
         (64, torch.bfloat16, 64),
-        (3, torch.float32, 64),
+        (3, torch.float32, 64),  # the packed kernel on inputs rounded to bfloat16
+        (16, torch.float32, 64),  # float32 products
+        (2, torch.float32, 17),
         (2, torch.bfloat16, 17),  # shapes the packed kernel does not take
         (5, torch.bfloat16, 100),
     ],
@@ -90,10 +92,20 @@ def test_int8_weight_only(rows, dtype, k):
     q, scale = abs_max_quantize(weight, axis=1)
     x = torch.randn(rows, k).to(dtype)
     runtime = _runtime(q, scale[:, 0], prepack=False)
+    path = int8_kernels.weight_only_path(x, runtime)
     out = int8_kernels.int8_weight_only_linear(x, runtime, torch.ones(48), dtype)
     reference = x.float() @ (q.float() / scale).t() + 1
-    tolerance = 1e-4 if dtype == torch.float32 else 0.1
-    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=0.02)
+    if dtype == torch.float32 and path == "int8pack_bfloat16":
+        assert rows <= int8_kernels.FLOAT32_INT8PACK_MAX_ROWS and k % 16 == 0
+        # exactly the kernel's rounding: inputs and integer sums in bfloat16,
+        # the float32 scale and bias after (up to the summation order: 1 ulp)
+        sums = (x.bfloat16().float() @ q.float().t()).bfloat16().float()
+        torch.testing.assert_close(out, sums / scale.t() + 1, atol=1e-5, rtol=2**-8)
+        assert ((out - reference).norm() / reference.norm()).item() < 2**-8
+    else:
+        assert path != "int8pack_bfloat16"
+        tolerance = 1e-4 if dtype == torch.float32 else 0.1
+        torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=0.02)
 
 
 @pytest.mark.parametrize(
@@ -228,11 +240,12 @@ for K, w_offset in ((16, 0), (24, 0), (1000, 0), (1024, 0), (1020, 0), (17, 0), 
     # a weight at an odd address, as in a checkpoint loaded by mapping its file
     q = torch.cat([torch.zeros(w_offset, dtype=torch.int8), q.flatten()])[w_offset:].view(32, K)
     rt = k.Int8Runtime(); rt.refresh(q, s[:, 0], lambda d: d, False)
-    for m in (1, 2, 3, 16):
+    for m, dtype in ((1, torch.bfloat16), (2, torch.bfloat16), (3, torch.float32),
+                     (8, torch.float32), (16, torch.bfloat16)):
         for offset in (0, 1, 8):
-            base = torch.randn(m * K + offset).bfloat16()
+            base = torch.randn(m * K + offset).to(dtype)
             x = base[offset:].view(m, K)
-            out = k.int8_weight_only_linear(x, rt, None, torch.bfloat16)
+            out = k.int8_weight_only_linear(x, rt, None, dtype)
             ref = x.float() @ (q.float() / s).t()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < 0.02, (K, m, offset, err)

@@ -72,7 +72,12 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             else f"{str(compute).removeprefix('torch.')} products"
         )
         half = compute in (torch.bfloat16, torch.float16)
-        head = f"_weight_int8pack_mm up to {few} rows, then " if multiple and half else ""
+        head = ""
+        if multiple and half:
+            head = f"_weight_int8pack_mm up to {few} rows, then "
+        elif multiple and compute is torch.float32:
+            rows = int8.FLOAT32_INT8PACK_MAX_ROWS
+            head = f"_weight_int8pack_mm on bfloat16-rounded inputs up to {rows} rows, then "
         return f"{head}int8 weight cast per call in cache-sized chunks, {rest}"
     if qw.mode == "int8":
         large = spec.in_features * spec.out_features >= int8.ONEDNN_MIN_ELEMENTS

@@ -18,7 +18,10 @@ integer accumulation on every CPU class (`Int8Runtime.w8a8_path`):
     in float32 (float64 beyond 2**24);
   oneDNN writes bfloat16 outputs itself only where its bfloat16 is native.
 Weight-only: `_weight_int8pack_mm` for bfloat16/float16 activations of a few
-  rows on CPU (within the shapes it supports), else the product with the int8
+  rows on CPU (within the shapes it supports); float32 activations of fewer
+  rows are rounded to bfloat16 for it (its float32 variant is scalar code),
+  the output scaled in float32 after (a relative 2**-9 on inputs and sums,
+  small against int8's own error of about 1%), as int4 does; else the product with the int8
   weight cast per call, chunk by chunk while it is in cache, to the compute
   dtype (to float32 where half-precision products are emulated), the
   per-channel scale applied after.
@@ -46,6 +49,10 @@ ONEDNN_MIN_ROWS = 4
 # scalar reference kernel without AMX (100-1000x slower): never there.
 ONEDNN_S8_MIN_ROWS = 16
 WEIGHT_INT8PACK_MAX_ROWS = 16
+# Float32 activations rounded to bfloat16 for `_weight_int8pack_mm` up to this
+# many rows (1 thread, avx512 and AVX2 caps: 1.4-3.7x float32 at 1-8 rows for
+# 576 x 1536 to 5632 x 2048 weights, 0.7-1.6x at 16).
+FLOAT32_INT8PACK_MAX_ROWS = 8
 
 PATHS = {
     "onednn": "oneDNN u8 x s8 (VNNI/AMX)",
@@ -54,6 +61,7 @@ PATHS = {
     "int_mm": "torch._int_mm s8 x s8",
     "float": "integer values multiplied exactly in floating point",
     "int8pack": "torch._weight_int8pack_mm",
+    "int8pack_bfloat16": "torch._weight_int8pack_mm on float32 activations rounded to bfloat16",
     "dequantized": "int8 weight cast to the compute dtype per call",
     "dequantized_float32": "int8 weight cast to float32 per call (half products emulated)",
 }
@@ -338,9 +346,9 @@ def weight_int8pack_supported(x2: torch.Tensor, n: int, any_rows: bool = False) 
 
 def weight_only_paths(x2: torch.Tensor, runtime: Int8Runtime) -> tuple[str, ...]:
     """The weight-only paths that run `x2`'s shape and dtype here."""
-    paths = (
-        ["int8pack"] if weight_int8pack_supported(x2, runtime.q_nk.shape[0], any_rows=True) else []
-    )
+    paths = []
+    if weight_int8pack_supported(x2, runtime.q_nk.shape[0], any_rows=True):
+        paths.append("int8pack_bfloat16" if x2.dtype is torch.float32 else "int8pack")
     return (*paths, "dequantized", "dequantized_float32")
 
 
@@ -354,6 +362,12 @@ def weight_only_path(x2: torch.Tensor, runtime: Int8Runtime) -> str:
         x2, runtime.q_nk.shape[0]
     ):
         return "int8pack"
+    if (
+        x2.dtype is torch.float32
+        and x2.shape[0] <= FLOAT32_INT8PACK_MAX_ROWS
+        and weight_int8pack_supported(x2, runtime.q_nk.shape[0])
+    ):
+        return "int8pack_bfloat16"
     if x2.device.type == "cpu" and not native_half_products(x2.dtype, processor()):
         return "dequantized_float32"  # the same values, at float32 speed
     return "dequantized"
@@ -378,6 +392,12 @@ def _cast_in_chunks(x2: torch.Tensor, q_nk: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def _aligned(x2: torch.Tensor) -> torch.Tensor:
+    """`x2`, contiguous and 32-byte aligned (see `weight_int8pack_supported`)."""
+    x2 = x2.contiguous()
+    return x2.clone() if x2.data_ptr() % 32 else x2  # a fresh allocation is aligned
+
+
 def int8_weight_only_linear(
     x2: torch.Tensor,
     runtime: Int8Runtime,
@@ -393,13 +413,18 @@ def int8_weight_only_linear(
         return x2.new_zeros((0, n), dtype=out_dtype)
     path = path or weight_only_path(x2, runtime)
     if path == "int8pack":
-        x2 = x2.contiguous()
-        if x2.data_ptr() % 32:
-            x2 = x2.clone()  # a fresh allocation is aligned
-        y = torch.ops.aten._weight_int8pack_mm(x2, q_nk, runtime.column_step.to(x2.dtype))
+        y = torch.ops.aten._weight_int8pack_mm(
+            _aligned(x2), q_nk, runtime.column_step.to(x2.dtype)
+        )
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(out_dtype)
+    if path == "int8pack_bfloat16":
+        ones = torch.ones_like(runtime.column_step, dtype=torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(_aligned(x2.bfloat16()), q_nk, ones)
+        return epilogues.run(
+            epilogues.rescale, y.float(), runtime.column_step[None, :], None, bias, out_dtype
+        )
     if path == "dequantized_float32":
         x2 = x2.float()
     y = _cast_in_chunks(x2, q_nk)
