@@ -130,3 +130,26 @@ def test_int4_keeps_its_storage_and_eager_scores_and_sees_new_weights():
     new_scores, other_scores = step_scores(fast)[1:2], step_scores(other)[1:2]
     assert close(new_scores, other_scores) < 0.02
     assert close(new_scores, step_scores(model)[1:2]) > 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "config", "kernel"),
+    [
+        ("int4", Int4QuantizationConfig(block_size=32), "_weight_int4pack_mm_for_cpu"),
+        ("int8", None, "_weight_int8pack_mm"),  # the default int8: weight-only
+    ],
+)
+def test_frozen_quantized_steps_call_the_eager_kernels(mode, config, kernel):
+    """The compiled decode step multiplies by the eager path's kernels on
+    layouts folded at compile time (no float copy of the weight), and so
+    scores what eager scores."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, mode, config)
+    fast = compile_for_generation(copy.deepcopy(model))
+    scores, codes = run_and_get_code(step_scores, fast)
+    assert any(kernel in code for code in codes)
+    assert close(scores[1:], step_scores(model)[1:]) < 1e-2

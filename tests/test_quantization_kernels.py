@@ -167,6 +167,65 @@ def test_int4_kernel_folds_a_permuted_g_idx(n, k, block):
     assert runtime.packed is None
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "block", "permuted"),
+    [
+        (32, 256, 64, False),
+        (48, 200, 40, True),
+        (24, 576, 128, False),
+        (24, 576, 128, True),
+        (20, 100, -1, False),
+    ],
+)
+def test_int4_frozen_trace_packs_in_the_graph_and_gives_the_eager_values(n, k, block, permuted):
+    """With frozen weights the traced product packs the stored tensors itself
+    (folded once into a constant by Inductor) and calls the eager kernel: the
+    same values as the eager path, bit for bit, for natural, permuted and
+    padded layouts; without freezing, the plain-ops form."""
+    from torch._inductor import config
+
+    torch.manual_seed(k)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    groups = -(-k // block) if block > 0 else 1
+    scale = torch.rand(groups, n) * 0.02 + 0.01 if block > 0 else torch.rand(n) * 50 + 50
+    zero = torch.randn(groups, n) if block > 0 else None
+    g_idx = None
+    if block > 0:
+        g_idx = (torch.arange(k) // block).float()
+        if permuted:
+            g_idx = g_idx[torch.randperm(k)]
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q, scale, zero, block, (q,), g_idx)
+    x = torch.randn(2, k)
+    eager = int4_kernels.int4_linear(x, q, scale, zero, block, None, torch.float32, runtime)
+    with config.patch(freezing=True):
+        frozen = int4_kernels.int4_linear_traced(
+            x, q, scale, zero, block, None, torch.float32, runtime, g_idx
+        )
+    assert torch.equal(frozen, eager)
+    plain = int4_kernels.int4_linear_traced(
+        x, q, scale, zero, block, None, torch.float32, runtime, g_idx
+    )
+    assert ((plain - eager).norm() / eager.norm()).item() < 1e-2
+    never_run = int4_kernels.int4_linear_traced(  # no eager plan: the plain-ops form
+        x, q, scale, zero, block, None, torch.float32, None, g_idx
+    )
+    assert torch.equal(never_run, plain)
+
+
+@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])
+def test_int8_weight_only_frozen_trace_runs_the_eager_kernel(rows, dtype):
+    from torch._inductor import config
+
+    torch.manual_seed(rows)
+    q, scale = abs_max_quantize(torch.randn(48, 64), axis=1)
+    x = torch.randn(rows, 64).to(dtype)
+    eager = int8_kernels.int8_weight_only_linear(x, _runtime(q, scale[:, 0], False), None, dtype)
+    with config.patch(freezing=True):
+        frozen = int8_kernels.int8_linear_traceable(x, q, scale[:, 0], None, dtype, True)
+    torch.testing.assert_close(frozen, eager, atol=0, rtol=0)
+
+
 def test_int4_kernel_takes_real_valued_zero_points():
     """The kernel's offset is `-zero * scale`: a zero point need not be an integer."""
     torch.manual_seed(1)

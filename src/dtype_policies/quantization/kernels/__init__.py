@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -16,3 +18,12 @@ def tensor_key(*tensors: torch.Tensor) -> tuple:
         key.append(t.data_ptr())
         key.append(-1 if t.is_inference() else t._version)
     return tuple(key)
+
+
+def freezing_weights() -> bool:
+    """Whether the graph being traced has its weights frozen (Inductor's
+    `freezing`, as `compile_for_generation` sets it): what depends on weights
+    alone is then computed once, at compile time, and the traced products may
+    call the eager kernels on layouts computed in the graph."""
+    config = sys.modules.get("torch._inductor.config")
+    return bool(config is not None and config.freezing)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from dtype_policies._core.products import native_half_products
 from dtype_policies._cpu import processor
-from dtype_policies.quantization.kernels import epilogues, tensor_key
+from dtype_policies.quantization.kernels import epilogues, freezing_weights, tensor_key
 from dtype_policies.quantizers.math import dequantize_grouped
 
 KERNEL_GROUPS = (256, 128, 64, 32)
@@ -92,6 +92,38 @@ def int4_linear_traceable(
     activations times the kernel's float32 `weight`, a bfloat16 output."""
     y = F.linear(x2.bfloat16().float(), weight).bfloat16().to(out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
+
+
+def int4_linear_traced(
+    x2: torch.Tensor,
+    q_nk: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    block_size: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    runtime: Int4Runtime | None,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The product for compilers and tracers (no autograd).
+
+    With frozen weights (`freezing_weights`), where the eager runtime's plan
+    (made by an earlier eager call on the same stored tensors: a frozen graph
+    is never run after they change) says the packed kernel applies, the graph
+    packs the weight itself, which freezing folds into a constant once, and
+    calls the kernel: the storage stays int4 and the values are the eager
+    ones. The plan is read only for what cannot be traced (whether `g_idx`
+    permutes the blocks); the packing is computed from the stored tensors.
+    Otherwise plain ops on the kernel's float32 weight (`kernel_weight`),
+    computing what the kernel computes.
+    """
+    plan = None if runtime is None else runtime.plan
+    if plan is not None and freezing_weights() and _path(plan, x2.shape[0], block_size) == "packed":
+        order = torch.argsort(g_idx.long(), stable=True) if plan.permuted else None
+        traced = _pack(q_nk, scale, zero, block_size, order)
+        return _packed(x2, traced, plan.n, bias, out_dtype)
+    weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)
+    return int4_linear_traceable(x2, weight, bias, out_dtype)
 
 
 @dataclass(frozen=True)
@@ -148,6 +180,7 @@ class Int4Packed:
     positions: torch.Tensor | None  # set when activations are spread (or permuted and spread)
     order: torch.Tensor | None  # the inputs in kernel order, when g_idx permutes them
     scales_and_zeros: torch.Tensor  # bfloat16 (padded_k / group, padded N, 2)
+    permuted: bool = False  # g_idx permutes the inputs (folded into `order` or `positions`)
 
 
 class Int4Runtime:
@@ -236,34 +269,51 @@ def _pack(
     block_size: int,
     order: torch.Tensor | None = None,
 ) -> Int4Packed:
+    """The packed plan. Every weight-side op takes a stored tensor as input
+    (no constructors), so that a frozen graph folds all of it into constants."""
     n, k = q_nk.shape
     layout = Int4Layout.plan(k, block_size)
     padded_n = -(-n // 16) * 16
-    unsigned = torch.full((padded_n, layout.padded_k), 8, dtype=torch.int32)
     if order is not None:
         q_nk = q_nk[:, order]
-    positions = layout.positions(k, block_size) if layout.spread else None
-    if positions is None:
-        unsigned[:n, :k] = q_nk.to(torch.int32) + 8
-    else:
-        unsigned[:n].index_copy_(1, positions, q_nk.to(torch.int32) + 8)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
-    blocks = layout.block_of_groups()
+    unsigned = _spread(q_nk.to(torch.int32) + 8, k, block_size, layout)  # padding: 8, a zero
+    if padded_n != n:
+        unsigned = F.pad(unsigned, (0, 0, 0, padded_n - n), value=8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.contiguous(), 1)
+    groups = layout.padded_k // layout.group
     if block_size > 0:
-        group_scale = scale.float()[blocks].bfloat16()  # (groups, N)
+        # each block's scale repeated over the kernel groups of its (padded) block
+        per_block = layout.stride // layout.group
+        group_scale = scale.float().repeat_interleave(per_block, dim=0)[:groups].bfloat16()
         # The offset comes from the rounded scale, so that (u - 8) * s + z is
         # exactly (q - zero) * s for the s the kernel uses (any real zero).
-        offset = (-zero.float()[blocks] * group_scale.float()).bfloat16()
+        zeros = zero.float().repeat_interleave(per_block, dim=0)[:groups]
+        offset = (-zeros * group_scale.float()).bfloat16()
     else:
-        group_scale = (1.0 / scale.float())[None, :].expand(len(blocks), n).bfloat16()
+        group_scale = (1.0 / scale.float())[None, :].expand(groups, n).bfloat16()
         offset = torch.zeros_like(group_scale)
     pair = torch.stack([group_scale, offset], dim=-1)
     if padded_n != n:
         pair = F.pad(pair, (0, 0, 0, padded_n - n))
+    permuted = order is not None
+    positions = layout.positions(k, block_size) if layout.spread else None
     if order is not None and positions is not None:  # input order[j] goes to positions[j]
         positions = torch.empty_like(positions).index_copy_(0, order, positions)
         order = None
-    return Int4Packed(layout, packed, n, positions, order, pair.contiguous())
+    return Int4Packed(layout, packed, n, positions, order, pair.contiguous(), permuted)
+
+
+def _spread(unsigned: torch.Tensor, k: int, block_size: int, layout: Int4Layout) -> torch.Tensor:
+    """The (N, K) values at their padded positions (`Int4Layout.positions`),
+    8 (a zero weight) elsewhere: shape ops and padding only."""
+    n = unsigned.shape[0]
+    if not layout.spread:
+        return F.pad(unsigned, (0, layout.padded_k - k), value=8)
+    block = block_size if block_size > 0 else k
+    blocks = -(-k // block)
+    rows = F.pad(unsigned, (0, blocks * block - k), value=8).view(n, blocks, block)
+    rows = F.pad(rows, (0, layout.stride - block), value=8)
+    return rows.reshape(n, blocks * layout.stride)[:, : layout.padded_k]
 
 
 # Per-channel weights from this many rows: the weight's integer values cast

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from dtype_policies._core.products import native_half_products
 from dtype_policies._cpu import Processor, processor
-from dtype_policies.quantization.kernels import epilogues, tensor_key
+from dtype_policies.quantization.kernels import epilogues, freezing_weights, tensor_key
 
 # oneDNN's int8 product pays off for weights of at least this many elements;
 # below it `torch._int_mm` (exact classes) or exact float products (no VNNI)
@@ -308,6 +308,18 @@ def int8_linear_traceable(
     tracers (no derived runtime data, no opaque kernels)."""
     column_step = 1.0 / scale.float()
     if weight_only:
+        if _frozen_int8pack(x2, q_nk.shape[0]):
+            # Frozen weights (`kernels.freezing_weights`): the kernel the
+            # eager path runs, on fresh (aligned) copies: freezing folds the
+            # weight's into a constant once, the activations' costs one row copy.
+            weight = q_nk.clone(memory_format=torch.contiguous_format)
+            rows = x2.clone(memory_format=torch.contiguous_format)
+            if x2.dtype is torch.float32:
+                ones = torch.ones_like(column_step, dtype=torch.bfloat16)
+                y = torch.ops.aten._weight_int8pack_mm(rows.bfloat16(), weight, ones)
+                return epilogues.rescale(y.float(), column_step[None, :], None, bias, out_dtype)
+            y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
+            return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
         y = F.linear(x2, q_nk.to(x2.dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     xq, row_step = epilogues.quantize_rows_int8(x2)
@@ -317,6 +329,14 @@ def int8_linear_traceable(
     else:
         accumulated = exact_float_product(xq, q_nk)
     return epilogues.rescale(accumulated, row_step, column_step, bias, out_dtype)
+
+
+def _frozen_int8pack(x2: torch.Tensor, n: int) -> bool:
+    """Whether a traced weight-only product runs `_weight_int8pack_mm`: with
+    frozen weights, where the eager path would (`weight_only_path`)."""
+    if not freezing_weights() or not weight_int8pack_supported(x2, n):
+        return False
+    return x2.dtype is not torch.float32 or x2.shape[0] <= FLOAT32_INT8PACK_MAX_ROWS
 
 
 def fake_quantize_rows_int8(x2: torch.Tensor) -> torch.Tensor:
@@ -413,9 +433,7 @@ def int8_weight_only_linear(
         return x2.new_zeros((0, n), dtype=out_dtype)
     path = path or weight_only_path(x2, runtime)
     if path == "int8pack":
-        y = torch.ops.aten._weight_int8pack_mm(
-            _aligned(x2), q_nk, runtime.column_step.to(x2.dtype)
-        )
+        y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), q_nk, runtime.column_step.to(x2.dtype))
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(out_dtype)

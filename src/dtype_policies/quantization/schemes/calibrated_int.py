@@ -358,10 +358,14 @@ class CalibratedIntScheme(Scheme):
             x2 = (x2.float() / divisor.float()).to(compute)
         _, scale, zero, g_idx, *_ = self._stored(module, qw)
         block = qw.config.block_size(qw.spec.in_features)
-        weight = int4_kernels.kernel_weight(
-            self.integer_values(module, qw), scale, zero, block, g_idx
+        q_nk = self.integer_values(module, qw)
+        if needs_grad:
+            weight = int4_kernels.kernel_weight(q_nk, scale, zero, block, g_idx)
+            return int4_kernels.int4_linear_traceable(x2, weight, bias, compute)
+        runtime = qw.runtime if isinstance(qw.runtime, int4_kernels.Int4Runtime) else None
+        return int4_kernels.int4_linear_traced(
+            x2, q_nk, scale, zero, block, bias, compute, runtime, g_idx
         )
-        return int4_kernels.int4_linear_traceable(x2, weight, bias, compute)
 
 
 class _Int8State(NamedTuple):

@@ -166,10 +166,22 @@ class Int4Scheme(Scheme):
         if scale.device.type != "cpu":
             return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
         q_nk = self.integer_values(module, qw)
-        weight = kernels.kernel_weight(
-            q_nk, scale, zero, qw.config.group_size, self._g_idx(module, qw)
+        if needs_grad:
+            weight = kernels.kernel_weight(
+                q_nk, scale, zero, qw.config.group_size, self._g_idx(module, qw)
+            )
+            return kernels.int4_linear_traceable(x2, weight, bias, compute)
+        return kernels.int4_linear_traced(
+            x2,
+            q_nk,
+            scale,
+            zero,
+            qw.config.group_size,
+            bias,
+            compute,
+            qw.runtime,
+            self._g_idx(module, qw),
         )
-        return kernels.int4_linear_traceable(x2, weight, bias, compute)
 
     def _per_row_quantized_linear(self, module, qw, x2, bias, compute):
         """Per-channel W4A8 (Keras's int4 with an activation quantizer): inputs
