@@ -1,4 +1,7 @@
-"""The command line, run as users run it: in a subprocess."""
+"""The command line, run as users run it: in a subprocess for each kind of
+outcome (help, a result, an error, a usage error), and in-process through
+`cli.main` (the same code after the interpreter starts) for the variations of
+each, so that the suite does not pay an interpreter and torch import per case."""
 
 import json
 import os
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 from dtype_policies import apply_policy, quantize, saving
+from dtype_policies.cli import main
 
 FACTORY = textwrap.dedent(
     """
@@ -50,15 +54,32 @@ def factory(tmp_path):
     return tmp_path
 
 
-def test_help_and_version():
+@pytest.fixture
+def in_process(factory, monkeypatch, capsys):
+    """`cli.main` in this process with the factory module importable, as the
+    console script finds it: `(code, stdout, stderr)`."""
+    monkeypatch.chdir(factory)
+    monkeypatch.syspath_prepend(str(factory))
+    monkeypatch.delitem(sys.modules, "cli_models", raising=False)
+
+    def run(*args):
+        code = main(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def test_help_and_version(in_process):
     result = cli("--help")
     assert result.returncode == 0
     for command in ("demo", "inspect", "bench"):
         assert command in result.stdout
-    assert cli("inspect", "--help").returncode == 0
-    version = cli("--version")
-    assert version.returncode == 0 and version.stdout.startswith("dtype-policies ")
-    assert cli().returncode == 2
+    code, out, _ = in_process("inspect", "--help")
+    assert code == 0 and "--policy" in out
+    code, out, _ = in_process("--version")
+    assert code == 0 and out.startswith("dtype-policies ")
+    assert in_process()[0] == 2
 
 
 def test_demo_reduced_run_reports_every_variant():
@@ -117,33 +138,42 @@ def test_inspect_a_checkpoint(tmp_path):
     assert rows["1"]["policy"] == "float32" and rows["2"]["variable_dtype"] == "float32"
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (("inspect", "no_such_module_xyz:factory"), "cannot import 'no_such_module_xyz'"),
-        (("inspect", "cli_models:missing"), "has no attribute 'missing'"),
-        (("inspect", "cli_models:not_a_model"), "returned a int, not a torch.nn.Module"),
-        (("inspect", "cli_models:broken"), "factory exploded"),
-        (("inspect", "not-a-target"), "neither 'package.module:factory' nor a checkpoint"),
-        (("inspect", "cli_models:mlp", "--policy", "mixed_float15"), "mixed_float15"),
-        (("inspect", "missing.safetensors"), "missing.safetensors"),
-    ],
-)
-def test_bad_inputs_exit_1_with_one_line(factory, args, message):
+BAD_INPUTS = [
+    (("inspect", "no_such_module_xyz:factory"), "cannot import 'no_such_module_xyz'"),
+    (("inspect", "cli_models:missing"), "has no attribute 'missing'"),
+    (("inspect", "cli_models:not_a_model"), "returned a int, not a torch.nn.Module"),
+    (("inspect", "cli_models:broken"), "factory exploded"),
+    (("inspect", "not-a-target"), "neither 'package.module:factory' nor a checkpoint"),
+    (("inspect", "cli_models:mlp", "--policy", "mixed_float15"), "mixed_float15"),
+    (("inspect", "missing.safetensors"), "missing.safetensors"),
+]
+
+
+def test_a_bad_input_exits_1_with_one_line_from_the_interpreter(factory):
+    args, message = BAD_INPUTS[3]
     result = cli(*args, env_path=factory, cwd=factory)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
     assert "Traceback" not in result.stderr
-    verbose = cli("--verbose", *args, env_path=factory, cwd=factory)
-    assert verbose.returncode == 1 and "Traceback" in verbose.stderr
 
 
-def test_usage_errors_exit_2():
-    assert cli("inspect").returncode == 2
-    assert cli("inspect", "x:y", "--quantize", "int3").returncode == 2
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS)
+def test_bad_inputs_exit_1_with_one_line(in_process, args, message):
+    code, _, err = in_process(*args)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in err
+    code, _, err = in_process("--verbose", *args)
+    assert code == 1 and "Traceback" in err
+
+
+def test_usage_errors_exit_2(in_process):
     assert cli("no-such-command").returncode == 2
-    assert cli("demo", "--epochs", "zero").returncode == 2
+    assert in_process("inspect")[0] == 2
+    assert in_process("inspect", "x:y", "--quantize", "int3")[0] == 2
+    assert in_process("demo", "--epochs", "zero")[0] == 2
 
 
 def test_bench_runs_a_workload_and_writes_json(tmp_path):
@@ -179,4 +209,4 @@ def test_installed_version_is_the_package_version():
     import dtype_policies
 
     assert version("dtype-policies") == dtype_policies.__version__
-    assert cli("--version").stdout.strip().endswith(dtype_policies.__version__)
+    assert main(["--version"]) == 0

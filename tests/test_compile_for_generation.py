@@ -2,12 +2,13 @@
 eager's tokens and keeps the policies and the quantized storage."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 from dtype_policies import apply_policy, compile_for_generation, quantize
-from dtype_policies.generation import _unmark_static_cache
+from dtype_policies.generation import _ModelWatch, _unmark_static_cache
 from dtype_policies.quantization import Int4QuantizationConfig
 
 transformers = pytest.importorskip("transformers")
@@ -87,6 +88,55 @@ def test_static_cache_tensors_become_ordinary_graph_inputs():
     _unmark_static_cache(None)  # no cache: nothing to do
 
 
+def _changes():
+    """Each way a frozen graph can go stale, as (name, change)."""
+
+    def write_in_place(m):
+        with torch.no_grad():
+            m.model.layers[0].mlp.up_proj.weight.mul_(2)
+
+    def assign_data(m):
+        proj = m.model.layers[0].mlp.up_proj
+        proj.weight.data = proj.weight.data.clone()
+
+    def replace_parameter(m):
+        proj = m.model.layers[1].self_attn.q_proj
+        proj.weight = torch.nn.Parameter(proj.weight.detach().clone())
+
+    def load_state_dict(m):
+        m.load_state_dict(tiny_llama(seed=1).state_dict())
+
+    def replace_child(m):
+        m.model.layers[0].mlp.act_fn = torch.nn.GELU()
+
+    return [
+        ("in-place write", write_in_place),
+        ("p.data", assign_data),
+        ("new Parameter", replace_parameter),
+        ("load_state_dict", load_state_dict),
+        ("a policy", lambda m: apply_policy(m.model.layers[0], "float32")),
+        ("quantize", lambda m: quantize(m, "int8", filters="down_proj")),
+        ("train()", lambda m: m.train()),
+        ("a child", replace_child),
+    ]
+
+
+@pytest.mark.parametrize(("name", "change"), _changes(), ids=[n for n, _ in _changes()])
+def test_the_model_watch_sees_every_change_a_frozen_graph_depends_on(name, change):
+    """`_ModelWatch` stands in for Dynamo's module guards under frozen weights:
+    unchanged through a call, changed after any way of changing the model."""
+    model = tiny_llama()
+    apply_policy(model, "mixed_bfloat16")
+    watch = _ModelWatch(model)
+    with torch.inference_mode():
+        model(PROMPT)  # a call changes nothing it watches (kept casts are not weights)
+    assert watch.unchanged()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantize's report of skipped modules
+        change(model)
+    assert not watch.unchanged()
+
+
 @pytest.mark.slow
 def test_float32_policy_gives_eager_tokens_across_calls_and_lengths():
     model = tiny_llama()
@@ -123,7 +173,7 @@ def test_int4_keeps_its_storage_and_eager_scores_and_sees_new_weights():
     apply_policy(other, "mixed_bfloat16")
     quantize(other, "int4", Int4QuantizationConfig(block_size=32))
     fast.load_state_dict(other.state_dict())
-    with pytest.warns(UserWarning, match="weights changed"):
+    with pytest.warns(UserWarning, match="weights, policies or mode changed"):
         stale_guarded = step_scores(fast)[1:2]  # eager until compiled again
     assert close(stale_guarded, step_scores(other)[1:2]) < 0.02
     compile_for_generation(fast)

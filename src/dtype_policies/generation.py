@@ -13,10 +13,11 @@ model's own generation config, so that `model.generate(...)` stays the call:
   compilation only). Freezing folds what depends on weights alone into
   constants once: the policies' compute-dtype casts of float weights (bf16
   copies, as the eager weight cache keeps) and oneDNN's prepacked layouts.
-  Quantized models keep their storage; the graph folds each quantized
-  product's traced form into a constant it holds (int4: a float32 weight,
-  int8 weight-only: a bfloat16 one), so for int4 eager decoding is faster
-  today (docs/speed.md).
+  Quantized models keep their storage: int4 (and GPTQ/AWQ at 2-4 bits) and
+  weight-only int8 call the eager kernels, on the packed layout the graph
+  computes from the stored tensors and freezing folds into a constant (one
+  more copy of the int4 storage; int8 keeps an aligned copy of its int8
+  weight); other quantized products fold their traced forms.
 
 The policies, the float32 islands and the quantized products are what the
 compiled graph computes (the traced forms of the same products): on a float32
@@ -54,6 +55,8 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.module_state import state_of
+
 _COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
 
 
@@ -73,13 +76,58 @@ def _step(call: Any, *args: Any, **kwargs: Any) -> Any:
     return call(*args, **kwargs)
 
 
-def _weights_key(model: torch.nn.Module) -> tuple:
-    """Changes whenever a parameter or buffer of `model` is replaced or
-    written through torch (identity, address, version)."""
-    return tuple(
-        (id(t), t.data_ptr(), -1 if t.is_inference() else t._version)
-        for t in (*model.parameters(), *model.buffers())
-    )
+class _ModelWatch:
+    """What a graph compiled with frozen weights depends on besides its
+    inputs, read back cheaply on every call: each parameter and buffer slot
+    (the tensor in it, its address and version), each child slot, and each
+    module's training flag and this library's call state and quantization
+    (replaced whenever a policy or a quantization changes)."""
+
+    __slots__ = ("modules", "tensors")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tensors: list[tuple[dict, str, torch.Tensor, int, int]] = []
+        self.modules: list[tuple[torch.nn.Module, bool, Any, Any, tuple]] = []
+        for module in model.modules():
+            for slots in (module._parameters, module._buffers):
+                for name, tensor in slots.items():
+                    if tensor is not None:
+                        self.tensors.append(
+                            (slots, name, tensor, tensor.data_ptr(), _version(tensor))
+                        )
+            state = state_of(module)
+            call, quantization = (None, None) if state is None else (state.call, state.quantization)
+            children = tuple(module._modules.values())
+            self.modules.append((module, module.training, call, quantization, children))
+
+    def unchanged(self) -> bool:
+        for slots, name, tensor, address, version in self.tensors:
+            if (
+                slots.get(name) is not tensor
+                or tensor.data_ptr() != address
+                or _version(tensor) != version
+            ):
+                return False
+        for module, training, call, quantization, children in self.modules:
+            state = state_of(module)
+            if (
+                module.training != training
+                or (None if state is None else state.call) is not call
+                or (None if state is None else state.quantization) is not quantization
+                or tuple(module._modules.values()) != children
+            ):
+                return False
+        return True
+
+
+def _version(tensor: torch.Tensor) -> int:
+    return -1 if tensor.is_inference() else tensor._version
+
+
+# Dynamo's guards on the model's modules cost milliseconds per decode step
+# (SmolLM2-135M: 8.5 ms of 57 at 1 thread, measured): with frozen weights,
+# `_ModelWatch` stands in for them (torch >= 2.8 lets them be dropped).
+_SKIP_MODULE_GUARDS = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
 
 
 class _FrozenCompiledCall:
@@ -90,32 +138,40 @@ class _FrozenCompiledCall:
     Frozen weights are constants of the graph, and Dynamo's guards do not see
     their values: each instance compiles its own copy of the step's code (so
     its graphs are its own, never an earlier compilation's), and a call after
-    any parameter or buffer changed runs eagerly, with a warning, until
-    `compile_for_generation` is called again."""
+    any parameter, buffer, policy, quantization or training mode changed runs
+    eagerly, with a warning, until `compile_for_generation` is called again
+    (`_ModelWatch`, read on every call in place of Dynamo's guards on the
+    model's modules)."""
 
     def __init__(self, model: torch.nn.Module, freeze_weights: bool) -> None:
         fresh = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
+        options: Any = {}
+        if freeze_weights and _SKIP_MODULE_GUARDS is not None:
+            options["guard_filter_fn"] = _SKIP_MODULE_GUARDS
         self.compiled = torch.compile(
-            functools.partial(fresh, model.__call__), fullgraph=True, dynamic=False
+            functools.partial(fresh, model.__call__),
+            fullgraph=True,
+            dynamic=False,
+            options=options or None,
         )
         self.eager = model.__call__
         self.model_ref = weakref.ref(model)
         self.freeze_weights = freeze_weights
-        self.key: tuple | None = None
+        self.watch: _ModelWatch | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._inductor import config
 
         model = self.model_ref()
         if self.freeze_weights and model is not None:
-            key = _weights_key(model)
-            if self.key is None:
-                self.key = key
-            elif key != self.key:
+            if self.watch is None:
+                self.watch = _ModelWatch(model)
+            elif not self.watch.unchanged():
                 warnings.warn(
-                    "compile_for_generation: the model's weights changed after its decode "
-                    "step was compiled with frozen weights; running eagerly. Call "
-                    "compile_for_generation(model) again to compile the new weights.",
+                    "compile_for_generation: the model's weights, policies or mode changed "
+                    "after its decode step was compiled with frozen weights; running "
+                    "eagerly. Call compile_for_generation(model) again to compile the new "
+                    "model.",
                     stacklevel=2,
                 )
                 return self.eager(*args, **kwargs)
