@@ -78,6 +78,10 @@ class PolicyModule(ModuleMixin):
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
+        modules = d.get("_modules")  # children: the most frequent lookup in a forward
+        child = None if modules is None else modules.get(name)
+        if child is not None:
+            return child
         state = d.get(STATE_KEY)
         call = None if state is None else state.call
         if call is not None and name in call.weight_names:
