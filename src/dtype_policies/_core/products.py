@@ -55,6 +55,13 @@ SMALL_ELEMENTS = 1 << 18
 # saved reorder (measured: a 64x64 layer is slower packed, 1024x1024 faster).
 PREPACK_MIN_ELEMENTS = 1 << 16
 
+# From this many elements oneDNN's emulated bfloat16 multiplies one row faster
+# than torch's product (`onednn_gemv`); below, its per-call cost eats the gain
+# (1 thread, Skylake-SP, weights read from memory: 576 x 576 0.76x torch's,
+# 576 x 1536 1.1x, 576 x 49152 1.35x, 2048 x 5632 1.6x; SmolLM2-135M's decode
+# step 8% slower with every weight on oneDNN).
+ONEDNN_GEMV_MIN_ELEMENTS = 1 << 21
+
 _PREPACK_OPS = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -104,8 +111,9 @@ def kind_for(
     return None
 
 
-def describe(kind: str | None, dtype: torch.dtype) -> str:
-    """A short description of a product path, for reports.
+def describe(kind: str | None, dtype: torch.dtype, numel: int | None = None) -> str:
+    """A short description of a product path, for reports (`numel`: the
+    weight's size, which decides the one-row product; `None`: a small one).
 
     >>> describe("float32_products", torch.float16)
     'float16 weight at 1 row, float32 products of its values beyond'
@@ -115,7 +123,8 @@ def describe(kind: str | None, dtype: torch.dtype) -> str:
         return f"oneDNN {name}, prepacked weight"
     if kind == "float32_products":
         few = f"{FEW_ROWS} row" if FEW_ROWS == 1 else f"up to {FEW_ROWS} rows"
-        by = "oneDNN " if onednn_gemv(dtype, processor()) else ""
+        large = numel is not None and numel >= ONEDNN_GEMV_MIN_ELEMENTS
+        by = "oneDNN " if large and onednn_gemv(dtype, processor()) else ""
         return f"{by}{name} weight at {few}, float32 products of its values beyond"
     return f"F.linear {name}"
 
@@ -208,7 +217,7 @@ def linear_product(weight: torch.Tensor, kept: bool) -> LinearProduct | None:
         kind == "float32_products"
         and graph_free
         and weight.dim() == 2
-        and weight.numel() >= PREPACK_MIN_ELEMENTS
+        and weight.numel() >= ONEDNN_GEMV_MIN_ELEMENTS
         and onednn_gemv(dtype, processor())
     )
     if onednn:

@@ -51,7 +51,7 @@ def kernel_of(module: torch.nn.Module) -> str:
     if weight is None or compute is None or weight.dim() != 2:
         return "-"
     kind = products.kind_for(compute, weight.device, weight.numel())
-    return products.describe(kind, compute)
+    return products.describe(kind, compute, weight.numel())
 
 
 def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype) -> str:
@@ -107,5 +107,5 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
     if qw.mode == "float8":
         numel = spec.in_features * spec.out_features
         kind = products.kind_for(compute, device or torch.device("cpu"), numel)
-        return f"kept float8 weight (no autograd), {products.describe(kind, compute)}"
+        return f"kept float8 weight (no autograd), {products.describe(kind, compute, numel)}"
     return qw.mode

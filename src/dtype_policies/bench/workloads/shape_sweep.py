@@ -199,7 +199,7 @@ def sweep(quick: bool = False) -> tuple[str, list[dict], list[harness.Result]]:
                 if chosen_label == "chosen":
                     # the chosen product is one of the paths, by its rows rule
                     chosen_name = products.describe(
-                        products.kind_for(compute, x.device, k * n), compute
+                        products.kind_for(compute, x.device, k * n), compute, k * n
                     )
                 ratio = chosen_time / path_times[best_name]
                 if ratio > CLIFF:  # confirm on a second pass: shared machines spike
