@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dtype_policies import apply_policy, compile_for_generation, quantize
-from dtype_policies.generation import _ModelWatch, _unmark_static_cache
+from dtype_policies._frozen import ModelWatch
+from dtype_policies.generation import _unmark_static_cache
 from dtype_policies.quantization import Int4QuantizationConfig
 
 transformers = pytest.importorskip("transformers")
@@ -123,11 +124,11 @@ def _changes():
 
 @pytest.mark.parametrize(("name", "change"), _changes(), ids=[n for n, _ in _changes()])
 def test_the_model_watch_sees_every_change_a_frozen_graph_depends_on(name, change):
-    """`_ModelWatch` stands in for Dynamo's module guards under frozen weights:
+    """`ModelWatch` stands in for Dynamo's module guards under frozen weights:
     unchanged through a call, changed after any way of changing the model."""
     model = tiny_llama()
     apply_policy(model, "mixed_bfloat16")
-    watch = _ModelWatch(model)
+    watch = ModelWatch(model)
     with torch.inference_mode():
         model(PROMPT)  # a call changes nothing it watches (kept casts are not weights)
     assert watch.unchanged()

@@ -26,6 +26,7 @@ from dtype_policies.advisor import Advice, advise
 from dtype_policies.apply import PolicyHandle, apply_policy, summary
 from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_policy
 from dtype_policies.generation import compile_for_generation
+from dtype_policies.inference import CompiledInference, compile_for_inference
 from dtype_policies.policies import (
     QUANTIZATION_MODES,
     AWQDTypePolicy,
@@ -47,6 +48,7 @@ __all__ = [
     "AWQDTypePolicy",
     "Advice",
     "CPUFloat16Warning",
+    "CompiledInference",
     "DTypePolicy",
     "DTypePolicyMap",
     "FloatDTypePolicy",
@@ -60,6 +62,7 @@ __all__ = [
     "apply_policy",
     "clear_cast_caches",
     "compile_for_generation",
+    "compile_for_inference",
     "config",
     "deserialize",
     "distributed",

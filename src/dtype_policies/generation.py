@@ -47,15 +47,11 @@ new weights; it never runs a graph with the old ones.
 
 from __future__ import annotations
 
-import functools
-import types
-import warnings
-import weakref
 from typing import Any
 
 import torch
 
-from dtype_policies._core.module_state import state_of
+from dtype_policies._frozen import FrozenCompiledCall
 
 _COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
 
@@ -72,113 +68,9 @@ def _unmark_static_cache(cache: Any) -> None:
                 del value._dynamo_static_input_type
 
 
-def _step(call: Any, *args: Any, **kwargs: Any) -> Any:
-    return call(*args, **kwargs)
-
-
-class _ModelWatch:
-    """What a graph compiled with frozen weights depends on besides its
-    inputs, read back cheaply on every call: each parameter and buffer slot
-    (the tensor in it, its address and version), each child slot, and each
-    module's training flag and this library's call state and quantization
-    (replaced whenever a policy or a quantization changes)."""
-
-    __slots__ = ("modules", "tensors")
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.tensors: list[tuple[dict, str, torch.Tensor, int, int]] = []
-        self.modules: list[tuple[torch.nn.Module, bool, Any, Any, tuple]] = []
-        for module in model.modules():
-            for slots in (module._parameters, module._buffers):
-                for name, tensor in slots.items():
-                    if tensor is not None:
-                        self.tensors.append(
-                            (slots, name, tensor, tensor.data_ptr(), _version(tensor))
-                        )
-            state = state_of(module)
-            call, quantization = (None, None) if state is None else (state.call, state.quantization)
-            children = tuple(module._modules.values())
-            self.modules.append((module, module.training, call, quantization, children))
-
-    def unchanged(self) -> bool:
-        for slots, name, tensor, address, version in self.tensors:
-            if (
-                slots.get(name) is not tensor
-                or tensor.data_ptr() != address
-                or _version(tensor) != version
-            ):
-                return False
-        for module, training, call, quantization, children in self.modules:
-            state = state_of(module)
-            if (
-                module.training != training
-                or (None if state is None else state.call) is not call
-                or (None if state is None else state.quantization) is not quantization
-                or tuple(module._modules.values()) != children
-            ):
-                return False
-        return True
-
-
-def _version(tensor: torch.Tensor) -> int:
-    return -1 if tensor.is_inference() else tensor._version
-
-
-# Dynamo's guards on the model's modules cost milliseconds per decode step
-# (SmolLM2-135M: 8.5 ms of 57 at 1 thread, measured): with frozen weights,
-# `_ModelWatch` stands in for them (torch >= 2.8 lets them be dropped).
-_SKIP_MODULE_GUARDS = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-
-
-class _FrozenCompiledCall:
-    """The compiled forward, called with Inductor's weight freezing on (Dynamo
-    reads the setting while tracing, so it must hold during the call, not
-    only in the backend).
-
-    Frozen weights are constants of the graph, and Dynamo's guards do not see
-    their values: each instance compiles its own copy of the step's code (so
-    its graphs are its own, never an earlier compilation's), and a call after
-    any parameter, buffer, policy, quantization or training mode changed runs
-    eagerly, with a warning, until `compile_for_generation` is called again
-    (`_ModelWatch`, read on every call in place of Dynamo's guards on the
-    model's modules)."""
-
-    def __init__(self, model: torch.nn.Module, freeze_weights: bool) -> None:
-        fresh = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
-        options: Any = {}
-        if freeze_weights and _SKIP_MODULE_GUARDS is not None:
-            options["guard_filter_fn"] = _SKIP_MODULE_GUARDS
-        self.compiled = torch.compile(
-            functools.partial(fresh, model.__call__),
-            fullgraph=True,
-            dynamic=False,
-            options=options or None,
-        )
-        self.eager = model.__call__
-        self.model_ref = weakref.ref(model)
-        self.freeze_weights = freeze_weights
-        self.watch: _ModelWatch | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch._inductor import config
-
-        model = self.model_ref()
-        if self.freeze_weights and model is not None:
-            if self.watch is None:
-                self.watch = _ModelWatch(model)
-            elif not self.watch.unchanged():
-                warnings.warn(
-                    "compile_for_generation: the model's weights, policies or mode changed "
-                    "after its decode step was compiled with frozen weights; running "
-                    "eagerly. Call compile_for_generation(model) again to compile the new "
-                    "model.",
-                    stacklevel=2,
-                )
-                return self.eager(*args, **kwargs)
-            for name in ("cache", "past_key_values"):  # transformers 5, 4
-                _unmark_static_cache(kwargs.get(name))
-        with config.patch(freezing=self.freeze_weights):
-            return self.compiled(*args, **kwargs)
+def _unmark_caches(kwargs: dict) -> None:
+    for name in ("cache", "past_key_values"):  # transformers 5, 4
+        _unmark_static_cache(kwargs.get(name))
 
 
 def compile_for_generation(model: torch.nn.Module, *, freeze_weights: bool = True) -> Any:
@@ -226,6 +118,7 @@ def compile_for_generation(model: torch.nn.Module, *, freeze_weights: bool = Tru
     generation_config.compile_config = compile_config
     # transformers reuses `_compiled_call` while `_last_compile_config` equals
     # the config it is asked for (`get_compiled_call`).
-    setattr(model, _COMPILED_CALL, _FrozenCompiledCall(model, freeze_weights))
+    compiled = FrozenCompiledCall(model, freeze_weights, before_call=_unmark_caches)
+    setattr(model, _COMPILED_CALL, compiled)
     setattr(model, "_last_compile_config", compile_config)  # noqa: B010 (a Module attribute)
     return model

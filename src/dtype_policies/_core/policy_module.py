@@ -27,7 +27,7 @@ from dtype_policies._core.module_state import (
     push_application,
     state_of,
 )
-from dtype_policies._core.products import linear_product
+from dtype_policies._core.products import linear_product, traced_product
 from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._core.weight_casts import WeightCasts, cast_pair
 from dtype_policies.policies import DTypePolicy, policy_for_config
@@ -162,10 +162,10 @@ class FastLinearForward(ModuleMixin):
                 # fold to 2-D here.
                 out = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
                 return out.view(*input.shape[:-1], out.shape[-1])
-        elif call is not None and call.compute in HALF_DTYPES and not tracing():
+        elif call is not None and call.compute in HALF_DTYPES:
             # Weights already in the compute dtype (sharded or half-precision
             # parameters) take the same product path as cast ones.
-            product = linear_product(weight, kept=False)
+            product = traced_product(weight) if tracing() else linear_product(weight, kept=False)
             if product is not None:
                 return product(input, bias)
         return F.linear(input, weight, bias)

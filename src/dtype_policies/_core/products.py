@@ -148,7 +148,7 @@ class LinearProduct:
     rows (`onednn_gemv`; oneDNN's product has no autograd).
     """
 
-    __slots__ = ("_float32", "dtype", "kind", "onednn", "small", "weight")
+    __slots__ = ("_float32", "dtype", "kind", "onednn", "small", "traced", "weight")
 
     def __init__(
         self,
@@ -157,19 +157,23 @@ class LinearProduct:
         dtype: torch.dtype,
         float32: torch.Tensor | None = None,
         onednn: bool = False,
+        small: bool | None = None,
+        traced: bool = False,
     ) -> None:
         self.kind = kind
         self.weight = weight
         self.dtype = dtype
         self._float32 = float32
-        self.small = float32 is not None
+        self.small = float32 is not None if small is None else small
         self.onednn = onednn
+        self.traced = traced
 
     def float32_weight(self) -> torch.Tensor:
-        """The weight's values in float32 (kept when the weight carries no graph)."""
+        """The weight's values in float32 (kept when the weight carries no
+        graph; computed in the graph when traced, where freezing folds it)."""
         weight32 = self._float32
         if weight32 is None:
-            if self.weight.requires_grad:
+            if self.traced or self.weight.requires_grad:
                 return self.weight.float()
             with torch.inference_mode(False), torch.no_grad():
                 weight32 = self.weight.float()
@@ -223,3 +227,16 @@ def linear_product(weight: torch.Tensor, kept: bool) -> LinearProduct | None:
     if onednn:
         weight = weight.contiguous()
     return LinearProduct(kind, weight, dtype, float32, onednn)
+
+
+def traced_product(weight: torch.Tensor) -> LinearProduct | None:
+    """The product of the compute-dtype (N, K) `weight` for compilers and
+    tracers, in plain ops, by the same rule as the eager one: on a CPU without
+    native products of its dtype, float32 products of its values beyond
+    `FEW_ROWS` rows (and for small weights at every row count). `None`: a
+    plain `F.linear` (the compiler chooses the product)."""
+    kind = kind_for(weight.dtype, weight.device, weight.numel(), weight.dim(), kept=False)
+    if kind != "float32_products":
+        return None
+    small = weight.numel() < SMALL_ELEMENTS
+    return LinearProduct(kind, weight, weight.dtype, small=small, traced=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from dtype_policies._core.casting import cast_tensor, functorch_wrapped, tracing
-from dtype_policies._core.products import LinearProduct, linear_product
+from dtype_policies._core.products import LinearProduct, linear_product, traced_product
 from dtype_policies._core.scope import AutocastScope, current_scope
 from dtype_policies._cpu import processor
 
@@ -153,8 +153,13 @@ def cast_pair(
     products where half-precision ones are emulated), kept with the cast.
     Returns `(weight, bias, product)`; `product` is `None` for a plain product.
     """
-    if tracing():  # the compiler chooses the product
-        return cast_tensor(weight, dtype), None if bias is None else cast_tensor(bias, dtype), None
+    if tracing():  # plain ops, by the eager path's rule for this processor
+        weight_cast = cast_tensor(weight, dtype)
+        bias_cast = None if bias is None else cast_tensor(bias, dtype)
+        if not pack:
+            return weight_cast, bias_cast, None
+        product = traced_product(weight_cast.t() if transposed else weight_cast)
+        return weight_cast, bias_cast, product
     if not _uses_store(store):
         scope = current_scope()
         if scope is not None and scope.dtype is dtype:

@@ -119,7 +119,10 @@ def int4_linear_traced(
     """
     plan = None if runtime is None else runtime.plan
     if plan is not None and freezing_weights() and _path(plan, x2.shape[0], block_size) == "packed":
-        order = torch.argsort(g_idx.long(), stable=True) if plan.permuted else None
+        order = None
+        if plan.permuted:  # a permuting g_idx was given to the plan
+            assert g_idx is not None
+            order = torch.argsort(g_idx.long(), stable=True)
         traced = _pack(q_nk, scale, zero, block_size, order)
         return _packed(x2, traced, plan.n, bias, out_dtype)
     weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)

@@ -320,7 +320,10 @@ def int8_linear_traceable(
                 return epilogues.rescale(y.float(), column_step[None, :], None, bias, out_dtype)
             y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
             return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
-        y = F.linear(x2, q_nk.to(x2.dtype))
+        dtype = x2.dtype  # float32 where half-precision products are emulated, as eager
+        if x2.device.type == "cpu" and not native_half_products(dtype, processor()):
+            dtype = torch.float32
+        y = F.linear(x2.to(dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     xq, row_step = epilogues.quantize_rows_int8(x2)
     m, k = x2.shape
@@ -378,14 +381,15 @@ def weight_only_path(x2: torch.Tensor, runtime: Int8Runtime) -> str:
     float32's own product, measured), else the product with the weight cast
     per call, chunk by chunk (to float32 where half-precision products are
     emulated)."""
-    if x2.dtype in (torch.bfloat16, torch.float16) and weight_int8pack_supported(
-        x2, runtime.q_nk.shape[0]
-    ):
+    q_nk = runtime.q_nk
+    assert q_nk is not None  # set by `refresh`
+    n = q_nk.shape[0]
+    if x2.dtype in (torch.bfloat16, torch.float16) and weight_int8pack_supported(x2, n):
         return "int8pack"
     if (
         x2.dtype is torch.float32
         and x2.shape[0] <= FLOAT32_INT8PACK_MAX_ROWS
-        and weight_int8pack_supported(x2, runtime.q_nk.shape[0])
+        and weight_int8pack_supported(x2, n)
     ):
         return "int8pack_bfloat16"
     if x2.device.type == "cpu" and not native_half_products(x2.dtype, processor()):
@@ -438,10 +442,12 @@ def int8_weight_only_linear(
             y = y + bias.to(y.dtype)
         return y.to(out_dtype)
     if path == "int8pack_bfloat16":
-        ones = torch.ones_like(runtime.column_step, dtype=torch.bfloat16)
+        column_step = runtime.column_step
+        assert column_step is not None  # set with q_nk by `refresh`
+        ones = torch.ones_like(column_step, dtype=torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(_aligned(x2.bfloat16()), q_nk, ones)
         return epilogues.run(
-            epilogues.rescale, y.float(), runtime.column_step[None, :], None, bias, out_dtype
+            epilogues.rescale, y.float(), column_step[None, :], None, bias, out_dtype
         )
     if path == "dequantized_float32":
         x2 = x2.float()

@@ -1,0 +1,105 @@
+"""A fast path for small batches of any policied or quantized model's
+inference: `torch.compile` (Inductor, with frozen weights).
+
+A forward over a few rows spends most of its time outside the matrix
+products (Python, module calls, the policies' per-call bookkeeping);
+compiled, it is one graph. `compile_for_inference(model)` returns a callable
+that runs `model` that way under `torch.no_grad()` or
+`torch.inference_mode()`:
+
+* Inductor with weight freezing: the policies' casts of float weights, the
+  float32 copies of rounded weights (CPUs without native half-precision
+  products), oneDNN's prepacked layouts and the int4 kernel's packing are
+  folded once into constants; the quantized products call the eager kernels
+  (int4, weight-only int8) or their traced forms;
+* the products follow the eager rules for this processor
+  (`dtype_policies._cpu`): on a CPU without native bfloat16 a bfloat16 policy
+  multiplies in float32 beyond one row, as eagerly;
+* shapes: a new input shape compiles again, then Dynamo makes the changing
+  sizes dynamic (one graph for every sequence length);
+* staleness: the weights are read once. After changing weights, policies,
+  quantization or the training mode, calls run eagerly (with a warning) until
+  `compile_for_inference` is called again; calls with gradients enabled
+  always run eagerly (a frozen graph has no backward).
+
+The model itself is unchanged; the returned callable holds it weakly.
+
+Cost: the first call of each shape compiles (tens of seconds for a 6-layer
+encoder on 2 cores); Inductor keeps compiled kernels in its cache
+(`TORCHINDUCTOR_CACHE_DIR`) for the next process. Measured gains and limits:
+docs/speed.md.
+
+>>> import torch
+>>> from dtype_policies import apply_policy, compile_for_inference
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+>>> _ = apply_policy(model, "mixed_bfloat16")
+>>> fast = compile_for_inference(model)  # nothing compiles before the first call
+>>> fast.module is model
+True
+>>> out = fast(torch.randn(2, 8))  # gradients enabled: eager, the same values
+>>> out.dtype, out.requires_grad
+(torch.bfloat16, True)
+
+Under `torch.inference_mode()`, `fast(x)` compiles at its first call (tests:
+`tests/test_compile_for_inference.py`, slow).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtype_policies._frozen import FrozenCompiledCall
+
+
+class CompiledInference:
+    """`model`'s inference, compiled with frozen weights (see the module
+    docstring). Call it as the model; `module` is the model."""
+
+    def __init__(self, model: torch.nn.Module, freeze_weights: bool, fullgraph: bool) -> None:
+        self._call = FrozenCompiledCall(
+            model, freeze_weights, name="compile_for_inference", dynamic=None, fullgraph=fullgraph
+        )
+        self._module = model
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"CompiledInference({type(self._module).__name__})"
+
+
+def compile_for_inference(
+    model: torch.nn.Module, *, freeze_weights: bool = True, fullgraph: bool = False
+) -> CompiledInference:
+    """`model`'s inference, compiled by Inductor with frozen weights.
+
+    Args:
+        model: Any module, policied and/or quantized by this library or not.
+        freeze_weights: Fold weight-only computations (casts, packing) into
+            constants at compile time (default). Without it, the compiled
+            call casts float weights on every call and follows every change.
+        fullgraph: Refuse graph breaks (as `torch.compile`'s option).
+
+    Returns:
+        A `CompiledInference`, called as the model: compiled under
+        `torch.no_grad()` or `torch.inference_mode()`, eager otherwise.
+
+    Raises:
+        TypeError: `model` is not a `torch.nn.Module`.
+
+    >>> compile_for_inference(lambda x: x)
+    Traceback (most recent call last):
+    ...
+    TypeError: compile_for_inference needs a torch.nn.Module, got function
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"compile_for_inference needs a torch.nn.Module, got {type(model).__name__}"
+        )
+    return CompiledInference(model, freeze_weights, fullgraph)

@@ -1,0 +1,96 @@
+"""`compile_for_inference`: any policied or quantized model compiled with
+frozen weights gives the eager values, follows the eager product rules of
+this CPU, and runs eagerly when it would be stale or asked for gradients."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from dtype_policies import apply_policy, compile_for_inference, quantize
+from dtype_policies.inference import CompiledInference
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_bert(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=200,
+        max_position_embeddings=64,
+    )
+    return transformers.BertModel(config).eval()
+
+
+def inputs(batch: int, length: int) -> dict[str, torch.Tensor]:
+    ids = (torch.arange(batch * length).reshape(batch, length) * 7) % 200
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def hidden(model, batch=2, length=12) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(**inputs(batch, length)).last_hidden_state.float()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_refuses_what_is_not_a_module_naming_its_type():
+    with pytest.raises(TypeError, match="got int"):
+        compile_for_inference(3)
+
+
+def test_with_gradients_enabled_it_runs_eagerly_with_a_backward():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    apply_policy(model, "mixed_bfloat16")
+    fast = compile_for_inference(model)
+    assert isinstance(fast, CompiledInference) and fast.module is model
+    x = torch.randn(3, 8, requires_grad=True)
+    out = fast(x)
+    out.float().sum().backward()
+    assert x.grad is not None and torch.equal(out, model(x.detach()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [("float32", None), ("mixed_bfloat16", None), ("mixed_bfloat16", "int8"),
+     ("mixed_bfloat16", "int4")],
+)  # fmt: skip
+def test_compiled_encoder_gives_eager_values_across_shapes(policy, mode):
+    model = tiny_bert()
+    apply_policy(model, policy)
+    if mode is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize(model, mode)
+    fast = compile_for_inference(model)
+    for batch, length in ((1, 12), (2, 12), (2, 20), (3, 9)):  # new shapes: dynamic sizes
+        expected = hidden(model, batch, length)
+        got = hidden(fast, batch, length)
+        tolerance = 1e-5 if policy == "float32" else 2e-2
+        assert close(got, expected) < tolerance, (batch, length)
+
+
+@pytest.mark.slow
+def test_a_changed_model_runs_eagerly_until_compiled_again():
+    model = tiny_bert()
+    apply_policy(model, "mixed_bfloat16")
+    fast = compile_for_inference(model)
+    first = hidden(fast)
+    model.load_state_dict(tiny_bert(seed=1).state_dict())
+    with pytest.warns(UserWarning, match="compile_for_inference: the model's weights"):
+        stale_guarded = hidden(fast)
+    assert close(stale_guarded, hidden(model)) < 1e-6  # eager: the new weights
+    fresh = compile_for_inference(model)
+    assert close(hidden(fresh), hidden(model)) < 2e-2
+    assert close(hidden(fresh), first) > 0.2
+    other = copy.deepcopy(model)
+    apply_policy(other.encoder.layer[0], "float32")  # the copy's change is not the model's
+    assert close(hidden(fresh), hidden(model)) < 2e-2
