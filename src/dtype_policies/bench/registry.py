@@ -34,6 +34,7 @@ class RunContext:
     machine: dict[str, str]
     variants: str | None = None
     speed_only: bool = False
+    charts: Path | None = None  # where the real models' charts go (default: `output`)
 
 
 @dataclass
