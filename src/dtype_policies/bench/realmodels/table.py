@@ -29,7 +29,7 @@ def _timed_calls(
     for name, engine in engines.items():
         try:
             call = speed.call_of(engine, workload, tokens)
-            probes[name] = speed.probe(call)
+            probes[name] = harness.time_call(call)[0]
             calls[name] = call
         except Exception as error:  # reported, not fatal
             rows[name][f"{workload}_status"] = quality_table.failure(error)
@@ -61,15 +61,23 @@ def model_table(
     quick: bool = False,
     echo=print,
     quality: bool = True,
+    machine: dict[str, str] | None = None,
 ) -> dict:
     """`{"model", "rows", "workloads"}`: quality (unless `quality=False`) and
-    speed of every variant."""
+    speed of every variant; each row records `harness.row_machine(machine)`
+    (default: this machine now)."""
+    where = harness.row_machine(machine or harness.machine_info())
     base, tokenizer = quality_table.load(model)
     calibration = Calibration(model, tokenizer)
     rows: dict[str, dict] = {}
     engines: dict[str, Any] = {}
     for variant in variants.select(names, model):
         row, engine = quality_table.prepare_and_score(variant, base, calibration, quality)
+        row.update(where)
+        if "engine_threads" in row and str(row["engine_threads"]) != where["threads"]:
+            row["note"] = "; ".join(
+                filter(None, [row["note"], f"runs {row['engine_threads']} threads"])
+            )
         rows[variant.name] = row
         if engine is not None:
             engines[variant.name] = engine
@@ -78,6 +86,11 @@ def model_table(
     for workload in speed.WORKLOADS[model]:
         time_workload(engines, workload, rows, quick, echo)
     return {"model": model, "rows": list(rows.values()), "workloads": speed.WORKLOADS[model]}
+
+
+def builds(table: dict) -> dict[str, str]:
+    """Per engine family, what its build uses (llama.cpp's CPU features)."""
+    return {row["family"]: row["engine_build"] for row in table["rows"] if row.get("engine_build")}
 
 
 def markdown(table: dict, title: str) -> str:
@@ -103,4 +116,13 @@ def markdown(table: dict, title: str) -> str:
             ratio = row.get(f"{workload}_x_float32", float("nan"))
             cells += [f"{row[f'{workload}_ms']:.1f}{flag}", f"{ratio:.2f}"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    ok = [row for row in table["rows"] if "cpu_class" in row]
+    if ok:
+        first = ok[0]
+        lines += [
+            "",
+            f"CPU class {first['cpu_class']} ({first['cpu_flags']}), {first['threads']} threads "
+            "for every engine.",
+        ]
+    lines += [f"{family} build: {features}." for family, features in builds(table).items()]
     return "\n".join(lines)
