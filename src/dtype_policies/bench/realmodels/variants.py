@@ -196,6 +196,7 @@ OURS: list[Variant] = [
     ours("int8", mode="int8", note="the default int8: weight-only"),
     ours("int8 W8A8", mode="int8", config=lambda _: _int8_w8a8(), note="per-token activations"),
     ours("int4/32", mode="int4", block_size=32),
+    ours("int4/64", mode="int4", block_size=64),
     ours("int4/128", mode="int4", block_size=128),
     ours("int4/-1", mode="int4", block_size=-1),
     ours("int4/32 scale_search", mode="int4", block_size=32, scale_search=True),
