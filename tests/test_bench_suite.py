@@ -282,3 +282,27 @@ def test_chart_draws_both_speed_panels_with_labels_apart(tmp_path):
     assert len(boxes) == len(found)
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
     plt.close(figure)
+
+
+def test_a_cliff_is_timed_by_its_first_call_alone(monkeypatch):
+    from dtype_policies.bench.realmodels import speed
+
+    calls = {"float32": 0, "cliff": 0}
+
+    def call_of(engine, workload, tokens=0):
+        def call():
+            calls[engine] += 1
+            return harness.Timed(1.0 if engine == "float32" else 10.0)
+
+        return call
+
+    monkeypatch.setattr(speed, "call_of", call_of)
+    rows = {name: {} for name in calls}
+    realtable.time_workload({n: n for n in calls}, "b1x32", rows, True, lambda *a, **k: None)
+    assert calls["cliff"] == 1 and calls["float32"] > 1
+    assert rows["cliff"] == {
+        "b1x32_ms": 10_000.0,
+        "b1x32_x_float32": 0.1,
+        "b1x32_status": "one call (slow)",
+    }
+    assert rows["float32"]["b1x32_ms"] == 1000.0

@@ -30,7 +30,12 @@ def add_parser(subparsers: Any) -> None:
         help="comma-separated subset of: " + ", ".join(workloads.WORKLOADS),
     )
     parser.add_argument("--output", default=runner.DEFAULT_OUTPUT, help="results directory")
-    parser.add_argument("--threads", type=int, default=None, help="threads of every engine (default: 2, or 1 on one core)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of every engine (default: 2, or 1 on one core)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument(
         "--no-first-call", action="store_true", help="skip the LLM first-call processes"

@@ -14,9 +14,9 @@ what the build uses (`build_features`).
 
 What is timed matches `engines.TorchLM` (`decode`, `prefill`); the
 differences that remain are llama.cpp's: its KV cache is float16 (ours is
-the compute dtype), attention is its flash-attention kernel, and a GGUF
-file type keeps some tensors wider than its name (the tied embedding and
-output of Q4_0 are Q8_0: `tensor_types`).
+the compute dtype) and attention is its flash-attention kernel. A file type
+keeps some tensors wider than its name: the tied embedding/output matrix of
+the Q4_1 and Q4_0 files is Q8_0 (`tensor_types`), as our int4 keeps it int8.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ float32), on the same prepared variants as the quality table.
   512-token window, last-token logits only (as llama.cpp computes them).
 * MiniLM `b1x32`: one call on 1 x 32 tokens; `b32x128`: 32 x 128 tokens
   (consecutive chunks of the text, [CLS] ... [SEP], no padding).
+  For these one-call workloads (and prefill) a variant more than `SLOW`
+  times float32 is timed by its first call alone (`table._timed_calls`).
 """
 
 from __future__ import annotations

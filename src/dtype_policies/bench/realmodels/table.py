@@ -23,7 +23,12 @@ REFERENCE = "float32"
 def _timed_calls(
     engines: dict[str, Any], workload: str, rows: dict[str, dict], quick: bool
 ) -> dict[str, Callable[[], object]]:
-    """Each engine's call, probed once (the warm-up); failures go to the rows."""
+    """Each engine's call, probed once (the warm-up); failures go to the rows.
+
+    A variant whose probe is more than `speed.SLOW` times float32's is a
+    cliff: it decodes `speed.SLOW_TOKENS` tokens, or, for one-call workloads,
+    its probe is its figure and it is not timed again (so that a cliff costs
+    one call, not minutes); its row says so."""
     tokens = 16 if quick else speed.DECODE_TOKENS
     calls, probes = {}, {}
     for name, engine in engines.items():
@@ -33,11 +38,19 @@ def _timed_calls(
             calls[name] = call
         except Exception as error:  # reported, not fatal
             rows[name][f"{workload}_status"] = quality_table.failure(error)
-    if workload == "decode" and REFERENCE in probes:
-        for name, seconds in probes.items():
-            if seconds > speed.SLOW * probes[REFERENCE]:
-                calls[name] = speed.call_of(engines[name], workload, speed.SLOW_TOKENS)
-                rows[name][f"{workload}_status"] = f"{speed.SLOW_TOKENS} tokens (slow)"
+    if REFERENCE not in probes:
+        return calls
+    for name, seconds in probes.items():
+        if seconds <= speed.SLOW * probes[REFERENCE]:
+            continue
+        if workload == "decode":
+            calls[name] = speed.call_of(engines[name], workload, speed.SLOW_TOKENS)
+            rows[name][f"{workload}_status"] = f"{speed.SLOW_TOKENS} tokens (slow)"
+        else:
+            del calls[name]
+            rows[name][f"{workload}_ms"] = seconds * 1e3
+            rows[name][f"{workload}_x_float32"] = probes[REFERENCE] / seconds
+            rows[name][f"{workload}_status"] = "one call (slow)"
     return calls
 
 
