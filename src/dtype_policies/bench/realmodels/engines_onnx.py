@@ -99,7 +99,8 @@ class OpenVINOEncoder:
             ov_model, "CPU", {"INFERENCE_NUM_THREADS": run_threads(), "NUM_STREAMS": 1}
         )
         self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
-        self.precision = str(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
+        hint = self.compiled.get_property("INFERENCE_PRECISION_HINT")
+        self.precision = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
         self.note = f"runs {self.precision}"
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -137,7 +138,7 @@ VARIANTS: list[Variant] = [
             _openvino(False),
             ("openvino",),
             "openvino",
-            "bfloat16 on CPUs with native bfloat16",
+            "",
         ),
         ("openvino + nncf int8 weights", _openvino(True), ("openvino", "nncf"), "openvino", ""),
     ]
