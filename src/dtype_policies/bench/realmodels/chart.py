@@ -163,6 +163,10 @@ def _panel(axes: Any, found: list[Point], colours: dict[str, Any], labels: tuple
         color="grey",
         linestyle="--",
         linewidth=1,
+        marker="o",
+        markersize=11,
+        markerfacecolor="none",
+        markeredgecolor="grey",
         label="frontier",
         zorder=2,
     )

@@ -22,6 +22,7 @@ the Q4_1 and Q4_0 files is Q8_0 (`tensor_types`), as our int4 keeps it int8.
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from functools import cache
 from pathlib import Path
@@ -45,6 +46,10 @@ _FTYPE_NAMES = {
 
 def _quantize(source: Path, target: Path, file_type: str) -> None:
     import llama_cpp
+
+    # llama.cpp logs a line per tensor through llama-cpp-python's logger
+    # until a `Llama(verbose=False)` quiets it; errors still print.
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, _FTYPE_NAMES[file_type])
