@@ -13,7 +13,7 @@
 # out (-mno-amx-*): they crash on some AMX machines (SIGSEGV in
 # ggml_backend_amx_mul_mat, llama.cpp issue 20824), and without them the
 # repacked AVX-512 kernels run. The multimodal library is not built.
-# One core, as measured on a Skylake-SP core: about 25 minutes
+# Build time: 17 CPU minutes on one Skylake-SP core (2.5 GHz)
 # (CMAKE_BUILD_PARALLEL_LEVEL raises it; pin with taskset if the machine is shared).
 set -euo pipefail
 package=${LLAMA_CPP_PYTHON:-llama-cpp-python==0.3.36}
