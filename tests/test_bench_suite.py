@@ -306,3 +306,10 @@ def test_a_cliff_is_timed_by_its_first_call_alone(monkeypatch):
         "b1x32_status": "one call (slow)",
     }
     assert rows["float32"]["b1x32_ms"] == 1000.0
+
+
+def test_selection_skips_variants_by_pattern_but_keeps_the_reference():
+    names = [v.name for v in variants.select(None, "smollm2", skip="gptq/*,awq/*,float32")]
+    assert names[0] == "float32" and "int4/32" in names
+    assert not any(n.startswith(("gptq/", "awq/")) for n in names)
+    assert "gptq/4/128" in [v.name for v in variants.select(None, "smollm2")]

@@ -35,6 +35,7 @@ class RunContext:
     variants: str | None = None
     speed_only: bool = False
     charts: Path | None = None  # where the real models' charts go (default: `output`)
+    skip: str | None = None  # real-model variants left out (fnmatch patterns)
 
 
 @dataclass

@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         help="real-model workloads: time the variants without scoring their quality",
     )
     parser.add_argument(
+        "--skip",
+        default=None,
+        help='real-model workloads: variants left out, comma-separated patterns ("gptq/*,awq/*")',
+    )
+    parser.add_argument(
         "--charts",
         default=None,
         help="real-model workloads: directory for the charts (default: the output directory)",
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     real_models: dict[str, dict] = {}
     self_timed_targets: list[dict] = []
     context = RunContext(
-        args.quick, Path(args.output), info, args.variants, args.speed_only, charts
+        args.quick, Path(args.output), info, args.variants, args.speed_only, charts, args.skip
     )
     for key in selected:
         workload = workloads.WORKLOADS[key]

@@ -52,6 +52,12 @@ def add_parser(subparsers: Any) -> None:
         help="real-model workloads: time the variants without scoring their quality",
     )
     parser.add_argument(
+        "--skip",
+        metavar="A,B",
+        default=None,
+        help='real-model workloads: variants left out, patterns such as "gptq/*,awq/*"',
+    )
+    parser.add_argument(
         "--charts",
         metavar="DIR",
         default=None,
@@ -77,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     argv += ["--variants", args.variants] if args.variants else []
     argv += ["--speed-only"] if args.speed_only else []
     argv += ["--charts", args.charts] if args.charts else []
+    argv += ["--skip", args.skip] if args.skip else []
     if not args.json:
         return runner.main(argv)
     with contextlib.redirect_stdout(sys.stderr):  # the tables go to stderr

@@ -75,6 +75,7 @@ def model_table(
     echo=print,
     quality: bool = True,
     machine: dict[str, str] | None = None,
+    skip: str | None = None,
 ) -> dict:
     """`{"model", "rows", "workloads"}`: quality (unless `quality=False`) and
     speed of every variant; each row records `harness.row_machine(machine)`
@@ -84,7 +85,7 @@ def model_table(
     calibration = Calibration(model, tokenizer)
     rows: dict[str, dict] = {}
     engines: dict[str, Any] = {}
-    for variant in variants.select(names, model):
+    for variant in variants.select(names, model, skip):
         row, engine = quality_table.prepare_and_score(variant, base, calibration, quality)
         row.update(where)
         if "engine_threads" in row and str(row["engine_threads"]) != where["threads"]:

@@ -31,6 +31,7 @@ def run_model(model: str, context: RunContext) -> Section:
             context.quick,
             quality=not context.speed_only,
             machine=context.machine,
+            skip=context.skip,
         )
     except (models.ModelUnavailable, text.TextUnavailable) as e:
         return Section(f"**{title}**\n\nskipped: {e}", {"skipped": str(e)})
