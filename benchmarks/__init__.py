@@ -1,12 +1,15 @@
 """The dtype-policies benchmarks in a source checkout: `python -m benchmarks --help`.
 
-The suite lives in `dtype_policies.bench` (so that `dtype-policies bench`
-works from an install): its workloads (`bench.workloads`, one `register(...)`
-line each, a new file drops in), the real trained models
-(`bench.realmodels`), the one timer (`bench.harness`) and the report.
-`python -m benchmarks` runs that suite and writes to `benchmarks/results/`
-(not committed); `python -m benchmarks quality ...` is the quick real-model
-quality table. The research scripts beside this file
-(`kernels_research`, `accuracy_research`, `advisor_demo`, `profile_llm`,
-`saving`) time through the same harness.
+One home: the suite lives in `dtype_policies.bench`, inside the package, so
+that `dtype-policies bench` runs it from an install: its workloads
+(`bench.workloads`, one `register(...)` line each, a new file drops in), the
+real trained models against the peers (`bench.realmodels`), the one timer
+(`bench.harness`) and the report. This folder holds what an install does not
+need: `python -m benchmarks` (that suite, writing to `benchmarks/results/`,
+not committed), `python -m benchmarks quality ...` (the quick real-model
+quality table), `install_llamacpp.sh` (the llama.cpp peer, built for this
+CPU), and research tools that time through the same harness and are not part
+of the suite's tables: `kernels_research`, `accuracy_research`,
+`advisor_demo`, `profile_llm`, and `saving` (one save or load per fresh
+process, whose single duration is the figure).
 """

@@ -25,6 +25,8 @@ from collections import defaultdict
 
 import torch
 
+from dtype_policies.bench import harness
+from dtype_policies.bench.harness import Timed
 from dtype_policies.bench.workloads import llm as workloads
 
 GEMM = (
@@ -81,7 +83,7 @@ def _step(model, kind: str, context):
             start = time.perf_counter()
             with torch.profiler.record_function("dp::decode_step"):
                 model(input_ids=token, past_key_values=cache, use_cache=True)
-            return time.perf_counter() - start
+            return Timed(time.perf_counter() - start)  # the step alone, not the prompt
 
     return decode
 
@@ -91,14 +93,8 @@ def profile_variant(name: str, kind: str, steps: int) -> None:
     model = workloads._llm_variant(name)
     run = _step(model, kind, context)
     with workloads._epilogue_compile(compile_setting):
-        for _ in range(3):
-            run()
-        walls = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            out = run()
-            walls.append(out if kind == "decode" else time.perf_counter() - start)
-        wall = statistics.median(walls)
+        samples = harness.measure_interleaved({name: run}, warmup=3, repeats=steps, rounds=1)
+        wall = statistics.median(samples[name][0])
 
         calls = [0]
         handle = torch.nn.modules.module.register_module_forward_pre_hook(

@@ -1,6 +1,7 @@
 """The benchmark suite's machinery (fast): the workload registry, the one
 timer, the real-model text rules, and failing variants becoming rows."""
 
+import json
 import statistics
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 from dtype_policies._cpu import CPU_CLASSES, processor
 from dtype_policies.bench import harness, registry, workloads
-from dtype_policies.bench.realmodels import chart, quality_table, text, variants
+from dtype_policies.bench.realmodels import chart, engines, quality_table, text, variants
+from dtype_policies.bench.realmodels import table as realtable
 from dtype_policies.bench.realmodels.variants import Calibration, Variant
 
 
@@ -110,3 +112,204 @@ def test_ours_prepares_the_policy_and_quantization_it_names():
 def test_chart_frontier_keeps_only_undominated_points():
     found = [("a", "x", 1.0, 5.0), ("b", "x", 2.0, 3.0), ("c", "y", 3.0, 4.0), ("d", "y", 4.0, 1.0)]
     assert [p[0] for p in chart.frontier(found)] == ["a", "b", "d"]
+
+
+def test_one_call_timer_honours_a_time_the_call_reports():
+    seconds, out = harness.time_call(lambda: harness.Timed(0.25))
+    assert seconds == 0.25 and isinstance(out, harness.Timed)
+    seconds, out = harness.time_call(lambda: "done")
+    assert 0 <= seconds < 1 and out == "done"
+
+
+def test_every_result_row_records_the_cpu_class_and_threads(tmp_path):
+    from dtype_policies.bench import runner
+
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--workloads", "overhead_grad", "--quick", "--threads", "1"]
+        assert runner.main([*argv, "--output", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "latest.json").read_text())
+    assert data["machine"]["threads"] == "1"
+    for row in data["results"]:
+        assert row["machine"] == harness.row_machine(data["machine"]), row["variant"]
+        assert row["machine"]["cpu_class"] in CPU_CLASSES and row["machine"]["threads"] == "1"
+
+
+def test_runner_refuses_zero_threads(capsys):
+    from dtype_policies.bench import runner
+
+    with pytest.raises(SystemExit):
+        runner.main(["--workloads", "overhead_grad", "--threads", "0"])
+    assert "--threads must be at least 1, not 0" in capsys.readouterr().err
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(threads)
+
+
+def test_torch_engines_run_on_the_run_threads(one_thread):
+    assert engines.run_threads() == one_thread
+    assert engines.TorchEncoder(torch.nn.Linear(2, 2)).threads == one_thread
+    assert engines.TorchLM(torch.nn.Linear(2, 2)).threads == one_thread
+
+
+def _tiny_encoder_onnx(path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["input_ids"], ["last_hidden_state"], to=TensorProto.FLOAT)],
+        "tiny",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "t"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "t"]),
+        ],
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["b", "t"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_onnxruntime_engine_runs_on_the_run_threads(tmp_path, one_thread):
+    pytest.importorskip("onnxruntime")
+    from dtype_policies.bench.realmodels import engines_onnx
+
+    engine = engines_onnx.OnnxRuntimeEncoder(_tiny_encoder_onnx(tmp_path / "tiny.onnx"))
+    assert engine.threads == one_thread
+    assert engine.session.get_session_options().intra_op_num_threads == one_thread
+    ids = torch.tensor([[3, 4]])
+    assert engine.hidden(ids, torch.ones_like(ids)).tolist() == [[3.0, 4.0]]
+
+
+def test_openvino_engine_runs_on_the_run_threads_and_names_its_precision(one_thread):
+    openvino = pytest.importorskip("openvino")
+    from dtype_policies.bench.realmodels import engines_onnx
+
+    class Tiny(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            return (input_ids * attention_mask).float()
+
+    ids = torch.tensor([[3, 4]])
+    ov_model = openvino.convert_model(Tiny(), example_input=(ids, torch.ones_like(ids)))
+    engine = engines_onnx.OpenVINOEncoder(ov_model)
+    assert engine.threads == one_thread
+    assert engine.note == f"runs {engine.precision}"
+    assert engine.hidden(ids, torch.ones_like(ids)).tolist() == [[3.0, 4.0]]
+
+
+def test_llamacpp_engine_runs_on_the_run_threads(one_thread):
+    pytest.importorskip("llama_cpp")
+    from dtype_policies.bench.realmodels import engines_llamacpp, models
+
+    try:
+        path = models.smollm2_gguf()
+    except models.ModelUnavailable as e:
+        pytest.skip(str(e))
+    engine = engines_llamacpp.LlamaCppLM(path)
+    assert engine.threads == one_thread
+    for context in (engine._all, engine._last):
+        assert context.context_params.n_threads == one_thread
+        assert context.context_params.n_threads_batch == one_thread
+    assert engine.build == engines_llamacpp.build_features() and "AVX" in engine.build
+    assert engine.decode(torch.tensor([[1, 2, 3, 4]]), 3) > 0
+
+
+def _table_rows():
+    rows = []
+    for name, family, ms, perplexity in [
+        ("float32", "dtype-policies", 40.0, 24.9),
+        ("int8", "dtype-policies", 20.0, 25.1),
+        ("int4/32", "dtype-policies", 12.0, 25.0),
+        ("llama.cpp Q8_0", "llama.cpp", 15.0, 24.93),
+        ("llama.cpp Q4_0", "llama.cpp", 9.0, 30.9),
+        ("hqq int4/64", "hqq", 30.0, 29.2),
+    ]:
+        rows.append(
+            {
+                "variant": name,
+                "family": family,
+                "note": "",
+                "status": "ok",
+                "perplexity": perplexity,
+                "decode_ms": ms,
+                "prefill_ms": ms * 20,
+                "cpu_class": "avx512",
+                "cpu_flags": "avx2 avx512f",
+                "threads": "1",
+            }
+        )
+    rows[3]["engine_build"] = "AVX2 AVX512 REPACK"
+    return rows
+
+
+def test_table_names_the_cpu_class_threads_and_llamacpp_build():
+    table = {
+        "model": "smollm2",
+        "rows": _table_rows(),
+        "workloads": {"decode": "ms/token", "prefill": "ms"},
+    }
+    text_ = realtable.markdown(table, "SmolLM2")
+    assert "CPU class avx512 (avx2 avx512f), 1 threads for every engine." in text_
+    assert "llama.cpp build: AVX2 AVX512 REPACK." in text_
+
+
+def test_chart_draws_both_speed_panels_with_labels_apart(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = {"model": "smollm2", "rows": _table_rows()}
+    path = chart.draw(table, tmp_path / "smollm2.png", "CPU class avx512, 2026-11-26")
+    assert path == tmp_path / "smollm2.png" and path.stat().st_size > 10_000
+    figure, axes = plt.subplots()
+    found = chart.points(table, "decode_ms")
+    axes.scatter([p[2] for p in found], [p[3] for p in found])
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    chart.place_labels(axes, found, set())
+    renderer = figure.canvas.get_renderer()
+    boxes = [text_.get_window_extent(renderer) for text_ in axes.texts]
+    assert len(boxes) == len(found)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    plt.close(figure)
+
+
+def test_a_cliff_is_timed_by_its_first_call_alone(monkeypatch):
+    from dtype_policies.bench.realmodels import speed
+
+    calls = {"float32": 0, "cliff": 0}
+
+    def call_of(engine, workload, tokens=0):
+        def call():
+            calls[engine] += 1
+            return harness.Timed(1.0 if engine == "float32" else 10.0)
+
+        return call
+
+    monkeypatch.setattr(speed, "call_of", call_of)
+    rows = {name: {} for name in calls}
+    realtable.time_workload({n: n for n in calls}, "b1x32", rows, True, lambda *a, **k: None)
+    assert calls["cliff"] == 1 and calls["float32"] > 1
+    assert rows["cliff"] == {
+        "b1x32_ms": 10_000.0,
+        "b1x32_x_float32": 0.1,
+        "b1x32_status": "one call (slow)",
+    }
+    assert rows["float32"]["b1x32_ms"] == 1000.0
+
+
+def test_selection_skips_variants_by_pattern_but_keeps_the_reference():
+    names = [v.name for v in variants.select(None, "smollm2", skip="gptq/*,awq/*,float32")]
+    assert names[0] == "float32" and "int4/32" in names
+    assert not any(n.startswith(("gptq/", "awq/")) for n in names)
+    assert "gptq/4/128" in [v.name for v in variants.select(None, "smollm2")]

@@ -58,6 +58,19 @@ class Result:
     samples: int
     note: str = ""
     extra: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)  # `row_machine`: where it was measured
+
+
+def time_call(fn: Callable[[], object]) -> tuple[float, object]:
+    """Seconds of one call of `fn` (or the `Timed` it returns), and what it returned.
+
+    >>> time_call(lambda: Timed(0.5))[0]
+    0.5
+    """
+    start = time.perf_counter()
+    out = fn()
+    elapsed = time.perf_counter() - start
+    return (float(out) if isinstance(out, Timed) else elapsed), out
 
 
 def _calls_per_sample(fn: Callable[[], object], min_sample_s: float) -> int:
@@ -100,6 +113,9 @@ def measure_interleaved(
         for name, fn in variants.items():
             times = []
             for _ in range(per_round):
+                if calls[name] == 1:
+                    times.append(time_call(fn)[0])
+                    continue
                 start = time.perf_counter()
                 for _ in range(calls[name]):
                     out = fn()
@@ -119,7 +135,12 @@ def paired_ratio(samples: dict[str, list[list[float]]], baseline: str, variant: 
     return statistics.median(ratios)
 
 
-def summarize(workload: str, samples: dict[str, list[list[float]]], notes=None) -> list[Result]:
+def summarize(
+    workload: str,
+    samples: dict[str, list[list[float]]],
+    notes: dict[str, str] | None = None,
+    machine: dict[str, str] | None = None,
+) -> list[Result]:
     results = []
     for name, per_round in samples.items():
         values = [t for round_times in per_round for t in round_times]
@@ -132,6 +153,7 @@ def summarize(workload: str, samples: dict[str, list[list[float]]], notes=None) 
                 spread_ms=(quartiles[2] - quartiles[0]) * 1e3,
                 samples=len(values),
                 note=(notes or {}).get(name, ""),
+                machine=dict(machine or {}),
             )
         )
     return results
@@ -156,10 +178,16 @@ def cpu_flags() -> str:
                     flags = set(line.split(":", 1)[1].split())
                     wanted = [
                         "avx2",
+                        "fma",
+                        "f16c",
                         "avx_vnni",
                         "avx512f",
-                        "avx512_bf16",
+                        "avx512bw",
+                        "avx512vl",
+                        "avx512dq",
+                        "avx512_vbmi",
                         "avx512_vnni",
+                        "avx512_bf16",
                         "avx512_fp16",
                         "amx_bf16",
                         "amx_int8",
@@ -184,6 +212,19 @@ def machine_info() -> dict[str, str]:
         "cpu_features": processor().describe(),
         "python": platform.python_version(),
     }
+
+
+ROW_MACHINE_KEYS = ("cpu_class", "cpu_flags", "threads")
+
+
+def row_machine(info: dict[str, str]) -> dict[str, str]:
+    """What every result row records of `machine_info`: the CPU class, its
+    flags and the thread count, so that a table names where it was measured.
+
+    >>> row_machine({"cpu_class": "avx512", "cpu_flags": "avx2", "threads": "1", "cpu": "x"})
+    {'cpu_class': 'avx512', 'cpu_flags': 'avx2', 'threads': '1'}
+    """
+    return {key: info[key] for key in ROW_MACHINE_KEYS}
 
 
 def peak_rss_mb_of(code: str) -> float | None:

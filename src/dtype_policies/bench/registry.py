@@ -34,6 +34,8 @@ class RunContext:
     machine: dict[str, str]
     variants: str | None = None
     speed_only: bool = False
+    charts: Path | None = None  # where the real models' charts go (default: `output`)
+    skip: str | None = None  # real-model variants left out (fnmatch patterns)
 
 
 @dataclass

@@ -154,13 +154,14 @@ def markdown_table(workload: Workload, results: list[harness.Result], samples: d
     return "\n".join(lines)
 
 
-def first_calls(kind: str, names: list[str]) -> dict[str, tuple[float, float] | str]:
-    """Per variant, its first call and a later call (seconds), each in a fresh process."""
+def first_calls(kind: str, names: list[str], threads: int) -> dict[str, tuple[float, float] | str]:
+    """Per variant, its first call and a later call (seconds), each in a fresh
+    process on `threads` threads."""
     calls = {}
     for name in names:
         code = (
             "import torch\n"
-            "torch.set_num_threads(torch.get_num_threads())\n"
+            f"torch.set_num_threads({threads})\n"
             "from dtype_policies.bench.workloads.llm import llm_factories\n"
             f"run = llm_factories({kind!r})[{name!r}]()\n"
         )
@@ -211,12 +212,12 @@ def llm_table(
     return "\n".join(lines)
 
 
-def memory_rows(names: list[str]) -> list[dict]:
+def memory_rows(names: list[str], threads: int) -> list[dict]:
     rows = []
     for name in names:
         code = (
             "import torch\n"
-            "torch.set_num_threads(2)\n"
+            f"torch.set_num_threads({threads})\n"
             "from dtype_policies.bench.workloads.mlp import mlp_train_factories\n"
             f"step = mlp_train_factories()[{name!r}]()\n"
             "for _ in range(4):\n    step()\n"

@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of: " + ", ".join(workloads.WORKLOADS),
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="threads of every engine: torch, llama.cpp, ONNX Runtime, OpenVINO (default 2)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument(
         "--no-first-call", action="store_true", help="skip the LLM first-call processes"
@@ -55,8 +60,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="real-model workloads: time the variants without scoring their quality",
     )
+    parser.add_argument(
+        "--skip",
+        default=None,
+        help='real-model workloads: variants left out, comma-separated patterns ("gptq/*,awq/*")',
+    )
+    parser.add_argument(
+        "--charts",
+        default=None,
+        help="real-model workloads: directory for the charts (default: the output directory)",
+    )
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, not {args.threads}")
+    charts = Path(args.charts) if args.charts else Path(args.output)
 
+    # Every engine (torch, llama.cpp, ONNX Runtime, OpenVINO) reads the run's
+    # thread count from here (`realmodels.engines.run_threads`).
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     selected = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -72,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     sections = []
     real_models: dict[str, dict] = {}
     self_timed_targets: list[dict] = []
-    context = RunContext(args.quick, Path(args.output), info, args.variants, args.speed_only)
+    context = RunContext(
+        args.quick, Path(args.output), info, args.variants, args.speed_only, charts, args.skip
+    )
     for key in selected:
         workload = workloads.WORKLOADS[key]
         print(f"\n== {workload.title}", flush=True)
@@ -98,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         all_samples[key] = samples
         if workload.first_call is not None:
             del variants
-            calls = {} if args.no_first_call else first_calls(workload.first_call, list(samples))
+            calls = (
+                {}
+                if args.no_first_call
+                else first_calls(workload.first_call, list(samples), args.threads)
+            )
             for r in results:
                 if isinstance(calls.get(r.variant), tuple):
                     r.extra["first_call_s"], r.extra["later_call_s"] = calls[r.variant]
@@ -133,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = []
     if "mlp_train" in selected and not args.no_memory:
         names = list(mlp.mlp_train_factories())
-        memory = memory_rows([n for n in names if "Keras" not in n])
+        memory = memory_rows([n for n in names if "Keras" not in n], args.threads)
         lines = [
             "**MLP train step: peak resident memory of a process running it**",
             "",
@@ -171,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     sections.append("\n".join(lines))
     print("\n" + sections[-1], flush=True)
 
+    for result in all_results:
+        result.machine = result.machine or harness.row_machine(info)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     harness.write_json(str(output / "latest.json"), info, all_results, target_rows)

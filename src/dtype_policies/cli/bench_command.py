@@ -30,7 +30,12 @@ def add_parser(subparsers: Any) -> None:
         help="comma-separated subset of: " + ", ".join(workloads.WORKLOADS),
     )
     parser.add_argument("--output", default=runner.DEFAULT_OUTPUT, help="results directory")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of every engine (default: 2, or 1 on one core)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument(
         "--no-first-call", action="store_true", help="skip the LLM first-call processes"
@@ -45,6 +50,18 @@ def add_parser(subparsers: Any) -> None:
         "--speed-only",
         action="store_true",
         help="real-model workloads: time the variants without scoring their quality",
+    )
+    parser.add_argument(
+        "--skip",
+        metavar="A,B",
+        default=None,
+        help='real-model workloads: variants left out, patterns such as "gptq/*,awq/*"',
+    )
+    parser.add_argument(
+        "--charts",
+        metavar="DIR",
+        default=None,
+        help="real-model workloads: directory for the charts (default: --output)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(run=run)
@@ -65,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     argv += ["--no-first-call"] if args.no_first_call else []
     argv += ["--variants", args.variants] if args.variants else []
     argv += ["--speed-only"] if args.speed_only else []
+    argv += ["--charts", args.charts] if args.charts else []
+    argv += ["--skip", args.skip] if args.skip else []
     if not args.json:
         return runner.main(argv)
     with contextlib.redirect_stdout(sys.stderr):  # the tables go to stderr

@@ -5,6 +5,9 @@ An LM engine has `logits(ids (1, T)) -> (T, vocab)` (quality),
 greedy) and `prefill(ids)` (one forward, last token's logits). An encoder
 engine has `hidden(input_ids, attention_mask) -> (B, T, H)`. Torch modules
 are wrapped here; the non-torch peers (`peers`) implement the same methods.
+
+Every engine runs on the run's thread count (`run_threads`) and says so in
+its `threads` attribute, which each row records.
 """
 
 from __future__ import annotations
@@ -16,13 +19,24 @@ import torch
 from dtype_policies.bench.harness import Timed, TokenClock
 
 
+def run_threads() -> int:
+    """The run's thread count: torch's intra-op threads, which the runner sets
+    from `--threads` before any engine is built; the other engines (llama.cpp,
+    ONNX Runtime, OpenVINO) are given the same number."""
+    return torch.get_num_threads()
+
+
 class LMEngine(Protocol):
+    threads: int
+
     def logits(self, ids: torch.Tensor) -> torch.Tensor: ...
     def decode(self, prompt: torch.Tensor, new_tokens: int) -> Timed: ...
     def prefill(self, ids: torch.Tensor) -> object: ...
 
 
 class EncoderEngine(Protocol):
+    threads: int
+
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -31,6 +45,7 @@ class TorchLM:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self.threads = run_threads()
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -67,6 +82,7 @@ class TorchEncoder:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self.threads = run_threads()
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -6,11 +6,23 @@ into `cache_dir()` with llama.cpp's own quantizer (`llama_model_quantize`,
 built with the package): F32 by dequantizing the Q4_1 file, then BF16, Q8_0
 and Q4_0 from F32 with llama.cpp's default choices for each file type. They
 are never committed.
+
+Build: `benchmarks/install_llamacpp.sh` builds `llama-cpp-python` from source
+for the CPU it runs on (GGML_NATIVE: llama.cpp picks its kernels at build
+time), with AMX off on CPUs that have it (see `amx_build`). Every row records
+what the build uses (`build_features`).
+
+What is timed matches `engines.TorchLM` (`decode`, `prefill`); the
+differences that remain are llama.cpp's: its KV cache is float16 (ours is
+the compute dtype) and attention is its flash-attention kernel. A file type
+keeps some tensors wider than its name: the tied embedding/output matrix of
+the Q4_1 and Q4_0 files is Q8_0 (`tensor_types`), as our int4 keeps it int8.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from functools import cache
 from pathlib import Path
@@ -20,6 +32,7 @@ import torch
 
 from dtype_policies.bench.harness import Timed
 from dtype_policies.bench.realmodels import models
+from dtype_policies.bench.realmodels.engines import run_threads
 from dtype_policies.bench.realmodels.variants import LM, Calibration, Variant
 
 FILE_TYPES = ("F32", "BF16", "Q8_0", "Q4_1", "Q4_0")
@@ -29,16 +42,19 @@ _FTYPE_NAMES = {
     "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
     "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
 }
-THREADS = 2
 
 
 def _quantize(source: Path, target: Path, file_type: str) -> None:
     import llama_cpp
 
+    # llama.cpp logs a line per tensor through llama-cpp-python's logger
+    # until a `Llama(verbose=False)` quiets it; errors still print.
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, _FTYPE_NAMES[file_type])
     params.allow_requantize = True
-    params.nthread = THREADS
+    params.nthread = run_threads()
     partial = target.with_name(target.name + ".partial")
     code = llama_cpp.llama_model_quantize(
         str(source).encode(), str(partial).encode(), ctypes.byref(params)
@@ -62,21 +78,50 @@ def gguf_file(file_type: str) -> Path:
     return target
 
 
+def enabled_features(system_info: str) -> str:
+    """The features set to 1 in llama.cpp's system info, in its order.
+
+    >>> enabled_features("CPU : SSE3 = 1 | AVX512_VNNI = 0 | AVX512 = 1 | REPACK = 1 | ")
+    'SSE3 AVX512 REPACK'
+    """
+    enabled: list[str] = []
+    for part in system_info.replace("CPU :", "|").split("|"):
+        name, _, value = part.partition("=")
+        if value.strip() == "1" and name.strip() not in enabled:
+            enabled.append(name.strip())
+    return " ".join(enabled)
+
+
+def build_features() -> str:
+    """The CPU features the installed llama.cpp was built with (`"AVX2
+    AVX512 ... REPACK"`)."""
+    import llama_cpp
+
+    return enabled_features(llama_cpp.llama_print_system_info().decode(errors="replace"))
+
+
 def amx_build() -> bool:
     """Whether the installed llama.cpp was built with its AMX matrix kernels.
 
-    Those crash (SIGSEGV in `ggml_backend_amx_mul_mat`) on the AMX machine
-    these benchmarks were developed on, killing the whole process; such a
-    build runs here without its extra buffer types (no AMX, no weight
-    repacking) and its rows say so. On AMX CPUs, build the `bench-llamacpp`
-    extra with `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON
-    -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
-    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
-    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"` (what ran here, 2026-11-25)
-    to keep the repacked kernels."""
-    import llama_cpp
+    Those crash (SIGSEGV in `ggml_backend_amx_mul_mat`, llama.cpp issue
+    20824, machine-dependent) on the AMX machine these benchmarks were first
+    run on, killing the whole process. `benchmarks/install_llamacpp.sh`
+    builds without them on AMX CPUs (GGML_NATIVE with `-mno-amx-*`), which
+    keeps the repacked AVX-512 kernels; a build that has them anyway runs
+    here without its extra buffer types (no AMX, no weight repacking) and its
+    rows say so."""
+    return "AMX_INT8" in build_features().split()
 
-    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """How many tensors of each GGML type a GGUF holds (`{"Q4_0": 180, ...}`)."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        name = tensor.tensor_type.name
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _llama(extra_buffer_types: bool, **options):
@@ -103,13 +148,16 @@ def _llama(extra_buffer_types: bool, **options):
 
 
 class LlamaCppLM:
-    """An LM engine on one GGUF: 2 threads for decode and for batches."""
+    """An LM engine on one GGUF, on the run's thread count for decode and for
+    batches, flash attention on (llama.cpp's own default on CPU)."""
 
     def __init__(self, path: Path) -> None:
         extra = not amx_build()
         self.note = "" if extra else "AMX build: run without extra buffer types"
-        common = dict(model_path=str(path), n_threads=THREADS, n_threads_batch=THREADS)
-        common.update(verbose=False, n_batch=512, n_ubatch=512)
+        self.threads = run_threads()
+        self.build = build_features()
+        common = dict(model_path=str(path), n_threads=self.threads, n_threads_batch=self.threads)
+        common.update(verbose=False, n_batch=512, n_ubatch=512, flash_attn=True)
         # One context that returns every position's logits (quality), one that
         # returns the last one only (speed, as a user would run it).
         self._all = _llama(extra, **common, n_ctx=512, logits_all=True)

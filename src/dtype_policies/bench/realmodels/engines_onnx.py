@@ -1,12 +1,14 @@
-"""ONNX Runtime and OpenVINO on all-MiniLM-L6-v2 (encoder engines, 2 threads).
+"""ONNX Runtime and OpenVINO on all-MiniLM-L6-v2 (encoder engines on the
+run's thread count, `engines.run_threads`).
 
 * ONNX Runtime: the float32 model exported with `torch.onnx.export`
   (dynamic batch and length), run as exported (float32) and after
   `onnxruntime.quantization.quantize_dynamic` (int8 weights, dynamic int8
   activations; without `quant_pre_process`, which fails on this model).
 * OpenVINO: `openvino.convert_model` of the float32 model, compiled with the
-  CPU plugin's defaults (bfloat16 inference on CPUs with native bfloat16),
-  and after `nncf.compress_weights` (int8 weights).
+  CPU plugin's defaults (bfloat16 inference on CPUs with native bfloat16,
+  float32 elsewhere: the precision it compiled to is in the row's note), and
+  after `nncf.compress_weights` (int8 weights).
 Exported files go to a temporary directory per run.
 """
 
@@ -18,9 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dtype_policies.bench.realmodels.engines import run_threads
 from dtype_policies.bench.realmodels.variants import ENCODER, Calibration, Variant
-
-THREADS = 2
 
 
 class _LastHidden(torch.nn.Module):
@@ -58,11 +59,12 @@ class OnnxRuntimeEncoder:
     def __init__(self, path: Path) -> None:
         import onnxruntime
 
+        self.threads = run_threads()
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = THREADS
+        options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
-        # Idle pool threads would spin on the 2 cores the torch variants
-        # timed in the same rounds need.
+        # Idle pool threads would spin on the cores the other variants timed
+        # in the same rounds need.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(
             str(path), options, providers=["CPUExecutionProvider"]
@@ -94,9 +96,12 @@ class OpenVINOEncoder:
 
         core = openvino.Core()
         self.compiled = core.compile_model(
-            ov_model, "CPU", {"INFERENCE_NUM_THREADS": THREADS, "NUM_STREAMS": 1}
+            ov_model, "CPU", {"INFERENCE_NUM_THREADS": run_threads(), "NUM_STREAMS": 1}
         )
-        self.precision = str(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
+        self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
+        hint = self.compiled.get_property("INFERENCE_PRECISION_HINT")
+        self.precision = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+        self.note = f"runs {self.precision}"
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         out = self.compiled([input_ids.numpy(), attention_mask.numpy()])
@@ -133,7 +138,7 @@ VARIANTS: list[Variant] = [
             _openvino(False),
             ("openvino",),
             "openvino",
-            "bfloat16 on CPUs with native bfloat16",
+            "",
         ),
         ("openvino + nncf int8 weights", _openvino(True), ("openvino", "nncf"), "openvino", ""),
     ]

@@ -65,6 +65,10 @@ def _hqq(bits: int, group_size: int | None):
     return prepare
 
 
+def _contiguous_inputs(module: torch.nn.Module, args: tuple) -> tuple:
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def _quanto(weights: str):
     def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
         import optimum.quanto as quanto
@@ -74,6 +78,12 @@ def _quanto(weights: str):
             warnings.simplefilter("ignore")
             quanto.quantize(model, weights=getattr(quanto, weights))
             quanto.freeze(model)
+        if weights == "qint4":
+            # quanto's int4 linear hands torch's int4 kernel its input as it
+            # comes, and the kernel refuses a strided one (MiniLM at 32 x 128).
+            for module in model.modules():
+                if isinstance(module, quanto.QLinear):
+                    module.register_forward_pre_hook(_contiguous_inputs)
         return model.eval()
 
     return prepare
@@ -119,7 +129,13 @@ PEERS: list[Variant] = [
     _peer("hqq int4/64", _hqq(4, 64), "hqq", "hqq", note="block linears"),
     _peer("hqq int8", _hqq(8, None), "hqq", "hqq", note="block linears, per channel"),
     _peer("quanto int8 weights", _quanto("qint8"), "optimum.quanto", "optimum-quanto"),
-    _peer("quanto int4 weights", _quanto("qint4"), "optimum.quanto", "optimum-quanto"),
+    _peer(
+        "quanto int4 weights",
+        _quanto("qint4"),
+        "optimum.quanto",
+        "optimum-quanto",
+        note="inputs made contiguous",
+    ),
 ]
 PEERS += [*engines_llamacpp.VARIANTS, *engines_onnx.VARIANTS]
 """The peers, in table order."""

@@ -72,6 +72,9 @@ def prepare_and_score(
         row["prepare_s"] = time.perf_counter() - start
         if getattr(engine, "note", ""):
             row["note"] = "; ".join(filter(None, [row["note"], engine.note]))
+        row["engine_threads"] = engine.threads
+        if getattr(engine, "build", ""):
+            row["engine_build"] = engine.build
         if scored:
             row.update(score(engine, calibration.model))
         row["status"] = "ok"

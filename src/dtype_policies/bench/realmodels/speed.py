@@ -10,18 +10,18 @@ float32), on the same prepared variants as the quality table.
   512-token window, last-token logits only (as llama.cpp computes them).
 * MiniLM `b1x32`: one call on 1 x 32 tokens; `b32x128`: 32 x 128 tokens
   (consecutive chunks of the text, [CLS] ... [SEP], no padding).
+  For these one-call workloads (and prefill) a variant more than `SLOW`
+  times float32 is timed by its first call alone (`table._timed_calls`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import torch
 
-from dtype_policies.bench.harness import Timed
 from dtype_policies.bench.realmodels import quality, text
 from dtype_policies.bench.realmodels.variants import LM
 
@@ -60,11 +60,3 @@ def call_of(engine: Any, workload: str, new_tokens: int = DECODE_TOKENS) -> Call
     batch, length = (int(n) for n in workload[1:].split("x"))
     inputs = encoder_inputs(batch, length)
     return lambda: engine.hidden(*inputs)
-
-
-def probe(call: Callable[[], object]) -> float:
-    """Seconds of one call (or the time it reports)."""
-    start = time.perf_counter()
-    out = call()
-    elapsed = time.perf_counter() - start
-    return float(out) if isinstance(out, Timed) else elapsed

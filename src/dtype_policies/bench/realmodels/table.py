@@ -23,21 +23,34 @@ REFERENCE = "float32"
 def _timed_calls(
     engines: dict[str, Any], workload: str, rows: dict[str, dict], quick: bool
 ) -> dict[str, Callable[[], object]]:
-    """Each engine's call, probed once (the warm-up); failures go to the rows."""
+    """Each engine's call, probed once (the warm-up); failures go to the rows.
+
+    A variant whose probe is more than `speed.SLOW` times float32's is a
+    cliff: it decodes `speed.SLOW_TOKENS` tokens, or, for one-call workloads,
+    its probe is its figure and it is not timed again (so that a cliff costs
+    one call, not minutes); its row says so."""
     tokens = 16 if quick else speed.DECODE_TOKENS
     calls, probes = {}, {}
     for name, engine in engines.items():
         try:
             call = speed.call_of(engine, workload, tokens)
-            probes[name] = speed.probe(call)
+            probes[name] = harness.time_call(call)[0]
             calls[name] = call
         except Exception as error:  # reported, not fatal
             rows[name][f"{workload}_status"] = quality_table.failure(error)
-    if workload == "decode" and REFERENCE in probes:
-        for name, seconds in probes.items():
-            if seconds > speed.SLOW * probes[REFERENCE]:
-                calls[name] = speed.call_of(engines[name], workload, speed.SLOW_TOKENS)
-                rows[name][f"{workload}_status"] = f"{speed.SLOW_TOKENS} tokens (slow)"
+    if REFERENCE not in probes:
+        return calls
+    for name, seconds in probes.items():
+        if seconds <= speed.SLOW * probes[REFERENCE]:
+            continue
+        if workload == "decode":
+            calls[name] = speed.call_of(engines[name], workload, speed.SLOW_TOKENS)
+            rows[name][f"{workload}_status"] = f"{speed.SLOW_TOKENS} tokens (slow)"
+        else:
+            del calls[name]
+            rows[name][f"{workload}_ms"] = seconds * 1e3
+            rows[name][f"{workload}_x_float32"] = probes[REFERENCE] / seconds
+            rows[name][f"{workload}_status"] = "one call (slow)"
     return calls
 
 
@@ -61,15 +74,24 @@ def model_table(
     quick: bool = False,
     echo=print,
     quality: bool = True,
+    machine: dict[str, str] | None = None,
+    skip: str | None = None,
 ) -> dict:
     """`{"model", "rows", "workloads"}`: quality (unless `quality=False`) and
-    speed of every variant."""
+    speed of every variant; each row records `harness.row_machine(machine)`
+    (default: this machine now)."""
+    where = harness.row_machine(machine or harness.machine_info())
     base, tokenizer = quality_table.load(model)
     calibration = Calibration(model, tokenizer)
     rows: dict[str, dict] = {}
     engines: dict[str, Any] = {}
-    for variant in variants.select(names, model):
+    for variant in variants.select(names, model, skip):
         row, engine = quality_table.prepare_and_score(variant, base, calibration, quality)
+        row.update(where)
+        if "engine_threads" in row and str(row["engine_threads"]) != where["threads"]:
+            row["note"] = "; ".join(
+                filter(None, [row["note"], f"runs {row['engine_threads']} threads"])
+            )
         rows[variant.name] = row
         if engine is not None:
             engines[variant.name] = engine
@@ -78,6 +100,11 @@ def model_table(
     for workload in speed.WORKLOADS[model]:
         time_workload(engines, workload, rows, quick, echo)
     return {"model": model, "rows": list(rows.values()), "workloads": speed.WORKLOADS[model]}
+
+
+def builds(table: dict) -> dict[str, str]:
+    """Per engine family, what its build uses (llama.cpp's CPU features)."""
+    return {row["family"]: row["engine_build"] for row in table["rows"] if row.get("engine_build")}
 
 
 def markdown(table: dict, title: str) -> str:
@@ -103,4 +130,13 @@ def markdown(table: dict, title: str) -> str:
             ratio = row.get(f"{workload}_x_float32", float("nan"))
             cells += [f"{row[f'{workload}_ms']:.1f}{flag}", f"{ratio:.2f}"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    ok = [row for row in table["rows"] if "cpu_class" in row]
+    if ok:
+        first = ok[0]
+        lines += [
+            "",
+            f"CPU class {first['cpu_class']} ({first['cpu_flags']}), {first['threads']} threads "
+            "for every engine.",
+        ]
+    lines += [f"{family} build: {features}." for family, features in builds(table).items()]
     return "\n".join(lines)

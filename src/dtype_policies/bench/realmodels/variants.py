@@ -16,6 +16,7 @@ The peers (`peers.PEERS`) use the same `Variant` with their own `prepare`.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,6 +197,7 @@ OURS: list[Variant] = [
     ours("int8", mode="int8", note="the default int8: weight-only"),
     ours("int8 W8A8", mode="int8", config=lambda _: _int8_w8a8(), note="per-token activations"),
     ours("int4/32", mode="int4", block_size=32),
+    ours("int4/64", mode="int4", block_size=64),
     ours("int4/128", mode="int4", block_size=128),
     ours("int4/-1", mode="int4", block_size=-1),
     ours("int4/32 scale_search", mode="int4", block_size=32, scale_search=True),
@@ -231,10 +233,18 @@ def all_variants() -> list[Variant]:
     return [*OURS, *PEERS]
 
 
-def select(names: str | None, model: str) -> list[Variant]:
+def select(names: str | None, model: str, skip: str | None = None) -> list[Variant]:
     """The variants applying to `model`, all or those named in a comma-separated
-    list (float32, the reference, is always included)."""
+    list, less those matching a comma-separated list of `skip` patterns
+    (`fnmatch`: `"gptq/*,awq/*"`); float32, the reference, is always included."""
     available = [v for v in all_variants() if model in v.models]
+    if skip:
+        patterns = [p.strip() for p in skip.split(",") if p.strip()]
+        available = [
+            v
+            for v in available
+            if v.name == "float32" or not any(fnmatch.fnmatchcase(v.name, p) for p in patterns)
+        ]
     if not names:
         return available
     wanted = [n.strip() for n in names.split(",") if n.strip()]

@@ -26,23 +26,30 @@ def run_model(model: str, context: RunContext) -> Section:
     title = TITLES[model]
     try:
         measured = table.model_table(
-            model, context.variants, context.quick, quality=not context.speed_only
+            model,
+            context.variants,
+            context.quick,
+            quality=not context.speed_only,
+            machine=context.machine,
+            skip=context.skip,
         )
     except (models.ModelUnavailable, text.TextUnavailable) as e:
         return Section(f"**{title}**\n\nskipped: {e}", {"skipped": str(e)})
     machine = context.machine
+    threads = f"{machine['threads']} thread{'' if machine['threads'] == '1' else 's'}"
     subtitle = (
-        f"{machine['cpu']} ({machine['cpu_class']}), {machine['threads']} threads, "
-        f"torch {machine['torch']}, {machine['date']}"
+        f"{machine['cpu']}, CPU class {machine['cpu_class']} ({machine['cpu_flags']}), "
+        f"{threads} per engine, torch {machine['torch']}, {machine['date']}"
     )
     context.output.mkdir(parents=True, exist_ok=True)
     (context.output / f"{model}.json").write_text(
         json.dumps({"machine": machine, **measured}, indent=2)
     )
-    drawn = chart.draw(measured, context.output / f"{model}.png", subtitle)
+    charts = context.charts or context.output
+    drawn = chart.draw(measured, charts / f"{model}.png", subtitle)
     markdown = table.markdown(measured, title)
     if drawn is not None:
-        markdown += f"\n\nChart: `{drawn.name}` (time against quality, frontier dashed)."
+        markdown += f"\n\nChart: `{drawn}` (time against quality, frontier dashed)."
     return Section(markdown, measured)
 
 
