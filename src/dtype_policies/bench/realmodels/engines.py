@@ -53,18 +53,26 @@ class TorchLM:
 
     def decode(self, prompt: torch.Tensor, new_tokens: int) -> Timed:
         """Greedy `generate`; the time per token after the first (the prompt's
-        forward and the first token are excluded)."""
+        forward and the first token are excluded). The end-of-text token is
+        unset for the call, so that exactly `new_tokens` come without a
+        minimum-length processor (which scans the vocabulary on every step:
+        5 ms of a 40 ms step on SmolLM2, measured), as llama.cpp's loop."""
         clock = TokenClock()
-        with torch.inference_mode():
-            out = self.module.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                streamer=clock,
-            )
+        config = self.module.generation_config
+        eos = config.eos_token_id
+        config.eos_token_id = None
+        try:
+            with torch.inference_mode():
+                out = self.module.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                    streamer=clock,
+                )
+        finally:
+            config.eos_token_id = eos
         if out.shape[1] != prompt.shape[1] + new_tokens:
             raise RuntimeError(f"generated {out.shape[1] - prompt.shape[1]} of {new_tokens} tokens")
         times = clock.times
@@ -91,7 +99,10 @@ class TorchEncoder:
 
 
 def as_engine(prepared: Any, model: str) -> Any:
-    """A prepared variant as an engine (torch modules are wrapped)."""
-    if not isinstance(prepared, torch.nn.Module):
+    """A prepared variant as an engine (torch modules and compiled ones are
+    wrapped)."""
+    from dtype_policies import CompiledInference
+
+    if not isinstance(prepared, (torch.nn.Module, CompiledInference)):
         return prepared
     return TorchLM(prepared) if model == "smollm2" else TorchEncoder(prepared)

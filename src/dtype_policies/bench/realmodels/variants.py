@@ -139,19 +139,23 @@ def _int8_w8a8() -> Any:
 
 
 def compiled(variant: Variant) -> Variant:
-    """`variant` with `compile_for_generation` (decode compiled on a static
-    KV cache; prefill and quality stay eager): SmolLM2 only."""
+    """`variant` compiled: SmolLM2 with `compile_for_generation` (decode
+    compiled on a static KV cache; prefill and quality stay eager), MiniLM
+    with `compile_for_inference` (every call)."""
 
-    def prepare(model: torch.nn.Module, calibration: Calibration) -> torch.nn.Module:
-        from dtype_policies import compile_for_generation
+    def prepare(model: torch.nn.Module, calibration: Calibration) -> Any:
+        from dtype_policies import compile_for_generation, compile_for_inference
 
-        return compile_for_generation(variant.prepare(model, calibration))
+        prepared = variant.prepare(model, calibration)
+        if calibration.model == LM:
+            return compile_for_generation(prepared)
+        return compile_for_inference(prepared)
 
     return Variant(
         f"{variant.name} compiled",
         prepare,
-        models=(LM,),
-        note="compile_for_generation (first generate compiles)",
+        models=variant.models,
+        note="compiled with frozen weights (the first call of each shape compiles)",
     )
 
 
