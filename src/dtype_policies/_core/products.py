@@ -17,7 +17,7 @@ trying a kernel and catching its error.
   row, against 1.3x for torch's own product) on a kept weight, else by torch.
   The float32 copy of the rounded weight is made on the first call that needs
   it.
-* Either way, small weights at a few rows multiply in float32 (see
+* Prepacked, small weights at a few rows multiply in float32 (see
   `LinearProduct`).
 * `None`: `F.linear` in the compute dtype.
 
@@ -47,8 +47,11 @@ KINDS = ("onednn_prepacked", "float32_products")
 FEW_ROWS = 1
 
 # Up to `FEW_ROWS` rows, weights of fewer elements than this multiply faster in
-# float32 than by any half-precision path (a call's fixed cost dominates; 1
-# thread, AVX2 and AMX classes, e.g. 576 x 192: 10-12 us against 15-22 us).
+# float32 than by oneDNN's prepacked product (its call's fixed cost dominates;
+# 1 thread, AMX class, e.g. 576 x 192: 10-12 us against 15-22 us). Where
+# half-precision products are emulated, one row of a small weight is faster
+# as torch's half-precision product than with two casts around a float32 one
+# (576 x 192 on avx512 and under AVX2 caps: 40 us against 62-68 us).
 SMALL_ELEMENTS = 1 << 18
 
 # Below this many elements the prepacked product's fixed cost outweighs the
@@ -141,9 +144,9 @@ class LinearProduct:
 
     Built by `linear_product` when the weight is cast; immutable except for
     the float32 copy made on first use (a concurrent first use makes it twice,
-    with the same values). Up to `FEW_ROWS` rows a weight of fewer than
-    `SMALL_ELEMENTS` elements is multiplied in float32 whatever the kind: the
-    fixed cost of a half-precision or oneDNN call dominates there. `onednn`:
+    with the same values). Up to `FEW_ROWS` rows a prepacked weight of fewer
+    than `SMALL_ELEMENTS` elements is multiplied in float32: the fixed cost
+    of a oneDNN call dominates there. `onednn`:
     a graph-free `float32_products` weight multiplied by oneDNN at `FEW_ROWS`
     rows (`onednn_gemv`; oneDNN's product has no autograd).
     """
@@ -157,14 +160,13 @@ class LinearProduct:
         dtype: torch.dtype,
         float32: torch.Tensor | None = None,
         onednn: bool = False,
-        small: bool | None = None,
         traced: bool = False,
     ) -> None:
         self.kind = kind
         self.weight = weight
         self.dtype = dtype
         self._float32 = float32
-        self.small = float32 is not None if small is None else small
+        self.small = float32 is not None
         self.onednn = onednn
         self.traced = traced
 
@@ -213,7 +215,7 @@ def linear_product(weight: torch.Tensor, kept: bool) -> LinearProduct | None:
     float32 = None
     dtype = weight.dtype
     with torch.inference_mode(False), torch.no_grad():
-        if graph_free and weight.numel() < SMALL_ELEMENTS:
+        if graph_free and kind == "onednn_prepacked" and weight.numel() < SMALL_ELEMENTS:
             float32 = weight.float()
         if kind == "onednn_prepacked":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
@@ -233,10 +235,9 @@ def traced_product(weight: torch.Tensor) -> LinearProduct | None:
     """The product of the compute-dtype (N, K) `weight` for compilers and
     tracers, in plain ops, by the same rule as the eager one: on a CPU without
     native products of its dtype, float32 products of its values beyond
-    `FEW_ROWS` rows (and for small weights at every row count). `None`: a
-    plain `F.linear` (the compiler chooses the product)."""
+    `FEW_ROWS` rows. `None`: a plain `F.linear` (the compiler chooses the
+    product)."""
     kind = kind_for(weight.dtype, weight.device, weight.numel(), weight.dim(), kept=False)
     if kind != "float32_products":
         return None
-    small = weight.numel() < SMALL_ELEMENTS
-    return LinearProduct(kind, weight, weight.dtype, small=small, traced=True)
+    return LinearProduct(kind, weight, weight.dtype, traced=True)
