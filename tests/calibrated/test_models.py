@@ -291,11 +291,11 @@ def test_an_interrupt_part_way_leaves_the_model_unchanged(monkeypatch, failure, 
     original = calibrated_int.InputStatistics.update
     seen = []
 
-    def interrupted(self, rows):
+    def interrupted(self, rows, row_weights=None):
         seen.append(1)
         if len(seen) == 16:  # in the third block
             raise failure("stopped")
-        return original(self, rows)
+        return original(self, rows, row_weights)
 
     monkeypatch.setattr(calibrated_int.InputStatistics, "update", interrupted)
     config = GPTQConfig(token_data(), None, num_samples=4, sequence_length=32, group_size=32)

@@ -88,7 +88,7 @@ class MeanAbsolute:
         self.total = torch.zeros(channels, dtype=torch.float64)
         self.rows = 0
 
-    def update(self, rows: torch.Tensor) -> None:
+    def update(self, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> None:
         MeanAbsolute.updates += 1
         if MeanAbsolute.fail_after is not None and MeanAbsolute.updates > MeanAbsolute.fail_after:
             raise MeanAbsolute.failure("toyact: stopped part-way (test)")

@@ -86,11 +86,14 @@ class WeightSpec:
 class ActivationStatistics(Protocol):
     """What a calibrated scheme accumulates about one weight's inputs."""
 
-    def update(self, rows: torch.Tensor) -> None:
+    def update(self, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> None:
         """Adds a batch of the weight's input rows: `(M, K)` in the floating
         dtype they came in (bfloat16 under a mixed_bfloat16 policy), `K` the
         weight's `in_features` (the product's contracted axis). Weights fed
-        the same input get the same rows object: never modify it."""
+        the same input get the same rows object: never modify it.
+        `row_weights` (float32 `(M,)`, or None for all ones) says how much
+        each row's output error counts (calibration weighs the attention
+        sink's rows up; see `quantization.calibration`)."""
 
 
 class Scheme(abc.ABC):

@@ -53,9 +53,11 @@ from dtype_policies.quantizers.math import dequantize_grouped, pack_int4, unpack
 
 class InputStatistics:
     """What GPTQ and AWQ gather about one weight's inputs (`ActivationStatistics`):
-    the sum of `XᵀX` (float32; GPTQ's Hessian, AWQ's output error), the row
-    count, and per input feature the sum and the maximum of |x| (AWQ's
-    activation magnitudes), each only if asked for.
+    the sum of `XᵀDX` (float32; GPTQ's Hessian, AWQ's output error; `D` the
+    rows' weights, all ones unless calibration weighs some rows up) with the
+    sum of the weights, the row count, and per input feature the sum and the
+    maximum of |x| (AWQ's activation magnitudes, unweighted), each only if
+    asked for.
 
     Weights fed the same rows object (the q/k/v projections of one input)
     share the work: it is done once per batch of rows. Rows that come in
@@ -71,19 +73,25 @@ class InputStatistics:
     ) -> None:
         self.in_features = in_features
         self.rows = 0
+        self.weight_sum = 0.0
         self.gram = torch.zeros(in_features, in_features) if gram else None
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64) if mean_abs else None
         self.abs_max = torch.zeros(in_features) if max_abs else None
 
-    def update(self, rows: torch.Tensor) -> None:
+    def update(self, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> None:
         if rows.dim() != 2 or rows.shape[1] != self.in_features:
             raise ValueError(
                 f"Input rows of shape {tuple(rows.shape)} do not match input features "
                 f"({self.in_features})."
             )
+        if row_weights is not None and row_weights.shape != (rows.shape[0],):
+            raise ValueError(
+                f"Row weights of shape {tuple(row_weights.shape)} do not match "
+                f"{rows.shape[0]} rows."
+            )
         if rows.shape[0] == 0:
             return
-        moments = _shared_moments(rows)
+        moments = _shared_moments(rows, row_weights)
         if self.gram is not None:
             self.gram += moments.gram()
         if self.abs_sum is not None:
@@ -91,12 +99,13 @@ class InputStatistics:
         if self.abs_max is not None:
             torch.maximum(self.abs_max, moments.abs_max(), out=self.abs_max)
         self.rows += rows.shape[0]
+        self.weight_sum += rows.shape[0] if row_weights is None else float(row_weights.sum())
 
     @property
     def hessian(self) -> torch.Tensor:
-        """`2 XᵀX / n` (Keras's and the reference GPTQ's normalisation),
-        symmetrised as Keras does."""
-        return (self.gram + self.gram.t()) / 2 * (2.0 / max(self.rows, 1))
+        """`2 XᵀDX / sum(D)` (Keras's and the reference GPTQ's `2 XᵀX / n`
+        when every weight is 1), symmetrised as Keras does."""
+        return (self.gram + self.gram.t()) / 2 * (2.0 / max(self.weight_sum, 1.0))
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -123,15 +132,19 @@ def _native_bf16() -> bool:
 
 
 class _Moments:
-    """The moments of one batch of rows, each computed on first use."""
+    """The moments of one batch of rows (the Gram matrix with the rows'
+    weights), each computed on first use."""
 
-    def __init__(self, rows: torch.Tensor) -> None:
+    def __init__(self, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> None:
         self.rows = rows
+        self.row_weights = row_weights
         self._gram = self._abs_sum = self._abs_max = None
 
     def gram(self) -> torch.Tensor:
         if self._gram is None:
             rows = self.rows
+            if self.row_weights is not None:  # XᵀDX = (√D X)ᵀ(√D X)
+                rows = rows.float() * self.row_weights.float().sqrt()[:, None]
             if rows.dtype == torch.bfloat16 and _NATIVE_BF16[0]:
                 gram = torch.zeros(rows.shape[1], rows.shape[1])
                 for start in range(0, rows.shape[0], GRAM_CHUNK):
@@ -158,14 +171,20 @@ _NATIVE_BF16: list[bool] = []
 _last_moments: list[Any] = [None, None, -1]  # weakref to rows, their moments, rows' version
 
 
-def _shared_moments(rows: torch.Tensor) -> _Moments:
-    """The moments of `rows`, shared while the same rows object (unchanged) comes again."""
+def _shared_moments(rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> _Moments:
+    """The moments of `rows`, shared while the same rows object (unchanged)
+    comes again with the same weights object."""
     if not _NATIVE_BF16:
         _NATIVE_BF16.append(_native_bf16())
     ref, moments, version = _last_moments
-    if ref is not None and ref() is rows and version == rows._version:
+    if (
+        ref is not None
+        and ref() is rows
+        and version == rows._version
+        and moments.row_weights is row_weights
+    ):
         return moments
-    moments = _Moments(rows)
+    moments = _Moments(rows, row_weights)
     _last_moments[:] = [weakref.ref(rows), moments, rows._version]
     return moments
 

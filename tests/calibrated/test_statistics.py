@@ -1,0 +1,104 @@
+"""What each weight's statistics are built from, in a Hugging Face decoder:
+the rows of its inputs in the block (row count, values), and the attention
+sink's rows weighted up in the queries', keys' and values' statistics only
+(the defect behind GPTQ losing to round to nearest on SmolLM2-135M: unweighted,
+GPTQ moved rounding error onto the first token, which every token attends to)."""
+
+import warnings
+
+import pytest
+import torch
+
+from dtype_policies import quantize
+from dtype_policies.quantization import calibration
+from dtype_policies.quantization.schemes import calibrated_int
+from dtype_policies.quantization.schemes.gptq import GPTQScheme
+from dtype_policies.quantizers import GPTQConfig
+
+from .test_models import llama, token_data
+
+transformers = pytest.importorskip("transformers")
+
+SAMPLES, LENGTH = 4, 16
+
+
+def _pipeline_hessians(model, monkeypatch):
+    """The Hessian each weight of the first block was quantized from."""
+    seen = {}
+    original = GPTQScheme.quantize_calibrated
+
+    def recording(self, weight, spec, config, statistics):
+        seen[id(weight)] = (statistics.hessian.clone(), statistics.rows)
+        return original(self, weight, spec, config, statistics)
+
+    monkeypatch.setattr(GPTQScheme, "quantize_calibrated", recording)
+    config = GPTQConfig(
+        token_data(), None, num_samples=SAMPLES, sequence_length=LENGTH, group_size=32
+    )
+    config.quantization_layer_structure = [model.model.layers[0]]
+    weights = {
+        name: module.weight
+        for name, module in model.model.layers[0].named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(model, config=config, progress=False)
+    return {name: seen[id(w)] for name, w in weights.items()}
+
+
+def _hooked_inputs(model):
+    """Each linear's float32 inputs in the first block, from a plain forward."""
+    inputs = {}
+    hooks = [
+        module.register_forward_pre_hook(lambda m, a, name=name: inputs.__setitem__(name, a[0]))
+        for name, module in model.model.layers[0].named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    windows = calibration_windows()
+    with torch.no_grad():
+        model(input_ids=windows, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return inputs
+
+
+def calibration_windows():
+    from dtype_policies.quantizers.calibration_data import token_windows
+
+    return token_windows(token_data(), None, SAMPLES, LENGTH)
+
+
+def test_each_weight_gets_its_own_rows_and_the_sink_counts_only_for_attention_inputs(
+    monkeypatch,
+):
+    model = llama(layers_count=2)
+    reference = _hooked_inputs(llama(layers_count=2))
+    hessians = _pipeline_hessians(model, monkeypatch)
+    assert set(hessians) == set(reference)
+    for name, x in reference.items():
+        rows = x.reshape(-1, x.shape[-1])
+        weights = torch.ones(SAMPLES, LENGTH)
+        if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
+            weights[:, 0] = calibration.SINK_ROW_WEIGHT
+        weights = weights.reshape(-1)
+        expected = 2 * (rows * weights[:, None]).T @ rows / weights.sum()
+        hessian, count = hessians[name]
+        assert count == SAMPLES * LENGTH, name
+        torch.testing.assert_close(hessian, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_row_weights_give_the_weighted_second_moment():
+    torch.manual_seed(0)
+    rows = torch.randn(50, 8)
+    weights = torch.rand(50) * 4
+    stats = calibrated_int.InputStatistics(8)
+    stats.update(rows[:20], weights[:20])
+    stats.update(rows[20:], weights[20:])
+    expected = 2 * (rows * weights[:, None]).T @ rows / weights.sum()
+    torch.testing.assert_close(stats.hessian, expected, rtol=1e-5, atol=1e-6)
+    plain = calibrated_int.InputStatistics(8)
+    plain.update(rows)
+    torch.testing.assert_close(plain.hessian, 2 * rows.T @ rows / 50, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="Row weights of shape"):
+        stats.update(rows, weights[:3])
