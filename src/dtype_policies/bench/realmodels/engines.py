@@ -41,9 +41,10 @@ class EncoderEngine(Protocol):
 
 
 class TorchLM:
-    """A transformers causal LM, run under `torch.inference_mode()`."""
+    """A transformers causal LM (a module, or one compiled by
+    `compile_for_inference`), run under `torch.inference_mode()`."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: Any) -> None:
         self.module = module
         self.threads = run_threads()
 
@@ -86,9 +87,10 @@ class TorchLM:
 
 
 class TorchEncoder:
-    """A transformers encoder, run under `torch.inference_mode()`."""
+    """A transformers encoder (a module, or one compiled by
+    `compile_for_inference`), run under `torch.inference_mode()`."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: Any) -> None:
         self.module = module
         self.threads = run_threads()
 
