@@ -300,6 +300,7 @@ def cli(*args, cwd):
     )
 
 
+@pytest.mark.slow  # a whole run in a fresh process: kept out of the default suite for its time
 def test_cli_advise(tmp_path):
     (tmp_path / "advise_models.py").write_text(FACTORY)
     result = cli(

@@ -82,6 +82,7 @@ def test_help_and_version(in_process):
     assert in_process()[0] == 2
 
 
+@pytest.mark.slow  # a whole run in a fresh process: kept out of the default suite for its time
 def test_demo_reduced_run_reports_every_variant():
     result = cli("demo", "--quick", "--json")
     assert result.returncode == 0, result.stderr
@@ -176,6 +177,7 @@ def test_usage_errors_exit_2(in_process):
     assert in_process("demo", "--epochs", "zero")[0] == 2
 
 
+@pytest.mark.slow  # a whole run in a fresh process: kept out of the default suite for its time
 def test_bench_runs_a_workload_and_writes_json(tmp_path):
     result = cli(
         "bench", "--quick", "--workloads", "overhead_grad", "--output", str(tmp_path), "--json",

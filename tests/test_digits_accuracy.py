@@ -35,6 +35,7 @@ def _train_and_score(model, x_train, x_test, y_train, y_test):
         return (model(x_test).argmax(1) == y_test).float().mean().item()
 
 
+@pytest.mark.slow  # trains a classifier: kept out of the default suite for its time
 def test_digits_mixed_bfloat16_within_one_point_of_float32():
     torch.manual_seed(0)
     x_train, x_test, y_train, y_test = _data()
@@ -47,6 +48,7 @@ def test_digits_mixed_bfloat16_within_one_point_of_float32():
     assert abs(accuracy16 - accuracy32) <= 0.01, (accuracy32, accuracy16)
 
 
+@pytest.mark.slow  # trains a classifier: kept out of the default suite for its time
 @pytest.mark.parametrize(("mode", "allowed_loss"), [("int8", 0.01), ("int4", 0.02)])
 def test_digits_quantized_classifier_keeps_accuracy(mode, allowed_loss):
     from dtype_policies import quantize

@@ -491,6 +491,7 @@ PLAIN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a whole run in a fresh process: kept out of the default suite for its time
 def test_without_dtype_policies_quantized_raises_and_policies_load_as_float(tmp_path):
     models = {}
     for case in ("int8", "int4", "policy_only", "float8"):
@@ -544,6 +545,7 @@ FRESH = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a whole run in a fresh process: kept out of the default suite for its time
 def test_fresh_process_import_dtype_policies_then_from_pretrained(tmp_path):
     torch.manual_seed(0)
     model = llama()
