@@ -358,3 +358,40 @@ def test_int8_weight_only_cast_in_chunks(rows, dtype):
         tolerance = 1e-4 if dtype == torch.float32 else 0.02
         assert out.dtype == dtype and out.shape == (rows, n)
         assert ((out.float() - reference).norm() / reference.norm()).item() < tolerance
+
+
+def test_per_channel_int4_runs_one_integer_gemm_only_where_bfloat16_is_native():
+    """From `DEQUANTIZED_MIN_ROWS` rows a small per-channel int4 weight is one
+    GEMM on its integer values where bfloat16 products are native; where they
+    are emulated (float32 GEMM plus per-call unpacking) the packed kernel stays
+    at every row count. Both paths compute the same product."""
+    import dataclasses
+
+    from dtype_policies import _cpu
+
+    native = dataclasses.replace(_cpu.processor(), native_bf16=True)
+    emulated = dataclasses.replace(_cpu.processor(), native_bf16=False)
+    small, large = 576 * 1536, int4_kernels.DEQUANTIZED_MAX_ELEMENTS
+    assert int4_kernels.dequantized_min_rows(small, native) == int4_kernels.DEQUANTIZED_MIN_ROWS
+    assert int4_kernels.dequantized_min_rows(small, emulated) is None
+    assert int4_kernels.dequantized_min_rows(large, native) is None
+
+    torch.manual_seed(0)
+    n, k = 64, 256
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) * 50 + 50  # per channel: w = q / scale
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q, scale, None, -1, (q,), None)
+    rows = int4_kernels.DEQUANTIZED_MIN_ROWS
+    expected = "dequantized" if _cpu.processor().native_bf16 else "packed"
+    assert int4_kernels.int4_path(runtime, rows, -1) == expected
+    assert int4_kernels.int4_path(runtime, rows - 1, -1) == "packed"
+    x = torch.randn(rows, k).bfloat16()
+    outs = {
+        path: int4_kernels.int4_linear(x, q, scale, None, -1, None, torch.float32, runtime, path)
+        for path in int4_kernels.PATHS
+    }
+    reference = x.float() @ (q.float() / scale[:, None]).t()
+    for path, out in outs.items():
+        assert out.dtype == torch.float32
+        assert ((out - reference).norm() / reference.norm()).item() < 0.01, path

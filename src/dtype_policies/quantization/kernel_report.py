@@ -100,9 +100,9 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             text += f", K padded to {layout.padded_k}"
         if spec.out_features % 16:
             text += ", N padded to a multiple of 16"
-        small = spec.in_features * spec.out_features < int4.DEQUANTIZED_MAX_ELEMENTS
-        if config.group_size <= 0 and small:
-            text += f"; from {int4.DEQUANTIZED_MIN_ROWS} rows one GEMM on the integer weights"
+        from_rows = int4.dequantized_min_rows(spec.in_features * spec.out_features)
+        if config.group_size <= 0 and from_rows is not None:
+            text += f"; from {from_rows} rows one GEMM on the integer weights"
         return text
     if qw.mode == "float8":
         numel = spec.in_features * spec.out_features

@@ -27,7 +27,8 @@ computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
 may be any real value); per-channel weights are `q / scale`. Per-channel
 weights of fewer than `DEQUANTIZED_MAX_ELEMENTS` elements at
 `DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their integer values
-cast per call, scaled after (faster there: the kernel is compute-bound).
+cast per call, scaled after, where bfloat16 products are native (faster
+there: the kernel is compute-bound; `dequantized_min_rows`).
 Elsewhere (other devices): dequantize and multiply in the compute dtype.
 """
 
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies._core.products import native_half_products
-from dtype_policies._cpu import processor
+from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import epilogues, freezing_weights, tensor_key
 from dtype_policies.quantizers.math import dequantize_grouped
 
@@ -328,6 +329,21 @@ DEQUANTIZED_MIN_ROWS = 32
 # ... for weights of fewer elements than this: per-call unpacking is several
 # slow elementwise passes (2048 x 5632: 10x slower than the kernel, measured).
 DEQUANTIZED_MAX_ELEMENTS = 1 << 20
+# ... and only where bfloat16 products are native: elsewhere the GEMM runs in
+# float32 and does not repay the unpacking (128 rows, unpacking included:
+# avx512 without bfloat16, 2 threads, the kernel 2.3-2.6x faster at 576 x 1536,
+# 768 x 3072 and 896 x 4864, 6-8x at 32 rows; avx2, 1 thread, 1.0-1.4x).
+
+
+def dequantized_min_rows(elements: int, cpu: Processor | None = None) -> int | None:
+    """The rows from which a per-channel int4 weight of `elements` elements runs
+    as one GEMM on its integer values cast per call, or None where it never
+    does (the packed kernel at every row count)."""
+    cpu = processor() if cpu is None else cpu
+    if elements >= DEQUANTIZED_MAX_ELEMENTS or not cpu.native_bf16:
+        return None
+    return DEQUANTIZED_MIN_ROWS
+
 
 PATHS = {
     "packed": "torch's packed int4 kernel, bfloat16 activations",
@@ -343,12 +359,10 @@ def int4_path(runtime: Int4Runtime, rows: int, block_size: int) -> str:
 def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
     if plan is None:
         return "dequantized"
-    if (
-        block_size <= 0
-        and rows >= DEQUANTIZED_MIN_ROWS
-        and plan.n * plan.layout.padded_k < DEQUANTIZED_MAX_ELEMENTS
-    ):
-        return "dequantized"
+    if block_size <= 0:
+        from_rows = dequantized_min_rows(plan.n * plan.layout.padded_k)
+        if from_rows is not None and rows >= from_rows:
+            return "dequantized"
     return "packed"
 
 
