@@ -284,14 +284,16 @@ def test_chart_draws_both_speed_panels_with_labels_apart(tmp_path):
     plt.close(figure)
 
 
-def test_a_cliff_is_timed_by_its_first_call_alone(monkeypatch):
+def test_a_cliff_is_timed_by_its_probes_alone_and_a_compiling_first_call_is_not_one(monkeypatch):
     from dtype_policies.bench.realmodels import speed
 
-    calls = {"float32": 0, "cliff": 0}
+    calls = {"float32": 0, "cliff": 0, "compiles": 0}
 
     def call_of(engine, workload, tokens=0):
         def call():
             calls[engine] += 1
+            if engine == "compiles":  # a compiled variant: only its first call is slow
+                return harness.Timed(10.0 if calls[engine] == 1 else 0.5)
             return harness.Timed(1.0 if engine == "float32" else 10.0)
 
         return call
@@ -299,13 +301,14 @@ def test_a_cliff_is_timed_by_its_first_call_alone(monkeypatch):
     monkeypatch.setattr(speed, "call_of", call_of)
     rows = {name: {} for name in calls}
     realtable.time_workload({n: n for n in calls}, "b1x32", rows, True, lambda *a, **k: None)
-    assert calls["cliff"] == 1 and calls["float32"] > 1
+    assert calls["cliff"] == 2 and calls["float32"] > 2 and calls["compiles"] > 2
     assert rows["cliff"] == {
         "b1x32_ms": 10_000.0,
         "b1x32_x_float32": 0.1,
         "b1x32_status": "one call (slow)",
     }
     assert rows["float32"]["b1x32_ms"] == 1000.0
+    assert rows["compiles"] == {"b1x32_ms": 500.0, "b1x32_x_float32": 2.0}
 
 
 def test_selection_skips_variants_by_pattern_but_keeps_the_reference():
