@@ -82,6 +82,19 @@ def native_half_products(dtype: torch.dtype, cpu: Processor) -> bool:
     return True
 
 
+def product_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype in which products of `dtype` values run on `device`: float32
+    on a CPU that emulates `dtype`'s products (the same values, at float32
+    speed), else `dtype` itself.
+
+    >>> product_dtype(torch.float32, torch.device("cpu"))
+    torch.float32
+    """
+    if device.type == "cpu" and not native_half_products(dtype, processor()):
+        return torch.float32
+    return dtype
+
+
 def product_kind(weight: torch.Tensor, kept: bool, cpu: Processor | None = None) -> str | None:
     """The product path for a compute-dtype (N, K) `weight` (`kept`: a
     graph-free weight kept between calls, which may be prepacked)."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.products import native_half_products
+from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import epilogues, freezing_weights, tensor_key
 from dtype_policies.quantizers.math import dequantize_grouped
@@ -388,9 +388,7 @@ def int4_linear(
     plan = runtime.plan
     if plan is not None and (path or _path(plan, x2.shape[0], block_size)) == "packed":
         return _packed(x2, plan, n, bias, out_dtype)
-    dtype = x2.dtype
-    if x2.device.type == "cpu" and not native_half_products(dtype, processor()):
-        dtype = torch.float32  # the same values, at float32 speed (`_core.products`)
+    dtype = product_dtype(x2.dtype, x2.device)
     if block_size > 0:
         weight = dequantize_int4(q_nk, scale, zero, block_size, g_idx).to(dtype)
         y = F.linear(x2.to(dtype), weight).to(out_dtype)

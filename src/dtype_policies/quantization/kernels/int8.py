@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.products import native_half_products
+from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import epilogues, freezing_weights, tensor_key
 
@@ -320,9 +320,7 @@ def int8_linear_traceable(
                 return epilogues.rescale(y.float(), column_step[None, :], None, bias, out_dtype)
             y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
             return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
-        dtype = x2.dtype  # float32 where half-precision products are emulated, as eager
-        if x2.device.type == "cpu" and not native_half_products(dtype, processor()):
-            dtype = torch.float32
+        dtype = product_dtype(x2.dtype, x2.device)  # as the eager path
         y = F.linear(x2.to(dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     xq, row_step = epilogues.quantize_rows_int8(x2)
@@ -392,7 +390,7 @@ def weight_only_path(x2: torch.Tensor, runtime: Int8Runtime) -> str:
         and weight_int8pack_supported(x2, n)
     ):
         return "int8pack_bfloat16"
-    if x2.device.type == "cpu" and not native_half_products(x2.dtype, processor()):
+    if product_dtype(x2.dtype, x2.device) is not x2.dtype:
         return "dequantized_float32"  # the same values, at float32 speed
     return "dequantized"
 
