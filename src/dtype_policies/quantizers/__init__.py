@@ -38,6 +38,7 @@ from dtype_policies.quantizers.math import (
     unpack_int4,
 )
 from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
+from dtype_policies.quantizers.zero_points import refine_zero_points
 
 __all__ = [
     "DEFAULT_AMAX_HISTORY_LENGTH",
@@ -61,6 +62,7 @@ __all__ = [
     "grouped_quantize_with_zero_point",
     "pack_int4",
     "quantize_and_dequantize",
+    "refine_zero_points",
     "search_grouped_int4",
     "search_per_channel_int4",
     "serialize",

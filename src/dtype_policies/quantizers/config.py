@@ -291,6 +291,11 @@ class Int4QuantizationConfig(QuantizationConfig):
         scale_search: Choose each group's (column's) grid by a search instead
             of min/max: a quantize-time setting, serialized but not compared
             (see `quantizers.search_grouped_int4`).
+        refine_zero_points: Grouped only: after the grid is chosen, move
+            each group's zero point to minimise the `l0.7` norm of its
+            weight error (HQQ's data-free solver; see
+            `quantizers.refine_zero_points`). The default; `False` keeps the
+            min/max (or searched) zero points. A quantize-time setting.
         tied_embeddings: How `quantize()` stores a weight shared by an
             embedding table and a linear (a tied LM head): `"int8"` (the
             default: weight-only int8, as llama.cpp keeps such tables at 8
@@ -308,7 +313,7 @@ class Int4QuantizationConfig(QuantizationConfig):
     """
 
     mode = "int4"  # type: ignore[assignment]
-    quantize_time_settings = ("scale_search", "tied_embeddings")
+    quantize_time_settings = ("scale_search", "tied_embeddings", "refine_zero_points")
 
     def __init__(
         self,
@@ -317,10 +322,16 @@ class Int4QuantizationConfig(QuantizationConfig):
         block_size: int | None = 128,
         scale_search: bool = False,
         tied_embeddings: str = "int8",
+        refine_zero_points: bool = True,
     ) -> None:
         if not isinstance(scale_search, bool):
             raise ValueError(
                 f"`scale_search` must be True or False. Received: scale_search={scale_search!r}"
+            )
+        if not isinstance(refine_zero_points, bool):
+            raise ValueError(
+                "`refine_zero_points` must be True or False. "
+                f"Received: refine_zero_points={refine_zero_points!r}"
             )
         if tied_embeddings not in TIED_EMBEDDINGS:
             raise ValueError(
@@ -367,6 +378,7 @@ class Int4QuantizationConfig(QuantizationConfig):
         self.block_size = block_size
         self.scale_search = scale_search
         self.tied_embeddings = tied_embeddings
+        self.refine_zero_points = refine_zero_points
 
     @property
     def group_size(self) -> int:
@@ -389,6 +401,8 @@ class Int4QuantizationConfig(QuantizationConfig):
             config["scale_search"] = True
         if self.tied_embeddings != "int8":
             config["tied_embeddings"] = self.tied_embeddings
+        if not self.refine_zero_points:
+            config["refine_zero_points"] = False
         return config
 
     @classmethod
@@ -400,6 +414,7 @@ class Int4QuantizationConfig(QuantizationConfig):
             block_size=config.get("block_size"),
             scale_search=config.get("scale_search", False),
             tied_embeddings=config.get("tied_embeddings", "int8"),
+            refine_zero_points=config.get("refine_zero_points", True),
         )
 
     def _identity(self) -> dict[str, Any]:

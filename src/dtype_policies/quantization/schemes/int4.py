@@ -33,6 +33,7 @@ from dtype_policies.quantizers.math import (
     unpack_int4,
 )
 from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
+from dtype_policies.quantizers.zero_points import refine_zero_points
 
 
 class Int4Scheme(Scheme):
@@ -56,6 +57,8 @@ class Int4Scheme(Scheme):
                 search_grouped_int4 if config.scale_search else grouped_quantize_with_zero_point
             )
             q_kn, scale, zero = grouped(w_nk.t(), config.group_size)
+            if config.refine_zero_points:
+                q_kn, zero = refine_zero_points(w_nk.t(), q_kn, scale, zero, config.group_size)
             q_nk = q_kn.t()
             extra = {names[1]: _laid_out(spec, scale), names[2]: _laid_out(spec, zero)}
             extra[names[3]] = default_g_idx(spec.in_features, config.group_size, w_nk.device)
