@@ -67,6 +67,11 @@ class Calibration:
         ids = self.tokenizer(text.lm_calibration_text(), add_special_tokens=False)["input_ids"]
         return torch.tensor(ids)
 
+    def encoder_token_ids(self) -> torch.Tensor:
+        """The token ids of the encoder calibration text (GPTQ, AWQ), one 1-D tensor."""
+        ids = self.tokenizer(text.calibration_text(), add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids)
+
     def train_steps(self, model: torch.nn.Module) -> None:
         """Forward in training mode and backward, `steps` times (fills float8
         delayed scaling's amax histories); gradients are dropped after."""
@@ -160,30 +165,35 @@ def compiled(variant: Variant) -> Variant:
 
 
 CALIBRATION_SAMPLES, CALIBRATION_LENGTH = 128, 512
+ENCODER_CALIBRATION_SAMPLES, ENCODER_CALIBRATION_LENGTH = 64, 128
 
 
-def calibrated(mode: str, bits: int, group: int) -> Variant:
-    """`<mode>/<bits>/<group>` calibrated on 128 windows of 512 tokens of the
-    LM calibration text (`text.lm_calibration_text`), under mixed_bfloat16."""
+def calibrated(mode: str, bits: int, group: int, models: tuple[str, ...] = (LM,)) -> Variant:
+    """`<mode>/<bits>/<group>` under mixed_bfloat16, calibrated on the LM
+    calibration text (`text.lm_calibration_text`, 128 windows of 512 tokens)
+    for the LM, and on the encoder's calibration text (`text.calibration_text`,
+    64 windows of 128 tokens, overlapping: the text has about 2,000) for the
+    encoder."""
 
     def config(calibration: Calibration) -> Any:
         from dtype_policies._modes import mode_record
 
+        lm = calibration.model == LM
         return mode_record(mode).config_class(
-            calibration.lm_token_ids(),
+            calibration.lm_token_ids() if lm else calibration.encoder_token_ids(),
             None,
             weight_bits=bits,
             group_size=group,
-            num_samples=CALIBRATION_SAMPLES,
-            sequence_length=CALIBRATION_LENGTH,
+            num_samples=CALIBRATION_SAMPLES if lm else ENCODER_CALIBRATION_SAMPLES,
+            sequence_length=CALIBRATION_LENGTH if lm else ENCODER_CALIBRATION_LENGTH,
         )
 
     return ours(
         f"{mode}/{bits}/{group}",
         mode=mode,
         config=config,
-        models=(LM,),
-        note=f"{CALIBRATION_SAMPLES} x {CALIBRATION_LENGTH} calibration tokens",
+        models=models,
+        note="calibrated on the calibration text",
     )
 
 
@@ -204,20 +214,17 @@ OURS: list[Variant] = [
     ours("int4/64", mode="int4", block_size=64),
     ours("int4/128", mode="int4", block_size=128),
     ours("int4/-1", mode="int4", block_size=-1),
+    ours("int4/64 min/max zeros", mode="int4", block_size=64, refine_zero_points=False),
+    ours("int4/128 min/max zeros", mode="int4", block_size=128, refine_zero_points=False),
     ours("int4/32 scale_search", mode="int4", block_size=32, scale_search=True),
     ours("int4/128 scale_search", mode="int4", block_size=128, scale_search=True),
     ours("int4/-1 scale_search", mode="int4", block_size=-1, scale_search=True),
-    *[
-        calibrated(mode, bits, group)
-        for mode, bits, group in (
-            ("gptq", 4, 128),
-            ("gptq", 4, 32),
-            ("gptq", 3, 128),
-            ("gptq", 8, -1),
-            ("awq", 4, 128),
-            ("awq", 4, 32),
-        )
-    ],
+    calibrated("gptq", 4, 128, models=BOTH),
+    calibrated("gptq", 4, 32),
+    calibrated("gptq", 3, 128),
+    calibrated("gptq", 8, -1),
+    calibrated("awq", 4, 128, models=BOTH),
+    calibrated("awq", 4, 32, models=BOTH),
     ours("float8 delayed", mode="float8", calibrate=True, note="2 calibration train steps"),
     ours("float8 dynamic", mode="float8", scaling="dynamic"),
     ours("float8 weight-only", mode="float8", scaling="weight_only"),
