@@ -220,7 +220,7 @@ OURS: list[Variant] = [
     ours("int4/128 scale_search", mode="int4", block_size=128, scale_search=True),
     ours("int4/-1 scale_search", mode="int4", block_size=-1, scale_search=True),
     calibrated("gptq", 4, 128, models=BOTH),
-    calibrated("gptq", 4, 32),
+    calibrated("gptq", 4, 32, models=BOTH),
     calibrated("gptq", 3, 128),
     calibrated("gptq", 8, -1),
     calibrated("awq", 4, 128, models=BOTH),
