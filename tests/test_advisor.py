@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -376,13 +375,22 @@ def test_cli_advise_bad_inputs_in_process(tmp_path, monkeypatch, capsys, args, m
 
 
 @pytest.mark.slow
-def test_benchmark_mlp_advice_within_a_minute():
+def test_benchmark_mlp_advice_keeps_its_error_budget():
+    """The benchmark's MLP end to end (its time is reported by
+    `benchmarks/advisor_demo.py`, not asserted here): the applied advice's
+    relative Frobenius error on the inputs it saw is the one it reports."""
     from dtype_policies.bench.workloads.mlp import mlp
 
     torch.manual_seed(0)
     model = mlp().eval()
     x = torch.randn(64, 1024)
-    start = time.perf_counter()
+    with torch.no_grad():
+        reference = model(x)
     advice = advise(model, x, max_error=0.02, progress=False)
-    assert time.perf_counter() - start < 60
-    assert advice.error <= 0.02
+    assert 0 <= advice.error <= 0.02
+    advice.apply(model)
+    with torch.no_grad():
+        out = model(x).float()
+    measured = float((out - reference).norm() / reference.norm())
+    assert measured <= 0.02
+    assert measured == pytest.approx(float(advice.error), abs=2e-3)
