@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from dtype_policies.quantizers.math import INT4_RANGE
+from dtype_policies.quantizers.math import _ON_GRID_TOLERANCE, INT4_RANGE
 
 #: The `hqq` package's defaults for 4 bits.
 LP_NORM = 0.7
@@ -36,8 +36,6 @@ BETA = 10.0
 KAPPA = 1.01
 ITERATIONS = 20
 _TOLERANCE = 1e-3  # a relative fall of the mean absolute error worth another step
-
-_ON_GRID_TOLERANCE = 0.01  # in steps, as `grouped_quantize_with_zero_point`
 
 
 def refine_zero_points(
