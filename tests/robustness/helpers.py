@@ -190,7 +190,14 @@ def assert_unchanged(model: nn.Module, before: dict) -> None:
     for key, value in before["state"].items():
         now = after["state"][key]
         assert now.dtype == value.dtype, f"{key}: dtype {value.dtype} -> {now.dtype}"
-        assert torch.equal(now, value), f"{key}: values changed"
+        assert _same_values(now, value), f"{key}: values changed"
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, a NaN matching a NaN in the same place."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
 # ---------------------------------------------------------------- isolation

@@ -2,6 +2,7 @@
 no module changed (bit-for-bit state_dict, classes, policies), and the error
 names the module path."""
 
+import re
 from collections import OrderedDict
 
 import pytest
@@ -162,3 +163,44 @@ def test_quantize_is_atomic_and_names_the_failing_module():
         quantize(model, "int8")
     assert unchanged_with_call_states(model, before)
     assert getattr(state_of(model[0]), "quantization", None) is None
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weight_is_refused_and_changes_nothing(mode, bad):
+    """A scale derived from a range holding NaN or infinity would silently
+    poison its whole row or group: refused, naming the module and the value,
+    before any module (even an earlier, finite one) is quantized."""
+    model = _three_linears()
+    with torch.no_grad():
+        model.third.weight[5, 7] = bad
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        quantize(model, mode)
+    assert_unchanged(model, before)
+    message = str(info.value)
+    assert "'third'" in message and "1 non-finite" in message
+    assert f"{bad} at index [5, 7]" in message
+
+
+@pytest.mark.parametrize("how", ["apply_policy", "layer"])
+def test_non_finite_weight_is_refused_by_every_route(how):
+    torch.manual_seed(0)
+    if how == "layer":
+        layer = layers.Dense(4, name="dense")
+        layer(torch.randn(2, 8))
+        with torch.no_grad():
+            layer.kernel[2, 1] = float("nan")
+        before = snapshot(layer)
+        expected = re.escape("1 non-finite value(s) (first: nan at index [2, 1])")
+        with pytest.raises(ValueError, match=expected):
+            layer.quantize("int8")
+        assert_unchanged(layer, before)
+        return
+    model = _three_linears()
+    with torch.no_grad():
+        model.first.weight[0, 0] = float("inf")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"first.*non-finite"):
+        apply_policy(model, "int8_from_float32")
+    assert_unchanged(model, before)

@@ -78,6 +78,21 @@ def _check_weight(module: torch.nn.Module, name: str, needs_values: bool) -> tor
     return weight
 
 
+def _check_finite(weight: torch.Tensor, name: str) -> None:
+    """Every mode derives its scales from the weight's range, so one NaN or
+    infinity would silently poison the whole row or group it sits in: refused."""
+    with torch.no_grad():
+        bad = ~torch.isfinite(weight.detach())
+        count = int(bad.sum())
+        if count:
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"its weight '{name}' holds {count} non-finite value(s) (first: "
+                f"{float(weight[index])} at index {list(index)}); quantization needs finite "
+                "weights"
+            )
+
+
 def _check_forward_replaceable(module: torch.nn.Module, kind: ModuleKind) -> None:
     """A quantized forward replaces the registered class's forward: a subclass
     with a forward of its own (extra computation around the product) would
@@ -215,6 +230,7 @@ def plan(
     )
     scheme, spec, weight = checked.scheme, checked.spec, checked.weight
     if tensors is None:
+        _check_finite(weight, spec.weight)
         with torch.no_grad(), torch.inference_mode(False):
             if checked.record.calibrated and statistics is not None:
                 tensors = scheme.quantize_calibrated(weight, spec, config, statistics)
