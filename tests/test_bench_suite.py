@@ -9,7 +9,7 @@ import torch
 
 from dtype_policies._cpu import CPU_CLASSES, processor
 from dtype_policies.bench import harness, registry, workloads
-from dtype_policies.bench.realmodels import chart, engines, quality_table, text, variants
+from dtype_policies.bench.realmodels import catalogue, chart, engines, quality_table, text, variants
 from dtype_policies.bench.realmodels import table as realtable
 from dtype_policies.bench.realmodels.variants import Calibration, Variant
 
@@ -89,14 +89,14 @@ def test_a_failing_or_missing_variant_is_a_row_not_a_crash():
 
 
 def test_variants_are_data_and_selection_keeps_the_reference():
-    names = [v.name for v in variants.select(None, "smollm2")]
+    names = [v.name for v in catalogue.select(None, "smollm2")]
     assert names[0] == "float32" and len(names) == len(set(names))
     assert {"int4/32", "int4/128 scale_search", "float8 dynamic", "llama.cpp Q4_1"} <= set(names)
     assert "onnxruntime int8 (quantize_dynamic)" not in names  # an encoder peer
-    chosen = [v.name for v in variants.select("int4/32,int8", "smollm2")]
+    chosen = [v.name for v in catalogue.select("int4/32,int8", "smollm2")]
     assert chosen == ["float32", "int4/32", "int8"]
     with pytest.raises(ValueError, match=r"unknown variants \['int3'\]"):
-        variants.select("int3", "minilm")
+        catalogue.select("int3", "minilm")
 
 
 def test_ours_prepares_the_policy_and_quantization_it_names():
@@ -312,7 +312,7 @@ def test_a_cliff_is_timed_by_its_probes_alone_and_a_compiling_first_call_is_not_
 
 
 def test_selection_skips_variants_by_pattern_but_keeps_the_reference():
-    names = [v.name for v in variants.select(None, "smollm2", skip="gptq/*,awq/*,float32")]
+    names = [v.name for v in catalogue.select(None, "smollm2", skip="gptq/*,awq/*,float32")]
     assert names[0] == "float32" and "int4/32" in names
     assert not any(n.startswith(("gptq/", "awq/")) for n in names)
-    assert "gptq/4/128" in [v.name for v in variants.select(None, "smollm2")]
+    assert "gptq/4/128" in [v.name for v in catalogue.select(None, "smollm2")]

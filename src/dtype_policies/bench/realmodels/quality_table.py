@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies.bench.realmodels import engines, models, quality, variants
+from dtype_policies.bench.realmodels import catalogue, engines, models, quality, variants
 from dtype_policies.bench.realmodels.variants import LM, Calibration, Variant
 
 COLUMNS = {
@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.list:
-        for variant in variants.select(None, args.model):
+        for variant in catalogue.select(None, args.model):
             print(variant.name)
         return 0
     try:
-        selected = variants.select(args.variants, args.model)
+        selected = catalogue.select(args.variants, args.model)
     except ValueError as e:
         parser.error(str(e))
     print(markdown_header(args.model), flush=True)

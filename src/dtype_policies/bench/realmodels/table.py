@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtype_policies.bench import harness
-from dtype_policies.bench.realmodels import quality_table, speed, variants
+from dtype_policies.bench.realmodels import catalogue, quality_table, speed
 from dtype_policies.bench.realmodels.variants import Calibration
 
 REFERENCE = "float32"
@@ -90,7 +90,7 @@ def model_table(
     calibration = Calibration(model, tokenizer)
     rows: dict[str, dict] = {}
     engines: dict[str, Any] = {}
-    for variant in variants.select(names, model, skip):
+    for variant in catalogue.select(names, model, skip):
         row, engine = quality_table.prepare_and_score(variant, base, calibration, quality)
         row.update(where)
         if "engine_threads" in row and str(row["engine_threads"]) != where["threads"]:

@@ -10,13 +10,13 @@ receives the `Calibration`, for modes that take data):
     ours("int4/64", mode="int4", block_size=64)
     ours("gptq/4/128", mode="gptq", config=lambda calibration: GPTQConfig(...))
 
-The peers (`peers.PEERS`) use the same `Variant` with their own `prepare`.
+The peers (`peers.PEERS`) use the same `Variant` with their own `prepare`;
+`catalogue` lists both and selects a run's variants.
 """
 
 from __future__ import annotations
 
 import copy
-import fnmatch
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -235,35 +235,6 @@ OURS += [
     if v.name in ("float32", "mixed_bfloat16", "int8", "int8 W8A8", "int4/32", "int4/128")
 ]
 """This library's variants, in table order (the reference is `float32`)."""
-
-
-def all_variants() -> list[Variant]:
-    """Ours, then the peers."""
-    from dtype_policies.bench.realmodels.peers import PEERS
-
-    return [*OURS, *PEERS]
-
-
-def select(names: str | None, model: str, skip: str | None = None) -> list[Variant]:
-    """The variants applying to `model`, all or those named in a comma-separated
-    list, less those matching a comma-separated list of `skip` patterns
-    (`fnmatch`: `"gptq/*,awq/*"`); float32, the reference, is always included."""
-    available = [v for v in all_variants() if model in v.models]
-    if skip:
-        patterns = [p.strip() for p in skip.split(",") if p.strip()]
-        available = [
-            v
-            for v in available
-            if v.name == "float32" or not any(fnmatch.fnmatchcase(v.name, p) for p in patterns)
-        ]
-    if not names:
-        return available
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    by_name = {v.name: v for v in available}
-    unknown = [n for n in wanted if n not in by_name]
-    if unknown:
-        raise ValueError(f"unknown variants {unknown} for {model}; choose from {list(by_name)}")
-    return [by_name["float32"]] + [by_name[n] for n in wanted if n != "float32"]
 
 
 def prepared(variant: Variant, base: torch.nn.Module, calibration: Calibration) -> Any:
