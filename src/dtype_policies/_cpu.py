@@ -146,7 +146,8 @@ class Processor:
         return f"{self.name} ({self.architecture}, torch {self.torch_isa}; {', '.join(parts)}{cap})"
 
 
-def _hardware_flags() -> set[str]:
+def hardware_flags() -> set[str]:
+    """The processor's own flags (`/proc/cpuinfo`, else torch's), before any cap."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -202,7 +203,7 @@ def detect(requested: str | None = None) -> Processor:
     arm = machine in ("aarch64", "arm64")
     architecture = "aarch64" if arm else ("x86_64" if machine in ("x86_64", "amd64") else machine)
     torch_isa = torch.backends.cpu.get_cpu_capability()
-    flags = _hardware_flags()
+    flags = hardware_flags()
     capped_by: list[str] = []
     if arm:
         features = _features(flags, _ARM_FLAGS) | ({"neon"} if architecture == "aarch64" else set())

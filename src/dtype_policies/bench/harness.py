@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from dtype_policies._cpu import processor
+from dtype_policies._cpu import hardware_flags, processor
 
 
 class Timed(float):
@@ -170,32 +170,29 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+_REPORTED_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vbmi",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
 def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    wanted = [
-                        "avx2",
-                        "fma",
-                        "f16c",
-                        "avx_vnni",
-                        "avx512f",
-                        "avx512bw",
-                        "avx512vl",
-                        "avx512dq",
-                        "avx512_vbmi",
-                        "avx512_vnni",
-                        "avx512_bf16",
-                        "avx512_fp16",
-                        "amx_bf16",
-                        "amx_int8",
-                    ]
-                    return " ".join(flag for flag in wanted if flag in flags)
-    except OSError:
-        pass
-    return ""
+    """The hardware flags that matter to the kernels (as the processor reports
+    them, before any cap)."""
+    flags = hardware_flags()
+    return " ".join(flag for flag in _REPORTED_FLAGS if flag in flags)
 
 
 def machine_info() -> dict[str, str]:

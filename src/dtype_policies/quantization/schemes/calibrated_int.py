@@ -33,7 +33,6 @@ dequantize and multiply (correct, not fast).
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from typing import Any, ClassVar, NamedTuple
@@ -41,6 +40,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantization.kernels import tensor_key
@@ -115,22 +115,6 @@ class InputStatistics:
 GRAM_CHUNK = 512
 
 
-def _native_bf16() -> bool:
-    """bfloat16 products run on hardware bfloat16 instructions here (not under
-    an AVX2 cap). Local check until the processor description lands."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith(("AVX2", "SSE", "AVX_"))
-    return (
-        ("avx512_bf16" in flags or "amx_bf16" in flags)
-        and torch.backends.cpu.get_cpu_capability() != "AVX2"
-        and not capped
-    )
-
-
 class _Moments:
     """The moments of one batch of rows (the Gram matrix with the rows'
     weights), each computed on first use."""
@@ -145,7 +129,7 @@ class _Moments:
             rows = self.rows
             if self.row_weights is not None:  # XᵀDX = (√D X)ᵀ(√D X)
                 rows = rows.float() * self.row_weights.float().sqrt()[:, None]
-            if rows.dtype == torch.bfloat16 and _NATIVE_BF16[0]:
+            if rows.dtype == torch.bfloat16 and processor().native_bf16:
                 gram = torch.zeros(rows.shape[1], rows.shape[1])
                 for start in range(0, rows.shape[0], GRAM_CHUNK):
                     chunk = rows[start : start + GRAM_CHUNK]
@@ -167,15 +151,12 @@ class _Moments:
         return self._abs_max
 
 
-_NATIVE_BF16: list[bool] = []
 _last_moments: list[Any] = [None, None, -1]  # weakref to rows, their moments, rows' version
 
 
 def _shared_moments(rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> _Moments:
     """The moments of `rows`, shared while the same rows object (unchanged)
     comes again with the same weights object."""
-    if not _NATIVE_BF16:
-        _NATIVE_BF16.append(_native_bf16())
     ref, moments, version = _last_moments
     if (
         ref is not None
