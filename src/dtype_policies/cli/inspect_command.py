@@ -10,12 +10,12 @@ from dtype_policies._cpu import processor
 from dtype_policies._modes import mode_record, registered_modes
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.apply import apply_policy, module_summaries
+from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.apply.summary import COLUMNS, label_of
 from dtype_policies.cli import output
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 from dtype_policies.policies import deserialize, policy_for_config
 from dtype_policies.quantization import quantize
-from dtype_policies.quantization.kernel_report import kernel_of
 from dtype_policies.saving import load_policy
 from dtype_policies.saving.checkpoint import dtype_of_code, model_file, read_header
 

@@ -2,7 +2,7 @@
 policy and mode, from every source policy, at 1 and at 64 rows, each variant
 against float32 in one interleaved run (the targets of "Right and fast on
 every CPU"). The notes name the kernel each variant's first layer runs by on
-this CPU (`quantization.kernel_report`).
+this CPU (`apply.kernel_report`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import warnings
 import torch
 import torch.nn as nn
 
+from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.bench.registry import Variants, register
 from dtype_policies.bench.workloads.common import policied_copy
 from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
-from dtype_policies.quantization.kernel_report import kernel_of
 
 WIDTHS = (2048, 5632)
 SOURCES = ("float32", "mixed_bfloat16", "mixed_float16")

@@ -4,7 +4,7 @@ and the docs: the same choices the kernels make (`_core.products`,
 
 >>> import torch
 >>> import dtype_policies
->>> from dtype_policies.quantization.kernel_report import kernel_of
+>>> from dtype_policies.apply.kernel_report import kernel_of
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32))
 >>> _ = dtype_policies.apply_policy(model, "float32")
 >>> kernel_of(model[0])
