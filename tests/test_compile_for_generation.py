@@ -185,22 +185,32 @@ def test_int4_keeps_its_storage_and_eager_scores_and_sees_new_weights():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "config", "kernel"),
+    ("mode", "config", "kernel", "template"),
     [
-        ("int4", Int4QuantizationConfig(block_size=32), "_weight_int4pack_mm_for_cpu"),
-        ("int8", None, "_weight_int8pack_mm"),  # the default int8: weight-only
+        (
+            "int4",
+            Int4QuantizationConfig(block_size=32),
+            "_weight_int4pack_mm_for_cpu",
+            "CppMicroGemmWoQInt4",
+        ),
+        ("int8", None, "_weight_int8pack_mm", "CppMicroGemm"),  # the default int8: weight-only
     ],
 )
-def test_frozen_quantized_steps_call_the_eager_kernels(mode, config, kernel):
-    """The compiled decode step multiplies by the eager path's kernels on
-    layouts folded at compile time (no float copy of the weight), and so
-    scores what eager scores."""
+@pytest.mark.parametrize("autotune", [False, True])
+def test_frozen_quantized_steps_multiply_integer_weights(mode, config, kernel, template, autotune):
+    """The compiled decode step multiplies integer weights on layouts folded at
+    compile time (no float copy of the weight): the eager path's kernels, or
+    with autotuning, whichever of them and Inductor's C++ templates for them
+    was faster; and so scores what eager scores."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_llama()
     apply_policy(model, "mixed_bfloat16")
     quantize(model, mode, config)
-    fast = compile_for_generation(copy.deepcopy(model))
+    fast = compile_for_generation(copy.deepcopy(model), autotune=autotune)
     scores, codes = run_and_get_code(step_scores, fast)
-    assert any(kernel in code for code in codes)
+    if autotune:
+        assert any(kernel in code or template in code for code in codes)
+    else:
+        assert any(kernel in code for code in codes)
     assert close(scores[1:], step_scores(model)[1:]) < 1e-2

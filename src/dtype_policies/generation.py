@@ -73,7 +73,9 @@ def _unmark_caches(kwargs: dict) -> None:
         _unmark_static_cache(kwargs.get(name))
 
 
-def compile_for_generation(model: torch.nn.Module, *, freeze_weights: bool = True) -> Any:
+def compile_for_generation(
+    model: torch.nn.Module, *, freeze_weights: bool = True, autotune: bool = True
+) -> Any:
     """Makes `model.generate(...)` run its decode steps compiled, on a static
     KV cache (see the module docstring for what is compiled and its cost).
 
@@ -84,6 +86,9 @@ def compile_for_generation(model: torch.nn.Module, *, freeze_weights: bool = Tru
         freeze_weights: Fold weight-only computations (casts, packing) into
             constants at compile time (default). Without it, the compiled
             step casts float weights to the compute dtype on every call.
+        autotune: Let Inductor time its C++ GEMM templates against ATen's
+            kernels for each product shape and keep the faster (default):
+            faster decode steps, a longer first compilation (docs/speed.md).
 
     Returns:
         `model`, changed in place: its generation config asks for a static
@@ -118,7 +123,9 @@ def compile_for_generation(model: torch.nn.Module, *, freeze_weights: bool = Tru
     generation_config.compile_config = compile_config
     # transformers reuses `_compiled_call` while `_last_compile_config` equals
     # the config it is asked for (`get_compiled_call`).
-    compiled = FrozenCompiledCall(model, freeze_weights, before_call=_unmark_caches)
+    compiled = FrozenCompiledCall(
+        model, freeze_weights, before_call=_unmark_caches, autotune=autotune
+    )
     setattr(model, _COMPILED_CALL, compiled)
     setattr(model, "_last_compile_config", compile_config)  # noqa: B010 (a Module attribute)
     return model

@@ -57,9 +57,16 @@ class CompiledInference:
     """`model`'s inference, compiled with frozen weights (see the module
     docstring). Call it as the model; `module` is the model."""
 
-    def __init__(self, model: torch.nn.Module, freeze_weights: bool, fullgraph: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, freeze_weights: bool, fullgraph: bool, autotune: bool = True
+    ) -> None:
         self._call = FrozenCompiledCall(
-            model, freeze_weights, name="compile_for_inference", dynamic=None, fullgraph=fullgraph
+            model,
+            freeze_weights,
+            name="compile_for_inference",
+            dynamic=None,
+            fullgraph=fullgraph,
+            autotune=autotune,
         )
         self._module = model
 
@@ -75,7 +82,11 @@ class CompiledInference:
 
 
 def compile_for_inference(
-    model: torch.nn.Module, *, freeze_weights: bool = True, fullgraph: bool = False
+    model: torch.nn.Module,
+    *,
+    freeze_weights: bool = True,
+    fullgraph: bool = False,
+    autotune: bool = True,
 ) -> CompiledInference:
     """`model`'s inference, compiled by Inductor with frozen weights.
 
@@ -85,6 +96,9 @@ def compile_for_inference(
             constants at compile time (default). Without it, the compiled
             call casts float weights on every call and follows every change.
         fullgraph: Refuse graph breaks (as `torch.compile`'s option).
+        autotune: Let Inductor time its C++ GEMM templates against ATen's
+            kernels for each product shape and keep the faster (default): a
+            longer first call per shape (docs/speed.md).
 
     Returns:
         A `CompiledInference`, called as the model: compiled under
@@ -102,4 +116,4 @@ def compile_for_inference(
         raise TypeError(
             f"compile_for_inference needs a torch.nn.Module, got {type(model).__name__}"
         )
-    return CompiledInference(model, freeze_weights, fullgraph)
+    return CompiledInference(model, freeze_weights, fullgraph, autotune)

@@ -143,21 +143,22 @@ def _int8_w8a8() -> Any:
     return Int8QuantizationConfig()  # Keras's int8: per-token activation quantizer
 
 
-def compiled(variant: Variant) -> Variant:
+def compiled(variant: Variant, *, autotune: bool = True) -> Variant:
     """`variant` compiled: SmolLM2 with `compile_for_generation` (decode
     compiled on a static KV cache; prefill and quality stay eager), MiniLM
-    with `compile_for_inference` (every call)."""
+    with `compile_for_inference` (every call); without Inductor's GEMM
+    autotuning when `autotune` is off (named "... compiled (no autotune)")."""
 
     def prepare(model: torch.nn.Module, calibration: Calibration) -> Any:
         from dtype_policies import compile_for_generation, compile_for_inference
 
         prepared = variant.prepare(model, calibration)
         if calibration.model == LM:
-            return compile_for_generation(prepared)
-        return compile_for_inference(prepared)
+            return compile_for_generation(prepared, autotune=autotune)
+        return compile_for_inference(prepared, autotune=autotune)
 
     return Variant(
-        f"{variant.name} compiled",
+        f"{variant.name} compiled" + ("" if autotune else " (no autotune)"),
         prepare,
         models=variant.models,
         note="compiled with frozen weights (the first call of each shape compiles)",
@@ -233,6 +234,9 @@ OURS += [
     compiled(v)
     for v in OURS
     if v.name in ("float32", "mixed_bfloat16", "int8", "int8 W8A8", "int4/32", "int4/128")
+]
+OURS += [
+    compiled(v, autotune=False) for v in OURS if v.name in ("mixed_bfloat16", "int8", "int4/32")
 ]
 """This library's variants, in table order (the reference is `float32`)."""
 
