@@ -18,6 +18,10 @@ model's own generation config, so that `model.generate(...)` stays the call:
   computes from the stored tensors and freezing folds into a constant (one
   more copy of the int4 storage; int8 keeps an aligned copy of its int8
   weight); other quantized products fold their traced forms.
+* autotuning (`autotune=True`, the default): for each product shape Inductor
+  times its C++ GEMM template (float, weight-only int8, int4) against the
+  eager kernel and keeps the faster; SmolLM2-135M decodes 1.1-1.6x faster,
+  its first compilation takes up to 1.5x longer.
 
 The policies, the float32 islands and the quantized products are what the
 compiled graph computes (the traced forms of the same products): on a float32

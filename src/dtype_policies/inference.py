@@ -11,7 +11,9 @@ that runs `model` that way under `torch.no_grad()` or
   float32 copies of rounded weights (CPUs without native half-precision
   products), oneDNN's prepacked layouts and the int4 kernel's packing are
   folded once into constants; the quantized products call the eager kernels
-  (int4, weight-only int8) or their traced forms;
+  (int4, weight-only int8) or their traced forms, or, with `autotune` (the
+  default), Inductor's C++ GEMM template for the product where its timing at
+  compile time beat the kernel's;
 * the products follow the eager rules for this processor
   (`dtype_policies._cpu`): on a CPU without native bfloat16 a bfloat16 policy
   multiplies in float32 beyond one row, as eagerly;
