@@ -82,9 +82,10 @@ AUTOTUNE_OPTIONS: dict[str, Any] = {
 }
 """Inductor's settings for `autotune=True`. On CPU its C++ templates (weight
 prepacked at freezing, micro-kernels per shape, int4 and weight-only int8
-included) beat ATen's kernels at a few rows: SmolLM2-135M's int4 decode runs
-1.29x faster, computed in float32 after the kernel rather than rounded to
-bfloat16; the first compilation takes about 1.5x longer (docs/speed.md).
+included) beat ATen's kernels at a few rows: SmolLM2-135M decodes 1.12x
+(int4/32) to 1.63x (mixed_bfloat16) faster, int4's output kept in float32
+rather than rounded to bfloat16; its first compilation takes up to 1.5x
+longer (docs/speed.md).
 ATen's kernel is always among the choices, so a shape never gets slower than
 ATen's by more than the timing's noise."""
 

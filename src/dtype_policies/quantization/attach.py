@@ -82,15 +82,16 @@ def _check_finite(weight: torch.Tensor, name: str) -> None:
     """Every mode derives its scales from the weight's range, so one NaN or
     infinity would silently poison the whole row or group it sits in: refused."""
     with torch.no_grad():
-        bad = ~torch.isfinite(weight.detach())
-        count = int(bad.sum())
-        if count:
-            index = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"its weight '{name}' holds {count} non-finite value(s) (first: "
-                f"{float(weight[index])} at index {list(index)}); quantization needs finite "
-                "weights"
-            )
+        finite = torch.isfinite(weight)
+        if bool(finite.all()):
+            return
+        bad = ~finite
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"its weight '{name}' holds {int(bad.sum())} non-finite value(s) (first: "
+            f"{float(weight[index])} at index {list(index)}); quantization needs finite "
+            "weights"
+        )
 
 
 def _check_forward_replaceable(module: torch.nn.Module, kind: ModuleKind) -> None:
