@@ -9,6 +9,7 @@ import torch
 
 from dtype_policies import apply_policy, compile_for_generation, quantize
 from dtype_policies._frozen import ModelWatch
+from dtype_policies._one_query_attention import NAME as ONE_QUERY
 from dtype_policies.generation import _unmark_static_cache
 from dtype_policies.quantization import Int4QuantizationConfig
 
@@ -89,6 +90,49 @@ def test_static_cache_tensors_become_ordinary_graph_inputs():
     _unmark_static_cache(None)  # no cache: nothing to do
 
 
+@pytest.mark.parametrize(
+    ("implementation", "device", "in_step"),
+    [("sdpa", "cpu", ONE_QUERY), ("eager", "cpu", "eager"), ("sdpa", "meta", "sdpa")],
+)
+def test_the_decode_step_writes_attention_out_on_cpu_only_for_its_call(
+    implementation, device, in_step
+):
+    """On CPU the compiled step runs transformers' written-out attention in
+    place of the fused SDPA kernel, for the step only: the model's own
+    setting is back after it, even when the step raises."""
+    model = tiny_llama()
+    model.config._attn_implementation = implementation
+    compile_for_generation(model)
+    seen = []
+
+    def compiled_step(**kwargs):
+        seen.append(model.config._attn_implementation)
+        raise RuntimeError("the step failed")
+
+    model._compiled_call.compiled = compiled_step
+    tokens = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="the step failed"):
+        model._compiled_call(input_ids=tokens)
+    assert seen == [in_step]
+    assert model.config._attn_implementation == implementation
+
+
+def test_without_transformers_attention_interfaces_the_step_keeps_sdpa(monkeypatch):
+    from dtype_policies import _one_query_attention
+
+    def unavailable():
+        raise ImportError("no masking_utils")
+
+    monkeypatch.setattr(_one_query_attention, "register", unavailable)
+    model = tiny_llama()
+    compile_for_generation(model)
+    seen = []
+    model._compiled_call.compiled = lambda **kwargs: seen.append(model.config._attn_implementation)
+    with torch.no_grad():
+        model._compiled_call(input_ids=torch.zeros(1, 1, dtype=torch.long))
+    assert seen == ["sdpa"]
+
+
 def _changes():
     """Each way a frozen graph can go stale, as (name, change)."""
 
@@ -110,6 +154,9 @@ def _changes():
     def replace_child(m):
         m.model.layers[0].mlp.act_fn = torch.nn.GELU()
 
+    def remove_parameter(m):
+        m.model.layers[0].mlp.up_proj.weight = None
+
     return [
         ("in-place write", write_in_place),
         ("p.data", assign_data),
@@ -119,6 +166,7 @@ def _changes():
         ("quantize", lambda m: quantize(m, "int8", filters="down_proj")),
         ("train()", lambda m: m.train()),
         ("a child", replace_child),
+        ("a removed parameter", remove_parameter),
     ]
 
 
@@ -201,7 +249,8 @@ def test_frozen_quantized_steps_multiply_integer_weights(mode, config, kernel, t
     """The compiled decode step multiplies integer weights on layouts folded at
     compile time (no float copy of the weight): the eager path's kernels, or
     with autotuning, whichever of them and Inductor's C++ templates for them
-    was faster; and so scores what eager scores."""
+    was faster; and so scores what eager scores. Attention is written out
+    (`_one_query_attention`), not torch's fused SDPA kernel."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_llama()
@@ -213,4 +262,5 @@ def test_frozen_quantized_steps_multiply_integer_weights(mode, config, kernel, t
         assert any(kernel in code or template in code for code in codes)
     else:
         assert any(kernel in code for code in codes)
+    assert not any("scaled_dot_product" in code for code in codes)
     assert close(scores[1:], step_scores(model)[1:]) < 1e-2

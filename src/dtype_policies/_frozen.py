@@ -12,16 +12,20 @@ changed, the call runs eagerly (with a warning) until compiled again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
+import operator
 import types
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from dtype_policies._core.module_state import state_of
+from dtype_policies._core.module_state import STATE_KEY
 
 
 def _step(call: Any, *args: Any, **kwargs: Any) -> Any:
@@ -33,47 +37,93 @@ class ModelWatch:
     inputs, read back cheaply on every call: each parameter and buffer slot
     (the tensor in it, its address and version), each child slot, and each
     module's training flag and this library's call state and quantization
-    (replaced whenever a policy or a quantization changes)."""
+    (replaced whenever a policy or a quantization changes).
 
-    __slots__ = ("modules", "tensors")
+    It is read before every compiled call, so each check is one pass of C
+    iteration (`map`, list and dict comparison) over flat lists recorded once,
+    never a Python loop per tensor: SmolLM2-135M's 487 tensors and 397 modules
+    cost 1.6 ms per decode step read one by one, 1.0 ms this way.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> watch = ModelWatch(model)
+    >>> watch.unchanged()
+    True
+    >>> with torch.no_grad():
+    ...     _ = model[0].weight.mul_(2)
+    >>> watch.unchanged()
+    False
+    """
+
+    __slots__ = (
+        "addresses",
+        "calls",
+        "children",
+        "children_now",
+        "module_dicts",
+        "modules",
+        "quantizations",
+        "slot_dicts",
+        "slot_names",
+        "stateful",
+        "states",
+        "tensors",
+        "training",
+        "versioned",
+        "versions",
+    )
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.tensors: list[tuple[dict, str, torch.Tensor, int, int]] = []
-        self.modules: list[tuple[torch.nn.Module, bool, Any, Any, tuple]] = []
+        self.slot_dicts: list[dict] = []
+        self.slot_names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
         for module in model.modules():
             for slots in (module._parameters, module._buffers):
                 for name, tensor in slots.items():
                     if tensor is not None:
-                        self.tensors.append(
-                            (slots, name, tensor, tensor.data_ptr(), _version(tensor))
-                        )
-            state = state_of(module)
-            call, quantization = (None, None) if state is None else (state.call, state.quantization)
-            children = tuple(module._modules.values())
-            self.modules.append((module, module.training, call, quantization, children))
+                        self.slot_dicts.append(slots)
+                        self.slot_names.append(name)
+                        self.tensors.append(tensor)
+        self.addresses = list(map(_data_ptr, self.tensors))
+        # An inference tensor has no version counter (and stays one).
+        self.versioned = [tensor for tensor in self.tensors if not tensor.is_inference()]
+        self.versions = list(map(_get_version, self.versioned))
+        self.modules = list(model.modules())
+        self.training = list(map(_get_training, self.modules))
+        self.module_dicts = [module.__dict__ for module in self.modules]
+        self.states = list(map(dict.get, self.module_dicts, itertools.repeat(STATE_KEY)))
+        self.stateful = [state for state in self.states if state is not None]
+        self.calls = list(map(_get_call, self.stateful))
+        self.quantizations = list(map(_get_quantization, self.stateful))
+        self.children_now = [module._modules for module in self.modules]
+        self.children = [dict(children) for children in self.children_now]
 
     def unchanged(self) -> bool:
-        for slots, name, tensor, address, version in self.tensors:
-            if (
-                slots.get(name) is not tensor
-                or tensor.data_ptr() != address
-                or _version(tensor) != version
-            ):
-                return False
-        for module, training, call, quantization, children in self.modules:
-            state = state_of(module)
-            if (
-                module.training != training
-                or (None if state is None else state.call) is not call
-                or (None if state is None else state.quantization) is not quantization
-                or tuple(module._modules.values()) != children
-            ):
-                return False
-        return True
+        """Whether nothing the compiled graph depends on changed since the watch was made."""
+        return (
+            all(map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.tensors))
+            and list(map(_data_ptr, self.tensors)) == self.addresses
+            and list(map(_get_version, self.versioned)) == self.versions
+            and list(map(_get_training, self.modules)) == self.training
+            and all(
+                map(
+                    operator.is_,
+                    map(dict.get, self.module_dicts, itertools.repeat(STATE_KEY)),
+                    self.states,
+                )
+            )
+            and all(map(operator.is_, map(_get_call, self.stateful), self.calls))
+            and all(map(operator.is_, map(_get_quantization, self.stateful), self.quantizations))
+            # Modules compare by identity: a replaced child makes the dicts differ.
+            and self.children_now == self.children
+        )
 
 
-def _version(tensor: torch.Tensor) -> int:
-    return -1 if tensor.is_inference() else tensor._version
+_data_ptr = torch.Tensor.data_ptr
+_get_version = operator.attrgetter("_version")
+_get_training = operator.attrgetter("training")
+_get_call = operator.attrgetter("call")
+_get_quantization = operator.attrgetter("quantization")
 
 
 AUTOTUNE_OPTIONS: dict[str, Any] = {
@@ -109,7 +159,8 @@ class FrozenCompiledCall:
     (`ModelWatch`, read on every call in place of Dynamo's guards on the
     model's modules). Calls with gradients enabled run eagerly: a frozen graph
     has no backward (compiled: under `torch.no_grad()`, `torch.inference_mode()`).
-    `before_call(kwargs)` runs before each compiled call. With `autotune`,
+    Each compiled call runs inside `call_context(model, kwargs)` (the
+    caller's settings for the compiled step only). With `autotune`,
     Inductor times its own C++ GEMM templates against ATen's kernels for each
     product shape and keeps the faster (`AUTOTUNE_OPTIONS`).
     """
@@ -122,7 +173,7 @@ class FrozenCompiledCall:
         name: str = "compile_for_generation",
         dynamic: bool | None = False,
         fullgraph: bool = True,
-        before_call: Callable[[dict], None] | None = None,
+        call_context: Callable[[torch.nn.Module, dict], AbstractContextManager] | None = None,
         autotune: bool = True,
     ) -> None:
         fresh = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
@@ -139,7 +190,7 @@ class FrozenCompiledCall:
         self.model_ref = weakref.ref(model)
         self.freeze_weights = freeze_weights
         self.name = name
-        self.before_call = before_call
+        self.call_context = call_context
         self.inductor_options: dict[str, Any] = {"freezing": freeze_weights}
         if autotune:
             self.inductor_options.update(AUTOTUNE_OPTIONS)
@@ -162,7 +213,10 @@ class FrozenCompiledCall:
                     stacklevel=2,
                 )
                 return self.eager(*args, **kwargs)
-        if self.before_call is not None:
-            self.before_call(kwargs)
-        with config.patch(self.inductor_options):
+        context = (
+            contextlib.nullcontext()
+            if self.call_context is None or model is None
+            else self.call_context(model, kwargs)
+        )
+        with config.patch(self.inductor_options), context:
             return self.compiled(*args, **kwargs)

@@ -18,6 +18,12 @@ model's own generation config, so that `model.generate(...)` stays the call:
   computes from the stored tensors and freezing folds into a constant (one
   more copy of the int4 storage; int8 keeps an aligned copy of its int8
   weight); other quantized products fold their traced forms.
+* attention written out on CPU: a decode step attends one query per head,
+  where torch's fused SDPA kernel (after copies of the shared key/value
+  heads) costs more to set up than its arithmetic; in place of `"sdpa"`, the
+  compiled step runs `_one_query_attention` (two fused loops over the cache,
+  float32 arithmetic, each shared key/value head read once). The prompt's
+  forward keeps the model's own setting;
 * autotuning (`autotune=True`, the default): for each product shape Inductor
   times its C++ GEMM template (float, weight-only int8, int4) against the
   eager kernel and keeps the faster; SmolLM2-135M decodes 1.1-1.6x faster,
@@ -51,10 +57,14 @@ new weights; it never runs a graph with the old ones.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from dtype_policies import _one_query_attention
 from dtype_policies._frozen import FrozenCompiledCall
 
 _COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
@@ -75,6 +85,45 @@ def _unmark_static_cache(cache: Any) -> None:
 def _unmark_caches(kwargs: dict) -> None:
     for name in ("cache", "past_key_values"):  # transformers 5, 4
         _unmark_static_cache(kwargs.get(name))
+
+
+@contextlib.contextmanager
+def _decode_step(model: torch.nn.Module, kwargs: dict, *, attention: str | None) -> Iterator[None]:
+    """The settings of one compiled decode step: the static cache's tensors
+    as ordinary inputs, and on CPU, `attention` (the one-query attention
+    written out for Inductor) in place of `"sdpa"`. The model's own setting
+    is back in force after the step, so that the prompt's forward (eager,
+    many queries) keeps torch's fused kernel."""
+    _unmark_caches(kwargs)
+    config = getattr(model, "config", None)
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if (
+        attention is None
+        or config is None
+        or getattr(config, "_attn_implementation", None) != "sdpa"
+        or not isinstance(tokens, torch.Tensor)
+        or tokens.device.type != "cpu"
+    ):
+        yield
+        return
+    config._attn_implementation = attention
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def _decode_attention() -> str | None:
+    """The attention implementation of a compiled decode step on CPU:
+    `_one_query_attention`'s, or `None` (the model's own) where this
+    transformers has no attention and mask interfaces to register it with
+    (older releases build masks and pick attention by other rules)."""
+    try:
+        return _one_query_attention.register()
+    except ImportError:
+        return None
 
 
 def compile_for_generation(
@@ -128,7 +177,10 @@ def compile_for_generation(
     # transformers reuses `_compiled_call` while `_last_compile_config` equals
     # the config it is asked for (`get_compiled_call`).
     compiled = FrozenCompiledCall(
-        model, freeze_weights, before_call=_unmark_caches, autotune=autotune
+        model,
+        freeze_weights,
+        call_context=functools.partial(_decode_step, attention=_decode_attention()),
+        autotune=autotune,
     )
     setattr(model, _COMPILED_CALL, compiled)
     setattr(model, "_last_compile_config", compile_config)  # noqa: B010 (a Module attribute)

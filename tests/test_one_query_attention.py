@@ -1,0 +1,96 @@
+"""The one-query attention of compiled decode steps gives transformers' SDPA
+values for every mask form, head grouping and dtype, and hands everything
+else to SDPA itself."""
+
+import pytest
+import torch
+
+from dtype_policies._one_query_attention import NAME, one_query_attention, register
+
+transformers = pytest.importorskip("transformers")
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+
+def attention_module(groups: int) -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups
+    module.is_causal = True
+    return module
+
+
+def inputs(batch, key_heads, groups, queries, length, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    heads = key_heads * groups
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    return (
+        draw(batch, heads, queries, 16),
+        draw(batch, key_heads, length, 16),
+        draw(batch, key_heads, length, 16),
+    )
+
+
+def masks(batch, heads, length):
+    generator = torch.Generator().manual_seed(1)
+    keep = torch.rand(batch, 1, 1, length, generator=generator) > 0.3
+    keep[..., 0] = True
+    per_head = torch.rand(batch, heads, 1, length, generator=generator) > 0.3
+    per_head[..., 0] = True
+    additive = torch.zeros(batch, 1, 1, length).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return {"none": None, "bool": keep, "bool per head": per_head, "additive": additive}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bool per head", "additive"])
+def test_one_query_matches_sdpa(dtype, groups, mask_kind):
+    batch, key_heads, length = 2, 2, 37
+    query, key, value = inputs(batch, key_heads, groups, 1, length, dtype)
+    mask = masks(batch, key_heads * groups, length)[mask_kind]
+    module = attention_module(groups)
+    ours, weights = one_query_attention(module, query, key, value, mask, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert weights is None
+    assert ours.dtype == dtype and ours.shape == theirs.shape == (batch, 1, key_heads * groups, 16)
+    # float32 arithmetic: at most bfloat16's rounding of the result apart.
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_the_default_scale_is_one_over_root_width():
+    query, key, value = inputs(1, 1, 2, 1, 9, torch.float32)
+    module = attention_module(2)
+    ours, _ = one_query_attention(module, query, key, value, None)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, None)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["many queries", "dropout", "position bias"],
+)
+def test_what_is_not_one_plain_query_goes_to_sdpa_unchanged(case):
+    queries = 4 if case == "many queries" else 1
+    query, key, value = inputs(1, 2, 3, queries, 11, torch.float32)
+    module = attention_module(3)
+    extra = {}
+    if case == "dropout":
+        extra["dropout"] = 0.5
+    if case == "position bias":
+        extra["position_bias"] = torch.randn(1, 6, queries, 11)
+    torch.manual_seed(3)
+    ours, _ = one_query_attention(module, query, key, value, None, **extra)
+    torch.manual_seed(3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, None, **extra)
+    assert torch.equal(ours, theirs)
+
+
+def test_registered_with_eager_masks_under_its_name():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    assert register() == NAME
+    assert AttentionInterface._global_mapping[NAME] is one_query_attention
+    assert AttentionMaskInterface._global_mapping[NAME] is eager_mask
