@@ -117,6 +117,18 @@ def test_the_decode_step_writes_attention_out_on_cpu_only_for_its_call(
     assert model.config._attn_implementation == implementation
 
 
+def test_a_composite_config_keeps_its_attention(monkeypatch):
+    """A config with sub-configs sets theirs with its own: the step leaves it."""
+    model = tiny_llama()
+    monkeypatch.setattr(type(model.config), "sub_configs", {"text_config": type(model.config)})
+    compile_for_generation(model)
+    seen = []
+    model._compiled_call.compiled = lambda **kwargs: seen.append(model.config._attn_implementation)
+    with torch.no_grad():
+        model._compiled_call(input_ids=torch.zeros(1, 1, dtype=torch.long))
+    assert seen == ["sdpa"]
+
+
 def test_without_transformers_attention_interfaces_the_step_keeps_sdpa(monkeypatch):
     from dtype_policies import _one_query_attention
 

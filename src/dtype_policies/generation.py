@@ -91,9 +91,12 @@ def _unmark_caches(kwargs: dict) -> None:
 def _decode_step(model: torch.nn.Module, kwargs: dict, *, attention: str | None) -> Iterator[None]:
     """The settings of one compiled decode step: the static cache's tensors
     as ordinary inputs, and on CPU, `attention` (the one-query attention
-    written out for Inductor) in place of `"sdpa"`. The model's own setting
-    is back in force after the step, so that the prompt's forward (eager,
-    many queries) keeps torch's fused kernel."""
+    written out for Inductor) in place of `"sdpa"` (a model with one config:
+    a composite model's sub-configs keep theirs). The model's own setting is
+    back in force after the step, so that the prompt's forward (eager, many
+    queries) keeps torch's fused kernel. Another thread calling the model
+    during the step runs this implementation too (the same attention, up to
+    rounding)."""
     _unmark_caches(kwargs)
     config = getattr(model, "config", None)
     tokens = kwargs.get("input_ids")
@@ -103,6 +106,8 @@ def _decode_step(model: torch.nn.Module, kwargs: dict, *, attention: str | None)
         attention is None
         or config is None
         or getattr(config, "_attn_implementation", None) != "sdpa"
+        # A composite config sets its sub-configs' implementations with its own.
+        or getattr(config, "sub_configs", None)
         or not isinstance(tokens, torch.Tensor)
         or tokens.device.type != "cpu"
     ):
