@@ -90,6 +90,29 @@ def test_static_cache_tensors_become_ordinary_graph_inputs():
     _unmark_static_cache(None)  # no cache: nothing to do
 
 
+def attention_in_step(
+    model, tokens: torch.Tensor, *, seen: list | None = None, fail: bool = False
+) -> list[str]:
+    """Compiles `model` for generation, then calls its decode step once with
+    the compiled graph replaced by a spy: the attention implementation the
+    call saw, appended to `seen` (the spy then raises RuntimeError when `fail`)."""
+    compile_for_generation(model)
+    seen = [] if seen is None else seen
+
+    def compiled_step(**kwargs):
+        seen.append(model.config._attn_implementation)
+        if fail:
+            raise RuntimeError("the step failed")
+
+    model._compiled_call.compiled = compiled_step
+    with torch.no_grad():
+        model._compiled_call(input_ids=tokens)
+    return seen
+
+
+ONE_TOKEN = torch.zeros(1, 1, dtype=torch.long)
+
+
 @pytest.mark.parametrize(
     ("implementation", "device", "in_step"),
     [("sdpa", "cpu", ONE_QUERY), ("eager", "cpu", "eager"), ("sdpa", "meta", "sdpa")],
@@ -102,17 +125,9 @@ def test_the_decode_step_writes_attention_out_on_cpu_only_for_its_call(
     setting is back after it, even when the step raises."""
     model = tiny_llama()
     model.config._attn_implementation = implementation
-    compile_for_generation(model)
-    seen = []
-
-    def compiled_step(**kwargs):
-        seen.append(model.config._attn_implementation)
-        raise RuntimeError("the step failed")
-
-    model._compiled_call.compiled = compiled_step
-    tokens = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="the step failed"):
-        model._compiled_call(input_ids=tokens)
+    seen: list[str] = []
+    with pytest.raises(RuntimeError, match="the step failed"):
+        attention_in_step(model, ONE_TOKEN.to(device), seen=seen, fail=True)
     assert seen == [in_step]
     assert model.config._attn_implementation == implementation
 
@@ -121,12 +136,7 @@ def test_a_composite_config_keeps_its_attention(monkeypatch):
     """A config with sub-configs sets theirs with its own: the step leaves it."""
     model = tiny_llama()
     monkeypatch.setattr(type(model.config), "sub_configs", {"text_config": type(model.config)})
-    compile_for_generation(model)
-    seen = []
-    model._compiled_call.compiled = lambda **kwargs: seen.append(model.config._attn_implementation)
-    with torch.no_grad():
-        model._compiled_call(input_ids=torch.zeros(1, 1, dtype=torch.long))
-    assert seen == ["sdpa"]
+    assert attention_in_step(model, ONE_TOKEN) == ["sdpa"]
 
 
 def test_without_transformers_attention_interfaces_the_step_keeps_sdpa(monkeypatch):
@@ -136,13 +146,7 @@ def test_without_transformers_attention_interfaces_the_step_keeps_sdpa(monkeypat
         raise ImportError("no masking_utils")
 
     monkeypatch.setattr(_one_query_attention, "register", unavailable)
-    model = tiny_llama()
-    compile_for_generation(model)
-    seen = []
-    model._compiled_call.compiled = lambda **kwargs: seen.append(model.config._attn_implementation)
-    with torch.no_grad():
-        model._compiled_call(input_ids=torch.zeros(1, 1, dtype=torch.long))
-    assert seen == ["sdpa"]
+    assert attention_in_step(tiny_llama(), ONE_TOKEN) == ["sdpa"]
 
 
 def _changes():
