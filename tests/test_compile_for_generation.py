@@ -279,4 +279,6 @@ def test_frozen_quantized_steps_multiply_integer_weights(mode, config, kernel, t
     else:
         assert any(kernel in code for code in codes)
     assert not any("scaled_dot_product" in code for code in codes)
+    # its inputs realized before the loops over the cache (`_computed_once`)
+    assert any("inductor_force_stride_order" in code for code in codes)
     assert close(scores[1:], step_scores(model)[1:]) < 1e-2

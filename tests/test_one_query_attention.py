@@ -94,3 +94,46 @@ def test_registered_with_eager_masks_under_its_name():
     assert register() == NAME
     assert AttentionInterface._global_mapping[NAME] is one_query_attention
     assert AttentionMaskInterface._global_mapping[NAME] is eager_mask
+
+
+def test_inputs_are_computed_once_before_the_loops_over_the_cache():
+    """After `register`, the query, key and value pass through Inductor's
+    stride prim when traced, which realizes them under Inductor (so a key's
+    rotary embedding is not recomputed per cached position); in eager mode
+    they are used as they are."""
+    from dtype_policies import _one_query_attention as attention
+
+    register()
+    assert attention._force_stride_order is torch.ops.prims.inductor_force_stride_order
+    torch.manual_seed(0)
+    key = torch.randn(2, 1, 7, 8)
+    assert attention._computed_once(key) is key
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, value = torch.randn(2, 3, 1, 8), torch.randn(2, 1, 7, 8)
+    ours, _ = one_query_attention(module, query, key, value, None)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, None)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_attention_realizes_a_computed_key():
+    """Under Inductor the key's producer (a rotation here) goes through the
+    stride prim into a buffer of its own; the values are eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    register()
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value = torch.randn(2, 3, 1, 8), torch.randn(2, 1, 7, 8), torch.randn(2, 1, 7, 8)
+
+    def rotated_step(query, raw_key, value, angle):
+        key = raw_key * torch.cos(angle) + raw_key.flip(-1) * torch.sin(angle)
+        return one_query_attention(module, query, key, value, None)[0]
+
+    angle = torch.rand(7, 8)
+    compiled = torch.compile(rotated_step, backend="inductor", fullgraph=True)
+    out, codes = run_and_get_code(compiled, query, key, value, angle)
+    torch.testing.assert_close(out, rotated_step(query, key, value, angle), atol=1e-5, rtol=1e-5)
+    assert any("inductor_force_stride_order" in code for code in codes)
