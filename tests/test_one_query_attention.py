@@ -105,12 +105,9 @@ def test_inputs_are_computed_once_before_the_loops_over_the_cache():
 
     register()
     assert attention._force_stride_order is torch.ops.prims.inductor_force_stride_order
-    torch.manual_seed(0)
-    key = torch.randn(2, 1, 7, 8)
+    query, key, value = inputs(2, 1, 3, 1, 7, torch.float32)
     assert attention._computed_once(key) is key
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 3, True
-    query, value = torch.randn(2, 3, 1, 8), torch.randn(2, 1, 7, 8)
+    module = attention_module(3)
     ours, _ = one_query_attention(module, query, key, value, None)
     theirs, _ = sdpa_attention_forward(module, query, key, value, None)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
@@ -123,16 +120,14 @@ def test_compiled_attention_realizes_a_computed_key():
     from torch._inductor.utils import run_and_get_code
 
     register()
-    torch.manual_seed(0)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 3, True
-    query, key, value = torch.randn(2, 3, 1, 8), torch.randn(2, 1, 7, 8), torch.randn(2, 1, 7, 8)
+    module = attention_module(3)
+    query, key, value = inputs(2, 1, 3, 1, 7, torch.float32)
 
     def rotated_step(query, raw_key, value, angle):
         key = raw_key * torch.cos(angle) + raw_key.flip(-1) * torch.sin(angle)
         return one_query_attention(module, query, key, value, None)[0]
 
-    angle = torch.rand(7, 8)
+    angle = torch.rand(7, 16, generator=torch.Generator().manual_seed(2))
     compiled = torch.compile(rotated_step, backend="inductor", fullgraph=True)
     out, codes = run_and_get_code(compiled, query, key, value, angle)
     torch.testing.assert_close(out, rotated_step(query, key, value, angle), atol=1e-5, rtol=1e-5)

@@ -105,11 +105,9 @@ def one_query_attention(
             **kwargs,
         )
     groups = heads // key_heads
-    dtype = query.dtype
     scale = width**-0.5 if scaling is None else scaling
-    query = _computed_once(query.float().contiguous())
+    grouped = _computed_once(query.float().contiguous()).reshape(batch, key_heads, groups, 1, width)
     key, value = _computed_once(key), _computed_once(value)
-    grouped = query.reshape(batch, key_heads, groups, 1, width)
     scores = (grouped * key.float()[:, :, None]).sum(-1) * scale  # (b, key heads, groups, length)
     if attention_mask is not None:
         mask = _per_key_head(attention_mask, key_heads, groups)
@@ -119,7 +117,7 @@ def one_query_attention(
             scores = scores + mask.float()
     weights = torch.softmax(scores, dim=-1)
     out = (weights[..., None] * value.float()[:, :, None]).sum(-2)  # (b, key heads, groups, width)
-    out = out.to(dtype).reshape(batch, heads, 1, value.shape[-1])
+    out = out.to(query.dtype).reshape(batch, heads, 1, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
 
