@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 
 from dtype_policies import apply_policy, layers, quantize, saving, summary
+from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.schemes import calibrated_int
-from dtype_policies.quantization.structure import find_blocks
+from dtype_policies.quantization.structure import blocks_chain, find_blocks
 from dtype_policies.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig, gptq
 
 transformers = pytest.importorskip("transformers")
@@ -241,6 +242,29 @@ def test_blocks_that_do_not_chain_fall_back_to_the_whole_model():
     assert len(report.quantized) == 2
 
 
+def test_blocks_chain_says_why_blocks_do_not_chain():
+    torch.manual_seed(0)
+    blocks = [nn.Linear(4, 4) for _ in range(3)]
+    x = torch.randn(2, 4)
+    assert blocks_chain(blocks, lambda: blocks[2](blocks[1](blocks[0](x)))) == (True, "")
+    assert blocks_chain(blocks, lambda: blocks[2](blocks[1](blocks[0](x)) + 1)) == (
+        False,
+        "block 2 does not take block 1's output as its input",
+    )
+    assert blocks_chain(blocks, lambda: blocks[1](blocks[0](x)) + blocks[2](x))[1] == (
+        "block 2 does not take block 1's output as its input"
+    )
+    assert blocks_chain(blocks, lambda: blocks[2](blocks[0](x))) == (
+        False,
+        "the blocks ran in the order [0, 2]",
+    )
+    ran = []
+    after = nn.Linear(4, 4)
+    after.register_forward_hook(lambda *a: ran.append(1))
+    assert blocks_chain(blocks, lambda: after(blocks[2](blocks[1](blocks[0](x)))))[0]
+    assert ran == []  # what follows the last block is not run
+
+
 def test_a_structure_the_user_passes():
     model = llama()
     config = GPTQConfig(
@@ -342,3 +366,35 @@ def test_misuse():
     with pytest.raises(ValueError, match="Unrecognized keyword"):
         quantize(model, config=GPTQConfig(token_data(), None), progres=False)
     assert all(quantization_of(m) is None for m in model.modules())
+
+
+def kept_casts(module: nn.Module) -> int:
+    """How many of `module`'s submodules keep compute-dtype casts between calls."""
+    states = [m.__dict__.get(STATE_KEY) for m in module.modules()]
+    return sum(1 for s in states if s is not None and (s.casts.entries or s.casts.pair))
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_calibration_keeps_the_casts_of_one_block_at_a_time(mode):
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    with torch.no_grad():
+        model(EVAL, use_cache=False)  # every block now keeps its bfloat16 casts
+    layers_ = list(model.model.layers)
+    assert all(kept_casts(layer) > 0 for layer in layers_)
+    seen = []
+
+    def entering(index):
+        def hook(module, args):
+            seen.append((index, [kept_casts(layer) for layer in layers_[:index]]))
+
+        return hook
+
+    for index, layer in enumerate(layers_):
+        layer.register_forward_pre_hook(entering(index))
+    cls = GPTQConfig if mode == "gptq" else AWQConfig
+    quiet_quantize(model, cls(token_data(), None, num_samples=6, sequence_length=32, group_size=32))
+    calibrating = seen[-5:]  # statistics and next inputs per block, statistics of the last
+    assert [i for i, _ in calibrating] == [0, 0, 1, 1, 2]
+    # a block that is done holds no casts (its weights, float or planned) any more
+    assert all(earlier == [0] * i for i, earlier in calibrating)

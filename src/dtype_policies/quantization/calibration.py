@@ -14,7 +14,9 @@ its stored tensors from the activations each weight sees on calibration data.
    from them (`Scheme.quantize_calibrated`);
 3. the block's outputs, computed with its planned (quantized) weights, or its
    float weights if the scheme says so, are the next block's inputs, so that
-   memory holds one block's activations for the calibration set at a time.
+   memory holds one block's activations for the calibration set at a time
+   (written over the block's inputs call by call) and one block's kept
+   compute-dtype casts (a block's are dropped when it is done).
 
 The model is only ever run (in eval mode, without gradients, with its
 weights read, or swapped for the planned ones inside `functional_call`); its
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from dtype_policies._core.module_state import clear_cast_caches
 from dtype_policies._paths import join, named_module_paths, root_path_of
 from dtype_policies.quantization.attach import Checked, Plan, plan
 from dtype_policies.quantization.progress import CalibrationProgress
@@ -111,6 +114,10 @@ def plan_calibrated(
                 result.plans += plans
                 if index < last:
                     calls = _next_calls(block, calls, plans)
+                # The block's compute-dtype casts, kept by its calls without
+                # gradients, hold its weights (the planned ones too): dropped
+                # here, memory holds one block's casts, not the model's.
+                clear_cast_caches(block)
                 report.block_done(index)
         except BaseException as error:
             report.interrupted(error)
@@ -169,7 +176,9 @@ def _plan_block(
 
 
 def _next_calls(block: torch.nn.Module, calls: list[Call], plans: list[Plan]) -> list[Call]:
-    """The next block's calls: this block's first output in place of the first argument."""
+    """The next block's calls: this block's first output in place of the first
+    argument. `calls` is overwritten call by call, so that the block's inputs
+    and outputs for the whole calibration set are never held at once."""
     swapped = {}
     if plans and plans[0].scheme.calibrated_on_quantized_outputs:
         names = {id(module): name for name, module in block.named_modules()}
@@ -177,18 +186,19 @@ def _next_calls(block: torch.nn.Module, calls: list[Call], plans: list[Plan]) ->
             prefix = names[id(module_plan.module)]
             key = f"{prefix}.{module_plan.spec.weight}" if prefix else module_plan.spec.weight
             swapped[key] = _dequantized(module_plan)
-    outputs = []
-    for args, kwargs in calls:
+    for index, (args, kwargs) in enumerate(calls):
         out = functional_call(block, swapped, args, kwargs) if swapped else block(*args, **kwargs)
         first = out[0] if isinstance(out, (tuple, list)) else out
         if not isinstance(first, torch.Tensor):
             first = first[0]  # a ModelOutput
+        del out
         if args:
-            outputs.append(((first, *args[1:]), kwargs))
+            calls[index] = ((first, *args[1:]), kwargs)
         else:  # the block took its input by keyword
             name = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-            outputs.append(((), {**kwargs, name: first}))
-    return outputs
+            calls[index] = ((), {**kwargs, name: first})
+        del args, kwargs
+    return calls
 
 
 def _dequantized(module_plan: Plan) -> torch.Tensor:

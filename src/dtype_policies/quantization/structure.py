@@ -25,7 +25,6 @@ input equals the previous block's first output (`blocks_chain`). Otherwise
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -97,18 +96,27 @@ def first_output(output: Any) -> Any:
 
 def blocks_chain(blocks: list[torch.nn.Module], run_model: Callable[[], Any]) -> tuple[bool, str]:
     """Whether running the model (`run_model()`) calls each block once, in
-    order, each on the previous block's first output; and if not, why."""
-    seen: list[tuple[int, Any, Any]] = []
-    handles = []
+    order, each on the previous block's first output; and if not, why.
+
+    Each block's input is compared with the previous block's output as it
+    arrives, so that only one block's output is held, not the model's."""
+    order: list[int] = []
+    previous: list[Any] = [None]
+    unchained: list[int] = []  # the first block whose input is not the previous output
 
     def record(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            seen.append((index, first_input(args, kwargs), first_output(output)))
+            current = first_input(args, kwargs)
+            if order and not unchained and not _same_tensor(previous[0], current):
+                unchained.append(index)
+            order.append(index)
+            previous[0] = first_output(output)
             if index == len(blocks) - 1:
                 raise _LastBlockDone  # what follows the blocks (an LM head) need not run
 
         return hook
 
+    handles = []
     try:
         for index, block in enumerate(blocks):
             handles.append(block.register_forward_hook(record(index), with_kwargs=True))
@@ -118,15 +126,19 @@ def blocks_chain(blocks: list[torch.nn.Module], run_model: Callable[[], Any]) ->
     finally:
         for handle in handles:
             handle.remove()
-    order = [index for index, _, _ in seen]
+        previous.clear()
     if order != list(range(len(blocks))):
         return False, f"the blocks ran in the order {order[:8]}{'...' if len(order) > 8 else ''}"
-    for (_, _, previous), (index, current, _) in itertools.pairwise(seen):
-        if not (
-            isinstance(previous, torch.Tensor)
-            and isinstance(current, torch.Tensor)
-            and previous.shape == current.shape
-            and torch.equal(previous, current)
-        ):
-            return False, f"block {index} does not take block {index - 1}'s output as its input"
+    if unchained:
+        index = unchained[0]
+        return False, f"block {index} does not take block {index - 1}'s output as its input"
     return True, ""
+
+
+def _same_tensor(previous: Any, current: Any) -> bool:
+    return (
+        isinstance(previous, torch.Tensor)
+        and isinstance(current, torch.Tensor)
+        and previous.shape == current.shape
+        and torch.equal(previous, current)
+    )
