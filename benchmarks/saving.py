@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.process_memory import peak_since, reset_peak
 from dtype_policies.bench.workloads.llm import llama_config
 
 # The benchmark Llama of `llm_decode` / `llm_prefill`, one definition.
@@ -48,31 +49,6 @@ LOADS = {
     "load_meta": "saving.load, meta-built target",
     "from_pretrained": "from_pretrained",
 }
-
-
-def _status() -> dict[str, float]:
-    values = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                values[key] = int(value.split()[0]) / 1024
-    return values
-
-
-def _reset_peak() -> float:
-    """Resets the peak RSS to the current RSS (where the kernel allows it);
-    returns the current RSS in MB."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-    except OSError:
-        pass
-    return _status()["VmRSS"]
-
-
-def _peak_since(base: float) -> float:
-    return _status()["VmHWM"] - base
 
 
 def _prepare(model, variant: str):
@@ -128,15 +104,15 @@ def worker(action: str, variant: str, directory: str) -> dict:
             ("own", lambda: saving.save(model, root / "own")),
             ("hf", lambda: model.save_pretrained(root / "hf")),
         ):
-            base = _reset_peak()
+            base = reset_peak()
             start = time.perf_counter()
             save()
             result[f"{name}_seconds"] = time.perf_counter() - start
-            result[f"{name}_peak_mb"] = _peak_since(base)
+            result[f"{name}_peak_mb"] = peak_since(base)
         result["own_mb"] = (root / "own" / "model.safetensors").stat().st_size / 2**20
         result["hf_mb"] = sum(f.stat().st_size for f in (root / "hf").glob("*.safetensors")) / 2**20
         return result
-    base = _reset_peak()
+    base = reset_peak()
     start = time.perf_counter()
     if action == "load_cpu":
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -155,13 +131,13 @@ def worker(action: str, variant: str, directory: str) -> dict:
     end = time.perf_counter()
     result["build_seconds"] = built - start
     result["load_seconds"] = end - built
-    result["peak_mb"] = _peak_since(base)
+    result["peak_mb"] = peak_since(base)
     result["model_mb"] = (
         sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
     )
     model.eval()
     result["bit_exact"] = bool(torch.equal(_logits(model), torch.load(root / "reference.pt")))
-    result["forward_peak_mb"] = _peak_since(base)  # the first forward touches every weight
+    result["forward_peak_mb"] = peak_since(base)  # the first forward touches every weight
     return result
 
 

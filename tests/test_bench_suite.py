@@ -316,3 +316,41 @@ def test_selection_skips_variants_by_pattern_but_keeps_the_reference():
     assert names[0] == "float32" and "int4/32" in names
     assert not any(n.startswith(("gptq/", "awq/")) for n in names)
     assert "gptq/4/128" in [v.name for v in catalogue.select(None, "smollm2")]
+
+
+def test_lm_scores_from_gathered_rows_match_the_full_log_probabilities(monkeypatch):
+    from dtype_policies.bench.realmodels import quality
+
+    torch.manual_seed(0)
+    windows = torch.randint(0, 11, (2, 6))
+    reference_logp = [torch.log_softmax(torch.randn(5, 11), -1) for _ in windows]
+    top = [logp.topk(4, dim=-1) for logp in reference_logp]
+    reference = {
+        "top_ids": torch.cat([t.indices.to(torch.int32) for t in top]),
+        "top_logp": torch.cat([t.values for t in top]),
+    }
+    monkeypatch.setattr(quality, "lm_windows", lambda: windows)
+    monkeypatch.setattr(quality, "lm_reference", lambda: reference)
+
+    same = quality.lm_scores_from_log_probs(reference_logp)
+    targets = torch.cat(
+        [logp.gather(1, w[1:, None])[:, 0] for logp, w in zip(reference_logp, windows)]
+    )
+    assert same["perplexity"] == pytest.approx(float(torch.exp(-targets.mean())), rel=1e-6)
+    assert same["top1"] == 1.0
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6)
+
+    other = [torch.log_softmax(torch.randn(5, 11), -1) for _ in windows]
+    rows = [
+        quality.lm_rows(logp, window, ids)
+        for logp, window, ids in zip(other, windows, quality.reference_top_ids())
+    ]
+    assert set(rows[0]) == {"target_logp", "argmax", "top_logp"}
+    assert rows[0]["top_logp"].shape == (5, 4)
+    scores = quality.lm_scores_from_rows(rows)
+    assert scores == quality.lm_scores_from_log_probs(other)
+    assert scores["kl"] > 0.01
+    argmax = torch.cat([logp.argmax(-1) for logp in other])
+    assert scores["top1"] == pytest.approx(
+        float((argmax == reference["top_ids"][:, 0]).float().mean())
+    )

@@ -115,24 +115,49 @@ def _log_rest(top_logp: torch.Tensor) -> torch.Tensor:
     return torch.log(-torch.expm1(covered.clamp(max=-1e-7)))
 
 
-def lm_scores_from_log_probs(log_probs: list[torch.Tensor]) -> dict[str, float]:
-    """The LM figures from each window's (T - 1, vocab) log-probabilities."""
+def lm_rows(logp: torch.Tensor, window: torch.Tensor, top_ids: torch.Tensor) -> dict:
+    """What the LM figures need of one window's (T - 1, vocab) log-probabilities:
+    the log-probability of each next token, the argmax, and the log-probabilities
+    of float32's top tokens `top_ids` (T - 1, k). Small enough to pass between
+    processes (`benchmarks.calibration` scores a peer's model this way)."""
+    return {
+        "target_logp": logp.gather(1, window[1:, None])[:, 0],
+        "argmax": logp.argmax(-1),
+        "top_logp": logp.gather(1, top_ids.long()),
+    }
+
+
+def lm_scores_from_rows(rows: list[dict]) -> dict[str, float]:
+    """The LM figures from each window's `lm_rows`, in window order."""
     reference = lm_reference()
-    windows = lm_windows()
-    nll, agree, kl, count, row = 0.0, 0, 0.0, 0, 0
-    for window, logp in zip(windows, log_probs):
-        rows = logp.shape[0]
-        top_ids = reference["top_ids"][row : row + rows].long()
-        p_top = reference["top_logp"][row : row + rows]
-        q_top = logp.gather(1, top_ids)
+    nll, agree, kl, count = 0.0, 0, 0.0, 0
+    for window in rows:
+        n = window["target_logp"].shape[0]
+        top_ids = reference["top_ids"][count : count + n].long()
+        p_top = reference["top_logp"][count : count + n]
+        q_top = window["top_logp"]
         p_rest, q_rest = _log_rest(p_top), _log_rest(q_top)
         kl_rows = (p_top.exp() * (p_top - q_top)).sum(-1) + p_rest.exp() * (p_rest - q_rest)
-        nll -= logp.gather(1, window[1:, None]).sum().item()
-        agree += (logp.argmax(-1) == top_ids[:, 0]).sum().item()
+        nll -= window["target_logp"].sum().item()
+        agree += (window["argmax"] == top_ids[:, 0]).sum().item()
         kl += kl_rows.sum().item()
-        count += rows
-        row += rows
+        count += n
     return {"perplexity": math.exp(nll / count), "top1": agree / count, "kl": kl / count}
+
+
+def reference_top_ids() -> list[torch.Tensor]:
+    """float32's top token ids of each evaluation window ((T - 1, k) each)."""
+    return list(lm_reference()["top_ids"].split(lm_windows().shape[1] - 1))
+
+
+def lm_scores_from_log_probs(log_probs: list[torch.Tensor]) -> dict[str, float]:
+    """The LM figures from each window's (T - 1, vocab) log-probabilities."""
+    return lm_scores_from_rows(
+        [
+            lm_rows(logp, window, top_ids)
+            for logp, window, top_ids in zip(log_probs, lm_windows(), reference_top_ids())
+        ]
+    )
 
 
 def evaluate_lm(model: torch.nn.Module | LMFunction) -> dict[str, float]:
