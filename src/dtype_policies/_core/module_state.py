@@ -19,6 +19,8 @@ in `_refresh_policy_state()`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -165,6 +167,37 @@ def quantization_of(module: torch.nn.Module) -> Any:
     """The module's `QuantizedWeight` when it is quantized, else `None`."""
     state = module.__dict__.get(STATE_KEY)
     return None if state is None else state.quantization
+
+
+@contextlib.contextmanager
+def casts_not_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, `model`'s calls keep no compute-dtype casts between calls (each
+    call casts what it reads, once per call); the casts kept before are
+    dropped on entry, and casts are kept again after. For runs over data that
+    visit every weight once or a few times (calibration), where kept casts
+    would only hold a second copy of the model.
+
+    >>> import torch
+    >>> import dtype_policies
+    >>> model = torch.nn.Linear(4, 4)
+    >>> _ = dtype_policies.apply_policy(model, "mixed_bfloat16")
+    >>> with torch.no_grad(), casts_not_kept(model):
+    ...     _ = model(torch.ones(1, 4))
+    ...     state_of(model).casts.pair is None
+    True
+    """
+    saved = []
+    for module in model.modules():
+        state = module.__dict__.get(STATE_KEY)
+        if state is not None:
+            state.casts.clear()
+            saved.append((state, state.casts))
+            state.casts = WeightCasts(enabled=False)
+    try:
+        yield
+    finally:
+        for state, casts in saved:
+            state.casts = casts
 
 
 def clear_cast_caches(model: torch.nn.Module) -> None:

@@ -15,8 +15,8 @@ its stored tensors from the activations each weight sees on calibration data.
 3. the block's outputs, computed with its planned (quantized) weights, or its
    float weights if the scheme says so, are the next block's inputs, so that
    memory holds one block's activations for the calibration set at a time
-   (written over the block's inputs call by call) and one block's kept
-   compute-dtype casts (a block's are dropped when it is done).
+   (written over the block's inputs call by call); no compute-dtype casts are
+   kept between calls while calibrating.
 
 The model is only ever run (in eval mode, without gradients, with its
 weights read, or swapped for the planned ones inside `functional_call`); its
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from dtype_policies._core.module_state import clear_cast_caches
+from dtype_policies._core.module_state import casts_not_kept
 from dtype_policies._paths import join, named_module_paths, root_path_of
 from dtype_policies.quantization.attach import Checked, Plan, plan
 from dtype_policies.quantization.progress import CalibrationProgress
@@ -114,10 +114,6 @@ def plan_calibrated(
                 result.plans += plans
                 if index < last:
                     calls = _next_calls(block, calls, plans)
-                # The block's compute-dtype casts, kept by its calls without
-                # gradients, hold its weights (the planned ones too): dropped
-                # here, memory holds one block's casts, not the model's.
-                clear_cast_caches(block)
                 report.block_done(index)
         except BaseException as error:
             report.interrupted(error)
@@ -341,11 +337,13 @@ def _observing(
 
 @contextlib.contextmanager
 def _calibrating(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode and no gradients while calibrating; every module's mode restored."""
+    """Eval mode, no gradients and no kept casts while calibrating (each block
+    runs a few times on the whole set: kept casts of every weight would be a
+    second copy of the model); every module's mode restored."""
     modes = [(module, module.training) for module in model.modules()]
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), casts_not_kept(model):
             yield
     finally:
         for module, training in modes:
