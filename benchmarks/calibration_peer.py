@@ -3,7 +3,8 @@ AWQ on the same model, windows and evaluation text as this library's run.
 
 Runs in the peer's own Python environment (llm-compressor pins its own
 transformers), so it imports neither `dtype_policies` nor anything of this
-repository: `python benchmarks/calibration_peer.py WORK OUT`, where WORK is
+repository but `process_memory` (standard library only), found next to it:
+`python benchmarks/calibration_peer.py WORK OUT`, where WORK is
 the `torch.save`d job `benchmarks.calibration` writes (model directory,
 calibration windows, evaluation windows, float32's top token ids, the
 algorithm, bits, group size, threads) and OUT receives the figures: the
