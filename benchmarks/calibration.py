@@ -94,9 +94,7 @@ def run_ours(work: str, out: str, policy: str) -> None:
     for window, top_ids in zip(job["eval_windows"], job["top_ids"]):
         logp = quality._window_log_probs(function, window)
         rows.append(quality.lm_rows(logp, window, top_ids))
-    torch.save(
-        {"wall_s": wall, "cpu_s": cpu, "peak_mb": peak, "rows": rows, "version": policy}, out
-    )
+    torch.save({"wall_s": wall, "cpu_s": cpu, "peak_mb": peak, "rows": rows}, out)
 
 
 def table(rows: list[dict], reference: float) -> str:
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.unlink(missing_ok=True)
                 command = [str(out) if part == "OUT" else part for part in command]
                 row = {"who": who, "name": name, **_calibrate(command, out, environment)}
-                if "version" in row and who == "llm-compressor":
+                if "version" in row:  # the peer names its version
                     row["who"] = row["version"]
                 rows.append(row)
                 print(table([row], float32_perplexity).splitlines()[-1], flush=True)
