@@ -33,6 +33,7 @@ import platform
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -273,11 +274,18 @@ _current: Processor | None = None
 
 
 def processor() -> Processor:
-    """This process's `Processor`, detected on first use."""
+    """This process's `Processor`, detected on first use (outside any
+    `torch.jit.trace` under way: the detection's queries are not model ops)."""
     global _current
     current = _current
     if current is None:
-        current = _current = detect()
+        tracing = torch._C._get_tracing_state()
+        set_tracing_state: Any = torch._C._set_tracing_state  # type: ignore[attr-defined]
+        set_tracing_state(None)
+        try:
+            current = _current = detect()
+        finally:
+            set_tracing_state(tracing)
     return current
 
 
