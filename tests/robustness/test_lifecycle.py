@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
+from dtype_policies import DTypePolicyMap, _cpu, apply_policy, layers, quantize
 
 from .helpers import (
     IN_FEATURES,
@@ -236,8 +236,10 @@ def test_functional_call_and_func_grad():
 
 
 @pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int8_wo", "int4_128", "float8"])
-def test_jit_trace(setup):
+def test_jit_trace(setup, monkeypatch):
     model = _policied(setup).eval()
+    # the processor first read inside the trace (its queries must not be traced)
+    monkeypatch.setattr(_cpu, "_current", None)
     with torch.no_grad():
         traced = torch.jit.trace(model, (X,), check_trace=False)
         if setup == "int8_wo":
@@ -467,9 +469,45 @@ def test_dtype_conversions_keep_the_quantized_state(mode, conversion):
         getattr(model, conversion)()
     assert {k: v.dtype for k, v in model.named_buffers()} == dtypes
     out = model(x)
-    assert out.dtype == before.dtype  # the policy decides the compute dtype
+    # Without a policy, a quantized module computes in its own float dtype,
+    # which the conversion changes as it would a float weight's (int8 refuses
+    # float16, as Keras's int8 policies do: it keeps float32).
+    moved = {"half": torch.float16, "to_float16": torch.float16}.get(conversion)
+    moved = moved or {"bfloat16": torch.bfloat16, "double": torch.float64}[conversion]
+    expected = torch.float32 if (mode, moved) == ("int8", torch.float16) else moved
+    assert out.dtype == expected
     assert torch.isfinite(out).all()
     assert ((out.float() - before.float()).norm() / before.float().norm()) < 0.02
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_a_model_quantized_in_part_computes_in_one_dtype_after_a_cast(mode):
+    """The layers left in float (a head, a filtered layer) and the quantized
+    ones follow `.to(dtype)` together; a policy applied above still wins."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    quantize(model, mode, filters=lambda path, module: path != "3")  # "3" stays float
+    x = torch.randn(4, 32)
+    before = model(x)
+    model.to(torch.bfloat16)
+    out = model(x.bfloat16())  # a bfloat16 float layer after quantized ones: no dtype clash
+    assert out.dtype == torch.bfloat16
+    assert model[0].dtype_policy.name.endswith("_from_bfloat16")
+    # float8 quantizes the activations too: bfloat16 inputs round differently
+    assert relative_error(out, before) < (0.08 if mode == "float8" else 0.03)
+    model.float()
+    assert model(x).dtype == torch.float32
+    assert model[0].dtype_policy.name.endswith("_from_float32")
+    # the float head (and float8's kept float weights) were rounded to bfloat16
+    assert relative_error(model(x), before) < (0.08 if mode == "float8" else 0.01)
+
+    declared = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8))
+    apply_policy(declared, "float32")
+    quantize(declared, mode, filters=lambda path, module: path == "0")
+    declared.to(torch.bfloat16)
+    assert declared[0].dtype_policy.name.endswith("_from_float32")  # the declared policy
+    assert declared(x).dtype == torch.float32
 
 
 # ---------------------------------------------------------------- buffers written by a forward

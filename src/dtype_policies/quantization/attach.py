@@ -13,17 +13,16 @@ from torch.nn.utils import parametrize
 
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import (
-    Token,
     ensure_state,
     pop_application,
     quantization_of,
     state_of,
 )
-from dtype_policies._core.policy_module import ModuleOptions, install
+from dtype_policies._core.policy_module import install
 from dtype_policies._modes import QuantizationMode, mode_record, registered_modes
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
-from dtype_policies.quantization.modules import FORWARDS
+from dtype_policies.quantization.modules import FORWARDS, QUANTIZE_TOKEN, own_options
 from dtype_policies.quantization.schemes import (
     ActivationStatistics,
     QuantizedWeight,
@@ -31,8 +30,6 @@ from dtype_policies.quantization.schemes import (
     WeightSpec,
 )
 from dtype_policies.quantizers.config import QuantizationConfig
-
-QUANTIZE_TOKEN = Token("QUANTIZE_TOKEN")
 
 
 @dataclass
@@ -254,8 +251,7 @@ def commit(plan: Plan) -> QuantizedWeight:
     if plan.kind.forward is not None:
         set_mixins(module, (*mixins_of(module), FORWARDS[plan.kind.forward]))
         # Below any application: the module computes in its own dtype without one.
-        own = DTypePolicy(str(plan.float_dtype).removeprefix("torch."))
-        install(module, QUANTIZE_TOKEN, ModuleOptions(policy=own), bottom=True)
+        install(module, QUANTIZE_TOKEN, own_options(plan.float_dtype), bottom=True)
     if plan.kind.after_commit is not None:
         plan.kind.after_commit(module, plan)
     return qw

@@ -6,20 +6,38 @@ A quantized `nn.Linear` (or any registered linear kind) computes
 rows up. Reading the quantized weight's attribute (`module.weight`) gives the
 dequantized float weight, so a parent module that reads `child.weight`
 directly keeps computing correctly (slowly).
+
+A quantized module computes in its own float dtype (the dtype of the weight it
+replaced) unless a policy application above says otherwise; `.to(dtype)`,
+`.half()`, `.bfloat16()` ... change that own dtype as they would the float
+weight's, so a model quantized in part and then cast keeps computing in one
+dtype. The stored tensors never change dtype.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.checkpoints import check_checkpoint
 from dtype_policies._core.compose import ModuleMixin
-from dtype_policies._core.module_state import quantization_of, state_of
+from dtype_policies._core.module_state import Token, ensure_state, quantization_of, state_of
+from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies._core.scope import current_scope
+from dtype_policies._modes import mode_record
+from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.schemes.base import QuantizedWeight
+
+# The application `quantize()` puts at the bottom of a quantized module's
+# stack: its own float dtype, in force when no policy application is above it.
+QUANTIZE_TOKEN = Token("QUANTIZE_TOKEN")
+
+
+def own_options(dtype: torch.dtype) -> ModuleOptions:
+    """The bottom application of a module quantized from a `dtype` weight."""
+    return ModuleOptions(policy=DTypePolicy(str(dtype).removeprefix("torch.")))
 
 
 def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
@@ -100,6 +118,10 @@ def apply_keeping_stored_dtypes(
         return module_apply(fn, *args, **kwargs)
     buffers = module._buffers
     stored = {name: buffers[name] for name in qw.stored_names if buffers.get(name) is not None}
+    device = next((t.device for t in stored.values() if t is not None), None)
+    float_dtype = fn(
+        torch.empty(0, dtype=qw.float_dtype, device=device)
+    ).dtype  # what a weight becomes
     for name in stored:
         buffers[name] = None  # `Module._apply` skips these
     try:
@@ -110,7 +132,26 @@ def apply_keeping_stored_dtypes(
             if moved.dtype != tensor.dtype:
                 moved = tensor.to(device=moved.device)
             buffers[name] = moved
+    if float_dtype != qw.float_dtype and float_dtype.is_floating_point:
+        _follow_float_dtype(module, qw, float_dtype)
     return result
+
+
+def _follow_float_dtype(module: torch.nn.Module, qw: QuantizedWeight, dtype: torch.dtype) -> None:
+    """Makes `dtype` the module's own float dtype (its bottom application),
+    unless the mode refuses to compute in it (int8 and float16: the module
+    keeps computing in its former dtype)."""
+    try:
+        mode_record(qw.mode).check_compute_dtype(str(dtype).removeprefix("torch."))
+    except ValueError:
+        return
+    qw.float_dtype = dtype
+    state = ensure_state(module)
+    state.applications = [
+        (token, own_options(dtype) if token is QUANTIZE_TOKEN else entry)
+        for token, entry in state.applications
+    ]
+    cast(Any, module)._refresh_policy_state()
 
 
 def adapt_state_dict(
