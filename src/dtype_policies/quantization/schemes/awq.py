@@ -52,7 +52,7 @@ class AWQScheme(CalibratedIntScheme):
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx, (scales,))
 
     def input_divisor(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
-        return module._buffers[f"{qw.spec.weight}_awq_scales"]
+        return module._buffers[qw.buffer_names[4]]  # `<w>_awq_scales`, after the int4 tensors
 
 
 register_mode(

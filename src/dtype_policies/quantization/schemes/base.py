@@ -260,6 +260,8 @@ class QuantizedWeight:
         self.config = config
         self.float_dtype = float_dtype  # the dtype of the float weight it replaced
         self.runtime = scheme.new_runtime()
+        # read on every product: named once (spec and config do not change)
+        self.buffer_names: tuple[str, ...] = tuple(scheme.buffer_names(spec, config))
 
     @property
     def mode(self) -> str:
@@ -271,7 +273,7 @@ class QuantizedWeight:
 
     @property
     def stored_names(self) -> frozenset[str]:
-        return frozenset(self.scheme.buffer_names(self.spec, self.config))
+        return frozenset(self.buffer_names)
 
     def linear(
         self,

@@ -273,7 +273,7 @@ class CalibratedIntScheme(Scheme):
     def _stored(self, module: torch.nn.Module, qw: QuantizedWeight) -> list[torch.Tensor]:
         """The stored tensors, scale and zero as (G, N) (views for an (out, in) weight)."""
         buffers = module._buffers
-        stored = [buffers[name] for name in self.buffer_names(qw.spec, qw.config)]
+        stored = [buffers[name] for name in qw.buffer_names]
         if qw.spec.layout == "out_in":
             stored[1], stored[2] = stored[1].t(), stored[2].t()
         return stored
@@ -302,12 +302,12 @@ class CalibratedIntScheme(Scheme):
     def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight) -> tuple:
         """The module's own stored buffers (never per-call views)."""
         buffers = module._buffers
-        return tuple(buffers[name] for name in self.buffer_names(qw.spec, qw.config))
+        return tuple(buffers[name] for name in qw.buffer_names)
 
     def linear(self, module, qw, x2, bias, compute):
         divisor = self.input_divisor(module, qw)
-        if divisor is not None:
-            x2 = (x2.float() / divisor.float()).to(compute)
+        if divisor is not None:  # one kernel: divided in float32, rounded once to `compute`
+            x2 = torch.div(x2, divisor, out=torch.empty(x2.shape, dtype=compute, device=x2.device))
         if self.bits(qw.config) <= 4:
             return self._int4_linear(module, qw, x2, bias, compute)
         return self._int8_linear(module, qw, x2, bias, compute)

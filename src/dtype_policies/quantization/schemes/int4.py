@@ -132,8 +132,7 @@ class Int4Scheme(Scheme):
         """The module's own stored buffers (never per-call views: a view is a
         new object on every call)."""
         buffers = module._buffers
-        names = self.buffer_names(qw.spec, qw.config)
-        return tuple(buffers[name] for name in names if buffers.get(name) is not None)
+        return tuple(buffers[name] for name in qw.buffer_names if buffers.get(name) is not None)
 
     def _g_idx(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
         """The stored `g_idx` of a grouped weight (the kernel's plan tells a
