@@ -365,7 +365,14 @@ def test_misuse():
         quantize(model, config=GPTQConfig(["some text"], None), progress=False)
     with pytest.raises(ValueError, match="Unrecognized keyword"):
         quantize(model, config=GPTQConfig(token_data(), None), progres=False)
+    before = logits(model)
+    with pytest.raises(TypeError, match=r"floating-point tensors \(torch.float32, shape \(4, 32\)"):
+        quiet_quantize(model, GPTQConfig([torch.randn(4, 32)], None, sequence_length=16))
+    for ids, bad in ((torch.full((64,), VOCAB + 5), VOCAB + 5), (torch.full((64,), -3), -3)):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocabulary"):
+            quiet_quantize(model, GPTQConfig([ids], None, num_samples=2, sequence_length=16))
     assert all(quantization_of(m) is None for m in model.modules())
+    assert torch.equal(logits(model), before)
 
 
 def kept_casts(module: nn.Module) -> int:

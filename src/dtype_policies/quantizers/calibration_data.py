@@ -150,6 +150,14 @@ def is_huggingface_model(model: torch.nn.Module) -> bool:
     )
 
 
+def _vocabulary_size(model: torch.nn.Module) -> int | None:
+    """The rows of the model's input embedding table when it exposes one
+    (`get_input_embeddings()`, as Hugging Face models do), else None."""
+    getter = getattr(model, "get_input_embeddings", None)
+    table = getter() if callable(getter) else None
+    return table.num_embeddings if isinstance(table, torch.nn.Embedding) else None
+
+
 def calibration_inputs(
     dataset: Any,
     tokenizer: Any,
@@ -164,10 +172,26 @@ def calibration_inputs(
     calls), or the dataset's own floating-point model inputs (at most
     `num_samples` of them, as they are)."""
     items = _items(dataset)
+    vocabulary = _vocabulary_size(model)
     if all(_is_model_input(item) for item in items):
         inputs = [torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in items]
+        if vocabulary is not None and isinstance(inputs[0], torch.Tensor):
+            raise TypeError(
+                f"The calibration dataset holds floating-point tensors ({inputs[0].dtype}, "
+                f"shape {tuple(inputs[0].shape)}), taken as ready model inputs, but this model "
+                "reads token ids: pass text with a tokenizer, integer token ids, or dicts of "
+                "model inputs (such as {'inputs_embeds': ...})."
+            )
         return inputs[:num_samples]
     windows = token_windows(items, tokenizer, num_samples, sequence_length)
+    if vocabulary is not None and windows.numel():
+        low, high = int(windows.min()), int(windows.max())
+        if low < 0 or high >= vocabulary:
+            raise ValueError(
+                f"Calibration token id {low if low < 0 else high} is outside the model's "
+                f"vocabulary (ids 0 to {vocabulary - 1}): was the dataset tokenized for "
+                "another model?"
+            )
     batches = [windows[i : i + batch_size] for i in range(0, num_samples, batch_size)]
     if is_huggingface_model(model):
         return [{"input_ids": batch, "use_cache": False} for batch in batches]
