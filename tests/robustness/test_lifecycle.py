@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtype_policies import DTypePolicyMap, _cpu, apply_policy, layers, quantize
+from dtype_policies._core.module_state import quantization_of
 
 from .helpers import (
     IN_FEATURES,
@@ -384,6 +385,22 @@ def test_copies_and_pickles_after_forward_and_backward(mode):
         with torch.no_grad():
             assert torch.equal(clone(x), expected)
         assert clone[0].dtype_policy == model[0].dtype_policy
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_quantized_weight_pickled_by_an_earlier_version_names_its_buffers():
+    model = mlp()
+    quantize(model, "int4")
+    qw = quantization_of(model[0])
+    state = qw.__getstate__()
+    del state["buffer_names"]  # earlier versions did not keep them
+    restored = object.__new__(type(qw))
+    restored.__setstate__(state)
+    assert (
+        restored.buffer_names
+        == qw.buffer_names
+        == ("weight_int4", "weight_scale", "weight_zero", "weight_g_idx")
+    )
 
 
 @pytest.mark.usefixtures("quiet")

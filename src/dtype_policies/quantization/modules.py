@@ -119,9 +119,8 @@ def apply_keeping_stored_dtypes(
     buffers = module._buffers
     stored = {name: buffers[name] for name in qw.stored_names if buffers.get(name) is not None}
     device = next((t.device for t in stored.values() if t is not None), None)
-    float_dtype = fn(
-        torch.empty(0, dtype=qw.float_dtype, device=device)
-    ).dtype  # what a weight becomes
+    # what the float weight would become (an empty probe: nothing is touched yet)
+    float_dtype = fn(torch.empty(0, dtype=qw.float_dtype, device=device)).dtype
     for name in stored:
         buffers[name] = None  # `Module._apply` skips these
     try:

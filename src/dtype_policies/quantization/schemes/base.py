@@ -344,6 +344,8 @@ class QuantizedWeight:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.runtime = self.scheme.new_runtime()
+        if "buffer_names" not in state:  # pickled by an earlier version
+            self.buffer_names = tuple(self.scheme.buffer_names(self.spec, self.config))
 
     def __deepcopy__(self, memo: dict) -> QuantizedWeight:
         return QuantizedWeight(self.scheme, self.spec, self.config, self.float_dtype)
