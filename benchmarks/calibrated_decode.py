@@ -3,14 +3,19 @@ same group (they share the stored tensors and the packed kernel):
 
     python -m benchmarks.calibrated_decode [--group 64] [--rounds 4] [--compiled]
 
-SmolLM2-135M under `mixed_bfloat16`: int4/<group>, gptq/4/<group>, the same
-with `activation_order=True`, and awq/4/<group>, each calibrated on 4 windows
-of 128 tokens of the calibration text (speed does not depend on the
+SmolLM2-135M under `mixed_bfloat16`: round-to-nearest int4/<group> of the
+decoder layers' linears (the reference: the layers GPTQ and AWQ quantize),
+int4/<group> of the whole model (its tied embedding and head too, int8 as
+`quantize(model, "int4")` stores them), gptq/4/<group>, the same with
+`activation_order=True`, and awq/4/<group>, each calibrated on 4 windows of
+128 tokens of the calibration text (speed does not depend on the
 calibration's quality); greedy `generate` of `--tokens` tokens after a
 32-token prompt, batch 1, under `inference_mode`, eager or, with
 `--compiled`, through `compile_for_generation` (each variant's first
 `generate` compiles and is not timed). Rounds interleaved; each variant's
-speed is the median of its per-round ratio to int4 in the same round.
+speed is the median of its per-round ratio to the reference in the same
+round. `--variants` names the variants to run, comma-separated (the
+reference always runs).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--variants", default="", help="comma-separated variant names")
     args = parser.parse_args(argv)
     import torch
 
@@ -41,14 +47,27 @@ def main(argv: list[str] | None = None) -> None:
     ids = tokenizer(text.lm_calibration_text(), add_special_tokens=False)["input_ids"]
     ids = torch.tensor(ids)
     small = {"num_samples": 4, "sequence_length": 128, "group_size": args.group}
-    reference = f"int4/{args.group}"
+    reference = f"int4/{args.group}, decoder layers"
+    decoder_layers = lambda path, module: path.startswith("model.layers.")  # noqa: E731
+    int4 = Int4QuantizationConfig(block_size=args.group)
     configs = {
-        reference: Int4QuantizationConfig(block_size=args.group),
-        f"gptq/4/{args.group}": GPTQConfig([ids], None, **small),
-        f"gptq/4/{args.group} activation order": GPTQConfig(
-            [ids], None, activation_order=True, **small
+        reference: (int4, decoder_layers),
+        f"int4/{args.group}, whole model": (int4, None),
+        f"gptq/4/{args.group}": (GPTQConfig([ids], None, **small), None),
+        f"gptq/4/{args.group} activation order": (
+            GPTQConfig([ids], None, activation_order=True, **small),
+            None,
         ),
-        f"awq/4/{args.group}": AWQConfig([ids], None, **small),
+        f"awq/4/{args.group}": (AWQConfig([ids], None, **small), None),
+    }
+    chosen = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(configs))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {sorted(configs)}")
+    configs = {
+        name: value
+        for name, value in configs.items()
+        if name == reference or not chosen or name in chosen
     }
     prompt = ids[:32][None]
 
@@ -61,12 +80,12 @@ def main(argv: list[str] | None = None) -> None:
             return (time.perf_counter() - start) / args.tokens * 1000
 
     prepared = {}
-    for name, config in configs.items():
+    for name, (config, filters) in configs.items():
         model = copy.deepcopy(base)
         apply_policy(model, "mixed_bfloat16")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            quantize(model, config=config, progress=False)
+            quantize(model, config=config, filters=filters, progress=False)
         model.eval()
         if args.compiled:
             compile_for_generation(model)
