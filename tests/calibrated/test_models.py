@@ -179,6 +179,22 @@ def test_calibrated_int4_is_stored_and_runs_as_round_to_nearest_int4(mode):
         assert mine.packed.shape == reference.packed.shape
 
 
+def test_int8_after_calibrating_stores_what_is_still_float():
+    """GPTQ leaves the embedding and the head float; `quantize(model, "int8")`
+    afterwards quantizes those and skips the calibrated layers."""
+    model = llama(layers_count=2)
+    quiet_quantize(model, GPTQConfig(token_data(), None, num_samples=4, sequence_length=32))
+    calibrated = {name for name, m in model.named_modules() if quantization_of(m) is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        report = quantize(model, "int8")
+    modes = {n: qw.mode for n, m in model.named_modules() if (qw := quantization_of(m))}
+    assert [path for path, *_ in report.quantized] == ["model/embed_tokens", "lm_head"]
+    assert modes["lm_head"] == modes["model.embed_tokens"] == "int8"
+    assert all(modes[name] == "gptq" for name in calibrated) and len(calibrated) == 14
+    assert torch.isfinite(logits(model)).all()
+
+
 @pytest.mark.parametrize("bits, group", [(2, 32), (3, 16), (8, -1), (8, 32), (4, -1)])
 def test_every_width_stores_its_range_and_computes_its_dequantized_weight(bits, group):
     model = llama(layers_count=1)
