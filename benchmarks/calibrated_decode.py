@@ -36,6 +36,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--variants", default="", help="comma-separated variant names")
     args = parser.parse_args(argv)
+    group = args.group
+    reference = f"int4/{group}, decoder layers"
+    known = [reference, f"int4/{group}, whole model", f"gptq/4/{group}"]
+    known += [f"gptq/4/{group} activation order", f"awq/4/{group}"]
+    chosen = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:  # before the model loads
+        parser.error(f"unknown variants {unknown}; known: {known}")
     import torch
 
     from dtype_policies import apply_policy, compile_for_generation, quantize
@@ -47,7 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     ids = tokenizer(text.lm_calibration_text(), add_special_tokens=False)["input_ids"]
     ids = torch.tensor(ids)
     small = {"num_samples": 4, "sequence_length": 128, "group_size": args.group}
-    reference = f"int4/{args.group}, decoder layers"
     decoder_layers = lambda path, module: path.startswith("model.layers.")  # noqa: E731
     int4 = Int4QuantizationConfig(block_size=args.group)
     configs = {
@@ -60,10 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         f"awq/4/{args.group}": (AWQConfig([ids], None, **small), None),
     }
-    chosen = [name.strip() for name in args.variants.split(",") if name.strip()]
-    unknown = sorted(set(chosen) - set(configs))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; known: {sorted(configs)}")
+    assert list(configs) == known
     configs = {
         name: value
         for name, value in configs.items()
