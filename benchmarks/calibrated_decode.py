@@ -36,43 +36,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--variants", default="", help="comma-separated variant names")
     args = parser.parse_args(argv)
+    from dtype_policies.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig
+
     group = args.group
+    small = {"num_samples": 4, "sequence_length": 128, "group_size": group}
+    decoder_layers = lambda path, module: path.startswith("model.layers.")  # noqa: E731
+    int4 = Int4QuantizationConfig(block_size=group)
     reference = f"int4/{group}, decoder layers"
-    known = [reference, f"int4/{group}, whole model", f"gptq/4/{group}"]
-    known += [f"gptq/4/{group} activation order", f"awq/4/{group}"]
+    builders = {  # name -> (config from the calibration ids, filters)
+        reference: (lambda ids: int4, decoder_layers),
+        f"int4/{group}, whole model": (lambda ids: int4, None),
+        f"gptq/4/{group}": (lambda ids: GPTQConfig([ids], None, **small), None),
+        f"gptq/4/{group} activation order": (
+            lambda ids: GPTQConfig([ids], None, activation_order=True, **small),
+            None,
+        ),
+        f"awq/4/{group}": (lambda ids: AWQConfig([ids], None, **small), None),
+    }
     chosen = [name.strip() for name in args.variants.split(",") if name.strip()]
-    unknown = sorted(set(chosen) - set(known))
+    unknown = sorted(set(chosen) - set(builders))
     if unknown:  # before the model loads
-        parser.error(f"unknown variants {unknown}; known: {known}")
+        parser.error(f"unknown variants {unknown}; known: {list(builders)}")
+    builders = {
+        name: value
+        for name, value in builders.items()
+        if name == reference or not chosen or name in chosen
+    }
     import torch
 
     from dtype_policies import apply_policy, compile_for_generation, quantize
     from dtype_policies.bench.realmodels import models, text
-    from dtype_policies.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig
 
     torch.set_num_threads(args.threads)
     base, tokenizer = models.load_smollm2()
     ids = tokenizer(text.lm_calibration_text(), add_special_tokens=False)["input_ids"]
     ids = torch.tensor(ids)
-    small = {"num_samples": 4, "sequence_length": 128, "group_size": args.group}
-    decoder_layers = lambda path, module: path.startswith("model.layers.")  # noqa: E731
-    int4 = Int4QuantizationConfig(block_size=args.group)
-    configs = {
-        reference: (int4, decoder_layers),
-        f"int4/{args.group}, whole model": (int4, None),
-        f"gptq/4/{args.group}": (GPTQConfig([ids], None, **small), None),
-        f"gptq/4/{args.group} activation order": (
-            GPTQConfig([ids], None, activation_order=True, **small),
-            None,
-        ),
-        f"awq/4/{args.group}": (AWQConfig([ids], None, **small), None),
-    }
-    assert list(configs) == known
-    configs = {
-        name: value
-        for name, value in configs.items()
-        if name == reference or not chosen or name in chosen
-    }
     prompt = ids[:32][None]
 
     def ms_per_token(model: torch.nn.Module) -> float:
@@ -84,12 +82,12 @@ def main(argv: list[str] | None = None) -> None:
             return (time.perf_counter() - start) / args.tokens * 1000
 
     prepared = {}
-    for name, (config, filters) in configs.items():
+    for name, (config, filters) in builders.items():
         model = copy.deepcopy(base)
         apply_policy(model, "mixed_bfloat16")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            quantize(model, config=config, filters=filters, progress=False)
+            quantize(model, config=config(ids), filters=filters, progress=False)
         model.eval()
         if args.compiled:
             compile_for_generation(model)

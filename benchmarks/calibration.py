@@ -92,7 +92,7 @@ def run_ours(work: str, out: str, policy: str) -> None:
     rows = []
     function = quality.lm_function(model)
     for window, top_ids in zip(job["eval_windows"], job["top_ids"]):
-        logp = quality._window_log_probs(function, window)
+        logp = quality.window_log_probs(function, window)
         rows.append(quality.lm_rows(logp, window, top_ids))
     torch.save({"wall_s": wall, "cpu_s": cpu, "peak_mb": peak, "rows": rows}, out)
 

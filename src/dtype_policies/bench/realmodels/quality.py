@@ -67,7 +67,7 @@ def lm_function(model: torch.nn.Module | LMFunction) -> LMFunction:
     return logits
 
 
-def _window_log_probs(function: LMFunction, window: torch.Tensor) -> torch.Tensor:
+def window_log_probs(function: LMFunction, window: torch.Tensor) -> torch.Tensor:
     """(T - 1, vocab) float32 log-probabilities of the next tokens."""
     with torch.inference_mode():
         logits = function(window[None])[:-1].float()
@@ -84,7 +84,7 @@ def _compute_lm_reference() -> dict[str, torch.Tensor]:
     function = lm_function(model)
     top_ids, top_logp, target_logp = [], [], []
     for window in lm_windows():
-        logp = _window_log_probs(function, window)
+        logp = window_log_probs(function, window)
         values, indices = logp.topk(KL_TOP, dim=-1)
         top_ids.append(indices.to(torch.int32))
         top_logp.append(values)
@@ -167,7 +167,7 @@ def evaluate_lm(model: torch.nn.Module | LMFunction) -> dict[str, float]:
     gives perplexity 24.92, top1 1.0, kl 0.0.
     """
     function = lm_function(model)
-    return lm_scores_from_log_probs([_window_log_probs(function, w) for w in lm_windows()])
+    return lm_scores_from_log_probs([window_log_probs(function, w) for w in lm_windows()])
 
 
 @cache
