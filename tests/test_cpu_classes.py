@@ -23,6 +23,7 @@ from dtype_policies import _cpu, apply_policy, quantize
 from dtype_policies._core import products
 from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
+from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantizers import abs_max_quantize
 
@@ -333,7 +334,8 @@ def test_inspect_prints_the_cpu_class_and_each_layers_kernel(capsys):
     assert cli.main(["inspect", target, "--policy", "mixed_bfloat16", "--quantize", "int4"]) == 0
     text = capsys.readouterr().out
     assert f"CPU class: {_cpu.processor().name}" in text
-    assert "0: int4 packed kernel, group 64, bfloat16 activations" in text
+    kernel = {"native": "int4 AVX2 kernel (this library's)", "packed": "int4 packed kernel"}
+    assert f"0: {kernel[int4_kernels.cpu_kernel()]}, group 64, bfloat16 activations" in text
     with _cpu.emulate(CLASSES[0]):
         assert cli.main(["inspect", target, "--policy", "mixed_bfloat16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -156,7 +156,7 @@ def test_int4_kernel_folds_a_permuted_g_idx(n, k, block):
     runtime = int4_kernels.Int4Runtime()
     runtime.refresh(q.t(), scale, zero, block, (q,), g_idx)
     assert runtime.packed is not None
-    assert int4_kernels.int4_path(runtime, 1, block) == "packed"
+    assert int4_kernels.int4_path(runtime, 1, block) == int4_kernels.cpu_kernel()
     x = torch.randn(3, k)
     out = int4_kernels.int4_linear(x, None, scale, zero, block, None, torch.float32, runtime)
     reference = x @ dense
@@ -383,9 +383,9 @@ def test_per_channel_int4_runs_one_integer_gemm_only_where_bfloat16_is_native():
     runtime = int4_kernels.Int4Runtime()
     runtime.refresh(q, scale, None, -1, (q,), None)
     rows = int4_kernels.DEQUANTIZED_MIN_ROWS
-    expected = "dequantized" if _cpu.processor().native_bf16 else "packed"
+    expected = "dequantized" if _cpu.processor().native_bf16 else int4_kernels.cpu_kernel()
     assert int4_kernels.int4_path(runtime, rows, -1) == expected
-    assert int4_kernels.int4_path(runtime, rows - 1, -1) == "packed"
+    assert int4_kernels.int4_path(runtime, rows - 1, -1) == int4_kernels.cpu_kernel()
     x = torch.randn(rows, k).bfloat16()
     outs = {
         path: int4_kernels.int4_linear(x, q, scale, None, -1, None, torch.float32, runtime, path)

@@ -93,12 +93,14 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         if not on_cpu:
             return "int4 dequantized per call"
         layout = int4.Int4Layout.plan(spec.in_features, config.group_size)
-        text = f"int4 packed kernel, group {layout.group}, bfloat16 activations"
+        native = int4.cpu_kernel() == "native"
+        kernel = "int4 AVX2 kernel (this library's)" if native else "int4 packed kernel"
+        text = f"{kernel}, group {layout.group}, bfloat16 activations"
         if layout.spread:
             text += f", blocks padded to {layout.stride}"
         elif layout.padded_k != spec.in_features:
             text += f", K padded to {layout.padded_k}"
-        if spec.out_features % 16:
+        if spec.out_features % 16 and not native:
             text += ", N padded to a multiple of 16"
         from_rows = int4.dequantized_min_rows(spec.in_features * spec.out_features)
         if config.group_size <= 0 and from_rows is not None:

@@ -118,14 +118,27 @@ def _quantized_paths(layer: nn.Module, x: torch.Tensor, compute: torch.dtype):
         _, scale, zero = scheme._stored(layer, qw)
         block = config.group_size
         # the integer values are unpacked inside the timed call, as the
-        # scheme does on every call of a path other than "packed"
-        paths = {
+        # scheme does on every call of a path other than a kernel
+        int4_paths: dict[str, Callable[..., torch.Tensor]] = {
             name: (lambda name=name: int4_kernels.int4_linear(
-                xd, None if name == "packed" else scheme.integer_values(layer, qw),
+                xd, None if name in int4_kernels.KERNELS else scheme.integer_values(layer, qw),
                 scale, zero, block, bias, compute, runtime, name))
-            for name in int4_kernels.PATHS
+            for name in int4_kernels.paths(runtime)
         }  # fmt: skip
-        return paths, int4_kernels.int4_path(runtime, xd.shape[0], block), None
+        plan = runtime.plan
+        if plan is not None and plan.kernel == "native" and int4_kernels._KERNEL_AVAILABLE:
+            # torch's kernel on the same weight, for comparison: never chosen here
+            torchs = int4_kernels.Int4Runtime()
+            q_nk = scheme.integer_values(layer, qw)
+            torchs.refresh(q_nk, scale, zero, block, (q_nk,), kernel="packed")
+
+            def torchs_kernel() -> torch.Tensor:
+                return int4_kernels.int4_linear(
+                    xd, None, scale, zero, block, bias, compute, torchs, "packed"
+                )
+
+            int4_paths["packed"] = torchs_kernel
+        return int4_paths, int4_kernels.int4_path(runtime, xd.shape[0], block), None
     # float8: the kept quantize-dequantized kernel, or both per call (the
     # training path's work)
     weight = layer.weight

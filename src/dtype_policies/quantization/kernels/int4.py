@@ -1,5 +1,12 @@
 """int4 (weight-only) products, on the path chosen per weight (`int4_path`).
 
+Which CPU kernel a weight is packed for is decided once per weight from the
+processor (`cpu_kernel`): on x86 CPUs with AVX2 but not AVX-512 this
+library's own kernel (`int4_native`: torch's AVX2 int4 kernel is
+compute-bound there and Inductor has no AVX2 int4 template), from 128 rows its
+weight decoded per call into float32 GEMMs; elsewhere torch's. Both compute
+the same values (below) from the same layout plan (`Int4Layout`).
+
 On CPU every shape can run on torch's packed kernel
 `_weight_int4pack_mm_for_cpu`, with bfloat16 activations, scales and offsets
 whatever the compute dtype: its float32 and float16 variants are scalar code,
@@ -42,7 +49,12 @@ import torch.nn.functional as F
 
 from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
-from dtype_policies.quantization.kernels import epilogues, freezing_weights, tensor_key
+from dtype_policies.quantization.kernels import (
+    epilogues,
+    freezing_weights,
+    int4_native,
+    tensor_key,
+)
 from dtype_policies.quantizers.math import dequantize_grouped
 
 KERNEL_GROUPS = (256, 128, 64, 32)
@@ -119,12 +131,12 @@ def int4_linear_traced(
     computing what the kernel computes.
     """
     plan = None if runtime is None else runtime.plan
-    if plan is not None and freezing_weights() and _path(plan, x2.shape[0], block_size) == "packed":
+    if plan is not None and freezing_weights() and _path(plan, x2.shape[0], block_size) in KERNELS:
         order = None
         if plan.permuted:  # a permuting g_idx was given to the plan
             assert g_idx is not None
             order = torch.argsort(g_idx.long(), stable=True)
-        traced = _pack(q_nk, scale, zero, block_size, order)
+        traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel)
         return _packed(x2, traced, plan.n, bias, out_dtype)
     weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)
     return int4_linear_traceable(x2, weight, bias, out_dtype)
@@ -185,6 +197,7 @@ class Int4Packed:
     order: torch.Tensor | None  # the inputs in kernel order, when g_idx permutes them
     scales_and_zeros: torch.Tensor  # bfloat16 (padded_k / group, padded N, 2)
     permuted: bool = False  # g_idx permutes the inputs (folded into `order` or `positions`)
+    kernel: str = "packed"  # "packed": torch's layout and kernel; "native": `int4_native`'s
 
 
 class Int4Runtime:
@@ -236,19 +249,32 @@ class Int4Runtime:
         block_size: int,
         stored: tuple[torch.Tensor, ...],
         g_idx: torch.Tensor | None = None,
+        kernel: str | None = None,
     ) -> None:
         """Rebuilds the packed data from the (N, K) int values `q_nk` of the
         `stored` tensors, input `k` in group `g_idx[k]` (`None`: `k //
         block_size`). A `g_idx` that is not a permutation of `arange(K) //
-        block_size` runs on the dequantized path (no plan)."""
+        block_size` runs on the dequantized path (no plan). `kernel` (a key
+        of `KERNELS`) overrides this processor's choice (`cpu_kernel`), for
+        comparisons."""
         key = (*tensor_key(*stored), processor())
         plan = None
-        if scale.device.type == "cpu" and _KERNEL_AVAILABLE:
+        kernel = (kernel or cpu_kernel()) if scale.device.type == "cpu" else None
+        if kernel is not None:
             with torch.inference_mode(False), torch.no_grad():
                 order = _kernel_order(g_idx, q_nk.shape[1], block_size)
                 if order is not False:
-                    plan = _pack(q_nk, scale, zero, block_size, order)
+                    plan = _pack(q_nk, scale, zero, block_size, order, kernel)
         self._state = (key, plan)
+
+
+def cpu_kernel() -> str | None:
+    """The CPU kernel int4 weights are packed for here (a key of `KERNELS`):
+    this library's AVX2 kernel where it applies (`int4_native.available`),
+    else torch's; None without either."""
+    if int4_native.available():
+        return "native"
+    return "packed" if _KERNEL_AVAILABLE else None
 
 
 def _kernel_order(
@@ -272,6 +298,7 @@ def _pack(
     zero: torch.Tensor | None,
     block_size: int,
     order: torch.Tensor | None = None,
+    kernel: str = "packed",
 ) -> Int4Packed:
     """The packed plan. Every weight-side op takes a stored tensor as input
     (no constructors), so that a frozen graph folds all of it into constants."""
@@ -281,9 +308,6 @@ def _pack(
     if order is not None:
         q_nk = q_nk[:, order]
     unsigned = _spread(q_nk.to(torch.int32) + 8, k, block_size, layout)  # padding: 8, a zero
-    if padded_n != n:
-        unsigned = F.pad(unsigned, (0, 0, 0, padded_n - n), value=8)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.contiguous(), 1)
     groups = layout.padded_k // layout.group
     if block_size > 0:
         # each block's scale repeated over the kernel groups of its (padded) block
@@ -296,15 +320,21 @@ def _pack(
     else:
         group_scale = (1.0 / scale.float())[None, :].expand(groups, n).bfloat16()
         offset = torch.zeros_like(group_scale)
-    pair = torch.stack([group_scale, offset], dim=-1)
-    if padded_n != n:
-        pair = F.pad(pair, (0, 0, 0, padded_n - n))
+    if kernel == "native":
+        packed, pair = int4_native.pack(unsigned - 8, group_scale, offset, layout.group)
+    else:
+        if padded_n != n:
+            unsigned = F.pad(unsigned, (0, 0, 0, padded_n - n), value=8)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.contiguous(), 1)
+        pair = torch.stack([group_scale, offset], dim=-1)
+        if padded_n != n:
+            pair = F.pad(pair, (0, 0, 0, padded_n - n))
     permuted = order is not None
     positions = layout.positions(k, block_size) if layout.spread else None
     if order is not None and positions is not None:  # input order[j] goes to positions[j]
         positions = torch.empty_like(positions).index_copy_(0, order, positions)
         order = None
-    return Int4Packed(layout, packed, n, positions, order, pair.contiguous(), permuted)
+    return Int4Packed(layout, packed, n, positions, order, pair.contiguous(), permuted, kernel)
 
 
 def _spread(unsigned: torch.Tensor, k: int, block_size: int, layout: Int4Layout) -> torch.Tensor:
@@ -345,8 +375,20 @@ def dequantized_min_rows(elements: int, cpu: Processor | None = None) -> int | N
     return DEQUANTIZED_MIN_ROWS
 
 
-PATHS = {
+KERNELS = {
     "packed": "torch's packed int4 kernel, bfloat16 activations",
+    "native": "this library's AVX2 int4 kernel, bfloat16 activations",
+    "decoded": "the AVX2 kernel's weight decoded per call in cache-sized chunks, float32 GEMMs",
+}
+# From this many rows a weight packed for the AVX2 kernel is decoded per call,
+# a cache-sized chunk at a time, each chunk one float32 GEMM (bfloat16-rounded
+# activations, as the kernel): the kernel reads each weight once per 4 rows, a
+# GEMM far less often. Measured (AMD Zen 3, 2 threads, docs/speed.md): at 512
+# rows 1.3-2x faster than the kernel at every measured shape, at 128 rows on
+# three shapes of four, at 64 rows on none reliably.
+NATIVE_DECODED_MIN_ROWS = 128
+PATHS = {
+    **KERNELS,
     "dequantized": "the weight dequantized per call, one GEMM",
 }
 
@@ -356,6 +398,16 @@ def int4_path(runtime: Int4Runtime, rows: int, block_size: int) -> str:
     return _path(runtime.plan, rows, block_size)
 
 
+def paths(runtime: Int4Runtime) -> list[str]:
+    """The paths `runtime`'s weight can run on (keys of `PATHS`)."""
+    plan = runtime.plan
+    if plan is None:
+        return ["dequantized"]
+    if plan.kernel == "native":
+        return ["native", "decoded", "dequantized"]
+    return [plan.kernel, "dequantized"]
+
+
 def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
     if plan is None:
         return "dequantized"
@@ -363,7 +415,9 @@ def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
         from_rows = dequantized_min_rows(plan.n * plan.layout.padded_k)
         if from_rows is not None and rows >= from_rows:
             return "dequantized"
-    return "packed"
+    if plan.kernel == "native" and rows >= NATIVE_DECODED_MIN_ROWS:
+        return "decoded"
+    return plan.kernel
 
 
 def int4_linear(
@@ -386,8 +440,9 @@ def int4_linear(
     if x2.shape[0] == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
     plan = runtime.plan
-    if plan is not None and (path or _path(plan, x2.shape[0], block_size)) == "packed":
-        return _packed(x2, plan, n, bias, out_dtype)
+    path = path or _path(plan, x2.shape[0], block_size)
+    if plan is not None and path in KERNELS:
+        return _packed(x2, plan, n, bias, out_dtype, decoded=path == "decoded")
     dtype = product_dtype(x2.dtype, x2.device)
     if block_size > 0:
         weight = dequantize_int4(q_nk, scale, zero, block_size, g_idx).to(dtype)
@@ -403,6 +458,7 @@ def _packed(
     n: int,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    decoded: bool = False,
 ) -> torch.Tensor:
     xk = x2 if x2.dtype is torch.bfloat16 else x2.bfloat16()
     layout = plan.layout
@@ -413,9 +469,16 @@ def _packed(
         xk = spread.index_copy_(1, plan.positions, xk)
     elif layout.padded_k != xk.shape[1]:
         xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        xk.contiguous(), plan.packed, layout.group, plan.scales_and_zeros
-    )
+    if decoded:  # the kernel's values: bfloat16 activations, float32 sums, bfloat16 out
+        y = int4_native.decoded_mm(
+            xk.float(), plan.packed, plan.scales_and_zeros, layout.group
+        ).bfloat16()
+    elif plan.kernel == "native":
+        y = int4_native.int4_mm(xk, plan.packed, plan.scales_and_zeros, layout.group, n)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xk.contiguous(), plan.packed, layout.group, plan.scales_and_zeros
+        )
     if y.shape[1] != n:
         y = y[:, :n]
     y = y if y.dtype == out_dtype else y.to(out_dtype)

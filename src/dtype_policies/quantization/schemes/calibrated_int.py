@@ -324,7 +324,7 @@ class CalibratedIntScheme(Scheme):
             q_nk = self.integer_values(module, qw)
             qw.runtime.refresh(q_nk, scale, zero, block, stored, g_idx)
         path = int4_kernels.int4_path(qw.runtime, x2.shape[0], block)
-        if path != "packed" and q_nk is None:
+        if path not in int4_kernels.KERNELS and q_nk is None:
             q_nk = self.integer_values(module, qw)
         return int4_kernels.int4_linear(
             x2, q_nk, scale, zero, block, bias, compute, qw.runtime, path, g_idx

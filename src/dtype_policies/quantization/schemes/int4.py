@@ -154,7 +154,7 @@ class Int4Scheme(Scheme):
             g_idx = self._g_idx(module, qw)
             qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored, g_idx)
         path = kernels.int4_path(qw.runtime, x2.shape[0], qw.config.group_size)
-        if path != "packed":
+        if path not in kernels.KERNELS:
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
             g_idx = self._g_idx(module, qw)
         return kernels.int4_linear(

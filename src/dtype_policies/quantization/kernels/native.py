@@ -1,0 +1,165 @@
+"""This library's own CPU kernels: C++ sources in `csrc/`, compiled on first
+use with the system's C++ compiler (the one `torch.compile` uses on CPU) and
+cached on disk, loaded with `ctypes`.
+
+A kernel is used only where `available(name)` says so, which is decided once
+per process from the processor (`dtype_policies._cpu`) and whether the
+library could be built; elsewhere the callers keep torch's kernels. Nothing is
+tried per call. The build is one compiler call (about a second), keyed on the
+source, the flags and the compiler, and written by an atomic rename, so that
+processes sharing the cache directory never load a half-written library.
+
+* `DTYPE_POLICIES_NATIVE_KERNELS=0` turns every native kernel off;
+* `DTYPE_POLICIES_KERNEL_CACHE` names the cache directory (default
+  `$XDG_CACHE_HOME/dtype_policies/kernels`, else `~/.cache/...`);
+* `CXX` names the compiler (default `c++`, else `g++`).
+
+OpenMP: the libraries are linked against `libgomp.so.1`, which resolves to
+the copy torch has already loaded (the same soname), so that the kernels share
+torch's thread pool instead of starting a second one.
+
+>>> from dtype_policies.quantization.kernels import native
+>>> native.available("int4_avx2") in (True, False)
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
+
+from dtype_policies._cpu import Processor, hardware_flags, processor
+
+DISABLE_VARIABLE = "DTYPE_POLICIES_NATIVE_KERNELS"
+CACHE_VARIABLE = "DTYPE_POLICIES_KERNEL_CACHE"
+SOURCES = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One native kernel library: its source file, compiler flags, and what
+    the processor needs for it (`supports`)."""
+
+    name: str
+    source: str
+    flags: tuple[str, ...]
+
+    def supports(self, cpu: Processor) -> bool:
+        if self.name == "int4_avx2":
+            # AVX2 and FMA, on the classes whose torch int4 kernel is its AVX2
+            # one: with AVX-512, torch's own kernel and Inductor's are used.
+            return (
+                cpu.architecture in ("x86_64", "AMD64")
+                and "avx2" in cpu.features
+                and "avx512" not in cpu.features
+                and _has_fma()
+            )
+        return False
+
+
+KERNELS: dict[str, KernelSource] = {
+    "int4_avx2": KernelSource(
+        "int4_avx2", "int4_avx2.cpp", ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17")
+    ),
+}
+
+
+@functools.cache
+def _has_fma() -> bool:
+    return "fma" in hardware_flags()
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    """Whether native kernels are allowed (`DTYPE_POLICIES_NATIVE_KERNELS`)."""
+    return os.environ.get(DISABLE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def available(name: str, cpu: Processor | None = None) -> bool:
+    """Whether kernel `name` runs here: allowed, supported by the processor
+    (`cpu`, default this one) and built (the first call builds it)."""
+    kernel = KERNELS[name]
+    cpu = processor() if cpu is None else cpu
+    return enabled() and kernel.supports(cpu) and library(name) is not None
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The loaded library of kernel `name`, built on first use; `None` when it
+    cannot be built here (no compiler, or the build failed: warned once)."""
+    if name in _loaded:
+        return _loaded[name]
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(KERNELS[name])
+        return _loaded[name]
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept."""
+    configured = os.environ.get(CACHE_VARIABLE)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dtype_policies" / "kernels"
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def _build_and_load(kernel: KernelSource) -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        warnings.warn(
+            f"dtype_policies: no C++ compiler found (CXX, c++, g++, clang++), so the "
+            f"native kernel {kernel.name!r} is not built; torch's kernels are used instead.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    source = SOURCES / kernel.source
+    flags = (*kernel.flags, "-shared", "-fPIC")
+    digest = hashlib.sha256()
+    digest.update(source.read_bytes())
+    digest.update(" ".join((compiler, *flags)).encode())
+    target = cache_dir() / f"{kernel.name}-{digest.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as work:
+                built = Path(work) / target.name
+                subprocess.run(
+                    [compiler, *flags, str(source), "-o", str(built)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    stdin=subprocess.DEVNULL,
+                )
+                os.replace(built, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", None) or str(error)
+        warnings.warn(
+            f"dtype_policies: the native kernel {kernel.name!r} could not be built with "
+            f"{compiler} ({detail.strip()[:500]}); torch's kernels are used instead.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
