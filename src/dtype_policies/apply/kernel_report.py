@@ -102,6 +102,8 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             text += f", K padded to {layout.padded_k}"
         if spec.out_features % 16 and not native:
             text += ", N padded to a multiple of 16"
+        if native:
+            text += f"; from {int4.NATIVE_DECODED_MIN_ROWS} rows decoded into float32 GEMMs"
         from_rows = int4.dequantized_min_rows(spec.in_features * spec.out_features)
         if config.group_size <= 0 and from_rows is not None:
             text += f"; from {from_rows} rows one GEMM on the integer weights"

@@ -108,6 +108,69 @@ void tile(const float* xf, int64_t kp, const uint8_t* packed, const uint16_t* sz
   }
 }
 
+// One row times columns [n0, n1), two columns per pass: their sums are
+// independent chains, which one column alone leaves idle (decoding, one row).
+void row_two_columns(const float* xf, int64_t kp, const uint8_t* packed, const uint16_t* sz,
+                     int64_t groups, int group_shift, uint16_t* y, int64_t n_total, int64_t m0,
+                     int64_t n0, int64_t n1) {
+  const int64_t words = kp / 64;
+  const float* x = xf + m0 * kp;
+  int64_t n = n0;
+  for (; n + 1 < n1; n += 2) {
+    const uint8_t* row_a = packed + n * (kp / 2);
+    const uint8_t* row_b = row_a + kp / 2;
+    const uint16_t* pairs_a = sz + n * groups * 2;
+    const uint16_t* pairs_b = pairs_a + groups * 2;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    __m256 sa = _mm256_setzero_ps(), za = _mm256_setzero_ps();
+    __m256 sb = _mm256_setzero_ps(), zb = _mm256_setzero_ps();
+    int64_t loaded = -1;
+    for (int64_t c = 0; c < words; ++c) {
+      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_a + 32 * c));
+      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_b + 32 * c));
+      const float* xc = x + 64 * c;
+      for (int half = 0; half < 2; ++half) {
+        const int64_t g = (2 * c + half) >> group_shift;
+        if (g != loaded) {
+          group_pair(pairs_a + 2 * g, sa, za);
+          group_pair(pairs_b + 2 * g, sb, zb);
+          loaded = g;
+        }
+        const float* xh = xc + 32 * half;
+        __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
+        if (half) {
+          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<4>(va), sa, za), a0);
+          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<4>(vb), sb, zb), b0);
+          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<5>(va), sa, za), a1);
+          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<5>(vb), sb, zb), b1);
+        } else {
+          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<0>(va), sa, za), a0);
+          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<0>(vb), sb, zb), b0);
+          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<1>(va), sa, za), a1);
+          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<1>(vb), sb, zb), b1);
+        }
+        x0 = _mm256_loadu_ps(xh + 16);
+        x1 = _mm256_loadu_ps(xh + 24);
+        if (half) {
+          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<6>(va), sa, za), a0);
+          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<6>(vb), sb, zb), b0);
+          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<7>(va), sa, za), a1);
+          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<7>(vb), sb, zb), b1);
+        } else {
+          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<2>(va), sa, za), a0);
+          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<2>(vb), sb, zb), b0);
+          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<3>(va), sa, za), a1);
+          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<3>(vb), sb, zb), b1);
+        }
+      }
+    }
+    y[m0 * n_total + n] = float_to_bf16(horizontal_sum(_mm256_add_ps(a0, a1)));
+    y[m0 * n_total + n + 1] = float_to_bf16(horizontal_sum(_mm256_add_ps(b0, b1)));
+  }
+  if (n < n1) tile<1>(xf, kp, packed, sz, groups, group_shift, y, n_total, m0, n, n1);
+}
+
 inline int log2_of(int64_t v) {
   int shift = 0;
   while ((int64_t{1} << shift) < v) ++shift;
@@ -137,7 +200,7 @@ extern "C" int dtype_policies_int4_mm_bf16(const uint16_t* x, int64_t m, int64_t
       const int64_t m0 = t * kRowsPerTile, n0 = b * kColumnsPerBlock;
       const int64_t n1 = n0 + kColumnsPerBlock < n ? n0 + kColumnsPerBlock : n;
       switch (m - m0 < kRowsPerTile ? m - m0 : kRowsPerTile) {
-        case 1: tile<1>(xf, kp, packed, sz, groups, group_shift, y, n, m0, n0, n1); break;
+        case 1: row_two_columns(xf, kp, packed, sz, groups, group_shift, y, n, m0, n0, n1); break;
         case 2: tile<2>(xf, kp, packed, sz, groups, group_shift, y, n, m0, n0, n1); break;
         case 3: tile<3>(xf, kp, packed, sz, groups, group_shift, y, n, m0, n0, n1); break;
         default: tile<4>(xf, kp, packed, sz, groups, group_shift, y, n, m0, n0, n1); break;
