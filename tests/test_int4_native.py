@@ -188,6 +188,8 @@ def test_many_rows_decode_the_weight_once_per_call():
     )
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 40)
     torch.testing.assert_close(y.float(), kernel.float(), rtol=2**-7, atol=1e-3)
+    with pytest.raises(ValueError, match="'packed' does not apply to a weight packed for 'native'"):
+        int4_kernels.int4_linear(x, None, scale, zero, 128, None, torch.float32, runtime, "packed")
 
 
 def test_policies_choose_the_native_kernel_exactly_where_it_applies(monkeypatch):
