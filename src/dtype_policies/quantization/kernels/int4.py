@@ -440,13 +440,14 @@ def int4_linear(
     if x2.shape[0] == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
     plan = runtime.plan
-    path = path or _path(plan, x2.shape[0], block_size)
+    if path is None:
+        path = _path(plan, x2.shape[0], block_size)
+    elif plan is not None and path in KERNELS and path not in paths(runtime):
+        raise ValueError(
+            f"int4 path {path!r} does not apply to a weight packed for {plan.kernel!r}; "
+            f"its paths: {paths(runtime)}"
+        )
     if plan is not None and path in KERNELS:
-        if path not in paths(runtime):
-            raise ValueError(
-                f"int4 path {path!r} does not apply to a weight packed for {plan.kernel!r}; "
-                f"its paths: {paths(runtime)}"
-            )
         return _packed(x2, plan, n, bias, out_dtype, decoded=path == "decoded")
     dtype = product_dtype(x2.dtype, x2.device)
     if block_size > 0:

@@ -84,12 +84,17 @@ def int4_mm(
     return _run(x, packed, pairs, group, n)
 
 
+def _threads(weights: int) -> int:
+    """torch's intra-op threads, or one for a product too small to share."""
+    return torch.get_num_threads() if weights >= _PARALLEL_MIN_WEIGHTS else 1
+
+
 def _run(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
     x = x.contiguous()
     m, k = x.shape
     kp = packed.shape[1] * 2
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    threads = torch.get_num_threads() if n * kp >= _PARALLEL_MIN_WEIGHTS else 1
+    threads = _threads(n * kp)
     status = _function()(
         x.data_ptr(), m, k, packed.data_ptr(), pairs.data_ptr(), kp, group, y.data_ptr(), n, threads
     )
@@ -108,7 +113,7 @@ def decode(
     written into `out` when given (a float32 (N, Kp) tensor)."""
     n, kp = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((n, kp), dtype=torch.float32) if out is None else out
-    threads = torch.get_num_threads() if n * kp >= _PARALLEL_MIN_WEIGHTS else 1
+    threads = _threads(n * kp)
     status = _function("dtype_policies_int4_dequantize")(
         packed.data_ptr(), pairs.data_ptr(), kp, group, n, out.data_ptr(), threads
     )

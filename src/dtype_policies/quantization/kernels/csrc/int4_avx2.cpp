@@ -48,6 +48,23 @@ inline __m256 nibbles(__m256i v) {
   return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28 - 4 * i), 28));
 }
 
+// The weights q * s + z of nibbles first .. first + 3 of v (32 inputs).
+template <int first>
+inline void decode_half(__m256i v, __m256 s, __m256 z, __m256 w[4]) {
+  w[0] = _mm256_fmadd_ps(nibbles<first>(v), s, z);
+  w[1] = _mm256_fmadd_ps(nibbles<first + 1>(v), s, z);
+  w[2] = _mm256_fmadd_ps(nibbles<first + 2>(v), s, z);
+  w[3] = _mm256_fmadd_ps(nibbles<first + 3>(v), s, z);
+}
+
+// Inputs 32 half .. 32 half + 31 of the 64 in v: nibbles 4 half .. 4 half + 3.
+inline void decode_half(int half, __m256i v, __m256 s, __m256 z, __m256 w[4]) {
+  if (half)
+    decode_half<4>(v, s, z, w);
+  else
+    decode_half<0>(v, s, z, w);
+}
+
 constexpr int64_t kRowsPerTile = 4;
 constexpr int64_t kColumnsPerBlock = 16;
 
@@ -82,24 +99,14 @@ void tile(const float* xf, int64_t kp, const uint8_t* packed, const uint16_t* sz
           group_pair(pairs + 2 * g, s, z);
           loaded = g;
         }
-        __m256 w0, w1, w2, w3;
-        if (half) {  // inputs 32..63 of the 64: nibbles 4..7
-          w0 = _mm256_fmadd_ps(nibbles<4>(v), s, z);
-          w1 = _mm256_fmadd_ps(nibbles<5>(v), s, z);
-          w2 = _mm256_fmadd_ps(nibbles<6>(v), s, z);
-          w3 = _mm256_fmadd_ps(nibbles<7>(v), s, z);
-        } else {
-          w0 = _mm256_fmadd_ps(nibbles<0>(v), s, z);
-          w1 = _mm256_fmadd_ps(nibbles<1>(v), s, z);
-          w2 = _mm256_fmadd_ps(nibbles<2>(v), s, z);
-          w3 = _mm256_fmadd_ps(nibbles<3>(v), s, z);
-        }
+        __m256 w[4];
+        decode_half(half, v, s, z, w);
         for (int r = 0; r < rows; ++r) {
           const float* x = xf + (m0 + r) * kp + 32 * h;
-          even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, even[r]);
-          odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w1, odd[r]);
-          even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w2, even[r]);
-          odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w3, odd[r]);
+          even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w[0], even[r]);
+          odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w[1], odd[r]);
+          even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), w[2], even[r]);
+          odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), w[3], odd[r]);
         }
       }
     }
@@ -138,31 +145,17 @@ void row_two_columns(const float* xf, int64_t kp, const uint8_t* packed, const u
           loaded = g;
         }
         const float* xh = xc + 32 * half;
-        __m256 x0 = _mm256_loadu_ps(xh), x1 = _mm256_loadu_ps(xh + 8);
-        if (half) {
-          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<4>(va), sa, za), a0);
-          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<4>(vb), sb, zb), b0);
-          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<5>(va), sa, za), a1);
-          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<5>(vb), sb, zb), b1);
-        } else {
-          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<0>(va), sa, za), a0);
-          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<0>(vb), sb, zb), b0);
-          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<1>(va), sa, za), a1);
-          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<1>(vb), sb, zb), b1);
-        }
-        x0 = _mm256_loadu_ps(xh + 16);
-        x1 = _mm256_loadu_ps(xh + 24);
-        if (half) {
-          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<6>(va), sa, za), a0);
-          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<6>(vb), sb, zb), b0);
-          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<7>(va), sa, za), a1);
-          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<7>(vb), sb, zb), b1);
-        } else {
-          a0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<2>(va), sa, za), a0);
-          b0 = _mm256_fmadd_ps(x0, _mm256_fmadd_ps(nibbles<2>(vb), sb, zb), b0);
-          a1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<3>(va), sa, za), a1);
-          b1 = _mm256_fmadd_ps(x1, _mm256_fmadd_ps(nibbles<3>(vb), sb, zb), b1);
-        }
+        __m256 wa[4], wb[4];
+        decode_half(half, va, sa, za, wa);
+        decode_half(half, vb, sb, zb, wb);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xh), wa[0], a0);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(xh), wb[0], b0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xh + 8), wa[1], a1);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(xh + 8), wb[1], b1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xh + 16), wa[2], a0);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(xh + 16), wb[2], b0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xh + 24), wa[3], a1);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(xh + 24), wb[3], b1);
       }
     }
     y[m0 * n_total + n] = float_to_bf16(horizontal_sum(_mm256_add_ps(a0, a1)));
@@ -229,18 +222,9 @@ extern "C" int dtype_policies_int4_dequantize(const uint8_t* packed, const uint1
       const int64_t h_end = (g + 1) * halves_per_group < halves ? (g + 1) * halves_per_group : halves;
       for (int64_t h = g * halves_per_group; h < h_end; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 32 * (h >> 1)));
-        float* o = w + 32 * h;
-        if (h & 1) {
-          _mm256_storeu_ps(o, _mm256_fmadd_ps(nibbles<4>(v), s, z));
-          _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(nibbles<5>(v), s, z));
-          _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(nibbles<6>(v), s, z));
-          _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(nibbles<7>(v), s, z));
-        } else {
-          _mm256_storeu_ps(o, _mm256_fmadd_ps(nibbles<0>(v), s, z));
-          _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(nibbles<1>(v), s, z));
-          _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(nibbles<2>(v), s, z));
-          _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(nibbles<3>(v), s, z));
-        }
+        __m256 decoded[4];
+        decode_half(static_cast<int>(h & 1), v, s, z, decoded);
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + 32 * h + 8 * j, decoded[j]);
       }
     }
   }
