@@ -1,4 +1,8 @@
-"""This library's AVX2 int4 kernel (`kernels/int4_native.py`, `csrc/int4_avx2.cpp`).
+"""This library's AVX2 int4 kernels (`kernels/int4_native.py`, `csrc/int4_avx2.cpp`):
+weight-only, and W4A8 (`Int4QuantizationConfig(activation_block_size=32)`: the
+inputs rounded to int8 in blocks of 32, the W4A8 kernel, its decoded path for
+many rows, and the plain-ops path everywhere else, all computing the
+weight-only product of the rounded inputs; at the end of this file).
 
 It runs on any x86 CPU with AVX2 and FMA (AVX-512 ones included), so these
 cases call it directly wherever it can be built; which kernel the policies
@@ -12,9 +16,12 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dtype_policies import _cpu, quantize
+from dtype_policies import _cpu, apply_policy, quantize, saving
 from dtype_policies._core.module_state import quantization_of
+from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.quantization import Int4QuantizationConfig
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int4_native, native
@@ -146,10 +153,17 @@ def test_native_kernel_rejects_a_layout_it_cannot_read():
 def test_native_kernel_runs_in_a_frozen_compiled_graph():
     """Under `torch.compile` with frozen weights the product is the custom op
     `dtype_policies::int4_mm_avx2`, with the eager values."""
-    from torch._inductor import config as inductor_config
 
     q, scale, zero = _weights(64, 192, 64, seed=3)
     plan, _ = _plans(q, scale, zero, 64)
+    x = torch.randn(2, 192, generator=torch.Generator().manual_seed(3))
+    eager = int4_kernels._packed(x, plan, 64, None, torch.float32)
+    assert torch.equal(_frozen_compiled_product(q, scale, zero, plan, x), eager)
+
+
+def _frozen_compiled_product(q, scale, zero, plan, x, activation_block_size=None):
+    """`int4_linear_traced` on stored tensors, compiled with frozen weights."""
+    from torch._inductor import config as inductor_config
 
     class Product(nn.Module):
         def __init__(self) -> None:
@@ -160,16 +174,13 @@ def test_native_kernel_runs_in_a_frozen_compiled_graph():
 
         def forward(self, x):
             return int4_kernels.int4_linear_traced(
-                x, self.q, self.scale, self.zero, 64, None, torch.float32, _runtime(plan)
-            )
+                x, self.q, self.scale, self.zero, 64, None, torch.float32, _runtime(plan),
+                None, activation_block_size,
+            )  # fmt: skip
 
-    module = Product().eval()
-    x = torch.randn(2, 192, generator=torch.Generator().manual_seed(3))
-    eager = int4_kernels._packed(x, plan, 64, None, torch.float32)
     torch._dynamo.reset()
     with inductor_config.patch(freezing=True), torch.no_grad():
-        compiled = torch.compile(module)(x)
-    assert torch.equal(compiled, eager)
+        return torch.compile(Product().eval())(x)
 
 
 @needs_kernel
@@ -233,3 +244,211 @@ def test_packing_is_ops_on_the_stored_tensors_only():
     for node in calls:
         inputs = [a for a in node.all_input_nodes if a.op in ("placeholder", "call_function")]
         assert inputs, f"{node.target} builds a tensor from nothing"
+
+
+# --- W4A8 ---
+
+W4A8 = dict(activation_block_size=32)
+
+
+def _rounded_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The rounding rule in float64, one block at a time."""
+    xb = x.bfloat16().double()
+    out = torch.zeros_like(xb)
+    for start in range(0, x.shape[1], block):
+        part = xb[:, start : start + block]
+        step = part.abs().amax(dim=1, keepdim=True).float() / 127.0  # float32, as the rule
+        q = torch.where(step > 0, torch.round(part.float() / step), 0.0).clamp(-127, 127)
+        out[:, start : start + block] = (q * step).double()
+    return out
+
+
+@pytest.mark.parametrize("k", [32, 64, 100, 576])
+def test_rounding_is_llama_cpp_q8_0_per_block(k):
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * 4
+    x[1, :32] = 0.0  # a block of zeros stays zero
+    rounded = int4_kernels.round_activation_blocks(x)
+    assert rounded.dtype == torch.float32 and rounded.shape == x.shape
+    torch.testing.assert_close(rounded.double(), _rounded_reference(x), rtol=0, atol=0)
+    assert torch.all(rounded[1, :32] == 0)
+    # each block's largest magnitude is kept exactly (it is 127 steps)
+    blocks = x.bfloat16().float()[:, : k // 32 * 32].reshape(3, -1, 32).abs().amax(-1)
+    kept = rounded[:, : k // 32 * 32].reshape(3, -1, 32).abs().amax(-1)
+    torch.testing.assert_close(kept, blocks, rtol=2**-22, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=80))
+def test_rounding_error_is_at_most_half_a_step(values):
+    x = torch.tensor([values])
+    rounded = int4_kernels.round_activation_blocks(x).double()
+    xb = x.bfloat16().double()
+    for start in range(0, x.shape[1], 32):
+        part, got = xb[:, start : start + 32], rounded[:, start : start + 32]
+        step = part.abs().max() / 127
+        assert torch.all((got - part).abs() <= step / 2 * (1 + 1e-6) + 1e-30)
+
+
+def _q8_plan(q, scale, zero, block):
+    return int4_kernels._pack(q, scale, zero, block, None, "native_q8")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("n", "k", "block"),
+    [(48, 64, 32), (17, 96, 32), (40, 576, 128), (24, 576, 64), (9, 1536, 32), (5, 100, 32)],
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 130])
+def test_w4a8_kernel_and_decoded_path_compute_the_rounded_product(n, k, block, rows):
+    q, scale, zero = _weights(n, k, block, seed=n + k + rows)
+    plan = _q8_plan(q, scale, zero, block)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    weight = int4_kernels.kernel_weight(q, scale, zero, block).double()
+    exact = _rounded_reference(x) @ weight.t()
+    magnitude = _rounded_reference(x).abs() @ weight.abs().t()
+    bound = 2.0**-8 * exact.abs() + 2.0**-18 * k * magnitude + 1e-30
+    for decoded in (False, True):
+        y = int4_kernels._packed(x, plan, n, None, torch.float32, decoded=decoded)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        error = (y.double() - exact).abs()
+        assert torch.all(error <= bound), (decoded, error.max())
+
+
+@needs_kernel
+def test_w4a8_rows_with_nan_or_infinity_are_nan_and_leave_the_others_alone():
+    n, k, block = 20, 128, 32
+    q, scale, zero = _weights(n, k, block, seed=3)
+    plan = _q8_plan(q, scale, zero, block)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(0))
+    x[1, 70] = float("nan")
+    x[2, 3] = float("inf")
+    y = int4_kernels._packed(x, plan, n, None, torch.float32)
+    weight = int4_kernels.kernel_weight(q, scale, zero, block)
+    reference = int4_kernels.int4_linear_traceable(x, weight, None, torch.float32, 32)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    assert torch.isnan(reference[1]).all() and torch.isnan(reference[2]).all()
+    torch.testing.assert_close(y[[0, 3]], reference[[0, 3]], rtol=2**-7, atol=1e-3)
+
+
+@needs_kernel
+def test_the_w4a8_operator_names_bad_arguments():
+    q, scale, zero = _weights(16, 64, 32, seed=1)
+    plan = _q8_plan(q, scale, zero, 32)
+    with pytest.raises(RuntimeError, match="x must be a 2-D bfloat16 tensor, got Float"):
+        int4_native.int4_mm_q8(torch.zeros(1, 64), plan.packed, plan.scales_and_zeros, 32, 16)
+    with pytest.raises(RuntimeError, match="K=96 inputs, more than the weight's Kp=64"):
+        int4_native.int4_mm_q8(
+            torch.zeros(1, 96, dtype=torch.bfloat16), plan.packed, plan.scales_and_zeros, 32, 16
+        )
+    with pytest.raises(RuntimeError, match="group=48"):
+        int4_native.int4_mm_q8(
+            torch.zeros(1, 64, dtype=torch.bfloat16), plan.packed, plan.scales_and_zeros, 48, 16
+        )
+
+
+def _model(block: int = 64, **options) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 96), nn.GELU(), nn.Linear(96, 40))
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", Int4QuantizationConfig(block_size=block, **options))
+    return model
+
+
+def test_w4a8_layers_choose_the_kernel_and_match_the_plain_ops_path(monkeypatch):
+    model = _model(**W4A8)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        y = model(x)
+    plan = quantization_of(model[0]).runtime.plan
+    described = kernel_of(model[0])
+    assert "inputs rounded to int8 per 32" in described
+    if RUNS_HERE:
+        assert described.startswith("int4 AVX2 W4A8 kernel (this library's), group 64")
+        assert plan.kernel == "native_q8"
+        assert int4_kernels.paths(quantization_of(model[0]).runtime) == [
+            "native_q8",
+            "decoded_q8",
+            "dequantized",
+        ]
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")  # the plain-ops path
+    assert int4_kernels.cpu_kernel(32) is None
+    reference = _model(**W4A8)
+    with torch.inference_mode():
+        expected = reference(x)
+    assert quantization_of(reference[0]).runtime.plan is None
+    assert y.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=2e-3)
+    # and it is not the weight-only product
+    weight_only = _model()
+    with torch.inference_mode():
+        other = weight_only(x)
+    assert (other.float() - y.float()).abs().max() > 1e-3
+
+
+def test_w4a8_is_stored_with_the_model_and_reloads_bit_for_bit(tmp_path):
+    model = _model(**W4A8)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        before = model(x)
+    saving.save(model, tmp_path / "m.safetensors")
+    fresh = nn.Sequential(nn.Linear(576, 96), nn.GELU(), nn.Linear(96, 40))
+    saving.load(fresh, tmp_path / "m.safetensors")
+    config = quantization_of(fresh[0]).config
+    assert config.activation_block_size == 32 and config.block_size == 64
+    with torch.inference_mode():
+        after = fresh(x)
+    assert torch.equal(before, after)
+
+
+@needs_kernel
+def test_w4a8_kernel_runs_in_a_frozen_compiled_graph():
+    """Under `torch.compile` with frozen weights the W4A8 product is the
+    operator `dtype_policies::int4_mm_q8_avx2`, with the eager values; a whole
+    compiled model gives the eager model's values."""
+    from dtype_policies import compile_for_inference
+
+    q, scale, zero = _weights(64, 192, 64, seed=3)
+    plan = _q8_plan(q, scale, zero, 64)
+    x = torch.randn(2, 192, generator=torch.Generator().manual_seed(3))
+    eager = int4_kernels._packed(x, plan, 64, None, torch.float32)
+    assert torch.equal(_frozen_compiled_product(q, scale, zero, plan, x, 32), eager)
+
+    model = nn.Sequential(nn.Linear(576, 96))
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", Int4QuantizationConfig(block_size=64, activation_block_size=32))
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        expected = model.eval()(x)
+        out = compile_for_inference(model, autotune=False)(x)
+    assert torch.equal(out, expected)
+
+
+def test_w4a8_trains_straight_through_the_rounding():
+    model = _model(**W4A8)
+    model.train()
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    model(x).float().pow(2).mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(block_size=-1, activation_block_size=32), "needs grouped int4"),
+        (dict(block_size=None, activation_block_size=32), "needs grouped int4"),
+        (dict(block_size=48, activation_block_size=32), "block_size=48"),
+        (dict(block_size=64, activation_block_size=16), "activation_block_size=16"),
+        (dict(block_size=64, activation_block_size=True), "activation_block_size=True"),
+    ],
+)
+def test_w4a8_config_errors_name_the_value(options, message):
+    with pytest.raises(ValueError, match=message):
+        Int4QuantizationConfig(**options)
+
+
+def test_w4a8_config_round_trips_and_is_part_of_the_identity():
+    config = Int4QuantizationConfig(block_size=64, activation_block_size=32)
+    assert config.get_config() == {"block_size": 64, "activation_block_size": 32}
+    assert Int4QuantizationConfig.from_config(config.get_config()) == config
+    assert config != Int4QuantizationConfig(block_size=64)
+    assert "activation_block_size" not in Int4QuantizationConfig(block_size=64).get_config()

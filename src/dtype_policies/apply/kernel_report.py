@@ -93,9 +93,18 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         if not on_cpu:
             return "int4 dequantized per call"
         layout = int4.Int4Layout.plan(spec.in_features, config.group_size)
-        native = int4.cpu_kernel() == "native"
-        kernel = "int4 AVX2 kernel (this library's)" if native else "int4 packed kernel"
-        text = f"{kernel}, group {layout.group}, bfloat16 activations"
+        blocks = getattr(config, "activation_block_size", None)
+        chosen = int4.cpu_kernel(blocks)
+        if blocks is not None and chosen is None:
+            return f"int4 W4A8: inputs rounded to int8 per {blocks}, dequantized per call"
+        native = chosen in ("native", "native_q8")
+        if blocks is not None:
+            kernel = "int4 AVX2 W4A8 kernel (this library's)"
+            inputs = f"inputs rounded to int8 per {blocks}, integer products"
+        else:
+            kernel = "int4 AVX2 kernel (this library's)" if native else "int4 packed kernel"
+            inputs = "bfloat16 activations"
+        text = f"{kernel}, group {layout.group}, {inputs}"
         if layout.spread:
             text += f", blocks padded to {layout.stride}"
         elif layout.padded_k != spec.in_features:

@@ -98,12 +98,42 @@ def kernel_weight(
     return q_nk.float() * (1.0 / scale.float()).bfloat16().float()[:, None]
 
 
+def round_activation_blocks(x2: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The float32 values of `x2` (M, K) rounded to bfloat16, then to int8 in
+    blocks of `block` consecutive inputs (the last may be shorter): per block
+    `d = max|x| / 127` and `round(x / d) * d` (half to even; a block of zeros
+    stays zero). llama.cpp's Q8_0 rule, which the W4A8 kernel applies.
+
+    >>> import torch
+    >>> x = torch.tensor([[0.5, -1.0, 0.25, 0.0]])
+    >>> round_activation_blocks(x, block=2)
+    tensor([[ 0.5000, -1.0000,  0.2500,  0.0000]])
+    """
+    m, k = x2.shape
+    padded = -(-k // block) * block
+    xb = F.pad(x2.bfloat16().float(), (0, padded - k)).view(m, padded // block, block)
+    step = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    rounded = torch.where(step > 0, torch.round(xb / step), torch.zeros_like(xb))
+    return (rounded.clamp(-127, 127) * step).view(m, padded)[:, :k]
+
+
 def int4_linear_traceable(
-    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    activation_block_size: int | None = None,
 ) -> torch.Tensor:
-    """The product as the CPU kernel computes it, in plain ops: bfloat16
-    activations times the kernel's float32 `weight`, a bfloat16 output."""
-    y = F.linear(x2.bfloat16().float(), weight).bfloat16().to(out_dtype)
+    """The product as the CPU kernels compute it, in plain ops: bfloat16
+    activations (rounded in blocks with `activation_block_size`) times the
+    kernel's float32 `weight`, a bfloat16 output."""
+    if activation_block_size is None:
+        xk = x2.bfloat16().float()
+    else:
+        xk = round_activation_blocks(x2, activation_block_size)
+        if x2.requires_grad:  # straight through the rounding
+            xk = x2.float() + (xk - x2.float()).detach()
+    y = F.linear(xk, weight).bfloat16().to(out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
 
 
@@ -117,6 +147,7 @@ def int4_linear_traced(
     out_dtype: torch.dtype,
     runtime: Int4Runtime | None,
     g_idx: torch.Tensor | None = None,
+    activation_block_size: int | None = None,
 ) -> torch.Tensor:
     """The product for compilers and tracers (no autograd).
 
@@ -139,7 +170,7 @@ def int4_linear_traced(
         traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel)
         return _packed(x2, traced, plan.n, bias, out_dtype)
     weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)
-    return int4_linear_traceable(x2, weight, bias, out_dtype)
+    return int4_linear_traceable(x2, weight, bias, out_dtype, activation_block_size)
 
 
 @dataclass(frozen=True)
@@ -197,7 +228,9 @@ class Int4Packed:
     order: torch.Tensor | None  # the inputs in kernel order, when g_idx permutes them
     scales_and_zeros: torch.Tensor  # bfloat16 (padded_k / group, padded N, 2)
     permuted: bool = False  # g_idx permutes the inputs (folded into `order` or `positions`)
-    kernel: str = "packed"  # "packed": torch's layout and kernel; "native": `int4_native`'s
+    # "packed": torch's layout and kernel; "native" / "native_q8": `int4_native`'s
+    # weight-only / W4A8 layout and kernel
+    kernel: str = "packed"
 
 
 class Int4Runtime:
@@ -250,28 +283,34 @@ class Int4Runtime:
         stored: tuple[torch.Tensor, ...],
         g_idx: torch.Tensor | None = None,
         kernel: str | None = None,
+        activation_block_size: int | None = None,
     ) -> None:
         """Rebuilds the packed data from the (N, K) int values `q_nk` of the
         `stored` tensors, input `k` in group `g_idx[k]` (`None`: `k //
         block_size`). A `g_idx` that is not a permutation of `arange(K) //
-        block_size` runs on the dequantized path (no plan). `kernel` (a key
-        of `KERNELS`) overrides this processor's choice (`cpu_kernel`), for
-        comparisons."""
+        block_size` runs on the dequantized path (no plan), as does W4A8
+        (`activation_block_size`) where its kernel does not run or `g_idx`
+        permutes the inputs. `kernel` (a key of `KERNELS`) overrides this
+        processor's choice (`cpu_kernel`), for comparisons."""
         key = (*tensor_key(*stored), processor())
         plan = None
-        kernel = (kernel or cpu_kernel()) if scale.device.type == "cpu" else None
+        on_cpu = scale.device.type == "cpu"
+        kernel = (kernel or cpu_kernel(activation_block_size)) if on_cpu else None
         if kernel is not None:
             with torch.inference_mode(False), torch.no_grad():
                 order = _kernel_order(g_idx, q_nk.shape[1], block_size)
-                if order is not False:
+                if order is not False and not (kernel == "native_q8" and order is not None):
                     plan = _pack(q_nk, scale, zero, block_size, order, kernel)
         self._state = (key, plan)
 
 
-def cpu_kernel() -> str | None:
+def cpu_kernel(activation_block_size: int | None = None) -> str | None:
     """The CPU kernel int4 weights are packed for here (a key of `KERNELS`):
     this library's AVX2 kernel where it applies (`int4_native.available`),
-    else torch's; None without either."""
+    else torch's; None without either. W4A8 (`activation_block_size`): the
+    W4A8 kernel on any x86 CPU with AVX2, else None (the dequantized path)."""
+    if activation_block_size is not None:
+        return "native_q8" if int4_native.q8_available() else None
     if int4_native.available():
         return "native"
     return "packed" if _KERNEL_AVAILABLE else None
@@ -322,6 +361,8 @@ def _pack(
         offset = torch.zeros_like(group_scale)
     if kernel == "native":
         packed, pair = int4_native.pack(unsigned - 8, group_scale, offset, layout.group)
+    elif kernel == "native_q8":
+        packed, pair = int4_native.pack_q8(unsigned - 8, group_scale, offset, layout.group)
     else:
         if padded_n != n:
             unsigned = F.pad(unsigned, (0, 0, 0, padded_n - n), value=8)
@@ -379,6 +420,15 @@ KERNELS = {
     "packed": "torch's packed int4 kernel, bfloat16 activations",
     "native": "this library's AVX2 int4 kernel, bfloat16 activations",
     "decoded": "the AVX2 kernel's weight decoded per call in cache-sized chunks, float32 GEMMs",
+    "native_q8": "this library's AVX2 W4A8 kernel, activations rounded to int8 per 32 inputs",
+    "decoded_q8": "the W4A8 kernel's weight decoded per call in chunks, float32 GEMMs on the "
+    "rounded activations",
+}
+# The paths of each packing (the first: the kernel itself).
+KERNEL_PATHS = {
+    "packed": ("packed",),
+    "native": ("native", "decoded"),
+    "native_q8": ("native_q8", "decoded_q8"),
 }
 # From this many rows a weight packed for the AVX2 kernel is decoded per call,
 # a cache-sized chunk at a time, each chunk one float32 GEMM (bfloat16-rounded
@@ -403,9 +453,7 @@ def paths(runtime: Int4Runtime) -> list[str]:
     plan = runtime.plan
     if plan is None:
         return ["dequantized"]
-    if plan.kernel == "native":
-        return ["native", "decoded", "dequantized"]
-    return [plan.kernel, "dequantized"]
+    return [*KERNEL_PATHS[plan.kernel], "dequantized"]
 
 
 def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
@@ -415,8 +463,8 @@ def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
         from_rows = dequantized_min_rows(plan.n * plan.layout.padded_k)
         if from_rows is not None and rows >= from_rows:
             return "dequantized"
-    if plan.kernel == "native" and rows >= NATIVE_DECODED_MIN_ROWS:
-        return "decoded"
+    if plan.kernel != "packed" and rows >= NATIVE_DECODED_MIN_ROWS:
+        return KERNEL_PATHS[plan.kernel][1]
     return plan.kernel
 
 
@@ -431,11 +479,13 @@ def int4_linear(
     runtime: Int4Runtime,
     path: str | None = None,
     g_idx: torch.Tensor | None = None,
+    activation_block_size: int | None = None,
 ) -> torch.Tensor:
     """`x2 @ W.T + bias` for int4 weights `W` (grouped: `(q - zero) * scale`
     along the input axis, input `k` in group `g_idx[k]`; per channel:
-    `q / scale`) on a 2-D `x2` (M, K), by `path` (default `int4_path`).
-    `q_nk` (the int values, (N, K)) is needed by the dequantized path."""
+    `q / scale`) on a 2-D `x2` (M, K), by `path` (default `int4_path`);
+    with `activation_block_size`, of `x2` rounded by `round_activation_blocks`
+    (W4A8). `q_nk` (the int values, (N, K)) is needed by the dequantized path."""
     n = scale.shape[-1]
     if x2.shape[0] == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
@@ -448,7 +498,12 @@ def int4_linear(
             f"its paths: {paths(runtime)}"
         )
     if plan is not None and path in KERNELS:
-        return _packed(x2, plan, n, bias, out_dtype, decoded=path == "decoded")
+        return _packed(x2, plan, n, bias, out_dtype, decoded=path.startswith("decoded"))
+    if q_nk is None:
+        raise ValueError(f"int4 path {path!r} needs the weight's integer values (q_nk)")
+    if activation_block_size is not None:  # W4A8 off its kernel: the same values
+        weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)
+        return int4_linear_traceable(x2, weight, bias, out_dtype, activation_block_size)
     dtype = product_dtype(x2.dtype, x2.device)
     if block_size > 0:
         weight = dequantize_int4(q_nk, scale, zero, block_size, g_idx).to(dtype)
@@ -475,10 +530,14 @@ def _packed(
         xk = spread.index_copy_(1, plan.positions, xk)
     elif layout.padded_k != xk.shape[1]:
         xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
-    if decoded:  # the kernel's values: bfloat16 activations, float32 sums, bfloat16 out
+    q8 = plan.kernel == "native_q8"
+    if decoded:  # the kernel's values: its activations, float32 sums, bfloat16 out
+        xf = round_activation_blocks(xk) if q8 else xk.float()
         y = int4_native.decoded_mm(
-            xk.float(), plan.packed, plan.scales_and_zeros, layout.group
+            xf, plan.packed, plan.scales_and_zeros, layout.group, q8=q8
         ).bfloat16()
+    elif q8:
+        y = int4_native.int4_mm_q8(xk, plan.packed, plan.scales_and_zeros, layout.group, n)
     elif plan.kernel == "native":
         y = int4_native.int4_mm(xk, plan.packed, plan.scales_and_zeros, layout.group, n)
     else:

@@ -1,18 +1,27 @@
-"""The int4 product on this library's AVX2 kernel (`csrc/int4_avx2.cpp`).
+"""The int4 product on this library's AVX2 kernels (`csrc/int4_avx2.cpp`,
+operators in `csrc/int4_ops.cpp`).
 
 On x86 CPUs with AVX2 but not AVX-512, torch's packed int4 kernel is
 compute-bound (slower than float32 from a few rows: docs/speed.md) and
-Inductor's int4 templates need AVX-512. This kernel decodes 8 weights with two
-shifts and a conversion and reads each 32 weights once for up to 4 rows. It
-computes the same values as torch's kernel for the same bfloat16 scales and
-offsets: `q * s + z` per weight, bfloat16 activations, float32 sums, a
-bfloat16 output (up to the order of the float32 sums).
+Inductor's int4 templates need AVX-512. The weight-only kernel decodes 8
+weights with two shifts and a conversion and reads each 32 weights once for up
+to 4 rows. It computes the same values as torch's kernel for the same
+bfloat16 scales and offsets: `q * s + z` per weight, bfloat16 activations,
+float32 sums, a bfloat16 output (up to the order of the float32 sums).
 
-`pack` lays out a weight (from the same padded, spread values as torch's
-layout, `int4.Int4Layout`) with plain tensor ops, so that a frozen compiled
-graph folds it into constants; `int4_mm` runs the product, eagerly through
-`ctypes` and under compilers as the custom op
-`torch.ops.dtype_policies.int4_mm_avx2`; `decoded_mm` decodes the weight chunk by
+The W4A8 kernel (`int4_mm_q8`, weights packed by `pack_q8`, 8 output
+columns interleaved) first rounds the activations to int8 in blocks of 32
+inputs (`int4.round_activation_blocks`), then multiplies 4 inputs by 8
+columns per instruction in integers (no saturation without VNNI: the weights
+are unsigned nibbles), the 8 columns' sums in the lanes of one register; it
+computes the weight-only product of the rounded activations. It runs on every
+x86 CPU with AVX2.
+
+`pack` and `pack_q8` lay out a weight (from the same padded, spread values as
+torch's layout, `int4.Int4Layout`) with plain tensor ops, so that a frozen
+compiled graph folds them into constants; the products are the operators
+`torch.ops.dtype_policies.int4_mm_avx2` and `int4_mm_q8_avx2`, eager and
+compiled alike; `decoded_mm` decodes the weight chunk by
 chunk into float32 for GEMMs, for many rows, where float32 GEMMs beat any int4
 kernel on this class (eager only).
 
@@ -28,22 +37,26 @@ kernel on this class (eager only).
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import native
 
 KERNEL = "int4_avx2"
-# below this many weights one thread does the whole product (a parallel region
-# costs more than it saves)
-_PARALLEL_MIN_WEIGHTS = 1 << 16
 
 
 def available() -> bool:
-    """Whether the kernel runs on this processor (and could be built)."""
+    """Whether the weight-only kernel is this processor's choice: x86 with
+    AVX2 but not AVX-512 (where torch's kernels win), and the library built."""
+    return "avx512" not in processor().features and native.available(KERNEL)
+
+
+def q8_available() -> bool:
+    """Whether the W4A8 kernel runs here: any x86 CPU with AVX2 and FMA, the
+    library built."""
     return native.available(KERNEL)
 
 
@@ -69,60 +82,78 @@ def pack(
     for i in range(1, 8):
         words = words | (blocks[:, :, i, :] << (4 * i))
     packed = words.contiguous().view(torch.uint8).view(n, kp // 2)
+    return packed, _pairs(scale, offset, groups)
+
+
+def pack_q8(
+    q_nk: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W4A8 kernel's weight (ceil(N / 8), Kp * 4) uint8 and its
+    (ceil(N / 8), Kp / group, 16) bfloat16 scales and offsets, from the same
+    arguments as `pack` (Kp: K rounded up to a multiple of 32). Output columns
+    are interleaved by 8 (`csrc/int4_avx2.cpp` has the byte order); padded
+    columns and inputs get zero weights."""
+    n, k = q_nk.shape
+    kp = -(-k // 32) * 32
+    n8 = -(-n // 8)
+    unsigned = F.pad(q_nk.to(torch.int32) + 8, (0, kp - k, 0, 8 * n8 - n), value=8)
+    # [c8, c, b, j, t] -> [c8, b, j, c, t]: 4 inputs of 8 columns per 32 bytes
+    tiles = unsigned.view(n8, 8, kp // 32, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = (tiles[:, :, :4] | (tiles[:, :, 4:] << 4)).to(torch.uint8)
+    groups = -(-kp // group)
+    pairs = torch.stack([scale, offset], dim=1)  # (G, 2, N)
+    pairs = F.pad(pairs, (0, 8 * n8 - n, 0, 0, 0, groups - pairs.shape[0]))
+    pairs = pairs.view(groups, 2, n8, 8).permute(2, 0, 1, 3).reshape(n8, groups, 16)
+    return packed.reshape(n8, kp * 4).contiguous(), pairs.contiguous()
+
+
+def _pairs(scale: torch.Tensor, offset: torch.Tensor, groups: int) -> torch.Tensor:
+    """The (N, groups, 2) bfloat16 (scale, offset) pairs of (G, N) grids."""
     pairs = torch.stack([scale, offset], dim=-1).transpose(0, 1)  # (N, G, 2)
     if pairs.shape[1] != groups:
         pairs = F.pad(pairs, (0, 0, 0, groups - pairs.shape[1]))
-    return packed, pairs.contiguous()
+    return pairs.contiguous()
 
 
 def int4_mm(
     x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int
 ) -> torch.Tensor:
     """`x` (M, K) bfloat16 times the packed weight: (M, n) bfloat16."""
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:
-        return torch.ops.dtype_policies.int4_mm_avx2(x, packed, pairs, group, n)
-    return _run(x, packed, pairs, group, n)
+    return _ops().int4_mm_avx2(x, packed, pairs, group, n)
 
 
-def _threads(weights: int) -> int:
-    """torch's intra-op threads, or one for a product too small to share."""
-    return torch.get_num_threads() if weights >= _PARALLEL_MIN_WEIGHTS else 1
-
-
-def _run(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
-    x = x.contiguous()
-    m, k = x.shape
-    kp = packed.shape[1] * 2
-    y = torch.empty((m, n), dtype=torch.bfloat16)
-    threads = _threads(n * kp)
-    status = _function()(
-        x.data_ptr(), m, k, packed.data_ptr(), pairs.data_ptr(), kp, group, y.data_ptr(), n, threads
-    )
-    if status != 0:
-        raise RuntimeError(
-            f"int4_avx2 kernel rejected its arguments (status {status}): K={k}, Kp={kp}, "
-            f"group={group}; expected Kp a multiple of 64, group a power of two from 32, K <= Kp"
-        )
-    return y
+def int4_mm_q8(
+    x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int
+) -> torch.Tensor:
+    """`x` (M, K) bfloat16, rounded to int8 in blocks of 32 inputs, times the
+    weight packed by `pack_q8`: (M, n) bfloat16."""
+    return _ops().int4_mm_q8_avx2(x, packed, pairs, group, n)
 
 
 def decode(
-    packed: torch.Tensor, pairs: torch.Tensor, group: int, out: torch.Tensor | None = None
+    packed: torch.Tensor,
+    pairs: torch.Tensor,
+    group: int,
+    out: torch.Tensor | None = None,
+    q8: bool = False,
 ) -> torch.Tensor:
-    """The float32 (N, Kp) weight of packed rows: `q * s + z` per weight,
+    """The float32 (N, Kp) weight of packed rows (`pack`'s layout, or
+    `pack_q8`'s with `q8`, N then a multiple of 8): `q * s + z` per weight,
     written into `out` when given (a float32 (N, Kp) tensor)."""
-    n, kp = packed.shape[0], packed.shape[1] * 2
+    n, kp = _shape(packed, q8)
     out = torch.empty((n, kp), dtype=torch.float32) if out is None else out
-    threads = _threads(n * kp)
-    status = _function("dtype_policies_int4_dequantize")(
-        packed.data_ptr(), pairs.data_ptr(), kp, group, n, out.data_ptr(), threads
-    )
-    if status != 0:
-        raise RuntimeError(
-            f"int4_avx2 decoding rejected its arguments (status {status}): Kp={kp}, "
-            f"group={group}; expected Kp a multiple of 64, group a power of two from 32"
-        )
+    if q8:
+        _ops().int4_decode_q8_avx2(packed, pairs, group, out)
+    else:
+        _ops().int4_decode_avx2(packed, pairs, group, out)
     return out
+
+
+def _shape(packed: torch.Tensor, q8: bool) -> tuple[int, int]:
+    """(N, Kp) of a packed weight (W4A8: N rounded up to a multiple of 8)."""
+    if q8:
+        return packed.shape[0] * 8, packed.shape[1] // 4
+    return packed.shape[0], packed.shape[1] * 2
 
 
 # decoded weights are produced this many float32 values at a time (1 MiB: the
@@ -131,66 +162,51 @@ _DECODED_CHUNK_VALUES = 1 << 18
 
 
 def decoded_mm(
-    x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int
+    x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, q8: bool = False
 ) -> torch.Tensor:
     """`x` (M, K) float32 times the packed weight, decoded chunk by chunk of
     output rows into one cache-sized buffer, each chunk one float32 GEMM:
-    (M, N) float32."""
-    n, kp = packed.shape[0], packed.shape[1] * 2
+    (M, N) float32 (W4A8: N rounded up to a multiple of 8)."""
+    n, kp = _shape(packed, q8)
+    per_row = 8 if q8 else 1  # output rows per packed row
     k = x.shape[1]
-    rows = max(16, _DECODED_CHUNK_VALUES // kp)
+    rows = max(16, _DECODED_CHUNK_VALUES // kp) // per_row * per_row
     if rows >= n:
-        return F.linear(x, decode(packed, pairs, group)[:, :k])
+        return F.linear(x, decode(packed, pairs, group, q8=q8)[:, :k])
     buffer = torch.empty((rows, kp), dtype=torch.float32)
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
     for start in range(0, n, rows):
         stop = min(start + rows, n)
-        weight = decode(packed[start:stop], pairs[start:stop], group, buffer[: stop - start])
+        part = slice(start // per_row, stop // per_row)
+        weight = decode(packed[part], pairs[part], group, buffer[: stop - start], q8)
         y[:, start:stop] = F.linear(x, weight[:, :k])
     return y
 
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURES = {
-    "dtype_policies_int4_mm_bf16": [
-        _PTR,
-        _I64,
-        _I64,
-        _PTR,
-        _PTR,
-        _I64,
-        _I64,
-        _PTR,
-        _I64,
-        ctypes.c_int,
-    ],
-    "dtype_policies_int4_dequantize": [_PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int],
-}
-_FUNCTIONS: dict[str, Any] = {}
+def _ops() -> Any:
+    """The operators' namespace, the library built and loaded if it was not."""
+    if native.library(KERNEL) is None:
+        raise RuntimeError(
+            "the int4 AVX2 kernels are not available on this machine (see the warning "
+            "of their build)"
+        )
+    return torch.ops.dtype_policies
 
 
-def _function(name: str = "dtype_policies_int4_mm_bf16") -> Any:
-    function = _FUNCTIONS.get(name)
-    if function is None:
-        library = native.library(KERNEL)
-        if library is None:
-            raise RuntimeError("the int4_avx2 kernel is not available on this machine")
-        function = getattr(library, name)
-        function.argtypes = _SIGNATURES[name]
-        function.restype = ctypes.c_int
-        _FUNCTIONS[name] = function
-    return function
+def _register_fakes() -> None:
+    """Shapes for compilers (the operators come from the built library)."""
+
+    def product(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
+        return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
+
+    for name in ("int4_mm_avx2", "int4_mm_q8_avx2"):
+        torch.library.register_fake(f"dtype_policies::{name}", product)
+
+    def decode(packed: torch.Tensor, pairs: torch.Tensor, group: int, out: torch.Tensor) -> None:
+        return None
+
+    for name in ("int4_decode_avx2", "int4_decode_q8_avx2"):
+        torch.library.register_fake(f"dtype_policies::{name}", decode)
 
 
-# The operator for compiled graphs: defined on a plain `torch.library.Library`
-# (a CPU kernel and a fake one), which Inductor calls through the dispatcher
-# with less per-call work than a `torch.library.custom_op` wrapper (measured:
-# about 45 µs less per product at one row).
-_LIBRARY = torch.library.Library("dtype_policies", "FRAGMENT")
-_LIBRARY.define("int4_mm_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor")
-_LIBRARY.impl("int4_mm_avx2", _run, "CPU")
-
-
-@torch.library.register_fake("dtype_policies::int4_mm_avx2", lib=_LIBRARY)
-def _(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
-    return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
+native.on_load(KERNEL, _register_fakes)

@@ -1,13 +1,17 @@
 """This library's own CPU kernels: C++ sources in `csrc/`, compiled on first
-use with the system's C++ compiler (the one `torch.compile` uses on CPU) and
-cached on disk, loaded with `ctypes`.
+use with the system's C++ compiler (the one `torch.compile` uses on CPU)
+against torch's own headers, cached on disk, and loaded into torch
+(`torch.ops.load_library`): each kernel library registers its operators in
+the `dtype_policies` namespace, so eager calls and compiled graphs reach them
+through the dispatcher, with no Python frame per call.
 
 A kernel is used only where `available(name)` says so, which is decided once
 per process from the processor (`dtype_policies._cpu`) and whether the
 library could be built; elsewhere the callers keep torch's kernels. Nothing is
-tried per call. The build is one compiler call (about a second), keyed on the
-source, the flags and the compiler, and written by an atomic rename, so that
-processes sharing the cache directory never load a half-written library.
+tried per call. The build is one compiler call (15-30 s on 2 cores: torch's
+headers are most of it), keyed on the sources, the flags, the compiler and
+torch's version, and written by an atomic rename, so that processes sharing
+the cache directory never load a half-written library.
 
 * `DTYPE_POLICIES_NATIVE_KERNELS=0` turns every native kernel off;
 * `DTYPE_POLICIES_KERNEL_CACHE` names the cache directory (default
@@ -16,7 +20,8 @@ processes sharing the cache directory never load a half-written library.
 
 OpenMP: the libraries are linked against `libgomp.so.1`, which resolves to
 the copy torch has already loaded (the same soname), so that the kernels share
-torch's thread pool instead of starting a second one.
+torch's thread pool instead of starting a second one; likewise `libc10` and
+`libtorch_cpu`.
 
 >>> from dtype_policies.quantization.kernels import native
 >>> native.available("int4_avx2") in (True, False)
@@ -25,7 +30,6 @@ True
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -34,10 +38,11 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
+import torch
 
 from dtype_policies._cpu import Processor, hardware_flags, processor
 
@@ -48,29 +53,24 @@ SOURCES = Path(__file__).parent / "csrc"
 
 @dataclass(frozen=True)
 class KernelSource:
-    """One native kernel library: its source file, compiler flags, and what
+    """One native kernel library: its source files, compiler flags, and what
     the processor needs for it (`supports`)."""
 
     name: str
-    source: str
+    sources: tuple[str, ...]
     flags: tuple[str, ...]
 
     def supports(self, cpu: Processor) -> bool:
-        if self.name == "int4_avx2":
-            # AVX2 and FMA, on the classes whose torch int4 kernel is its AVX2
-            # one: with AVX-512, torch's own kernel and Inductor's are used.
-            return (
-                cpu.architecture in ("x86_64", "AMD64")
-                and "avx2" in cpu.features
-                and "avx512" not in cpu.features
-                and _has_fma()
-            )
+        if self.name == "int4_avx2":  # AVX2 and FMA (the callers choose per class)
+            return cpu.architecture in ("x86_64", "AMD64") and "avx2" in cpu.features and _has_fma()
         return False
 
 
 KERNELS: dict[str, KernelSource] = {
     "int4_avx2": KernelSource(
-        "int4_avx2", "int4_avx2.cpp", ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17")
+        "int4_avx2",
+        ("int4_avx2.cpp", "int4_ops.cpp"),
+        ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"),
     ),
 }
 
@@ -81,7 +81,18 @@ def _has_fma() -> bool:
 
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[str, Path | None] = {}
+_on_load: dict[str, list[Callable[[], None]]] = {}
+
+
+def on_load(name: str, hook: Callable[[], None]) -> None:
+    """Runs `hook` once kernel `name`'s library is loaded (at once if it is):
+    Python-side registrations of its operators (fake kernels for compilers)."""
+    with _lock:
+        if _loaded.get(name) is None:
+            _on_load.setdefault(name, []).append(hook)
+            return
+    hook()
 
 
 def enabled() -> bool:
@@ -97,15 +108,19 @@ def available(name: str, cpu: Processor | None = None) -> bool:
     return enabled() and kernel.supports(cpu) and library(name) is not None
 
 
-def library(name: str) -> ctypes.CDLL | None:
-    """The loaded library of kernel `name`, built on first use; `None` when it
-    cannot be built here (no compiler, or the build failed: warned once)."""
+def library(name: str) -> Path | None:
+    """The path of kernel `name`'s library, built and loaded into torch on
+    first use (its operators registered); `None` when it cannot be built here
+    (no compiler, or the build failed: warned once)."""
     if name in _loaded:
         return _loaded[name]
     with _lock:
         if name not in _loaded:
             _loaded[name] = _build_and_load(KERNELS[name])
-        return _loaded[name]
+            hooks = _on_load.pop(name, []) if _loaded[name] is not None else []
+    for hook in hooks:
+        hook()
+    return _loaded[name]
 
 
 def cache_dir() -> Path:
@@ -124,7 +139,24 @@ def _compiler() -> str | None:
     return None
 
 
-def _build_and_load(kernel: KernelSource) -> ctypes.CDLL | None:
+def _torch_flags() -> tuple[str, ...]:
+    """Compiling and linking against the running torch."""
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
+    return (
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-Wno-c++20-extensions",
+        *includes,
+        *libraries,
+        "-lc10",
+        "-ltorch_cpu",
+    )
+
+
+def _build_and_load(kernel: KernelSource) -> Path | None:
     compiler = _compiler()
     if compiler is None:
         warnings.warn(
@@ -134,11 +166,12 @@ def _build_and_load(kernel: KernelSource) -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
-    source = SOURCES / kernel.source
-    flags = (*kernel.flags, "-shared", "-fPIC")
+    sources = [SOURCES / name for name in kernel.sources]
+    flags = (*kernel.flags, "-shared", "-fPIC", *_torch_flags())
     digest = hashlib.sha256()
-    digest.update(source.read_bytes())
-    digest.update(" ".join((compiler, *flags)).encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    digest.update(" ".join((compiler, *flags, torch.__version__)).encode())
     target = cache_dir() / f"{kernel.name}-{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
@@ -146,15 +179,16 @@ def _build_and_load(kernel: KernelSource) -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=target.parent) as work:
                 built = Path(work) / target.name
                 subprocess.run(
-                    [compiler, *flags, str(source), "-o", str(built)],
+                    [compiler, *(str(source) for source in sources), *flags, "-o", str(built)],
                     check=True,
                     capture_output=True,
                     text=True,
                     stdin=subprocess.DEVNULL,
                 )
                 os.replace(built, target)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
+        torch.ops.load_library(str(target))
+        return target
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or str(error)
         warnings.warn(
             f"dtype_policies: the native kernel {kernel.name!r} could not be built with "

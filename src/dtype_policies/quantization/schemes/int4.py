@@ -152,13 +152,31 @@ class Int4Scheme(Scheme):
         if qw.runtime.needs_refresh(stored):
             q_nk = self.integer_values(module, qw)
             g_idx = self._g_idx(module, qw)
-            qw.runtime.refresh(q_nk, scale, zero, qw.config.group_size, stored, g_idx)
+            qw.runtime.refresh(
+                q_nk,
+                scale,
+                zero,
+                qw.config.group_size,
+                stored,
+                g_idx,
+                activation_block_size=qw.config.activation_block_size,
+            )
         path = kernels.int4_path(qw.runtime, x2.shape[0], qw.config.group_size)
         if path not in kernels.KERNELS:
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
             g_idx = self._g_idx(module, qw)
         return kernels.int4_linear(
-            x2, q_nk, scale, zero, qw.config.group_size, bias, compute, qw.runtime, path, g_idx
+            x2,
+            q_nk,
+            scale,
+            zero,
+            qw.config.group_size,
+            bias,
+            compute,
+            qw.runtime,
+            path,
+            g_idx,
+            qw.config.activation_block_size,
         )
 
     def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
@@ -172,7 +190,9 @@ class Int4Scheme(Scheme):
             weight = kernels.kernel_weight(
                 q_nk, scale, zero, qw.config.group_size, self._g_idx(module, qw)
             )
-            return kernels.int4_linear_traceable(x2, weight, bias, compute)
+            return kernels.int4_linear_traceable(
+                x2, weight, bias, compute, qw.config.activation_block_size
+            )
         return kernels.int4_linear_traced(
             x2,
             q_nk,
@@ -183,6 +203,7 @@ class Int4Scheme(Scheme):
             compute,
             qw.runtime,
             self._g_idx(module, qw),
+            qw.config.activation_block_size,
         )
 
     def _per_row_quantized_linear(self, module, qw, x2, bias, compute):

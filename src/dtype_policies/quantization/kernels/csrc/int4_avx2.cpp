@@ -1,4 +1,7 @@
-// int4 weight-only product for x86 CPUs with AVX2 and FMA (no AVX-512):
+// int4 products for x86 CPUs with AVX2 and FMA: weight-only (this part) and
+// W4A8 (below, `dtype_policies_int4_mm_q8`).
+//
+// Weight-only:
 //   y[m, n] = bf16( sum_k x[m, k] * (q[n, k] * s[n, g(k)] + z[n, g(k)]) )
 // with bfloat16 activations x, signed 4-bit q in [-8, 7], bfloat16 scales s and
 // offsets z per group of `group` inputs, float32 products and sums. These are the
@@ -204,6 +207,201 @@ extern "C" int dtype_policies_int4_mm_bf16(const uint16_t* x, int64_t m, int64_t
   return 0;
 }
 
+// ---------------------------------------------------------------------------
+// W4A8: the activations rounded to int8 in blocks of 32 inputs (llama.cpp's
+// Q8_0 rule: d = max|x| / 127, xq = round-half-even(x / d)), integer products
+// (vpmaddubsw of unsigned nibbles u = q + 8 and int8 inputs: pair sums at most
+// 2 * 15 * 127, eight of them at most 30,480, no saturation; vpmaddwd to int32),
+// then
+//   y[m, n] = bf16( sum_g s_g * sum_{k in g} xh_k * u_k + (z_g - 8 s_g) * sum_{k in g} xh_k )
+// with xh_k = xq_k * d_b: the weight-only product of the rounded inputs xh.
+//
+// Layout (int4_native.pack_q8), 8 output columns interleaved, so that one
+// instruction multiplies 4 inputs by 8 columns and the sums of 8 columns land in
+// the 8 lanes of one register (no horizontal sums):
+//   packed [ceil(N / 8), Kp / 32, 4, 8, 4] bytes, Kp a multiple of 32: for
+//     column block c8, input block b, byte [j, c, t] holds u[8 c8 + c][32 b + 4 j + t]
+//     in its low nibble and u[8 c8 + c][32 b + 4 (j + 4) + t] in its high one;
+//   pairs [ceil(N / 8), G, 2, 8] bfloat16: the 8 columns' scales s, then offsets z,
+//     per group; group a power of two, at least 32.
+
+namespace {
+
+struct RoundedInputs {
+  int8_t* q;      // [m, kp]
+  float* d;       // [m, kp / 32]: each block's step
+  float* sums;    // [m, groups]: sum of xh over each group
+};
+
+// One block of 32 inputs (all present), vectorized: its step, its int8 values
+// in order, and the sum of those; false on a NaN or an infinity.
+inline bool round_block(const uint16_t* x, int8_t* q, float& step, int& total) {
+  const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  const __m256i exponent = _mm256_set1_epi16(0x7f80);
+  const __m256i special = _mm256_or_si256(
+      _mm256_cmpeq_epi16(_mm256_and_si256(raw0, exponent), exponent),
+      _mm256_cmpeq_epi16(_mm256_and_si256(raw1, exponent), exponent));
+  if (_mm256_movemask_epi8(special) != 0) return false;
+  __m256 v[4];
+  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw0)), 16));
+  v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw0, 1)), 16));
+  v[2] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw1)), 16));
+  v[3] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw1, 1)), 16));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  step = _mm_cvtss_f32(m) / 127.0f;
+  if (step == 0.0f) {
+    memset(q, 0, 32);
+    total = 0;
+    return true;
+  }
+  const __m256 divisor = _mm256_set1_ps(step), limit = _mm256_set1_ps(127.0f);
+  __m256i ints[4];
+  __m256 rounded_sum = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_max_ps(_mm256_min_ps(r, limit), _mm256_sub_ps(_mm256_setzero_ps(), limit));
+    rounded_sum = _mm256_add_ps(rounded_sum, r);
+    ints[i] = _mm256_cvtps_epi32(r);
+  }
+  // packs interleave 128-bit lanes: 4-byte groups come out as a0 b0 c0 d0 a1 b1 c1 d1
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                           _mm256_packs_epi32(ints[2], ints[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  total = static_cast<int>(horizontal_sum(rounded_sum));  // exact: integers below 2**24
+  return true;
+}
+
+// The rounded inputs of one row (k inputs, the rest of kp zeros); false when the
+// row holds a NaN or an infinity (its rounding, and so every output, is NaN).
+bool round_row(const uint16_t* x, int64_t k, int64_t kp, int64_t groups, int group_shift,
+               int8_t* q, float* d, float* sums) {
+  const int64_t blocks = kp / 32;
+  for (int64_t g = 0; g < groups; ++g) sums[g] = 0.0f;
+  float values[32];
+  for (int64_t b = 0; b < blocks; ++b) {
+    float step;
+    int total = 0;
+    if (32 * b + 32 <= k) {
+      if (!round_block(x + 32 * b, q + 32 * b, step, total)) return false;
+    } else {  // the last, partial block (the rest reads as zeros)
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) {
+        const int64_t at = 32 * b + i;
+        values[i] = at < k ? bf16_to_float(x[at]) : 0.0f;
+        if ((at < k) && (x[at] & 0x7f80u) == 0x7f80u) return false;  // NaN or infinity
+        const float a = values[i] < 0 ? -values[i] : values[i];
+        amax = a > amax ? a : amax;
+      }
+      step = amax / 127.0f;
+      for (int i = 0; i < 32; ++i) {
+        float r = step > 0.0f ? __builtin_nearbyintf(values[i] / step) : 0.0f;
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        q[32 * b + i] = static_cast<int8_t>(r);
+        total += static_cast<int>(r);
+      }
+    }
+    d[b] = step;
+    sums[b >> group_shift] += step * static_cast<float>(total);
+  }
+  return true;
+}
+
+// 8 bfloat16 values as 8 floats.
+inline __m256 bf16x8(const uint16_t* v) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// One row times the 8 columns of block c8: their 8 sums, in the lanes of one register.
+inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, const uint8_t* tile,
+                          const uint16_t* pairs, int64_t groups, int group_shift) {
+  const int64_t blocks = kp / 32;
+  const int8_t* xq = in.q + row * kp;
+  const float* d = in.d + row * blocks;
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = tile + 128 * b;
+    const int8_t* x = xq + 32 * b;
+    __m256i sum16 = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      int32_t lo_inputs, hi_inputs;
+      memcpy(&lo_inputs, x + 4 * j, 4);
+      memcpy(&hi_inputs, x + 4 * (j + 4), 4);
+      const __m256i lo = _mm256_and_si256(v, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(lo_inputs)));
+      sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(hi_inputs)));
+    }
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
+    const __m256 s = bf16x8(pairs + 16 * (b >> group_shift));
+    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_broadcast_ss(d + b)), acc);
+  }
+  const float* sums = in.sums + row * groups;
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = bf16x8(pairs + 16 * g), z = bf16x8(pairs + 16 * g + 8);
+    acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), _mm256_broadcast_ss(sums + g), acc);
+  }
+  return acc;
+}
+
+}  // namespace
+
+extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed,
+                                         const uint16_t* sz, int64_t kp, int64_t group, uint16_t* y,
+                                         int64_t n, int threads) {
+  if (m <= 0 || n <= 0) return 0;
+  if (kp % 32 != 0 || group < 32 || (group & (group - 1)) != 0 || k > kp) return 1;
+  const int64_t groups = (kp + group - 1) / group;
+  const int group_shift = log2_of(group / 32);
+  const int64_t blocks = kp / 32, column_blocks = (n + 7) / 8;
+  void* memory = malloc(static_cast<size_t>(m * kp) + static_cast<size_t>(m * (blocks + groups)) * sizeof(float) +
+                        static_cast<size_t>(m));
+  if (memory == nullptr) return 2;
+  RoundedInputs in;
+  in.d = static_cast<float*>(memory);
+  in.sums = in.d + m * blocks;
+  in.q = reinterpret_cast<int8_t*>(in.sums + m * groups);
+  char* finite = reinterpret_cast<char*>(in.q + m * kp);
+  bool all_finite = true;
+  for (int64_t r = 0; r < m; ++r) {
+    finite[r] = round_row(x + r * k, k, kp, groups, group_shift, in.q + r * kp, in.d + r * blocks,
+                          in.sums + r * groups);
+    if (!finite[r]) {  // zeros for the products; the row's outputs are set to NaN after
+      memset(in.q + r * kp, 0, static_cast<size_t>(kp));
+      for (int64_t b = 0; b < blocks; ++b) in.d[r * blocks + b] = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) in.sums[r * groups + g] = 0.0f;
+      all_finite = false;
+    }
+  }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t c8 = 0; c8 < column_blocks; ++c8) {
+    const uint8_t* tile = packed + c8 * blocks * 128;
+    const uint16_t* pairs = sz + c8 * groups * 16;
+    const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
+    for (int64_t r = 0; r < m; ++r) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, q8_columns8(in, r, kp, tile, pairs, groups, group_shift));
+      for (int64_t c = 0; c < columns; ++c) y[r * n + 8 * c8 + c] = float_to_bf16(out[c]);
+    }
+  }
+  if (!all_finite)
+    for (int64_t r = 0; r < m; ++r)
+      if (!finite[r])
+        for (int64_t j = 0; j < n; ++j) y[r * n + j] = 0x7fc0;  // bfloat16 NaN
+  free(memory);
+  return 0;
+}
+
 // The float32 weight [N, Kp] of the same layout (`q * s + z` per weight), for
 // many rows, where one float32 GEMM on it costs far more than this pass.
 extern "C" int dtype_policies_int4_dequantize(const uint8_t* packed, const uint16_t* sz, int64_t kp,
@@ -225,6 +423,36 @@ extern "C" int dtype_policies_int4_dequantize(const uint8_t* packed, const uint1
         __m256 decoded[4];
         decode_half(static_cast<int>(h & 1), v, s, z, decoded);
         for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + 32 * h + 8 * j, decoded[j]);
+      }
+    }
+  }
+  return 0;
+}
+
+// The float32 weight [N, Kp] of the W4A8 layout: `(u - 8) * s + z` per weight.
+extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t* packed, const uint16_t* sz, int64_t kp,
+                                                 int64_t group, int64_t n, float* out, int threads) {
+  if (n <= 0) return 0;
+  if (kp % 32 != 0 || group < 32 || (group & (group - 1)) != 0) return 1;
+  const int64_t groups = (kp + group - 1) / group, blocks = kp / 32, column_blocks = (n + 7) / 8;
+  const int group_shift = log2_of(group / 32);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t c8 = 0; c8 < column_blocks; ++c8) {
+    const uint8_t* tile = packed + c8 * blocks * 128;
+    const uint16_t* pairs = sz + c8 * groups * 16;
+    const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
+    for (int64_t c = 0; c < columns; ++c) {
+      float* w = out + (8 * c8 + c) * kp;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t g = b >> group_shift;
+        const float s = bf16_to_float(pairs[16 * g + c]), offset = bf16_to_float(pairs[16 * g + 8 + c]) - 8.0f * s;
+        const uint8_t* bytes = tile + 128 * b;
+        for (int j = 0; j < 4; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t byte = bytes[32 * j + 4 * c + t];
+            w[32 * b + 4 * j + t] = static_cast<float>(byte & 0x0f) * s + offset;
+            w[32 * b + 4 * (j + 4) + t] = static_cast<float>(byte >> 4) * s + offset;
+          }
       }
     }
   }

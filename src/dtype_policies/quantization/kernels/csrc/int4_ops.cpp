@@ -1,0 +1,136 @@
+// The int4 AVX2 kernels (int4_avx2.cpp) as torch operators, so that eager
+// calls and compiled graphs reach them through the dispatcher without a
+// Python frame per product:
+//   dtype_policies::int4_mm_avx2(x, packed, pairs, group, n)     weight-only
+//   dtype_policies::int4_mm_q8_avx2(x, packed, pairs, group, n)  W4A8, blocks of 32
+//   dtype_policies::int4_decode_avx2(packed, pairs, group, out)  float32 weight into out
+//   dtype_policies::int4_decode_q8_avx2(packed, pairs, group, out)  the same, W4A8 layout
+// x: (M, K) bfloat16; weight-only: packed (N, Kp / 2) uint8, pairs (N, G, 2)
+// bfloat16; W4A8: packed (ceil(N / 8), Kp * 4) uint8, pairs (ceil(N / 8), G, 16)
+// bfloat16 (int4_avx2.cpp has the layouts). The decoders write (N, Kp) float32
+// (W4A8: out's rows give N).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+extern "C" int dtype_policies_int4_mm_bf16(const uint16_t*, int64_t, int64_t, const uint8_t*,
+                                           const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int);
+extern "C" int dtype_policies_int4_mm_q8(const uint16_t*, int64_t, int64_t, const uint8_t*,
+                                         const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int);
+extern "C" int dtype_policies_int4_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
+                                              int64_t, float*, int);
+extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
+                                                 int64_t, float*, int);
+
+namespace {
+
+// Below this many weights one thread does the whole product: a parallel
+// region costs more than it saves.
+constexpr int64_t kParallelMinWeights = int64_t{1} << 16;
+
+int threads_for(int64_t weights) {
+  return weights >= kParallelMinWeights ? at::get_num_threads() : 1;
+}
+
+// The weight's Kp, after checking the tensors against the layout: weight-only
+// (packed (N, Kp / 2), pairs (N, G, 2)) or W4A8 (`q8`: packed (ceil(N / 8),
+// Kp * 4), pairs (ceil(N / 8), G, 16)).
+int64_t checked_kp(const char* name, const at::Tensor& packed, const at::Tensor& pairs,
+                   int64_t group, int64_t n, bool q8) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              name, ": packed must be a contiguous 2-D uint8 tensor, got ", packed.scalar_type(),
+              " of shape ", packed.sizes());
+  const int64_t kp = q8 ? packed.size(1) / 4 : packed.size(1) * 2;
+  const int64_t rows = q8 ? (n + 7) / 8 : packed.size(0);
+  const int64_t per_group = q8 ? 16 : 2;
+  const int64_t multiple = q8 ? 32 : 64;
+  TORCH_CHECK(kp % multiple == 0 && group >= 32 && (group & (group - 1)) == 0 &&
+                  (n <= packed.size(0) || q8) && packed.size(0) == rows,
+              name, ": expected Kp a multiple of ", multiple, ", a group that is a power of two ",
+              "from 32, and a packed weight for n=", n, "; got Kp=", kp, ", group=", group,
+              ", packed ", packed.sizes());
+  TORCH_CHECK(pairs.dim() == 3 && pairs.scalar_type() == at::kBFloat16 && pairs.is_contiguous() &&
+                  pairs.size(0) == rows && pairs.size(1) == (kp + group - 1) / group &&
+                  pairs.size(2) == per_group,
+              name, ": pairs must be a contiguous (", rows, ", ", (kp + group - 1) / group, ", ",
+              per_group, ") bfloat16 tensor, got ", pairs.scalar_type(), " of shape ",
+              pairs.sizes());
+  return kp;
+}
+
+using Product = int (*)(const uint16_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,
+                        int64_t, int64_t, uint16_t*, int64_t, int);
+
+at::Tensor run_product(Product product, const char* name, bool q8, const at::Tensor& x_in,
+                       const at::Tensor& packed, const at::Tensor& pairs, int64_t group, int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              name, ": x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(), " of shape ",
+              x_in.sizes());
+  const int64_t kp = checked_kp(name, packed, pairs, group, n, q8);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k <= kp, name, ": x has K=", k, " inputs, more than the weight's Kp=", kp);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const int status = product(reinterpret_cast<const uint16_t*>(x.data_ptr()), m, k,
+                             packed.data_ptr<uint8_t>(),
+                             reinterpret_cast<const uint16_t*>(pairs.data_ptr()), kp, group,
+                             reinterpret_cast<uint16_t*>(y.data_ptr()), n, threads_for(n * kp));
+  TORCH_CHECK(status == 0, name, " failed (status ", status, ": ",
+              status == 2 ? "out of memory" : "rejected its arguments", ")");
+  return y;
+}
+
+at::Tensor int4_mm_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                        int64_t group, int64_t n) {
+  return run_product(dtype_policies_int4_mm_bf16, "int4_mm_avx2", false, x, packed, pairs, group, n);
+}
+
+at::Tensor int4_mm_q8_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                           int64_t group, int64_t n) {
+  return run_product(dtype_policies_int4_mm_q8, "int4_mm_q8_avx2", true, x, packed, pairs, group, n);
+}
+
+using Decode = int (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
+
+void run_decode(Decode decode, const char* name, bool q8, const at::Tensor& packed,
+                const at::Tensor& pairs, int64_t group, const at::Tensor& out) {
+  const int64_t n = q8 ? out.size(0) : packed.size(0);
+  const int64_t kp = checked_kp(name, packed, pairs, group, n, q8);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == n && out.size(1) == kp,
+              name, ": out must be a contiguous float32 (", n, ", ", kp,
+              ") tensor, got ", out.scalar_type(), " of shape ", out.sizes());
+  const int status = decode(packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(pairs.data_ptr()),
+                            kp, group, n, out.data_ptr<float>(), threads_for(n * kp));
+  TORCH_CHECK(status == 0, name, " rejected its arguments (status ", status, ")");
+}
+
+void int4_decode_avx2(const at::Tensor& packed, const at::Tensor& pairs, int64_t group,
+                      const at::Tensor& out) {
+  run_decode(dtype_policies_int4_dequantize, "int4_decode_avx2", false, packed, pairs, group, out);
+}
+
+void int4_decode_q8_avx2(const at::Tensor& packed, const at::Tensor& pairs, int64_t group,
+                         const at::Tensor& out) {
+  run_decode(dtype_policies_int4_q8_dequantize, "int4_decode_q8_avx2", true, packed, pairs, group,
+             out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
+  m.def("int4_mm_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
+  m.def("int4_mm_q8_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
+  m.def("int4_decode_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
+  m.def("int4_decode_q8_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
+  m.impl("int4_mm_avx2", &int4_mm_avx2);
+  m.impl("int4_mm_q8_avx2", &int4_mm_q8_avx2);
+  m.impl("int4_decode_avx2", &int4_decode_avx2);
+  m.impl("int4_decode_q8_avx2", &int4_decode_q8_avx2);
+}
