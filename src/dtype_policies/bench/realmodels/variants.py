@@ -215,6 +215,20 @@ OURS: list[Variant] = [
     ours("int4/64", mode="int4", block_size=64),
     ours("int4/128", mode="int4", block_size=128),
     ours("int4/-1", mode="int4", block_size=-1),
+    ours(
+        "int4/32 W4A8",
+        mode="int4",
+        block_size=32,
+        activation_block_size=32,
+        note="inputs rounded to int8 per 32 (llama.cpp's Q8_0 rule), integer products",
+    ),
+    ours(
+        "int4/64 W4A8",
+        mode="int4",
+        block_size=64,
+        activation_block_size=32,
+        note="inputs rounded to int8 per 32 (llama.cpp's Q8_0 rule), integer products",
+    ),
     ours("int4/64 min/max zeros", mode="int4", block_size=64, refine_zero_points=False),
     ours("int4/128 min/max zeros", mode="int4", block_size=128, refine_zero_points=False),
     ours("int4/32 scale_search", mode="int4", block_size=32, scale_search=True),
@@ -233,7 +247,8 @@ OURS: list[Variant] = [
 OURS += [
     compiled(v)
     for v in OURS
-    if v.name in ("float32", "mixed_bfloat16", "int8", "int8 W8A8", "int4/32", "int4/128")
+    if v.name
+    in ("float32", "mixed_bfloat16", "int8", "int8 W8A8", "int4/32", "int4/128", "int4/32 W4A8")
 ]
 OURS += [
     compiled(v, autotune=False) for v in OURS if v.name in ("mixed_bfloat16", "int8", "int4/32")

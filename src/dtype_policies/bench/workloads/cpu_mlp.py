@@ -25,6 +25,8 @@ MODES = (
     ("int8 W8A8", "int8", Int8QuantizationConfig()),  # Keras's: per-row activations
     ("int4/128", "int4", None),
     ("int4/-1", "int4", Int4QuantizationConfig(block_size=-1)),
+    # this library's W4A8: inputs rounded to int8 per 32, integer products
+    ("int4/128 W4A8", "int4", Int4QuantizationConfig(block_size=128, activation_block_size=32)),
     ("float8", "float8", None),
 )
 

@@ -48,8 +48,8 @@ ROWS = (1, 128)
 CLIFF = 1.3
 
 
-def _int4(block: int) -> Int4QuantizationConfig:
-    return Int4QuantizationConfig(block_size=block)
+def _int4(block: int, activation_block_size: int | None = None) -> Int4QuantizationConfig:
+    return Int4QuantizationConfig(block_size=block, activation_block_size=activation_block_size)
 
 
 # (label, source policy, mode, config)
@@ -69,6 +69,10 @@ CASES = (
         for block in (32, 64, 128, 256, -1)
     ),
     ("int4/128 from float32", "float32", "int4", _int4(128)),
+    *(
+        (f"int4/{block} W4A8 from mixed_bfloat16", "mixed_bfloat16", "int4", _int4(block, 32))
+        for block in (32, 128)
+    ),
     ("float8 from float32", "float32", "float8", None),
     ("float8 from mixed_bfloat16", "mixed_bfloat16", "float8", None),
 )
@@ -122,7 +126,8 @@ def _quantized_paths(layer: nn.Module, x: torch.Tensor, compute: torch.dtype):
         int4_paths: dict[str, Callable[..., torch.Tensor]] = {
             name: (lambda name=name: int4_kernels.int4_linear(
                 xd, None if name in int4_kernels.KERNELS else scheme.integer_values(layer, qw),
-                scale, zero, block, bias, compute, runtime, name))
+                scale, zero, block, bias, compute, runtime, name, None,
+                config.activation_block_size))
             for name in int4_kernels.paths(runtime)
         }  # fmt: skip
         plan = runtime.plan
