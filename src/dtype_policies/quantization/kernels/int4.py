@@ -105,9 +105,9 @@ def round_activation_blocks(x2: torch.Tensor, block: int = 32) -> torch.Tensor:
     stays zero). llama.cpp's Q8_0 rule, which the W4A8 kernel applies.
 
     >>> import torch
-    >>> x = torch.tensor([[0.5, -1.0, 0.25, 0.0]])
-    >>> round_activation_blocks(x, block=2)
-    tensor([[ 0.5000, -1.0000,  0.2500,  0.0000]])
+    >>> x = torch.tensor([[127.0, -63.0, 2.0, 0.5]])
+    >>> round_activation_blocks(x, block=2)  # 0.5 is 31.75 steps of 2 / 127: 32
+    tensor([[127.0000, -63.0000,   2.0000,   0.5039]])
     """
     m, k = x2.shape
     padded = -(-k // block) * block
