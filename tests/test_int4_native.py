@@ -229,16 +229,15 @@ def test_a_failed_build_warns_once_and_keeps_torchs_kernel(monkeypatch, tmp_path
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
 
 
-def test_packing_is_ops_on_the_stored_tensors_only():
+@pytest.mark.parametrize("pack", [int4_native.pack, int4_native.pack_q8])
+def test_packing_is_ops_on_the_stored_tensors_only(pack):
     """A frozen compiled graph folds the packing into constants only when every
     op of it reads a stored tensor (a tensor constructor stops the folding, and
     the packing then runs on every call)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    q, scale, zero = _weights(32, 96, 32, seed=5)
-    graph = make_fx(lambda q, s, z: int4_native.pack(q, s, z, 32))(
-        q, scale.bfloat16(), zero.bfloat16()
-    )
+    q, scale, zero = _weights(30, 96, 32, seed=5)  # N not a multiple of 8 (W4A8 pads it)
+    graph = make_fx(lambda q, s, z: pack(q, s, z, 32))(q, scale.bfloat16(), zero.bfloat16())
     calls = [node for node in graph.graph.nodes if node.op == "call_function"]
     assert calls
     for node in calls:
