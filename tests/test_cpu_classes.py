@@ -116,7 +116,9 @@ def test_int8_products_are_exact_on_every_class(cpu_class, rows, data, n, k):
     assert runtime.exact == cpu_class.exact_int8
     path = runtime.w8a8_path(max(rows, 1))
     large = n * k >= int8_kernels.ONEDNN_MIN_ELEMENTS
-    if not cpu_class.exact_int8:
+    if int8_kernels.native_applies(torch.device("cpu"), cpu_class):
+        assert path == "native" and runtime.w8a8_paths() == ("native", "float")
+    elif not cpu_class.exact_int8:
         assert path == ("onednn_split" if large and X86 else "float")
     else:
         assert path in (("onednn", "onednn_s8", "int_mm") if large else ("int_mm",))
@@ -281,11 +283,13 @@ from dtype_policies.quantization.kernels import int8 as k
 from dtype_policies.quantizers import abs_max_quantize
 info = _cpu.processor()
 assert info.name == "avx2" and not info.exact_int8 and not info.native_bf16, info
-for n, K in ((48, 256), (512, 520)):  # exact float products; oneDNN on split activations
+for n, K in ((48, 256), (512, 520)):  # the AVX2 kernel, or exact float products / oneDNN split
     w = torch.full((n, K), 0.05); w[::2] = -0.05
     q, s = abs_max_quantize(w, axis=1)
     rt = k.Int8Runtime(); rt.refresh(q, s[:, 0], lambda d: d, True)
-    assert rt.w8a8_paths() == ("onednn_split", "float"), rt.w8a8_paths()
+    native = k.native_applies(torch.device("cpu"), info)
+    paths = ("native", "float") if native else ("onednn_split", "float")
+    assert rt.w8a8_paths() == paths, rt.w8a8_paths()
     for rows in (1, 3, 16, 40):
         x = torch.full((rows, K), 2.0); x[:, ::3] = -2.0
         xq, xs = abs_max_quantize(x, axis=-1)

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import epilogues
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
@@ -46,7 +47,9 @@ def test_int8_linear_paths_are_exact(rows):
     runtime = _runtime(q, scale)
     out = int8_kernels.int8_linear(x, runtime, bias, torch.float32)
     torch.testing.assert_close(out, _int8_reference(x, q, scale, bias), atol=1e-4, rtol=1e-5)
-    assert (runtime.packed is not None) == int8_kernels._onednn_available()
+    native = int8_kernels.native_applies(x.device, processor())
+    assert (runtime.native is not None) == native
+    assert (runtime.packed is not None) == (int8_kernels._onednn_available() and not native)
 
 
 def test_int8_linear_bfloat16_output_and_empty_batch():

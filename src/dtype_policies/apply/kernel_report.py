@@ -82,6 +82,8 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
     if qw.mode == "int8":
         large = spec.in_features * spec.out_features >= int8.ONEDNN_MIN_ELEMENTS
         exact = cpu.exact_int8 or not on_cpu
+        if device is not None and int8.native_applies(device, cpu):
+            return "int8 AVX2 s8 x s8 kernel (this library's; exact without VNNI)"
         if on_cpu and int8.onednn_int8_applies(device, cpu) and large:
             if not exact:
                 return "oneDNN u8 x s8 on sign-split activations (exact without VNNI)"

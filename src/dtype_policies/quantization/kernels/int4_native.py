@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import native
 
-KERNEL = "int4_avx2"
+KERNEL = "avx2"
 
 
 def available() -> bool:

@@ -24,13 +24,12 @@ torch's thread pool instead of starting a second one; likewise `libc10` and
 `libtorch_cpu`.
 
 >>> from dtype_policies.quantization.kernels import native
->>> native.available("int4_avx2") in (True, False)
+>>> native.available("avx2") in (True, False)
 True
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import shutil
@@ -61,23 +60,27 @@ class KernelSource:
     flags: tuple[str, ...]
 
     def supports(self, cpu: Processor) -> bool:
-        if self.name == "int4_avx2":  # AVX2 and FMA (the callers choose per class)
+        if self.name == "avx2":  # AVX2 and FMA (the callers choose per class)
             return cpu.architecture in ("x86_64", "AMD64") and "avx2" in cpu.features and _has_fma()
         return False
 
 
 KERNELS: dict[str, KernelSource] = {
-    "int4_avx2": KernelSource(
-        "int4_avx2",
-        ("int4_avx2.cpp", "int4_ops.cpp"),
+    "avx2": KernelSource(
+        "avx2",
+        ("int4_avx2.cpp", "int4_ops.cpp", "int8_avx2.cpp"),
         ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"),
     ),
 }
 
 
-@functools.cache
+_fma: list[bool] = []  # read once; a plain global, so that compiled graphs trace through it
+
+
 def _has_fma() -> bool:
-    return "fma" in hardware_flags()
+    if not _fma:
+        _fma.append("fma" in hardware_flags())
+    return _fma[0]
 
 
 _lock = threading.Lock()

@@ -1,0 +1,85 @@
+"""Exact int8 x int8 products on this library's AVX2 kernel
+(`csrc/int8_avx2.cpp`): the integer accumulators of the W8A8 product on x86
+CPUs without VNNI, where the u8 x s8 instructions torch's and oneDNN's int8
+kernels use add pairs of products in saturating 16-bit sums.
+
+The kernel moves each weight's sign onto the activation (`vpsignb`) and
+multiplies magnitudes (`vpmaddubsw`): a pair sum is at most 2 * 128 * 127,
+below 2**15, so every product and sum is exact; the int32 accumulators are
+those of `torch._int_mm`, bit for bit. One instruction multiplies 4 inputs by
+8 output columns; a micro-kernel keeps 4 rows by 16 columns in registers.
+Any int8 weight; activations in [-127, 127] (the W8A8 rounding's range; the
+operator refuses -128).
+
+`pack` lays the weight out with plain tensor ops (a frozen compiled graph
+folds it into a constant); `int8_mm` is the operator
+`torch.ops.dtype_policies.int8_mm_avx2`, eager and compiled alike.
+
+>>> import torch
+>>> from dtype_policies.quantization.kernels import int8_native
+>>> q = torch.tensor([[1, -2, 3], [127, -127, 0]], dtype=torch.int8)
+>>> int8_native.pack(q).shape  # one panel of 16 columns, K padded to 4
+torch.Size([1, 64])
+>>> if int8_native.available():
+...     xq = torch.tensor([[-127, 5, 1]], dtype=torch.int8)
+...     assert int8_native.int8_mm(xq, int8_native.pack(q), 2).tolist() == [[-134, -16764]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies.quantization.kernels import native
+
+KERNEL = "avx2"
+PANEL = 16  # output columns per panel of the packed weight
+
+
+def available() -> bool:
+    """Whether the kernel runs here: an x86 CPU with AVX2 and FMA, the
+    library built (the first call builds it)."""
+    return native.available(KERNEL)
+
+
+def pack(q_nk: torch.Tensor) -> torch.Tensor:
+    """The kernel's (ceil(N / 16), Kp * 16) int8 weight from an (N, K) int8
+    matrix (Kp: K rounded up to a multiple of 4; padded columns and inputs
+    are zeros). Byte order: `csrc/int8_avx2.cpp`."""
+    n, k = q_nk.shape
+    kp = -(-k // 4) * 4
+    panels = -(-n // PANEL)
+    # Only ops on the stored values and Python scalars, so that a frozen
+    # graph folds the packing into a constant.
+    padded = F.pad(q_nk, (0, kp - k, 0, panels * PANEL - n))
+    # [p, h, c, j, t] -> [p, j, h, c, t]: 4 inputs of 8 columns per 32 bytes
+    tiles = padded.view(panels, 2, 8, kp // 4, 4).permute(0, 3, 1, 2, 4)
+    return tiles.reshape(panels, kp * PANEL).contiguous()
+
+
+def int8_mm(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`xq` (M, K) int8 in [-127, 127] times the packed weight: the exact
+    (M, n) int32 sums."""
+    return _ops().int8_mm_avx2(xq, packed, n)
+
+
+def _ops() -> Any:
+    if native.library(KERNEL) is None:
+        raise RuntimeError(
+            "the int8 AVX2 kernel is not available on this machine (see the warning of its build)"
+        )
+    return torch.ops.dtype_policies
+
+
+def _register_fakes() -> None:
+    """Shapes for compilers (the operator comes from the built library)."""
+
+    def product(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return xq.new_empty((xq.shape[0], n), dtype=torch.int32)
+
+    torch.library.register_fake("dtype_policies::int8_mm_avx2", product)
+
+
+native.on_load(KERNEL, _register_fakes)
