@@ -11,8 +11,9 @@ from dtype_policies import apply_policy, compile_for_generation, quantize
 from dtype_policies._frozen import ModelWatch
 from dtype_policies._one_query_attention import NAME as ONE_QUERY
 from dtype_policies.generation import _unmark_static_cache
-from dtype_policies.quantization import Int4QuantizationConfig
+from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
 from dtype_policies.quantization.kernels import int4 as int4_kernels
+from dtype_policies.quantization.kernels import int8 as int8_kernels
 
 transformers = pytest.importorskip("transformers")
 
@@ -258,7 +259,13 @@ def test_int4_keeps_its_storage_and_eager_scores_and_sees_new_weights():
             "_weight_int4pack_mm_for_cpu",
             "CppMicroGemmWoQInt4",
         ),
-        ("int8", None, "_weight_int8pack_mm", "CppMicroGemm"),  # the default int8: weight-only
+        (
+            "int8",
+            Int8QuantizationConfig(activation_quantizer=None),
+            "_weight_int8pack_mm",
+            "CppMicroGemm",
+        ),
+        ("int8", None, "dtype_policies.int8_mm_q8_avx2", "-"),  # the default: inputs per 32
     ],
 )
 @pytest.mark.parametrize("autotune", [False, True])
@@ -270,6 +277,12 @@ def test_frozen_quantized_steps_multiply_integer_weights(mode, config, kernel, t
     (`_one_query_attention`), not torch's fused SDPA kernel."""
     from torch._inductor.utils import run_and_get_code
 
+    if (
+        mode == "int8"
+        and config is None
+        and not int8_kernels.blocked_kernel_applies(torch.device("cpu"))
+    ):
+        pytest.skip("the default int8's integer kernel needs x86 AVX2+FMA and a C++ compiler")
     if mode == "int4" and int4_kernels.cpu_kernel() == "native":
         kernel = "dtype_policies.int4_mm_avx2"  # this library's AVX2 kernel (no template there)
     model = tiny_llama()
@@ -284,4 +297,8 @@ def test_frozen_quantized_steps_multiply_integer_weights(mode, config, kernel, t
     assert not any("scaled_dot_product" in code for code in codes)
     # its inputs realized before the loops over the cache (`_computed_once`)
     assert any("inductor_force_stride_order" in code for code in codes)
-    assert close(scores[1:], step_scores(model)[1:]) < 1e-2
+    # Inductor's fused elementwise ops round once where eager rounds each op to
+    # bfloat16: inputs an ulp apart, which rounding them to int8 per block
+    # can move by a step (the same kernel, measured 1.1% on this tiny model).
+    tolerance = 2e-2 if mode == "int8" and config is None else 1e-2
+    assert close(scores[1:], step_scores(model)[1:]) < tolerance

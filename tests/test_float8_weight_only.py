@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from dtype_policies import QuantizedFloat8DTypePolicy, apply_policy, layers, quantize, saving
+from dtype_policies._core.module_state import quantization_of
 from dtype_policies.quantization import Float8QuantizationConfig
 
 E4M3 = torch.float8_e4m3fn
@@ -125,13 +126,14 @@ class _TiedLM(nn.Module):
         return self.head(torch.relu(self.body(self.embed(ids))))
 
 
-def test_a_tied_table_and_head_are_weight_only_int8_and_stay_tied():
+def test_a_tied_table_and_head_are_the_default_int8_and_stay_tied():
     torch.manual_seed(5)
     model = _TiedLM()
     report = quantize(model, "float8", WEIGHT_ONLY)
     modes = {path: mode for path, mode, _ in report.quantized}
     assert modes == {"body": "float8", "embed": "int8", "head": "int8"}
     assert model.head.weight_int8 is model.embed.weight_int8
+    assert quantization_of(model.head).config.activation_block_size == 32
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 40)
 
 

@@ -51,7 +51,7 @@ def test_smollm2_float32_perplexity_on_the_fixed_text(smollm2):
     ("name", "margin", "min_top1"),
     [
         ("mixed_bfloat16", 0.005, 0.95),
-        ("int8", 0.01, 0.93),  # the default int8 (weight-only): measured +0.4%, 0.951
+        ("int8", 0.01, 0.92),  # the default int8 (inputs per 32): measured +0.7%, 0.935
         ("int4/32", 0.01, 0.95),  # measured +0.04%, 0.972: the grid reproduces Q4_1 blocks
         ("float8 weight-only", 0.02, 0.89),  # measured +0.7%, 0.906
     ],

@@ -61,6 +61,11 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
     device = next((b.device for b in module._buffers.values() if b is not None), None)
     on_cpu = device is not None and device.type == "cpu"
     cpu = processor()
+    blocks = getattr(config, "activation_block_size", None)
+    if qw.mode == "int8" and blocks is not None:
+        if device is not None and int8.blocked_kernel_applies(device):
+            return f"int8 AVX2 kernel, inputs rounded to int8 per {blocks} (this library's)"
+        return f"inputs rounded to int8 per {blocks}, times the int8 weight in floating point"
     if qw.mode == "int8" and config.weight_only:
         few = int8.WEIGHT_INT8PACK_MAX_ROWS
         if not on_cpu:

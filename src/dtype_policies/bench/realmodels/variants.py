@@ -209,7 +209,8 @@ OURS: list[Variant] = [
     ours("float32", policy=None),
     Variant("torch bfloat16 (whole model)", whole_model(torch.bfloat16), family="torch"),
     ours("mixed_bfloat16"),
-    ours("int8", mode="int8", note="the default int8: weight-only"),
+    ours("int8", mode="int8", note="the default int8: inputs rounded to int8 per 32"),
+    ours("int8 weight-only", mode="int8", activation_quantizer=None),
     ours("int8 W8A8", mode="int8", config=lambda _: _int8_w8a8(), note="per-token activations"),
     ours("int4/32", mode="int4", block_size=32),
     ours("int4/64", mode="int4", block_size=64),
@@ -248,7 +249,16 @@ OURS += [
     compiled(v)
     for v in OURS
     if v.name
-    in ("float32", "mixed_bfloat16", "int8", "int8 W8A8", "int4/32", "int4/128", "int4/32 W4A8")
+    in (
+        "float32",
+        "mixed_bfloat16",
+        "int8",
+        "int8 weight-only",
+        "int8 W8A8",
+        "int4/32",
+        "int4/128",
+        "int4/32 W4A8",
+    )
 ]
 OURS += [
     compiled(v, autotune=False) for v in OURS if v.name in ("mixed_bfloat16", "int8", "int4/32")

@@ -105,6 +105,13 @@ def _quantized_paths(layer: nn.Module, x: torch.Tensor, compute: torch.dtype):
     with torch.inference_mode():
         layer(x)  # builds the runtime
     runtime = qw.runtime
+    if qw.mode == "int8" and config.activation_block_size is not None:
+        paths = {
+            name: (lambda name=name: int8_kernels.int8_blocked_linear(
+                xd, runtime, bias, compute, name))
+            for name in int8_kernels.blocked_paths(runtime)
+        }  # fmt: skip
+        return paths, int8_kernels.blocked_paths(runtime)[0], None
     if qw.mode == "int8" and config.weight_only:
         paths = {
             name: (lambda name=name: int8_kernels.int8_weight_only_linear(

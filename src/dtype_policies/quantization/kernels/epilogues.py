@@ -1,5 +1,5 @@
-"""Element-wise passes around the quantized products (per-row activation
-quantization, rescaling), optionally fused with `torch.compile`.
+"""Element-wise passes around the quantized products (per-row and per-block
+activation quantization, rescaling), optionally fused with `torch.compile`.
 
 Fusion is opt-in (`set_compile_epilogues(True)` or the environment variable
 `DTYPE_POLICIES_COMPILE=1`): compiling costs seconds on the first call and
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from dtype_policies._core.casting import tracing
 from dtype_policies.quantizers.math import EPSILON
@@ -112,3 +113,23 @@ def rescale(
     if bias is not None:
         y.add_(bias)
     return y.to(out_dtype)
+
+
+def round_activation_blocks(x2: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The float32 values of `x2` (M, K) rounded to bfloat16, then to int8 in
+    blocks of `block` consecutive inputs (the last may be shorter): per block
+    `d = max|x| / 127` and `round(x / d) * d` (half to even; a block of zeros
+    stays zero). llama.cpp's Q8_0 rule, which the W4A8 kernels (int4's, int8's)
+    apply.
+
+    >>> import torch
+    >>> x = torch.tensor([[127.0, -63.0, 2.0, 0.5]])
+    >>> round_activation_blocks(x, block=2)  # 0.5 is 31.75 steps of 2 / 127: 32
+    tensor([[127.0000, -63.0000,   2.0000,   0.5039]])
+    """
+    m, k = x2.shape
+    padded = -(-k // block) * block
+    xb = F.pad(x2.bfloat16().float(), (0, padded - k)).view(m, padded // block, block)
+    step = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    rounded = torch.where(step > 0, torch.round(xb / step), torch.zeros_like(xb))
+    return (rounded.clamp(-127, 127) * step).view(m, padded)[:, :k]

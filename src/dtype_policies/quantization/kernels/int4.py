@@ -57,6 +57,8 @@ from dtype_policies.quantization.kernels import (
 )
 from dtype_policies.quantizers.math import dequantize_grouped
 
+round_activation_blocks = epilogues.round_activation_blocks  # W4A8's rounding of the inputs
+
 KERNEL_GROUPS = (256, 128, 64, 32)
 _KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
@@ -96,25 +98,6 @@ def kernel_weight(
         offset = (-zero.float()[block].t() * group_scale).bfloat16().float()
         return q_nk.float() * group_scale + offset
     return q_nk.float() * (1.0 / scale.float()).bfloat16().float()[:, None]
-
-
-def round_activation_blocks(x2: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """The float32 values of `x2` (M, K) rounded to bfloat16, then to int8 in
-    blocks of `block` consecutive inputs (the last may be shorter): per block
-    `d = max|x| / 127` and `round(x / d) * d` (half to even; a block of zeros
-    stays zero). llama.cpp's Q8_0 rule, which the W4A8 kernel applies.
-
-    >>> import torch
-    >>> x = torch.tensor([[127.0, -63.0, 2.0, 0.5]])
-    >>> round_activation_blocks(x, block=2)  # 0.5 is 31.75 steps of 2 / 127: 32
-    tensor([[127.0000, -63.0000,   2.0000,   0.5039]])
-    """
-    m, k = x2.shape
-    padded = -(-k // block) * block
-    xb = F.pad(x2.bfloat16().float(), (0, padded - k)).view(m, padded // block, block)
-    step = xb.abs().amax(dim=-1, keepdim=True) / 127.0
-    rounded = torch.where(step > 0, torch.round(xb / step), torch.zeros_like(xb))
-    return (rounded.clamp(-127, 127) * step).view(m, padded)[:, :k]
 
 
 def int4_linear_traceable(

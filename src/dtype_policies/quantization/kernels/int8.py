@@ -20,6 +20,11 @@ integer accumulation on every CPU class (`Int8Runtime.w8a8_path`):
     aarch64, CUDA where it accepts the shape), else exact integer arithmetic
     in float32 (float64 beyond 2**24);
   oneDNN writes bfloat16 outputs itself only where its bfloat16 is native.
+W8A8 with the activations rounded per block of 32 inputs
+  (`activation_block_size=32`, the default int8): this library's AVX2 kernel
+  (`int8_native.int8_mm_q8`) on any x86 CPU with AVX2 and FMA, VNNI or not;
+  elsewhere the rounded activations times the int8 weight in floating point
+  (`round_activation_blocks`, then the weight-only product's cast).
 Weight-only: `_weight_int8pack_mm` for bfloat16/float16 activations of a few
   rows on CPU (within the shapes it supports); float32 activations of fewer
   rows are rounded to bfloat16 for it (its float32 variant is scalar code),
@@ -69,6 +74,9 @@ PATHS = {
     "onednn_s8": "oneDNN s8 x s8 (AMX)",
     "int_mm": "torch._int_mm s8 x s8",
     "float": "integer values multiplied exactly in floating point",
+    "native_q8": "this library's AVX2 kernel, activations rounded to int8 per 32 inputs",
+    "q8_float": "activations rounded to int8 per 32 inputs, times the int8 weight in floating "
+    "point",
     "int8pack": "torch._weight_int8pack_mm",
     "int8pack_bfloat16": "torch._weight_int8pack_mm on float32 activations rounded to bfloat16",
     "dequantized": "int8 weight cast to the compute dtype per call",
@@ -133,11 +141,13 @@ class Int8Runtime:
         scale: torch.Tensor,
         to_nk: Callable[[torch.Tensor], torch.Tensor],
         prepack: bool,
+        blocked: bool = False,
     ) -> None:
         """Rebuilds the derived data if the stored `data`/`scale` changed;
-        `to_nk` views `data` as (N, K)."""
+        `to_nk` views `data` as (N, K). `prepack`: for the W8A8 paths;
+        `blocked`: for the per-block W8A8 kernel."""
         cpu = processor()
-        key = (*tensor_key(data, scale), prepack, cpu)
+        key = (*tensor_key(data, scale), prepack, blocked, cpu)
         if key == self._key:
             return
         with torch.inference_mode(False), torch.no_grad():
@@ -153,7 +163,8 @@ class Int8Runtime:
                 not exact and q_nk.shape[1] > FLOAT32_EXACT_TERMS
             )
             packed = zero_point = ones = native = None
-            if prepack and native_applies(q_nk.device, cpu):
+            per_block = blocked and blocked_kernel_applies(q_nk.device)
+            if per_block or (prepack and native_applies(q_nk.device, cpu)):
                 native = int8_native.pack(q_nk)
             elif prepack and onednn_int8_applies(q_nk.device, cpu):
                 packed = torch.ops.onednn.qlinear_prepack(
@@ -208,6 +219,12 @@ def native_applies(device: torch.device, cpu: Processor) -> bool:
     """Whether W8A8 runs on this library's AVX2 kernel: a CPU whose int8
     instructions saturate (no VNNI), with the kernel built."""
     return device.type == "cpu" and not cpu.exact_int8 and int8_native.available()
+
+
+def blocked_kernel_applies(device: torch.device) -> bool:
+    """Whether per-block W8A8 runs on this library's AVX2 kernel: any x86
+    CPU with AVX2 and FMA, the kernel built."""
+    return device.type == "cpu" and int8_native.available()
 
 
 def _int_mm_supported(m: int, k: int, n: int, device: torch.device) -> bool:
@@ -317,6 +334,44 @@ def int8_linear(
     return _W8A8[path or runtime.w8a8_path(m)](x2, runtime, bias, out_dtype)
 
 
+def _blocked_kernel(x2, packed, column_step, bias, out_dtype):
+    n = column_step.shape[0]
+    bias32 = None if bias is None else bias.float()
+    y = int8_native.int8_mm_q8(
+        x2.bfloat16(), packed, column_step, bias32, n, out_dtype is torch.bfloat16
+    )
+    return y if y.dtype is out_dtype else y.to(out_dtype)
+
+
+def blocked_paths(runtime: Int8Runtime) -> tuple[str, ...]:
+    """The per-block W8A8 paths that run here (keys of `PATHS`), the chosen first."""
+    return ("q8_float",) if runtime.native is None else ("native_q8", "q8_float")
+
+
+def int8_blocked_linear(
+    x2: torch.Tensor,
+    runtime: Int8Runtime,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    path: str | None = None,
+) -> torch.Tensor:
+    """W8A8 with `x2` (M, K) rounded to int8 per block of 32 inputs
+    (`epilogues.round_activation_blocks`), with the runtime refreshed for
+    blocks, by `path` (default: the first of `blocked_paths`)."""
+    q_nk, column_step = runtime.q_nk, runtime.column_step
+    assert q_nk is not None and column_step is not None  # set by `refresh`
+    n = q_nk.shape[0]
+    if x2.shape[0] == 0:
+        return x2.new_zeros((0, n), dtype=out_dtype)
+    path = path or blocked_paths(runtime)[0]
+    if path == "native_q8":
+        assert runtime.native is not None  # `blocked_paths` offers it only then
+        return _blocked_kernel(x2, runtime.native, column_step, bias, out_dtype)
+    rounded = epilogues.round_activation_blocks(x2)  # float32
+    y = _cast_in_chunks(rounded.to(product_dtype(x2.dtype, x2.device)), q_nk)
+    return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
+
+
 # Integer products of int8 values summed in float32 are exact while every
 # partial sum stays below 2**24: up to this many terms at |values| <= 127.
 FLOAT32_EXACT_TERMS = (1 << 24) // (127 * 127)
@@ -336,10 +391,20 @@ def int8_linear_traceable(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     weight_only: bool,
+    activation_block_size: int | None = None,
 ) -> torch.Tensor:
     """The int8 product in plain ops on the stored tensors, for compilers and
-    tracers (no derived runtime data, no opaque kernels)."""
+    tracers (no derived runtime data; with frozen weights, the eager path's
+    kernels on layouts the graph folds into constants)."""
     column_step = 1.0 / scale.float()
+    if activation_block_size is not None:
+        if freezing_weights() and blocked_kernel_applies(x2.device):
+            # the eager path's kernel, on a layout the frozen graph folds into a constant
+            return _blocked_kernel(x2, int8_native.pack(q_nk), column_step, bias, out_dtype)
+        rounded = epilogues.round_activation_blocks(x2, activation_block_size)
+        dtype = product_dtype(x2.dtype, x2.device)
+        y = F.linear(rounded.to(dtype), q_nk.to(dtype))
+        return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     if weight_only:
         if _frozen_int8pack(x2, q_nk.shape[0]):
             # Frozen weights (`kernels.freezing_weights`): the kernel the

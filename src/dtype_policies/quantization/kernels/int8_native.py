@@ -14,6 +14,9 @@ operator refuses -128).
 `pack` lays the weight out with plain tensor ops (a frozen compiled graph
 folds it into a constant); `int8_mm` is the operator
 `torch.ops.dtype_policies.int8_mm_avx2`, eager and compiled alike.
+`int8_mm_q8` (`int8_mm_q8_avx2`) is the W8A8 product with the inputs
+rounded per block of 32 (`Int8QuantizationConfig(activation_block_size=32)`,
+the default int8): the same weight layout, any x86 CPU with AVX2 and FMA.
 
 >>> import torch
 >>> from dtype_policies.quantization.kernels import int8_native
@@ -65,6 +68,22 @@ def int8_mm(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return _ops().int8_mm_avx2(xq, packed, n)
 
 
+def int8_mm_q8(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    column_step: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    bf16_out: bool,
+) -> torch.Tensor:
+    """`x` (M, K) bfloat16 rounded to int8 per block of 32 inputs
+    (`epilogues.round_activation_blocks`) times the packed weight, block by
+    block in integers, each block's sum scaled by its step in float32; then
+    `* column_step + bias` ((n,) float32): (M, n) float32, or bfloat16 with
+    `bf16_out`. A row holding a NaN or an infinity gives NaN."""
+    return _ops().int8_mm_q8_avx2(x, packed, column_step, bias, n, bf16_out)
+
+
 def _ops() -> Any:
     if native.library(KERNEL) is None:
         raise RuntimeError(
@@ -79,7 +98,19 @@ def _register_fakes() -> None:
     def product(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         return xq.new_empty((xq.shape[0], n), dtype=torch.int32)
 
+    def blocked(
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        column_step: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        bf16_out: bool,
+    ) -> torch.Tensor:
+        dtype = torch.bfloat16 if bf16_out else torch.float32
+        return x.new_empty((x.shape[0], n), dtype=dtype)
+
     torch.library.register_fake("dtype_policies::int8_mm_avx2", product)
+    torch.library.register_fake("dtype_policies::int8_mm_q8_avx2", blocked)
 
 
 native.on_load(KERNEL, _register_fakes)

@@ -278,12 +278,14 @@ inline bool round_block(const uint16_t* x, int8_t* q, float& step, int& total) {
   return true;
 }
 
-// The rounded inputs of one row (k inputs, the rest of kp zeros); false when the
-// row holds a NaN or an infinity (its rounding, and so every output, is NaN).
+// The rounded inputs of one row (k inputs, the rest of kp zeros) and, unless
+// `sums` is null, the sums of each group's rounded inputs; false when the row
+// holds a NaN or an infinity (its rounding, and so every output, is NaN).
 bool round_row(const uint16_t* x, int64_t k, int64_t kp, int64_t groups, int group_shift,
                int8_t* q, float* d, float* sums) {
   const int64_t blocks = kp / 32;
-  for (int64_t g = 0; g < groups; ++g) sums[g] = 0.0f;
+  if (sums != nullptr)
+    for (int64_t g = 0; g < groups; ++g) sums[g] = 0.0f;
   float values[32];
   for (int64_t b = 0; b < blocks; ++b) {
     float step;
@@ -308,7 +310,7 @@ bool round_row(const uint16_t* x, int64_t k, int64_t kp, int64_t groups, int gro
       }
     }
     d[b] = step;
-    sums[b >> group_shift] += step * static_cast<float>(total);
+    if (sums != nullptr) sums[b >> group_shift] += step * static_cast<float>(total);
   }
   return true;
 }
@@ -454,6 +456,24 @@ extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t* packed, const ui
             w[32 * b + 4 * (j + 4) + t] = static_cast<float>(byte >> 4) * s + offset;
           }
       }
+    }
+  }
+  return 0;
+}
+
+// The W4A8 rounding of m bfloat16 rows (k inputs each) for other kernels
+// (int8_avx2.cpp): q [m, kp] int8 (kp a multiple of 32, the rest zeros), d [m, kp / 32]
+// steps, finite[m] 0 for a row holding a NaN or an infinity (its q and d then zeros).
+extern "C" int dtype_policies_round_rows_q8(const uint16_t* x, int64_t m, int64_t k, int64_t kp,
+                                            int8_t* q, float* d, char* finite, int threads) {
+  if (kp % 32 != 0 || k > kp) return 1;
+  const int64_t blocks = kp / 32;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t r = 0; r < m; ++r) {
+    finite[r] = round_row(x + r * k, k, kp, blocks, 0, q + r * kp, d + r * blocks, nullptr) ? 1 : 0;
+    if (!finite[r]) {
+      memset(q + r * kp, 0, static_cast<size_t>(kp));
+      for (int64_t b = 0; b < blocks; ++b) d[r * blocks + b] = 0.0f;
     }
   }
   return 0;

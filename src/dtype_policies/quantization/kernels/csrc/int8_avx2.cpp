@@ -25,6 +25,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
+
+// int4_avx2.cpp: the W4A8 rounding of bfloat16 rows (blocks of 32, Q8_0's rule).
+extern "C" int dtype_policies_round_rows_q8(const uint16_t* x, int64_t m, int64_t k, int64_t kp,
+                                            int8_t* q, float* d, char* finite, int threads);
 
 namespace {
 
@@ -37,27 +43,33 @@ constexpr int64_t kSmallWeightChunk = 16, kLargeWeightChunk = 64;
 constexpr int64_t kLargeWeightBytes = int64_t{1} << 20;
 constexpr int64_t kParallelMinMacs = int64_t{1} << 17;
 
+// Inputs 4j..4j+3 of `rows` rows of x times one panel's 16 columns, added to
+// the int32 sums acc[row][half of the columns].
+template <int rows>
+inline void add_quad(__m256i (&acc)[rows][2], const int8_t* x, int64_t ldx, const int8_t* panel,
+                     int64_t j) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 64 * j));
+  const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 64 * j + 32));
+  const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);  // 128 for -128: unsigned
+  for (int r = 0; r < rows; ++r) {
+    int32_t four;
+    std::memcpy(&four, x + r * ldx + 4 * j, 4);
+    const __m256i a = _mm256_set1_epi32(four);
+    acc[r][0] = _mm256_add_epi32(
+        acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(a, w0)), ones));
+    acc[r][1] = _mm256_add_epi32(
+        acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(a, w1)), ones));
+  }
+}
+
 // `rows` (1..4) rows of x times one panel: 16 int32 sums per row into y.
 template <int rows>
 inline void panel_product(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t quads,
                           int32_t* y, int64_t ldy, int64_t columns) {
   __m256i acc[rows][2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t j = 0; j < quads; ++j) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 64 * j));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 64 * j + 32));
-    const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);  // 128 for -128: unsigned
-    for (int r = 0; r < rows; ++r) {
-      int32_t four;
-      std::memcpy(&four, x + r * ldx + 4 * j, 4);
-      const __m256i a = _mm256_set1_epi32(four);
-      acc[r][0] = _mm256_add_epi32(
-          acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(a, w0)), ones));
-      acc[r][1] = _mm256_add_epi32(
-          acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(a, w1)), ones));
-    }
-  }
+  for (int64_t j = 0; j < quads; ++j) add_quad<rows>(acc, x, ldx, panel, j);
   for (int r = 0; r < rows; ++r) {
     // vpmaddwd left each column's 4 products in one lane: lanes are columns.
     if (columns == kPanel) {
@@ -141,10 +153,166 @@ at::Tensor int8_mm_avx2(const at::Tensor& xq_in, const at::Tensor& packed, int64
   return y;
 }
 
+// ---------------------------------------------------------------------------
+// W8A8 with the activations rounded per block of 32 inputs (the W4A8 rule of
+// int4_avx2.cpp: bfloat16 inputs, d = max|x| / 127, xq = round-half-even(x / d)):
+//
+//   dtype_policies::int8_mm_q8_avx2(x, packed, column_step, bias, n, bf16_out)
+//   y[m, c] = (sum_b d[m, b] * sum_{k in b} xq[m, k] w[c, k]) * column_step[c] + bias[c]
+//
+// x: (M, K) bfloat16; packed: as int8_mm_avx2's; column_step, bias: (n,) float32;
+// y float32, or bfloat16 with bf16_out. Each block's integer sum is exact (at most
+// 32 * 128 * 127 in int32); the blocks are added in float32 in order, one FMA each.
+// A row holding a NaN or an infinity gives a row of NaN.
+
+constexpr int64_t kBlock = 32, kBlockQuads = kBlock / 4;
+
+struct BlockedRows {
+  const int8_t* q;  // [m, kq]: rounded inputs, kq a multiple of 32, zeros past K
+  const float* d;   // [m, kq / 32]: each block's step
+  int64_t kq;
+};
+
+inline void store_row(const __m256 v[2], const float* step, const float* bias, void* out,
+                      bool bf16, int64_t columns) {
+  alignas(32) float values[kPanel];
+  for (int h = 0; h < 2; ++h) {
+    __m256 y = _mm256_mul_ps(v[h], _mm256_loadu_ps(step + 8 * h));
+    if (bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + 8 * h));
+    _mm256_store_ps(values + 8 * h, y);
+  }
+  if (!bf16) {
+    std::memcpy(out, values, static_cast<size_t>(columns) * sizeof(float));
+    return;
+  }
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (int64_t c = 0; c < columns; ++c) {  // round to nearest even, NaN kept quiet
+    uint32_t bits;
+    std::memcpy(&bits, values + c, 4);
+    o[c] = values[c] != values[c] ? uint16_t{0x7fc0}
+                                  : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+// `rows` (1..4) rows times one panel, block by block; columns past n read
+// step and bias from the caller's padded copies.
+template <int rows>
+inline void panel_product_blocks(const BlockedRows& in, int64_t row, const int8_t* panel,
+                                 int64_t quads, const float* step, const float* bias, void* y,
+                                 int64_t ldy, bool bf16, int64_t columns) {
+  // The float sums stay in memory (L1): the int32 sums and the weights take the registers.
+  alignas(32) float total_memory[rows][2][8] = {};
+  const int64_t blocks = in.kq / kBlock;
+  const int8_t* x = in.q + row * in.kq;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = b * kBlockQuads;
+    const int64_t last = first + kBlockQuads < quads ? first + kBlockQuads : quads;
+    __m256i acc[rows][2];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t j = first; j < last; ++j) add_quad<rows>(acc, x, in.kq, panel, j);
+    for (int r = 0; r < rows; ++r) {
+      const __m256 d = _mm256_broadcast_ss(in.d + (row + r) * blocks + b);
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_ps(total_memory[r][h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), d,
+                                                             _mm256_load_ps(total_memory[r][h])));
+    }
+  }
+  __m256 total[rows][2];
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < 2; ++h) total[r][h] = _mm256_load_ps(total_memory[r][h]);
+  const size_t element = bf16 ? 2 : 4;
+  for (int r = 0; r < rows; ++r)
+    store_row(total[r], step, bias, static_cast<char*>(y) + r * ldy * element, bf16, columns);
+}
+
+at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
+                           const at::Tensor& column_step, const std::optional<at::Tensor>& bias,
+                           int64_t n, bool bf16_out) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              "int8_mm_q8_avx2: x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(),
+              " of shape ", x_in.sizes());
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(1) % 64 == 0 && n > 0 && packed.size(0) == (n + kPanel - 1) / kPanel,
+              "int8_mm_q8_avx2: packed must be a contiguous (ceil(n / 16), Kp * 16) int8 tensor "
+              "with Kp a multiple of 4, for n=", n, "; got ", packed.scalar_type(), " of shape ",
+              packed.sizes());
+  TORCH_CHECK(column_step.dim() == 1 && column_step.size(0) == n &&
+                  column_step.scalar_type() == at::kFloat,
+              "int8_mm_q8_avx2: column_step must be a (", n, ",) float32 tensor, got ",
+              column_step.scalar_type(), " of shape ", column_step.sizes());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
+                "int8_mm_q8_avx2: bias must be a (", n, ",) float32 tensor, got ",
+                bias->scalar_type(), " of shape ", bias->sizes());
+  const int64_t kp = packed.size(1) / kPanel, quads = kp / 4;
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  TORCH_CHECK(k <= kp && kp - k < 4, "int8_mm_q8_avx2: x has K=", k,
+              " inputs; the packed weight holds Kp=", kp);
+  at::Tensor y = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (m == 0) return y;
+  const at::Tensor x = x_in.contiguous();
+  const int64_t kq = (k + kBlock - 1) / kBlock * kBlock, blocks = kq / kBlock;
+  const int64_t panels = packed.size(0), padded_n = panels * kPanel;
+  // step and bias padded to whole panels, so that every panel reads 16 of each
+  at::Tensor scratch = at::empty({2 * padded_n + m * blocks + m * kq / 4 + m}, x.options().dtype(at::kFloat));
+  float* step = scratch.data_ptr<float>();
+  float* shift = step + padded_n;
+  std::memset(step, 0, static_cast<size_t>(2 * padded_n) * sizeof(float));
+  float* d = shift + padded_n;
+  int8_t* q = reinterpret_cast<int8_t*>(d + m * blocks);
+  char* finite = reinterpret_cast<char*>(q + m * kq);
+  std::memcpy(step, column_step.contiguous().data_ptr<float>(), static_cast<size_t>(n) * sizeof(float));
+  if (has_bias)
+    std::memcpy(shift, bias->contiguous().data_ptr<float>(), static_cast<size_t>(n) * sizeof(float));
+  const int64_t macs = m * n * kp;
+  const int threads = macs >= kParallelMinMacs ? at::get_num_threads() : 1;
+  const int status = dtype_policies_round_rows_q8(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                                                  m, k, kq, q, d, finite,
+                                                  m >= 64 ? threads : 1);
+  TORCH_CHECK(status == 0, "int8_mm_q8_avx2: rounding rejected K=", k);
+  const BlockedRows in{q, d, kq};
+  const int8_t* w = packed.data_ptr<int8_t>();
+  char* out = static_cast<char*>(y.data_ptr());
+  const int64_t element = bf16_out ? 2 : 4;
+  const int64_t chunk_rows = packed.numel() > kLargeWeightBytes ? kLargeWeightChunk : kSmallWeightChunk;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows, units = chunks * panels;
+  const float* shift_or_null = has_bias ? shift : nullptr;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t unit = 0; unit < units; ++unit) {
+    const int64_t chunk = unit / panels, p = unit % panels;
+    const int64_t row0 = chunk * chunk_rows;
+    const int64_t rows = m - row0 < chunk_rows ? m - row0 : chunk_rows;
+    const int64_t columns = n - p * kPanel < kPanel ? n - p * kPanel : kPanel;
+    const int8_t* panel = w + p * kp * kPanel;
+    const float* s = step + p * kPanel;
+    const float* bb = shift_or_null == nullptr ? nullptr : shift_or_null + p * kPanel;
+    int64_t r = 0;
+    for (; r + kRowBlock <= rows; r += kRowBlock)
+      panel_product_blocks<4>(in, row0 + r, panel, quads, s, bb,
+                              out + ((row0 + r) * n + p * kPanel) * element, n, bf16_out, columns);
+    char* tail = out + ((row0 + r) * n + p * kPanel) * element;
+    switch (rows - r) {
+      case 3: panel_product_blocks<3>(in, row0 + r, panel, quads, s, bb, tail, n, bf16_out, columns); break;
+      case 2: panel_product_blocks<2>(in, row0 + r, panel, quads, s, bb, tail, n, bf16_out, columns); break;
+      case 1: panel_product_blocks<1>(in, row0 + r, panel, quads, s, bb, tail, n, bf16_out, columns); break;
+      default: break;
+    }
+  }
+  for (int64_t r = 0; r < m; ++r)
+    if (!finite[r]) y.select(0, r).fill_(std::numeric_limits<float>::quiet_NaN());
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int8_mm_avx2(Tensor xq, Tensor packed, int n) -> Tensor");
+  m.def("int8_mm_q8_avx2(Tensor x, Tensor packed, Tensor column_step, Tensor? bias, int n, "
+        "bool bf16_out) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) { m.impl("int8_mm_avx2", &int8_mm_avx2); }
+TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
+  m.impl("int8_mm_avx2", &int8_mm_avx2);
+  m.impl("int8_mm_q8_avx2", &int8_mm_q8_avx2);
+}

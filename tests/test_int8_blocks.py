@@ -1,0 +1,283 @@
+"""int8 W8A8 with the inputs rounded per block of 32 (`Int8QuantizationConfig(
+activation_block_size=32)`, the default int8): the config, the AVX2 kernel
+(`int8_native.int8_mm_q8`, `csrc/int8_avx2.cpp`), the floating-point path
+every other device takes, and the layers, compiled graphs and training on it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtype_policies import _cpu, apply_policy, quantize
+from dtype_policies._core.module_state import quantization_of
+from dtype_policies.apply.kernel_report import kernel_of
+from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
+from dtype_policies.quantization.kernels import epilogues, int8_native, native
+from dtype_policies.quantization.kernels import int8 as int8_kernels
+from dtype_policies.quantizers import AbsMaxQuantizer, abs_max_quantize
+
+RUNS_HERE = (
+    _cpu.processor().architecture == "x86_64"
+    and {"avx2", "fma"} <= _cpu.hardware_flags()
+    and native.enabled()
+    and native.library(int8_native.KERNEL) is not None
+)
+needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
+
+
+def _reference(x, q_nk, column_step, bias):
+    """The product in float64: per-block integer sums of the rounded inputs."""
+    rounded = epilogues.round_activation_blocks(x.float()).double()
+    y = rounded @ q_nk.double().t() * column_step.double()
+    return y if bias is None else y + bias.double()
+
+
+# --- the config ---
+
+
+def test_the_default_int8_rounds_inputs_per_block_of_32():
+    model = nn.Sequential(nn.Linear(64, 32))
+    quantize(model, "int8")
+    config = quantization_of(model[0]).config
+    assert config.activation_block_size == 32 and not config.weight_only
+    assert config.get_config()["activation_block_size"] == 32
+
+
+def test_config_round_trips_and_compares_by_block():
+    blocked = Int8QuantizationConfig(activation_block_size=32)
+    assert Int8QuantizationConfig.from_config(blocked.get_config()) == blocked
+    assert blocked != Int8QuantizationConfig()  # per row computes differently
+    assert "activation_block_size" not in Int8QuantizationConfig().get_config()  # Keras's keys
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"activation_block_size": 16}, "activation_block_size=16"),
+        ({"activation_block_size": True}, "activation_block_size=True"),
+        ({"activation_block_size": "32"}, "activation_block_size='32'"),
+        ({"activation_quantizer": None, "activation_block_size": 32}, "activation_quantizer=None"),
+        (
+            {"activation_quantizer": AbsMaxQuantizer(value_range=(-100, 100)),
+             "activation_block_size": 32},
+            "-100",
+        ),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        Int8QuantizationConfig(**kwargs)
+
+
+# --- the kernel ---
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 130])
+@pytest.mark.parametrize(("n", "k"), [(1, 4), (16, 32), (17, 33), (40, 100), (200, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_the_float64_product_of_the_rounded_inputs(rows, n, k, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + n * 7 + k)
+    x = (torch.randn(rows, k, generator=generator) * 3).bfloat16()
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    step = torch.rand(n, generator=generator) * 0.01
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    y = int8_native.int8_mm_q8(x, int8_native.pack(q), step, bias, n, False)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    expected = _reference(x, q, step, bias)
+    scale = expected.abs().max().item() + 1e-30
+    assert (y.double() - expected).abs().max().item() / scale < 1e-6
+    y16 = int8_native.int8_mm_q8(x, int8_native.pack(q), step, bias, n, True)
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, y.bfloat16())  # rounded once, to nearest even
+
+
+@needs_kernel
+def test_kernel_rounds_inputs_exactly_as_round_activation_blocks():
+    """With an identity weight each output is one input as the kernel rounded it."""
+    k = 100  # 3 whole blocks and a partial one
+    x = (torch.randn(7, k) * torch.logspace(-3, 3, k)).bfloat16()
+    x[2, 32:64] = 0  # a block of zeros stays zero
+    x[3, 5] = 1e-30  # far below the block's step: rounds to zero
+    eye = torch.eye(k, dtype=torch.int8)
+    y = int8_native.int8_mm_q8(x, int8_native.pack(eye), torch.ones(k), None, k, False)
+    assert torch.equal(y, epilogues.round_activation_blocks(x.float()))
+
+
+@needs_kernel
+def test_extreme_blocks_do_not_saturate():
+    k = 1536
+    x = torch.full((3, k), -5.0).bfloat16()  # every input rounds to -127
+    for weight in (127, -128):
+        q = torch.full((20, k), weight, dtype=torch.int8)
+        y = int8_native.int8_mm_q8(x, int8_native.pack(q), torch.ones(20), None, 20, False)
+        expected = (5.0 / 127) * (-127 * weight) * k  # step 5 / 127, inputs -127
+        torch.testing.assert_close(y, torch.full((3, 20), expected), rtol=1e-6, atol=0)
+
+
+@needs_kernel
+def test_rows_with_nan_or_inf_give_nan_rows_and_leave_the_others():
+    x = torch.randn(4, 64).bfloat16()
+    x[1, 3], x[2, 40] = float("nan"), float("-inf")
+    q = torch.randint(-127, 128, (24, 64), dtype=torch.int8)
+    packed = int8_native.pack(q)
+    for bf16_out in (False, True):
+        y = int8_native.int8_mm_q8(x, packed, torch.ones(24), None, 24, bf16_out)
+        assert y[1].isnan().all() and y[2].isnan().all()
+        assert y[0].isfinite().all() and y[3].isfinite().all()
+    alone = int8_native.int8_mm_q8(x[[0, 3]], packed, torch.ones(24), None, 24, False)
+    together = int8_native.int8_mm_q8(x, packed, torch.ones(24), None, 24, False)
+    assert torch.equal(alone, together[[0, 3]])
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    n=st.integers(1, 50),
+    k=st.integers(1, 200),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_matches_the_reference(rows, n, k, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    y = int8_native.int8_mm_q8(x, int8_native.pack(q), torch.ones(n), None, n, False)
+    assert y.shape == (rows, n)
+    expected = _reference(x, q, torch.ones(n), None)
+    largest = expected.abs().max().item() if rows else 0.0
+    assert torch.allclose(y.double(), expected, rtol=1e-6, atol=1e-6 * largest + 1e-9)
+
+
+@needs_kernel
+def test_operator_errors_name_what_is_wrong():
+    q = torch.zeros(16, 32, dtype=torch.int8)
+    packed = int8_native.pack(q)
+    x = torch.zeros(2, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a 2-D bfloat16 tensor, got Float"):
+        int8_native.int8_mm_q8(torch.zeros(2, 32), packed, torch.ones(16), None, 16, False)
+    with pytest.raises(RuntimeError, match="column_step must be a \\(16,\\) float32 tensor"):
+        int8_native.int8_mm_q8(x, packed, torch.ones(8), None, 16, False)
+    with pytest.raises(RuntimeError, match="bias must be a \\(16,\\) float32 tensor, got BFloat16"):
+        bias = torch.ones(16).bfloat16()
+        int8_native.int8_mm_q8(x, packed, torch.ones(16), bias, 16, False)
+    with pytest.raises(RuntimeError, match="x has K=40 inputs; the packed weight holds Kp=32"):
+        wide = torch.zeros(2, 40).bfloat16()
+        int8_native.int8_mm_q8(wide, packed, torch.ones(16), None, 16, False)
+
+
+# --- the paths and the layers ---
+
+
+def _runtime(n: int, k: int, seed: int) -> int8_kernels.Int8Runtime:
+    torch.manual_seed(seed)
+    q, scale = abs_max_quantize(torch.randn(n, k) * 0.05, axis=1)
+    runtime = int8_kernels.Int8Runtime()
+    runtime.refresh(q, scale[:, 0], lambda data: data, False, True)
+    return runtime
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_and_float_paths_agree(rows, dtype):
+    runtime = _runtime(96, 200, rows)
+    assert int8_kernels.blocked_paths(runtime) == ("native_q8", "q8_float")
+    x = torch.randn(rows, 200).to(dtype)
+    bias = torch.randn(96).to(dtype)
+    kernel = int8_kernels.int8_blocked_linear(x, runtime, bias, dtype)
+    floating = int8_kernels.int8_blocked_linear(x, runtime, bias, dtype, "q8_float")
+    assert kernel.dtype == floating.dtype == dtype
+    tolerance = 1e-5 if dtype is torch.float32 else 1e-2
+    torch.testing.assert_close(kernel, floating, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("source", ["float32", "mixed_bfloat16"])
+def test_default_int8_layers_are_close_to_float_and_to_weight_only(source):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.GELU(), nn.Linear(160, 48))
+    x = torch.randn(6, 96)
+    reference = model(x).detach()
+    weight_only = copy.deepcopy(model)
+    apply_policy(model, source)
+    apply_policy(weight_only, source)
+    quantize(model, "int8")
+    quantize(weight_only, "int8", Int8QuantizationConfig(activation_quantizer=None))
+    with torch.no_grad():
+        y, y_weight_only = model(x), weight_only(x)
+    expected_dtype = torch.float32 if source == "float32" else torch.bfloat16
+    assert y.dtype == expected_dtype
+    error = ((y.float() - reference).norm() / reference.norm()).item()
+    assert 0 < error < 0.03
+    assert ((y.float() - y_weight_only.float()).norm() / reference.norm()).item() < 0.03
+
+
+def test_empty_rows_and_three_dimensional_inputs():
+    model = nn.Linear(64, 24)
+    quantize(model, "int8")
+    with torch.no_grad():
+        assert model(torch.randn(0, 64)).shape == (0, 24)
+        batched = model(torch.randn(2, 3, 64))
+    assert batched.shape == (2, 3, 24) and batched.isfinite().all()
+
+
+def test_kernel_report_names_the_path():
+    model = nn.Linear(64, 24)
+    quantize(model, "int8")
+    expected = "int8 AVX2 kernel" if RUNS_HERE else "times the int8 weight in floating point"
+    assert expected in kernel_of(model)
+
+
+def test_without_native_kernels_the_float_path_gives_the_values(monkeypatch):
+    torch.manual_seed(3)
+    model = nn.Linear(80, 40)
+    quantize(model, "int8")
+    x = torch.randn(4, 80)
+    with torch.no_grad():
+        y = model(x)
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    assert not int8_kernels.blocked_kernel_applies(torch.device("cpu"))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        y_float = other(x)
+    assert quantization_of(other).runtime.native is None
+    torch.testing.assert_close(y_float, y, rtol=1e-5, atol=1e-5)
+
+
+def test_training_passes_gradients_straight_through_the_rounding():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    quantize(model[2], "int8")
+    x = torch.randn(5, 64)
+    model(x).square().sum().backward()
+    assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
+
+
+@needs_kernel
+def test_frozen_compiled_graph_runs_the_kernel_with_the_eager_values():
+    from torch._inductor.utils import run_and_get_code
+
+    from dtype_policies import compile_for_inference
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 40)).eval()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    x = torch.randn(5, 96)
+    with torch.inference_mode():
+        eager = model(x)
+        torch._dynamo.reset()
+        compiled_model = compile_for_inference(model)
+        compiled, codes = run_and_get_code(compiled_model, x)
+    assert any("int8_mm_q8_avx2" in code for code in codes)
+    torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+
+
+def test_a_tied_head_of_int4_gets_the_default_int8():
+    config = Int4QuantizationConfig(block_size=32).tied_embeddings_config()
+    assert config == Int8QuantizationConfig(activation_block_size=32)
