@@ -194,14 +194,17 @@ inline void store_row(const __m256 v[2], const float* step, const float* bias, v
   }
 }
 
-// `rows` (1..4) rows times one panel, block by block; columns past n read
-// step and bias from the caller's padded copies.
+// `rows` (1..4) rows times one panel, block by block; `step` and `bias` hold
+// 16 values (the last panel's zero-padded by the caller).
 template <int rows>
 inline void panel_product_blocks(const BlockedRows& in, int64_t row, const int8_t* panel,
                                  int64_t quads, const float* step, const float* bias, void* y,
                                  int64_t ldy, bool bf16, int64_t columns) {
-  // The float sums stay in memory (L1): the int32 sums and the weights take the registers.
+  // From 3 rows the float sums stay in memory (L1): the int32 sums and the
+  // weights take the registers (kept in registers they spill: 1.2-1.5x slower).
   alignas(32) float total_memory[rows][2][8] = {};
+  __m256 total[rows][2];
+  for (int r = 0; r < rows; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
   const int64_t blocks = in.kq / kBlock;
   const int8_t* x = in.q + row * in.kq;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -212,14 +215,19 @@ inline void panel_product_blocks(const BlockedRows& in, int64_t row, const int8_
     for (int64_t j = first; j < last; ++j) add_quad<rows>(acc, x, in.kq, panel, j);
     for (int r = 0; r < rows; ++r) {
       const __m256 d = _mm256_broadcast_ss(in.d + (row + r) * blocks + b);
-      for (int h = 0; h < 2; ++h)
-        _mm256_store_ps(total_memory[r][h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), d,
-                                                             _mm256_load_ps(total_memory[r][h])));
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (rows <= 2) {
+          total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), d, total[r][h]);
+        } else {
+          _mm256_store_ps(total_memory[r][h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), d,
+                                                               _mm256_load_ps(total_memory[r][h])));
+        }
+      }
     }
   }
-  __m256 total[rows][2];
-  for (int r = 0; r < rows; ++r)
-    for (int h = 0; h < 2; ++h) total[r][h] = _mm256_load_ps(total_memory[r][h]);
+  if constexpr (rows > 2)
+    for (int r = 0; r < rows; ++r)
+      for (int h = 0; h < 2; ++h) total[r][h] = _mm256_load_ps(total_memory[r][h]);
   const size_t element = bf16 ? 2 : 4;
   for (int r = 0; r < rows; ++r)
     store_row(total[r], step, bias, static_cast<char*>(y) + r * ldy * element, bf16, columns);
@@ -253,18 +261,21 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
   if (m == 0) return y;
   const at::Tensor x = x_in.contiguous();
   const int64_t kq = (k + kBlock - 1) / kBlock * kBlock, blocks = kq / kBlock;
-  const int64_t panels = packed.size(0), padded_n = panels * kPanel;
-  // step and bias padded to whole panels, so that every panel reads 16 of each
-  at::Tensor scratch = at::empty({2 * padded_n + m * blocks + m * kq / 4 + m}, x.options().dtype(at::kFloat));
-  float* step = scratch.data_ptr<float>();
-  float* shift = step + padded_n;
-  std::memset(step, 0, static_cast<size_t>(2 * padded_n) * sizeof(float));
-  float* d = shift + padded_n;
+  const int64_t panels = packed.size(0);
+  at::Tensor scratch = at::empty({m * blocks + m * kq / 4 + m}, x.options().dtype(at::kFloat));
+  float* d = scratch.data_ptr<float>();
   int8_t* q = reinterpret_cast<int8_t*>(d + m * blocks);
   char* finite = reinterpret_cast<char*>(q + m * kq);
-  std::memcpy(step, column_step.contiguous().data_ptr<float>(), static_cast<size_t>(n) * sizeof(float));
+  const at::Tensor steps = column_step.contiguous();
+  const at::Tensor shifts = has_bias ? bias->contiguous() : at::Tensor();
+  const float* step = steps.data_ptr<float>();
+  const float* shift = has_bias ? shifts.data_ptr<float>() : nullptr;
+  // the last panel's steps and bias, zero-padded to 16 columns
+  alignas(32) float tail_step[kPanel] = {}, tail_shift[kPanel] = {};
+  const int64_t tail = n - (panels - 1) * kPanel;
+  std::memcpy(tail_step, step + (panels - 1) * kPanel, static_cast<size_t>(tail) * sizeof(float));
   if (has_bias)
-    std::memcpy(shift, bias->contiguous().data_ptr<float>(), static_cast<size_t>(n) * sizeof(float));
+    std::memcpy(tail_shift, shift + (panels - 1) * kPanel, static_cast<size_t>(tail) * sizeof(float));
   const int64_t macs = m * n * kp;
   const int threads = macs >= kParallelMinMacs ? at::get_num_threads() : 1;
   const int status = dtype_policies_round_rows_q8(reinterpret_cast<const uint16_t*>(x.data_ptr()),
@@ -277,7 +288,6 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
   const int64_t element = bf16_out ? 2 : 4;
   const int64_t chunk_rows = packed.numel() > kLargeWeightBytes ? kLargeWeightChunk : kSmallWeightChunk;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows, units = chunks * panels;
-  const float* shift_or_null = has_bias ? shift : nullptr;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t unit = 0; unit < units; ++unit) {
     const int64_t chunk = unit / panels, p = unit % panels;
@@ -285,8 +295,9 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
     const int64_t rows = m - row0 < chunk_rows ? m - row0 : chunk_rows;
     const int64_t columns = n - p * kPanel < kPanel ? n - p * kPanel : kPanel;
     const int8_t* panel = w + p * kp * kPanel;
-    const float* s = step + p * kPanel;
-    const float* bb = shift_or_null == nullptr ? nullptr : shift_or_null + p * kPanel;
+    const bool last = p == panels - 1;
+    const float* s = last ? tail_step : step + p * kPanel;
+    const float* bb = !has_bias ? nullptr : (last ? tail_shift : shift + p * kPanel);
     int64_t r = 0;
     for (; r + kRowBlock <= rows; r += kRowBlock)
       panel_product_blocks<4>(in, row0 + r, panel, quads, s, bb,
