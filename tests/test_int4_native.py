@@ -23,8 +23,8 @@ from dtype_policies import _cpu, apply_policy, quantize, saving
 from dtype_policies._core.module_state import quantization_of
 from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.quantization import Int4QuantizationConfig
+from dtype_policies.quantization.kernels import epilogues, int4_native, native
 from dtype_policies.quantization.kernels import int4 as int4_kernels
-from dtype_policies.quantization.kernels import int4_native, native
 
 RUNS_HERE = (
     _cpu.processor().architecture == "x86_64"
@@ -266,7 +266,7 @@ def _rounded_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def test_rounding_is_llama_cpp_q8_0_per_block(k):
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * 4
     x[1, :32] = 0.0  # a block of zeros stays zero
-    rounded = int4_kernels.round_activation_blocks(x)
+    rounded = epilogues.round_activation_blocks(x)
     assert rounded.dtype == torch.float32 and rounded.shape == x.shape
     torch.testing.assert_close(rounded.double(), _rounded_reference(x), rtol=0, atol=0)
     assert torch.all(rounded[1, :32] == 0)
@@ -280,7 +280,7 @@ def test_rounding_is_llama_cpp_q8_0_per_block(k):
 @given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=80))
 def test_rounding_error_is_at_most_half_a_step(values):
     x = torch.tensor([values])
-    rounded = int4_kernels.round_activation_blocks(x).double()
+    rounded = epilogues.round_activation_blocks(x).double()
     xb = x.bfloat16().double()
     for start in range(0, x.shape[1], 32):
         part, got = xb[:, start : start + 32], rounded[:, start : start + 32]

@@ -239,6 +239,14 @@ def _stored_values(quantizer: AbsMaxQuantizer | None) -> tuple | None:
     return (quantizer.value_range, quantizer.epsilon, quantizer.output_dtype)
 
 
+def _check_activation_block_size(value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or value not in ACTIVATION_BLOCK_SIZES):
+        raise ValueError(
+            f"`activation_block_size` must be None or one of {ACTIVATION_BLOCK_SIZES}. "
+            f"Received: activation_block_size={value!r}"
+        )
+
+
 class Int8QuantizationConfig(QuantizationConfig):
     """int8: weights per output channel; activations per token (W8A8 dynamic,
     Keras's) unless `activation_quantizer=None` (weight-only int8) or
@@ -283,14 +291,7 @@ class Int8QuantizationConfig(QuantizationConfig):
                 "Int8QuantizationConfig requires a weight_quantizer with output_dtype='int8'. "
                 f"Received: output_dtype={self.weight_quantizer.output_dtype}"
             )
-        if activation_block_size is not None and (
-            isinstance(activation_block_size, bool)
-            or activation_block_size not in ACTIVATION_BLOCK_SIZES
-        ):
-            raise ValueError(
-                f"`activation_block_size` must be None or one of {ACTIVATION_BLOCK_SIZES}. "
-                f"Received: activation_block_size={activation_block_size!r}"
-            )
+        _check_activation_block_size(activation_block_size)
         if activation_block_size is not None and _quantizer_config(
             self.activation_quantizer
         ) != _quantizer_config(AbsMaxQuantizer()):
@@ -431,14 +432,7 @@ class Int4QuantizationConfig(QuantizationConfig):
                 "Int4QuantizationConfig requires an activation_quantizer with "
                 f"output_dtype='int8'. Received: output_dtype={activation.output_dtype}"
             )
-        if activation_block_size is not None and (
-            activation_block_size not in ACTIVATION_BLOCK_SIZES
-            or isinstance(activation_block_size, bool)
-        ):
-            raise ValueError(
-                f"`activation_block_size` must be None or one of {ACTIVATION_BLOCK_SIZES}. "
-                f"Received: activation_block_size={activation_block_size!r}"
-            )
+        _check_activation_block_size(activation_block_size)
         if activation_block_size is not None and (
             block_size is None or block_size <= 0 or block_size % activation_block_size != 0
         ):

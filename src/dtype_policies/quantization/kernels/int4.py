@@ -57,8 +57,6 @@ from dtype_policies.quantization.kernels import (
 )
 from dtype_policies.quantizers.math import dequantize_grouped
 
-round_activation_blocks = epilogues.round_activation_blocks  # W4A8's rounding of the inputs
-
 KERNEL_GROUPS = (256, 128, 64, 32)
 _KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
@@ -113,7 +111,7 @@ def int4_linear_traceable(
     if activation_block_size is None:
         xk = x2.bfloat16().float()
     else:
-        xk = round_activation_blocks(x2, activation_block_size)
+        xk = epilogues.round_activation_blocks(x2, activation_block_size)
         if x2.requires_grad:  # straight through the rounding
             xk = x2.float() + (xk - x2.float()).detach()
     y = F.linear(xk, weight).bfloat16().to(out_dtype)
@@ -467,7 +465,7 @@ def int4_linear(
     """`x2 @ W.T + bias` for int4 weights `W` (grouped: `(q - zero) * scale`
     along the input axis, input `k` in group `g_idx[k]`; per channel:
     `q / scale`) on a 2-D `x2` (M, K), by `path` (default `int4_path`);
-    with `activation_block_size`, of `x2` rounded by `round_activation_blocks`
+    with `activation_block_size`, of `x2` rounded by `epilogues.round_activation_blocks`
     (W4A8). `q_nk` (the int values, (N, K)) is needed by the dequantized path."""
     n = scale.shape[-1]
     if x2.shape[0] == 0:
@@ -515,7 +513,7 @@ def _packed(
         xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
     q8 = plan.kernel == "native_q8"
     if decoded:  # the kernel's values: its activations, float32 sums, bfloat16 out
-        xf = round_activation_blocks(xk) if q8 else xk.float()
+        xf = epilogues.round_activation_blocks(xk) if q8 else xk.float()
         y = int4_native.decoded_mm(
             xf, plan.packed, plan.scales_and_zeros, layout.group, q8=q8
         ).bfloat16()

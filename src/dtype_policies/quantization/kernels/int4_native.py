@@ -11,7 +11,7 @@ float32 sums, a bfloat16 output (up to the order of the float32 sums).
 
 The W4A8 kernel (`int4_mm_q8`, weights packed by `pack_q8`, 8 output
 columns interleaved) first rounds the activations to int8 in blocks of 32
-inputs (`int4.round_activation_blocks`), then multiplies 4 inputs by 8
+inputs (`epilogues.round_activation_blocks`), then multiplies 4 inputs by 8
 columns per instruction in integers (no saturation without VNNI: the weights
 are unsigned nibbles), the 8 columns' sums in the lanes of one register; it
 computes the weight-only product of the rounded activations. It runs on every

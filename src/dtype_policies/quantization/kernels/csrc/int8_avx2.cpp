@@ -110,19 +110,27 @@ void rows_times_panel(const int8_t* x, int64_t ldx, int64_t rows, const int8_t* 
   }
 }
 
+// The packed weight's Kp, after checking it against n output columns and
+// the `input`'s K inputs (K <= Kp < K + 4).
+int64_t checked_kp(const char* name, const char* input, const at::Tensor& packed, int64_t n,
+                   int64_t k) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(1) % 64 == 0 && n > 0 && packed.size(0) == (n + kPanel - 1) / kPanel,
+              name, ": packed must be a contiguous (ceil(n / 16), Kp * 16) int8 tensor "
+              "with Kp a multiple of 4, for n=", n, "; got ", packed.scalar_type(), " of shape ",
+              packed.sizes());
+  const int64_t kp = packed.size(1) / kPanel;
+  TORCH_CHECK(k <= kp && kp - k < 4, name, ": ", input, " has K=", k,
+              " inputs; the packed weight holds Kp=", kp);
+  return kp;
+}
+
 at::Tensor int8_mm_avx2(const at::Tensor& xq_in, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(xq_in.dim() == 2 && xq_in.scalar_type() == at::kChar,
               "int8_mm_avx2: xq must be a 2-D int8 tensor, got ", xq_in.scalar_type(),
               " of shape ", xq_in.sizes());
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-                  packed.size(1) % 64 == 0 && n > 0 && packed.size(0) == (n + kPanel - 1) / kPanel,
-              "int8_mm_avx2: packed must be a contiguous (ceil(n / 16), Kp * 16) int8 tensor "
-              "with Kp a multiple of 4, for n=", n, "; got ", packed.scalar_type(), " of shape ",
-              packed.sizes());
-  const int64_t kp = packed.size(1) / kPanel, quads = kp / 4;
   const int64_t m = xq_in.size(0), k = xq_in.size(1);
-  TORCH_CHECK(k <= kp && kp - k < 4, "int8_mm_avx2: xq has K=", k,
-              " inputs; the packed weight holds Kp=", kp);
+  const int64_t kp = checked_kp("int8_mm_avx2", "xq", packed, n, k), quads = kp / 4;
   at::Tensor y = at::empty({m, n}, xq_in.options().dtype(at::kInt));
   if (m == 0) return y;
   at::Tensor xq = xq_in.contiguous();
@@ -239,11 +247,6 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "int8_mm_q8_avx2: x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(),
               " of shape ", x_in.sizes());
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-                  packed.size(1) % 64 == 0 && n > 0 && packed.size(0) == (n + kPanel - 1) / kPanel,
-              "int8_mm_q8_avx2: packed must be a contiguous (ceil(n / 16), Kp * 16) int8 tensor "
-              "with Kp a multiple of 4, for n=", n, "; got ", packed.scalar_type(), " of shape ",
-              packed.sizes());
   TORCH_CHECK(column_step.dim() == 1 && column_step.size(0) == n &&
                   column_step.scalar_type() == at::kFloat,
               "int8_mm_q8_avx2: column_step must be a (", n, ",) float32 tensor, got ",
@@ -253,10 +256,8 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
                 "int8_mm_q8_avx2: bias must be a (", n, ",) float32 tensor, got ",
                 bias->scalar_type(), " of shape ", bias->sizes());
-  const int64_t kp = packed.size(1) / kPanel, quads = kp / 4;
   const int64_t m = x_in.size(0), k = x_in.size(1);
-  TORCH_CHECK(k <= kp && kp - k < 4, "int8_mm_q8_avx2: x has K=", k,
-              " inputs; the packed weight holds Kp=", kp);
+  const int64_t kp = checked_kp("int8_mm_q8_avx2", "x", packed, n, k), quads = kp / 4;
   at::Tensor y = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m == 0) return y;
   const at::Tensor x = x_in.contiguous();
