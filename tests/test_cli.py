@@ -114,7 +114,7 @@ def test_inspect_a_factory_with_policy_and_quantization(factory):
     rows = {row["path"]: row for row in data["modules"]}
     assert (
         rows["0"]["policy"] == "int8_from_mixed_bfloat16"
-        and rows["0"]["quantization"] == "int8 W8A8/32"
+        and rows["0"]["quantization"] == "int8/32 W8A8"
     )
     assert rows["2"]["policy"] == "float32"  # the norm island
     assert data["total_parameters"] == 32 * 64 + 64 + 128 + 64 * 8 + 8

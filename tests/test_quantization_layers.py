@@ -56,9 +56,11 @@ def test_dense_every_mode(mode, policy, units, input_shape, use_bias):
         assert "kernel" not in state  # never a key a float checkpoint also has
         assert state["kernel_int8"].dtype == torch.int8
         assert tuple(state["kernel_int8"].shape) == (input_shape[-1], units)
-        assert state["kernel_scale"].dtype == torch.float32 and state["kernel_scale"].shape == (
-            units,
-        )
+        # the default int8 steps its weights per block of 32 inputs, laid out like
+        # the kernel (Keras's per-channel (units,) comes with Int8QuantizationConfig())
+        blocks = -(-input_shape[-1] // 32)
+        assert state["kernel_scale"].dtype == torch.float32
+        assert state["kernel_scale"].shape == (blocks, units)
     elif mode == "int4":
         assert "kernel" not in state
         assert state["kernel_int4"].dtype == torch.int8
@@ -131,9 +133,23 @@ def test_embedding_modes(mode, policy):
     assert relative_error(out, reference) < TOLERANCE[mode]
     assert layer.embeddings.dtype == torch.int8  # Keras: the quantized integer values
     assert tuple(layer.embeddings.shape) == (100, 48)
-    # Keras's layout: a table's grouped scales are (rows, groups).
-    expected = (100,) if mode == "int8" else (100, 1)
+    # Keras's layout: a table's grouped scales are (rows, groups); the default
+    # int8's steps per block of 32 features likewise.
+    expected = (100, 2) if mode == "int8" else (100, 1)
     assert tuple(layer.embeddings_scale.shape) == expected
+
+
+def test_keras_int8_config_keeps_keras_per_channel_layout():
+    from dtype_policies.quantization import Int8QuantizationConfig
+
+    torch.manual_seed(0)
+    dense = _built_dense(12, (2, 40))
+    dense.quantize("int8", config=Int8QuantizationConfig())
+    assert dense.kernel_scale.shape == (12,) and dense.kernel_int8.shape == (40, 12)
+    table = layers.Embedding(30, 40)
+    table(torch.tensor([1]))
+    table.quantize("int8", config=Int8QuantizationConfig())
+    assert table.embeddings_scale.shape == (30,)
 
 
 def test_embedding_float8_is_not_supported_and_leaves_layer_unchanged():

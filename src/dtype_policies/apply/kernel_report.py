@@ -63,9 +63,16 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
     cpu = processor()
     blocks = getattr(config, "activation_block_size", None)
     if qw.mode == "int8" and blocks is not None:
+        weight_block = getattr(config, "block_size", None)
+        weights = "" if weight_block is None else f", weight steps per {weight_block}"
         if device is not None and int8.blocked_kernel_applies(device):
-            return f"int8 AVX2 kernel, inputs rounded to int8 per {blocks} (this library's)"
-        return f"inputs rounded to int8 per {blocks}, times the int8 weight in floating point"
+            return (
+                f"int8 AVX2 kernel, inputs rounded to int8 per {blocks}{weights} (this library's)"
+            )
+        return (
+            f"inputs rounded to int8 per {blocks}, times the int8 weight in floating point"
+            + weights
+        )
     if qw.mode == "int8" and config.weight_only:
         few = int8.WEIGHT_INT8PACK_MAX_ROWS
         if not on_cpu:

@@ -262,9 +262,16 @@ class Int8QuantizationConfig(QuantizationConfig):
             inputs instead of per row, by llama.cpp's Q8_0 rule (bfloat16
             inputs, `step = max|x| / 127`, as int4's W4A8); the activation
             quantizer must be the default one. Integer products per block:
-            nearly weight-only accuracy (SmolLM2-135M: +0.6% perplexity
-            against +0.5% weight-only and +4% per row) at W8A8 speed. The
-            default of `quantize(model, "int8")`.
+            nearly weight-only accuracy (SmolLM2-135M: +0.7% perplexity
+            against +0.5% weight-only and +4% per row) at W8A8 speed.
+        block_size: This library's extension (not in Keras): the weights'
+            steps per block of this many inputs of each output channel (a
+            multiple of 32) instead of one per channel; needs
+            `activation_block_size`, whose products go block by block.
+            `None` or `-1`: per channel (Keras's). With both at 32 the
+            product is llama.cpp's Q8_0 x Q8_0, the default of
+            `quantize(model, "int8")`: on SmolLM2-135M top-1 agreement with
+            float32 0.95 against 0.935 per channel, 12.5% more stored bytes.
 
     >>> Int8QuantizationConfig().weight_only, Int8QuantizationConfig(None).weight_only
     (False, False)
@@ -273,6 +280,8 @@ class Int8QuantizationConfig(QuantizationConfig):
     >>> Int8QuantizationConfig().weight_quantizer is None
     True
     >>> Int8QuantizationConfig(activation_block_size=32).get_config()["activation_block_size"]
+    32
+    >>> Int8QuantizationConfig(block_size=32, activation_block_size=32).block_size
     32
     """
 
@@ -283,6 +292,7 @@ class Int8QuantizationConfig(QuantizationConfig):
         weight_quantizer: Any = None,
         activation_quantizer: Any = "default",
         activation_block_size: int | None = None,
+        block_size: int | None = None,
     ) -> None:
         activation = _quantizer(activation_quantizer, AbsMaxQuantizer(), "activation_quantizer")
         super().__init__(weight_quantizer, activation)
@@ -300,7 +310,26 @@ class Int8QuantizationConfig(QuantizationConfig):
                 "per block) and needs the default activation quantizer. Received: "
                 f"activation_quantizer={_quantizer_config(self.activation_quantizer)!r}"
             )
+        if block_size == -1:
+            block_size = None
+        if block_size is not None and (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+            or block_size <= 0
+            or block_size % INT8_WEIGHT_BLOCK_MULTIPLE
+        ):
+            raise ValueError(
+                "`block_size` must be None, -1 (per channel) or a positive multiple of "
+                f"{INT8_WEIGHT_BLOCK_MULTIPLE}. Received: block_size={block_size!r}"
+            )
+        if block_size is not None and activation_block_size is None:
+            raise ValueError(
+                "int8 weights per block (`block_size`) multiply block by block and need "
+                "`activation_block_size=32`. Received: "
+                f"block_size={block_size!r}, activation_block_size=None"
+            )
         self.activation_block_size = activation_block_size
+        self.block_size = block_size
 
     @property
     def weight_only(self) -> bool:
@@ -311,6 +340,8 @@ class Int8QuantizationConfig(QuantizationConfig):
         config = super().get_config()
         if self.activation_block_size is not None:  # absent when off, as in Keras
             config["activation_block_size"] = self.activation_block_size
+        if self.block_size is not None:
+            config["block_size"] = self.block_size
         return config
 
     def _identity(self) -> dict[str, Any]:
@@ -319,7 +350,18 @@ class Int8QuantizationConfig(QuantizationConfig):
             "weight_quantizer": _stored_values(weights),
             "activation_quantizer": _stored_values(self.activation_quantizer),
             "activation_block_size": self.activation_block_size,
+            "block_size": self.block_size,
         }
+
+
+def default_int8_config() -> Int8QuantizationConfig:
+    """The int8 of `quantize(model, "int8")` and of tied LM heads: weights
+    and inputs per block of 32 (llama.cpp's Q8_0 x Q8_0, integer products).
+
+    >>> default_int8_config().get_config()["block_size"]
+    32
+    """
+    return Int8QuantizationConfig(activation_block_size=32, block_size=32)
 
 
 class Int4QuantizationConfig(QuantizationConfig):
@@ -456,7 +498,7 @@ class Int4QuantizationConfig(QuantizationConfig):
     def tied_embeddings_config(self) -> QuantizationConfig:
         """The config `quantize()` gives a weight shared by an embedding table and a linear."""
         if self.tied_embeddings == "int8":
-            return Int8QuantizationConfig(activation_block_size=32)
+            return default_int8_config()
         return self
 
     def get_config(self) -> dict[str, Any]:
@@ -501,6 +543,8 @@ class Int4QuantizationConfig(QuantizationConfig):
 TIED_EMBEDDINGS = ("int8", "int4")
 """How `Int4QuantizationConfig(tied_embeddings=...)` stores a tied table."""
 ACTIVATION_BLOCK_SIZES = (32,)
+# int8 weight blocks are whole blocks of activations (the kernel's steps per 32).
+INT8_WEIGHT_BLOCK_MULTIPLE = 32
 """The input blocks `activation_block_size` accepts (int4's and int8's configs)."""
 
 
@@ -552,7 +596,7 @@ class Float8QuantizationConfig(QuantizationConfig):
         perplexity); the training scalings leave the head float8 and the table
         in float."""
         if self.scaling == "weight_only":
-            return Int8QuantizationConfig(activation_block_size=32)
+            return default_int8_config()
         return self
 
     def get_config(self) -> dict[str, Any]:

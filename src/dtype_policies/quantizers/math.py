@@ -57,6 +57,38 @@ def abs_max_quantize(
     return q, scale
 
 
+def abs_max_quantize_blocks(
+    w_nk: torch.Tensor,
+    block_size: int,
+    value_range: tuple[int, int] = INT8_RANGE,
+    epsilon: float = EPSILON,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`abs_max_quantize` of an (N, K) matrix per block of `block_size`
+    consecutive inputs of each row (a last, shorter block uses its own
+    values): `(q, scale)` with `q` (N, K) int8 and `scale` (N, ceil(K /
+    block_size)) float32, `w_nk ≈ q / expand_blocks(scale, block_size, K)`.
+
+    >>> import torch
+    >>> q, scale = abs_max_quantize_blocks(torch.tensor([[1.0, -0.5, 4.0]]), 2)
+    >>> q.tolist(), scale.shape
+    ([[127, -63, 127]], torch.Size([1, 2]))
+    """
+    n, k = w_nk.shape
+    blocks = -(-k // block_size)
+    padded = torch.nn.functional.pad(w_nk.float(), (0, blocks * block_size - k))
+    q, scale = abs_max_quantize(padded.view(n, blocks, block_size), -1, value_range, epsilon)
+    return q.view(n, blocks * block_size)[:, :k], scale.view(n, blocks)
+
+
+def expand_blocks(per_block: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+    """(N, blocks) values repeated over their blocks' inputs: (N, k).
+
+    >>> expand_blocks(torch.tensor([[1.0, 2.0]]), 2, 3).tolist()
+    [[1.0, 1.0, 2.0]]
+    """
+    return per_block.repeat_interleave(block_size, dim=1)[:, :k]
+
+
 def grouped_quantize_with_zero_point(
     kernel: torch.Tensor, block_size: int, epsilon: float = EPSILON
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

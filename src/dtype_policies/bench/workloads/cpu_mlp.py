@@ -21,7 +21,8 @@ from dtype_policies.quantization import Int4QuantizationConfig, Int8Quantization
 WIDTHS = (2048, 5632)
 SOURCES = ("float32", "mixed_bfloat16", "mixed_float16")
 MODES = (
-    ("int8", "int8", None),  # the default int8: inputs rounded to int8 per 32
+    ("int8", "int8", None),  # the default int8: inputs and weights rounded to int8 per 32
+    ("int8 W8A8/32", "int8", Int8QuantizationConfig(activation_block_size=32)),  # per-channel w
     ("int8 weight-only", "int8", Int8QuantizationConfig(activation_quantizer=None)),
     ("int8 W8A8", "int8", Int8QuantizationConfig()),  # Keras's: per-row activations
     ("int4/128", "int4", None),

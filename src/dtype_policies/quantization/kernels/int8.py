@@ -21,10 +21,13 @@ integer accumulation on every CPU class (`Int8Runtime.w8a8_path`):
     in float32 (float64 beyond 2**24);
   oneDNN writes bfloat16 outputs itself only where its bfloat16 is native.
 W8A8 with the activations rounded per block of 32 inputs
-  (`activation_block_size=32`, the default int8): this library's AVX2 kernel
-  (`int8_native.int8_mm_q8`) on any x86 CPU with AVX2 and FMA, VNNI or not;
-  elsewhere the rounded activations times the int8 weight in floating point
-  (`round_activation_blocks`, then the weight-only product's cast).
+  (`activation_block_size=32`), the weights per channel or per block of
+  inputs too (`block_size=32`: the default int8, llama.cpp's Q8_0 x Q8_0):
+  this library's AVX2 kernels (`int8_native.int8_mm_q8`, `int8_mm_q8b`) on
+  any x86 CPU with AVX2 and FMA, VNNI or not; elsewhere the rounded
+  activations times the int8 weight in floating point
+  (`round_activation_blocks`, then the weight-only product's cast, per-block
+  steps applied chunk by chunk with it).
 Weight-only: `_weight_int8pack_mm` for bfloat16/float16 activations of a few
   rows on CPU (within the shapes it supports); float32 activations of fewer
   rows are rounded to bfloat16 for it (its float32 variant is scalar code),
@@ -50,6 +53,7 @@ from dtype_policies.quantization.kernels import (
     int8_native,
     tensor_key,
 )
+from dtype_policies.quantizers.math import expand_blocks
 
 # oneDNN's int8 product pays off for weights of at least this many elements;
 # below it `torch._int_mm` (exact classes) or exact float products (no VNNI)
@@ -108,6 +112,8 @@ class Int8Runtime:
     __slots__ = (
         "_key",
         "amx",
+        "block_size",
+        "block_step",
         "column_step",
         "exact",
         "large",
@@ -124,6 +130,8 @@ class Int8Runtime:
         self.native: torch.Tensor | None = None
         self.q_nk: torch.Tensor | None = None
         self.column_step: torch.Tensor | None = None
+        self.block_step: torch.Tensor | None = None
+        self.block_size: int | None = None
         self.zero_point: torch.Tensor | None = None
         self.ones: torch.Tensor | None = None
         self.exact = True
@@ -142,12 +150,15 @@ class Int8Runtime:
         to_nk: Callable[[torch.Tensor], torch.Tensor],
         prepack: bool,
         blocked: bool = False,
+        block_size: int | None = None,
     ) -> None:
         """Rebuilds the derived data if the stored `data`/`scale` changed;
         `to_nk` views `data` as (N, K). `prepack`: for the W8A8 paths;
-        `blocked`: for the per-block W8A8 kernel."""
+        `blocked`: for the per-block W8A8 kernel; `block_size`: the weight's
+        steps per block of that many inputs (`scale` (N, blocks)), else per
+        channel."""
         cpu = processor()
-        key = (*tensor_key(data, scale), prepack, blocked, cpu)
+        key = (*tensor_key(data, scale), prepack, blocked, block_size, cpu)
         if key == self._key:
             return
         with torch.inference_mode(False), torch.no_grad():
@@ -162,7 +173,7 @@ class Int8Runtime:
             large = q_nk.numel() >= ONEDNN_MIN_ELEMENTS or (
                 not exact and q_nk.shape[1] > FLOAT32_EXACT_TERMS
             )
-            packed = zero_point = ones = native = None
+            packed = zero_point = ones = native = block_step = None
             per_block = blocked and blocked_kernel_applies(q_nk.device)
             if per_block or (prepack and native_applies(q_nk.device, cpu)):
                 native = int8_native.pack(q_nk)
@@ -172,6 +183,8 @@ class Int8Runtime:
                 )
                 zero_point = torch.zeros(1, dtype=torch.int32)
                 ones = torch.ones(q_nk.shape[0])
+            if per_block and block_size is not None:
+                block_step = int8_native.pack_block_steps(column_step, block_size, q_nk.shape[1])
         # Every field goes from one valid value to the next (never through
         # None): a thread reading while another rebuilds sees either.
         self.q_nk, self.column_step, self.zero_point, self.ones = (
@@ -181,7 +194,7 @@ class Int8Runtime:
             ones,
         )
         self.exact, self.amx, self.large, self.packed = exact, cpu.amx, large, packed
-        self.native = native
+        self.native, self.block_step, self.block_size = native, block_step, block_size
         self._key = key
 
     def w8a8_paths(self) -> tuple[str, ...]:
@@ -334,12 +347,15 @@ def int8_linear(
     return _W8A8[path or runtime.w8a8_path(m)](x2, runtime, bias, out_dtype)
 
 
-def _blocked_kernel(x2, packed, column_step, bias, out_dtype):
-    n = column_step.shape[0]
+def _blocked_kernel(x2, packed, column_step, bias, out_dtype, n, block_step=None):
+    """The per-block W8A8 kernel: per-channel `column_step`, or the packed
+    `block_step` (`int8_native.pack_block_steps`) when given."""
     bias32 = None if bias is None else bias.float()
-    y = int8_native.int8_mm_q8(
-        x2.bfloat16(), packed, column_step, bias32, n, out_dtype is torch.bfloat16
-    )
+    bf16_out = out_dtype is torch.bfloat16
+    if block_step is None:
+        y = int8_native.int8_mm_q8(x2.bfloat16(), packed, column_step, bias32, n, bf16_out)
+    else:
+        y = int8_native.int8_mm_q8b(x2.bfloat16(), packed, block_step, bias32, n, bf16_out)
     return y if y.dtype is out_dtype else y.to(out_dtype)
 
 
@@ -366,10 +382,16 @@ def int8_blocked_linear(
     path = path or blocked_paths(runtime)[0]
     if path == "native_q8":
         assert runtime.native is not None  # `blocked_paths` offers it only then
-        return _blocked_kernel(x2, runtime.native, column_step, bias, out_dtype)
+        return _blocked_kernel(
+            x2, runtime.native, column_step, bias, out_dtype, n, runtime.block_step
+        )
     rounded = epilogues.round_activation_blocks(x2)  # float32
-    y = _cast_in_chunks(rounded.to(product_dtype(x2.dtype, x2.device)), q_nk)
-    return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
+    dtype = product_dtype(x2.dtype, x2.device)
+    if runtime.block_size is None:
+        y = _cast_in_chunks(rounded.to(dtype), q_nk)
+        return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
+    y = _cast_in_chunks(rounded.to(dtype), q_nk, column_step, runtime.block_size)
+    return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
 
 
 # Integer products of int8 values summed in float32 are exact while every
@@ -392,17 +414,29 @@ def int8_linear_traceable(
     out_dtype: torch.dtype,
     weight_only: bool,
     activation_block_size: int | None = None,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     """The int8 product in plain ops on the stored tensors, for compilers and
     tracers (no derived runtime data; with frozen weights, the eager path's
-    kernels on layouts the graph folds into constants)."""
+    kernels on layouts the graph folds into constants). `block_size`: the
+    weight's `scale` is per block of that many inputs, (N, blocks)."""
     column_step = 1.0 / scale.float()
+    n, k = q_nk.shape
     if activation_block_size is not None:
         if freezing_weights() and blocked_kernel_applies(x2.device):
-            # the eager path's kernel, on a layout the frozen graph folds into a constant
-            return _blocked_kernel(x2, int8_native.pack(q_nk), column_step, bias, out_dtype)
+            # the eager path's kernel, on layouts the frozen graph folds into constants
+            block_step = None
+            if block_size is not None:
+                block_step = int8_native.pack_block_steps(column_step, block_size, k)
+            return _blocked_kernel(
+                x2, int8_native.pack(q_nk), column_step, bias, out_dtype, n, block_step
+            )
         rounded = epilogues.round_activation_blocks(x2, activation_block_size)
         dtype = product_dtype(x2.dtype, x2.device)
+        if block_size is not None:
+            weight = q_nk.float() * expand_blocks(column_step, block_size, k)
+            y = F.linear(rounded.to(dtype), weight.to(dtype))
+            return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
         y = F.linear(rounded.to(dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     if weight_only:
@@ -505,13 +539,28 @@ def weight_only_path(x2: torch.Tensor, runtime: Int8Runtime) -> str:
 CHUNK_BYTES = 1 << 22
 
 
-def _cast_in_chunks(x2: torch.Tensor, q_nk: torch.Tensor) -> torch.Tensor:
-    """`x2 @ q_nk.T` with `q_nk` cast to `x2`'s dtype chunk by chunk."""
+def _cast_in_chunks(
+    x2: torch.Tensor,
+    q_nk: torch.Tensor,
+    block_step: torch.Tensor | None = None,
+    block_size: int = 0,
+) -> torch.Tensor:
+    """`x2 @ q_nk.T` with `q_nk` cast to `x2`'s dtype chunk by chunk; with
+    `block_step` ((N, blocks) float32), each weight times its block's step
+    first (in float32)."""
     n, k = q_nk.shape
+
+    def cast(start: int, stop: int) -> torch.Tensor:
+        chunk = q_nk[start:stop]
+        if block_step is None:
+            return chunk.to(x2.dtype)
+        steps = expand_blocks(block_step[start:stop], block_size, k)
+        return (chunk.float() * steps).to(x2.dtype)
+
     rows = max(16, CHUNK_BYTES // (k * x2.element_size()))
     if rows >= n or x2.device.type != "cpu":
-        return F.linear(x2, q_nk.to(x2.dtype))
-    parts = [F.linear(x2, q_nk[i : i + rows].to(x2.dtype)) for i in range(0, n, rows)]
+        return F.linear(x2, cast(0, n))
+    parts = [F.linear(x2, cast(i, i + rows)) for i in range(0, n, rows)]
     return torch.cat(parts, dim=1)
 
 

@@ -15,8 +15,11 @@ operator refuses -128).
 folds it into a constant); `int8_mm` is the operator
 `torch.ops.dtype_policies.int8_mm_avx2`, eager and compiled alike.
 `int8_mm_q8` (`int8_mm_q8_avx2`) is the W8A8 product with the inputs
-rounded per block of 32 (`Int8QuantizationConfig(activation_block_size=32)`,
-the default int8): the same weight layout, any x86 CPU with AVX2 and FMA.
+rounded per block of 32 (`Int8QuantizationConfig(activation_block_size=32)`):
+the same weight layout, any x86 CPU with AVX2 and FMA. `int8_mm_q8b`
+(`int8_mm_q8b_avx2`) is the same product for weights with a step per block
+of inputs too (`block_size=32`, the default int8: llama.cpp's Q8_0 x Q8_0),
+the steps laid out by `pack_block_steps`.
 
 >>> import torch
 >>> from dtype_policies.quantization.kernels import int8_native
@@ -84,6 +87,34 @@ def int8_mm_q8(
     return _ops().int8_mm_q8_avx2(x, packed, column_step, bias, n, bf16_out)
 
 
+def pack_block_steps(block_step: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+    """The kernel's (ceil(N / 16), ceil(K / 32) * 16) float32 steps from
+    the (N, ceil(K / block_size)) steps of a weight quantized per block of
+    `block_size` inputs (a multiple of 32): for each panel of 16 columns,
+    each block of 32 inputs' 16 steps (its weight block's), so the kernel
+    reads them in order with the panel; padded columns zeros. Plain tensor
+    ops (a frozen graph folds them into a constant)."""
+    n = block_step.shape[0]
+    blocks, panels = -(-k // 32), -(-n // PANEL)
+    per_32 = block_step.float().repeat_interleave(block_size // 32, dim=1)[:, :blocks]
+    padded = F.pad(per_32, (0, 0, 0, panels * PANEL - n))  # (panels * 16, blocks)
+    return padded.view(panels, PANEL, blocks).transpose(1, 2).reshape(panels, blocks * PANEL)
+
+
+def int8_mm_q8b(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    block_step: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    bf16_out: bool,
+) -> torch.Tensor:
+    """`int8_mm_q8` for a weight with a step per block of inputs and column
+    (`pack_block_steps`): `y[m, c] = sum_b d[m, b] * block_step[b, c] *
+    (xq[m, b] . w[c, b]) + bias[c]`."""
+    return _ops().int8_mm_q8b_avx2(x, packed, block_step, bias, n, bf16_out)
+
+
 def _ops() -> Any:
     if native.library(KERNEL) is None:
         raise RuntimeError(
@@ -111,6 +142,7 @@ def _register_fakes() -> None:
 
     torch.library.register_fake("dtype_policies::int8_mm_avx2", product)
     torch.library.register_fake("dtype_policies::int8_mm_q8_avx2", blocked)
+    torch.library.register_fake("dtype_policies::int8_mm_q8b_avx2", blocked)
 
 
 native.on_load(KERNEL, _register_fakes)

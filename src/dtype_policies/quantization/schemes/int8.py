@@ -1,9 +1,12 @@
-"""int8: symmetric per-output-channel weights (`W ~= q / scale`), with
-activations quantized at run time per block of 32 inputs (the default) or per
-row (Keras's W8A8 dynamic), or left in the compute dtype (weight-only).
-Stored: `<w>_int8` (int8, the weight's own orientation) and `<w>_scale`
-(float32, (N,)). Embedding tables are quantized
-per row the same way, so a table tied to an LM head stores the same tensors."""
+"""int8: symmetric weights (`W ~= q / scale`) per output channel or per block
+of `block_size` inputs of each (the default: 32), with activations quantized at
+run time per block of 32 inputs (the default) or per row (Keras's W8A8
+dynamic), or left in the compute dtype (weight-only). Stored: `<w>_int8`
+(int8, the weight's own orientation) and `<w>_scale` (float32, (N,) per
+channel; per block laid out like the weight, the blocks in place of the input
+axis: (N, blocks) for torch's (N, K), (blocks, N) for Keras's (K, N)).
+Embedding tables are quantized per row the same way, so a table tied to an
+LM head stores the same tensors."""
 
 from __future__ import annotations
 
@@ -14,8 +17,16 @@ from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import epilogues
 from dtype_policies.quantization.kernels import int8 as kernels
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
-from dtype_policies.quantizers.config import AbsMaxQuantizer, Int8QuantizationConfig
-from dtype_policies.quantizers.math import abs_max_quantize
+from dtype_policies.quantizers.config import (
+    AbsMaxQuantizer,
+    Int8QuantizationConfig,
+    default_int8_config,
+)
+from dtype_policies.quantizers.math import (
+    abs_max_quantize,
+    abs_max_quantize_blocks,
+    expand_blocks,
+)
 
 
 class Int8Scheme(Scheme):
@@ -30,10 +41,17 @@ class Int8Scheme(Scheme):
     ) -> dict[str, torch.Tensor]:
         quantizer = config.weight_quantizer or AbsMaxQuantizer()
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
-        q, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
+        if config.block_size is None:
+            q, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
+            scale = scale.reshape(-1)
+        else:
+            q, scale = abs_max_quantize_blocks(
+                w_nk, config.block_size, quantizer.value_range, quantizer.epsilon
+            )
+            scale = spec.nk(scale)  # (N, blocks) back in the weight's layout
         data = q.t() if spec.layout == "in_out" else q
         names = self.buffer_names(spec, config)
-        return {names[0]: data.contiguous(), names[1]: scale.reshape(-1).contiguous()}
+        return {names[0]: data.contiguous(), names[1]: scale.contiguous()}
 
     def stored_shapes(self, spec: WeightSpec, config: Int8QuantizationConfig) -> dict:
         rows, columns = (
@@ -42,14 +60,25 @@ class Int8Scheme(Scheme):
             else (spec.out_features, spec.in_features)
         )
         data, scale = self.buffer_names(spec, config)
-        return {data: ((rows, columns), torch.int8), scale: ((spec.out_features,), torch.float32)}
+        block = config.block_size
+        steps: tuple[int, ...] = (spec.out_features,)
+        if block is not None:
+            blocks = -(-spec.in_features // block)
+            steps = (blocks, spec.out_features) if spec.layout == "in_out" else (steps[0], blocks)
+        return {data: ((rows, columns), torch.int8), scale: (steps, torch.float32)}
 
     def new_runtime(self) -> kernels.Int8Runtime:
         return kernels.Int8Runtime()
 
     def _stored(self, module: torch.nn.Module, qw: QuantizedWeight):
+        """`(data, scale)`: the data in its stored layout, the scale (N,) or
+        (N, blocks)."""
         name = qw.spec.weight
-        return module._buffers[f"{name}_int8"], module._buffers[f"{name}_scale"]
+        data, scale = module._buffers[f"{name}_int8"], module._buffers[f"{name}_scale"]
+        assert data is not None and scale is not None  # registered by `quantize`
+        if _block_size(qw) is not None:
+            scale = qw.spec.nk(scale)
+        return data, scale
 
     def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
         data, _ = self._stored(module, qw)
@@ -57,7 +86,8 @@ class Int8Scheme(Scheme):
 
     def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
         data, scale = self._stored(module, qw)
-        return qw.spec.nk(data).float() / scale.float()[:, None]
+        q_nk = qw.spec.nk(data)
+        return q_nk.float() / _per_input(scale.float(), _block_size(qw), q_nk.shape[1])
 
     def _runtime(
         self, module: torch.nn.Module, qw: QuantizedWeight, prepack: bool, blocked: bool = False
@@ -65,7 +95,7 @@ class Int8Scheme(Scheme):
         data, scale = self._stored(module, qw)
         if qw.runtime is None:
             qw.runtime = self.new_runtime()
-        qw.runtime.refresh(data, scale, qw.spec.nk, prepack, blocked)
+        qw.runtime.refresh(data, scale, qw.spec.nk, prepack, blocked, _block_size(qw))
         return qw.runtime
 
     def linear(self, module, qw, x2, bias, compute):
@@ -87,7 +117,14 @@ class Int8Scheme(Scheme):
         block = qw.config.activation_block_size
         if not needs_grad:
             return kernels.int8_linear_traceable(
-                x2, qw.spec.nk(data), scale, bias, compute, qw.config.weight_only, block
+                x2,
+                qw.spec.nk(data),
+                scale,
+                bias,
+                compute,
+                qw.config.weight_only,
+                block,
+                _block_size(qw),
             )
         # the activations' rounding, passed straight through
         if block is not None:
@@ -95,17 +132,39 @@ class Int8Scheme(Scheme):
             x2 = x2 + (rounded - x2).detach()
         elif not qw.config.weight_only:
             x2 = x2 + (kernels.fake_quantize_rows_int8(x2) - x2).detach()
-        weight = (qw.spec.nk(data).float() / scale.float()[:, None]).to(compute)
+        weight = self.dequantize(module, qw).to(compute)
         return torch.nn.functional.linear(x2, weight, bias)
 
     def lookup(self, module, qw, ids, compute):
         data, scale = self._stored(module, qw)
-        return (data[ids].float() / scale[ids].float().unsqueeze(-1)).to(compute)
+        rows = data[ids].float()
+        steps = scale[ids].float()
+        block = _block_size(qw)
+        if block is None:
+            return (rows / steps.unsqueeze(-1)).to(compute)
+        expanded = steps.repeat_interleave(block, dim=-1)[..., : rows.shape[-1]]
+        return (rows / expanded).to(compute)
+
+
+def _block_size(qw: QuantizedWeight) -> int | None:
+    """The weight's block of inputs per step, `None` per channel."""
+    config = qw.config
+    assert isinstance(config, Int8QuantizationConfig)
+    return config.block_size
+
+
+def _per_input(scale: torch.Tensor, block_size: int | None, k: int) -> torch.Tensor:
+    """The (N, 1) per-channel or (N, K) per-block scale of an (N, K) weight."""
+    if block_size is None:
+        return scale[:, None]
+    return expand_blocks(scale, block_size, k)
 
 
 def _label(config: Int8QuantizationConfig) -> str:
     if config.weight_only:
         return "int8 weight-only"
+    if config.block_size is not None:
+        return f"int8/{config.block_size} W8A8"
     if config.activation_block_size is not None:
         return f"int8 W8A8/{config.activation_block_size}"
     return "int8"
@@ -121,9 +180,6 @@ register_mode(
         data_suffix="_int8",
         refused_compute_dtypes=("float16",),
         label=_label,
-        # Activations per block of 32 unless asked: SmolLM2-135M perplexity and
-        # top-1 agreement per row (Keras's W8A8) +3.9% / 0.875, per block
-        # +0.7% / 0.935 with integer products, weight-only +0.5% / 0.944.
-        default=lambda: Int8QuantizationConfig(activation_block_size=32),
+        default=default_int8_config,
     )
 )

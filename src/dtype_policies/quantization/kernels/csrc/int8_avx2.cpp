@@ -27,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 // int4_avx2.cpp: the W4A8 rounding of bfloat16 rows (blocks of 32, Q8_0's rule).
 extern "C" int dtype_policies_round_rows_q8(const uint16_t* x, int64_t m, int64_t k, int64_t kp,
@@ -172,6 +173,14 @@ at::Tensor int8_mm_avx2(const at::Tensor& xq_in, const at::Tensor& packed, int64
 // y float32, or bfloat16 with bf16_out. Each block's integer sum is exact (at most
 // 32 * 128 * 127 in int32); the blocks are added in float32 in order, one FMA each.
 // A row holding a NaN or an infinity gives a row of NaN.
+//
+// With weights that have a step per block of 32 inputs too (llama.cpp's Q8_0 x Q8_0):
+//
+//   dtype_policies::int8_mm_q8b_avx2(x, packed, block_step, bias, n, bf16_out)
+//   y[m, c] = sum_b d[m, b] * block_step[b, c] * sum_{k in b} xq[m, k] w[c, k] + bias[c]
+//
+// block_step: (ceil(n / 16), ceil(K / 32) * 16) float32: for each panel of 16 columns,
+// each block's 16 steps (read in step with the panel's weights), padded columns zeros.
 
 constexpr int64_t kBlock = 32, kBlockQuads = kBlock / 4;
 
@@ -181,11 +190,12 @@ struct BlockedRows {
   int64_t kq;
 };
 
+// `step`: the columns' steps, or nullptr when the blocks applied them.
 inline void store_row(const __m256 v[2], const float* step, const float* bias, void* out,
                       bool bf16, int64_t columns) {
   alignas(32) float values[kPanel];
   for (int h = 0; h < 2; ++h) {
-    __m256 y = _mm256_mul_ps(v[h], _mm256_loadu_ps(step + 8 * h));
+    __m256 y = step == nullptr ? v[h] : _mm256_mul_ps(v[h], _mm256_loadu_ps(step + 8 * h));
     if (bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + 8 * h));
     _mm256_store_ps(values + 8 * h, y);
   }
@@ -203,8 +213,9 @@ inline void store_row(const __m256 v[2], const float* step, const float* bias, v
 }
 
 // `rows` (1..4) rows times one panel, block by block; `step` and `bias` hold
-// 16 values (the last panel's zero-padded by the caller).
-template <int rows>
+// 16 values (the last panel's zero-padded by the caller). With `weight_blocks`,
+// `step` is the panel's row of block_step: block b's steps at step + 16 b.
+template <int rows, bool weight_blocks>
 inline void panel_product_blocks(const BlockedRows& in, int64_t row, const int8_t* panel,
                                  int64_t quads, const float* step, const float* bias, void* y,
                                  int64_t ldy, bool bf16, int64_t columns) {
@@ -221,14 +232,20 @@ inline void panel_product_blocks(const BlockedRows& in, int64_t row, const int8_
     __m256i acc[rows][2];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t j = first; j < last; ++j) add_quad<rows>(acc, x, in.kq, panel, j);
+    __m256 weight_step[2];
+    if constexpr (weight_blocks)
+      for (int h = 0; h < 2; ++h) weight_step[h] = _mm256_loadu_ps(step + b * kPanel + 8 * h);
     for (int r = 0; r < rows; ++r) {
       const __m256 d = _mm256_broadcast_ss(in.d + (row + r) * blocks + b);
       for (int h = 0; h < 2; ++h) {
+        __m256 factor = d;
+        if constexpr (weight_blocks) factor = _mm256_mul_ps(d, weight_step[h]);
         if constexpr (rows <= 2) {
-          total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), d, total[r][h]);
+          total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), factor, total[r][h]);
         } else {
-          _mm256_store_ps(total_memory[r][h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), d,
-                                                               _mm256_load_ps(total_memory[r][h])));
+          _mm256_store_ps(total_memory[r][h],
+                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), factor,
+                                          _mm256_load_ps(total_memory[r][h])));
         }
       }
     }
@@ -238,43 +255,57 @@ inline void panel_product_blocks(const BlockedRows& in, int64_t row, const int8_
       for (int h = 0; h < 2; ++h) total[r][h] = _mm256_load_ps(total_memory[r][h]);
   const size_t element = bf16 ? 2 : 4;
   for (int r = 0; r < rows; ++r)
-    store_row(total[r], step, bias, static_cast<char*>(y) + r * ldy * element, bf16, columns);
+    store_row(total[r], weight_blocks ? nullptr : step, bias,
+              static_cast<char*>(y) + r * ldy * element, bf16, columns);
 }
 
-at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
-                           const at::Tensor& column_step, const std::optional<at::Tensor>& bias,
-                           int64_t n, bool bf16_out) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
-              "int8_mm_q8_avx2: x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(),
-              " of shape ", x_in.sizes());
-  TORCH_CHECK(column_step.dim() == 1 && column_step.size(0) == n &&
-                  column_step.scalar_type() == at::kFloat,
-              "int8_mm_q8_avx2: column_step must be a (", n, ",) float32 tensor, got ",
-              column_step.scalar_type(), " of shape ", column_step.sizes());
+// The shared body of int8_mm_q8_avx2 (`block_step` undefined: `column_step`
+// per column) and int8_mm_q8b_avx2 (`block_step` per block and column).
+at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor& packed,
+                      const at::Tensor& column_step, const at::Tensor& block_step,
+                      const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, name,
+              ": x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(), " of shape ",
+              x_in.sizes());
+  const bool weight_blocks = block_step.defined();
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  const int64_t kp = checked_kp(name, "x", packed, n, k), quads = kp / 4;
+  const int64_t kq = (k + kBlock - 1) / kBlock * kBlock, blocks = kq / kBlock;
+  const int64_t panels = packed.size(0);
+  if (weight_blocks) {
+    TORCH_CHECK(block_step.dim() == 2 && block_step.size(0) == panels &&
+                    block_step.size(1) == blocks * kPanel &&
+                    block_step.scalar_type() == at::kFloat && block_step.is_contiguous(),
+                name, ": block_step must be a contiguous (", panels, ", ", blocks * kPanel,
+                ") float32 tensor (panels of 16 of n=", n, ", 16 steps per block of 32 of K=",
+                k, "), got ", block_step.scalar_type(), " of shape ", block_step.sizes());
+  } else {
+    TORCH_CHECK(column_step.dim() == 1 && column_step.size(0) == n &&
+                    column_step.scalar_type() == at::kFloat,
+                name, ": column_step must be a (", n, ",) float32 tensor, got ",
+                column_step.scalar_type(), " of shape ", column_step.sizes());
+  }
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
-                "int8_mm_q8_avx2: bias must be a (", n, ",) float32 tensor, got ",
-                bias->scalar_type(), " of shape ", bias->sizes());
-  const int64_t m = x_in.size(0), k = x_in.size(1);
-  const int64_t kp = checked_kp("int8_mm_q8_avx2", "x", packed, n, k), quads = kp / 4;
+                name, ": bias must be a (", n, ",) float32 tensor, got ", bias->scalar_type(),
+                " of shape ", bias->sizes());
   at::Tensor y = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m == 0) return y;
   const at::Tensor x = x_in.contiguous();
-  const int64_t kq = (k + kBlock - 1) / kBlock * kBlock, blocks = kq / kBlock;
-  const int64_t panels = packed.size(0);
   at::Tensor scratch = at::empty({m * blocks + m * kq / 4 + m}, x.options().dtype(at::kFloat));
   float* d = scratch.data_ptr<float>();
   int8_t* q = reinterpret_cast<int8_t*>(d + m * blocks);
   char* finite = reinterpret_cast<char*>(q + m * kq);
-  const at::Tensor steps = column_step.contiguous();
+  const at::Tensor steps = weight_blocks ? block_step : column_step.contiguous();
   const at::Tensor shifts = has_bias ? bias->contiguous() : at::Tensor();
   const float* step = steps.data_ptr<float>();
   const float* shift = has_bias ? shifts.data_ptr<float>() : nullptr;
-  // the last panel's steps and bias, zero-padded to 16 columns
+  // the last panel's steps and bias, zero-padded to 16 columns (block_step is padded)
   alignas(32) float tail_step[kPanel] = {}, tail_shift[kPanel] = {};
   const int64_t tail = n - (panels - 1) * kPanel;
-  std::memcpy(tail_step, step + (panels - 1) * kPanel, static_cast<size_t>(tail) * sizeof(float));
+  if (!weight_blocks)
+    std::memcpy(tail_step, step + (panels - 1) * kPanel, static_cast<size_t>(tail) * sizeof(float));
   if (has_bias)
     std::memcpy(tail_shift, shift + (panels - 1) * kPanel, static_cast<size_t>(tail) * sizeof(float));
   const int64_t macs = m * n * kp;
@@ -282,7 +313,7 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
   const int status = dtype_policies_round_rows_q8(reinterpret_cast<const uint16_t*>(x.data_ptr()),
                                                   m, k, kq, q, d, finite,
                                                   m >= 64 ? threads : 1);
-  TORCH_CHECK(status == 0, "int8_mm_q8_avx2: rounding rejected K=", k);
+  TORCH_CHECK(status == 0, name, ": rounding rejected K=", k);
   const BlockedRows in{q, d, kq};
   const int8_t* w = packed.data_ptr<int8_t>();
   char* out = static_cast<char*>(y.data_ptr());
@@ -297,17 +328,25 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
     const int64_t columns = n - p * kPanel < kPanel ? n - p * kPanel : kPanel;
     const int8_t* panel = w + p * kp * kPanel;
     const bool last = p == panels - 1;
-    const float* s = last ? tail_step : step + p * kPanel;
+    const float* s =
+        weight_blocks ? step + p * blocks * kPanel : (last ? tail_step : step + p * kPanel);
     const float* bb = !has_bias ? nullptr : (last ? tail_shift : shift + p * kPanel);
+    auto run = [&](auto rows_constant, int64_t r) {
+      constexpr int kRows = decltype(rows_constant)::value;
+      char* target = out + ((row0 + r) * n + p * kPanel) * element;
+      if (weight_blocks)
+        panel_product_blocks<kRows, true>(in, row0 + r, panel, quads, s, bb, target, n,
+                                          bf16_out, columns);
+      else
+        panel_product_blocks<kRows, false>(in, row0 + r, panel, quads, s, bb, target, n,
+                                           bf16_out, columns);
+    };
     int64_t r = 0;
-    for (; r + kRowBlock <= rows; r += kRowBlock)
-      panel_product_blocks<4>(in, row0 + r, panel, quads, s, bb,
-                              out + ((row0 + r) * n + p * kPanel) * element, n, bf16_out, columns);
-    char* tail = out + ((row0 + r) * n + p * kPanel) * element;
+    for (; r + kRowBlock <= rows; r += kRowBlock) run(std::integral_constant<int, 4>{}, r);
     switch (rows - r) {
-      case 3: panel_product_blocks<3>(in, row0 + r, panel, quads, s, bb, tail, n, bf16_out, columns); break;
-      case 2: panel_product_blocks<2>(in, row0 + r, panel, quads, s, bb, tail, n, bf16_out, columns); break;
-      case 1: panel_product_blocks<1>(in, row0 + r, panel, quads, s, bb, tail, n, bf16_out, columns); break;
+      case 3: run(std::integral_constant<int, 3>{}, r); break;
+      case 2: run(std::integral_constant<int, 2>{}, r); break;
+      case 1: run(std::integral_constant<int, 1>{}, r); break;
       default: break;
     }
   }
@@ -316,15 +355,31 @@ at::Tensor int8_mm_q8_avx2(const at::Tensor& x_in, const at::Tensor& packed,
   return y;
 }
 
+at::Tensor int8_mm_q8_avx2(const at::Tensor& x, const at::Tensor& packed,
+                           const at::Tensor& column_step, const std::optional<at::Tensor>& bias,
+                           int64_t n, bool bf16_out) {
+  return q8_product("int8_mm_q8_avx2", x, packed, column_step, at::Tensor(), bias, n, bf16_out);
+}
+
+at::Tensor int8_mm_q8b_avx2(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& block_step, const std::optional<at::Tensor>& bias,
+                            int64_t n, bool bf16_out) {
+  TORCH_CHECK(block_step.defined(), "int8_mm_q8b_avx2: block_step is undefined");
+  return q8_product("int8_mm_q8b_avx2", x, packed, at::Tensor(), block_step, bias, n, bf16_out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int8_mm_avx2(Tensor xq, Tensor packed, int n) -> Tensor");
   m.def("int8_mm_q8_avx2(Tensor x, Tensor packed, Tensor column_step, Tensor? bias, int n, "
         "bool bf16_out) -> Tensor");
+  m.def("int8_mm_q8b_avx2(Tensor x, Tensor packed, Tensor block_step, Tensor? bias, int n, "
+        "bool bf16_out) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int8_mm_avx2", &int8_mm_avx2);
   m.impl("int8_mm_q8_avx2", &int8_mm_q8_avx2);
+  m.impl("int8_mm_q8b_avx2", &int8_mm_q8b_avx2);
 }
