@@ -323,3 +323,12 @@ def emulations(info: Processor | None = None) -> dict[str, dict[str, str]]:
         for name, variables in EMULATION.items()
         if CPU_CLASSES[name] < info.features
     }
+
+
+# Detected when the package is imported, not on first use: the path choices
+# read it inside code that compilers trace (`torch.compile`), where the
+# detection cannot run (it reads files and asks torch for strings: a graph
+# break, an error under `fullgraph=True`). An invalid `DTYPE_POLICIES_CPU_CLASS`
+# raises on first use instead.
+with contextlib.suppress(ValueError):
+    processor()

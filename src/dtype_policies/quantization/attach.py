@@ -21,6 +21,7 @@ from dtype_policies._core.module_state import (
 from dtype_policies._core.policy_module import install
 from dtype_policies._modes import QuantizationMode, mode_record, registered_modes
 from dtype_policies.policies import DTypePolicy
+from dtype_policies.quantization import kernels
 from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
 from dtype_policies.quantization.modules import FORWARDS, QUANTIZE_TOKEN, own_options
 from dtype_policies.quantization.schemes import (
@@ -227,6 +228,8 @@ def plan(
         needs_values=tensors is None,
     )
     scheme, spec, weight = checked.scheme, checked.spec, checked.weight
+    if weight.device.type == "cpu":
+        kernels.prepare()  # never on a first product a compiler may be tracing
     if tensors is None:
         _check_finite(weight, spec.weight)
         with torch.no_grad(), torch.inference_mode(False):

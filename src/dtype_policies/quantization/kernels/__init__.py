@@ -20,6 +20,21 @@ def tensor_key(*tensors: torch.Tensor) -> tuple:
     return tuple(key)
 
 
+def prepare() -> None:
+    """Builds and loads, now, this library's native kernels that the
+    processor supports (`native.KERNELS`; cached after the first build), so
+    that no product builds or loads one on its first call: a compiler tracing
+    that call (`torch.compile`) cannot read files or load libraries. Called
+    when a weight is planned for quantization and before a frozen compiled
+    call; a kernel that cannot be built is warned about once and left out."""
+    from dtype_policies._cpu import processor
+    from dtype_policies.quantization.kernels import native
+
+    cpu = processor()
+    for name in native.KERNELS:
+        native.available(name, cpu)
+
+
 def freezing_weights() -> bool:
     """Whether the graph being traced has its weights frozen (Inductor's
     `freezing`, as `compile_for_generation` sets it): what depends on weights
