@@ -79,6 +79,25 @@ def test_compiled_encoder_gives_eager_values_across_shapes(policy, mode):
 
 
 @pytest.mark.slow
+def test_the_cpp_wrapper_runs_this_librarys_operators_with_eager_values():
+    """Inductor's C++ wrapper calls the graph's kernels and this library's
+    operators (the default int8's product) from C++: the same values."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_bert()
+    apply_policy(model, "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    fast = compile_for_inference(model, cpp_wrapper=True, autotune=False)
+    assert fast._call.inductor_options["cpp_wrapper"] is True
+    expected = hidden(model, 2, 12)
+    got, codes = run_and_get_code(hidden, fast, 2, 12)
+    assert any("extern \"C\"" in code or "AOTI" in code for code in codes)  # a C++ wrapper
+    assert close(got, expected) < 2e-2
+
+
+@pytest.mark.slow
 def test_a_changed_model_runs_eagerly_until_compiled_again():
     model = tiny_bert()
     apply_policy(model, "mixed_bfloat16")

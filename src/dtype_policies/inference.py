@@ -60,7 +60,12 @@ class CompiledInference:
     docstring). Call it as the model; `module` is the model."""
 
     def __init__(
-        self, model: torch.nn.Module, freeze_weights: bool, fullgraph: bool, autotune: bool = True
+        self,
+        model: torch.nn.Module,
+        freeze_weights: bool,
+        fullgraph: bool,
+        autotune: bool = True,
+        cpp_wrapper: bool = False,
     ) -> None:
         self._call = FrozenCompiledCall(
             model,
@@ -69,6 +74,7 @@ class CompiledInference:
             dynamic=None,
             fullgraph=fullgraph,
             autotune=autotune,
+            cpp_wrapper=cpp_wrapper,
         )
         self._module = model
 
@@ -89,6 +95,7 @@ def compile_for_inference(
     freeze_weights: bool = True,
     fullgraph: bool = False,
     autotune: bool = True,
+    cpp_wrapper: bool = False,
 ) -> CompiledInference:
     """`model`'s inference, compiled by Inductor with frozen weights.
 
@@ -101,6 +108,9 @@ def compile_for_inference(
         autotune: Let Inductor time its C++ GEMM templates against ATen's
             kernels for each product shape and keep the faster (default): a
             longer first call per shape (docs/speed.md).
+        cpp_wrapper: Call the graph's kernels from generated C++ instead of
+            Python: less overhead per kernel where calls are small and many,
+            a longer first compilation.
 
     Returns:
         A `CompiledInference`, called as the model: compiled under
@@ -118,4 +128,4 @@ def compile_for_inference(
         raise TypeError(
             f"compile_for_inference needs a torch.nn.Module, got {type(model).__name__}"
         )
-    return CompiledInference(model, freeze_weights, fullgraph, autotune)
+    return CompiledInference(model, freeze_weights, fullgraph, autotune, cpp_wrapper)

@@ -143,22 +143,25 @@ def _int8_w8a8() -> Any:
     return Int8QuantizationConfig()  # Keras's int8: per-token activation quantizer
 
 
-def compiled(variant: Variant, *, autotune: bool = True) -> Variant:
+def compiled(variant: Variant, *, autotune: bool = True, cpp_wrapper: bool = False) -> Variant:
     """`variant` compiled: SmolLM2 with `compile_for_generation` (decode
     compiled on a static KV cache; prefill and quality stay eager), MiniLM
     with `compile_for_inference` (every call); without Inductor's GEMM
-    autotuning when `autotune` is off (named "... compiled (no autotune)")."""
+    autotuning when `autotune` is off (named "... compiled (no autotune)"),
+    with its C++ wrapper when `cpp_wrapper` is on ("... compiled (C++
+    wrapper)")."""
 
     def prepare(model: torch.nn.Module, calibration: Calibration) -> Any:
         from dtype_policies import compile_for_generation, compile_for_inference
 
         prepared = variant.prepare(model, calibration)
         if calibration.model == LM:
-            return compile_for_generation(prepared, autotune=autotune)
-        return compile_for_inference(prepared, autotune=autotune)
+            return compile_for_generation(prepared, autotune=autotune, cpp_wrapper=cpp_wrapper)
+        return compile_for_inference(prepared, autotune=autotune, cpp_wrapper=cpp_wrapper)
 
+    suffix = ("" if autotune else " (no autotune)") + (" (C++ wrapper)" if cpp_wrapper else "")
     return Variant(
-        f"{variant.name} compiled" + ("" if autotune else " (no autotune)"),
+        f"{variant.name} compiled" + suffix,
         prepare,
         models=variant.models,
         note="compiled with frozen weights (the first call of each shape compiles)",
@@ -279,6 +282,11 @@ OURS += [
 ]
 OURS += [
     compiled(v, autotune=False) for v in OURS if v.name in ("mixed_bfloat16", "int8", "int4/32")
+]
+OURS += [
+    compiled(v, cpp_wrapper=True)
+    for v in OURS
+    if v.name in ("mixed_bfloat16", "int8", "int8 weight-only", "int4/32 W4A8")
 ]
 """This library's variants, in table order (the reference is `float32`)."""
 
