@@ -93,7 +93,7 @@ def test_the_cpp_wrapper_runs_this_librarys_operators_with_eager_values():
     assert fast._call.inductor_options["cpp_wrapper"] is True
     expected = hidden(model, 2, 12)
     got, codes = run_and_get_code(hidden, fast, 2, 12)
-    assert any("extern \"C\"" in code or "AOTI" in code for code in codes)  # a C++ wrapper
+    assert any('extern "C"' in code or "AOTI" in code for code in codes)  # a C++ wrapper
     assert close(got, expected) < 2e-2
 
 
