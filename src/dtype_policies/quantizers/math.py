@@ -81,12 +81,12 @@ def abs_max_quantize_blocks(
 
 
 def expand_blocks(per_block: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
-    """(N, blocks) values repeated over their blocks' inputs: (N, k).
+    """(..., blocks) values repeated over their blocks' inputs: (..., k).
 
     >>> expand_blocks(torch.tensor([[1.0, 2.0]]), 2, 3).tolist()
     [[1.0, 1.0, 2.0]]
     """
-    return per_block.repeat_interleave(block_size, dim=1)[:, :k]
+    return per_block.repeat_interleave(block_size, dim=-1)[..., :k]
 
 
 def grouped_quantize_with_zero_point(

@@ -391,6 +391,11 @@ def int8_blocked_linear(
         y = _cast_in_chunks(rounded.to(dtype), q_nk)
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     y = _cast_in_chunks(rounded.to(dtype), q_nk, column_step, runtime.block_size)
+    return _plus_bias(y, bias, out_dtype)
+
+
+def _plus_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`y + bias` (in `y`'s dtype) in `out_dtype`: the per-block weights' epilogue."""
     return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
 
 
@@ -436,7 +441,7 @@ def int8_linear_traceable(
         if block_size is not None:
             weight = q_nk.float() * expand_blocks(column_step, block_size, k)
             y = F.linear(rounded.to(dtype), weight.to(dtype))
-            return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
+            return _plus_bias(y, bias, out_dtype)
         y = F.linear(rounded.to(dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     if weight_only:

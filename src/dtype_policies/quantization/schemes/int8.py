@@ -64,7 +64,8 @@ class Int8Scheme(Scheme):
         steps: tuple[int, ...] = (spec.out_features,)
         if block is not None:
             blocks = -(-spec.in_features // block)
-            steps = (blocks, spec.out_features) if spec.layout == "in_out" else (steps[0], blocks)
+            in_out = spec.layout == "in_out"
+            steps = (blocks, spec.out_features) if in_out else (spec.out_features, blocks)
         return {data: ((rows, columns), torch.int8), scale: (steps, torch.float32)}
 
     def new_runtime(self) -> kernels.Int8Runtime:
@@ -138,12 +139,7 @@ class Int8Scheme(Scheme):
     def lookup(self, module, qw, ids, compute):
         data, scale = self._stored(module, qw)
         rows = data[ids].float()
-        steps = scale[ids].float()
-        block = _block_size(qw)
-        if block is None:
-            return (rows / steps.unsqueeze(-1)).to(compute)
-        expanded = steps.repeat_interleave(block, dim=-1)[..., : rows.shape[-1]]
-        return (rows / expanded).to(compute)
+        return (rows / _per_input(scale[ids].float(), _block_size(qw), rows.shape[-1])).to(compute)
 
 
 def _block_size(qw: QuantizedWeight) -> int | None:
@@ -154,9 +150,9 @@ def _block_size(qw: QuantizedWeight) -> int | None:
 
 
 def _per_input(scale: torch.Tensor, block_size: int | None, k: int) -> torch.Tensor:
-    """The (N, 1) per-channel or (N, K) per-block scale of an (N, K) weight."""
+    """The (..., 1) per-channel or (..., K) per-block scale of (..., K) rows."""
     if block_size is None:
-        return scale[:, None]
+        return scale.unsqueeze(-1)
     return expand_blocks(scale, block_size, k)
 
 
