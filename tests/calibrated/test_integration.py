@@ -171,3 +171,17 @@ def test_compiled_inference_mode_and_threads_compute_what_eager_does(mode):
     for t in threads:
         t.join()
     assert all(torch.equal(r, eager) for r in results)
+
+
+@pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
+def test_the_grid_setting_is_checked_and_serialized_only_when_not_the_default(config_class):
+    default = config_class(None, None, group_size=64)
+    keras_grids = config_class(None, None, group_size=64, grid="keras")
+    assert default.grid == "refined" and "grid" not in default.get_config()
+    assert keras_grids.get_config()["grid"] == "keras"
+    assert config_class.from_config(keras_grids.get_config()).grid == "keras"
+    assert default == keras_grids  # a quantize-time setting: the stored layout is the same
+    with pytest.raises(
+        ValueError, match=r"grid must be one of \('refined', 'keras'\)\. Received: grid='minmax'"
+    ):
+        config_class(None, None, grid="minmax")

@@ -5,7 +5,7 @@ negative zero point wrapped by a uint8 cast; scales recomputed per block for
 groups wider than 128 columns). The one deliberate difference is the matrix
 GPTQ's column loop is fed: the library feeds the upper Cholesky factor of the
 inverse Hessian (the reference GPTQ), Keras the plain inverse;
-`gptq_quantize(..., inverse="keras")` reproduces Keras."""
+`gptq_quantize(..., inverse="keras", grid="keras")` reproduces Keras."""
 
 import os
 
@@ -93,6 +93,7 @@ def test_gptq_fed_keras_matrix_gives_keras_integers(k, n, bits, group, act_order
         activation_order=act_order,
         symmetric=symmetric,
         inverse="keras",
+        grid="keras",
     )
     assert (our_zero >= 0).all()  # no group for Keras's uint8 cast to wrap (seeds chosen so)
     assert np.array_equal(q.numpy(), levels.astype(np.int64))
@@ -195,6 +196,7 @@ def test_a_keras_calibrated_dense_and_ours_compute_the_same():
         group_size=16,
         activation_order=True,
         inverse="keras",
+        grid="keras",
     )
     for name, tensor in quantized.scheme.stored_tensors(quantized.spec, config, q, s, z, g).items():
         ours._buffers[name] = tensor

@@ -88,14 +88,17 @@ def test_activation_order_with_a_diagonal_hessian_changes_nothing():
     assert torch.equal(gptq.dequantize_with_sz_map(*plain), gptq.dequantize_with_sz_map(*ordered))
 
 
-@pytest.mark.parametrize("inverse", gptq.INVERSES)
+ALGORITHMS = [("cholesky", "refined"), ("cholesky", "keras"), ("keras", "keras")]
+
+
+@pytest.mark.parametrize("inverse, grid", ALGORITHMS)
 @pytest.mark.parametrize("bits, group", [(4, 32), (3, 16), (2, 32), (8, -1), (4, -1)])
-def test_gptq_lowers_the_output_error_on_its_inputs(inverse, bits, group):
+def test_gptq_lowers_the_output_error_on_its_inputs(inverse, grid, bits, group):
     x = correlated_inputs(1024, 96, seed=bits)
     w = torch.randn(40, 96)
     hessian = 2 * x.T @ x / x.shape[0]
     ours = gptq.dequantize_with_sz_map(
-        *gptq.gptq_quantize(w, hessian, bits=bits, group_size=group, inverse=inverse)
+        *gptq.gptq_quantize(w, hessian, bits=bits, group_size=group, inverse=inverse, grid=grid)
     )
     rtn = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w, bits=bits, group_size=group))
     assert output_error(x, w, ours) < output_error(x, w, rtn)
@@ -110,7 +113,11 @@ def test_the_cholesky_factor_beats_the_plain_inverse():
         hessian = 2 * x.T @ x / x.shape[0]
         errors = {
             inverse: output_error(
-                x, w, gptq.dequantize_with_sz_map(*gptq.gptq_quantize(w, hessian, inverse=inverse))
+                x,
+                w,
+                gptq.dequantize_with_sz_map(
+                    *gptq.gptq_quantize(w, hessian, inverse=inverse, grid="keras")
+                ),
             )
             for inverse in gptq.INVERSES
         }
@@ -118,11 +125,11 @@ def test_the_cholesky_factor_beats_the_plain_inverse():
     assert wins == 4
 
 
-def test_activation_order_groups_and_levels():
+def test_activation_order_groups_and_levels_on_keras_grids():
     x = correlated_inputs(512, 64)
     w = torch.randn(16, 64)
     q, scale, _, g_idx = gptq.gptq_quantize(
-        w, 2 * x.T @ x / 512, bits=3, group_size=16, activation_order=True
+        w, 2 * x.T @ x / 512, bits=3, group_size=16, activation_order=True, grid="keras"
     )
     assert torch.equal(g_idx.sort().values, torch.arange(64) // 16)
     assert not torch.equal(g_idx, torch.arange(64) // 16)
@@ -139,13 +146,86 @@ def test_dead_inputs_and_a_singular_hessian():
     x[:, 7] = x[:, 6]  # and two identical ones: H is singular without damping
     w = torch.randn(8, 32)
     hessian = 2 * x.T @ x / 256
-    q, scale, zero, g_idx = gptq.gptq_quantize(w, hessian, group_size=16, damping=0.0)
+    q, scale, zero, g_idx = gptq.gptq_quantize(w, hessian, group_size=16, damping=0.0, grid="keras")
     restored = gptq.dequantize_with_sz_map(q, scale, zero, g_idx)
     assert torch.isfinite(restored).all() and torch.equal(restored[:, 5], torch.zeros(8))
+    # the refined grids keep a silent input's weight, rounded to nearest
+    q, scale, zero, g_idx = gptq.gptq_quantize(w, hessian, group_size=16, damping=0.0)
+    restored = gptq.dequantize_with_sz_map(q, scale, zero, g_idx)
+    assert torch.isfinite(restored).all()
+    assert ((restored[:, 5] - w[:, 5]).abs() <= scale[:, 0] / 2 + 1e-6).all()
     with pytest.raises(ValueError, match="not positive definite"):
         gptq.gptq_quantize(w, torch.full((32, 32), float("nan")), group_size=16)
     with pytest.raises(ValueError, match="`inverse` must be one of"):
         gptq.gptq_quantize(w, hessian, inverse="lu")
+    with pytest.raises(
+        ValueError, match=r"`grid` must be one of \('refined', 'keras'\). Received: 'minmax'"
+    ):
+        gptq.gptq_quantize(w, hessian, grid="minmax")
+    with pytest.raises(ValueError, match="needs the reference inverse"):
+        gptq.gptq_quantize(w, hessian, inverse="keras")
+
+
+def q4_1_weight(n: int, k: int, block: int, seed: int = 0) -> torch.Tensor:
+    """A weight already on a grid: per block of `block` inputs a step and a
+    minimum (GGUF's Q4_1), levels 0..15 with both ends used."""
+    generator = torch.Generator().manual_seed(seed)
+    levels = torch.randint(0, 16, (n, k), generator=generator).float()
+    levels[:, ::block] = 0
+    levels[:, 1::block] = 15
+    steps = (torch.rand(n, k // block, generator=generator) + 0.5) * 0.01
+    minimum = -torch.rand(n, k // block, generator=generator) * 0.1
+    return levels * steps.repeat_interleave(block, 1) + minimum.repeat_interleave(block, 1)
+
+
+@pytest.mark.parametrize("activation_order", [False, True])
+def test_refined_grids_reproduce_a_weight_already_on_a_grid(activation_order):
+    """Whatever the Hessian: each level's error is 0, so nothing is
+    compensated; Keras's grids (a rounded zero point, recomputed from the
+    compensated columns) lose such a weight."""
+    w = q4_1_weight(24, 96, 32)
+    x = correlated_inputs(512, 96, seed=3)
+    hessian = 2 * x.T @ x / 512
+    restored = gptq.dequantize_with_sz_map(
+        *gptq.gptq_quantize(w, hessian, group_size=32, activation_order=activation_order)
+    )
+    assert torch.allclose(restored, w, rtol=0, atol=1e-6)
+    keras = gptq.gptq_quantize(w, hessian, group_size=32, grid="keras")
+    assert (gptq.dequantize_with_sz_map(*keras) - w).abs().max() > 1e-3
+
+
+def test_refined_grids_keep_natural_groups_under_activation_order():
+    x = correlated_inputs(512, 64)
+    w = torch.randn(16, 64)
+    hessian = 2 * x.T @ x / 512
+    plain = gptq.gptq_quantize(w, hessian, bits=3, group_size=16)
+    ordered = gptq.gptq_quantize(w, hessian, bits=3, group_size=16, activation_order=True)
+    assert torch.equal(ordered[3], torch.arange(64) // 16)
+    assert int(ordered[0].min()) >= 0 and int(ordered[0].max()) <= 7
+    assert not torch.equal(plain[0], ordered[0])
+    # ordered by decreasing diagonal: on these inputs the order lowers the error
+    errors = [output_error(x, w, gptq.dequantize_with_sz_map(*r)) for r in (plain, ordered)]
+    assert errors[1] < errors[0]
+
+
+def test_refitting_the_grid_lowers_every_rows_error_or_keeps_it():
+    x = correlated_inputs(1024, 96, seed=5)
+    w = torch.randn(40, 96)
+    hessian = 2 * x.T @ x / 1024
+    scale, zero, maxq = gptq.refined_grid(w, bits=4, group_size=32)
+    g_idx = torch.arange(96) // 32
+    q = gptq.quantize_with_zero_point(w, scale[:, g_idx], zero[:, g_idx], maxq).to(torch.int32)
+    new_scale, new_zero = gptq.refit_grid(w, q, scale, zero, g_idx, hessian)
+    before = gptq.output_error(w - gptq.dequantize_with_sz_map(q, scale, zero, g_idx), hessian)
+    after = gptq.output_error(
+        w - gptq.dequantize_with_sz_map(q, new_scale, new_zero, g_idx), hessian
+    )
+    assert (after <= before).all() and float(after.sum()) < 0.95 * float(before.sum())
+    assert (new_scale > 0).all() and new_scale.shape == scale.shape
+    # a row whose levels are all equal has no 2-value fit per group: it keeps its grid
+    q[0] = 7
+    kept_scale, kept_zero = gptq.refit_grid(w, q, scale, zero, g_idx, hessian)
+    assert torch.equal(kept_scale[0], scale[0]) and torch.equal(kept_zero[0], zero[0])
 
 
 def test_the_grid_keeps_a_real_zero_point_and_may_leave_it_unrounded():
@@ -189,7 +269,7 @@ def test_the_output_search_never_loses_to_round_to_nearest(group):
     x = correlated_inputs(1024, 64, seed=group + 3)
     w = torch.randn(24, 64)
     hessian = x.T @ x / x.shape[0]
-    scales = awq.awq_search_output(w, hessian, x.abs().mean(0), group_size=group)
+    scales = awq.awq_search_output(w, hessian, x.abs().mean(0), group_size=group, grid="keras")
     size = 64 if group == -1 else group
     searched = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w * scales, group_size=size)) / scales
     rtn = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w, group_size=size))
@@ -201,8 +281,8 @@ def test_clipping_lowers_the_error_further_and_keeps_the_scales():
     w = torch.randn(32, 64) * (1 + 5 * (torch.rand(32, 64) > 0.98))  # a few outliers
     hessian = x.T @ x / x.shape[0]
     mean = x.abs().mean(0)
-    clipped = awq.awq_quantize_output(w, hessian, mean, group_size=16)
-    plain = awq.awq_quantize_output(w, hessian, mean, group_size=16, clip=False)
+    clipped = awq.awq_quantize_output(w, hessian, mean, group_size=16, grid="keras")
+    plain = awq.awq_quantize_output(w, hessian, mean, group_size=16, clip=False, grid="keras")
     assert torch.equal(clipped[3], plain[3])
 
     def restored(result):
@@ -210,3 +290,42 @@ def test_clipping_lowers_the_error_further_and_keeps_the_scales():
         return gptq.dequantize_with_sz_map(q, scale, zero, g_idx) / scales
 
     assert output_error(x, w, restored(clipped)) < output_error(x, w, restored(plain))
+
+
+def awq_restored(result):
+    q, scale, zero, scales, g_idx = result
+    return gptq.dequantize_with_sz_map(q, scale, zero, g_idx) / scales
+
+
+@pytest.mark.parametrize("group", [-1, 16])
+def test_refined_awq_beats_the_rule_it_starts_from(group):
+    x = correlated_inputs(1024, 64, seed=group + 5)
+    w = torch.randn(24, 64)
+    hessian = x.T @ x / x.shape[0]
+    size = 64 if group == -1 else group
+    ours = awq_restored(awq.awq_quantize_output(w, hessian, x.abs().mean(0), group_size=group))
+    rule = awq._rule_round_trip(w, size)
+    assert output_error(x, w, ours) < output_error(x, w, rule)
+
+
+def test_refined_awq_keeps_a_weight_already_on_a_grid():
+    """`s = 1` reproduces it (no error), so no other scale wins and the refit
+    keeps the grid."""
+    w = q4_1_weight(16, 64, 32, seed=2)
+    x = correlated_inputs(512, 64, seed=7)
+    result = awq.awq_quantize_output(w, x.T @ x / 512, x.abs().mean(0), group_size=32)
+    assert torch.equal(result[3], torch.ones(64))
+    assert torch.allclose(awq_restored(result), w, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="`grid` must be one of"):
+        awq.awq_quantize_output(w, x.T @ x, x.abs().mean(0), grid="hqq")
+
+
+def test_round_to_nearest_on_the_refined_grid_keeps_a_weight_on_a_grid():
+    """What a calibrated mode stores without calibration data."""
+    w = q4_1_weight(8, 64, 32, seed=4)
+    refined = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w, group_size=32, grid="refined"))
+    keras = gptq.dequantize_with_sz_map(*gptq.quantize_rtn(w, group_size=32, grid="keras"))
+    assert torch.allclose(refined, w, rtol=0, atol=1e-6)
+    assert (keras - w).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="`grid` must be one of"):
+        gptq.quantize_rtn(w, grid="nearest")

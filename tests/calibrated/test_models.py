@@ -131,17 +131,27 @@ def test_gptq_beats_round_to_nearest_on_held_out_data(bits):
     assert error(model, reference) < 0.8 * rtn
 
 
-def test_activation_order_stores_g_idx_and_the_kernel_permutes_the_input():
+@pytest.mark.parametrize("grid", ["keras", "refined"])
+def test_activation_order_stores_g_idx_and_the_kernel_permutes_the_input(grid):
+    """Keras's grids follow the order (a permuted `g_idx`, folded into the
+    packed kernel); the refined grids keep the natural groups."""
     model = llama(layers_count=1)
     config = GPTQConfig(
-        token_data(), None, num_samples=4, sequence_length=32, group_size=16, activation_order=True
+        token_data(),
+        None,
+        num_samples=4,
+        sequence_length=32,
+        group_size=16,
+        activation_order=True,
+        grid=grid,
     )
     quiet_quantize(model, config)
     proj = model.model.layers[0].mlp.down_proj
     g_idx = proj.weight_g_idx
+    natural = (torch.arange(128) // 16).float()
     assert g_idx.dtype == torch.float32 and g_idx.shape == (128,)
-    assert not torch.equal(g_idx, (torch.arange(128) // 16).float())  # permuted
-    assert torch.equal(g_idx.sort().values, (torch.arange(128) // 16).float())
+    assert torch.equal(g_idx, natural) == (grid == "refined")
+    assert torch.equal(g_idx.sort().values, natural)
     x = torch.randn(5, 128)
     weight = quantization_of(proj).dequantized(proj)
     with torch.no_grad():

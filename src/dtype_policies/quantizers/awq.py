@@ -35,11 +35,15 @@ from __future__ import annotations
 import torch
 
 from dtype_policies.quantizers.gptq import (
+    GRIDS,
     compute_quantization_parameters,
     dequantize_with_sz_map,
     quantize_rtn,
     quantize_with_zero_point,
+    refined_grid,
+    refit_grid,
 )
+from dtype_policies.quantizers.math import dequantize_grouped, grouped_quantize_with_zero_point
 
 AWQ_BITS = 4
 CLIP_RATIOS = tuple(1.0 - i / 20 for i in range(10))  # the original AWQ's: 1.0 .. 0.55
@@ -122,6 +126,13 @@ def _output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
     return ((delta @ hessian) * delta).sum()
 
 
+def _rule_round_trip(weights: torch.Tensor, group: int) -> torch.Tensor:
+    """`weights` (N, K) through int4's round-to-nearest rule in groups of
+    `group` inputs (`quantizers.math.grouped_quantize_with_zero_point`)."""
+    kernel = weights.t()
+    return dequantize_grouped(*grouped_quantize_with_zero_point(kernel, group), group).t()
+
+
 def awq_search_output(
     w_nk: torch.Tensor,
     hessian: torch.Tensor,
@@ -129,9 +140,11 @@ def awq_search_output(
     *,
     num_grid_points: int = 20,
     group_size: int = -1,
+    grid: str = "refined",
 ) -> torch.Tensor:
     """The original AWQ's scale search: the `s` minimising the layer's output
-    error `tr((W - Ŵ) H (W - Ŵ)ᵀ)`."""
+    error `tr((W - Ŵ) H (W - Ŵ)ᵀ)`, each candidate rounded to nearest on
+    Keras's grid (`grid="keras"`) or int4's rule (`grid="refined"`)."""
     weights = w_nk.float()
     hessian = hessian.float()
     magnitude = mean_abs.float()
@@ -142,8 +155,13 @@ def awq_search_output(
     best = torch.ones(in_features)
     for i in range(num_grid_points + 1):
         scales = _normalised_scales(magnitude, i / num_grid_points)
-        levels, scale, zero, g_idx = quantize_rtn(weights * scales, bits=AWQ_BITS, group_size=group)
-        reconstructed = dequantize_with_sz_map(levels, scale, zero, g_idx) / scales
+        if grid == "refined":
+            reconstructed = _rule_round_trip(weights * scales, group) / scales
+        else:
+            levels, scale, zero, g_idx = quantize_rtn(
+                weights * scales, bits=AWQ_BITS, group_size=group
+            )
+            reconstructed = dequantize_with_sz_map(levels, scale, zero, g_idx) / scales
         loss = _output_error(weights - reconstructed, hessian)
         if best_loss is None or loss < best_loss:
             best_loss, best = loss, scales
@@ -198,16 +216,36 @@ def awq_quantize_output(
     num_grid_points: int = 20,
     group_size: int = -1,
     clip: bool = True,
+    grid: str = "refined",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AWQ with the output-error search (and clipping): `(q, scale, zero,
-    awq_scales, g_idx)` as `awq_quantize_matrix`."""
+    """AWQ with the output-error search: `(q, scale, zero, awq_scales, g_idx)`
+    as `awq_quantize_matrix`.
+
+    `grid="keras"`: the candidates and the result on Keras's grid, each
+    group's range clipped by the original AWQ's search (`clip`).
+    `grid="refined"`: the candidates rounded by int4's rule, the result on
+    `gptq.refined_grid` of the scaled weight, its grid then re-fitted to the
+    levels on the output error (`gptq.refit_grid`, in the scaled weight's
+    units: `H` divided by `s s^T`); no clipping (the refit chooses each
+    group's range). A weight already on a grid keeps it when `s = 1` wins.
+    """
+    if grid not in GRIDS:
+        raise ValueError(f"`grid` must be one of {GRIDS}. Received: {grid!r}")
     weights = w_nk.float()
     in_features = weights.shape[1]
     group = in_features if group_size == -1 else group_size
     scales = awq_search_output(
-        weights, hessian, mean_abs, num_grid_points=num_grid_points, group_size=group
+        weights, hessian, mean_abs, num_grid_points=num_grid_points, group_size=group, grid=grid
     )
     scaled = weights * scales
+    if grid == "refined":
+        scale, zero, maxq = refined_grid(scaled, bits=AWQ_BITS, group_size=group)
+        g_idx = torch.arange(in_features) // group
+        q = quantize_with_zero_point(scaled, scale[:, g_idx], zero[:, g_idx], maxq)
+        q = q.to(torch.int32)
+        scaled_hessian = hessian.float() / scales[:, None] / scales[None, :]
+        scale, zero = refit_grid(scaled, q, scale, zero, g_idx, scaled_hessian)
+        return q, scale, zero, scales, g_idx
     if clip:
         bound = _clip_bounds(scaled, hessian.float(), scales, group)
         columns = bound[:, torch.arange(in_features) // group]

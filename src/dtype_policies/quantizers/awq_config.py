@@ -25,8 +25,7 @@ class AWQConfig(TokenCalibrationConfig):
     * `"output"` (the default): the layer's output error on the calibration
       inputs, `tr((W - Ŵ) H (W - Ŵ)ᵀ)` with `H = XᵀX` (the original AWQ's
       criterion, computed exactly from the inputs' second moments), with
-      `a` the mean |x| per channel, followed by the original AWQ's clipping
-      search of each group's range on the same error;
+      `a` the mean |x| per channel, on this library's grids (`grid`);
     * `"weight"`: Keras's criterion, the weight error weighted by each
       channel's squared maximum |x|, `mean((W - Ŵ)² * max|x|²)` (Keras's
       integers exactly).
@@ -39,6 +38,15 @@ class AWQConfig(TokenCalibrationConfig):
         num_grid_points: Ratios tried in the scale search (`0, 1/n, ..., 1`).
         objective: `"output"` or `"weight"` (see above); a quantize-time
             setting, kept in `get_config` only when not the default.
+        grid: With the `"output"` objective, each group's grid (not Keras's;
+            in `get_config` only when not `"refined"`). `"refined"`: the
+            candidates rounded by int4's rule, the result on
+            `quantizers.gptq.refined_grid` re-fitted to its levels on the
+            output error (as GPTQ's). `"keras"`: Keras's grids (min/max, a
+            rounded zero point), each group's range clipped by the original
+            AWQ's search. Measured on SmolLM2-135M, awq/4/128 on 32 x 512
+            tokens: perplexity 28.0 against 29.6 (float32 24.92). The
+            `"weight"` objective always uses Keras's grids.
 
     >>> from dtype_policies.quantizers import AWQConfig
     >>> config = AWQConfig(dataset=None, tokenizer=None, group_size=64)
@@ -57,6 +65,7 @@ class AWQConfig(TokenCalibrationConfig):
         "num_grid_points",
         "objective",
         "quantization_layer_structure",
+        "grid",
     )
 
     def __init__(
@@ -72,6 +81,7 @@ class AWQConfig(TokenCalibrationConfig):
         quantization_layer_structure: Any = None,
         objective: str = "output",
         calibration_batch_size: int = 8,
+        grid: str = "refined",
     ) -> None:
         if weight_bits != 4 or isinstance(weight_bits, bool):
             raise ValueError(
@@ -86,6 +96,7 @@ class AWQConfig(TokenCalibrationConfig):
             group_size=group_size,
             quantization_layer_structure=quantization_layer_structure,
             calibration_batch_size=calibration_batch_size,
+            grid=grid,
         )
         if (
             not isinstance(num_grid_points, int)

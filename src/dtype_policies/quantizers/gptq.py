@@ -41,9 +41,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from dtype_policies.quantizers.math import grouped_quantize_with_zero_point
+from dtype_policies.quantizers.zero_points import refine_zero_points
+
 GridFunction = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, float]]
 
 INVERSES = ("cholesky", "keras")
+GRIDS = ("refined", "keras")
 
 
 def compute_quantization_parameters(
@@ -104,7 +108,7 @@ def compute_quantization_parameters(
     return scale, zero, maxq
 
 
-def grid(
+def keras_grid(
     bits: int, *, symmetric: bool = False, per_channel: bool = True, round_zero: bool = True
 ) -> GridFunction:
     """The `compute_scale_zero` function of a GPTQ config (Keras's
@@ -121,6 +125,41 @@ def grid(
         )
 
     return compute_scale_zero
+
+
+def refined_grid(
+    w_nk: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int = -1,
+    symmetric: bool = False,
+    per_channel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """This library's grid of an (N, K) float weight, `(scale, zero, maxq)`
+    with `scale`, `zero` (N, groups) in Keras's unsigned convention: int4's
+    round-to-nearest rule (`quantizers.math.grouped_quantize_with_zero_point`,
+    at `bits` levels: 0 exactly on the grid, unless a group lies on one side
+    of it or already on a grid of its own, which is then reproduced exactly),
+    the zero points refined as int4's (`quantizers.zero_points`, up to 4
+    bits). Symmetric or per-tensor grids are Keras's, of the same weights.
+
+    GPTQ fixes these grids before its column loop (`grid="refined"`): a
+    weight already on a grid (SmolLM2's GGUF was Q4_1 blocks of 32) keeps it,
+    and with activation order the groups stay the natural ones, so the
+    kernels need no permutation.
+    """
+    if symmetric or not per_channel:
+        return compute_quantization_parameters(
+            w_nk, bits=bits, symmetric=symmetric, per_channel=per_channel, group_size=group_size
+        )
+    offset = 2 ** (bits - 1)
+    value_range = (-offset, offset - 1)
+    block = w_nk.shape[1] if group_size == -1 else group_size
+    kernel = w_nk.float().t()
+    q, scale, zero = grouped_quantize_with_zero_point(kernel, block, value_range=value_range)
+    if bits <= 4:
+        q, zero = refine_zero_points(kernel, q, scale, zero, block, value_range=value_range)
+    return scale.t().contiguous(), (zero + offset).t().contiguous(), float(2**bits - 1)
 
 
 def quantize_with_zero_point(
@@ -204,7 +243,7 @@ def gptq_quantize_matrix(
     groups wider than a block (and per channel with K > `blocksize`) its
     stored scales no longer match the levels; the two agree everywhere else.
     """
-    compute = compute_scale_zero or grid(4)
+    compute = compute_scale_zero or keras_grid(4)
     in_features = w_nk.shape[1]
     weights = w_nk.float()
     inverse = inverse.float()
@@ -301,6 +340,103 @@ def _upper_cholesky_of_inverse(hessian: torch.Tensor, damping: float) -> torch.T
     )
 
 
+def gptq_quantize_on_grid(
+    w_nk: torch.Tensor,
+    upper: torch.Tensor,
+    column_scale: torch.Tensor,
+    column_zero: torch.Tensor,
+    maxq: float,
+    *,
+    blocksize: int = 128,
+) -> torch.Tensor:
+    """GPTQ's column loop on grids fixed beforehand: the (N, K) int32 levels
+    of `w_nk`, column `j` rounded to `column_scale[:, j] * (q - column_zero[:, j])`,
+    `q` in `0..maxq`, its error compensated on the later columns through the
+    rows of `upper` (the upper Cholesky factor of the inverse Hessian, in the
+    columns' order) as in `gptq_quantize_matrix`."""
+    in_features = w_nk.shape[1]
+    weights = w_nk.float().clone()
+    inverse_step = 1.0 / column_scale.float().clamp(min=1e-12)
+    column_scale = column_scale.float()
+    column_zero = column_zero.float()
+    levels = torch.empty(weights.shape, dtype=torch.int32)
+    with single_threaded():
+        for start in range(0, in_features, blocksize):
+            end = min(start + blocksize, in_features)
+            block = weights[:, start:end].clone()
+            block_error = torch.empty_like(block)
+            block_inverse = upper[start:end, start:end]
+            for j in range(end - start):
+                column = start + j
+                w = block[:, j]
+                offset = column_zero[:, column]
+                q = torch.clamp(torch.round(w * inverse_step[:, column] + offset), 0, maxq)
+                levels[:, column] = q.to(torch.int32)
+                error = (w - column_scale[:, column] * (q - offset)) / block_inverse[j, j]
+                block_error[:, j] = error
+                if j < end - start - 1:
+                    block[:, j + 1 :] -= error[:, None] * block_inverse[j, j + 1 :][None, :]
+            if end < in_features:
+                weights[:, end:] -= torch.matmul(block_error, upper[start:end, end:])
+    return levels
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """Per row of an (N, K) weight error `D`, `(D H Dᵀ)[n, n]`: its share of
+    the layer's squared output error on inputs of second moment `H`."""
+    return ((delta @ hessian) * delta).sum(dim=1)
+
+
+def refit_grid(
+    w_nk: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    g_idx: torch.Tensor,
+    hessian: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Given the levels `q` (N, K), the (N, G) `scale` and `zero` that
+    minimise each row's output error `output_error(W - scale * (q - zero))`
+    on the Hessian `H` of the inputs: per row a least-squares problem in its
+    2G values (a step and an offset per group), solved exactly. A row keeps
+    its grid when the solution is not better (or not a valid grid: a step
+    that is not positive), so no row's error rises.
+
+    GPTQ chooses the levels column by column with the grid fixed; this
+    chooses the grid given the levels. Measured on SmolLM2-135M, gptq/4/128
+    with activation order on 32 x 512 tokens: layer output errors -12%,
+    perplexity 28.5 -> 27.5 (float32 24.92).
+    """
+    weights, levels, hessian = w_nk.float(), q.float(), hessian.float()
+    n, groups = weights.shape[0], scale.shape[1]
+    member = torch.nn.functional.one_hot(g_idx.long(), groups).float()  # (K, G)
+    weighted = weights @ hessian  # rows of W H
+    hessian_members = hessian @ member  # (K, G)
+    # rows' normal equations A θ = b, θ = (steps of the G groups, offsets of the G groups)
+    system = torch.empty(n, 2 * groups, 2 * groups)
+    for g in range(groups):
+        columns = member[:, g] > 0
+        levels_times_h = levels[:, columns] @ hessian[columns]  # (N, K): Σ_{l in g} q_l H_lk
+        system[:, :groups, g] = (levels * levels_times_h) @ member
+        system[:, groups:, g] = levels_times_h @ member
+    system[:, :groups, groups:] = system[:, groups:, :groups].transpose(1, 2)
+    system[:, groups:, groups:] = member.t() @ hessian_members
+    right = torch.cat([(levels * weighted) @ member, weighted @ member], dim=1)
+    ridge = 1e-6 * torch.diagonal(system, dim1=1, dim2=2).mean(dim=1).clamp(min=1e-12)
+    system.diagonal(dim1=1, dim2=2).add_(ridge[:, None])
+    solution, info = torch.linalg.solve_ex(system, right.unsqueeze(-1))
+    solution = solution.squeeze(-1)
+    steps, offsets = solution[:, :groups], solution[:, groups:]
+    valid = (info == 0) & (steps > 0).all(dim=1) & torch.isfinite(solution).all(dim=1)
+    safe_steps = torch.where(steps > 0, steps, torch.ones_like(steps))
+    zeros = -offsets / safe_steps
+    columns = g_idx.long()
+    before = output_error(weights - (levels - zero[:, columns]) * scale[:, columns], hessian)
+    after = output_error(weights - (levels - zeros[:, columns]) * safe_steps[:, columns], hessian)
+    better = (valid & (after < before))[:, None]
+    return torch.where(better, safe_steps, scale.float()), torch.where(better, zeros, zero.float())
+
+
 def gptq_quantize(
     w_nk: torch.Tensor,
     hessian: torch.Tensor,
@@ -314,6 +450,7 @@ def gptq_quantize(
     blocksize: int = 128,
     inverse: str = "cholesky",
     round_zero: bool = True,
+    grid: str = "refined",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ of one (N, K) weight given the (K, K) Hessian of its inputs
     (`2 XᵀX / n`): `(q, scale, zero, g_idx)` as `gptq_quantize_matrix`.
@@ -325,10 +462,32 @@ def gptq_quantize(
     `inverse="keras"` is Keras 3.15's `GPTQ.quantize_and_correct_layer`: the
     loop is fed `inverse(damped Hessian)` and orders the columns by the
     damped diagonal.
+
+    `grid="refined"` (with the reference inverse) fixes every group's grid
+    before the loop, from the float weights (`refined_grid`), keeps the
+    natural groups under activation order (`g_idx = arange(K) // group_size`)
+    and rounds the weights of inputs that never fired to nearest (the
+    reference zeroes them: an input silent on the calibration data may not
+    be silent later); after the loop each row's grid is re-fitted to its
+    levels (`refit_grid`);
+    `grid="keras"` computes each group's grid, Keras's min/max with a rounded
+    zero point, from its columns as they are when the loop reaches them
+    (already moved by the compensation of earlier columns), and `g_idx`
+    follows the activation order. Measured on SmolLM2-135M (its GGUF
+    weights are Q4_1 blocks of 32), 32 x 512 calibration tokens, float32,
+    perplexity (float32 24.92): gptq/4/32 28.0 on Keras's grids, 24.9 on
+    refined ones; gptq/4/128 30.1 on Keras's grids, 29.3 on refined grids,
+    28.5 with activation order too, 27.5 with the refit.
     """
     if inverse not in INVERSES:
         raise ValueError(f"`inverse` must be one of {INVERSES}. Received: {inverse!r}")
-    compute = grid(bits, symmetric=symmetric, per_channel=per_channel, round_zero=round_zero)
+    if grid not in GRIDS:
+        raise ValueError(f"`grid` must be one of {GRIDS}. Received: {grid!r}")
+    if grid == "refined" and inverse == "keras":
+        raise ValueError(
+            "`grid='refined'` needs the reference inverse (`inverse='cholesky'`); Keras's "
+            "integers come from `grid='keras', inverse='keras'`."
+        )
     damped, dead = damped_hessian(hessian, damping)
     if inverse == "keras":
         return gptq_quantize_matrix(
@@ -338,20 +497,41 @@ def gptq_quantize(
             group_size=group_size,
             activation_order=activation_order,
             order_metric=torch.diagonal(damped),
-            compute_scale_zero=compute,
+            compute_scale_zero=keras_grid(
+                bits, symmetric=symmetric, per_channel=per_channel, round_zero=round_zero
+            ),
         )
-    w_nk = w_nk.float().clone()
-    w_nk[:, dead] = 0
     in_features = w_nk.shape[1]
+    weights = w_nk.float().clone()
     perm = stable_permutation(torch.diagonal(damped)) if activation_order else None
+    inv_perm = None if perm is None else torch.argsort(perm, stable=True)
+    if grid == "refined":
+        scale, zero, maxq = refined_grid(
+            weights, bits=bits, group_size=group_size, symmetric=symmetric, per_channel=per_channel
+        )
+        g_idx = torch.arange(in_features) // (in_features if group_size == -1 else group_size)
+        column_scale, column_zero = scale[:, g_idx], zero[:, g_idx]
+        if perm is not None:
+            weights, damped = weights[:, perm], damped[perm][:, perm]
+            column_scale, column_zero = column_scale[:, perm], column_zero[:, perm]
+        upper = _upper_cholesky_of_inverse(damped, damping)
+        q = gptq_quantize_on_grid(
+            weights, upper, column_scale, column_zero, maxq, blocksize=blocksize
+        )
+        if inv_perm is not None:
+            q = q[:, inv_perm]
+        if not symmetric and per_channel:
+            scale, zero = refit_grid(w_nk, q, scale, zero, g_idx, hessian)
+        return q, scale, zero, g_idx
+    weights[:, dead] = 0
     if perm is not None:
-        w_nk, damped = w_nk[:, perm], damped[perm][:, perm]
+        weights, damped = weights[:, perm], damped[perm][:, perm]
     upper = _upper_cholesky_of_inverse(damped, damping)
+    compute = keras_grid(bits, symmetric=symmetric, per_channel=per_channel, round_zero=round_zero)
     q, scale, zero, g_idx = gptq_quantize_matrix(
-        w_nk, upper, blocksize=blocksize, group_size=group_size, compute_scale_zero=compute
+        weights, upper, blocksize=blocksize, group_size=group_size, compute_scale_zero=compute
     )
-    if perm is not None:
-        inv_perm = torch.argsort(perm, stable=True)
+    if inv_perm is not None:
         q, g_idx = q[:, inv_perm], g_idx[inv_perm]
     assert g_idx.shape == (in_features,)
     return q, scale, zero, g_idx
@@ -365,18 +545,29 @@ def quantize_rtn(
     symmetric: bool = False,
     per_channel: bool = True,
     round_zero: bool = True,
+    grid: str = "keras",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round to nearest on GPTQ's grid (no error compensation; what GPTQ
-    gives with an identity Hessian): `(q, scale, zero, g_idx)`."""
+    gives with an identity Hessian): `(q, scale, zero, g_idx)`; Keras's grid
+    (`grid="keras"`, `round_zero` as `compute_quantization_parameters`) or
+    this library's (`"refined"`, `refined_grid`)."""
+    if grid not in GRIDS:
+        raise ValueError(f"`grid` must be one of {GRIDS}. Received: {grid!r}")
     in_features = w_nk.shape[1]
     group = in_features if group_size == -1 else group_size
     g_idx = torch.arange(in_features) // group
-    compute = grid(bits, symmetric=symmetric, per_channel=per_channel, round_zero=round_zero)
-    scales, zeros, levels = [], [], []
+    if grid == "refined":
+        scale, zero, maxq = refined_grid(
+            w_nk, bits=bits, group_size=group_size, symmetric=symmetric, per_channel=per_channel
+        )
+        levels = quantize_with_zero_point(w_nk.float(), scale[:, g_idx], zero[:, g_idx], maxq)
+        return levels.to(torch.int32), scale, zero, g_idx
+    compute = keras_grid(bits, symmetric=symmetric, per_channel=per_channel, round_zero=round_zero)
+    scales, zeros, levels_list = [], [], []
     for start in range(0, in_features, group):
         columns = w_nk[:, start : start + group].float()
         scale, zero, maxq = compute(columns)
-        levels.append(quantize_with_zero_point(columns, scale, zero, maxq).to(torch.int32))
+        levels_list.append(quantize_with_zero_point(columns, scale, zero, maxq).to(torch.int32))
         scales.append(scale)
         zeros.append(zero)
-    return torch.cat(levels, dim=1), torch.cat(scales, dim=1), torch.cat(zeros, dim=1), g_idx
+    return torch.cat(levels_list, dim=1), torch.cat(scales, dim=1), torch.cat(zeros, dim=1), g_idx

@@ -90,7 +90,10 @@ def expand_blocks(per_block: torch.Tensor, block_size: int, k: int) -> torch.Ten
 
 
 def grouped_quantize_with_zero_point(
-    kernel: torch.Tensor, block_size: int, epsilon: float = EPSILON
+    kernel: torch.Tensor,
+    block_size: int,
+    epsilon: float = EPSILON,
+    value_range: tuple[int, int] = INT4_RANGE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 quantization of a `(rows, columns)` matrix in groups of
     `block_size` rows (the contracting axis): Keras's grouped convention
@@ -111,7 +114,9 @@ def grouped_quantize_with_zero_point(
       that its range is used whole and such a grid is reproduced exactly.
 
     Returns `(q, scale, zero)`: `q` int8 in [-8, 7] of shape `(rows, columns)`,
-    `scale` and `zero` float32 of shape `(groups, columns)`.
+    `scale` and `zero` float32 of shape `(groups, columns)`. Another
+    `value_range` (`(-2, 1)` for 2 bits, ...) applies the same rule to its
+    levels.
 
     >>> import torch
     >>> w = torch.linspace(-1, 1, 8).reshape(4, 2)
@@ -133,9 +138,11 @@ def grouped_quantize_with_zero_point(
     whole = rows - rows % block_size
     parts = []
     if whole:
-        parts.append(_grid_groups(kernel[:whole].reshape(-1, block_size, columns), epsilon))
+        blocks = kernel[:whole].reshape(-1, block_size, columns)
+        parts.append(_grid_groups(blocks, epsilon, value_range))
     if whole < rows:
-        parts.append(_grid_groups(kernel[whole:].reshape(1, rows - whole, columns), epsilon))
+        blocks = kernel[whole:].reshape(1, rows - whole, columns)
+        parts.append(_grid_groups(blocks, epsilon, value_range))
     q = torch.cat([p[0].reshape(-1, columns) for p in parts])
     scale = torch.cat([p[1] for p in parts])
     zero = torch.cat([p[2] for p in parts])
@@ -146,10 +153,10 @@ _ON_GRID_TOLERANCE = 0.01  # in steps: float32 noise of a dequantized 16-level g
 
 
 def _grid_groups(
-    blocks: torch.Tensor, epsilon: float
+    blocks: torch.Tensor, epsilon: float, value_range: tuple[int, int] = INT4_RANGE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`grouped_quantize_with_zero_point` of `(groups, size, columns)` blocks."""
-    qmin, qmax = INT4_RANGE
+    qmin, qmax = value_range
     minimum = blocks.amin(dim=1)
     maximum = blocks.amax(dim=1)
     magnitude = torch.maximum(minimum.abs(), maximum.abs())

@@ -47,6 +47,7 @@ def refine_zero_points(
     *,
     iterations: int = ITERATIONS,
     lp_norm: float = LP_NORM,
+    value_range: tuple[int, int] = INT4_RANGE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refined `(q, zero)` of a grouped int4 grid of the `(K, N)` `kernel`
     (the contracting axis first): `kernel ≈ (q - zero[g]) * scale[g]` with
@@ -55,12 +56,13 @@ def refine_zero_points(
 
     Args:
         kernel: Float `(K, N)`, finite.
-        q: int8 `(K, N)` codes in [-8, 7] of the starting grid.
+        q: int8 `(K, N)` codes in `value_range` of the starting grid.
         scale: `(G, N)` steps (kept).
         zero: `(G, N)` starting zero points.
         block_size: Rows per group (a last, shorter group uses its own rows).
         iterations: At most this many solver steps.
         lp_norm: The `p` of the error norm minimised, in (0, 1].
+        value_range: The levels, int4's [-8, 7] by default.
 
     >>> import torch
     >>> from dtype_policies.quantizers.math import (
@@ -97,9 +99,10 @@ def refine_zero_points(
             inverse = 1.0 / scale[group : group + groups, part].float()[:, None]
             start_zero = refined_zero[group : group + groups, part][:, None]
             codes = q[first:last, part].reshape(groups, size, -1).float()
-            best = _solve(blocks, inverse, start_zero, codes, iterations, lp_norm)
+            best = _solve(blocks, inverse, start_zero, codes, iterations, lp_norm, value_range)
             refined_zero[group : group + groups, part] = best[:, 0]
-            refined_q[first:last, part] = _codes(blocks, inverse, best).reshape(last - first, -1)
+            codes = _codes(blocks, inverse, best, value_range)
+            refined_q[first:last, part] = codes.reshape(last - first, -1)
         group += groups
     return refined_q, refined_zero
 
@@ -107,8 +110,10 @@ def refine_zero_points(
 _CHUNK_ELEMENTS = 1 << 16  # one chunk's working set stays in the core's cache
 
 
-def _codes(blocks: torch.Tensor, inverse: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    qmin, qmax = INT4_RANGE
+def _codes(
+    blocks: torch.Tensor, inverse: torch.Tensor, zero: torch.Tensor, value_range: tuple[int, int]
+) -> torch.Tensor:
+    qmin, qmax = value_range
     return torch.round(blocks * inverse + zero).clamp_(qmin, qmax).to(torch.int8)
 
 
@@ -119,13 +124,14 @@ def _solve(
     codes: torch.Tensor,
     iterations: int,
     lp_norm: float,
+    value_range: tuple[int, int],
 ) -> torch.Tensor:
     """The refined `(G, 1, C)` zero points of one chunk of columns; the chunk
     stops when its mean absolute error stops falling (by `_TOLERANCE`).
     Works in units of each group's step (`x = w / step`), where the proximal
     threshold `|e|^(p-1) / beta` of an error `e` in weight units becomes
     `|e_x|^(p-1) * (1/step)^(2-p) / beta`."""
-    qmin, qmax = INT4_RANGE
+    qmin, qmax = value_range
     keep = _frozen(blocks, codes, zero, inverse)
     steps = 1.0 / inverse
     x = blocks * inverse

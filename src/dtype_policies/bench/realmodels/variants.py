@@ -172,12 +172,19 @@ CALIBRATION_SAMPLES, CALIBRATION_LENGTH = 128, 512
 ENCODER_CALIBRATION_SAMPLES, ENCODER_CALIBRATION_LENGTH = 64, 128
 
 
-def calibrated(mode: str, bits: int, group: int, models: tuple[str, ...] = (LM,)) -> Variant:
+def calibrated(
+    mode: str,
+    bits: int,
+    group: int,
+    models: tuple[str, ...] = (LM,),
+    suffix: str = "",
+    **options: Any,
+) -> Variant:
     """`<mode>/<bits>/<group>` under mixed_bfloat16, calibrated on the LM
     calibration text (`text.lm_calibration_text`, 128 windows of 512 tokens)
     for the LM, and on the encoder's calibration text (`text.calibration_text`,
     64 windows of 128 tokens, overlapping: the text has about 2,000) for the
-    encoder."""
+    encoder; `options` are further config arguments, named by `suffix`."""
 
     def config(calibration: Calibration) -> Any:
         from dtype_policies._modes import mode_record
@@ -190,10 +197,11 @@ def calibrated(mode: str, bits: int, group: int, models: tuple[str, ...] = (LM,)
             group_size=group,
             num_samples=CALIBRATION_SAMPLES if lm else ENCODER_CALIBRATION_SAMPLES,
             sequence_length=CALIBRATION_LENGTH if lm else ENCODER_CALIBRATION_LENGTH,
+            **options,
         )
 
     return ours(
-        f"{mode}/{bits}/{group}",
+        f"{mode}/{bits}/{group}{suffix}",
         mode=mode,
         config=config,
         models=models,
@@ -255,6 +263,8 @@ OURS: list[Variant] = [
     ours("int4/128 scale_search", mode="int4", block_size=128, scale_search=True),
     ours("int4/-1 scale_search", mode="int4", block_size=-1, scale_search=True),
     calibrated("gptq", 4, 128, models=BOTH),
+    calibrated("gptq", 4, 128, models=BOTH, suffix=" act-order", activation_order=True),
+    calibrated("gptq", 4, 128, suffix=" Keras grids", grid="keras"),
     calibrated("gptq", 4, 32, models=BOTH),
     calibrated("gptq", 3, 128),
     calibrated("gptq", 8, -1),

@@ -48,6 +48,7 @@ class AWQScheme(CalibratedIntScheme):
                 statistics.mean_abs,
                 num_grid_points=config.num_grid_points,
                 group_size=group,
+                grid=config.grid,
             )
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx, (scales,))
 

@@ -261,7 +261,10 @@ class CalibratedIntScheme(Scheme):
         )
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
         levels, scale, zero, g_idx = quantize_rtn(
-            w_nk, bits=self.bits(config), group_size=config.block_size(w_nk.shape[1])
+            w_nk,
+            bits=self.bits(config),
+            group_size=config.block_size(w_nk.shape[1]),
+            grid=config.grid,
         )
         extras = tuple(torch.ones(spec.in_features) for _ in self.extra_buffers)
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx, extras)

@@ -4,8 +4,10 @@ calibration data, stored as grouped int4 (2, 3, 4 bits) or int8 (8 bits)
 with Keras's `g_idx` (`calibrated_int`), computed on int4's / int8's kernels.
 
 The library's results use the reference GPTQ (the upper Cholesky factor of
-the damped inverse Hessian); `quantizers.gptq.gptq_quantize(...,
-inverse="keras")` gives Keras 3.15's integers exactly."""
+the damped inverse Hessian) on grids fixed from the float weights and
+re-fitted to the levels (`GPTQConfig(grid="refined")`);
+`quantizers.gptq.gptq_quantize(..., inverse="keras", grid="keras")` gives
+Keras 3.15's integers exactly."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class GPTQScheme(CalibratedIntScheme):
             per_channel=config.per_channel,
             damping=config.hessian_damping,
             activation_order=config.activation_order,
+            grid=config.grid,
         )
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx)
 
