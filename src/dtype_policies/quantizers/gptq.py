@@ -1,7 +1,10 @@
 """GPTQ's quantization math (pure functions on tensors): Keras's grid
 (`compute_quantization_parameters`, unsigned levels `0..2**bits - 1` with a
-zero point), its column loop (`gptq_quantize_matrix`), and the whole
-per-weight algorithm (`gptq_quantize`).
+zero point) and this library's (`refined_grid`, chosen once from the float
+weights; `refit_grid`, re-fitted to the levels on the output error), the
+column loops (`gptq_quantize_matrix` on Keras's grids, op for op;
+`gptq_quantize_on_grid` on fixed ones), and the whole per-weight algorithm
+(`gptq_quantize`).
 
 The column loop quantizes an (N, K) weight one input column at a time and
 compensates each column's rounding error on the columns not yet quantized,
@@ -355,30 +358,30 @@ def gptq_quantize_on_grid(
     rows of `upper` (the upper Cholesky factor of the inverse Hessian, in the
     columns' order) as in `gptq_quantize_matrix`."""
     in_features = w_nk.shape[1]
-    weights = w_nk.float().clone()
-    inverse_step = 1.0 / column_scale.float().clamp(min=1e-12)
-    column_scale = column_scale.float()
-    column_zero = column_zero.float()
+    # transposed, so that each column is a contiguous row: 1.5-2x faster loops
+    weights = w_nk.float().t().contiguous()
+    inverse_step = (1.0 / column_scale.float().clamp(min=1e-12)).t().contiguous()
+    steps = column_scale.float().t().contiguous()
+    offsets = column_zero.float().t().contiguous()
     levels = torch.empty(weights.shape, dtype=torch.int32)
     with single_threaded():
         for start in range(0, in_features, blocksize):
             end = min(start + blocksize, in_features)
-            block = weights[:, start:end].clone()
+            block = weights[start:end].clone()
             block_error = torch.empty_like(block)
             block_inverse = upper[start:end, start:end]
             for j in range(end - start):
                 column = start + j
-                w = block[:, j]
-                offset = column_zero[:, column]
-                q = torch.clamp(torch.round(w * inverse_step[:, column] + offset), 0, maxq)
-                levels[:, column] = q.to(torch.int32)
-                error = (w - column_scale[:, column] * (q - offset)) / block_inverse[j, j]
-                block_error[:, j] = error
+                w = block[j]
+                q = torch.clamp(torch.round(w * inverse_step[column] + offsets[column]), 0, maxq)
+                levels[column] = q.to(torch.int32)
+                error = (w - steps[column] * (q - offsets[column])) / block_inverse[j, j]
+                block_error[j] = error
                 if j < end - start - 1:
-                    block[:, j + 1 :] -= error[:, None] * block_inverse[j, j + 1 :][None, :]
+                    block[j + 1 :].addr_(block_inverse[j, j + 1 :], error, alpha=-1)
             if end < in_features:
-                weights[:, end:] -= torch.matmul(block_error, upper[start:end, end:])
-    return levels
+                weights[end:] -= upper[start:end, end:].t() @ block_error
+    return levels.t().contiguous()
 
 
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
