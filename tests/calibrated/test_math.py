@@ -329,3 +329,32 @@ def test_round_to_nearest_on_the_refined_grid_keeps_a_weight_on_a_grid():
     assert (keras - w).abs().max() > 1e-3
     with pytest.raises(ValueError, match="`grid` must be one of"):
         gptq.quantize_rtn(w, grid="nearest")
+
+
+@pytest.mark.parametrize("symmetric, per_channel", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("activation_order", [False, True])
+def test_refined_grids_symmetric_and_per_tensor(symmetric, per_channel, activation_order):
+    """Keras's grid of each group's columns, fixed from the float weights."""
+    x = correlated_inputs(512, 64, seed=9)
+    w = torch.randn(12, 64)
+    hessian = 2 * x.T @ x / 512
+    q, scale, zero, g_idx = gptq.gptq_quantize(
+        w,
+        hessian,
+        group_size=16,
+        symmetric=symmetric,
+        per_channel=per_channel,
+        activation_order=activation_order,
+    )
+    assert scale.shape == zero.shape == (12, 4) and torch.equal(g_idx, torch.arange(64) // 16)
+    if symmetric:
+        assert torch.equal(zero, torch.full_like(zero, 8.0))
+    if not per_channel:  # one grid per group for every row
+        assert torch.equal(scale, scale[:1].expand(12, 4))
+    restored = gptq.dequantize_with_sz_map(q, scale, zero, g_idx)
+    rtn = gptq.dequantize_with_sz_map(
+        *gptq.quantize_rtn(
+            w, group_size=16, symmetric=symmetric, per_channel=per_channel, grid="refined"
+        )
+    )
+    assert output_error(x, w, restored) < output_error(x, w, rtn)

@@ -151,13 +151,21 @@ def refined_grid(
     and with activation order the groups stay the natural ones, so the
     kernels need no permutation.
     """
-    if symmetric or not per_channel:
-        return compute_quantization_parameters(
-            w_nk, bits=bits, symmetric=symmetric, per_channel=per_channel, group_size=group_size
-        )
+    block = w_nk.shape[1] if group_size == -1 else group_size
+    if symmetric or not per_channel:  # Keras's grid of each group's columns
+        parts = [
+            compute_quantization_parameters(
+                w_nk[:, start : start + block],
+                bits=bits,
+                symmetric=symmetric,
+                per_channel=per_channel,
+            )
+            for start in range(0, w_nk.shape[1], block)
+        ]
+        scale = torch.cat([part[0] for part in parts], dim=1)
+        return scale, torch.cat([part[1] for part in parts], dim=1), parts[0][2]
     offset = 2 ** (bits - 1)
     value_range = (-offset, offset - 1)
-    block = w_nk.shape[1] if group_size == -1 else group_size
     kernel = w_nk.float().t()
     q, scale, zero = grouped_quantize_with_zero_point(kernel, block, value_range=value_range)
     if bits <= 4:
