@@ -40,7 +40,6 @@ from dtype_policies.quantizers.gptq import (
     dequantize_with_sz_map,
     quantize_rtn,
     quantize_with_zero_point,
-    refined_grid,
     refit_grid,
 )
 from dtype_policies.quantizers.math import dequantize_grouped, grouped_quantize_with_zero_point
@@ -239,10 +238,9 @@ def awq_quantize_output(
     )
     scaled = weights * scales
     if grid == "refined":
-        scale, zero, maxq = refined_grid(scaled, bits=AWQ_BITS, group_size=group)
-        g_idx = torch.arange(in_features) // group
-        q = quantize_with_zero_point(scaled, scale[:, g_idx], zero[:, g_idx], maxq)
-        q = q.to(torch.int32)
+        q, scale, zero, g_idx = quantize_rtn(
+            scaled, bits=AWQ_BITS, group_size=group, grid="refined"
+        )
         scaled_hessian = hessian.float() / scales[:, None] / scales[None, :]
         scale, zero = refit_grid(scaled, q, scale, zero, g_idx, scaled_hessian)
         return q, scale, zero, scales, g_idx
