@@ -204,6 +204,83 @@ def test_the_model_watch_sees_every_change_a_frozen_graph_depends_on(name, chang
     assert not watch.unchanged()
 
 
+def test_the_model_is_read_once_per_generation_not_per_step(monkeypatch):
+    """Each generation reads the model at its first compiled step (transformers
+    asks for the compiled call before each generation loop: `begin_session`);
+    later steps on the same cache skip the watch and the cache's unmarking.
+    A change made during a generation is seen at the next one."""
+    model = tiny_llama()
+    apply_policy(model, "mixed_bfloat16")
+    compile_for_generation(model)
+    step = model._compiled_call
+    ran: list[int] = []
+    step.compiled = lambda **kwargs: ran.append(1)
+    reads: list[int] = []
+    unchanged = ModelWatch.unchanged
+    monkeypatch.setattr(ModelWatch, "unchanged", lambda self: reads.append(1) or unchanged(self))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+    other_cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+
+    def generation_starts():
+        config = model.generation_config.compile_config
+        assert model.get_compiled_call(config) is step
+
+    def decode(cache):
+        with torch.no_grad():
+            step(input_ids=ONE_TOKEN, past_key_values=cache)
+
+    decode(cache)  # the first call records the watch
+    decode(cache)
+    assert (len(ran), len(reads)) == (2, 0)
+    generation_starts()
+    decode(cache)
+    marked = torch.zeros(2)
+    torch._dynamo.mark_static_address(marked)
+    cache.layers[0].keys = marked
+    decode(cache)
+    assert (len(ran), len(reads)) == (4, 1)
+    assert hasattr(marked, "_dynamo_static_input_type")  # unmarked at a first step only
+    decode(other_cache)  # another cache: another session, read again
+    assert (len(ran), len(reads)) == (5, 2)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2)
+    decode(other_cache)  # within the generation: not seen
+    assert len(ran) == 6
+    generation_starts()
+    with pytest.warns(UserWarning, match="weights, policies or mode changed"):
+        decode(other_cache)  # the next generation: seen, run eagerly
+    assert len(ran) == 6
+
+
+@pytest.mark.slow
+def test_int8_generation_merges_sibling_products_and_reads_the_model_once(monkeypatch):
+    """q/k/v and gate/up of each layer run as one product each (the same
+    tokens as without merging), and each `generate` reads the model once."""
+    from dtype_policies import _frozen
+    from dtype_policies.quantization.kernels import siblings
+
+    model = tiny_llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    removed: list[int] = []
+    merge = siblings.merge_sibling_products
+    monkeypatch.setattr(
+        siblings, "merge_sibling_products", lambda g: removed.append(merge(g)) or removed[-1]
+    )
+    fast = compile_for_generation(copy.deepcopy(model))
+    reads: list[int] = []
+    unchanged = ModelWatch.unchanged
+    monkeypatch.setattr(ModelWatch, "unchanged", lambda self: reads.append(1) or unchanged(self))
+    first = step_scores(fast, new_tokens=6)
+    second = step_scores(fast, new_tokens=6)
+    assert torch.equal(first, second)
+    assert sum(removed) == 2 * 3  # per layer: q, k, v -> 1 and gate, up -> 1
+    assert len(reads) == 1  # the first generation records the watch, the second reads it
+    monkeypatch.setattr(_frozen, "sibling_options", lambda: {})
+    unmerged = compile_for_generation(copy.deepcopy(model))
+    assert torch.equal(step_scores(unmerged, new_tokens=6), first)
+
+
 @pytest.mark.slow
 def test_float32_policy_gives_eager_tokens_across_calls_and_lengths():
     model = tiny_llama()

@@ -13,7 +13,10 @@ that runs `model` that way under `torch.no_grad()` or
   folded once into constants; the quantized products call the eager kernels
   (int4, weight-only int8) or their traced forms, or, with `autotune` (the
   default), Inductor's C++ GEMM template for the product where its timing at
-  compile time beat the kernel's;
+  compile time beat the kernel's; this library's packed int8 and int4
+  products of one input by several weights (an attention's query, key and
+  value) run as one call on the concatenated weights
+  (`quantization.kernels.siblings`, the same values);
 * the products follow the eager rules for this processor
   (`dtype_policies._cpu`): on a CPU without native bfloat16 a bfloat16 policy
   multiplies in float32 beyond one row, as eagerly;
