@@ -252,6 +252,20 @@ def test_the_model_is_read_once_per_generation_not_per_step(monkeypatch):
     assert len(ran) == 6
 
 
+def test_a_deep_copy_begins_its_own_generations():
+    """The copy's hook begins sessions of the copy's compiled step, and
+    outlives the original."""
+    model = tiny_llama()
+    compile_for_generation(model)
+    copied = copy.deepcopy(model)
+    config = model.generation_config.compile_config
+    copied._compiled_call.session = "a session"
+    model._compiled_call.session = "the original's"
+    del model
+    assert copied.get_compiled_call(config) is copied._compiled_call
+    assert copied._compiled_call.session is None
+
+
 @pytest.mark.slow
 def test_int8_generation_merges_sibling_products_and_reads_the_model_once(monkeypatch):
     """q/k/v and gate/up of each layer run as one product each (the same

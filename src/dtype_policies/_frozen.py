@@ -152,7 +152,7 @@ compiled artifacts are cached by Inductor like the Python ones."""
 def sibling_options() -> dict[str, Any]:
     """Inductor's settings that merge sibling products of this library's
     packed operators (`quantization.kernels.siblings`), unless the user set
-    a post-grad pass of their own (kept, without merging)."""
+    a joint-graph pass of their own (kept, without merging)."""
     from torch._inductor import config
 
     from dtype_policies.quantization.kernels import siblings

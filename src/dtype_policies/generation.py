@@ -133,20 +133,30 @@ def _decode_step(
         config._attn_implementation = "sdpa"
 
 
-def _begin_generation(
-    model_ref: weakref.ref, compiled_ref: weakref.ref, compile_config: Any
-) -> Callable[..., Any]:
+class _GenerationStart:
     """`model.get_compiled_call`, which transformers calls once before each
-    generation loop: the compiled decode step reads the model (its weights,
-    policies, modes) at the generation's first step, then runs the steps on
-    the same cache without reading it again."""
-    compiled = compiled_ref()
-    if compiled is not None:
-        compiled.begin_session()
-    model = model_ref()
-    if model is None:
-        raise ReferenceError("compile_for_generation: the model no longer exists")
-    return type(model).get_compiled_call(model, compile_config)
+    generation loop: the compiled decode step (`model._compiled_call`) begins
+    a session, so that it reads the model (its weights, policies, modes) at
+    the generation's first step and runs the later steps on the same cache
+    without reading it again. Holds the model weakly; a deep copy of the
+    model gets one of its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_ref = weakref.ref(model)
+
+    def __call__(self, compile_config: Any) -> Callable[..., Any]:
+        model = self.model_ref()
+        if model is None:
+            raise ReferenceError("compile_for_generation: the model no longer exists")
+        compiled = model.__dict__.get(_COMPILED_CALL)
+        if isinstance(compiled, FrozenCompiledCall):
+            compiled.begin_session()
+        return type(model).get_compiled_call(model, compile_config)
+
+    def __deepcopy__(self, memo: dict) -> _GenerationStart:
+        model = self.model_ref()
+        # The copy of the model is in `memo` before its attributes are copied.
+        return _GenerationStart(memo.get(id(model), model))
 
 
 def _decode_attention() -> str | None:
@@ -227,8 +237,6 @@ def compile_for_generation(
     )
     setattr(model, _COMPILED_CALL, compiled)
     # transformers asks for the compiled call once per generation loop.
-    model.__dict__["get_compiled_call"] = functools.partial(
-        _begin_generation, weakref.ref(model), weakref.ref(compiled)
-    )
+    model.__dict__["get_compiled_call"] = _GenerationStart(model)
     setattr(model, "_last_compile_config", compile_config)  # noqa: B010 (a Module attribute)
     return model
