@@ -81,8 +81,10 @@ def test_int8_q8b_siblings_merge_bit_for_bit(rows):
     def fn(x, *flat):
         outs = []
         for i, n in enumerate(WIDTHS):
-            packed, steps = flat[2 * i], flat[2 * i + 1]
-            # Each product views its input on its own, as a model's layers do.
+            # Each product views its input and computes its weights on its
+            # own, just before it, as a model's layers do (the merged call
+            # needs the graph ordered again).
+            packed, steps = flat[2 * i], flat[2 * i + 1] * 1.0
             outs.append(ops.int8_mm_q8b_avx2(x.view(-1, K), packed, steps, None, n, True))
         return outs
 
@@ -134,6 +136,20 @@ def test_groups_that_cannot_merge_are_left_alone():
         ]
 
     _merged_equals_original(fn, x, y, p1, s1, b1, p2, s2, expect_removed=0)
+
+
+def test_a_sibling_whose_weights_come_after_the_first_keeps_its_own_call():
+    """The merged call would stand where the first sibling is: a weight
+    computed from the first product's output cannot be concatenated there."""
+    ops = _ops()
+    (p1, s1, _), (p2, s2, _) = _q8b_weights(96, 0), _q8b_weights(96, 1)
+
+    def fn(x, p1, s1, p2, s2):
+        a = ops.int8_mm_q8b_avx2(x, p1, s1, None, 96, True)
+        later_steps = s2 * (1 + a.float().sum() * 0)
+        return a, ops.int8_mm_q8b_avx2(x, p2, later_steps, None, 96, True)
+
+    _merged_equals_original(fn, torch.randn(2, K).bfloat16(), p1, s1, p2, s2, expect_removed=0)
 
 
 def test_an_output_viewed_across_rows_keeps_its_own_call():

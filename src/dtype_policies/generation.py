@@ -151,10 +151,13 @@ class _GenerationStart:
         compiled = model.__dict__.get(_COMPILED_CALL)
         if isinstance(compiled, FrozenCompiledCall):
             compiled.begin_session()
-        return type(model).get_compiled_call(model, compile_config)
+        hugging_face: Any = type(model)
+        return hugging_face.get_compiled_call(model, compile_config)
 
     def __deepcopy__(self, memo: dict) -> _GenerationStart:
         model = self.model_ref()
+        if model is None:
+            return self
         # The copy of the model is in `memo` before its attributes are copied.
         return _GenerationStart(memo.get(id(model), model))
 

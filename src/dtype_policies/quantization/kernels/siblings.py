@@ -179,9 +179,26 @@ def _add(graph: torch.fx.Graph, target: Any, *args: Any) -> torch.fx.Node:
     return node
 
 
+def _downstream(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Every node computed from the outputs of `nodes`."""
+    seen: set[torch.fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
 def _merge(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> bool:
     spec = _spec_of(nodes[0])
     assert spec is not None
+    # The merged call needs every sibling's weights first: none may be
+    # computed from a sibling's output.
+    weights = {node.args[i] for node in nodes for i in (*spec.panel_args, *spec.column_args)}
+    if weights & _downstream(nodes):
+        return False
     shape = _spans(nodes, spec)
     out = _example(nodes[0])
     if shape is None or not isinstance(out, torch.Tensor) or out.dim() != 2:
@@ -227,10 +244,16 @@ def merge_sibling_products(graph: torch.fx.Graph) -> int:
     """Merges each group of sibling products in `graph` (an ATen graph before
     freezing, its values faked in `meta["val"]`); returns how many calls
     were removed."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
     removed = 0
     for nodes in _sibling_groups(graph):
         if _merge(graph, nodes):
             removed += len(nodes) - 1
+    if removed:
+        # A later sibling's weights may be computed after the first sibling,
+        # where the merged call stands: order the graph again.
+        stable_topological_sort(graph)
     return removed
 
 
