@@ -116,7 +116,7 @@ def _sibling_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
             continue
         varying = {*spec.panel_args, *spec.column_args, spec.n_arg}
         shared = tuple((i, _same_value(a)) for i, a in enumerate(node.args) if i not in varying)
-        groups.setdefault((_spec_of(node), str(node.target), shared), []).append(node)
+        groups.setdefault((str(node.target), shared), []).append(node)
     return [nodes for nodes in groups.values() if len(nodes) > 1]
 
 
@@ -191,9 +191,7 @@ def _downstream(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return seen
 
 
-def _merge(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> bool:
-    spec = _spec_of(nodes[0])
-    assert spec is not None
+def _merge(graph: torch.fx.Graph, nodes: list[torch.fx.Node], spec: Mergeable) -> bool:
     # The merged call needs every sibling's weights first: none may be
     # computed from a sibling's output.
     weights = {node.args[i] for node in nodes for i in (*spec.panel_args, *spec.column_args)}
@@ -248,7 +246,8 @@ def merge_sibling_products(graph: torch.fx.Graph) -> int:
 
     removed = 0
     for nodes in _sibling_groups(graph):
-        if _merge(graph, nodes):
+        spec = _spec_of(nodes[0])
+        if spec is not None and _merge(graph, nodes, spec):
             removed += len(nodes) - 1
     if removed:
         # A later sibling's weights may be computed after the first sibling,
