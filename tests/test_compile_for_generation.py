@@ -356,7 +356,7 @@ def test_int4_keeps_its_storage_and_eager_scores_and_sees_new_weights():
             "_weight_int8pack_mm",
             "CppMicroGemm",
         ),
-        ("int8", None, "dtype_policies.int8_mm_q8b_avx2", "-"),  # the default: Q8_0 x Q8_0
+        ("int8", None, "dtype_policies.int8_mm_q8b_", "-"),  # the default: Q8_0 x Q8_0
     ],
 )
 @pytest.mark.parametrize("autotune", [False, True])

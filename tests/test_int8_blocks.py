@@ -247,6 +247,68 @@ def test_weight_blocks_any_shape_matches_the_reference(rows, n, k, block_size, s
     assert ((y.double() - expected).abs() <= 1e-6 * magnitude + 1e-12).all()
 
 
+VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
+
+
+@pytest.mark.skipif(not VNNI_HERE, reason="needs a CPU with AVX-512 VNNI")
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 70),
+    n=st.integers(1, 50),
+    k=st.integers(1, 200),
+    extreme=st.booleans(),
+    with_bias=st.booleans(),
+    bf16_out=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_vnni_copies_give_the_avx2_values_bit_for_bit(
+    rows, n, k, extreme, with_bias, bf16_out, seed
+):
+    """`vpdpbusd` on inputs offset by 128, minus 128 x the column sums: the
+    same exact integers as the AVX2 pair sums, so the same floats."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=generator) * 5).bfloat16()
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    if extreme:  # every input rounds to +-127, every weight is -128 or 127
+        x = torch.where(torch.rand(rows, k, generator=generator) < 0.5, -1.0, 1.0).bfloat16()
+        q = torch.where(torch.rand(n, k, generator=generator) < 0.5, -128, 127).to(torch.int8)
+    if rows > 2:
+        x[1, k // 2] = float("nan")
+    packed = int8_native.pack(q)
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    steps = int8_native.pack_block_steps(torch.rand(n, -(-k // 32), generator=generator), 32, k)
+    column_step = torch.rand(n, generator=generator)
+    ops = torch.ops.dtype_policies
+    for name, step in (("int8_mm_q8b", steps), ("int8_mm_q8", column_step)):
+        avx2 = getattr(ops, f"{name}_avx2")(x, packed, step, bias, n, bf16_out)
+        vnni = getattr(ops, f"{name}_vnni")(x, packed, step, bias, n, bf16_out)
+        assert avx2.dtype == vnni.dtype == (torch.bfloat16 if bf16_out else torch.float32)
+        assert torch.equal(avx2.isnan(), vnni.isnan())
+        assert torch.equal(avx2.nan_to_num(), vnni.nan_to_num())
+
+
+def test_the_build_is_keyed_on_every_included_file(tmp_path):
+    import shutil
+
+    copy_dir = tmp_path / "csrc"
+    shutil.copytree(native.SOURCES, copy_dir)
+    before = native.sources_digest(copy_dir)
+    assert before == native.sources_digest(native.SOURCES)
+    included = copy_dir / "int8_panels.inc"  # included by int8_avx2.cpp, not compiled alone
+    assert "int8_panels.inc" not in native.KERNELS["avx2"].sources
+    included.write_text(included.read_text() + "\n// changed\n")
+    assert native.sources_digest(copy_dir) != before
+
+
+def test_the_copy_that_runs_follows_the_processor_class():
+    with _cpu.emulate("avx2"):
+        assert int8_native.operator_suffix() == "avx2"
+    if "avx512_vnni" in _cpu.processor().features:
+        assert int8_native.operator_suffix() == "vnni"
+        with _cpu.emulate("avx512"):  # AVX-512 without VNNI
+            assert int8_native.operator_suffix() == "avx2"
+
+
 @needs_kernel
 def test_weight_blocks_nan_rows_and_errors():
     q = torch.randint(-127, 128, (24, 64), dtype=torch.int8)
@@ -366,7 +428,7 @@ def test_training_passes_gradients_straight_through_the_rounding(config):
 @needs_kernel
 @pytest.mark.parametrize(
     ("config", "operator"),
-    [(PER_CHANNEL, "int8_mm_q8_avx2"), (PER_BLOCK, "int8_mm_q8b_avx2")],
+    [(PER_CHANNEL, "int8_mm_q8"), (PER_BLOCK, "int8_mm_q8b")],
     ids=["per_channel", "q8_0"],
 )
 def test_frozen_compiled_graph_runs_the_kernel_with_the_eager_values(config, operator):
@@ -384,7 +446,8 @@ def test_frozen_compiled_graph_runs_the_kernel_with_the_eager_values(config, ope
         torch._dynamo.reset()
         compiled_model = compile_for_inference(model)
         compiled, codes = run_and_get_code(compiled_model, x)
-    assert any(operator in code for code in codes)
+    chosen = f"{operator}_{int8_native.operator_suffix()}"  # the processor's copy
+    assert any(chosen in code for code in codes)
     torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
 
 

@@ -159,6 +159,15 @@ def _torch_flags() -> tuple[str, ...]:
     )
 
 
+def sources_digest(directory: Path = SOURCES) -> str:
+    """The SHA-256 of every file in `directory` (the sources and every file
+    they include), names and contents: part of each built library's cache key."""
+    digest = hashlib.sha256()
+    for source in sorted(directory.iterdir()):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
+
+
 def _build_and_load(kernel: KernelSource) -> Path | None:
     compiler = _compiler()
     if compiler is None:
@@ -171,11 +180,8 @@ def _build_and_load(kernel: KernelSource) -> Path | None:
         return None
     sources = [SOURCES / name for name in kernel.sources]
     flags = (*kernel.flags, "-shared", "-fPIC", *_torch_flags())
-    digest = hashlib.sha256()
-    for source in sources:
-        digest.update(source.read_bytes())
-    digest.update(" ".join((compiler, *flags, torch.__version__)).encode())
-    target = cache_dir() / f"{kernel.name}-{digest.hexdigest()[:16]}.so"
+    key = " ".join((sources_digest(), compiler, *flags, torch.__version__))
+    target = cache_dir() / f"{kernel.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)

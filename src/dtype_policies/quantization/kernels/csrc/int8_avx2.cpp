@@ -1,5 +1,8 @@
-// Exact int8 x int8 products on AVX2, without VNNI: the W8A8 product's integer
-// accumulators on CPUs whose u8 x s8 instructions saturate.
+// Exact int8 x int8 products on AVX2: the W8A8 product's integer accumulators
+// on CPUs whose u8 x s8 instructions saturate (no VNNI), and the products with
+// inputs rounded per block of 32 on any x86 CPU with AVX2, with VNNI's vpdpbusd
+// where the caller chooses the `_vnni` operators (AVX-512 VNNI; int8_native).
+// The loops are in int8_panels.inc, compiled once per instruction set.
 //
 //   dtype_policies::int8_mm_avx2(xq, packed, n) -> (M, n) int32
 //
@@ -27,6 +30,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <type_traits>
 
 // int4_avx2.cpp: the W4A8 rounding of bfloat16 rows (blocks of 32, Q8_0's rule).
@@ -44,35 +48,67 @@ constexpr int64_t kSmallWeightChunk = 16, kLargeWeightChunk = 64;
 constexpr int64_t kLargeWeightBytes = int64_t{1} << 20;
 constexpr int64_t kParallelMinMacs = int64_t{1} << 17;
 
-// Inputs 4j..4j+3 of `rows` rows of x times one panel's 16 columns, added to
-// the int32 sums acc[row][half of the columns].
-template <int rows>
-inline void add_quad(__m256i (&acc)[rows][2], const int8_t* x, int64_t ldx, const int8_t* panel,
-                     int64_t j) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 64 * j));
-  const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 64 * j + 32));
-  const __m256i m0 = _mm256_abs_epi8(w0), m1 = _mm256_abs_epi8(w1);  // 128 for -128: unsigned
-  for (int r = 0; r < rows; ++r) {
-    int32_t four;
-    std::memcpy(&four, x + r * ldx + 4 * j, 4);
-    const __m256i a = _mm256_set1_epi32(four);
-    acc[r][0] = _mm256_add_epi32(
-        acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(a, w0)), ones));
-    acc[r][1] = _mm256_add_epi32(
-        acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(a, w1)), ones));
-  }
+// ---------------------------------------------------------------------------
+// W8A8 with the activations rounded per block of 32 inputs (the W4A8 rule of
+// int4_avx2.cpp: bfloat16 inputs, d = max|x| / 127, xq = round-half-even(x / d)):
+//
+//   dtype_policies::int8_mm_q8_avx2(x, packed, column_step, bias, n, bf16_out)
+//   y[m, c] = (sum_b d[m, b] * sum_{k in b} xq[m, k] w[c, k]) * column_step[c] + bias[c]
+//
+// x: (M, K) bfloat16; packed: as int8_mm_avx2's; column_step, bias: (n,) float32;
+// y float32, or bfloat16 with bf16_out. Each block's integer sum is exact (at most
+// 32 * 128 * 127 in int32); the blocks are added in float32 in order, one FMA each.
+// A row holding a NaN or an infinity gives a row of NaN.
+//
+// With weights that have a step per block of 32 inputs too (llama.cpp's Q8_0 x Q8_0):
+//
+//   dtype_policies::int8_mm_q8b_avx2(x, packed, block_step, bias, n, bf16_out)
+//   y[m, c] = sum_b d[m, b] * block_step[b, c] * sum_{k in b} xq[m, k] w[c, k] + bias[c]
+//
+// block_step: (ceil(n / 16), ceil(K / 32) * 16) float32: for each panel of 16 columns,
+// each block's 16 steps (read in step with the panel's weights), padded columns zeros.
+//
+// int8_mm_q8_vnni and int8_mm_q8b_vnni are the same products, arguments and
+// values, bit for bit, with vpdpbusd (AVX-512 VNNI) in place of the pair sums.
+
+constexpr int64_t kBlock = 32, kBlockQuads = kBlock / 4;
+
+struct BlockedRows {
+  const int8_t* q;  // [m, kq]: rounded inputs, kq a multiple of 32, zeros past K
+  const float* d;   // [m, kq / 32]: each block's step
+  int64_t kq;
+};
+
+// One product's weight for the blocked loops: `step` per column (int8_mm_q8) or
+// per panel and block (`weight_blocks`, int8_mm_q8b); `shift` the bias or null;
+// the last panel's steps and bias zero-padded to 16 columns in `tail_*`.
+struct BlockedWeight {
+  const int8_t* w;
+  int64_t n, panels, kp;
+  bool weight_blocks;
+  const float* step;
+  const float* shift;
+  const float* tail_step;
+  const float* tail_shift;
+};
+
+namespace madd {
+constexpr bool kOffsetInputs = false;
+inline __m256i dot4(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_bytes, signed_bytes),
+                                                 _mm256_set1_epi16(1)));
 }
+#include "int8_panels.inc"
 
 // `rows` (1..4) rows of x times one panel: 16 int32 sums per row into y.
 template <int rows>
 inline void panel_product(const int8_t* x, int64_t ldx, const int8_t* panel, int64_t quads,
                           int32_t* y, int64_t ldy, int64_t columns) {
-  __m256i acc[rows][2];
+  __m256i acc[rows][2], unused[2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  for (int64_t j = 0; j < quads; ++j) add_quad<rows>(acc, x, ldx, panel, j);
+  for (int64_t j = 0; j < quads; ++j) add_quad<rows>(acc, unused, x, ldx, panel, j);
   for (int r = 0; r < rows; ++r) {
-    // vpmaddwd left each column's 4 products in one lane: lanes are columns.
+    // Each column's 4-product sums landed in one lane: lanes are columns.
     if (columns == kPanel) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), acc[r][0]);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 8), acc[r][1]);
@@ -85,6 +121,61 @@ inline void panel_product(const int8_t* x, int64_t ldx, const int8_t* panel, int
   }
 }
 
+inline void rows_times_panel(const int8_t* x, int64_t ldx, int64_t rows, const int8_t* panel,
+                             int64_t quads, int32_t* y, int64_t ldy, int64_t columns) {
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock)
+    panel_product<4>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns);
+  switch (rows - r) {
+    case 3: panel_product<3>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns); break;
+    case 2: panel_product<2>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns); break;
+    case 1: panel_product<1>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns); break;
+    default: break;
+  }
+}
+
+// The exact (m, n) int32 products of int8_mm_avx2 (CPUs without VNNI): x (m, kp)
+// int8 in [-127, 127], zero-padded.
+void exact_product(const int8_t* x, int64_t m, int64_t kp, const int8_t* w, int64_t panels,
+                   int32_t* out, int64_t n, int64_t chunk_rows, int threads) {
+  const int64_t quads = kp / 4, chunks = (m + chunk_rows - 1) / chunk_rows;
+  const int64_t units = chunks * panels;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t unit = 0; unit < units; ++unit) {
+    // Panels vary fastest: a thread's consecutive units share their rows.
+    const int64_t chunk = unit / panels, p = unit % panels;
+    const int64_t row = chunk * chunk_rows;
+    const int64_t rows = m - row < chunk_rows ? m - row : chunk_rows;
+    const int64_t columns = n - p * kPanel < kPanel ? n - p * kPanel : kPanel;
+    rows_times_panel(x + row * kp, kp, rows, w + p * kp * kPanel, quads, out + row * n + p * kPanel,
+                     n, columns);
+  }
+}
+}  // namespace madd
+
+// The VNNI copy: only the functions of int8_panels.inc are compiled for AVX-512
+// VNNI (every header is included above), and they run only where the caller
+// chose a `_vnni` operator from the processor's features.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
+namespace vnni {
+constexpr bool kOffsetInputs = true;
+inline __m256i dot4(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
+  return _mm256_dpbusd_epi32(acc, unsigned_bytes, signed_bytes);
+}
+#include "int8_panels.inc"
+}  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
 // Whether any of `count` bytes is -128 (the only input the kernel cannot take).
 bool contains_minus_128(const int8_t* x, int64_t count) {
   const __m256i minimum = _mm256_set1_epi8(-128);
@@ -96,19 +187,6 @@ bool contains_minus_128(const int8_t* x, int64_t count) {
   bool any = _mm256_movemask_epi8(found) != 0;
   for (; i < count; ++i) any = any || x[i] == -128;
   return any;
-}
-
-void rows_times_panel(const int8_t* x, int64_t ldx, int64_t rows, const int8_t* panel,
-                      int64_t quads, int32_t* y, int64_t ldy, int64_t columns) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= rows; r += kRowBlock)
-    panel_product<4>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns);
-  switch (rows - r) {
-    case 3: panel_product<3>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns); break;
-    case 2: panel_product<2>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns); break;
-    case 1: panel_product<1>(x + r * ldx, ldx, panel, quads, y + r * ldy, ldy, columns); break;
-    default: break;
-  }
 }
 
 // The packed weight's Kp, after checking it against n output columns and
@@ -131,7 +209,7 @@ at::Tensor int8_mm_avx2(const at::Tensor& xq_in, const at::Tensor& packed, int64
               "int8_mm_avx2: xq must be a 2-D int8 tensor, got ", xq_in.scalar_type(),
               " of shape ", xq_in.sizes());
   const int64_t m = xq_in.size(0), k = xq_in.size(1);
-  const int64_t kp = checked_kp("int8_mm_avx2", "xq", packed, n, k), quads = kp / 4;
+  const int64_t kp = checked_kp("int8_mm_avx2", "xq", packed, n, k);
   at::Tensor y = at::empty({m, n}, xq_in.options().dtype(at::kInt));
   if (m == 0) return y;
   at::Tensor xq = xq_in.contiguous();
@@ -146,130 +224,24 @@ at::Tensor int8_mm_avx2(const at::Tensor& xq_in, const at::Tensor& packed, int64
   const int8_t* w = packed.data_ptr<int8_t>();
   int32_t* out = y.data_ptr<int32_t>();
   const int64_t chunk_rows = packed.numel() > kLargeWeightBytes ? kLargeWeightChunk : kSmallWeightChunk;
-  const int64_t panels = packed.size(0), chunks = (m + chunk_rows - 1) / chunk_rows;
-  const int64_t units = chunks * panels;
   const int threads = m * n * kp >= kParallelMinMacs ? at::get_num_threads() : 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t unit = 0; unit < units; ++unit) {
-    // Panels vary fastest: a thread's consecutive units share their rows.
-    const int64_t chunk = unit / panels, p = unit % panels;
-    const int64_t row = chunk * chunk_rows;
-    const int64_t rows = m - row < chunk_rows ? m - row : chunk_rows;
-    const int64_t columns = n - p * kPanel < kPanel ? n - p * kPanel : kPanel;
-    rows_times_panel(x + row * kp, kp, rows, w + p * kp * kPanel, quads, out + row * n + p * kPanel,
-                     n, columns);
-  }
+  madd::exact_product(x, m, kp, w, packed.size(0), out, n, chunk_rows, threads);
   return y;
 }
 
-// ---------------------------------------------------------------------------
-// W8A8 with the activations rounded per block of 32 inputs (the W4A8 rule of
-// int4_avx2.cpp: bfloat16 inputs, d = max|x| / 127, xq = round-half-even(x / d)):
-//
-//   dtype_policies::int8_mm_q8_avx2(x, packed, column_step, bias, n, bf16_out)
-//   y[m, c] = (sum_b d[m, b] * sum_{k in b} xq[m, k] w[c, k]) * column_step[c] + bias[c]
-//
-// x: (M, K) bfloat16; packed: as int8_mm_avx2's; column_step, bias: (n,) float32;
-// y float32, or bfloat16 with bf16_out. Each block's integer sum is exact (at most
-// 32 * 128 * 127 in int32); the blocks are added in float32 in order, one FMA each.
-// A row holding a NaN or an infinity gives a row of NaN.
-//
-// With weights that have a step per block of 32 inputs too (llama.cpp's Q8_0 x Q8_0):
-//
-//   dtype_policies::int8_mm_q8b_avx2(x, packed, block_step, bias, n, bf16_out)
-//   y[m, c] = sum_b d[m, b] * block_step[b, c] * sum_{k in b} xq[m, k] w[c, k] + bias[c]
-//
-// block_step: (ceil(n / 16), ceil(K / 32) * 16) float32: for each panel of 16 columns,
-// each block's 16 steps (read in step with the panel's weights), padded columns zeros.
-
-constexpr int64_t kBlock = 32, kBlockQuads = kBlock / 4;
-
-struct BlockedRows {
-  const int8_t* q;  // [m, kq]: rounded inputs, kq a multiple of 32, zeros past K
-  const float* d;   // [m, kq / 32]: each block's step
-  int64_t kq;
-};
-
-// `step`: the columns' steps, or nullptr when the blocks applied them.
-inline void store_row(const __m256 v[2], const float* step, const float* bias, void* out,
-                      bool bf16, int64_t columns) {
-  alignas(32) float values[kPanel];
-  for (int h = 0; h < 2; ++h) {
-    __m256 y = step == nullptr ? v[h] : _mm256_mul_ps(v[h], _mm256_loadu_ps(step + 8 * h));
-    if (bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + 8 * h));
-    _mm256_store_ps(values + 8 * h, y);
-  }
-  if (!bf16) {
-    std::memcpy(out, values, static_cast<size_t>(columns) * sizeof(float));
-    return;
-  }
-  uint16_t* o = static_cast<uint16_t*>(out);
-  for (int64_t c = 0; c < columns; ++c) {  // round to nearest even, NaN kept quiet
-    uint32_t bits;
-    std::memcpy(&bits, values + c, 4);
-    o[c] = values[c] != values[c] ? uint16_t{0x7fc0}
-                                  : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
-}
-
-// `rows` (1..4) rows times one panel, block by block; `step` and `bias` hold
-// 16 values (the last panel's zero-padded by the caller). With `weight_blocks`,
-// `step` is the panel's row of block_step: block b's steps at step + 16 b.
-template <int rows, bool weight_blocks>
-inline void panel_product_blocks(const BlockedRows& in, int64_t row, const int8_t* panel,
-                                 int64_t quads, const float* step, const float* bias, void* y,
-                                 int64_t ldy, bool bf16, int64_t columns) {
-  // From 3 rows the float sums stay in memory (L1): the int32 sums and the
-  // weights take the registers (kept in registers they spill: 1.2-1.5x slower).
-  alignas(32) float total_memory[rows][2][8] = {};
-  __m256 total[rows][2];
-  for (int r = 0; r < rows; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  const int64_t blocks = in.kq / kBlock;
-  const int8_t* x = in.q + row * in.kq;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t first = b * kBlockQuads;
-    const int64_t last = first + kBlockQuads < quads ? first + kBlockQuads : quads;
-    __m256i acc[rows][2];
-    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    for (int64_t j = first; j < last; ++j) add_quad<rows>(acc, x, in.kq, panel, j);
-    __m256 weight_step[2];
-    if constexpr (weight_blocks)
-      for (int h = 0; h < 2; ++h) weight_step[h] = _mm256_loadu_ps(step + b * kPanel + 8 * h);
-    for (int r = 0; r < rows; ++r) {
-      const __m256 d = _mm256_broadcast_ss(in.d + (row + r) * blocks + b);
-      for (int h = 0; h < 2; ++h) {
-        __m256 factor = d;
-        if constexpr (weight_blocks) factor = _mm256_mul_ps(d, weight_step[h]);
-        if constexpr (rows <= 2) {
-          total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), factor, total[r][h]);
-        } else {
-          _mm256_store_ps(total_memory[r][h],
-                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), factor,
-                                          _mm256_load_ps(total_memory[r][h])));
-        }
-      }
-    }
-  }
-  if constexpr (rows > 2)
-    for (int r = 0; r < rows; ++r)
-      for (int h = 0; h < 2; ++h) total[r][h] = _mm256_load_ps(total_memory[r][h]);
-  const size_t element = bf16 ? 2 : 4;
-  for (int r = 0; r < rows; ++r)
-    store_row(total[r], weight_blocks ? nullptr : step, bias,
-              static_cast<char*>(y) + r * ldy * element, bf16, columns);
-}
-
-// The shared body of int8_mm_q8_avx2 (`block_step` undefined: `column_step`
-// per column) and int8_mm_q8b_avx2 (`block_step` per block and column).
+// The shared body of int8_mm_q8_* (`block_step` undefined: `column_step` per
+// column) and int8_mm_q8b_* (`block_step` per block and column); `use_vnni`
+// for the `_vnni` operators.
 at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor& packed,
                       const at::Tensor& column_step, const at::Tensor& block_step,
-                      const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out) {
+                      const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out,
+                      bool use_vnni) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, name,
               ": x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(), " of shape ",
               x_in.sizes());
   const bool weight_blocks = block_step.defined();
   const int64_t m = x_in.size(0), k = x_in.size(1);
-  const int64_t kp = checked_kp(name, "x", packed, n, k), quads = kp / 4;
+  const int64_t kp = checked_kp(name, "x", packed, n, k);
   const int64_t kq = (k + kBlock - 1) / kBlock * kBlock, blocks = kq / kBlock;
   const int64_t panels = packed.size(0);
   if (weight_blocks) {
@@ -315,71 +287,52 @@ at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor
                                                   m >= 64 ? threads : 1);
   TORCH_CHECK(status == 0, name, ": rounding rejected K=", k);
   const BlockedRows in{q, d, kq};
-  const int8_t* w = packed.data_ptr<int8_t>();
+  const BlockedWeight weight{packed.data_ptr<int8_t>(), n, panels, kp, weight_blocks, step, shift,
+                             tail_step, tail_shift};
   char* out = static_cast<char*>(y.data_ptr());
-  const int64_t element = bf16_out ? 2 : 4;
   const int64_t chunk_rows = packed.numel() > kLargeWeightBytes ? kLargeWeightChunk : kSmallWeightChunk;
-  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows, units = chunks * panels;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t unit = 0; unit < units; ++unit) {
-    const int64_t chunk = unit / panels, p = unit % panels;
-    const int64_t row0 = chunk * chunk_rows;
-    const int64_t rows = m - row0 < chunk_rows ? m - row0 : chunk_rows;
-    const int64_t columns = n - p * kPanel < kPanel ? n - p * kPanel : kPanel;
-    const int8_t* panel = w + p * kp * kPanel;
-    const bool last = p == panels - 1;
-    const float* s =
-        weight_blocks ? step + p * blocks * kPanel : (last ? tail_step : step + p * kPanel);
-    const float* bb = !has_bias ? nullptr : (last ? tail_shift : shift + p * kPanel);
-    auto run = [&](auto rows_constant, int64_t r) {
-      constexpr int kRows = decltype(rows_constant)::value;
-      char* target = out + ((row0 + r) * n + p * kPanel) * element;
-      if (weight_blocks)
-        panel_product_blocks<kRows, true>(in, row0 + r, panel, quads, s, bb, target, n,
-                                          bf16_out, columns);
-      else
-        panel_product_blocks<kRows, false>(in, row0 + r, panel, quads, s, bb, target, n,
-                                           bf16_out, columns);
-    };
-    int64_t r = 0;
-    for (; r + kRowBlock <= rows; r += kRowBlock) run(std::integral_constant<int, 4>{}, r);
-    switch (rows - r) {
-      case 3: run(std::integral_constant<int, 3>{}, r); break;
-      case 2: run(std::integral_constant<int, 2>{}, r); break;
-      case 1: run(std::integral_constant<int, 1>{}, r); break;
-      default: break;
-    }
+  if (use_vnni) {
+    for (int64_t i = 0; i < m * kq; ++i) q[i] = static_cast<int8_t>(q[i] ^ 0x80);  // xq + 128, unsigned
+    vnni::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads);
   }
+  else
+    madd::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads);
   for (int64_t r = 0; r < m; ++r)
     if (!finite[r]) y.select(0, r).fill_(std::numeric_limits<float>::quiet_NaN());
   return y;
 }
 
-at::Tensor int8_mm_q8_avx2(const at::Tensor& x, const at::Tensor& packed,
-                           const at::Tensor& column_step, const std::optional<at::Tensor>& bias,
-                           int64_t n, bool bf16_out) {
-  return q8_product("int8_mm_q8_avx2", x, packed, column_step, at::Tensor(), bias, n, bf16_out);
+template <bool use_vnni>
+at::Tensor int8_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& column_step,
+                      const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out) {
+  return q8_product(use_vnni ? "int8_mm_q8_vnni" : "int8_mm_q8_avx2", x, packed, column_step,
+                    at::Tensor(), bias, n, bf16_out, use_vnni);
 }
 
-at::Tensor int8_mm_q8b_avx2(const at::Tensor& x, const at::Tensor& packed,
-                            const at::Tensor& block_step, const std::optional<at::Tensor>& bias,
-                            int64_t n, bool bf16_out) {
-  TORCH_CHECK(block_step.defined(), "int8_mm_q8b_avx2: block_step is undefined");
-  return q8_product("int8_mm_q8b_avx2", x, packed, at::Tensor(), block_step, bias, n, bf16_out);
+template <bool use_vnni>
+at::Tensor int8_mm_q8b(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& block_step,
+                       const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out) {
+  const char* name = use_vnni ? "int8_mm_q8b_vnni" : "int8_mm_q8b_avx2";
+  TORCH_CHECK(block_step.defined(), name, ": block_step is undefined");
+  return q8_product(name, x, packed, at::Tensor(), block_step, bias, n, bf16_out, use_vnni);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int8_mm_avx2(Tensor xq, Tensor packed, int n) -> Tensor");
-  m.def("int8_mm_q8_avx2(Tensor x, Tensor packed, Tensor column_step, Tensor? bias, int n, "
-        "bool bf16_out) -> Tensor");
-  m.def("int8_mm_q8b_avx2(Tensor x, Tensor packed, Tensor block_step, Tensor? bias, int n, "
-        "bool bf16_out) -> Tensor");
+  for (const char* name : {"int8_mm_q8_avx2", "int8_mm_q8_vnni"})
+    m.def((std::string(name) + "(Tensor x, Tensor packed, Tensor column_step, Tensor? bias, "
+                               "int n, bool bf16_out) -> Tensor").c_str());
+  for (const char* name : {"int8_mm_q8b_avx2", "int8_mm_q8b_vnni"})
+    m.def((std::string(name) + "(Tensor x, Tensor packed, Tensor block_step, Tensor? bias, "
+                               "int n, bool bf16_out) -> Tensor").c_str());
 }
 
 TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int8_mm_avx2", &int8_mm_avx2);
-  m.impl("int8_mm_q8_avx2", &int8_mm_q8_avx2);
-  m.impl("int8_mm_q8b_avx2", &int8_mm_q8b_avx2);
+  m.impl("int8_mm_q8_avx2", &int8_mm_q8<false>);
+  m.impl("int8_mm_q8_vnni", &int8_mm_q8<true>);
+  m.impl("int8_mm_q8b_avx2", &int8_mm_q8b<false>);
+  m.impl("int8_mm_q8b_vnni", &int8_mm_q8b<true>);
 }
