@@ -362,7 +362,8 @@ def test_w4a8_layers_choose_the_kernel_and_match_the_plain_ops_path(monkeypatch)
     described = kernel_of(model[0])
     assert "inputs rounded to int8 per 32" in described
     if RUNS_HERE:
-        assert described.startswith("int4 AVX2 W4A8 kernel (this library's), group 64")
+        isa = "AVX-512 VNNI" if native.operator_suffix() == "vnni" else "AVX2"
+        assert described.startswith(f"int4 {isa} W4A8 kernel (this library's), group 64")
         assert plan.kernel == "native_q8"
         assert int4_kernels.paths(quantization_of(model[0]).runtime) == [
             "native_q8",
@@ -451,3 +452,53 @@ def test_w4a8_config_round_trips_and_is_part_of_the_identity():
     assert Int4QuantizationConfig.from_config(config.get_config()) == config
     assert config != Int4QuantizationConfig(block_size=64)
     assert "activation_block_size" not in Int4QuantizationConfig(block_size=64).get_config()
+
+
+VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
+
+
+@pytest.mark.skipif(not VNNI_HERE, reason="needs a CPU with AVX-512 VNNI")
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 70),
+    n=st.integers(1, 40),
+    k=st.integers(1, 200),
+    group=st.sampled_from([32, 64, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_w4a8_vnni_copy_gives_the_avx2_values_bit_for_bit(rows, n, k, group, seed):
+    """vpdpbusd on the unsigned nibbles, 4 rows per weight load: the same
+    integer sums, the same float operations in the same order."""
+    q, scale, zero = _weights(n, k, group, seed)
+    packed, pairs = int4_native.pack_q8(q, scale.bfloat16(), zero.bfloat16(), group)
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=generator) * 4).bfloat16()
+    if rows > 3:
+        x[2, k // 2] = float("inf")
+    ops = torch.ops.dtype_policies
+    avx2 = ops.int4_mm_q8_avx2(x, packed, pairs, group, n)
+    vnni = ops.int4_mm_q8_vnni(x, packed, pairs, group, n)
+    assert avx2.dtype == vnni.dtype == torch.bfloat16 and vnni.shape == (rows, n)
+    assert torch.equal(avx2.isnan(), vnni.isnan())
+    assert torch.equal(avx2.nan_to_num(), vnni.nan_to_num())
+
+
+@needs_kernel
+def test_many_w4a8_rows_stay_on_the_kernel_where_it_has_vnni():
+    """The decoded float32 GEMMs win over the AVX2 W4A8 kernel from 128
+    rows; the VNNI copy wins over them at every row count."""
+    q, scale, zero = _weights(40, 576, 64, seed=5)
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q, scale, zero, 64, (q,), kernel="native_q8")
+    rows = int4_kernels.NATIVE_DECODED_MIN_ROWS
+    with _cpu.emulate("avx2"):
+        assert int4_kernels.int4_path(runtime, rows, 64) == "decoded_q8"
+    if native.operator_suffix() == "vnni":  # this class (natively, or not emulated away)
+        assert int4_kernels.int4_path(runtime, rows, 64) == "native_q8"
+        assert int4_kernels.int4_path(runtime, 4 * rows, 64) == "native_q8"
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(5))
+        y = int4_kernels.int4_linear(x, None, scale, zero, 64, None, torch.bfloat16, runtime)
+        decoded = int4_kernels.int4_linear(
+            x, None, scale, zero, 64, None, torch.bfloat16, runtime, "decoded_q8"
+        )
+        torch.testing.assert_close(y.float(), decoded.float(), rtol=2**-7, atol=1e-3)

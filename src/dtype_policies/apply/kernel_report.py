@@ -21,10 +21,10 @@ from dtype_policies._core import products
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.module_state import state_of
 from dtype_policies._core.policy_module import FAST_LINEARS
-from dtype_policies._cpu import processor
+from dtype_policies._cpu import Processor, processor
 from dtype_policies.layers.dense import Dense
 from dtype_policies.quantization.attach import quantization_of
-from dtype_policies.quantization.kernels import int4, int8
+from dtype_policies.quantization.kernels import int4, int8, native
 from dtype_policies.quantization.schemes.base import QuantizedWeight
 
 
@@ -67,7 +67,8 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         weights = "" if weight_block is None else f", weight steps per {weight_block}"
         if device is not None and int8.blocked_kernel_applies(device):
             return (
-                f"int8 AVX2 kernel, inputs rounded to int8 per {blocks}{weights} (this library's)"
+                f"int8 {_instructions(cpu)} kernel, inputs rounded to int8 per {blocks}{weights} "
+                "(this library's)"
             )
         return (
             f"inputs rounded to int8 per {blocks}, times the int8 weight in floating point"
@@ -113,7 +114,7 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             return f"int4 W4A8: inputs rounded to int8 per {blocks}, dequantized per call"
         native = chosen in ("native", "native_q8")
         if blocks is not None:
-            kernel = "int4 AVX2 W4A8 kernel (this library's)"
+            kernel = f"int4 {_instructions(cpu)} W4A8 kernel (this library's)"
             inputs = f"inputs rounded to int8 per {blocks}, integer products"
         else:
             kernel = "int4 AVX2 kernel (this library's)" if native else "int4 packed kernel"
@@ -136,3 +137,9 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         kind = products.kind_for(compute, device or torch.device("cpu"), numel)
         return f"kept float8 weight (no autograd), {products.describe(kind, compute, numel)}"
     return qw.mode
+
+
+def _instructions(cpu: Processor) -> str:
+    """The instruction set of the copy of this library's int8 and W4A8 kernels
+    that runs on `cpu`."""
+    return "AVX-512 VNNI" if native.operator_suffix(cpu) == "vnni" else "AVX2"

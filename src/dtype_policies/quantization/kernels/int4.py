@@ -53,6 +53,7 @@ from dtype_policies.quantization.kernels import (
     epilogues,
     freezing_weights,
     int4_native,
+    native,
     tensor_key,
 )
 from dtype_policies.quantizers.math import dequantize_grouped
@@ -401,7 +402,8 @@ KERNELS = {
     "packed": "torch's packed int4 kernel, bfloat16 activations",
     "native": "this library's AVX2 int4 kernel, bfloat16 activations",
     "decoded": "the AVX2 kernel's weight decoded per call in cache-sized chunks, float32 GEMMs",
-    "native_q8": "this library's AVX2 W4A8 kernel, activations rounded to int8 per 32 inputs",
+    "native_q8": "this library's W4A8 kernel (AVX2, or its VNNI copy), activations rounded to "
+    "int8 per 32 inputs",
     "decoded_q8": "the W4A8 kernel's weight decoded per call in chunks, float32 GEMMs on the "
     "rounded activations",
 }
@@ -416,7 +418,9 @@ KERNEL_PATHS = {
 # activations, as the kernel): the kernel reads each weight once per 4 rows, a
 # GEMM far less often. Measured (AMD Zen 3, 2 threads, docs/speed.md): at 512
 # rows 1.3-2x faster than the kernel at every measured shape, at 128 rows on
-# three shapes of four, at 64 rows on none reliably.
+# three shapes of four, at 64 rows on none reliably. Not for the W4A8 kernel's
+# VNNI copy (4 rows per weight load, one vpdpbusd per 4 inputs x 8 columns):
+# 3-5x faster than these GEMMs at 128 and 512 rows (AMD Zen 4, docs/speed.md).
 NATIVE_DECODED_MIN_ROWS = 128
 PATHS = {
     **KERNELS,
@@ -445,6 +449,8 @@ def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
         if from_rows is not None and rows >= from_rows:
             return "dequantized"
     if plan.kernel != "packed" and rows >= NATIVE_DECODED_MIN_ROWS:
+        if plan.kernel == "native_q8" and native.operator_suffix() == "vnni":
+            return plan.kernel  # its VNNI copy: faster than the decoded GEMMs at any rows
         return KERNEL_PATHS[plan.kernel][1]
     return plan.kernel
 

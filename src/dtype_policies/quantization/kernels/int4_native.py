@@ -126,8 +126,10 @@ def int4_mm_q8(
     x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int
 ) -> torch.Tensor:
     """`x` (M, K) bfloat16, rounded to int8 in blocks of 32 inputs, times the
-    weight packed by `pack_q8`: (M, n) bfloat16."""
-    return _ops().int4_mm_q8_avx2(x, packed, pairs, group, n)
+    weight packed by `pack_q8`: (M, n) bfloat16. On CPUs with AVX-512 VNNI,
+    its copy `int4_mm_q8_vnni` (the same values bit for bit; 4 rows per
+    weight load)."""
+    return getattr(_ops(), f"int4_mm_q8_{native.operator_suffix()}")(x, packed, pairs, group, n)
 
 
 def decode(
@@ -199,7 +201,7 @@ def _register_fakes() -> None:
     def product(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
         return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
 
-    for name in ("int4_mm_avx2", "int4_mm_q8_avx2"):
+    for name in ("int4_mm_avx2", "int4_mm_q8_avx2", "int4_mm_q8_vnni"):
         torch.library.register_fake(f"dtype_policies::{name}", product)
 
     def decode(packed: torch.Tensor, pairs: torch.Tensor, group: int, out: torch.Tensor) -> None:

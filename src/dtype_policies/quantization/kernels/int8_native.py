@@ -22,7 +22,7 @@ of inputs too (`block_size=32`, the default int8: llama.cpp's Q8_0 x Q8_0),
 the steps laid out by `pack_block_steps`. On CPUs with AVX-512 VNNI both run
 as their `_vnni` twins (`int8_mm_q8_vnni`, `int8_mm_q8b_vnni`: one `vpdpbusd`
 where AVX2 needs three instructions; the same values bit for bit), chosen from
-the processor's features (`operator_suffix`).
+the processor's features (`native.operator_suffix`).
 
 >>> import torch
 >>> from dtype_policies.quantization.kernels import int8_native
@@ -41,7 +41,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import native
 
 KERNEL = "avx2"
@@ -88,7 +87,7 @@ def int8_mm_q8(
     block in integers, each block's sum scaled by its step in float32; then
     `* column_step + bias` ((n,) float32): (M, n) float32, or bfloat16 with
     `bf16_out`. A row holding a NaN or an infinity gives NaN."""
-    return getattr(_ops(), f"int8_mm_q8_{operator_suffix()}")(
+    return getattr(_ops(), f"int8_mm_q8_{native.operator_suffix()}")(
         x, packed, column_step, bias, n, bf16_out
     )
 
@@ -118,24 +117,9 @@ def int8_mm_q8b(
     """`int8_mm_q8` for a weight with a step per block of inputs and column
     (`pack_block_steps`): `y[m, c] = sum_b d[m, b] * block_step[b, c] *
     (xq[m, b] . w[c, b]) + bias[c]`."""
-    return getattr(_ops(), f"int8_mm_q8b_{operator_suffix()}")(
+    return getattr(_ops(), f"int8_mm_q8b_{native.operator_suffix()}")(
         x, packed, block_step, bias, n, bf16_out
     )
-
-
-def operator_suffix(cpu: Processor | None = None) -> str:
-    """Which copy of the blocked products runs on `cpu` (default this one):
-    `"vnni"` with AVX-512 VNNI, else `"avx2"`.
-
-    >>> from dataclasses import replace
-    >>> from dtype_policies._cpu import processor
-    >>> operator_suffix(replace(processor(), features=frozenset({"avx2", "avx512", "avx512_vnni"})))
-    'vnni'
-    >>> operator_suffix(replace(processor(), features=frozenset({"avx2"})))
-    'avx2'
-    """
-    cpu = processor() if cpu is None else cpu
-    return "vnni" if "avx512_vnni" in cpu.features else "avx2"
 
 
 def _ops() -> Any:

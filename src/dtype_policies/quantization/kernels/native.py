@@ -98,6 +98,21 @@ def on_load(name: str, hook: Callable[[], None]) -> None:
     hook()
 
 
+def operator_suffix(cpu: Processor | None = None) -> str:
+    """Which copy of a kernel's operators runs on `cpu` (default this one),
+    for the kernels that have one per instruction set: `"vnni"` with AVX-512
+    VNNI, else `"avx2"`.
+
+    >>> from dataclasses import replace
+    >>> operator_suffix(replace(processor(), features=frozenset({"avx2", "avx512", "avx512_vnni"})))
+    'vnni'
+    >>> operator_suffix(replace(processor(), features=frozenset({"avx2"})))
+    'avx2'
+    """
+    cpu = processor() if cpu is None else cpu
+    return "vnni" if "avx512_vnni" in cpu.features else "avx2"
+
+
 def enabled() -> bool:
     """Whether native kernels are allowed (`DTYPE_POLICIES_NATIVE_KERNELS`)."""
     return os.environ.get(DISABLE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")

@@ -70,6 +70,7 @@ MERGEABLE: dict[str, Mergeable] = {
     # (x, packed, pairs, group, n)
     "int4_mm_avx2": Mergeable(1, (1, 2), (), 4),
     "int4_mm_q8_avx2": Mergeable(8, (1, 2), (), 4),
+    "int4_mm_q8_vnni": Mergeable(8, (1, 2), (), 4),
 }
 
 

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vnni_target.h"
+
 namespace {
 
 inline float bf16_to_float(uint16_t v) {
@@ -356,11 +358,68 @@ inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, cons
   return acc;
 }
 
-}  // namespace
+// The VNNI copy of q8_columns8 for `rows` (1..4) rows at once: vpdpbusd multiplies
+// the unsigned nibbles by the int8 inputs into int32 lanes directly (4 products
+// of at most 15 * 127 each), and each 32-byte load of weights serves the rows.
+// The same integer sums and the same float operations in the same order as
+// q8_columns8, so the same values bit for bit. Compiled for AVX-512 VNNI after
+// every header; called only from dtype_policies_int4_mm_q8_vnni.
+DTYPE_POLICIES_VNNI_BEGIN
+template <int rows>
+void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const uint8_t* tile,
+                      const uint16_t* pairs, int64_t groups, int group_shift, float (*out)[8]) {
+  const int64_t blocks = kp / 32;
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  __m256 acc[rows];
+  for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w = tile + 128 * b;
+    __m256i dot[rows];
+    for (int r = 0; r < rows; ++r) dot[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i lo = _mm256_and_si256(v, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int r = 0; r < rows; ++r) {
+        const int8_t* x = in.q + (row + r) * kp + 32 * b;
+        int32_t lo_inputs, hi_inputs;
+        memcpy(&lo_inputs, x + 4 * j, 4);
+        memcpy(&hi_inputs, x + 4 * (j + 4), 4);
+        dot[r] = _mm256_dpbusd_epi32(dot[r], lo, _mm256_set1_epi32(lo_inputs));
+        dot[r] = _mm256_dpbusd_epi32(dot[r], hi, _mm256_set1_epi32(hi_inputs));
+      }
+    }
+    const __m256 s = bf16x8(pairs + 16 * (b >> group_shift));
+    for (int r = 0; r < rows; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
+                               _mm256_mul_ps(s, _mm256_broadcast_ss(in.d + (row + r) * blocks + b)),
+                               acc[r]);
+  }
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = bf16x8(pairs + 16 * g), z = bf16x8(pairs + 16 * g + 8);
+    const __m256 shift = _mm256_fnmadd_ps(eight, s, z);
+    for (int r = 0; r < rows; ++r)
+      acc[r] = _mm256_fmadd_ps(shift, _mm256_broadcast_ss(in.sums + (row + r) * groups + g), acc[r]);
+  }
+  for (int r = 0; r < rows; ++r) _mm256_storeu_ps(out[r], acc[r]);
+}
+DTYPE_POLICIES_VNNI_END
 
-extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed,
-                                         const uint16_t* sz, int64_t kp, int64_t group, uint16_t* y,
-                                         int64_t n, int threads) {
+// One row chunk (rows 1..4) of the VNNI copy: the columns' sums into out.
+void q8_rows_vnni(const RoundedInputs& in, int64_t row, int64_t rows, int64_t kp, const uint8_t* tile,
+                  const uint16_t* pairs, int64_t groups, int group_shift, float (*out)[8]) {
+  switch (rows) {
+    case 4: q8_columns8_vnni<4>(in, row, kp, tile, pairs, groups, group_shift, out); break;
+    case 3: q8_columns8_vnni<3>(in, row, kp, tile, pairs, groups, group_shift, out); break;
+    case 2: q8_columns8_vnni<2>(in, row, kp, tile, pairs, groups, group_shift, out); break;
+    default: q8_columns8_vnni<1>(in, row, kp, tile, pairs, groups, group_shift, out); break;
+  }
+}
+
+// The body of dtype_policies_int4_mm_q8 (`vnni` false) and its VNNI copy.
+int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, const uint16_t* sz,
+               int64_t kp, int64_t group, uint16_t* y, int64_t n, int threads, bool vnni) {
   if (m <= 0 || n <= 0) return 0;
   if (kp % 32 != 0 || group < 32 || (group & (group - 1)) != 0 || k > kp) return 1;
   const int64_t groups = (kp + group - 1) / group;
@@ -390,6 +449,16 @@ extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k
     const uint8_t* tile = packed + c8 * blocks * 128;
     const uint16_t* pairs = sz + c8 * groups * 16;
     const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
+    if (vnni) {
+      for (int64_t r = 0; r < m; r += 4) {
+        const int64_t rows = m - r < 4 ? m - r : 4;
+        alignas(32) float out[4][8];
+        q8_rows_vnni(in, r, rows, kp, tile, pairs, groups, group_shift, out);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < columns; ++c) y[(r + i) * n + 8 * c8 + c] = float_to_bf16(out[i][c]);
+      }
+      continue;
+    }
     for (int64_t r = 0; r < m; ++r) {
       alignas(32) float out[8];
       _mm256_store_ps(out, q8_columns8(in, r, kp, tile, pairs, groups, group_shift));
@@ -402,6 +471,21 @@ extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k
         for (int64_t j = 0; j < n; ++j) y[r * n + j] = 0x7fc0;  // bfloat16 NaN
   free(memory);
   return 0;
+}
+
+}  // namespace
+
+extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed,
+                                         const uint16_t* sz, int64_t kp, int64_t group, uint16_t* y,
+                                         int64_t n, int threads) {
+  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, false);
+}
+
+// The same product on CPUs with AVX-512 VNNI (the caller checks).
+extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t* x, int64_t m, int64_t k,
+                                              const uint8_t* packed, const uint16_t* sz, int64_t kp,
+                                              int64_t group, uint16_t* y, int64_t n, int threads) {
+  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, true);
 }
 
 // The float32 weight [N, Kp] of the same layout (`q * s + z` per weight), for

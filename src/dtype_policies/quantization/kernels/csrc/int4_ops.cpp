@@ -3,6 +3,7 @@
 // Python frame per product:
 //   dtype_policies::int4_mm_avx2(x, packed, pairs, group, n)     weight-only
 //   dtype_policies::int4_mm_q8_avx2(x, packed, pairs, group, n)  W4A8, blocks of 32
+//   dtype_policies::int4_mm_q8_vnni(...)  the same values, for CPUs with AVX-512 VNNI
 //   dtype_policies::int4_decode_avx2(packed, pairs, group, out)  float32 weight into out
 //   dtype_policies::int4_decode_q8_avx2(packed, pairs, group, out)  the same, W4A8 layout
 // x: (M, K) bfloat16; weight-only: packed (N, Kp / 2) uint8, pairs (N, G, 2)
@@ -20,6 +21,9 @@ extern "C" int dtype_policies_int4_mm_bf16(const uint16_t*, int64_t, int64_t, co
                                            const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int);
 extern "C" int dtype_policies_int4_mm_q8(const uint16_t*, int64_t, int64_t, const uint8_t*,
                                          const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int);
+extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t*, int64_t, int64_t, const uint8_t*,
+                                              const uint16_t*, int64_t, int64_t, uint16_t*, int64_t,
+                                              int);
 extern "C" int dtype_policies_int4_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
                                               int64_t, float*, int);
 extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
@@ -93,6 +97,12 @@ at::Tensor int4_mm_q8_avx2(const at::Tensor& x, const at::Tensor& packed, const 
   return run_product(dtype_policies_int4_mm_q8, "int4_mm_q8_avx2", true, x, packed, pairs, group, n);
 }
 
+at::Tensor int4_mm_q8_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                           int64_t group, int64_t n) {
+  return run_product(dtype_policies_int4_mm_q8_vnni, "int4_mm_q8_vnni", true, x, packed, pairs,
+                     group, n);
+}
+
 using Decode = int (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
 
 void run_decode(Decode decode, const char* name, bool q8, const at::Tensor& packed,
@@ -124,6 +134,7 @@ void int4_decode_q8_avx2(const at::Tensor& packed, const at::Tensor& pairs, int6
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int4_mm_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_mm_q8_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
+  m.def("int4_mm_q8_vnni(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_decode_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
   m.def("int4_decode_q8_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
 }
@@ -131,6 +142,7 @@ TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
 TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int4_mm_avx2", &int4_mm_avx2);
   m.impl("int4_mm_q8_avx2", &int4_mm_q8_avx2);
+  m.impl("int4_mm_q8_vnni", &int4_mm_q8_vnni);
   m.impl("int4_decode_avx2", &int4_decode_avx2);
   m.impl("int4_decode_q8_avx2", &int4_decode_q8_avx2);
 }

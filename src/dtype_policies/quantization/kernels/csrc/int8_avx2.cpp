@@ -33,6 +33,8 @@
 #include <string>
 #include <type_traits>
 
+#include "vnni_target.h"
+
 // int4_avx2.cpp: the W4A8 rounding of bfloat16 rows (blocks of 32, Q8_0's rule).
 extern "C" int dtype_policies_round_rows_q8(const uint16_t* x, int64_t m, int64_t k, int64_t kp,
                                             int8_t* q, float* d, char* finite, int threads);
@@ -156,13 +158,7 @@ void exact_product(const int8_t* x, int64_t m, int64_t kp, const int8_t* w, int6
 // The VNNI copy: only the functions of int8_panels.inc are compiled for AVX-512
 // VNNI (every header is included above), and they run only where the caller
 // chose a `_vnni` operator from the processor's features.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
-#endif
+DTYPE_POLICIES_VNNI_BEGIN
 namespace vnni {
 constexpr bool kOffsetInputs = true;
 inline __m256i dot4(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
@@ -170,11 +166,7 @@ inline __m256i dot4(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
 }
 #include "int8_panels.inc"
 }  // namespace vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+DTYPE_POLICIES_VNNI_END
 
 // Whether any of `count` bytes is -128 (the only input the kernel cannot take).
 bool contains_minus_128(const int8_t* x, int64_t count) {
