@@ -362,8 +362,10 @@ def test_w4a8_layers_choose_the_kernel_and_match_the_plain_ops_path(monkeypatch)
     described = kernel_of(model[0])
     assert "inputs rounded to int8 per 32" in described
     if RUNS_HERE:
-        isa = "AVX-512 VNNI" if native.operator_suffix() == "vnni" else "AVX2"
+        vnni = native.operator_suffix() == "vnni"
+        isa = "AVX-512 VNNI" if vnni else "AVX2"
         assert described.startswith(f"int4 {isa} W4A8 kernel (this library's), group 64")
+        assert ("rows decoded into float32 GEMMs" in described) is not vnni
         assert plan.kernel == "native_q8"
         assert int4_kernels.paths(quantization_of(model[0]).runtime) == [
             "native_q8",
@@ -493,7 +495,10 @@ def test_many_w4a8_rows_stay_on_the_kernel_where_it_has_vnni():
     rows = int4_kernels.NATIVE_DECODED_MIN_ROWS
     with _cpu.emulate("avx2"):
         assert int4_kernels.int4_path(runtime, rows, 64) == "decoded_q8"
+        assert int4_kernels.decoded_min_rows("native_q8") == rows
     if native.operator_suffix() == "vnni":  # this class (natively, or not emulated away)
+        assert int4_kernels.decoded_min_rows("native_q8") is None
+        assert int4_kernels.decoded_min_rows("native") == rows  # weight-only: no VNNI copy
         assert int4_kernels.int4_path(runtime, rows, 64) == "native_q8"
         assert int4_kernels.int4_path(runtime, 4 * rows, 64) == "native_q8"
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(5))

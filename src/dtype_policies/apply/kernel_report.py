@@ -112,22 +112,25 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         chosen = int4.cpu_kernel(blocks)
         if blocks is not None and chosen is None:
             return f"int4 W4A8: inputs rounded to int8 per {blocks}, dequantized per call"
-        native = chosen in ("native", "native_q8")
+        own_kernel = chosen in ("native", "native_q8")
         if blocks is not None:
             kernel = f"int4 {_instructions(cpu)} W4A8 kernel (this library's)"
             inputs = f"inputs rounded to int8 per {blocks}, integer products"
         else:
-            kernel = "int4 AVX2 kernel (this library's)" if native else "int4 packed kernel"
+            kernel = "int4 AVX2 kernel (this library's)" if own_kernel else "int4 packed kernel"
             inputs = "bfloat16 activations"
         text = f"{kernel}, group {layout.group}, {inputs}"
         if layout.spread:
             text += f", blocks padded to {layout.stride}"
         elif layout.padded_k != spec.in_features:
             text += f", K padded to {layout.padded_k}"
-        if spec.out_features % 16 and not native:
+        if spec.out_features % 16 and not own_kernel:
             text += ", N padded to a multiple of 16"
-        if native:
-            text += f"; from {int4.NATIVE_DECODED_MIN_ROWS} rows decoded into float32 GEMMs"
+        decoded_from = None
+        if chosen is not None and own_kernel:
+            decoded_from = int4.decoded_min_rows(chosen, cpu)
+        if decoded_from is not None:
+            text += f"; from {decoded_from} rows decoded into float32 GEMMs"
         from_rows = int4.dequantized_min_rows(spec.in_features * spec.out_features)
         if config.group_size <= 0 and from_rows is not None:
             text += f"; from {from_rows} rows one GEMM on the integer weights"

@@ -448,11 +448,27 @@ def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
         from_rows = dequantized_min_rows(plan.n * plan.layout.padded_k)
         if from_rows is not None and rows >= from_rows:
             return "dequantized"
-    if plan.kernel != "packed" and rows >= NATIVE_DECODED_MIN_ROWS:
-        if plan.kernel == "native_q8" and native.operator_suffix() == "vnni":
-            return plan.kernel  # its VNNI copy: faster than the decoded GEMMs at any rows
+    from_rows = decoded_min_rows(plan.kernel)
+    if from_rows is not None and rows >= from_rows:
         return KERNEL_PATHS[plan.kernel][1]
     return plan.kernel
+
+
+def decoded_min_rows(kernel: str, cpu: Processor | None = None) -> int | None:
+    """The rows from which a weight packed for `kernel` (a key of
+    `KERNEL_PATHS`) is decoded per call into float32 GEMMs on `cpu`
+    (default this one), or None where it stays on its kernel: torch's packed
+    kernel, and the W4A8 kernel's VNNI copy (faster than those GEMMs at any
+    rows).
+
+    >>> decoded_min_rows("packed") is None
+    True
+    """
+    if kernel == "packed":
+        return None
+    if kernel == "native_q8" and native.operator_suffix(cpu) == "vnni":
+        return None
+    return NATIVE_DECODED_MIN_ROWS
 
 
 def int4_linear(
