@@ -84,7 +84,8 @@ def test_int8_runtime_follows_weight_changes():
         (4, torch.bfloat16, 64),
         (64, torch.bfloat16, 64),
         (3, torch.float32, 64),  # the packed kernel on inputs rounded to bfloat16
-        (16, torch.float32, 64),  # float32 products
+        (16, torch.float32, 64),  # float32 products, or as bfloat16 inputs where those are native
+        (40, torch.float32, 64),
         (2, torch.float32, 17),
         (2, torch.bfloat16, 17),  # shapes the packed kernel does not take
         (5, torch.bfloat16, 100),
@@ -98,15 +99,17 @@ def test_int8_weight_only(rows, dtype, k):
     path = int8_kernels.weight_only_path(x, runtime)
     out = int8_kernels.int8_weight_only_linear(x, runtime, torch.ones(48), dtype)
     reference = x.float() @ (q.float() / scale).t() + 1
-    if dtype == torch.float32 and path == "int8pack_bfloat16":
-        assert rows <= int8_kernels.FLOAT32_INT8PACK_MAX_ROWS and k % 16 == 0
-        # exactly the kernel's rounding: inputs and integer sums in bfloat16,
+    rounded = dtype == torch.float32 and path in ("int8pack_bfloat16", "dequantized_bfloat16")
+    if rounded:
+        if path == "int8pack_bfloat16":
+            assert rows <= int8_kernels.float32_int8pack_max_rows(x.device) and k % 16 == 0
+        # exactly the products' rounding: inputs and integer sums in bfloat16,
         # the float32 scale and bias after (up to the summation order: 1 ulp)
         sums = (x.bfloat16().float() @ q.float().t()).bfloat16().float()
         torch.testing.assert_close(out, sums / scale.t() + 1, atol=1e-5, rtol=2**-8)
         assert ((out - reference).norm() / reference.norm()).item() < 2**-8
     else:
-        assert path != "int8pack_bfloat16"
+        assert dtype != torch.float32  # float32 activations are always rounded on a CPU
         tolerance = 1e-4 if dtype == torch.float32 else 0.1
         torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=0.02)
 
@@ -355,12 +358,48 @@ def test_int8_weight_only_cast_in_chunks(rows, dtype):
     q, scale = abs_max_quantize(torch.randn(n, k), axis=1)
     runtime = _runtime(q, scale[:, 0], prepack=False)
     x = torch.randn(rows, k).to(dtype)
-    for path in ("dequantized", "dequantized_float32"):
+    paths = ("dequantized", "dequantized_float32", "dequantized_bfloat16")
+    for path in paths[:2] if dtype == torch.bfloat16 else paths:
         out = int8_kernels.int8_weight_only_linear(x, runtime, None, dtype, path)
         reference = x.float() @ (q.float() / scale).t()
-        tolerance = 1e-4 if dtype == torch.float32 else 0.02
+        rounded = dtype == torch.bfloat16 or path == "dequantized_bfloat16"
+        tolerance = 0.02 if rounded else 1e-4
         assert out.dtype == dtype and out.shape == (rows, n)
         assert ((out.float() - reference).norm() / reference.norm()).item() < tolerance
+
+
+def test_int8_weight_only_rounds_float32_inputs_the_same_on_every_class(monkeypatch):
+    """Float32 activations of a weight-only int8 product are rounded to
+    bfloat16, and so are its integer sums, at every row count and on every
+    class: in bfloat16 products where those are native, in float32 ones of the
+    rounded values elsewhere; `_weight_int8pack_mm` up to a class's row bound."""
+    import dataclasses
+
+    from dtype_policies import _cpu
+
+    torch.manual_seed(1)
+    q, scale = abs_max_quantize(torch.randn(48, 64), axis=1)
+    runtime = _runtime(q, scale[:, 0], prepack=False)
+    x = torch.randn(40, 64)
+    sums = (x.bfloat16().double() @ q.double().t()).bfloat16().double()
+    expected = sums / scale.t().double()
+    rows_by_class = {
+        True: {1: "int8pack_bfloat16", 16: "int8pack_bfloat16", 17: "dequantized_bfloat16"},
+        False: {1: "int8pack_bfloat16", 8: "int8pack_bfloat16", 9: "dequantized_bfloat16"},
+    }
+    for native, by_rows in rows_by_class.items():
+        cpu = dataclasses.replace(_cpu.processor(), native_bf16=native)
+        monkeypatch.setattr(int8_kernels, "processor", lambda cpu=cpu: cpu)
+        for rows, path in by_rows.items():
+            assert int8_kernels.weight_only_path(x[:rows], runtime) == path
+        for rows in (3, 40):
+            out = int8_kernels.int8_weight_only_linear(x[:rows], runtime, None, torch.float32)
+            assert out.dtype == torch.float32
+            # a sum rounded the other way (summation order) is one bfloat16 step
+            step = expected[:rows].abs() * 2**-7 + 1e-6
+            assert ((out.double() - expected[:rows]).abs() <= step).all(), (native, rows)
+            exact = (out.double() - expected[:rows]).abs() <= 1e-5 * expected[:rows].abs() + 1e-6
+            assert exact.float().mean() > 0.99, (native, rows)
 
 
 def test_per_channel_int4_runs_one_integer_gemm_only_where_bfloat16_is_native():

@@ -76,20 +76,24 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         )
     if qw.mode == "int8" and config.weight_only:
         few = int8.WEIGHT_INT8PACK_MAX_ROWS
-        if not on_cpu:
+        if device is None or not on_cpu:
             return "int8 weight cast to the compute dtype per call"
         multiple = spec.in_features % 16 == 0 and spec.out_features % 16 == 0
-        rest = (
-            "float32 products"
-            if not products.native_half_products(compute, cpu)
-            else f"{str(compute).removeprefix('torch.')} products"
-        )
+        products_in = compute
+        rest = ""
+        if compute is torch.float32:  # `int8.bfloat16_rounded_product`
+            products_in = torch.bfloat16
+            rest = "inputs and sums rounded to bfloat16, "
+        if products.native_half_products(products_in, cpu):
+            rest += f"{str(products_in).removeprefix('torch.')} products"
+        else:
+            rest += "float32 products"
         half = compute in (torch.bfloat16, torch.float16)
         head = ""
         if multiple and half:
             head = f"_weight_int8pack_mm up to {few} rows, then "
         elif multiple and compute is torch.float32:
-            rows = int8.FLOAT32_INT8PACK_MAX_ROWS
+            rows = int8.float32_int8pack_max_rows(device, cpu)
             head = f"_weight_int8pack_mm on bfloat16-rounded inputs up to {rows} rows, then "
         return f"{head}int8 weight cast per call in cache-sized chunks, {rest}"
     if qw.mode == "int8":

@@ -238,6 +238,13 @@ OURS: list[Variant] = [
         note="inputs per 32, weights per channel (the default int8 of 2026-11-28)",
     ),
     ours("int8 weight-only", mode="int8", activation_quantizer=None),
+    ours(
+        "int8 weight-only from float32",
+        policy=None,
+        mode="int8",
+        activation_quantizer=None,
+        note="inputs rounded to bfloat16 where bfloat16 products are native",
+    ),
     ours("int8 W8A8", mode="int8", config=lambda _: _int8_w8a8(), note="per-token activations"),
     ours("int4/32", mode="int4", block_size=32),
     ours("int4/64", mode="int4", block_size=64),

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.products import product_dtype
+from dtype_policies._core.products import native_half_products, product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
     epilogues,
@@ -66,9 +66,11 @@ ONEDNN_MIN_ROWS = 4
 # scalar reference kernel without AMX (100-1000x slower): never there.
 ONEDNN_S8_MIN_ROWS = 16
 WEIGHT_INT8PACK_MAX_ROWS = 16
-# Float32 activations rounded to bfloat16 for `_weight_int8pack_mm` up to this
-# many rows (1 thread, avx512 and AVX2 caps: 1.4-3.7x float32 at 1-8 rows for
-# 576 x 1536 to 5632 x 2048 weights, 0.7-1.6x at 16).
+# Float32 activations (rounded to bfloat16: `bfloat16_rounded_product`) run
+# `_weight_int8pack_mm` up to this many rows where bfloat16 products are
+# emulated (1 thread, avx512 and AVX2 caps: 1.4-3.7x float32 at 1-8 rows for
+# 576 x 1536 to 5632 x 2048 weights, 0.7-1.6x at 16); where they are native,
+# up to `WEIGHT_INT8PACK_MAX_ROWS` as bfloat16 activations do.
 FLOAT32_INT8PACK_MAX_ROWS = 8
 
 PATHS = {
@@ -84,6 +86,8 @@ PATHS = {
     "int8pack": "torch._weight_int8pack_mm",
     "int8pack_bfloat16": "torch._weight_int8pack_mm on float32 activations rounded to bfloat16",
     "dequantized": "int8 weight cast to the compute dtype per call",
+    "dequantized_bfloat16": "int8 weight cast per call, float32 activations and products "
+    "rounded to bfloat16 (bfloat16 products where native, else float32 ones)",
     "dequantized_float32": "int8 weight cast to float32 per call (half products emulated)",
 }
 
@@ -457,8 +461,11 @@ def int8_linear_traceable(
                 return epilogues.rescale(y.float(), column_step[None, :], None, bias, out_dtype)
             y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
             return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
-        dtype = product_dtype(x2.dtype, x2.device)  # as the eager path
-        y = F.linear(x2.to(dtype), q_nk.to(dtype))
+        if x2.dtype is torch.float32 and x2.device.type == "cpu":  # as the eager path
+            y = bfloat16_rounded_product(x2, q_nk, lambda x, w: F.linear(x, w))
+        else:
+            dtype = product_dtype(x2.dtype, x2.device)
+            y = F.linear(x2.to(dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     xq, row_step = epilogues.quantize_rows_int8(x2)
     m, k = x2.shape
@@ -477,7 +484,37 @@ def _frozen_int8pack(x2: torch.Tensor, n: int) -> bool:
     frozen weights, where the eager path would (`weight_only_path`)."""
     if not freezing_weights() or not weight_int8pack_supported(x2, n):
         return False
-    return x2.dtype is not torch.float32 or x2.shape[0] <= FLOAT32_INT8PACK_MAX_ROWS
+    return x2.dtype is not torch.float32 or x2.shape[0] <= float32_int8pack_max_rows(x2.device)
+
+
+def bfloat16_rounded_product(
+    x2: torch.Tensor,
+    q_nk: torch.Tensor,
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    cpu: Processor | None = None,
+) -> torch.Tensor:
+    """`product(x, q_nk)` of float32 activations on a CPU as every weight-only
+    int8 path computes it, on every class and at every row count: the inputs
+    rounded to bfloat16, times the integer weight (exact in bfloat16), summed
+    in float32 and rounded to bfloat16 (before the per-channel step). Where
+    bfloat16 products are native that is a bfloat16 product (1.6-2.6x a
+    float32 one with the weight cast per call at 16-128 rows, 2 threads, Zen 4,
+    576 x 1536 to 5632 x 2048); elsewhere float32 products of the rounded
+    values give the same values. `_weight_int8pack_mm` rounds the same way. The
+    rounding adds about 0.1% to outputs whose int8 weights already err by
+    about 1% (SmolLM2: perplexity 25.05 against 25.03, KL 0.0055 against 0.0049)."""
+    if native_half_products(torch.bfloat16, cpu or processor()):
+        return product(x2.bfloat16(), q_nk)
+    return product(x2.bfloat16().float(), q_nk).bfloat16()
+
+
+def float32_int8pack_max_rows(device: torch.device, cpu: Processor | None = None) -> int:
+    """Up to how many rows float32 activations (rounded to bfloat16) run
+    `_weight_int8pack_mm`: as bfloat16 activations where those products are
+    native, else `FLOAT32_INT8PACK_MAX_ROWS`."""
+    if device.type == "cpu" and native_half_products(torch.bfloat16, cpu or processor()):
+        return WEIGHT_INT8PACK_MAX_ROWS
+    return FLOAT32_INT8PACK_MAX_ROWS
 
 
 def fake_quantize_rows_int8(x2: torch.Tensor) -> torch.Tensor:
@@ -510,26 +547,28 @@ def weight_only_paths(x2: torch.Tensor, runtime: Int8Runtime) -> tuple[str, ...]
     paths = []
     if weight_int8pack_supported(x2, runtime.q_nk.shape[0], any_rows=True):
         paths.append("int8pack_bfloat16" if x2.dtype is torch.float32 else "int8pack")
+    if x2.dtype is torch.float32 and x2.device.type == "cpu":
+        return (*paths, "dequantized_bfloat16", "dequantized")
     return (*paths, "dequantized", "dequantized_float32")
 
 
 def weight_only_path(x2: torch.Tensor, runtime: Int8Runtime) -> str:
     """`_weight_int8pack_mm` for half-precision activations of a few rows
     within its shapes (its float32 variant is scalar code, 5-10x slower than
-    float32's own product, measured), else the product with the weight cast
-    per call, chunk by chunk (to float32 where half-precision products are
-    emulated)."""
+    float32's own product, measured; float32 activations are rounded to
+    bfloat16 for it), else the product with the weight cast per call, chunk by
+    chunk (to float32 where half-precision products are emulated; float32
+    activations on a CPU as `bfloat16_rounded_product`)."""
     q_nk = runtime.q_nk
     assert q_nk is not None  # set by `refresh`
     n = q_nk.shape[0]
     if x2.dtype in (torch.bfloat16, torch.float16) and weight_int8pack_supported(x2, n):
         return "int8pack"
-    if (
-        x2.dtype is torch.float32
-        and x2.shape[0] <= FLOAT32_INT8PACK_MAX_ROWS
-        and weight_int8pack_supported(x2, n)
-    ):
-        return "int8pack_bfloat16"
+    if x2.dtype is torch.float32:
+        if x2.shape[0] <= float32_int8pack_max_rows(x2.device) and weight_int8pack_supported(x2, n):
+            return "int8pack_bfloat16"
+        if x2.device.type == "cpu":
+            return "dequantized_bfloat16"
     if product_dtype(x2.dtype, x2.device) is not x2.dtype:
         return "dequantized_float32"  # the same values, at float32 speed
     return "dequantized"
@@ -585,6 +624,7 @@ def int8_weight_only_linear(
     """`x2 @ (q / scale).T + bias` with the activations left unquantized, by
     `path` (default: `weight_only_path`)."""
     q_nk = runtime.q_nk
+    assert q_nk is not None  # set by `refresh`
     n = q_nk.shape[0]
     if x2.shape[0] == 0:
         return x2.new_zeros((0, n), dtype=out_dtype)
@@ -604,5 +644,8 @@ def int8_weight_only_linear(
         )
     if path == "dequantized_float32":
         x2 = x2.float()
-    y = _cast_in_chunks(x2, q_nk)
+    if path == "dequantized_bfloat16":
+        y = bfloat16_rounded_product(x2, q_nk, _cast_in_chunks)
+    else:
+        y = _cast_in_chunks(x2, q_nk)
     return epilogues.run(epilogues.rescale, y, runtime.column_step[None, :], None, bias, out_dtype)
