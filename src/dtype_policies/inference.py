@@ -17,6 +17,10 @@ that runs `model` that way under `torch.no_grad()` or
   products of one input by several weights (an attention's query, key and
   value) run as one call on the concatenated weights
   (`quantization.kernels.siblings`, the same values);
+* a transformers model's bfloat16 attention runs on this library's kernel
+  on CPUs with AVX-512 bfloat16 (`quantization.kernels.attention`: torch's
+  CPU flash kernel multiplies bfloat16 at float32 speed there), swapped in
+  for `"sdpa"` during each compiled call only;
 * the products follow the eager rules for this processor
   (`dtype_policies._cpu`): on a CPU without native bfloat16 a bfloat16 policy
   multiplies in float32 beyond one row, as eagerly;
@@ -51,11 +55,13 @@ Under `torch.inference_mode()`, `fast(x)` compiles at its first call (tests:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from dtype_policies._frozen import FrozenCompiledCall
+from dtype_policies.quantization.kernels import attention
 
 
 class CompiledInference:
@@ -76,6 +82,7 @@ class CompiledInference:
             name="compile_for_inference",
             dynamic=None,
             fullgraph=fullgraph,
+            call_context=_call_context,
             autotune=autotune,
             cpp_wrapper=cpp_wrapper,
         )
@@ -90,6 +97,14 @@ class CompiledInference:
 
     def __repr__(self) -> str:
         return f"CompiledInference({type(self._module).__name__})"
+
+
+def _call_context(
+    model: torch.nn.Module, kwargs: dict, continuing: bool
+) -> AbstractContextManager[None]:
+    """Each compiled call: a transformers model's bfloat16 attention on this
+    library's kernel where the CPU has it (`kernels.attention.selected`)."""
+    return attention.selected(model)
 
 
 def compile_for_inference(

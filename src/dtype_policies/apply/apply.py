@@ -26,6 +26,7 @@ from dtype_policies.layers.layer import Layer, LayerApplication
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.policies import get as get_policy
 from dtype_policies.quantization import attach
+from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.kinds import kind_of
 
 _FLOAT32 = DTypePolicy("float32")
@@ -74,6 +75,7 @@ class PolicyHandle:
     quantized_paths: list[str] = field(default_factory=list)
     _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _quantized: list[tuple[str, torch.nn.Module]] = field(default_factory=list, repr=False)
+    _hooks: list[Any] = field(default_factory=list, repr=False)
     _token: object = field(default_factory=object, repr=False)
     removed: bool = False
 
@@ -103,6 +105,8 @@ class PolicyHandle:
                 kept.append(path or "(root)")
         for module in self._modules:
             pop_application(module, self._token)
+        for hook in self._hooks:
+            hook.remove()
         state = state_of(self.module)
         if state is not None and state.handle is self:
             state.handle = None
@@ -257,6 +261,8 @@ def commit_application(
         attach.commit(plan)
         handle._quantized.append((plan.path, plan.module))
         handle.quantized_paths.append(plan.path or "(root)")
+    # a transformers model's bfloat16 attention on this library's kernel where the CPU has it
+    handle._hooks = attention.attend_on_kernel(module)
     ensure_state(module).handle = handle
     model_changed(module)
     return handle

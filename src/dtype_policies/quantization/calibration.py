@@ -52,6 +52,7 @@ from torch.func import functional_call
 from dtype_policies._core.module_state import casts_not_kept
 from dtype_policies._paths import join, named_module_paths, root_path_of
 from dtype_policies.quantization.attach import Checked, Plan, plan
+from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.progress import CalibrationProgress
 from dtype_policies.quantization.schemes.base import ActivationStatistics, QuantizedWeight
 from dtype_policies.quantization.structure import blocks_chain, find_blocks, first_input
@@ -339,11 +340,13 @@ def _observing(
 def _calibrating(model: torch.nn.Module) -> Iterator[None]:
     """Eval mode, no gradients and no kept casts while calibrating (each block
     runs a few times on the whole set: kept casts of every weight would be a
-    second copy of the model); every module's mode restored."""
+    second copy of the model), a transformers model's bfloat16 attention on
+    this library's kernel (`kernels.attention.selected`); every module's mode
+    restored."""
     modes = [(module, module.training) for module in model.modules()]
     try:
         model.eval()
-        with torch.no_grad(), casts_not_kept(model):
+        with torch.no_grad(), casts_not_kept(model), attention.selected(model):
             yield
     finally:
         for module, training in modes:

@@ -60,8 +60,11 @@ class KernelSource:
     flags: tuple[str, ...]
 
     def supports(self, cpu: Processor) -> bool:
+        x86 = cpu.architecture in ("x86_64", "AMD64")
         if self.name == "avx2":  # AVX2 and FMA (the callers choose per class)
-            return cpu.architecture in ("x86_64", "AMD64") and "avx2" in cpu.features and _has_fma()
+            return x86 and "avx2" in cpu.features and _has_fma()
+        if self.name == "attention_bf16":  # vdpbf16ps
+            return x86 and "avx512_bf16" in cpu.features
         return False
 
 
@@ -70,6 +73,11 @@ KERNELS: dict[str, KernelSource] = {
         "avx2",
         ("int4_avx2.cpp", "int4_ops.cpp", "int8_avx2.cpp"),
         ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"),
+    ),
+    # a library of its own, so that a compiler without AVX-512 bfloat16
+    # support costs only this kernel
+    "attention_bf16": KernelSource(
+        "attention_bf16", ("attention_bf16.cpp",), ("-O3", "-fopenmp", "-std=c++17")
     ),
 }
 

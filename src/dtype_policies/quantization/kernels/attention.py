@@ -1,0 +1,267 @@
+"""Scaled dot-product attention on bfloat16 tensors with this library's kernel
+(`csrc/attention_bf16.cpp`) on CPUs with AVX-512 bfloat16 dot products, and
+torch's `F.scaled_dot_product_attention` everywhere else.
+
+torch's CPU flash kernel multiplies bfloat16 at float32 speed on these CPUs
+(SmolLM2's prefill shape, 8 x 9 heads x 512 x 64, causal: 38.9 ms bfloat16
+against 38.4 float32, 2 threads, Zen 4); this kernel's products are bfloat16
+dot products, with the same roundings as torch's (scores, softmax and sums in
+float32, the unnormalised probabilities in bfloat16 for the product with the
+values). Inference only: no gradient, no dropout.
+
+Hugging Face models reach it through transformers' attention interface:
+`transformers_attention` is transformers' `"sdpa"` implementation on this
+kernel, registered under `NAME` (with the `"sdpa"` masks) by `register()`;
+`selected(model)` swaps a model's `"sdpa"` for it for the duration of a call
+(`compile_for_inference`'s compiled calls, calibration), and
+`attend_on_kernel(model)` does so around each eager call of a model
+(`apply_policy` installs it on a transformers model). Anything the kernel
+does not take goes to transformers' own function unchanged.
+
+>>> import torch
+>>> q = k = v = torch.randn(1, 2, 8, 16).bfloat16()
+>>> out = scaled_dot_product_attention(q, k, v, is_causal=True)
+>>> out.shape, out.dtype
+(torch.Size([1, 2, 8, 16]), torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from dtype_policies.quantization.kernels import native
+
+KERNEL = "attention_bf16"
+NAME = "dtype_policies_sdpa"
+
+
+def applies(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> bool:
+    """Whether this library's kernel computes this call here: bfloat16 CPU
+    tensors (B, H, L, D) with D a multiple of 16, key heads dividing the query
+    heads (when they differ, with `enable_gqa`), no dropout, not both a mask
+    and `is_causal`, no gradient wanted, and the kernel built for this CPU."""
+    tensors = (query, key, value)
+    if any(
+        t.dtype is not torch.bfloat16 or t.device.type != "cpu" or t.dim() != 4 for t in tensors
+    ):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if dropout_p != 0.0 or (attn_mask is not None and is_causal):
+        return False
+    (batch, heads, _, depth), (key_batch, key_heads, length, key_depth) = query.shape, key.shape
+    if value.shape != key.shape or key_batch != batch or key_depth != depth or length == 0:
+        return False
+    if depth % 16 or heads % key_heads or (heads != key_heads and not enable_gqa):
+        return False
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, torch.bfloat16):
+        return False
+    return native.available(KERNEL)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`'s values and signature, on this
+    library's kernel where it `applies`, else on torch's."""
+    if not applies(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    mask = attn_mask
+    if mask is not None and mask.dtype is torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, -math.inf)
+    elif mask is not None:
+        mask = mask.float()
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    return torch.ops.dtype_policies.attention_bf16(query, key, value, mask, scale, is_causal)
+
+
+def transformers_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' `"sdpa"` attention function (`query` (batch, heads,
+    queries, width), `key` and `value` (batch, key heads, length, width);
+    returns (batch, queries, heads, width) and no weights), on this library's
+    kernel where it applies, with transformers' rule for `is_causal`: many
+    queries, no mask, and a causal module."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    queries = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(queries > 1 and attention_mask is None and causal)
+    grouped = query.shape[1] != key.shape[1]
+    if (
+        position_bias is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions", False)
+        # transformers' quirk for a prompt on an empty static cache (keys cut to the queries)
+        or (causal and key.shape[2] > queries)
+        or not applies(query, key, value, attention_mask, dropout, causal, grouped)
+    ):
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            position_bias=position_bias,
+            **kwargs,
+        )
+    out = scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=grouped,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Registers `transformers_attention` (with transformers' `"sdpa"` masks)
+    under `NAME`; returns `NAME`. Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, transformers_attention)
+    sdpa_masks = cast(Callable[..., Any], AttentionMaskInterface._global_mapping["sdpa"])
+    AttentionMaskInterface.register(NAME, sdpa_masks)
+    return NAME
+
+
+@contextlib.contextmanager
+def selected(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, `model` (a transformers model on `"sdpa"`, one
+    config) attends with `transformers_attention`, where this CPU has the
+    kernel; otherwise (or for any other model) nothing changes. The model's
+    own setting is back in force after the block. Another thread calling the
+    model meanwhile attends the same way (the same values, up to rounding)."""
+    if not _swappable(model):
+        yield
+        return
+    config = _config(model)
+    config._attn_implementation = register()
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def _config(model: torch.nn.Module) -> Any:
+    return getattr(model, "config", None)
+
+
+def _swappable(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return (
+        config is not None
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        # a composite config sets its sub-configs' implementations with its own
+        and not getattr(config, "sub_configs", None)
+        and native.available(KERNEL)
+    )
+
+
+class _EagerCalls:
+    """Forward hooks of one model: `selected` around each eager call (not
+    while a compiler traces it: a traced call keeps the model's setting, and
+    the compile helpers select the kernel outside their compiled calls)."""
+
+    def __init__(self) -> None:
+        self.swapped = threading.local()
+
+    # a copied or pickled model gets hooks of its own, with no call under way
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def before(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        stack = self.swapped.__dict__.setdefault("stack", [])
+        swap = not torch.compiler.is_compiling() and _swappable(model)
+        if swap:
+            _config(model)._attn_implementation = register()
+        stack.append(swap)
+
+    def after(self, model: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        stack = self.swapped.__dict__.get("stack")
+        if stack and stack.pop():
+            _config(model)._attn_implementation = "sdpa"
+
+
+def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
+    """Makes each eager call of `model`, a transformers model on `"sdpa"`,
+    attend with `transformers_attention` (as `selected`); returns the hooks'
+    handles (`handle.remove()` undoes it), none for any other model. The
+    model's setting is restored after each call, also when it raises."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+        return []
+    calls = _EagerCalls()
+    return [
+        model.register_forward_pre_hook(calls.before, with_kwargs=True),
+        model.register_forward_hook(calls.after, with_kwargs=True, always_call=True),
+    ]
+
+
+def _register_fakes() -> None:
+    """Shapes for compilers (the operator comes from the built library)."""
+
+    def attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        causal: bool,
+    ) -> torch.Tensor:
+        return query.new_empty(query.shape)  # contiguous, as the kernel's
+
+    torch.library.register_fake("dtype_policies::attention_bf16", attention)
+
+
+native.on_load(KERNEL, _register_fakes)
