@@ -222,13 +222,17 @@ class _EagerCalls:
         self.__init__()  # type: ignore[misc]
 
     def before(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():  # nothing for the traced graph to replay
+            return
         stack = self.swapped.__dict__.setdefault("stack", [])
-        swap = not torch.compiler.is_compiling() and _swappable(model)
+        swap = _swappable(model)
         if swap:
             _config(model)._attn_implementation = register()
         stack.append(swap)
 
     def after(self, model: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         stack = self.swapped.__dict__.get("stack")
         if stack and stack.pop():
             _config(model)._attn_implementation = "sdpa"
