@@ -263,7 +263,8 @@ def _register_fakes() -> None:
         scale: float,
         causal: bool,
     ) -> torch.Tensor:
-        return query.new_empty(query.shape)  # contiguous, as the kernel's
+        batch, heads, queries, _ = query.shape  # the kernel's layout: (B, Lq, H, D) memory
+        return query.new_empty((batch, queries, heads, value.shape[-1])).transpose(1, 2)
 
     torch.library.register_fake("dtype_policies::attention_bf16", attention)
 

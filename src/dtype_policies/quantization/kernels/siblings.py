@@ -30,6 +30,7 @@ not allow, is left as it is.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from dataclasses import dataclass
@@ -259,8 +260,17 @@ def merge_sibling_products(graph: torch.fx.Graph) -> int:
     return removed
 
 
+@functools.cache
 def _source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    """This package's kernels: every Python file of it (the operators' fake
+    kernels among them, whose shapes and strides a cached graph bakes in) and
+    the C++ sources."""
+    from dtype_policies.quantization.kernels import native
+
+    digest = hashlib.sha256(native.sources_digest().encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
 
 
 try:
@@ -272,7 +282,8 @@ except ImportError:  # torch without custom graph passes: no merging
 class SiblingProducts(CustomGraphPass):  # type: ignore[misc,valid-type]
     """The Inductor pass (`joint_custom_post_pass`): `merge_sibling_products`
     on the graph module's graph.
-    Its `uuid` is this file's hash (Inductor's cache key).
+    Its `uuid` (part of Inductor's cache key) is a hash of this package's
+    kernels: a change of any operator or fake kernel compiles graphs again.
 
     >>> SiblingProducts().uuid() == SiblingProducts().uuid()
     True

@@ -63,24 +63,31 @@ inline __m512 exp_ps(__m512 x) {
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
-// keys (Lk, D) -> packed[D/2][columns]: lane j of row p holds features 2p, 2p+1 of key j.
-void pack_keys(const uint32_t* keys, int64_t length, int64_t pairs, int64_t columns, uint32_t* packed) {
+// keys (Lk rows `stride` elements apart, D) -> packed[D/2][columns]: lane j
+// of row p holds features 2p, 2p+1 of key j.
+void pack_keys(const uint16_t* keys, int64_t stride, int64_t length, int64_t pairs,
+               int64_t columns, uint32_t* packed) {
   for (int64_t p = 0; p < pairs; ++p) {
     uint32_t* row = packed + p * columns;
-    for (int64_t j = 0; j < length; ++j) row[j] = keys[j * pairs + p];
+    for (int64_t j = 0; j < length; ++j) {
+      uint32_t pair;
+      std::memcpy(&pair, keys + j * stride + 2 * p, sizeof(pair));
+      row[j] = pair;
+    }
     std::fill(row + length, row + columns, 0u);
   }
 }
 
-// values (Lk, D) -> packed[columns/2][D][2]: rows 2t and 2t+1 interleaved.
-void pack_values(const uint16_t* values, int64_t length, int64_t depth, int64_t columns,
-                 uint16_t* packed) {
+// values (Lk rows `stride` elements apart, D) -> packed[columns/2][D][2]:
+// rows 2t and 2t+1 interleaved.
+void pack_values(const uint16_t* values, int64_t stride, int64_t length, int64_t depth,
+                 int64_t columns, uint16_t* packed) {
   for (int64_t t = 0; t < columns / 2; ++t) {
     uint16_t* out = packed + t * depth * 2;
     for (int e = 0; e < 2; ++e) {
       const int64_t j = 2 * t + e;
       if (j < length) {
-        const uint16_t* row = values + j * depth;
+        const uint16_t* row = values + j * stride;
         for (int64_t d = 0; d < depth; ++d) out[d * 2 + e] = row[d];
       } else {
         for (int64_t d = 0; d < depth; ++d) out[d * 2 + e] = 0;
@@ -132,11 +139,13 @@ struct Shapes {
   int64_t pairs, columns;  // depth / 2; keys rounded up to 32
 };
 
-// One task: rows [first, first + rows) of query head `head` of batch `b`.
-void attend_rows(const Shapes& s, const uint16_t* query_rows, const uint32_t* packed_keys,
+// One task: rows [first, first + rows) of query head `head` of batch `b`
+// (query rows `query_stride` elements apart; output rows `out_stride`).
+void attend_rows(const Shapes& s, const uint16_t* query_rows, int64_t query_stride,
+                 const uint32_t* packed_keys,
                  const uint16_t* packed_values, const float* mask, const int64_t* mask_strides,
                  int64_t b, int64_t head, int64_t first, int64_t rows, bool causal, float scale,
-                 uint16_t* out, std::vector<uint32_t>& query, std::vector<float>& scores,
+                 uint16_t* out, int64_t out_stride, std::vector<uint32_t>& query, std::vector<float>& scores,
                  std::vector<uint16_t>& probabilities, std::vector<float>& sums,
                  std::vector<float>& accumulated) {
   const int64_t pairs = s.pairs, columns = s.columns;
@@ -144,7 +153,8 @@ void attend_rows(const Shapes& s, const uint16_t* query_rows, const uint32_t* pa
   const int64_t visible = causal ? std::min<int64_t>(s.keys, first + rows) : s.keys;
   const int64_t width = round_up(std::max<int64_t>(visible, 1), 32);
   std::fill(query.begin(), query.end(), 0u);
-  std::memcpy(query.data(), query_rows, rows * s.depth * sizeof(uint16_t));
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(query.data() + r * pairs, query_rows + r * query_stride, s.depth * sizeof(uint16_t));
   for (int64_t r0 = 0; r0 < QUERY_ROWS; r0 += ROWS) {
     if (r0 >= rows) break;
     for (int64_t j = 0; j < width; j += 32)
@@ -223,7 +233,7 @@ void attend_rows(const Shapes& s, const uint16_t* query_rows, const uint32_t* pa
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inverse = _mm512_set1_ps(sums[r] == 0.0f ? 0.0f : 1.0f / sums[r]);
     const float* source = accumulated.data() + r * s.depth;
-    uint16_t* target = out + r * s.depth;
+    uint16_t* target = out + r * out_stride;
     for (int64_t d = 0; d < s.depth; d += 16) {
       const __m512 value = _mm512_mul_ps(_mm512_loadu_ps(source + d), inverse);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + d), (__m256i)_mm512_cvtneps_pbh(value));
@@ -250,14 +260,17 @@ at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Te
               s.key_heads, ")");
   TORCH_CHECK(s.depth % 16 == 0 && s.depth > 0, "attention_bf16: head size ", s.depth,
               " must be a positive multiple of 16");
-  auto out = at::empty({s.batch, s.heads, s.queries, s.depth}, q.options());
+  // (B, Lq, H, D) memory returned as (B, H, Lq, D), as torch's flash kernel:
+  // transformers' transpose back to (B, Lq, H, D) is then free
+  auto out = at::empty({s.batch, s.queries, s.heads, s.depth}, q.options()).transpose(1, 2);
   if (out.numel() == 0) return out;
   if (s.keys == 0) return out.zero_();
   s.pairs = s.depth / 2;
   s.columns = round_up(s.keys, 32);
-  const auto queries = q.contiguous();
-  const auto keys = k.contiguous();
-  const auto values = v.contiguous();
+  // any layout whose rows are contiguous is read in place
+  const auto queries = q.stride(3) == 1 ? q : q.contiguous();
+  const auto keys = k.stride(3) == 1 ? k : k.contiguous();
+  const auto values = v.stride(3) == 1 ? v : v.contiguous();
   at::Tensor expanded;
   int64_t mask_strides[4] = {0, 0, 0, 0};
   const float* mask_data = nullptr;
@@ -270,16 +283,17 @@ at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t kv_groups = s.batch * s.key_heads;
   auto packed_keys = at::empty({kv_groups, s.pairs * s.columns}, q.options().dtype(at::kInt));
   auto packed_values = at::empty({kv_groups, s.columns * s.depth}, q.options().dtype(at::kShort));
-  const auto* key_data = reinterpret_cast<const uint32_t*>(keys.data_ptr<at::BFloat16>());
+  const auto* key_data = reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>());
   const auto* value_data = reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>());
   auto* packed_key_data = reinterpret_cast<uint32_t*>(packed_keys.data_ptr<int32_t>());
   auto* packed_value_data = reinterpret_cast<uint16_t*>(packed_values.data_ptr<int16_t>());
   at::parallel_for(0, kv_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      pack_keys(key_data + g * s.keys * s.pairs, s.keys, s.pairs, s.columns,
-                packed_key_data + g * s.pairs * s.columns);
-      pack_values(value_data + g * s.keys * s.depth, s.keys, s.depth, s.columns,
-                  packed_value_data + g * s.columns * s.depth);
+      const int64_t b = g / s.key_heads, h = g % s.key_heads;
+      pack_keys(key_data + b * keys.stride(0) + h * keys.stride(1), keys.stride(2), s.keys, s.pairs,
+                s.columns, packed_key_data + g * s.pairs * s.columns);
+      pack_values(value_data + b * values.stride(0) + h * values.stride(1), values.stride(2),
+                  s.keys, s.depth, s.columns, packed_value_data + g * s.columns * s.depth);
     }
   });
   const int64_t blocks = (s.queries + QUERY_ROWS - 1) / QUERY_ROWS;
@@ -300,11 +314,12 @@ at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t g = b * s.key_heads + head / group;
       const int64_t first = block * QUERY_ROWS;
       const int64_t rows = std::min<int64_t>(QUERY_ROWS, s.queries - first);
-      const int64_t offset = ((b * s.heads + head) * s.queries + first) * s.depth;
-      attend_rows(s, query_data + offset, packed_key_data + g * s.pairs * s.columns,
+      const int64_t in = b * queries.stride(0) + head * queries.stride(1) + first * queries.stride(2);
+      const int64_t at = b * out.stride(0) + head * out.stride(1) + first * out.stride(2);
+      attend_rows(s, query_data + in, queries.stride(2), packed_key_data + g * s.pairs * s.columns,
                   packed_value_data + g * s.columns * s.depth, mask_data, mask_strides, b, head,
-                  first, rows, causal, scale_f, out_data + offset, query, scores, probabilities,
-                  sums, accumulated);
+                  first, rows, causal, scale_f, out_data + at, out.stride(2), query, scores,
+                  probabilities, sums, accumulated);
     }
   });
   return out;
