@@ -28,6 +28,7 @@ does not take goes to transformers' own function unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -161,9 +162,10 @@ def transformers_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def register() -> str:
     """Registers `transformers_attention` (with transformers' `"sdpa"` masks)
-    under `NAME`; returns `NAME`. Idempotent."""
+    under `NAME`, once; returns `NAME`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -196,7 +198,7 @@ def _config(model: torch.nn.Module) -> Any:
 
 
 def _swappable(model: torch.nn.Module) -> bool:
-    config = getattr(model, "config", None)
+    config = _config(model)
     return (
         config is not None
         and getattr(config, "_attn_implementation", None) == "sdpa"
@@ -224,18 +226,16 @@ class _EagerCalls:
     def before(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # nothing for the traced graph to replay
             return
-        stack = self.swapped.__dict__.setdefault("stack", [])
-        swap = _swappable(model)
-        if swap:
-            _config(model)._attn_implementation = register()
-        stack.append(swap)
+        context = selected(model)
+        context.__enter__()
+        self.swapped.__dict__.setdefault("stack", []).append(context)
 
     def after(self, model: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         stack = self.swapped.__dict__.get("stack")
-        if stack and stack.pop():
-            _config(model)._attn_implementation = "sdpa"
+        if stack:
+            stack.pop().__exit__(None, None, None)
 
 
 def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
@@ -243,7 +243,7 @@ def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
     attend with `transformers_attention` (as `selected`); returns the hooks'
     handles (`handle.remove()` undoes it), none for any other model. The
     model's setting is restored after each call, also when it raises."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+    if getattr(_config(model), "_attn_implementation", None) != "sdpa":
         return []
     calls = _EagerCalls()
     return [
