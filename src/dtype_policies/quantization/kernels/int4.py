@@ -34,8 +34,8 @@ computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
 may be any real value); per-channel weights are `q / scale`. Per-channel
 weights of fewer than `DEQUANTIZED_MAX_ELEMENTS` elements at
 `DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their integer values
-cast per call, scaled after, where bfloat16 products are native (faster
-there: the kernel is compute-bound; `dequantized_min_rows`).
+cast per call, scaled after, on CPUs with AMX (faster there: its bfloat16
+tiles outrun the kernel; `dequantized_min_rows`).
 Elsewhere (other devices): dequantize and multiply in the compute dtype.
 """
 
@@ -382,18 +382,19 @@ DEQUANTIZED_MIN_ROWS = 32
 # ... for weights of fewer elements than this: per-call unpacking is several
 # slow elementwise passes (2048 x 5632: 10x slower than the kernel, measured).
 DEQUANTIZED_MAX_ELEMENTS = 1 << 20
-# ... and only where bfloat16 products are native: elsewhere the GEMM runs in
-# float32 and does not repay the unpacking (128 rows, unpacking included:
-# avx512 without bfloat16, 2 threads, the kernel 2.3-2.6x faster at 576 x 1536,
-# 768 x 3072 and 896 x 4864, 6-8x at 32 rows; avx2, 1 thread, 1.0-1.4x).
+# ... and only with AMX: elsewhere the GEMM does not repay the unpacking (128
+# rows, unpacking included, the kernel faster: natively on AMD Zen 4, bfloat16
+# products native but no AMX, 2.9-3.4x at 384 x 1536, 576 x 1536 and 576 x 192,
+# 2 threads; avx512 without bfloat16, 2.3-2.6x at 576 x 1536, 768 x 3072 and
+# 896 x 4864, 6-8x at 32 rows; avx2, 1 thread, 1.0-1.4x).
 
 
 def dequantized_min_rows(elements: int, cpu: Processor | None = None) -> int | None:
     """The rows from which a per-channel int4 weight of `elements` elements runs
-    as one GEMM on its integer values cast per call, or None where it never
-    does (the packed kernel at every row count)."""
+    as one GEMM on its integer values cast per call (on CPUs with AMX), or
+    None where it never does (the packed kernel at every row count)."""
     cpu = processor() if cpu is None else cpu
-    if elements >= DEQUANTIZED_MAX_ELEMENTS or not cpu.native_bf16:
+    if elements >= DEQUANTIZED_MAX_ELEMENTS or not cpu.amx:
         return None
     return DEQUANTIZED_MIN_ROWS
 
