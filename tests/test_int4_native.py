@@ -25,14 +25,7 @@ from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.quantization import Int4QuantizationConfig
 from dtype_policies.quantization.kernels import epilogues, int4_native, native
 from dtype_policies.quantization.kernels import int4 as int4_kernels
-
-RUNS_HERE = (
-    _cpu.processor().architecture == "x86_64"
-    and {"avx2", "fma"} <= _cpu.hardware_flags()
-    and native.enabled()
-    and native.library(int4_native.KERNEL) is not None
-)
-needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
+from native_kernels import RUNS_HERE, needs_kernel, needs_vnni
 
 
 def _weights(n: int, k: int, block: int, seed: int):
@@ -456,10 +449,7 @@ def test_w4a8_config_round_trips_and_is_part_of_the_identity():
     assert "activation_block_size" not in Int4QuantizationConfig(block_size=64).get_config()
 
 
-VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
-
-
-@pytest.mark.skipif(not VNNI_HERE, reason="needs a CPU with AVX-512 VNNI")
+@needs_vnni
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(0, 70),

@@ -23,14 +23,7 @@ from dtype_policies.quantization.kernels import epilogues, int8_native, native
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantizers import AbsMaxQuantizer, abs_max_quantize
 from dtype_policies.quantizers.math import abs_max_quantize_blocks, expand_blocks
-
-RUNS_HERE = (
-    _cpu.processor().architecture == "x86_64"
-    and {"avx2", "fma"} <= _cpu.hardware_flags()
-    and native.enabled()
-    and native.library(int8_native.KERNEL) is not None
-)
-needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
+from native_kernels import RUNS_HERE, needs_kernel, needs_vnni
 
 
 def _reference(x, q_nk, column_step, bias):
@@ -247,10 +240,7 @@ def test_weight_blocks_any_shape_matches_the_reference(rows, n, k, block_size, s
     assert ((y.double() - expected).abs() <= 1e-6 * magnitude + 1e-12).all()
 
 
-VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
-
-
-@pytest.mark.skipif(not VNNI_HERE, reason="needs a CPU with AVX-512 VNNI")
+@needs_vnni
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(0, 70),

@@ -21,14 +21,7 @@ from dtype_policies.quantization import Int8QuantizationConfig
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantization.kernels import int8_native, native
 from dtype_policies.quantizers import abs_max_quantize
-
-RUNS_HERE = (
-    _cpu.processor().architecture == "x86_64"
-    and {"avx2", "fma"} <= _cpu.hardware_flags()
-    and native.enabled()
-    and native.library(int8_native.KERNEL) is not None
-)
-needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
+from native_kernels import RUNS_HERE, needs_kernel
 
 
 def _exact(xq: torch.Tensor, q_nk: torch.Tensor) -> torch.Tensor:

@@ -9,16 +9,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dtype_policies import _cpu
-from dtype_policies.quantization.kernels import int4_native, int8_native, native, siblings
+from dtype_policies.quantization.kernels import int4_native, int8_native, siblings
+from native_kernels import needs_kernel
 
-RUNS_HERE = (
-    _cpu.processor().architecture == "x86_64"
-    and {"avx2", "fma"} <= _cpu.hardware_flags()
-    and native.enabled()
-    and native.library(int8_native.KERNEL) is not None
-)
-pytestmark = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
+pytestmark = needs_kernel
 
 K = 96
 WIDTHS = (96, 40, 40)  # 40: not a whole number of 16-column panels

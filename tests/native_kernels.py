@@ -1,0 +1,24 @@
+"""Whether this machine runs this library's C++ kernels, for the tests of
+those kernels (one definition, imported by each test file)."""
+
+import pytest
+
+from dtype_policies import _cpu
+from dtype_policies.quantization.kernels import int4_native, int8_native, native
+
+KERNEL = int4_native.KERNEL
+assert int8_native.KERNEL == KERNEL, "the int4 and int8 kernels share one library"
+
+RUNS_HERE = (
+    _cpu.processor().architecture == "x86_64"
+    and {"avx2", "fma"} <= _cpu.hardware_flags()
+    and native.enabled()
+    and native.library(KERNEL) is not None
+)
+"""x86 with AVX2 and FMA, native kernels enabled, and the library built."""
+
+VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
+"""The kernels' AVX-512 VNNI copies run here too."""
+
+needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
+needs_vnni = pytest.mark.skipif(not VNNI_HERE, reason="needs a CPU with AVX-512 VNNI")
