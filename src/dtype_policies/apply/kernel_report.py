@@ -135,7 +135,7 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
             decoded_from = int4.decoded_min_rows(chosen, cpu)
         if decoded_from is not None:
             text += f"; from {decoded_from} rows decoded into float32 GEMMs"
-        from_rows = int4.dequantized_min_rows(spec.in_features * spec.out_features)
+        from_rows = int4.dequantized_min_rows(spec.in_features * spec.out_features, cpu)
         if config.group_size <= 0 and from_rows is not None:
             text += f"; from {from_rows} rows one GEMM on the integer weights"
         return text
