@@ -420,6 +420,8 @@ def test_per_channel_int4_runs_one_integer_gemm_only_with_amx():
     assert int4_kernels.dequantized_min_rows(small, bf16_only) is None
     assert int4_kernels.dequantized_min_rows(small, emulated) is None
     assert int4_kernels.dequantized_min_rows(large, amx) is None
+    without_onednn_bf16 = dataclasses.replace(amx, native_bf16=False)
+    assert int4_kernels.dequantized_min_rows(small, without_onednn_bf16) is None
 
     torch.manual_seed(0)
     n, k = 64, 256
@@ -428,7 +430,8 @@ def test_per_channel_int4_runs_one_integer_gemm_only_with_amx():
     runtime = int4_kernels.Int4Runtime()
     runtime.refresh(q, scale, None, -1, (q,), None)
     rows = int4_kernels.DEQUANTIZED_MIN_ROWS
-    expected = "dequantized" if _cpu.processor().amx else int4_kernels.cpu_kernel()
+    here = _cpu.processor()
+    expected = "dequantized" if here.amx and here.native_bf16 else int4_kernels.cpu_kernel()
     assert int4_kernels.int4_path(runtime, rows, -1) == expected
     assert int4_kernels.int4_path(runtime, rows - 1, -1) == int4_kernels.cpu_kernel()
     x = torch.randn(rows, k).bfloat16()

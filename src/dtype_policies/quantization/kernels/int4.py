@@ -391,10 +391,11 @@ DEQUANTIZED_MAX_ELEMENTS = 1 << 20
 
 def dequantized_min_rows(elements: int, cpu: Processor | None = None) -> int | None:
     """The rows from which a per-channel int4 weight of `elements` elements runs
-    as one GEMM on its integer values cast per call (on CPUs with AMX), or
-    None where it never does (the packed kernel at every row count)."""
+    as one GEMM on its integer values cast per call (on CPUs with AMX whose
+    bfloat16 products oneDNN runs natively), or None where it never does (the
+    packed kernel at every row count)."""
     cpu = processor() if cpu is None else cpu
-    if elements >= DEQUANTIZED_MAX_ELEMENTS or not cpu.amx:
+    if elements >= DEQUANTIZED_MAX_ELEMENTS or not (cpu.amx and cpu.native_bf16):
         return None
     return DEQUANTIZED_MIN_ROWS
 
