@@ -34,8 +34,8 @@ computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
 may be any real value); per-channel weights are `q / scale`. Per-channel
 weights of fewer than `DEQUANTIZED_MAX_ELEMENTS` elements at
 `DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their integer values
-cast per call, scaled after, on CPUs with AMX (faster there: its bfloat16
-tiles outrun the kernel; `dequantized_min_rows`).
+cast per call, scaled after, on CPUs with AMX and oneDNN's bfloat16 (faster
+there: its bfloat16 tiles outrun the kernel; `dequantized_min_rows`).
 Elsewhere (other devices): dequantize and multiply in the compute dtype.
 """
 
