@@ -480,7 +480,7 @@ def gptq_quantize(
     and rounds the weights of inputs that never fired to nearest (the
     reference zeroes them: an input silent on the calibration data may not
     be silent later); after the loop each row's grid is re-fitted to its
-    levels (`refit_grid`);
+    levels (`refit_grid`), silent inputs counted as typical ones;
     `grid="keras"` computes each group's grid, Keras's min/max with a rounded
     zero point, from its columns as they are when the loop reaches them
     (already moved by the compensation of earlier columns), and `g_idx`
@@ -532,7 +532,11 @@ def gptq_quantize(
         if inv_perm is not None:
             q = q[:, inv_perm]
         if not symmetric and per_channel:
-            scale, zero = refit_grid(w_nk, q, scale, zero, g_idx, hessian)
+            # an input silent on the calibration data counts as a typical one in the re-fit
+            objective = hessian.float().clone()
+            live = torch.diagonal(objective)[~dead]
+            objective.diagonal()[dead] = live.mean() if live.numel() else 1.0
+            scale, zero = refit_grid(w_nk, q, scale, zero, g_idx, objective)
         return q, scale, zero, g_idx
     weights[:, dead] = 0
     if perm is not None:
