@@ -140,19 +140,29 @@ def test_activation_order_groups_and_levels_on_keras_grids():
     assert diagonal[first_group].min() >= diagonal[~first_group].max()
 
 
-def test_the_refit_keeps_silent_inputs_near_their_weights():
-    # the re-fit of the refined grid counts inputs silent on the calibration data as typical
-    # ones: left out of its objective, it moved their restored weights by up to 1.8 steps
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_inputs_silent_in_calibration_keep_their_weights(algorithm):
+    # an input silent on the calibration data may not be silent later: its weights come back
+    # as close as the others'. Before: GPTQ's re-fit moved them by up to 2 steps of their grid;
+    # AWQ gave them a scale near 0 and errors 2,000 times the others'.
     worst = 0.0
     for seed in range(20):
         x = correlated_inputs(256, 32, seed=seed)
         x[:, :4] = 0
         w = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed))
         w[:, :4] *= 3
-        q, scale, zero, g_idx = gptq.gptq_quantize(w, 2 * x.T @ x / 256, group_size=16)
-        restored = gptq.dequantize_with_sz_map(q, scale, zero, g_idx)
-        worst = max(worst, float(((restored[:, :4] - w[:, :4]).abs() / scale[:, :1]).max()))
-    assert 0.0 < worst <= 0.75
+        hessian = 2 * x.T @ x / 256
+        if algorithm == "gptq":
+            q, scale, zero, g_idx = gptq.gptq_quantize(w, hessian, group_size=16)
+            restored = gptq.dequantize_with_sz_map(q, scale, zero, g_idx)
+        else:
+            q, scale, zero, scales, g_idx = awq.awq_quantize_output(
+                w, hessian, x.abs().mean(0), group_size=16
+            )
+            restored = gptq.dequantize_with_sz_map(q, scale, zero, g_idx) / scales
+        error = (restored - w).abs()
+        worst = max(worst, float(error[:, :4].max() / error[:, 4:16].max()))
+    assert 0.0 < worst <= 1.25
 
 
 def test_dead_inputs_and_a_singular_hessian():

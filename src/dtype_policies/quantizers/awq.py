@@ -143,10 +143,17 @@ def awq_search_output(
 ) -> torch.Tensor:
     """The original AWQ's scale search: the `s` minimising the layer's output
     error `tr((W - Ŵ) H (W - Ŵ)ᵀ)`, each candidate rounded to nearest on
-    Keras's grid (`grid="keras"`) or int4's rule (`grid="refined"`)."""
+    Keras's grid (`grid="keras"`) or int4's rule (`grid="refined"`, where
+    inputs silent on the calibration data get the mean magnitude of the
+    others: with none, their scale is near 0 and their weights come back on
+    a grid hundreds of times coarser)."""
     weights = w_nk.float()
     hessian = hessian.float()
     magnitude = mean_abs.float()
+    silent = magnitude == 0
+    if grid == "refined" and bool(silent.any()) and not bool(silent.all()):
+        # an input silent on the calibration data may not be silent later: a typical scale
+        magnitude = torch.where(silent, magnitude[~silent].mean(), magnitude)
     magnitude = torch.where(magnitude < 1e-8, torch.full_like(magnitude, 1e-8), magnitude)
     in_features = weights.shape[1]
     group = in_features if group_size == -1 else group_size
