@@ -17,9 +17,11 @@ from dtype_policies import apply_policy, layers, quantize, saving, summary
 from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.kernels import int4 as int4_kernels
+from dtype_policies.quantization.report import SKIP_OUTSIDE_STRUCTURE
 from dtype_policies.quantization.schemes import calibrated_int
 from dtype_policies.quantization.structure import blocks_chain, find_blocks
 from dtype_policies.quantizers import AWQConfig, GPTQConfig, Int4QuantizationConfig, gptq
+from dtype_policies.quantizers.calibration_data import token_windows
 
 transformers = pytest.importorskip("transformers")
 
@@ -399,6 +401,52 @@ def test_misuse():
             quiet_quantize(model, GPTQConfig([ids], None, num_samples=2, sequence_length=16))
     assert all(quantization_of(m) is None for m in model.modules())
     assert torch.equal(logits(model), before)
+
+
+def test_a_second_call_keeps_the_structure_and_changes_nothing():
+    # the first call skips what lies outside the decoder blocks (the LM head); a second call,
+    # every block already quantized, once took the whole model as the block and calibrated it
+    model = llama(layers_count=2)
+    config = GPTQConfig(token_data(), None, num_samples=4, sequence_length=32, group_size=32)
+    quiet_quantize(model, config)
+    assert quantization_of(model.lm_head) is None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = quiet_quantize(model, config)
+    assert report.quantized == []
+    assert ("lm_head", SKIP_OUTSIDE_STRUCTURE) in report.skipped
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_tokenizers_output_calibrates_without_its_padding():
+    ids = token_data()[0][:192].reshape(3, 64)
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0  # padding: never part of a window
+    encoding = transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask})
+    windows = token_windows([encoding], None, num_samples=2, sequence_length=64)
+    stream = torch.cat([ids[0], ids[1, :40], ids[2]])  # row after row, the padding left out
+    starts = [0, (stream.numel() - 64 + 1) // 2]
+    assert torch.equal(windows, torch.stack([stream[s : s + 64] for s in starts]))
+    model, reference = llama(layers_count=1), llama(layers_count=1)
+    quiet_quantize(model, GPTQConfig([encoding], None, num_samples=2, sequence_length=64))
+    assert quantization_of(model.model.layers[0].mlp.down_proj) is not None
+    assert 0 < error(model, logits(reference)) < 0.05 * float(logits(reference).pow(2).mean())
+    with pytest.raises(TypeError, match=r"needs 'input_ids'.*Received keys: \['ids'\]"):
+        token_windows([{"ids": ids}], None, num_samples=2, sequence_length=16)
+    with pytest.raises(ValueError, match=r"attention_mask has 64 entries for 192 input_ids"):
+        token_windows([{"input_ids": ids, "attention_mask": mask[0]}], None, 2, 16)
+
+
+def test_a_failing_weight_is_named_and_the_model_is_unchanged():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    inputs = torch.randn(32, 64)
+    inputs[3, 5] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"module '0': GPTQ: the Hessian .* not positive definite"):
+        quiet_quantize(model, GPTQConfig([inputs], None, num_samples=1, group_size=32))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(quantization_of(m) is None for m in model.modules())
 
 
 def kept_casts(module: nn.Module) -> int:

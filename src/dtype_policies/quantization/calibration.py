@@ -51,7 +51,7 @@ from torch.func import functional_call
 
 from dtype_policies._core.module_state import casts_not_kept
 from dtype_policies._paths import join, named_module_paths, root_path_of
-from dtype_policies.quantization.attach import Checked, Plan, plan
+from dtype_policies.quantization.attach import Checked, Plan, is_quantized, plan
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.progress import CalibrationProgress
 from dtype_policies.quantization.schemes.base import ActivationStatistics, QuantizedWeight
@@ -87,7 +87,8 @@ def plan_calibrated(
     repeated = [module for _, module in find_blocks(model)] if found else []
     blocks = _blocks(model, structure) if not found else _blocks(model, repeated or None)
     result, members = _assign(blocks, targets)
-    if found and not any(members):  # nothing to calibrate inside the repeated blocks
+    if found and not any(members) and not _holds_quantized(repeated):
+        # nothing to calibrate inside the repeated blocks, and never was: the model is the block
         blocks = [("", model)]
         result, members = _assign(blocks, targets)
     if not any(members):
@@ -121,6 +122,13 @@ def plan_calibrated(
             raise
         report.finish()
     return result
+
+
+def _holds_quantized(blocks: list[torch.nn.Module]) -> bool:
+    """Whether a module inside `blocks` is quantized already (by an earlier
+    call: the blocks stay the structure, so that what lies outside them is
+    still skipped, not calibrated as part of a whole-model block)."""
+    return any(is_quantized(module) for block in blocks for module in block.modules())
 
 
 def _assign(
@@ -158,18 +166,22 @@ def _plan_block(
     with _observing(block, group, statistics):
         for args, kwargs in calls:
             block(*args, **kwargs)
-    return [
-        plan(
-            checked.module,
-            config,
-            path=path,
-            type_check=False,
-            kind=checked.kind,
-            source=checked.source,
-            statistics=statistics[id(checked.module)],
-        )
-        for path, checked in group
-    ]
+    plans = []
+    for path, checked in group:
+        try:
+            module_plan = plan(
+                checked.module,
+                config,
+                path=path,
+                type_check=False,
+                kind=checked.kind,
+                source=checked.source,
+                statistics=statistics[id(checked.module)],
+            )
+        except Exception as e:
+            raise type(e)(f"quantize(): module '{path or '(root)'}': {e}") from e
+        plans.append(module_plan)
+    return plans
 
 
 def _next_calls(block: torch.nn.Module, calls: list[Call], plans: list[Plan]) -> list[Call]:

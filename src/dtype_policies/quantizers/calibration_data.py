@@ -10,6 +10,9 @@ first axis is iterated) of
   any callable from text to ids (a list, a tensor, an array, or a dict with
   `"input_ids"`);
 * integer tensors, arrays or lists (pre-tokenized ids, any shape);
+* dicts with `"input_ids"` (a tokenizer's output, such as a Hugging Face
+  `BatchEncoding`): their ids without the positions `"attention_mask"`
+  leaves out, so padding never reaches the statistics;
 
 all concatenated into one stream of ids, repeated if shorter than
 `num_samples * sequence_length`, and cut into `num_samples` windows at
@@ -106,18 +109,47 @@ def tokenize(tokenizer: Any, text: str) -> np.ndarray:
 
 
 def _as_ids(value: Any) -> np.ndarray:
+    if isinstance(value, Mapping):
+        return _encoding_ids(value)
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
     if array.dtype == object or not (
         np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
     ):
-        raise TypeError(f"Token ids must be integers. Received: {array.dtype} values")
+        raise TypeError(
+            f"Token ids must be integers. Received: {array.dtype} values "
+            f"(from a {type(value).__name__})"
+        )
     if np.issubdtype(array.dtype, np.floating) and (
         not np.all(np.isfinite(array)) or np.any(array != np.round(array))
     ):
         raise TypeError("Token ids must be integers. Received: non-integral floats")
     return array.reshape(-1).astype(np.int64, copy=False)
+
+
+def _encoding_ids(encoding: Mapping) -> np.ndarray:
+    """The ids of a tokenizer's output (`{"input_ids": ..., "attention_mask": ...}`),
+    row after row, without the positions its mask leaves out (padding)."""
+    if "input_ids" not in encoding:
+        raise TypeError(
+            "A dict in the calibration dataset is read as a tokenizer's output and needs "
+            f"'input_ids' (or floating-point model inputs). Received keys: {sorted(encoding)}"
+        )
+    ids = _as_ids(encoding["input_ids"])
+    mask = encoding.get("attention_mask")
+    if mask is None:
+        return ids
+    if isinstance(mask, torch.Tensor):
+        mask = mask.detach().cpu().numpy()
+    mask = np.asarray(mask)
+    if mask.size != ids.size:
+        raise ValueError(
+            f"The calibration dict's attention_mask has {mask.size} entries for "
+            f"{ids.size} input_ids (shapes {tuple(mask.shape)} and "
+            f"{tuple(np.shape(encoding['input_ids']))})."
+        )
+    return ids[mask.reshape(-1) != 0]
 
 
 def token_windows(
