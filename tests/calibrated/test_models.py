@@ -438,6 +438,25 @@ def test_a_tokenizers_output_calibrates_without_its_padding():
         token_windows([{"input_ids": ids, "attention_mask": mask[0]}], None, 2, 16)
 
 
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_calibrating_under_inference_mode_stores_what_it_stores_outside(mode):
+    # the rows made under inference_mode have no version counter (this raised)
+    config_class = GPTQConfig if mode == "gptq" else AWQConfig
+    models = [llama(layers_count=1), llama(layers_count=1)]
+    for model, inference in zip(models, (False, True)):
+        config = config_class(token_data(), None, num_samples=4, sequence_length=32, group_size=32)
+        with torch.inference_mode(inference):
+            quiet_quantize(model, config)
+    outside, inside = (dict(m.named_buffers()) for m in models)
+    assert outside.keys() == inside.keys() and any(k.endswith("_int4") for k in inside)
+    assert all(torch.equal(outside[k], inside[k]) for k in outside)
+    assert not any(b.is_inference() for b in inside.values())
+    models[1].train()
+    loss = models[1](EVAL, labels=EVAL, use_cache=False).loss
+    loss.backward()  # the float parameters that remain train
+    assert models[1].model.norm.weight.grad is not None
+
+
 def test_a_failing_weight_is_named_and_the_model_is_unchanged():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
     inputs = torch.randn(32, 64)

@@ -161,13 +161,20 @@ def _shared_moments(rows: torch.Tensor, row_weights: torch.Tensor | None = None)
     if (
         ref is not None
         and ref() is rows
-        and version == rows._version
+        and version == _version_of(rows)
         and moments.row_weights is row_weights
     ):
         return moments
     moments = _Moments(rows, row_weights)
-    _last_moments[:] = [weakref.ref(rows), moments, rows._version]
+    _last_moments[:] = [weakref.ref(rows), moments, _version_of(rows)]
     return moments
+
+
+def _version_of(rows: torch.Tensor) -> int | None:
+    """The rows' version counter; None for an inference tensor (rows made
+    under `torch.inference_mode()` have none, and the forward of one block
+    call does not write into its own inputs)."""
+    return None if rows.is_inference() else rows._version
 
 
 def signed_offset(bits: int) -> int:
