@@ -7,6 +7,7 @@ interrupt part-way leaves the model unchanged; save/load, `save_pretrained`
 
 import copy
 import pickle
+import threading
 import warnings
 
 import pytest
@@ -455,6 +456,31 @@ def test_calibrating_under_inference_mode_stores_what_it_stores_outside(mode):
     loss = models[1](EVAL, labels=EVAL, use_cache=False).loss
     loss.backward()  # the float parameters that remain train
     assert models[1].model.norm.weight.grad is not None
+
+
+def test_calibrations_in_two_threads_store_what_each_stores_alone():
+    originals = [llama(layers_count=2, seed=seed) for seed in (0, 1)]  # the global RNG: before
+
+    def calibrate(index, out):
+        model = copy.deepcopy(originals[index])
+        config = GPTQConfig(
+            token_data(seed=index + 1), None, num_samples=8, sequence_length=32, group_size=32
+        )
+        quiet_quantize(model, config)
+        out[index] = {k: v.clone() for k, v in model.named_buffers()}
+
+    alone: dict = {}
+    for index in (0, 1):
+        calibrate(index, alone)
+    together: dict = {}
+    threads = [threading.Thread(target=calibrate, args=(i, together)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for index in (0, 1):
+        assert alone[index].keys() == together[index].keys()
+        assert all(torch.equal(alone[index][k], together[index][k]) for k in alone[index])
 
 
 def test_a_failing_weight_is_named_and_the_model_is_unchanged():

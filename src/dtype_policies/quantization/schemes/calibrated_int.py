@@ -33,9 +33,10 @@ dequantize and multiply (correct, not fast).
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -117,12 +118,21 @@ GRAM_CHUNK = 512
 
 class _Moments:
     """The moments of one batch of rows (the Gram matrix with the rows'
-    weights), each computed on first use."""
+    weights), each computed on first use, while the rows are alive (they are
+    held weakly: the last moments stay cached after calibration, the
+    activations do not)."""
 
     def __init__(self, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> None:
-        self.rows = rows
+        self._rows = weakref.ref(rows)
         self.row_weights = row_weights
         self._gram = self._abs_sum = self._abs_max = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        rows = self._rows()
+        if rows is None:
+            raise RuntimeError("The rows of these moments are gone: compute them while alive.")
+        return rows
 
     def gram(self) -> torch.Tensor:
         if self._gram is None:
@@ -151,13 +161,13 @@ class _Moments:
         return self._abs_max
 
 
-_last_moments: list[Any] = [None, None, -1]  # weakref to rows, their moments, rows' version
+_last = threading.local()  # per thread: (weakref to rows, their moments, rows' version)
 
 
 def _shared_moments(rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> _Moments:
     """The moments of `rows`, shared while the same rows object (unchanged)
     comes again with the same weights object."""
-    ref, moments, version = _last_moments
+    ref, moments, version = getattr(_last, "moments", (None, None, -1))
     if (
         ref is not None
         and ref() is rows
@@ -166,7 +176,7 @@ def _shared_moments(rows: torch.Tensor, row_weights: torch.Tensor | None = None)
     ):
         return moments
     moments = _Moments(rows, row_weights)
-    _last_moments[:] = [weakref.ref(rows), moments, _version_of(rows)]
+    _last.moments = (weakref.ref(rows), moments, _version_of(rows))
     return moments
 
 
