@@ -167,14 +167,11 @@ _last = threading.local()  # per thread: (weakref to rows, their moments, rows' 
 def _shared_moments(rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> _Moments:
     """The moments of `rows`, shared while the same rows object (unchanged)
     comes again with the same weights object."""
-    ref, moments, version = getattr(_last, "moments", (None, None, -1))
-    if (
-        ref is not None
-        and ref() is rows
-        and version == _version_of(rows)
-        and moments.row_weights is row_weights
-    ):
-        return moments
+    last: tuple[weakref.ref, _Moments, int | None] | None = getattr(_last, "moments", None)
+    if last is not None:
+        ref, moments, version = last
+        if ref() is rows and version == _version_of(rows) and moments.row_weights is row_weights:
+            return moments
     moments = _Moments(rows, row_weights)
     _last.moments = (weakref.ref(rows), moments, _version_of(rows))
     return moments
