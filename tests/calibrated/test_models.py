@@ -312,6 +312,38 @@ def test_a_structure_the_user_passes():
     assert quantization_of(model.model.layers[0].mlp.up_proj) is None
 
 
+@pytest.mark.parametrize(
+    "structure, message",
+    [
+        # out of order: block 0 would be calibrated on block 1's outputs
+        (["model.layers.1", "model.layers.0"], r"do not run one after the other \(the blocks ran"),
+        # every other block: the second would be calibrated on the first's outputs
+        (["model.layers.0", "model.layers.2"], r"block 1 does not take block 0's output"),
+        (
+            {"pre_block_layers": ["model.embeddings"], "sequential_blocks": ["model.layers.0"]},
+            r"No module at 'model.embeddings' in the model \(quantization structure's pre_block",
+        ),
+    ],
+)
+def test_a_structure_that_cannot_be_calibrated_is_refused_before_anything_changes(
+    structure, message
+):
+    model = llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = GPTQConfig(
+        token_data(),
+        None,
+        num_samples=2,
+        sequence_length=16,
+        group_size=32,
+        quantization_layer_structure=structure,
+    )
+    with pytest.raises(ValueError, match=message):
+        quiet_quantize(model, config)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(quantization_of(m) is None for m in model.modules())
+
+
 def test_progress_on_request_and_quiet_otherwise(monkeypatch, capsys):
     model = llama(layers_count=2)
     config = GPTQConfig(token_data(), None, num_samples=2, sequence_length=16, group_size=32)

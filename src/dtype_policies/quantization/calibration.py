@@ -27,12 +27,15 @@ committed here: `quantize()` commits every plan at the end, so a failure or a
 Blocks come from `config.quantization_layer_structure`: a sequence of
 submodules or their paths, in the order the model runs them, or Keras's dict
 `{"pre_block_layers": [...], "sequential_blocks": [...]}` (the pre-block
-layers run as part of the model's forward); `None` finds the model's repeated
-blocks (`quantization.structure`: the decoder layers of a Hugging Face
-model), checked to chain on the first batch, else makes the whole model one
-block. A block receives the previous block's first output as its first
-input (its first positional argument, else its first tensor keyword) and the
-first block's other arguments unchanged.
+layers, checked to exist, run as part of the model's forward); `None` finds
+the model's repeated blocks (`quantization.structure`: the decoder layers of
+a Hugging Face model), else makes the whole model one block. Blocks are
+checked to chain on the first batch: found ones that do not fall back to the
+whole model (with a warning); given ones that do not are refused (a
+ValueError saying why), since each block is fed the previous one's output:
+a block receives the previous block's first output as its first input (its
+first positional argument, else its first tensor keyword) and the first
+block's other arguments unchanged.
 
 Progress (block i of n, elapsed, remaining) goes to standard error when it
 is a terminal, or as `progress` says (`quantization.progress`).
@@ -95,6 +98,15 @@ def plan_calibrated(
         return result
     with _calibrating(model):
         batches = config.calibration_batches(model)
+        if not found and len(blocks) > 1:
+            chained, why = blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
+            if not chained:
+                raise ValueError(
+                    f"The blocks of `quantization_layer_structure` ({blocks[0][0]}, ...) do not "
+                    f"run one after the other ({why}), and calibration feeds each block the "
+                    "previous block's output: pass the blocks in the order the model runs "
+                    "them, each taking the previous one's output, or None to find them."
+                )
         if found and len(blocks) > 1:
             chained, why = blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
             if not chained:
@@ -369,17 +381,30 @@ def _blocks(model: torch.nn.Module, structure: Any) -> list[tuple[str, Any]]:
     """`(path, module)` of each block of `structure`, in order (none: the whole model)."""
     if structure is None:
         return [("", model)]
-    if isinstance(structure, dict):
-        if "sequential_blocks" not in structure:
-            raise ValueError(
-                "A `quantization_layer_structure` dict needs the key 'sequential_blocks'. "
-                f"Received keys: {sorted(structure)}"
-            )
-        structure = structure["sequential_blocks"]
+    if isinstance(structure, dict) and "sequential_blocks" not in structure:
+        raise ValueError(
+            "A `quantization_layer_structure` dict needs the key 'sequential_blocks'. "
+            f"Received keys: {sorted(structure)}"
+        )
     root = root_path_of(model)
     named = list(named_module_paths(model, root))
     paths = {id(module): path for path, module in named}
     by_path = dict(named)
+    if isinstance(structure, dict):
+        for layer in structure.get("pre_block_layers", None) or ():
+            if isinstance(layer, str):
+                wanted = layer.replace(".", "/")
+                if wanted not in by_path and join(root, wanted) not in by_path:
+                    raise ValueError(
+                        f"No module at '{layer}' in the model (quantization structure's "
+                        "pre_block_layers)."
+                    )
+            elif not isinstance(layer, torch.nn.Module) or id(layer) not in paths:
+                raise ValueError(
+                    "Every pre-block layer of the quantization structure must be a module of "
+                    f"the model (or its path). Received: {layer!r}"
+                )
+        structure = structure["sequential_blocks"]
     blocks = []
     for block in structure:
         if isinstance(block, str):
