@@ -132,8 +132,9 @@ def test_each_block_runs_once_per_batch_for_statistics_and_once_for_the_next_inp
         quantization_layer_structure=[model.block0, model.block1, model.block2],
     )
     quietly(dtype_policies.quantize, model, config=config)
-    # the stem runs once per batch (capture), blocks 0-1 twice, the last once
-    assert calls == {"stem": 4, "block0": 8, "block1": 8, "block2": 4}
+    # the chain check runs the first batch up to the last block once; then the stem runs once
+    # per batch (capture), blocks 0-1 twice, the last once
+    assert calls == {"stem": 1 + 4, "block0": 1 + 8, "block1": 1 + 8, "block2": 1 + 4}
 
 
 def test_calibration_runs_in_eval_mode_and_restores_the_modes():
