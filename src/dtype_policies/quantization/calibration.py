@@ -98,27 +98,28 @@ def plan_calibrated(
         return result
     with _calibrating(model):
         batches = config.calibration_batches(model)
-        if not found and len(blocks) > 1:
-            chained, why = blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
-            if not chained:
+        chained, why = (
+            blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
+            if len(blocks) > 1
+            else (True, "")
+        )
+        if not chained:
+            if not found:
                 raise ValueError(
                     f"The blocks of `quantization_layer_structure` ({blocks[0][0]}, ...) do not "
                     f"run one after the other ({why}), and calibration feeds each block the "
                     "previous block's output: pass the blocks in the order the model runs "
                     "them, each taking the previous one's output, or None to find them."
                 )
-        if found and len(blocks) > 1:
-            chained, why = blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
-            if not chained:
-                warnings.warn(
-                    f"quantize(): the model's repeated blocks ({blocks[0][0]}, ...) do not run "
-                    f"one after the other ({why}); calibrating the whole model as one block. "
-                    "Pass `quantization_layer_structure` to calibrate block by block.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-                blocks = [("", model)]
-                result, members = _assign(blocks, targets)
+            warnings.warn(
+                f"quantize(): the model's repeated blocks ({blocks[0][0]}, ...) do not run "
+                f"one after the other ({why}); calibrating the whole model as one block. "
+                "Pass `quantization_layer_structure` to calibrate block by block.",
+                UserWarning,
+                stacklevel=3,
+            )
+            blocks = [("", model)]
+            result, members = _assign(blocks, targets)
         last = max(i for i, group in enumerate(members) if group)
         report = CalibrationProgress(config.mode, last + 1, enabled=progress)
         try:
@@ -390,35 +391,28 @@ def _blocks(model: torch.nn.Module, structure: Any) -> list[tuple[str, Any]]:
     named = list(named_module_paths(model, root))
     paths = {id(module): path for path, module in named}
     by_path = dict(named)
+
+    def resolve(entry: Any, where: str, kind: str) -> tuple[str, torch.nn.Module]:
+        if isinstance(entry, str):
+            wanted = entry.replace(".", "/")
+            module = by_path.get(wanted)
+            if module is None:
+                module = by_path.get(join(root, wanted))
+            if module is None:
+                raise ValueError(f"No module at '{entry}' in the model ({where}).")
+            entry = module
+        if not isinstance(entry, torch.nn.Module) or id(entry) not in paths:
+            raise ValueError(
+                f"Every {kind} of the quantization structure must be a module of the model "
+                f"(or its path). Received: {entry!r}"
+            )
+        return paths[id(entry)], entry
+
     if isinstance(structure, dict):
         for layer in structure.get("pre_block_layers", None) or ():
-            if isinstance(layer, str):
-                wanted = layer.replace(".", "/")
-                if wanted not in by_path and join(root, wanted) not in by_path:
-                    raise ValueError(
-                        f"No module at '{layer}' in the model (quantization structure's "
-                        "pre_block_layers)."
-                    )
-            elif not isinstance(layer, torch.nn.Module) or id(layer) not in paths:
-                raise ValueError(
-                    "Every pre-block layer of the quantization structure must be a module of "
-                    f"the model (or its path). Received: {layer!r}"
-                )
+            resolve(layer, "quantization structure's pre_block_layers", "pre-block layer")
         structure = structure["sequential_blocks"]
-    blocks = []
-    for block in structure:
-        if isinstance(block, str):
-            wanted = block.replace(".", "/")
-            module = by_path.get(wanted) or by_path.get(join(root, wanted))
-            if module is None:
-                raise ValueError(f"No module at '{block}' in the model (quantization structure).")
-            block = module
-        if not isinstance(block, torch.nn.Module) or id(block) not in paths:
-            raise ValueError(
-                f"Every block of the quantization structure must be a module of the model "
-                f"(or its path). Received: {block!r}"
-            )
-        blocks.append((paths[id(block)], block))
+    blocks = [resolve(block, "quantization structure", "block") for block in structure]
     if not blocks:
         raise ValueError("The quantization structure has no sequential blocks.")
     return blocks

@@ -41,6 +41,7 @@ from dtype_policies.quantizers.gptq import (
     quantize_rtn,
     quantize_with_zero_point,
     refit_grid,
+    silent_as_typical,
 )
 from dtype_policies.quantizers.math import dequantize_grouped, grouped_quantize_with_zero_point
 
@@ -149,11 +150,7 @@ def awq_search_output(
     a grid hundreds of times coarser)."""
     weights = w_nk.float()
     hessian = hessian.float()
-    magnitude = mean_abs.float()
-    silent = magnitude == 0
-    if grid == "refined" and bool(silent.any()) and not bool(silent.all()):
-        # an input silent on the calibration data may not be silent later: a typical scale
-        magnitude = torch.where(silent, magnitude[~silent].mean(), magnitude)
+    magnitude = silent_as_typical(mean_abs) if grid == "refined" else mean_abs.float()
     magnitude = torch.where(magnitude < 1e-8, torch.full_like(magnitude, 1e-8), magnitude)
     in_features = weights.shape[1]
     group = in_features if group_size == -1 else group_size

@@ -398,15 +398,26 @@ def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
     return ((delta @ hessian) * delta).sum(dim=1)
 
 
-def _silent_inputs_as_typical(hessian: torch.Tensor) -> torch.Tensor:
-    """`H` (float32) with a zero diagonal entry set to the mean of the others."""
-    hessian = hessian.float()
-    silent = torch.diagonal(hessian) == 0
+def silent_as_typical(values: torch.Tensor) -> torch.Tensor:
+    """Per-input statistics (float32) with the inputs silent on the
+    calibration data (a zero) given the mean of the others (1 if all are
+    silent): an input silent in calibration may not be silent later."""
+    values = values.float()
+    silent = values == 0
     if not bool(silent.any()):
+        return values
+    live = values[~silent]
+    return torch.where(silent, live.mean() if live.numel() else values.new_tensor(1.0), values)
+
+
+def _silent_inputs_as_typical(hessian: torch.Tensor) -> torch.Tensor:
+    """`H` (float32) with its silent diagonal entries made typical (`silent_as_typical`)."""
+    hessian = hessian.float()
+    diagonal = torch.diagonal(hessian)
+    if not bool((diagonal == 0).any()):
         return hessian
-    live = torch.diagonal(hessian)[~silent]
     hessian = hessian.clone()
-    hessian.diagonal()[silent] = live.mean() if live.numel() else 1.0
+    hessian.diagonal().copy_(silent_as_typical(diagonal))
     return hessian
 
 
