@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtype_policies import _cpu
+from dtype_policies._attention_dispatch import SELECTION
 from dtype_policies.quantization.kernels import attention
 
 _PROBE = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
@@ -198,9 +199,11 @@ def test_transformers_models_attend_on_the_kernel_within_selected(monkeypatch, b
         theirs = model(input_ids=tokens, attention_mask=mask)[0]
         assert not calls
         with attention.selected(model):
-            assert model.config._attn_implementation == attention.NAME
+            assert model.config._attn_implementation == "sdpa"  # the name a model reads
+            assert getattr(model.config, SELECTION) == attention.NAME
             ours = model(input_ids=tokens, attention_mask=mask)[0]
     assert model.config._attn_implementation == "sdpa"
+    assert not hasattr(model.config, SELECTION)
     assert len(calls) == 2  # one per layer
     keep = mask.bool()
     error = (ours.float() - theirs.float())[keep].norm() / theirs.float()[keep].norm()
@@ -215,6 +218,7 @@ def test_selected_leaves_other_models_alone():
     llama.config._attn_implementation = "eager"
     with attention.selected(llama):
         assert llama.config._attn_implementation == "eager"
+        assert not hasattr(llama.config, SELECTION)
 
 
 @needs_kernel

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dtype_policies import apply_policy, compile_for_generation, quantize
+from dtype_policies._attention_dispatch import SELECTION
 from dtype_policies._frozen import ModelWatch
 from dtype_policies._one_query_attention import NAME as ONE_QUERY
 from dtype_policies.generation import _unmark_static_cache
@@ -97,12 +98,16 @@ def attention_in_step(
 ) -> list[str]:
     """Compiles `model` for generation, then calls its decode step once with
     the compiled graph replaced by a spy: the attention implementation the
-    call saw, appended to `seen` (the spy then raises RuntimeError when `fail`)."""
+    call selected (or the model's own), appended to `seen` (the spy then
+    raises RuntimeError when `fail`)."""
     compile_for_generation(model)
     seen = [] if seen is None else seen
+    name = model.config._attn_implementation
 
     def compiled_step(**kwargs):
-        seen.append(model.config._attn_implementation)
+        config = model.config
+        assert config._attn_implementation == name  # the name a model reads never changes
+        seen.append(getattr(config, SELECTION, None) or name)
         if fail:
             raise RuntimeError("the step failed")
 

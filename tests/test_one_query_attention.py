@@ -87,13 +87,15 @@ def test_what_is_not_one_plain_query_goes_to_sdpa_unchanged(case):
     assert torch.equal(ours, theirs)
 
 
-def test_registered_with_eager_masks_under_its_name():
+def test_registered_behind_sdpa_under_its_name():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    from dtype_policies import _attention_dispatch
 
     assert register() == NAME
-    assert AttentionInterface._global_mapping[NAME] is one_query_attention
-    assert AttentionMaskInterface._global_mapping[NAME] is eager_mask
+    assert AttentionInterface._global_mapping["sdpa"] is _attention_dispatch.dispatch
+    assert _attention_dispatch._IMPLEMENTATIONS[NAME] is one_query_attention
+    assert NAME not in AttentionInterface._global_mapping  # the model's name stays "sdpa"
 
 
 def test_inputs_are_computed_once_before_the_loops_over_the_cache():

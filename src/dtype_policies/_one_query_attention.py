@@ -16,12 +16,13 @@ a sine per lane, through the cache update) was recomputed for every cached
 position: on SmolLM2's compiled int8 step at 1056 cached positions, 54% of
 the graph's time.
 
-`compile_for_generation`'s decode step selects it (`NAME`, registered in
-transformers' attention and mask interfaces by `register()`) in place of
-`"sdpa"`, for the compiled call only. Its masks are transformers' eager ones
-(additive), so that a model whose code branches on the implementation's name
-takes the path it takes for `"eager"`. Anything but one query without
-dropout and position bias goes to transformers' SDPA function unchanged.
+`compile_for_generation`'s decode step selects it (`NAME`, made selectable
+behind transformers' `"sdpa"` by `register()`: `_attention_dispatch`), for
+the compiled call only. The model's `_attn_implementation` stays `"sdpa"`,
+with SDPA's masks (boolean or additive; `None` attends everywhere), so that
+a model whose code branches on the name takes its `"sdpa"` path. Anything
+but one query without dropout and position bias goes to transformers' SDPA
+function unchanged.
 
 >>> import torch
 >>> from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -40,6 +41,8 @@ import contextlib
 from typing import Any
 
 import torch
+
+from dtype_policies import _attention_dispatch
 
 NAME = "dtype_policies_one_query"
 
@@ -90,9 +93,7 @@ def one_query_attention(
         or heads % key_heads
         or kwargs.get("output_attentions", False)
     ):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
+        return _attention_dispatch.transformers_sdpa()(
             module,
             query,
             key,
@@ -122,11 +123,8 @@ def one_query_attention(
 
 
 def register() -> str:
-    """Registers `one_query_attention` (with transformers' eager masks) under
-    `NAME`; returns `NAME`. Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
+    """Makes `one_query_attention` selectable as `NAME` behind transformers'
+    `"sdpa"`; returns `NAME`. Idempotent."""
     global _force_stride_order
     if _force_stride_order is None:
         # importing Inductor's prims registers the prim; a torch without
@@ -134,6 +132,5 @@ def register() -> str:
         with contextlib.suppress(ImportError):
             import torch._inductor.inductor_prims
         _force_stride_order = getattr(torch.ops.prims, "inductor_force_stride_order", None)
-    AttentionInterface.register(NAME, one_query_attention)
-    AttentionMaskInterface.register(NAME, eager_mask)
+    _attention_dispatch.register(NAME, one_query_attention)
     return NAME

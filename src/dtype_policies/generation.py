@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies import _one_query_attention
+from dtype_policies import _attention_dispatch, _one_query_attention
 from dtype_policies._frozen import FrozenCompiledCall
 
 _COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
@@ -103,34 +103,22 @@ def _decode_step(
     """The settings of one compiled decode step: the static cache's tensors
     as ordinary inputs (at the first step of a generation; `continuing`: a
     later step, on the same cache), and on CPU, `attention` (the one-query attention
-    written out for Inductor) in place of `"sdpa"` (a model with one config:
-    a composite model's sub-configs keep theirs). The model's own setting is
+    written out for Inductor) selected behind `"sdpa"` (a model with one config:
+    a composite model's sub-configs keep theirs). The model's own attention is
     back in force after the step, so that the prompt's forward (eager, many
     queries) keeps torch's fused kernel. Another thread calling the model
     during the step runs this implementation too (the same attention, up to
     rounding)."""
     if not continuing:
         _unmark_static_cache(_cache_of(kwargs))
-    config = getattr(model, "config", None)
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
-    if (
-        attention is None
-        or config is None
-        or getattr(config, "_attn_implementation", None) != "sdpa"
-        # A composite config sets its sub-configs' implementations with its own.
-        or getattr(config, "sub_configs", None)
-        or not isinstance(tokens, torch.Tensor)
-        or tokens.device.type != "cpu"
-    ):
+    if attention is None or not isinstance(tokens, torch.Tensor) or tokens.device.type != "cpu":
         yield
         return
-    config._attn_implementation = attention
-    try:
+    with _attention_dispatch.selecting(model, attention):
         yield
-    finally:
-        config._attn_implementation = "sdpa"
 
 
 class _GenerationStart:
@@ -165,8 +153,8 @@ class _GenerationStart:
 def _decode_attention() -> str | None:
     """The attention implementation of a compiled decode step on CPU:
     `_one_query_attention`'s, or `None` (the model's own) where this
-    transformers has no attention and mask interfaces to register it with
-    (older releases build masks and pick attention by other rules)."""
+    transformers has no attention interface to register it with (older
+    releases pick attention by other rules)."""
     try:
         return _one_query_attention.register()
     except ImportError:

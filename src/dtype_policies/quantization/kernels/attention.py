@@ -11,12 +11,13 @@ values). Inference only: no gradient, no dropout.
 
 Hugging Face models reach it through transformers' attention interface:
 `transformers_attention` is transformers' `"sdpa"` implementation on this
-kernel, registered under `NAME` (with the `"sdpa"` masks) by `register()`;
-`selected(model)` swaps a model's `"sdpa"` for it for the duration of a call
-(`compile_for_inference`'s compiled calls, calibration), and
-`attend_on_kernel(model)` does so around each eager call of a model
-(`apply_policy` installs it on a transformers model). Anything the kernel
-does not take goes to transformers' own function unchanged.
+kernel, registered as `NAME` behind the name `"sdpa"` (`_attention_dispatch`:
+the model's `_attn_implementation` is never renamed); `selected(model)`
+selects it for the duration of a call (`compile_for_inference`'s compiled
+calls, calibration), and `attend_on_kernel(model)` does so around each eager
+call of a model (`apply_policy` installs it on a transformers model).
+Anything the kernel does not take goes to transformers' own function
+unchanged.
 
 >>> import torch
 >>> q = k = v = torch.randn(1, 2, 8, 16).bfloat16()
@@ -31,12 +32,13 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, cast
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dtype_policies import _attention_dispatch
 from dtype_policies.quantization.kernels import native
 
 KERNEL = "attention_bf16"
@@ -124,8 +126,6 @@ def transformers_attention(
     returns (batch, queries, heads, width) and no weights), on this library's
     kernel where it applies, with transformers' rule for `is_causal`: many
     queries, no mask, and a causal module."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     queries = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(queries > 1 and attention_mask is None and causal)
@@ -138,7 +138,7 @@ def transformers_attention(
         or (causal and key.shape[2] > queries)
         or not applies(query, key, value, attention_mask, dropout, causal, grouped)
     ):
-        return sdpa_attention_forward(
+        return _attention_dispatch.transformers_sdpa()(
             module,
             query,
             key,
@@ -164,14 +164,9 @@ def transformers_attention(
 
 @functools.cache
 def register() -> str:
-    """Registers `transformers_attention` (with transformers' `"sdpa"` masks)
-    under `NAME`, once; returns `NAME`."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, transformers_attention)
-    sdpa_masks = cast(Callable[..., Any], AttentionMaskInterface._global_mapping["sdpa"])
-    AttentionMaskInterface.register(NAME, sdpa_masks)
+    """Makes `transformers_attention` selectable as `NAME` behind
+    transformers' `"sdpa"` (once); returns `NAME`."""
+    _attention_dispatch.register(NAME, transformers_attention)
     return NAME
 
 
@@ -182,30 +177,11 @@ def selected(model: torch.nn.Module) -> Iterator[None]:
     kernel; otherwise (or for any other model) nothing changes. The model's
     own setting is back in force after the block. Another thread calling the
     model meanwhile attends the same way (the same values, up to rounding)."""
-    if not _swappable(model):
+    if not (_attention_dispatch.selectable(model) and native.available(KERNEL)):
         yield
         return
-    config = _config(model)
-    config._attn_implementation = register()
-    try:
+    with _attention_dispatch.selecting(model, register()):
         yield
-    finally:
-        config._attn_implementation = "sdpa"
-
-
-def _config(model: torch.nn.Module) -> Any:
-    return getattr(model, "config", None)
-
-
-def _swappable(model: torch.nn.Module) -> bool:
-    config = _config(model)
-    return (
-        config is not None
-        and getattr(config, "_attn_implementation", None) == "sdpa"
-        # a composite config sets its sub-configs' implementations with its own
-        and not getattr(config, "sub_configs", None)
-        and native.available(KERNEL)
-    )
 
 
 class _EagerCalls:
@@ -243,7 +219,7 @@ def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
     attend with `transformers_attention` (as `selected`); returns the hooks'
     handles (`handle.remove()` undoes it), none for any other model. The
     model's setting is restored after each call, also when it raises."""
-    if getattr(_config(model), "_attn_implementation", None) != "sdpa":
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
         return []
     calls = _EagerCalls()
     return [

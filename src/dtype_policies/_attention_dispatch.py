@@ -1,0 +1,140 @@
+"""This library's attention implementations in transformers, behind the name
+`"sdpa"`.
+
+transformers' `"sdpa"` entry of its attention interface is replaced, once,
+by `dispatch`: a call of a module whose config selects one of this library's
+implementations (`selecting(model, name)`, for the duration of a call) runs
+it; every other call runs transformers' own function, unchanged.
+
+The name a model reads, `config._attn_implementation`, stays `"sdpa"`
+throughout. Models that branch on it literally (Falcon's `== "sdpa"`,
+the `in ("eager", "sdpa")` tests of several others) keep taking their
+`"sdpa"` path with its masks; renaming it for the call sent Falcon down its
+eager branch with SDPA's boolean mask added to its scores, attention no
+longer causal.
+
+>>> import torch
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+...     num_hidden_layers=1, num_attention_heads=2, vocab_size=64)).eval()
+>>> def doubled(module, query, key, value, attention_mask, **kwargs):
+...     out, weights = transformers_sdpa()(module, query, key, value, attention_mask, **kwargs)
+...     return 2 * out, weights
+>>> register("doctest_doubled", doubled)
+>>> ids = torch.tensor([[1, 2, 3]])
+>>> with torch.no_grad():
+...     plain = model(ids).logits
+...     with selecting(model, "doctest_doubled") as selected:
+...         changed = model(ids).logits
+...         name = model.config._attn_implementation
+>>> selected, name, bool((plain != changed).any()), bool(torch.equal(plain, model(ids).logits))
+(True, 'sdpa', True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+
+SELECTION = "_dtype_policies_attention"
+"""The config attribute that names the selected implementation during a call."""
+
+_IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
+_LOCK = threading.Lock()
+_MISSING = object()
+
+
+# transformers' own "sdpa" function, once `dispatch` has replaced it
+_transformers_sdpa: Callable[..., Any] | None = None
+
+
+def transformers_sdpa() -> Callable[..., Any]:
+    """transformers' own `"sdpa"` attention function (as registered before
+    `dispatch` replaced it; replacing it, the first time)."""
+    global _transformers_sdpa
+    if _transformers_sdpa is None:
+        _transformers_sdpa = _install()
+    return _transformers_sdpa
+
+
+def _install() -> Callable[..., Any]:
+    from transformers import AttentionInterface
+
+    with _LOCK:
+        if _transformers_sdpa is not None:  # another thread installed it
+            return _transformers_sdpa
+        current = cast(Callable[..., Any], AttentionInterface._global_mapping["sdpa"])
+        if current is dispatch:  # pragma: no cover - replaced by a reloaded copy
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            current = cast(Callable[..., Any], sdpa_attention_forward)
+        AttentionInterface.register("sdpa", dispatch)
+        return current
+
+
+def dispatch(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """transformers' `"sdpa"` attention function: the implementation
+    `module.config` selects, else transformers' own."""
+    name = getattr(getattr(module, "config", None), SELECTION, None)
+    implementation = _IMPLEMENTATIONS.get(name) if isinstance(name, str) else None
+    if implementation is None:
+        # installed before `dispatch` can be reached
+        implementation = cast(Callable[..., Any], _transformers_sdpa)
+    return implementation(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def register(name: str, implementation: Callable[..., Any]) -> None:
+    """Makes `implementation` (transformers' attention-function signature,
+    SDPA's masks and semantics) selectable as `name`, and installs
+    `dispatch` under `"sdpa"` (once)."""
+    transformers_sdpa()
+    _IMPLEMENTATIONS[name] = implementation
+
+
+def selectable(model: torch.nn.Module) -> bool:
+    """Whether `model` is a transformers model on `"sdpa"` with one config
+    (a composite config's sub-configs are left alone)."""
+    config = getattr(model, "config", None)
+    return (
+        config is not None
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and not getattr(config, "sub_configs", None)
+    )
+
+
+@contextlib.contextmanager
+def selecting(model: torch.nn.Module, name: str) -> Iterator[bool]:
+    """Within the block, `model`'s attention modules (those that read the
+    model's config and reach attention through transformers' interface) run
+    the implementation registered as `name`; yields whether it was selected
+    (`False`, and nothing changes, for a model that is not `selectable`).
+    The previous selection is back in force after the block, also when it
+    raises. Another thread calling the model meanwhile attends the same way
+    (the same values, up to rounding)."""
+    if name not in _IMPLEMENTATIONS:
+        raise KeyError(f"No attention implementation registered as {name!r}")
+    if not selectable(model):
+        yield False
+        return
+    config = model.config
+    previous = config.__dict__.get(SELECTION, _MISSING)
+    config.__dict__[SELECTION] = name
+    try:
+        yield True
+    finally:
+        if previous is _MISSING:
+            config.__dict__.pop(SELECTION, None)
+        else:
+            config.__dict__[SELECTION] = previous

@@ -1,0 +1,135 @@
+"""This library's attention implementations behind transformers' `"sdpa"`:
+the name a model reads never changes, so models that branch on it keep their
+`"sdpa"` path (Falcon attended without its causal mask when it was renamed)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from dtype_policies import _attention_dispatch, apply_policy, compile_for_inference
+from dtype_policies._attention_dispatch import SELECTION, dispatch, register, selecting
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_falcon() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        new_decoder_architecture=True,
+        num_kv_heads=2,
+    )
+    return transformers.FalconForCausalLM(config).eval()
+
+
+TOKENS = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def recording(calls: list):
+    def implementation(module, query, key, value, attention_mask, **kwargs):
+        calls.append(module.config._attn_implementation)
+        return _attention_dispatch.transformers_sdpa()(
+            module, query, key, value, attention_mask, **kwargs
+        )
+
+    return implementation
+
+
+def test_dispatch_replaces_sdpa_once_and_runs_transformers_own_unless_selected():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls: list = []
+    register("test_recording", recording(calls))
+    register("test_recording", recording(calls))  # idempotent: one dispatcher
+    assert AttentionInterface._global_mapping["sdpa"] is dispatch
+    assert _attention_dispatch.transformers_sdpa() is sdpa_attention_forward
+    model = tiny_llama()
+    with torch.no_grad():
+        plain = model(TOKENS).logits
+        assert calls == []
+        with selecting(model, "test_recording") as selected:
+            assert selected
+            chosen = model(TOKENS).logits
+        assert calls == ["sdpa", "sdpa"]  # one per layer, the name unchanged
+        assert not hasattr(model.config, SELECTION)
+        assert torch.equal(plain, chosen)  # it ran transformers' own function
+
+
+def test_selecting_nests_restores_on_error_and_names_an_unknown_implementation():
+    register("test_outer", recording([]))
+    register("test_inner", recording([]))
+    model = tiny_llama()
+    with selecting(model, "test_outer"):
+        with pytest.raises(RuntimeError, match="inside"), selecting(model, "test_inner"):
+            assert model.config._dtype_policies_attention == "test_inner"
+            raise RuntimeError("inside")
+        assert model.config._dtype_policies_attention == "test_outer"
+    assert not hasattr(model.config, SELECTION)
+    unknown = selecting(model, "no_such_attention")
+    with pytest.raises(KeyError, match="'no_such_attention'"), unknown:
+        pass
+    assert not hasattr(model.config, SELECTION)
+
+
+def test_models_that_are_not_selectable_are_left_alone():
+    register("test_left_alone", recording([]))
+    linear = torch.nn.Linear(4, 4)
+    eager = tiny_llama()
+    eager.config._attn_implementation = "eager"
+    for model in (linear, eager):
+        with selecting(model, "test_left_alone") as selected:
+            assert not selected
+        assert not hasattr(getattr(model, "config", None), SELECTION)
+
+
+def test_falcon_keeps_its_causal_attention_under_a_policy():
+    """Falcon tests `_attn_implementation == "sdpa"` literally: with the name
+    renamed during a call it took its eager branch with SDPA's boolean mask
+    added to its scores (no causal mask: 66% of the logits' scale)."""
+    model = tiny_falcon()
+    with torch.no_grad():
+        reference = model(TOKENS).logits
+        as_bfloat16 = copy.deepcopy(model).to(torch.bfloat16)(TOKENS).logits.float()
+        float32 = copy.deepcopy(model)
+        apply_policy(float32, "float32")
+        assert torch.equal(float32(TOKENS).logits, reference)
+        mixed = copy.deepcopy(model)
+        apply_policy(mixed, "mixed_bfloat16")
+        ours = mixed(TOKENS).logits.float()
+        compiled = compile_for_inference(mixed)(TOKENS).logits.float()
+    scale = reference.abs().max()
+    bfloat16_error = ((as_bfloat16 - reference).abs().max() / scale).item()
+    assert ((ours - reference).abs().max() / scale).item() < max(2 * bfloat16_error, 2e-2)
+    assert ((compiled - reference).abs().max() / scale).item() < max(2 * bfloat16_error, 2e-2)
+
+
+def test_a_selection_holds_for_calls_in_other_threads_during_the_block():
+    calls: list = []
+    register("test_threads", recording(calls))
+    model = tiny_llama()
+    with torch.no_grad(), selecting(model, "test_threads"):
+        worker = threading.Thread(target=model, args=(TOKENS,))
+        worker.start()
+        worker.join()
+    assert calls == ["sdpa", "sdpa"]
