@@ -222,10 +222,11 @@ def test_quantize_composes_with_apply_policy_and_computes_in_bfloat16():
     x = torch.randn(4, 128)
     reference = model(x)
     handle = apply_policy(model, "mixed_bfloat16")
-    with pytest.warns(UserWarning, match="1 module"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a LayerNorm holds no weight matrix: nothing to say
         report = quantize(model, "int4")
     assert [name for _, _, name in report.quantized] == ["int4/128_from_mixed_bfloat16"] * 2
-    assert report.skipped_by_reason("no quantize support") == ["2"]
+    assert report.skipped == [("2", "no weight matrix")]
     out = model(x)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, reference) < TOLERANCE["int4"]
@@ -339,13 +340,18 @@ def test_model_report_filters_and_single_warning():
     model = nn.Sequential(
         nn.Linear(8, 8), nn.Conv1d(1, 1, 1), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
     )
-    with pytest.warns(UserWarning, match="2 module") as record:
+    with pytest.warns(UserWarning, match="1 module") as record:
         report = quantize(model, "int8", filters=["^[012]$", "^4$"])
     assert len(record) == 1
+    message = str(record[0].message)
+    assert "'1' (Conv1d, not a quantizable kind)" in message
+    # the Conv1d's 2 of the model's 234 parameter elements
+    assert "0.9% of the model's parameters stay in floating point" in message
     assert isinstance(report, QuantizationReport)
     assert [path for path, _, _ in report.quantized] == ["0", "4"]
     assert report.skipped_by_reason("filtered out") == ["3"]
-    assert report.skipped_by_reason("no quantize support") == ["1", "2"]
+    assert report.skipped_by_reason("no quantize support") == ["1"]
+    assert report.skipped_by_reason("no weight matrix") == ["2"]
     again = quantize(model, "int8", filters=lambda path, module: path == "3")
     assert again.skipped_by_reason("already quantized") == ["0", "4"]
     assert [path for path, _, _ in again.quantized] == ["3"]

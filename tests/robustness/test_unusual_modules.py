@@ -384,7 +384,9 @@ def test_unusual_modules_stay_correct():
     recurrent = nn.LSTM(8, 16, batch_first=True)
     apply_policy(recurrent, "float32")
     report = quantize(recurrent, "int8")
-    assert report.num_quantized == 0 and report.skipped == [("(root)", "no quantize support")]
+    assert report.num_quantized == 0
+    assert report.skipped == [("(root)", "no quantize support: LSTM, not a quantizable kind")]
+    assert report.unsupported_parameters == report.total_parameters == 1664
 
 
 @pytest.mark.usefixtures("quiet")

@@ -13,15 +13,16 @@ import torch
 
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.module_state import state_of
+from dtype_policies._core.module_state import quantization_of, state_of
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
-from dtype_policies.quantization.attach import check, commit, is_quantized, plan
+from dtype_policies.quantization.attach import check, commit, plan
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.report import (
     SKIP_ALREADY_QUANTIZED,
     SKIP_FILTERED,
+    SKIP_NO_MATRIX,
     SKIP_NO_SUPPORT,
     SKIP_NOT_READY,
     SKIP_OUTSIDE_STRUCTURE,
@@ -122,8 +123,24 @@ def _two_argument_form(function: Callable) -> Callable[[str, torch.nn.Module], b
     return lambda path, module: function(module)
 
 
-def _owns_weights(module: torch.nn.Module) -> bool:
-    return any(p is not None for p in module._parameters.values())
+def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module._parameters.values() if p is not None]
+
+
+def _owns_matrix(module: torch.nn.Module) -> bool:
+    """Whether a module holds a weight of 2 or more dimensions (what a mode
+    could quantize), not only scales and offsets (norms)."""
+    return any(p.dim() >= 2 for p in _own_parameters(module))
+
+
+def _unique_elements(parameters: Any, seen: set[int]) -> int:
+    """Elements of `parameters` not in `seen` (by identity), adding them to it."""
+    total = 0
+    for parameter in parameters:
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            total += parameter.numel() if not torch.nn.parameter.is_lazy(parameter) else 0
+    return total
 
 
 def _not_ready(module: torch.nn.Module) -> str | None:
@@ -168,7 +185,8 @@ def quantize(
     class registered with `register_linear_kind` (int8, int4, float8); and
     `torch.nn.Embedding` (int8, int4): every registered mode whose scheme
     quantizes the module's kind of weight. Skipped and reported, with one
-    summary warning: modules that own weights but cannot be quantized,
+    summary warning: modules that hold weight matrices but cannot be quantized
+    (with the share of the model's parameters they leave in floating point),
     weights that a parent module reads directly (`nn.MultiheadAttention.out_proj`,
     the linears of `nn.TransformerEncoderLayer`), parametrized weights, lazy
     modules not initialized yet. A weight shared by several modules (an
@@ -227,6 +245,8 @@ def quantize(
     calibrated = mode_record(mode).calibrated
     keep = _Filter(filters)
     report = QuantizationReport(mode)
+    report.total_parameters = _unique_elements(model.parameters(), set())
+    unsupported_seen: set[int] = set()
     modules = dict(named_module_paths(model, root_path_of(model)))
     plans = []
     checked = []
@@ -237,13 +257,24 @@ def quantize(
         label = path or "(root)"
         kind = kind_of(module)
         if kind is None:
-            if _owns_weights(module):
-                reason = SKIP_NO_SUPPORT if keep(path, module, False) else SKIP_FILTERED
-                report.skipped.append((label, reason))
+            if not _owns_matrix(module):
+                if _own_parameters(module):
+                    report.skipped.append((label, SKIP_NO_MATRIX))
+            elif keep(path, module, False):
+                name = original_class(module).__name__
+                report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {name}, not a quantizable kind"))
+                report.unsupported_parameters += _unique_elements(
+                    _own_parameters(module), unsupported_seen
+                )
+            else:
+                report.skipped.append((label, SKIP_FILTERED))
             continue
         quantizable.append(label)
-        if is_quantized(module):
+        existing = quantization_of(module)
+        if existing is not None:
             report.skipped.append((label, SKIP_ALREADY_QUANTIZED))
+            if existing.mode != mode:
+                report.other_modes.append(existing.mode)
             continue
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))
@@ -264,6 +295,9 @@ def quantize(
             )
         except NotImplementedError as e:
             report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {e}"))
+            report.unsupported_parameters += _unique_elements(
+                _own_parameters(module), unsupported_seen
+            )
             continue
         except Exception as e:
             raise type(e)(f"quantize(): module '{label}': {e}") from e
@@ -275,6 +309,7 @@ def quantize(
         plans += calibration.plans
         outside = [(path or "(root)", SKIP_OUTSIDE_STRUCTURE) for path in calibration.outside]
         report.skipped += outside
+        report.outside_linears = _outside_linears(model, modules, calibration.outside)
     for module_plan in plans:  # nothing above changed the model
         commit(module_plan)
         label = module_plan.path or "(root)"
@@ -297,6 +332,22 @@ def quantize(
     if verbose:
         print(report.render())
     return report
+
+
+def _outside_linears(
+    model: torch.nn.Module, modules: dict[str, torch.nn.Module], outside: list[str]
+) -> list[str]:
+    """The linear modules of `outside` other than the model's output head
+    (`get_output_embeddings()`, which Keras's calibrated modes leave float)."""
+    head_of = getattr(model, "get_output_embeddings", None)
+    head = head_of() if callable(head_of) else None
+    linears = []
+    for path in outside:
+        module = modules[path]
+        kind = kind_of(module)
+        if kind is not None and kind.role == "linear" and module is not head:
+            linears.append(path or "(root)")
+    return linears
 
 
 def _examples(paths: list[str], count: int = 3) -> str:

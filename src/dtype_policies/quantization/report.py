@@ -9,6 +9,7 @@ SKIP_FILTERED = "filtered out"
 SKIP_ALREADY_QUANTIZED = "already quantized"
 SKIP_NOT_READY = "not initialized yet"
 SKIP_OUTSIDE_STRUCTURE = "outside quantization structure"  # calibrated modes (as Keras)
+SKIP_NO_MATRIX = "no weight matrix"  # norms, scales: nothing any mode quantizes
 
 
 @dataclass
@@ -27,6 +28,14 @@ class QuantizationReport:
     quantized: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    total_parameters: int = 0
+    """The model's parameter elements (each shared tensor once), before quantizing."""
+    unsupported_parameters: int = 0
+    """Those of modules skipped for want of support (each shared tensor once)."""
+    outside_linears: list[str] = field(default_factory=list)
+    """Linear modules a calibrated mode left outside its blocks (the output head aside)."""
+    other_modes: list[str] = field(default_factory=list)
+    """The modes of the modules skipped as already quantized in another mode."""
 
     @property
     def num_quantized(self) -> int:
@@ -45,22 +54,33 @@ class QuantizationReport:
         return [path for path, why in self.skipped if why.split(": ", 1)[0] == reason]
 
     def summary_warning(self, max_examples: int = 5) -> str | None:
-        """The one warning a `quantize` call emits, or `None` when only filtered
-        modules were skipped."""
-        quiet = (SKIP_FILTERED, SKIP_ALREADY_QUANTIZED)
+        """The one warning a `quantize` call emits, or `None` when nothing it
+        skipped holds weights a user would expect quantized (filtered out,
+        already quantized in this mode, normalization scales, a calibrated
+        mode's embeddings and output head)."""
         not_ready = self.skipped_by_reason(SKIP_NOT_READY)
         unsupported = [
-            path
+            (path, why.split(": ", 1)[1] if ": " in why else "")
             for path, why in self.skipped
-            if why not in quiet and path not in not_ready and why != SKIP_OUTSIDE_STRUCTURE
+            if why.split(": ", 1)[0] == SKIP_NO_SUPPORT
         ]
-        if not unsupported and not not_ready:
-            return None
         parts = []
         if unsupported:
+            examples = [f"{path!r} ({why})" if why else repr(path) for path, why in unsupported]
+            share = ""
+            if self.total_parameters:
+                percent = 100 * self.unsupported_parameters / self.total_parameters
+                share = f"; {percent:.1f}% of the model's parameters stay in floating point"
             parts.append(
-                f"{len(unsupported)} module(s) were skipped because they do not support "
-                f"quantization (e.g. {_examples(unsupported, max_examples)})."
+                f"{len(unsupported)} module(s) holding weight matrices were not quantized "
+                f"(e.g. {_examples(examples, max_examples, quote=False)}){share}."
+            )
+        if self.outside_linears:
+            parts.append(
+                f"{len(self.outside_linears)} linear module(s) outside the calibrated blocks "
+                f"stay in floating point (e.g. {_examples(self.outside_linears, max_examples)}): "
+                "only the repeated blocks found (or given as quantization_layer_structure) "
+                "are calibrated; quantize(model, 'int4') quantizes the rest to nearest."
             )
         if not_ready:
             parts.append(
@@ -68,6 +88,15 @@ class QuantizationReport:
                 f"initialized yet (lazy modules: call the model once first; e.g. "
                 f"{_examples(not_ready, max_examples)})."
             )
+        if self.other_modes and not self.quantized:
+            modes = ", ".join(repr(mode) for mode in sorted(set(self.other_modes)))
+            parts.append(
+                f"{len(self.other_modes)} module(s) already quantized in mode {modes} were "
+                "left as they are: a module is quantized once; quantize a float copy of the "
+                "model to use another mode."
+            )
+        if not parts:
+            return None
         return (
             f"quantize(): {' '.join(parts)} Quantized {self.num_quantized} module(s) in mode "
             f"'{self.mode}'. Inspect the returned QuantizationReport for details."
@@ -91,5 +120,6 @@ class QuantizationReport:
         )
 
 
-def _examples(paths: list[str], count: int) -> str:
-    return ", ".join(repr(path) for path in paths[:count]) + (", ..." if len(paths) > count else "")
+def _examples(paths: list[str], count: int, quote: bool = True) -> str:
+    shown = [repr(path) if quote else path for path in paths[:count]]
+    return ", ".join(shown) + (", ..." if len(paths) > count else "")

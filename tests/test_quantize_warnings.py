@@ -1,0 +1,87 @@
+"""The one warning of `quantize()`: weights a user would expect quantized and
+that stay in floating point, and nothing else (normalization scales, a
+calibrated mode's embeddings and output head, what was filtered out)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dtype_policies import quantize
+from dtype_policies.quantizers import GPTQConfig
+
+
+def quantize_recording(model: nn.Module, *args, **kwargs):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = quantize(model, *args, **kwargs)
+    messages = [str(w.message) for w in seen if str(w.message).startswith("quantize()")]
+    assert len(messages) <= 1
+    return report, (messages[0] if messages else None)
+
+
+def test_norms_and_scales_are_skipped_without_a_word():
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.RMSNorm(16), nn.Linear(16, 4))
+    report, message = quantize_recording(model, "int8")
+    assert message is None
+    assert report.skipped == [("1", "no weight matrix"), ("2", "no weight matrix")]
+
+
+def test_a_module_of_no_quantizable_kind_is_named_with_its_share_of_the_parameters():
+    class Experts(nn.Module):  # transformers 5's mixture of experts: one 3-D weight
+        def __init__(self):
+            super().__init__()
+            self.gate_up = nn.Parameter(torch.randn(4, 32, 16))
+
+        def forward(self, x):
+            return torch.einsum("bh,eoh->beo", x, self.gate_up).sum(1)
+
+    model = nn.Sequential(nn.Linear(16, 16), Experts())
+    report, message = quantize_recording(model, "int4")
+    assert report.unsupported_parameters == 4 * 32 * 16
+    assert report.total_parameters == 16 * 16 + 16 + 4 * 32 * 16
+    assert "'1' (Experts, not a quantizable kind)" in message
+    assert "88.3% of the model's parameters stay in floating point" in message
+
+
+def test_quantizing_again_in_another_mode_says_that_nothing_changed():
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    quantize(model, "int8")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report, message = quantize_recording(model, "int4")
+    assert report.num_quantized == 0 and report.other_modes == ["int8", "int8"]
+    assert "2 module(s) already quantized in mode 'int8' were left as they are" in message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    _, again = quantize_recording(model, "int8")  # the same mode: nothing to say
+    assert again is None
+
+
+def test_quantizing_the_rest_in_another_mode_is_quiet():
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    quantize(model, "int4", filters="^0$")
+    report, message = quantize_recording(model, "int8")
+    assert [path for path, *_ in report.quantized] == ["2"]
+    assert message is None
+
+
+def test_linears_left_outside_the_calibrated_blocks_are_named():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4
+    )
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    data = [
+        torch.randint(3, 100, (16,), generator=torch.Generator().manual_seed(i)) for i in range(2)
+    ]
+    gptq = GPTQConfig(data, None, weight_bits=4, num_samples=2, sequence_length=16, group_size=32)
+    report, message = quantize_recording(model, "gptq", config=gptq, progress=False)
+    assert report.quantized and all(path.startswith("encoder/") for path, *_ in report.quantized)
+    assert report.outside_linears and all(p.startswith("decoder/") for p in report.outside_linears)
+    assert "lm_head" not in report.outside_linears  # the output head: left float, as Keras
+    assert (
+        f"{len(report.outside_linears)} linear module(s) outside the calibrated blocks" in message
+    )
