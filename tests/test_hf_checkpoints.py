@@ -267,6 +267,31 @@ def test_llama_tied_embeddings_int4_when_asked(tmp_path):
     assert_same_model(loaded, model)
 
 
+def test_gemma_scaled_tied_embedding_round_trip_is_bit_exact(tmp_path):
+    """Gemma's table is a scaled embedding with a non-persistent `embed_scale`
+    buffer, which the checkpoint does not hold: the model's own initialisation
+    must still set it (it was left as uninitialized memory: 1e36)."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    loaded, logged = reload(model, tmp_path)
+    assert not [m for m in logged if "LOAD REPORT" in m], logged
+    embedding = loaded.model.embed_tokens
+    assert embedding.weight_int8 is loaded.lm_head.weight_int8
+    assert torch.equal(embedding.embed_scale, model.model.embed_tokens.embed_scale)
+    assert_same_model(loaded, model)
+
+
 def test_bert_round_trip_is_bit_exact(tmp_path):
     torch.manual_seed(0)
     model = bert()

@@ -252,6 +252,12 @@ def quantize(
     checked = []
     quantizable: list[str] = []
     planned_weights: dict[int, Any] = {}
+    left_float: dict[int, str] = {}  # weights that stay float, and one module holding each
+
+    def leave_float(label: str, module: torch.nn.Module) -> None:
+        for parameter in _own_parameters(module):
+            left_float.setdefault(id(parameter), label)
+
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
     for path, module in modules.items():
         label = path or "(root)"
@@ -266,6 +272,7 @@ def quantize(
                 report.unsupported_parameters += _unique_elements(
                     _own_parameters(module), unsupported_seen
                 )
+                leave_float(label, module)
             else:
                 report.skipped.append((label, SKIP_FILTERED))
             continue
@@ -282,6 +289,7 @@ def quantize(
         reason = _not_ready(module) or read_by_parent(path, module, modules)
         if reason is not None:
             report.skipped.append((label, reason))
+            leave_float(label, module)
             continue
         module_config = config.tied_embeddings_config() if id(module) in tied else config
         try:
@@ -298,12 +306,22 @@ def quantize(
             report.unsupported_parameters += _unique_elements(
                 _own_parameters(module), unsupported_seen
             )
+            leave_float(label, module)
             continue
         except Exception as e:
             raise type(e)(f"quantize(): module '{label}': {e}") from e
         weight = module._parameters[module_plan.spec.weight]
         planned_weights.setdefault(id(weight), module_plan)
         plans.append(module_plan)
+    # A shared weight is quantized in all its modules or in none: a module that
+    # keeps it float keeps the whole float table, and another's quantized copy
+    # would only add to it (a tied LM head beside an embedding it cannot take).
+    plans = _without_float_shared(plans, left_float, report)
+    checked = [
+        (path, found)
+        for path, found in checked
+        if _shared_with_float(path, found.weight, left_float, report) is None
+    ]
     if checked:
         calibration = plan_calibrated(model, checked, config, progress)
         plans += calibration.plans
@@ -332,6 +350,40 @@ def quantize(
     if verbose:
         print(report.render())
     return report
+
+
+def _shared_with_float(
+    path: str, weight: torch.Tensor, left_float: dict[int, str], report: QuantizationReport
+) -> str | None:
+    """The module that keeps `weight` float, if one does (the module at
+    `path` is then reported skipped)."""
+    holder = left_float.get(id(weight))
+    if holder is not None:
+        report.skipped.append(
+            (
+                path or "(root)",
+                f"{SKIP_NO_SUPPORT}: its weight is shared with {holder!r}, which keeps it in "
+                "floating point",
+            )
+        )
+    return holder
+
+
+def _without_float_shared(
+    plans: list, left_float: dict[int, str], report: QuantizationReport
+) -> list:
+    """`plans` without those whose weight another module keeps float."""
+    return [
+        module_plan
+        for module_plan in plans
+        if _shared_with_float(
+            module_plan.path,
+            module_plan.module._parameters[module_plan.spec.weight],
+            left_float,
+            report,
+        )
+        is None
+    ]
 
 
 def _outside_linears(

@@ -19,6 +19,9 @@ Third-party linear-like classes join with `register_linear_kind`:
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -158,8 +161,40 @@ def _embedding_spec(module: torch.nn.Module, mode: str) -> WeightSpec:
 
 
 def kind_of_class(cls: type) -> ModuleKind | None:
-    """The kind registered for exactly `cls`."""
-    return _KINDS.get(cls) or _KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
+    """The kind registered for exactly `cls` (or recognised: `_scaled_embedding`)."""
+    return (
+        _KINDS.get(cls)
+        or _KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
+        or _scaled_embedding(cls)
+    )
+
+
+SCALED_EMBEDDING = ModuleKind(_embedding_spec, "embedding", forward="scaled_embedding")
+"""transformers' scaled word embeddings: the table's rows times `embed_scale`."""
+
+# the two forward bodies of transformers' `*ScaledWordEmbedding` classes (25 in 5.x)
+_SCALED_FORWARD = re.compile(
+    r"def forward\(self, (\w+)(: torch\.Tensor)?\):"
+    r"( \"\"\".*?\"\"\")? return super\(\)\.forward\(\1\) \* self\.embed_scale"
+    r"(\.to\(self\.weight\.dtype\))?"
+)
+
+
+@functools.cache
+def _scaled_embedding(cls: type) -> ModuleKind | None:
+    """`SCALED_EMBEDDING` for an `nn.Embedding` subclass whose own forward is
+    exactly transformers' scaled lookup (`super().forward(ids) *
+    self.embed_scale`, the scale optionally cast to the weight's dtype),
+    recognised from its source as transformers itself recognises which
+    models take an attention interface; `None` for anything else."""
+    forward = vars(cls).get("forward")
+    if forward is None or not issubclass(cls, torch.nn.Embedding):
+        return None
+    try:
+        source = " ".join(inspect.getsource(forward).split())
+    except (OSError, TypeError):
+        return None
+    return SCALED_EMBEDDING if _SCALED_FORWARD.fullmatch(source) else None
 
 
 def kind_of(module: torch.nn.Module) -> ModuleKind | None:

@@ -103,7 +103,32 @@ class QuantizedEmbeddingForward(QuantizedForward):
         return f"{qw.spec.out_features}, {qw.spec.in_features}, quantization={qw.mode}"
 
 
-FORWARDS = {"linear": QuantizedLinearForward, "embedding": QuantizedEmbeddingForward}
+class QuantizedScaledEmbeddingForward(QuantizedForward):
+    """Rows looked up in the quantized table times the module's `embed_scale`
+    (transformers' scaled word embeddings: Gemma's, BART's), a tensor read in
+    the table's float dtype as their forward reads it."""
+
+    def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        state = state_of(self)
+        # set when the module was quantized
+        assert state is not None and state.quantization is not None and state.call is not None
+        qw = state.quantization
+        rows = qw.lookup(self, input, state.call.compute)
+        scale = self.embed_scale
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(qw.float_dtype)
+        return rows * scale
+
+    def extra_repr(self) -> str:
+        qw = quantization_of(self)
+        return f"{qw.spec.out_features}, {qw.spec.in_features}, quantization={qw.mode}, scaled"
+
+
+FORWARDS = {
+    "linear": QuantizedLinearForward,
+    "embedding": QuantizedEmbeddingForward,
+    "scaled_embedding": QuantizedScaledEmbeddingForward,
+}
 
 
 def apply_keeping_stored_dtypes(

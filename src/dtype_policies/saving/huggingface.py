@@ -191,7 +191,12 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
             _check_headers(model, manifest, plans, header)
         for plan in plans:
             attach.commit(plan)
-            if header is not None and _all_keys_saved(plan, header, manifest.aliases):
+            if (
+                header is not None
+                and _all_keys_saved(plan, header, manifest.aliases)
+                # non-persistent buffers (Gemma's `embed_scale`) come from the model's init
+                and not plan.module._non_persistent_buffers_set
+            ):
                 plan.module._is_hf_initialized = True  # every tensor of it comes from the file
         self._steps = steps
         self._aliases = dict(manifest.aliases)

@@ -1,0 +1,111 @@
+"""A weight shared by several modules is quantized in all of them or in none;
+transformers' scaled word embeddings (Gemma, BART) are quantized as tables
+whose rows are scaled."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dtype_policies import apply_policy, quantize
+from dtype_policies.quantization.kinds import SCALED_EMBEDDING, kind_of
+
+
+class ScaledWordEmbedding(nn.Embedding):
+    """transformers' form (Gemma's), word for word."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, embed_scale: float = 1.0):
+        super().__init__(num_embeddings, embedding_dim)
+        self.embed_scale = nn.Buffer(torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class ShiftedEmbedding(nn.Embedding):
+    def forward(self, input_ids: torch.Tensor):
+        return super().forward(input_ids) + 1.0
+
+
+class TiedLM(nn.Module):
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.embed = embedding
+        self.body = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 256, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(self.embed(ids))))
+
+
+IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_tied_head_stays_float_when_its_table_cannot_be_quantized():
+    torch.manual_seed(0)
+    model = TiedLM(ShiftedEmbedding(256, 64))
+    reference = model(IDS)
+    with pytest.warns(UserWarning, match="'embed' \\(its class ShiftedEmbedding defines"):
+        report = quantize(model, "int8")
+    assert [path for path, *_ in report.quantized] == ["body"]
+    reasons = dict(report.skipped)
+    assert reasons["head"] == (
+        "no quantize support: its weight is shared with 'embed', which keeps it in floating point"
+    )
+    assert model.head.weight is model.embed.weight and isinstance(model.head.weight, nn.Parameter)
+    assert not hasattr(model.head, "weight_int8")
+    assert ((model(IDS) - reference).norm() / reference.norm()).item() < 0.02  # only `body`
+
+
+def test_transformers_scaled_embedding_is_quantized_once_with_its_head():
+    torch.manual_seed(0)
+    model = TiedLM(ScaledWordEmbedding(256, 64, embed_scale=8.0))
+    assert kind_of(model.embed) is SCALED_EMBEDDING
+    reference = model(IDS)
+    table = model.embed.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = quantize(model, "int8")
+    assert sorted(path for path, *_ in report.quantized) == ["body", "embed", "head"]
+    assert model.embed.weight_int8 is model.head.weight_int8  # stored once
+    rows = model.embed(IDS)
+    expected = model.embed.weight[IDS] * 8.0  # the dequantized table's rows, scaled
+    assert torch.allclose(rows, expected, atol=1e-6)
+    assert ((rows - table[IDS] * 8.0).norm() / (table[IDS] * 8.0).norm()).item() < 0.01
+    assert ((model(IDS) - reference).norm() / reference.norm()).item() < 0.03
+
+
+def test_other_embedding_subclasses_are_not_taken_for_scaled_ones():
+    assert kind_of(ShiftedEmbedding(4, 4)) is not SCALED_EMBEDDING
+    assert kind_of(nn.Embedding(4, 4)) is not SCALED_EMBEDDING
+
+
+def test_gemma_under_mixed_bfloat16_stores_its_tied_table_once():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        reference = model(IDS).logits
+        apply_policy(model, "mixed_bfloat16")
+        policied = model(IDS).logits.float()
+        quantize(model, "int8")
+        ours = model(IDS).logits.float()
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert embedding.weight_int8 is head.weight_int8
+    assert not any(p.dim() == 2 for p in model.parameters())  # no float matrix is left
+    scale = reference.abs().max()
+    assert ((ours - reference).abs().max() / scale).item() < 0.05
+    assert ((policied - reference).abs().max() / scale).item() < 0.02
