@@ -30,6 +30,23 @@ def test_norms_and_scales_are_skipped_without_a_word():
     assert report.skipped == [("1", "no weight matrix"), ("2", "no weight matrix")]
 
 
+def test_tensors_added_to_every_row_are_not_weight_matrices():
+    class Embeddings(nn.Module):  # ViT's: a class token and position embeddings
+        def __init__(self):
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, 16))
+            self.position_embeddings = nn.Parameter(torch.zeros(1, 5, 16))
+
+        def forward(self, x):
+            return torch.cat([self.cls_token.expand(len(x), -1, -1), x], 1) + (
+                self.position_embeddings
+            )
+
+    model = nn.Sequential(Embeddings(), nn.Linear(16, 16))
+    report, message = quantize_recording(model, "int8")
+    assert message is None and report.skipped == [("0", "no weight matrix")]
+
+
 def test_a_module_of_no_quantizable_kind_is_named_with_its_share_of_the_parameters():
     class Experts(nn.Module):  # transformers 5's mixture of experts: one 3-D weight
         def __init__(self):

@@ -129,8 +129,9 @@ def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def _owns_matrix(module: torch.nn.Module) -> bool:
     """Whether a module holds a weight of 2 or more dimensions (what a mode
-    could quantize), not only scales and offsets (norms)."""
-    return any(p.dim() >= 2 for p in _own_parameters(module))
+    could quantize), not only scales and offsets (norms) or tensors added to
+    every row (ViT's class token and position embeddings, shaped (1, ...))."""
+    return any(p.dim() >= 2 and p.shape[0] > 1 for p in _own_parameters(module))
 
 
 def _unique_elements(parameters: Any, seen: set[int]) -> int:

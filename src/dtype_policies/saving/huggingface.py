@@ -188,6 +188,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         steps, plans = plan_from_manifest(model, manifest, _empty_on_meta, source)
         header = _read_headers(kwargs.get("checkpoint_files"))
         if header is not None:
+            header = _as_model_keys(model, header)
             _check_headers(model, manifest, plans, header)
         for plan in plans:
             attach.commit(plan)
@@ -382,6 +383,26 @@ def _read_headers(files: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
         with safe_open(file, framework="pt") as reader:
             header.update(tensor_headers(reader))
     return header
+
+
+def _as_model_keys(model: Any, header: dict) -> dict:
+    """The checkpoint's keys as the model names them: `save_pretrained` writes
+    some models' tensors under their legacy names (GPT-NeoX's `embed_out`,
+    ViT's `attention.attention.query`) and `from_pretrained` renames them back
+    with the model's conversion mapping, as here."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:  # a transformers without conversion mappings renames nothing
+        return header
+    renamings = [
+        transform
+        for transform in get_model_conversion_mapping(model)
+        if isinstance(transform, WeightRenaming)
+    ]
+    if not renamings:
+        return header
+    return {apply_renamings(key, renamings): value for key, value in header.items()}
 
 
 def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) -> None:
