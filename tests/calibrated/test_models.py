@@ -471,6 +471,17 @@ def test_a_tokenizers_output_calibrates_without_its_padding():
         token_windows([{"input_ids": ids, "attention_mask": mask[0]}], None, 2, 16)
 
 
+def test_a_short_dataset_is_repeated_with_a_warning_naming_its_size():
+    ids = torch.arange(10)
+    with pytest.warns(UserWarning, match=r"holds 10 tokens, fewer than .* 4 x 8 = 32 asked"):
+        windows = token_windows([ids], None, num_samples=4, sequence_length=8)
+    assert windows.shape == (4, 8)
+    assert set(windows.flatten().tolist()) <= set(range(10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # enough tokens: nothing to say
+        token_windows([torch.arange(32)], None, num_samples=4, sequence_length=8)
+
+
 @pytest.mark.parametrize("mode", ["gptq", "awq"])
 def test_calibrating_under_inference_mode_stores_what_it_stores_outside(mode):
     # the rows made under inference_mode have no version counter (this raised)

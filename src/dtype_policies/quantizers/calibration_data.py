@@ -36,6 +36,7 @@ tensor([[0, 1, 2, 3],
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -161,6 +162,14 @@ def token_windows(
     stream = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
     required = num_samples * sequence_length
     if 0 < stream.size < required:
+        warnings.warn(
+            f"The calibration data holds {stream.size} tokens, fewer than the "
+            f"num_samples x sequence_length = {num_samples} x {sequence_length} = {required} "
+            "asked: it is repeated to fill them (as Keras does), so the calibration sees "
+            f"{stream.size} distinct tokens. Pass more text for a calibration that generalizes.",
+            UserWarning,
+            stacklevel=4,
+        )
         stream = np.tile(stream, math.ceil(required / stream.size))
     max_start = stream.size - sequence_length
     if max_start < 0:
