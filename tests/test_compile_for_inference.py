@@ -97,6 +97,31 @@ def test_the_cpp_wrapper_runs_this_librarys_operators_with_eager_values():
     assert close(got, expected) < 2e-2
 
 
+def test_a_model_the_compiler_gives_up_on_runs_eagerly_with_one_warning():
+    """Dynamo stops a fullgraph call that recompiles at every step (Gemma2's
+    sliding-window cache in `generate`): the call runs eagerly, from then on."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    fast = compile_for_inference(model)
+    attempts = []
+
+    def gives_up(*args, **kwargs):
+        attempts.append(args)
+        raise FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+    fast._call.compiled = gives_up
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="gave up .*recompile_limit reached.* runs eagerly"):
+            first = fast(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            second = fast(x)
+        assert torch.equal(first, model(x)) and torch.equal(second, model(x))
+    assert len(attempts) == 1
+
+
 @pytest.mark.slow
 def test_a_changed_model_runs_eagerly_until_compiled_again():
     model = tiny_bert()

@@ -168,6 +168,16 @@ def sibling_options() -> dict[str, Any]:
 _SKIP_MODULE_GUARDS = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
 
 
+@functools.cache
+def _recompile_limit() -> tuple[type[BaseException], ...]:
+    """Dynamo's "recompile limit hit" errors (read when one is raised, so that
+    importing the package does not import Dynamo)."""
+    from torch._dynamo import exc
+
+    names = ("FailOnRecompileLimitHit", "RecompileLimitExceeded")
+    return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
+
+
 class FrozenCompiledCall:
     """`model`'s call, compiled (Inductor, with weight freezing on: Dynamo
     reads the setting while tracing, so it must hold during the call, not
@@ -240,6 +250,7 @@ class FrozenCompiledCall:
         if cpp_wrapper:
             self.inductor_options.update(CPP_WRAPPER_OPTIONS)
         self.watch: ModelWatch | None = None
+        self.given_up: str | None = None  # why the compiler gave up on this model
 
     def begin_session(self) -> None:
         """The next call reads the model again (the start of a generation)."""
@@ -249,6 +260,8 @@ class FrozenCompiledCall:
         from torch._inductor import config
 
         model = self.model_ref()
+        if self.given_up is not None:
+            return self.eager(*args, **kwargs)
         session = None if self.session_of is None else self.session_of(kwargs)
         continuing = session is not None and session is self.session
         if self.freeze_weights and model is not None:
@@ -271,5 +284,18 @@ class FrozenCompiledCall:
             if self.call_context is None or model is None
             else self.call_context(model, kwargs, continuing)
         )
-        with config.patch(self.inductor_options), context:
-            return self.compiled(*args, **kwargs)
+        try:
+            with config.patch(self.inductor_options), context:
+                return self.compiled(*args, **kwargs)
+        except _recompile_limit() as error:
+            # raised while compiling, before the call ran: the eager call is its first run
+            self.given_up = str(error).splitlines()[0] if str(error) else type(error).__name__
+            self.session = None
+            warnings.warn(
+                f"{self.name}: torch.compile recompiled this model's call at every step and "
+                f"gave up ({type(error).__name__}: {self.given_up}); it runs eagerly from now "
+                "on. transformers' own compiled generate stops the same way on models whose "
+                "cache changes its Python state at every step (sliding-window layers).",
+                stacklevel=2,
+            )
+            return self.eager(*args, **kwargs)
