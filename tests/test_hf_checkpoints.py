@@ -292,44 +292,6 @@ def test_gemma_scaled_tied_embedding_round_trip_is_bit_exact(tmp_path):
     assert_same_model(loaded, model)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_models_saved_under_legacy_names_round_trip(mode, tmp_path):
-    """transformers 5 writes some models' tensors under their legacy names
-    (GPT-NeoX's head as `embed_out`, ViT's `attention.attention.query`) and
-    renames them back when loading: the checkpoint check reads them renamed."""
-    torch.manual_seed(0)
-    neox = transformers.GPTNeoXForCausalLM(
-        transformers.GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-        )
-    ).eval()
-    vit = transformers.ViTForImageClassification(
-        transformers.ViTConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-            num_labels=3,
-        )
-    ).eval()
-    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
-    for model, inputs in ((neox, tokens), (vit, pixels)):
-        quantize(model, mode)
-        directory = tmp_path / type(model).__name__
-        model.save_pretrained(directory)
-        loaded = type(model).from_pretrained(directory).eval()
-        assert sorted(loaded.state_dict()) == sorted(model.state_dict())
-        with torch.no_grad():
-            assert torch.equal(loaded(inputs).logits, model(inputs).logits)
-
-
 def test_bert_round_trip_is_bit_exact(tmp_path):
     torch.manual_seed(0)
     model = bert()

@@ -211,3 +211,5 @@ register_module_kind(
     torch.nn.Embedding, ModuleKind(_embedding_spec, "embedding", forward="embedding")
 )
 register_linear_kind("transformers.pytorch_utils.Conv1D", layout="in_out")
+# an nn.Linear subclass whose forward is the plain product, written out
+register_linear_kind("transformers.models.falcon.modeling_falcon.FalconLinear")
