@@ -338,15 +338,15 @@ def test_type_check_refuses_subclasses():
 
 def test_model_report_filters_and_single_warning():
     model = nn.Sequential(
-        nn.Linear(8, 8), nn.Conv1d(1, 1, 1), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+        nn.Linear(8, 8), nn.Conv1d(2, 2, 1), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
     )
     with pytest.warns(UserWarning, match="1 module") as record:
         report = quantize(model, "int8", filters=["^[012]$", "^4$"])
     assert len(record) == 1
     message = str(record[0].message)
     assert "'1' (Conv1d, not a quantizable kind)" in message
-    # the Conv1d's 2 of the model's 234 parameter elements
-    assert "0.9% of the model's parameters stay in floating point" in message
+    # the Conv1d's 6 of the model's 238 parameter elements
+    assert "2.5% of the model's parameters stay in floating point" in message
     assert isinstance(report, QuantizationReport)
     assert [path for path, _, _ in report.quantized] == ["0", "4"]
     assert report.skipped_by_reason("filtered out") == ["3"]

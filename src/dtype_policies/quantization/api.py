@@ -230,7 +230,7 @@ def quantize(
     ...                             torch.nn.Linear(64, 8))
     >>> report = dtype_policies.quantize(model, "int8", filters=r"^0$")
     >>> report.quantized, report.skipped
-    ([('0', 'int8', 'int8_from_float32')], [('1', 'filtered out'), ('2', 'filtered out')])
+    ([('0', 'int8', 'int8_from_float32')], [('1', 'no weight matrix'), ('2', 'filtered out')])
     >>> model[0].weight_int8.dtype, model(torch.randn(2, 64)).dtype
     (torch.int8, torch.float32)
     """
@@ -314,14 +314,15 @@ def quantize(
         weight = module._parameters[module_plan.spec.weight]
         planned_weights.setdefault(id(weight), module_plan)
         plans.append(module_plan)
-    # A shared weight is quantized in all its modules or in none: a module that
-    # keeps it float keeps the whole float table, and another's quantized copy
-    # would only add to it (a tied LM head beside an embedding it cannot take).
+    # A shared weight is stored quantized in all its modules or in none: a module
+    # that keeps it float keeps the whole float table, and another's quantized
+    # copy would only add to it (a tied LM head beside an embedding it cannot take).
     plans = _without_float_shared(plans, left_float, report)
     checked = [
         (path, found)
         for path, found in checked
-        if _shared_with_float(path, found.weight, left_float, report) is None
+        if found.scheme.keeps_float_weight
+        or _shared_with_float(path, found.weight, left_float, report) is None
     ]
     if checked:
         calibration = plan_calibrated(model, checked, config, progress)
@@ -373,11 +374,14 @@ def _shared_with_float(
 def _without_float_shared(
     plans: list, left_float: dict[int, str], report: QuantizationReport
 ) -> list:
-    """`plans` without those whose weight another module keeps float."""
+    """`plans` without those that would store a copy of a weight another
+    module keeps float (a mode that keeps the float weight, float8, adds no
+    copy of it and keeps its plan)."""
     return [
         module_plan
         for module_plan in plans
-        if _shared_with_float(
+        if module_plan.scheme.keeps_float_weight
+        or _shared_with_float(
             module_plan.path,
             module_plan.module._parameters[module_plan.spec.weight],
             left_float,

@@ -196,7 +196,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
                 header is not None
                 and _all_keys_saved(plan, header, manifest.aliases)
                 # non-persistent buffers (Gemma's `embed_scale`) come from the model's init
-                and not plan.module._non_persistent_buffers_set
+                and not _has_non_persistent_buffers(plan.module)
             ):
                 plan.module._is_hf_initialized = True  # every tensor of it comes from the file
         self._steps = steps
@@ -425,6 +425,12 @@ def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) ->
             "The checkpoint does not match its dtype_policies quantization_config:\n  "
             + "\n  ".join(problems[:25])
         )
+
+
+def _has_non_persistent_buffers(module: torch.nn.Module) -> bool:
+    """Whether `module` has buffers of its own that its state dict leaves out."""
+    saved = module.state_dict(keep_vars=True)
+    return any(name not in saved for name, _ in module.named_buffers(recurse=False))
 
 
 def _all_keys_saved(plan: attach.Plan, header: dict, aliases: dict) -> bool:
