@@ -133,3 +133,19 @@ def test_a_selection_holds_for_calls_in_other_threads_during_the_block():
         worker.start()
         worker.join()
     assert calls == ["sdpa", "sdpa"]
+
+
+def test_overlapping_selections_end_with_the_config_as_it_was():
+    """Thread A enters, thread B enters, A leaves, B leaves: B must not put
+    back the selection it found when it entered (A's), or the config would
+    keep it after both (and save it with the model)."""
+    register("test_overlap", recording([]))
+    model = tiny_llama()
+    a, b = selecting(model, "test_overlap"), selecting(model, "test_overlap")
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert model.config._dtype_policies_attention == "test_overlap"  # B's, still under way
+    b.__exit__(None, None, None)
+    assert not hasattr(model.config, SELECTION)
+    assert _attention_dispatch._ACTIVE == {}

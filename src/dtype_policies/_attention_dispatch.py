@@ -45,7 +45,6 @@ SELECTION = "_dtype_policies_attention"
 
 _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
 _LOCK = threading.Lock()
-_MISSING = object()
 
 
 # transformers' own "sdpa" function, once `dispatch` has replaced it
@@ -114,27 +113,39 @@ def selectable(model: torch.nn.Module) -> bool:
     )
 
 
+# the selections under way, per config (by id): the innermost is in force
+_ACTIVE: dict[int, list[tuple[object, str]]] = {}
+
+
 @contextlib.contextmanager
 def selecting(model: torch.nn.Module, name: str) -> Iterator[bool]:
     """Within the block, `model`'s attention modules (those that read the
     model's config and reach attention through transformers' interface) run
     the implementation registered as `name`; yields whether it was selected
     (`False`, and nothing changes, for a model that is not `selectable`).
-    The previous selection is back in force after the block, also when it
-    raises. Another thread calling the model meanwhile attends the same way
-    (the same values, up to rounding)."""
+    The selection ends with the block, also when it raises; blocks may nest
+    and overlap across threads (each ends its own selection: when none is
+    left the config is as it was). Another thread calling the model
+    meanwhile attends the same way (the same values, up to rounding)."""
     if name not in _IMPLEMENTATIONS:
         raise KeyError(f"No attention implementation registered as {name!r}")
     if not selectable(model):
         yield False
         return
     config = model.config
-    previous = config.__dict__.get(SELECTION, _MISSING)
-    config.__dict__[SELECTION] = name
+    token = object()
+    with _LOCK:
+        active = _ACTIVE.setdefault(id(config), [])
+        active.append((token, name))
+        config.__dict__[SELECTION] = name
     try:
         yield True
     finally:
-        if previous is _MISSING:
-            config.__dict__.pop(SELECTION, None)
-        else:
-            config.__dict__[SELECTION] = previous
+        with _LOCK:
+            active = _ACTIVE[id(config)]
+            active[:] = [entry for entry in active if entry[0] is not token]
+            if active:
+                config.__dict__[SELECTION] = active[-1][1]
+            else:
+                del _ACTIVE[id(config)]
+                config.__dict__.pop(SELECTION, None)
