@@ -24,6 +24,7 @@ from dtype_policies.quantization.report import (
     SKIP_FILTERED,
     SKIP_NO_MATRIX,
     SKIP_NO_SUPPORT,
+    SKIP_NOT_IN_MODE,
     SKIP_NOT_READY,
     SKIP_OUTSIDE_STRUCTURE,
     QuantizationReport,
@@ -293,6 +294,11 @@ def quantize(
             leave_float(label, module)
             continue
         module_config = config.tied_embeddings_config() if id(module) in tied else config
+        if not kind.supports(module_config.mode):  # the mode's scope, as Keras's
+            modes = ", ".join(kind.modes)
+            report.skipped.append((label, f"{SKIP_NOT_IN_MODE}: {kind.role} weights take {modes}"))
+            leave_float(label, module)
+            continue
         try:
             found = check(module, module_config, path=path, type_check=type_check, kind=kind)
             if calibrated and module_config is config:

@@ -10,6 +10,7 @@ SKIP_ALREADY_QUANTIZED = "already quantized"
 SKIP_NOT_READY = "not initialized yet"
 SKIP_OUTSIDE_STRUCTURE = "outside quantization structure"  # calibrated modes (as Keras)
 SKIP_NO_MATRIX = "no weight matrix"  # norms, scales: nothing any mode quantizes
+SKIP_NOT_IN_MODE = "not in the mode"  # embeddings under float8 and the calibrated modes
 
 
 @dataclass
@@ -56,8 +57,9 @@ class QuantizationReport:
     def summary_warning(self, max_examples: int = 5) -> str | None:
         """The one warning a `quantize` call emits, or `None` when nothing it
         skipped holds weights a user would expect quantized (filtered out,
-        already quantized in this mode, normalization scales, a calibrated
-        mode's embeddings and output head)."""
+        already quantized in this mode, normalization scales, weights of a
+        role the mode does not quantize such as embeddings under float8 or a
+        calibrated mode, a calibrated mode's output head)."""
         not_ready = self.skipped_by_reason(SKIP_NOT_READY)
         unsupported = [
             (path, why.split(": ", 1)[1] if ": " in why else "")
