@@ -2,6 +2,8 @@
 of the design: adding a mode is its record, its scheme and its config), and
 disappears with its record."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -55,6 +57,20 @@ def test_a_linear_only_mode_leaves_embeddings_alone(toys):
     embedding.build()
     with pytest.raises(NotImplementedError, match="Expected one of \\('int8', 'int4'\\)"):
         embedding.quantize("toy8")
+
+
+def test_a_linear_tied_to_an_embedding_the_mode_leaves_float_stays_float_quietly(toys):
+    embedding, head = torch.nn.Embedding(10, 16), torch.nn.Linear(16, 10, bias=False)
+    head.weight = embedding.weight
+    model = torch.nn.Sequential(embedding, torch.nn.Linear(16, 16), head)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the mode's scope: nothing to warn about
+        report = dtype_policies.quantize(model, "toy8")
+    assert report.quantized == [("1", "toy8", "toy8_from_float32")]
+    assert dict(report.skipped)["2"] == (
+        "not in the mode: its weight is shared with '0', which keeps it in floating point"
+    )
+    assert model[2].weight is model[0].weight
 
 
 def test_layers_built_with_a_toy_policy(toys):

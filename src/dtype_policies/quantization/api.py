@@ -254,11 +254,13 @@ def quantize(
     checked = []
     quantizable: list[str] = []
     planned_weights: dict[int, Any] = {}
-    left_float: dict[int, str] = {}  # weights that stay float, and one module holding each
+    # weights that stay float: one module holding each, and whether the mode
+    # leaves it float by its scope (quietly) rather than for want of support
+    left_float: dict[int, tuple[str, bool]] = {}
 
-    def leave_float(label: str, module: torch.nn.Module) -> None:
+    def leave_float(label: str, module: torch.nn.Module, in_scope: bool = True) -> None:
         for parameter in _own_parameters(module):
-            left_float.setdefault(id(parameter), label)
+            left_float.setdefault(id(parameter), (label, in_scope))
 
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
     for path, module in modules.items():
@@ -297,7 +299,7 @@ def quantize(
         if not kind.supports(module_config.mode):  # the mode's scope, as Keras's
             modes = ", ".join(kind.modes)
             report.skipped.append((label, f"{SKIP_NOT_IN_MODE}: {kind.role} weights take {modes}"))
-            leave_float(label, module)
+            leave_float(label, module, in_scope=False)
             continue
         try:
             found = check(module, module_config, path=path, type_check=type_check, kind=kind)
@@ -361,24 +363,30 @@ def quantize(
 
 
 def _shared_with_float(
-    path: str, weight: torch.Tensor, left_float: dict[int, str], report: QuantizationReport
+    path: str,
+    weight: torch.Tensor,
+    left_float: dict[int, tuple[str, bool]],
+    report: QuantizationReport,
 ) -> str | None:
     """The module that keeps `weight` float, if one does (the module at
-    `path` is then reported skipped)."""
-    holder = left_float.get(id(weight))
-    if holder is not None:
-        report.skipped.append(
-            (
-                path or "(root)",
-                f"{SKIP_NO_SUPPORT}: its weight is shared with {holder!r}, which keeps it in "
-                "floating point",
-            )
+    `path` is then reported skipped, for the holder's kind of reason: out of
+    the mode's scope quietly, else for want of support)."""
+    found = left_float.get(id(weight))
+    if found is None:
+        return None
+    holder, in_scope = found
+    reason = SKIP_NO_SUPPORT if in_scope else SKIP_NOT_IN_MODE
+    report.skipped.append(
+        (
+            path or "(root)",
+            f"{reason}: its weight is shared with {holder!r}, which keeps it in floating point",
         )
+    )
     return holder
 
 
 def _without_float_shared(
-    plans: list, left_float: dict[int, str], report: QuantizationReport
+    plans: list, left_float: dict[int, tuple[str, bool]], report: QuantizationReport
 ) -> list:
     """`plans` without those that would store a copy of a weight another
     module keeps float (a mode that keeps the float weight, float8, adds no
