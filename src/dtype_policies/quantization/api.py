@@ -262,6 +262,20 @@ def quantize(
         for parameter in _own_parameters(module):
             left_float.setdefault(id(parameter), (label, in_scope))
 
+    def unsupported(label: str, module: torch.nn.Module, why: str) -> None:
+        report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {why}"))
+        report.unsupported_parameters += _unique_elements(_own_parameters(module), unsupported_seen)
+        leave_float(label, module)
+
+    def stores_no_float_copy(path: str, scheme: Any, weight: torch.Tensor | None) -> bool:
+        # A shared weight is stored quantized in all its modules or in none: a
+        # module that keeps it float keeps the whole float table, and another's
+        # quantized copy would only add to it (a tied LM head beside an embedding
+        # it cannot take); float8 keeps its float weight and adds no copy.
+        return scheme.keeps_float_weight or _not_kept_float_elsewhere(
+            path, weight, left_float, report
+        )
+
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
     for path, module in modules.items():
         label = path or "(root)"
@@ -271,12 +285,9 @@ def quantize(
                 if _own_parameters(module):
                     report.skipped.append((label, SKIP_NO_MATRIX))
             elif keep(path, module, False):
-                name = original_class(module).__name__
-                report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {name}, not a quantizable kind"))
-                report.unsupported_parameters += _unique_elements(
-                    _own_parameters(module), unsupported_seen
+                unsupported(
+                    label, module, f"{original_class(module).__name__}, not a quantizable kind"
                 )
-                leave_float(label, module)
             else:
                 report.skipped.append((label, SKIP_FILTERED))
             continue
@@ -311,27 +322,19 @@ def quantize(
                 module, module_config, path=path, type_check=type_check, kind=kind, tensors=shared
             )
         except NotImplementedError as e:
-            report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {e}"))
-            report.unsupported_parameters += _unique_elements(
-                _own_parameters(module), unsupported_seen
-            )
-            leave_float(label, module)
+            unsupported(label, module, str(e))
             continue
         except Exception as e:
             raise type(e)(f"quantize(): module '{label}': {e}") from e
         weight = module._parameters[module_plan.spec.weight]
         planned_weights.setdefault(id(weight), module_plan)
         plans.append(module_plan)
-    # A shared weight is stored quantized in all its modules or in none: a module
-    # that keeps it float keeps the whole float table, and another's quantized
-    # copy would only add to it (a tied LM head beside an embedding it cannot take).
-    plans = _without_float_shared(plans, left_float, report)
-    checked = [
-        (path, found)
-        for path, found in checked
-        if found.scheme.keeps_float_weight
-        or _shared_with_float(path, found.weight, left_float, report) is None
+    plans = [
+        p
+        for p in plans
+        if stores_no_float_copy(p.path, p.scheme, p.module._parameters[p.spec.weight])
     ]
+    checked = [(path, f) for path, f in checked if stores_no_float_copy(path, f.scheme, f.weight)]
     if checked:
         calibration = plan_calibrated(model, checked, config, progress)
         plans += calibration.plans
@@ -362,18 +365,18 @@ def quantize(
     return report
 
 
-def _shared_with_float(
+def _not_kept_float_elsewhere(
     path: str,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     left_float: dict[int, tuple[str, bool]],
     report: QuantizationReport,
-) -> str | None:
-    """The module that keeps `weight` float, if one does (the module at
-    `path` is then reported skipped, for the holder's kind of reason: out of
-    the mode's scope quietly, else for want of support)."""
+) -> bool:
+    """Whether no module keeps `weight` float; if one does, the module at
+    `path` is reported skipped, for the holder's kind of reason (out of the
+    mode's scope quietly, else for want of support)."""
     found = left_float.get(id(weight))
     if found is None:
-        return None
+        return True
     holder, in_scope = found
     reason = SKIP_NO_SUPPORT if in_scope else SKIP_NOT_IN_MODE
     report.skipped.append(
@@ -382,27 +385,7 @@ def _shared_with_float(
             f"{reason}: its weight is shared with {holder!r}, which keeps it in floating point",
         )
     )
-    return holder
-
-
-def _without_float_shared(
-    plans: list, left_float: dict[int, tuple[str, bool]], report: QuantizationReport
-) -> list:
-    """`plans` without those that would store a copy of a weight another
-    module keeps float (a mode that keeps the float weight, float8, adds no
-    copy of it and keeps its plan)."""
-    return [
-        module_plan
-        for module_plan in plans
-        if module_plan.scheme.keeps_float_weight
-        or _shared_with_float(
-            module_plan.path,
-            module_plan.module._parameters[module_plan.spec.weight],
-            left_float,
-            report,
-        )
-        is None
-    ]
+    return False
 
 
 def _outside_linears(
