@@ -103,25 +103,19 @@ class QuantizedEmbeddingForward(QuantizedForward):
         return f"{qw.spec.out_features}, {qw.spec.in_features}, quantization={qw.mode}"
 
 
-class QuantizedScaledEmbeddingForward(QuantizedForward):
+class QuantizedScaledEmbeddingForward(QuantizedEmbeddingForward):
     """Rows looked up in the quantized table times the module's `embed_scale`
     (transformers' scaled word embeddings: Gemma's, BART's), a tensor read in
     the table's float dtype as their forward reads it."""
 
     def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        state = state_of(self)
-        # set when the module was quantized
-        assert state is not None and state.quantization is not None and state.call is not None
-        qw = state.quantization
-        rows = qw.lookup(self, input, state.call.compute)
         scale = self.embed_scale
         if isinstance(scale, torch.Tensor):
-            scale = scale.to(qw.float_dtype)
-        return rows * scale
+            scale = scale.to(quantization_of(self).float_dtype)
+        return super().forward(input) * scale
 
     def extra_repr(self) -> str:
-        qw = quantization_of(self)
-        return f"{qw.spec.out_features}, {qw.spec.in_features}, quantization={qw.mode}, scaled"
+        return f"{super().extra_repr()}, scaled"
 
 
 FORWARDS = {
