@@ -18,7 +18,8 @@ PACKAGE_ROOT = Path(dtype_policies.__file__).parent
 TOOLS = ("advisor", "saving", "cli")
 # Attributes transformers reads on models and configs loaded by a quantizer
 # plugin (`HfQuantizer`): no public spelling exists.
-TRANSFORMERS_PROTOCOL = {"_is_hf_initialized", "_is_quantized"}
+# attributes transformers reads on a model (the last: the conversions save_pretrained reverses)
+TRANSFORMERS_PROTOCOL = {"_is_hf_initialized", "_is_quantized", "_weight_conversions"}
 
 
 def _private(name: str) -> bool:

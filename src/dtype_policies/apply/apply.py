@@ -103,7 +103,9 @@ class PolicyHandle:
                     module.quantization_config = None
             else:
                 kept.append(path or "(root)")
-        for module in self._modules:
+        # and wherever the application was passed on since (the linears of a
+        # mixture-of-experts module expanded under it: quantization.experts)
+        for module in {id(m): m for m in (*self._modules, *self.module.modules())}.values():
             pop_application(module, self._token)
         for hook in self._hooks:
             hook.remove()

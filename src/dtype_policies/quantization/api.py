@@ -18,6 +18,7 @@ from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import check, commit, plan
 from dtype_policies.quantization.calibration import plan_calibrated
+from dtype_policies.quantization.experts import ExpertsExpansion, expanded, experts_layout
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.report import (
     SKIP_ALREADY_QUANTIZED,
@@ -27,6 +28,7 @@ from dtype_policies.quantization.report import (
     SKIP_NOT_IN_MODE,
     SKIP_NOT_READY,
     SKIP_OUTSIDE_STRUCTURE,
+    SKIP_ROUTER,
     QuantizationReport,
 )
 from dtype_policies.quantizers.config import validate_and_resolve_config
@@ -277,9 +279,23 @@ def quantize(
         )
 
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
-    for path, module in modules.items():
+    expansions: dict[int, ExpertsExpansion] = {}  # of linears, by the linear's id
+    routers = _routers(modules.values())
+    for path, module in _with_expert_linears(modules, calibrated, expansions):
         label = path or "(root)"
         kind = kind_of(module)
+        if kind is None and calibrated and experts_layout(module) is not None:
+            unsupported(
+                label,
+                module,
+                f"{original_class(module).__name__}, mixture-of-experts experts are "
+                f"quantized in plain modes (int8, int4, float8), not by calibrated '{mode}'",
+            )
+            continue
+        if id(module) in routers:
+            report.skipped.append((label, f"{SKIP_ROUTER}: {_ROUTER_DETAIL}"))
+            leave_float(label, module, in_scope=False)
+            continue
         if kind is None:
             if not _owns_matrix(module):
                 if _own_parameters(module):
@@ -341,6 +357,10 @@ def quantize(
         outside = [(path or "(root)", SKIP_OUTSIDE_STRUCTURE) for path in calibration.outside]
         report.skipped += outside
         report.outside_linears = _outside_linears(model, modules, calibration.outside)
+    for module_plan in plans:
+        expansion = expansions.get(id(module_plan.module))
+        if expansion is not None:
+            expansion.claim(module_plan)
     for module_plan in plans:  # nothing above changed the model
         commit(module_plan)
         label = module_plan.path or "(root)"
@@ -363,6 +383,53 @@ def quantize(
     if verbose:
         print(report.render())
     return report
+
+
+_ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
+
+
+def _routers(modules: Any) -> set[int]:
+    """The ids of the modules of a mixture-of-experts block (the experts'
+    parent and its other descendants) whose weight has one row per expert:
+    the block's router, which engines keep in floating point (llama.cpp's
+    `ffn_gate_inp`): it is small, and its rounding would change which experts
+    run."""
+    found = set()
+    for parent in modules:
+        experts = [
+            child
+            for child in parent._modules.values()
+            if child is not None and (expanded(child) or experts_layout(child) is not None)
+        ]
+        if not experts:
+            continue
+        count = experts[0].num_experts
+        inside = {id(m) for expert in experts for m in expert.modules()}
+        for module in parent.modules():
+            if id(module) in inside:
+                continue
+            matrices = [p for p in _own_parameters(module) if p.dim() == 2]
+            if matrices and all(p.shape[0] == count for p in matrices):
+                found.add(id(module))
+    return found
+
+
+def _with_expert_linears(
+    modules: dict[str, torch.nn.Module], calibrated: bool, expansions: dict
+) -> Any:
+    """`modules`' items, each transformers experts module (3-D weights)
+    followed by the linears of its planned expansion (`quantization.experts`;
+    not for calibrated modes, whose statistics come from the linears' own
+    calls) in its place; `expansions` gets each linear's expansion."""
+    for path, module in modules.items():
+        layout = None if calibrated else experts_layout(module)
+        if layout is None:
+            yield path, module
+            continue
+        expansion = ExpertsExpansion(module, layout)
+        for relative, linear in expansion.linears():
+            expansions[id(linear)] = expansion
+            yield (f"{path}/{relative}" if path else relative), linear
 
 
 def _not_kept_float_elsewhere(

@@ -7,6 +7,7 @@ everything (and raises on any problem) without touching the module;
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.nn.utils import parametrize
@@ -46,6 +47,9 @@ class Plan:
     float_dtype: torch.dtype
     source_policy: DTypePolicy
     tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    # the planned expansion of a mixture-of-experts module this linear is one
+    # expert's of (`quantization.experts`), attached by the first commit
+    expansion: Any = None
 
     @property
     def mode(self) -> str:
@@ -245,6 +249,8 @@ def plan(
 def commit(plan: Plan) -> QuantizedWeight:
     """Applies a plan (cannot fail)."""
     module, spec = plan.module, plan.spec
+    if plan.expansion is not None:
+        plan.expansion.attach()
     qw = QuantizedWeight(plan.scheme, spec, plan.config, plan.float_dtype)
     if not plan.scheme.keeps_float_weight:
         del module._parameters[spec.weight]

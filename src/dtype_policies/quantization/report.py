@@ -11,6 +11,7 @@ SKIP_NOT_READY = "not initialized yet"
 SKIP_OUTSIDE_STRUCTURE = "outside quantization structure"  # calibrated modes (as Keras)
 SKIP_NO_MATRIX = "no weight matrix"  # norms, scales: nothing any mode quantizes
 SKIP_NOT_IN_MODE = "not in the mode"  # embeddings under float8 and the calibrated modes
+SKIP_ROUTER = "router"  # a mixture of experts' gate: it decides which experts run
 
 
 @dataclass

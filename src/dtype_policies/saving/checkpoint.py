@@ -30,6 +30,7 @@ from dtype_policies._version import __version__
 from dtype_policies.apply.apply import Step, commit_application
 from dtype_policies.layers.layer import Layer, resolved_policy
 from dtype_policies.quantization import attach
+from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.schemes import scheme_for
 from dtype_policies.saving.atomic import write_atomically
@@ -277,6 +278,7 @@ def plan_from_manifest(
     """
     modules = dict(module.named_modules())
     problems: list[str] = []
+    expansions = _expansions(modules, manifest.experts, problems)
     steps: list[Step] = []
     for name, record in manifest.modules.items():
         target = modules.get(name)
@@ -300,11 +302,48 @@ def plan_from_manifest(
             plans.extend(_plan_quantized(name, target, record, tensor_for))
         except (CheckpointError, NotImplementedError, ValueError) as e:
             problems.append(f"'{name or '(root)'}': {e}")
+    for plan in plans:
+        expansion = expansions.get(id(plan.module))
+        if expansion is not None:
+            expansion.claim(plan)
+    unplanned = {id(expansion) for expansion in expansions.values() if not expansion.planned}
+    for name in manifest.experts:
+        if id(modules.get(name)) in unplanned:
+            problems.append(f"'{name}': its experts are expanded but none is quantized")
     if problems:
         raise CheckpointError(
             f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
         )
     return steps, plans
+
+
+def _expansions(
+    modules: dict[str, torch.nn.Module], paths: list[str], problems: list[str]
+) -> dict[int, ExpertsExpansion]:
+    """The planned expansions of the experts modules at `paths` (the manifest's
+    `experts`), their linears added to `modules` under their names; maps each
+    linear's id to its expansion."""
+    found: dict[int, ExpertsExpansion] = {}
+    for name in paths:
+        target = modules.get(name)
+        layout = None if target is None else experts_layout(target)
+        if target is None or layout is None:
+            what = "no such module" if target is None else type(target).__name__
+            problems.append(
+                f"'{name}': saved as a mixture-of-experts module with one linear per expert, "
+                f"but the target holds {what} (not transformers experts with 3-D weights)"
+            )
+            continue
+        expansion = ExpertsExpansion(target, layout)
+        for relative, linear in expansion.linears():
+            modules[f"{name}.{relative.replace('/', '.')}"] = linear
+            found[id(linear)] = expansion
+    return found
+
+
+def _module_prefix(root: torch.nn.Module, module: torch.nn.Module) -> str:
+    name = next(name for name, found in root.named_modules() if found is module)
+    return f"{name}." if name else ""
 
 
 def _saved_tensors(state: dict[str, torch.Tensor]) -> TensorFor:
@@ -410,6 +449,16 @@ def _check_state(
             buffer = None
         if buffer is not None:
             expected[key] = (tuple(buffer.shape), dtype_code(buffer.dtype))
+    expansions = {id(p.expansion): p.expansion for p in plans if p.expansion is not None}
+    for expansion in expansions.values():
+        prefix = _module_prefix(module, expansion.module)
+        for name in expansion.lists:
+            expected.pop(prefix + name, None)
+            expected.pop(f"{prefix}{name}_bias", None)
+        for relative, linear in expansion.linears():
+            for key, tensor in linear.state_dict(keep_vars=True).items():
+                full = f"{prefix}{relative.replace('/', '.')}.{key}"
+                expected[full] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     for plan in plans:
         prefix = f"{plan.path}." if plan.path else ""
         if not plan.scheme.keeps_float_weight:

@@ -199,6 +199,8 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
                 and not _has_non_persistent_buffers(plan.module)
             ):
                 plan.module._is_hf_initialized = True  # every tensor of it comes from the file
+        for name in manifest.experts:  # expanded: its tensors are its linears'
+            model.get_submodule(name)._is_hf_initialized = True
         self._steps = steps
         self._aliases = dict(manifest.aliases)
         self._stored = [
@@ -264,6 +266,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         self.quantization_config = DTypePoliciesConfig(manifest)
         model.config.quantization_config = self.quantization_config
         _set_flags(model, manifest)
+        _keep_stored_names(model, manifest, state)
         return state, {}
 
     def is_serializable(self, safe_serialization: Any = None) -> bool:
@@ -403,6 +406,42 @@ def _as_model_keys(model: Any, header: dict) -> dict:
     if not renamings:
         return header
     return {apply_renamings(key, renamings): value for key, value in header.items()}
+
+
+def _keep_stored_names(model: Any, manifest: Manifest, state: dict) -> None:
+    """`save_pretrained` writes a model's weights in its original checkpoint
+    format by reversing its conversion mapping: converters that fuse or split
+    tensors (Mixtral's experts into per-expert ones, a gated delta net's
+    projections into one `in_proj`) would do so to this library's stored
+    tensors (int8 data beside its scales) and to the experts it expanded into
+    one linear per expert (`quantization.experts`). The converters that would
+    touch them are dropped from the model's `_weight_conversions`, so that
+    they are saved under the names the model has (renamings still apply), as
+    its manifest describes them."""
+    prefixes = tuple(f"{path}." for path in [*manifest.quantized, *manifest.experts] if path)
+    keys = [key for key in state if key.startswith(prefixes)]
+    if not keys:
+        return
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter
+    except ImportError:  # a transformers without conversion mappings converts nothing
+        return
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # what save_pretrained would use for a model built here
+        conversions = [
+            transform
+            for transform in get_model_conversion_mapping(model, add_legacy=False)
+            if not isinstance(transform, PrefixChange)
+        ]
+
+    def touches_stored(transform: Any) -> bool:
+        if not isinstance(transform, WeightConverter):
+            return False
+        reverse = transform.reverse_transform()
+        return any(reverse.rename_source_key(key)[1] is not None for key in keys)
+
+    model._weight_conversions = [t for t in conversions if not touches_stored(t)]
 
 
 def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) -> None:

@@ -22,6 +22,7 @@ from dtype_policies._core.slots import non_persistent_buffer_names
 from dtype_policies.layers.layer import Layer, resolved_policy
 from dtype_policies.policies import DTypePolicy, deserialize, serialize
 from dtype_policies.quantization.attach import quantization_of
+from dtype_policies.quantization.experts import expanded
 from dtype_policies.quantizers.config import deserialize_config, serialize_config
 
 FORMAT_NAME = "dtype_policies"
@@ -83,6 +84,9 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)
     non_persistent: list[str] = field(default_factory=list)
     classes: dict[str, str] = field(default_factory=dict)
+    # mixture-of-experts modules computing with one linear per expert
+    # (`quantization.experts`): expanded again before loading
+    experts: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     def to_json(self, indent: int | None = None) -> str:
@@ -114,6 +118,7 @@ class Manifest:
                 aliases={str(k): str(v) for k, v in data["aliases"].items()},
                 non_persistent=[str(k) for k in data["non_persistent"]],
                 classes={str(k): str(v) for k, v in data.get("classes", {}).items()},
+                experts=[str(k) for k in data.get("experts", [])],
                 format_version=version,
             )
         except (KeyError, TypeError, AttributeError) as e:
@@ -125,6 +130,8 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     manifest = Manifest(library_version=library_version)
     for name, submodule in module.named_modules():
         manifest.classes[name] = _class_name(submodule)
+        if expanded(submodule):
+            manifest.experts.append(name)
         if isinstance(submodule, Layer):
             manifest.layers[name] = serialize(resolved_policy(submodule))
         else:

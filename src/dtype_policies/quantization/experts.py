@@ -1,0 +1,296 @@
+"""Mixture-of-experts blocks, quantized expert by expert.
+
+transformers 5 keeps a mixture-of-experts block's experts in one module whose
+weights are 3-D tensors, `(experts, out, in)` (or `(experts, in, out)` when
+transposed): `gate_up_proj` (or `up_proj`) and `down_proj`, with optional
+biases, run by whichever experts implementation the config selects
+(`@use_experts_implementation`, whose flags say how: gated, transposed,
+biased, a norm after each expert). No quantized product takes a 3-D weight,
+so quantizing such a block first *expands* it: each 3-D weight becomes an
+`nn.ModuleList` of one `nn.Linear` per expert under the same name
+(`experts.gate_up_proj.0.weight`), each quantized like any linear (the same
+schemes, kernels and stored tensors), and the block computes with them:
+for each expert some token chose, its tokens through its linears, weighted
+by the router and summed per token, as the batched implementation does.
+
+An expansion is planned without touching the block (its linears hold views
+of the 3-D weights) and attached when the first of its quantizations is
+committed; `describe` records expanded blocks in the manifest, and loading
+expands them again before the saved tensors go in.
+
+>>> import torch
+>>> from dtype_policies.quantization.experts import ExpertsExpansion
+>>> class Experts(torch.nn.Module):  # transformers' layout and flags
+...     def __init__(self):
+...         super().__init__()
+...         self.num_experts, self.has_gate, self.has_bias = 4, True, False
+...         self.is_transposed, self.has_post_expert_norm = False, False
+...         self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 2 * 6, 8))
+...         self.down_proj = torch.nn.Parameter(torch.randn(4, 8, 6))
+...         self.act_fn = torch.nn.SiLU()
+...     def _apply_gate(self, gate_up):
+...         gate, up = gate_up.chunk(2, dim=-1)
+...         return self.act_fn(gate) * up
+>>> experts = Experts()
+>>> expansion = ExpertsExpansion.of(experts)
+>>> [path for path, _ in expansion.linears()][:3]
+['gate_up_proj/0', 'gate_up_proj/1', 'gate_up_proj/2']
+>>> expansion.attach()
+>>> experts.gate_up_proj[1].weight.shape, experts(torch.randn(3, 8),
+...     torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.rand(3, 2)).shape
+(torch.Size([12, 8]), torch.Size([3, 8]))
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from dtype_policies._core.compose import ModuleMixin, mixins_of, set_mixins
+from dtype_policies._core.module_state import ensure_state, state_of
+from dtype_policies._core.policy_module import install
+
+_FLAGS = ("num_experts", "has_gate", "has_bias", "is_transposed")
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How a transformers experts module stores its experts."""
+
+    num_experts: int
+    weights: tuple[str, ...]  # ("gate_up_proj", "down_proj") or ("up_proj", "down_proj")
+    transposed: bool
+    biased: bool
+
+
+def experts_layout(module: torch.nn.Module) -> ExpertsLayout | None:
+    """The layout of a transformers 5 experts module (its class decorated with
+    `@use_experts_implementation`, its 3-D weights not expanded yet), or
+    `None` for any other module."""
+    if not all(hasattr(module, flag) for flag in _FLAGS):
+        return None
+    if isinstance(module._modules.get("down_proj"), torch.nn.ModuleList):
+        return None  # expanded already
+    count = module.num_experts
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    weights = (first, "down_proj")
+    names = set(weights)
+    if module.has_bias:
+        names |= {f"{weight}_bias" for weight in weights}
+    own = {name for name, p in module._parameters.items() if p is not None}
+    if not isinstance(count, int) or own != names or (module.has_gate and not _has_gate(module)):
+        return None
+    for weight in weights:
+        parameter = module._parameters[weight]
+        if parameter is None or parameter.dim() != 3 or parameter.shape[0] != count:
+            return None
+        bias = module._parameters.get(f"{weight}_bias")
+        if bias is not None and (bias.dim() != 2 or bias.shape[0] != count):
+            return None
+    return ExpertsLayout(count, weights, bool(module.is_transposed), bool(module.has_bias))
+
+
+def _has_gate(module: torch.nn.Module) -> bool:
+    return callable(getattr(module, "_apply_gate", None))
+
+
+def expanded(module: torch.nn.Module) -> bool:
+    """Whether `module` is an experts module computing with one linear per expert."""
+    return ExpertLinearsForward in mixins_of(module)
+
+
+class ExpertsExpansion:
+    """One experts module's 3-D weights as one `nn.Linear` per expert,
+    planned (the linears hold views of the weights; the module is untouched)
+    until `attach` puts them in the module."""
+
+    def __init__(self, module: torch.nn.Module, layout: ExpertsLayout) -> None:
+        self.module = module
+        self.layout = layout
+        self.lists: dict[str, torch.nn.ModuleList] = {}
+        self.attached = False
+        self.planned: set[int] = set()  # the ids of linears with a quantization planned
+        self.dropping: set[int] = set()  # of those whose float weight the quantization drops
+        with torch.no_grad():  # views, not steps of a graph
+            for name in layout.weights:
+                weight = cast(torch.nn.Parameter, module._parameters[name])
+                bias = module._parameters.get(f"{name}_bias")
+                self.lists[name] = torch.nn.ModuleList(
+                    _linear(weight[e].t() if layout.transposed else weight[e], bias, e, weight)
+                    for e in range(layout.num_experts)
+                )
+        # the linears compute by the module's policy applications
+        state = state_of(module)
+        for token, entry in state.applications if state is not None else ():
+            for linear in self.all_linears():
+                install(linear, token, entry)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> ExpertsExpansion:
+        """The expansion of an experts module (`ValueError` for any other)."""
+        layout = experts_layout(module)
+        if layout is None:
+            raise ValueError(
+                f"{type(module).__name__} is not a transformers experts module with 3-D "
+                "weights (a class decorated with @use_experts_implementation)"
+            )
+        return cls(module, layout)
+
+    def all_linears(self) -> list[torch.nn.Linear]:
+        return [linear for linears in self.lists.values() for linear in linears]  # type: ignore[misc]
+
+    def linears(self) -> list[tuple[str, torch.nn.Module]]:
+        """`(path relative to the module, linear)`, in `/` paths."""
+        return [
+            (f"{name}/{index}", linear)
+            for name, linears in self.lists.items()
+            for index, linear in enumerate(linears)
+        ]
+
+    def claim(self, plan: Any) -> None:
+        """Makes `plan` (an `attach.Plan` of one of the linears) attach this
+        expansion when it is committed."""
+        plan.expansion = self
+        self.planned.add(id(plan.module))
+        if not plan.scheme.keeps_float_weight:
+            self.dropping.add(id(plan.module))
+
+    def attach(self) -> None:
+        """Puts the linears in the module in place of its 3-D weights (once;
+        cannot fail). Biases, and the weights of linears that keep them in
+        floating point (no quantization planned, or float8's), become
+        contiguous tensors of their own, so that the 3-D tensors' memory goes
+        once the quantized linears drop their views."""
+        if self.attached:
+            return
+        self.attached = True
+        module = self.module
+        for linear in self.all_linears():
+            # every parameter is a view of the module's (biases stay)
+            kept = ("bias",) if id(linear) in self.dropping else ("weight", "bias")
+            for name in kept:
+                parameter = linear._parameters.get(name)
+                if parameter is not None:
+                    linear._parameters[name] = torch.nn.Parameter(
+                        parameter.detach().clone(memory_format=torch.contiguous_format),
+                        parameter.requires_grad,
+                    )
+        for name, linears in self.lists.items():
+            del module._parameters[name]
+            module._parameters.pop(f"{name}_bias", None)
+            module._modules[name] = linears
+        ensure_state(module)
+        set_mixins(module, (*mixins_of(module), ExpertLinearsForward))
+        _register(module)
+
+
+def _linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, index: int, parent: torch.nn.Parameter
+) -> torch.nn.Linear:
+    out_features, in_features = weight.shape
+    linear = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
+    linear._parameters["weight"] = torch.nn.Parameter(weight, parent.requires_grad)
+    linear._parameters["bias"] = (
+        None if bias is None else torch.nn.Parameter(bias[index], bias.requires_grad)
+    )
+    return linear
+
+
+class ExpertLinearsForward(ModuleMixin):
+    """An experts module's forward on its per-expert linears: transformers'
+    batched experts semantics (tokens repeated per chosen expert, gate or
+    activation, the post-expert norm, router weights, a sum per token),
+    expert by expert over the experts some token chose."""
+
+    _dp_order = 10
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        index, weights = _routing(args, kwargs)
+        if torch.compiler.is_compiling():
+            # the loop over the chosen experts depends on the routing's values:
+            # one opaque operator in a compiled graph (fullgraph included)
+            return torch.ops.dtype_policies.experts(hidden_states, index, weights, id(self))
+        _register(self)
+        return _experts(self, hidden_states, index, weights)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        _register(self)
+
+
+def _experts(
+    module: Any, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """`ExpertLinearsForward.forward`, eagerly."""
+    shape = hidden_states.shape
+    hidden = hidden_states.reshape(-1, shape[-1])
+    k = index.shape[-1]
+    expert_ids = index.reshape(-1)
+    weights = weights.reshape(-1)
+    count = len(module.down_proj)
+    first = module.gate_up_proj if module.has_gate else module.up_proj
+    features = module.down_proj[0].out_features
+    output = torch.zeros(hidden.shape[0], features, dtype=torch.float32, device=hidden.device)
+    order = torch.argsort(expert_ids, stable=True)
+    # ids past the last expert (expert parallelism's sentinels) sort last, counted apart
+    per_expert = torch.bincount(expert_ids.clamp(max=count), minlength=count + 1)
+    start = 0
+    for expert, tokens in enumerate(per_expert.tolist()[:count]):
+        chosen = order[start : start + tokens]
+        start += tokens
+        if tokens == 0:
+            continue
+        token_index = chosen // k
+        out = first[expert](hidden[token_index])
+        out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
+        out = module.down_proj[expert](out)
+        if module.has_post_expert_norm:
+            out = module.post_expert_norm(out)
+        out = out * weights[chosen].unsqueeze(-1).to(out.dtype)
+        output.index_add_(0, token_index, out.float())
+    return output.to(hidden_states.dtype).reshape(*shape[:-1], features)
+
+
+_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+"""Expanded experts modules by `id`: the operator's `handle` (a constant of
+the graph) names its module; registered when a module is expanded, copied
+or unpickled, and at each eager call."""
+
+
+def _register(module: torch.nn.Module) -> None:
+    _MODULES[id(module)] = module
+
+
+@torch.library.custom_op("dtype_policies::experts", mutates_args=())
+def _experts_operator(
+    hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, handle: int
+) -> torch.Tensor:
+    module = _MODULES.get(handle)
+    if module is None:
+        raise RuntimeError(
+            "dtype_policies::experts: the experts module of this compiled graph no longer "
+            "exists; compile the model again"
+        )
+    return _experts(module, hidden_states, index, weights)
+
+
+@_experts_operator.register_fake
+def _(hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, handle: int):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+def _routing(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' (chosen expert ids, router weights), however the call
+    names them (`top_k_index`/`top_k_weights`, `router_indices`/`routing_weights`)."""
+    given = [*args, *kwargs.values()]
+    index = [t for t in given if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    weights = [t for t in given if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if len(given) != 2 or len(index) != 1 or len(weights) != 1:
+        raise TypeError(
+            "An experts module takes (hidden_states, expert ids (integers), router weights "
+            f"(floating)). Received: {[type(t).__name__ for t in given]} besides hidden_states"
+        )
+    return index[0], weights[0]

@@ -1,0 +1,350 @@
+"""Mixture-of-experts blocks (transformers 5's experts with 3-D weights)
+quantized expert by expert: the expansion into one linear per expert computes
+what the fused module computes, every expert is quantized with its own
+scales, nothing changes until everything is planned, policies reach the
+experts' linears and leave with them, and the expanded model saves, loads,
+trains and compiles."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dtype_policies import (  # noqa: E402
+    apply_policy,
+    compile_for_inference,
+    quantize,
+    saving,
+)
+from dtype_policies._core.module_state import state_of  # noqa: E402
+from dtype_policies.quantization.experts import (  # noqa: E402
+    ExpertsExpansion,
+    expanded,
+    experts_layout,
+)
+from dtype_policies.quantizers import GPTQConfig  # noqa: E402
+
+VOCAB = 96
+TOKENS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(
+        **SMALL, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _gpt_oss():  # transposed (in, out) experts with biases and an interleaved, clamped gate
+    config = transformers.GptOssConfig(
+        **SMALL,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        layer_types=["full_attention"] * 2,
+    )
+    return transformers.GptOssForCausalLM(config)
+
+
+def _qwen3_moe():
+    config = transformers.Qwen3MoeConfig(
+        **SMALL,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+    )
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+MODELS = {"mixtral": _mixtral, "gpt_oss": _gpt_oss, "qwen3_moe": _qwen3_moe}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    with torch.no_grad():  # trained-looking biases (gpt-oss initializes them to zero)
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith("_bias"):
+                parameter.normal_(0, 0.02)
+    return model
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if experts_layout(m) is not None or expanded(m)]
+
+
+def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_expansion_computes_what_every_experts_implementation_computes(name):
+    model = build(name)
+    references = {}
+    for implementation in ("eager", "batched_mm", "grouped_mm"):
+        model.set_experts_implementation(implementation)
+        references[implementation] = logits(model)
+    for module in experts_modules(model):
+        ExpertsExpansion.of(module).attach()
+    expanded_logits = logits(model)
+    for reference in references.values():
+        assert relative(expanded_logits, reference) < 1e-5
+    first = experts_modules(model)[0]
+    assert expanded(first) and not [p for p in first.parameters(recurse=False)]
+    assert isinstance(first.down_proj, torch.nn.ModuleList) and len(first.down_proj) >= 4
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_each_expert_is_quantized_on_its_own_and_computes_with_its_dequantized_weights(name, mode):
+    model = build(name)
+    fused = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left float to warn about: routers are quiet
+        report = quantize(model, mode)
+    routers = report.skipped_by_reason("router")
+    assert len(routers) == 2
+    experts = experts_modules(model)
+    assert len(experts) == 2 and all(expanded(m) for m in experts)
+    quantized_paths = {path for path, _, _ in report.quantized}
+    for module_path, module in model.named_modules():
+        if expanded(module):
+            for name_, linears in module.named_children():
+                if isinstance(linears, torch.nn.ModuleList):
+                    for index in range(len(linears)):
+                        path = f"{module_path}.{name_}.{index}".replace(".", "/")
+                        assert path in quantized_paths
+    # each expert computes exactly what an nn.Linear of its weights quantized
+    # alone computes: its scales are its own
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    for fused_module, module in zip(experts_modules(fused), experts, strict=True):
+        layout = experts_layout(fused_module)
+        for weight_name in layout.weights:
+            for index in (0, layout.num_experts - 1):
+                weight = getattr(fused_module, weight_name)[index].detach()
+                weight = weight.t() if layout.transposed else weight
+                bias = getattr(fused_module, f"{weight_name}_bias", None)
+                alone = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+                with torch.no_grad():
+                    alone.weight.copy_(weight)
+                    if bias is not None:
+                        alone.bias.copy_(bias[index])
+                quantize(alone, mode)
+                inputs = x if weight.shape[1] == 64 else torch.randn(5, weight.shape[1])
+                with torch.no_grad():
+                    assert torch.equal(getattr(module, weight_name)[index](inputs), alone(inputs))
+    if mode != "float8":  # (float8's weight attribute is its float weight)
+        # the fused model with each expert's dequantized weights computes
+        # what the expanded one computes, up to the kernels' activation rounding
+        with torch.no_grad():
+            for fused_module, module in zip(experts_modules(fused), experts, strict=True):
+                layout = experts_layout(fused_module)
+                for weight_name in layout.weights:
+                    stacked = torch.stack(
+                        [linear.weight.float() for linear in getattr(module, weight_name)]
+                    )
+                    if layout.transposed:
+                        stacked = stacked.transpose(1, 2)
+                    getattr(fused_module, weight_name).copy_(stacked)
+            for module_path, module in fused.named_modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    module.weight.copy_(model.get_submodule(module_path).weight.float())
+        assert relative(logits(model), logits(fused)) < 0.05
+    for module in experts:  # no 3-D tensor left, no view of one kept
+        for parameter in module.parameters():
+            assert parameter.dim() <= 2 and parameter.is_contiguous()
+            assert parameter.untyped_storage().nbytes() == parameter.numel() * parameter.itemsize
+
+
+def test_a_filter_chooses_experts_and_the_rest_stay_float_in_storage_of_their_own():
+    model = build("mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = quantize(model, "int8", filters=r"layers/0/mlp/experts/down_proj/1$")
+    assert [path for path, _, _ in report.quantized] == ["model/layers/0/mlp/experts/down_proj/1"]
+    first, second = experts_modules(model)
+    assert expanded(first) and not expanded(second)  # the second block is untouched
+    assert second.gate_up_proj.dim() == 3
+    for linear in first.gate_up_proj:
+        weight = linear.weight
+        assert weight.is_contiguous()
+        assert weight.untyped_storage().nbytes() == weight.numel() * weight.itemsize
+    assert torch.isfinite(logits(model)).all()
+
+
+def test_a_filter_matching_no_expert_leaves_the_experts_as_they_are():
+    model = build("qwen3_moe")
+    before = [p for m in experts_modules(model) for p in m.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8", filters="self_attn")
+    after = [p for m in experts_modules(model) for p in m.parameters()]
+    assert len(before) == len(after) and all(a is b for a, b in zip(before, after, strict=True))
+    assert not any(expanded(m) for m in model.modules())
+
+
+def test_an_error_in_one_expert_leaves_the_model_bit_for_bit_unchanged():
+    model = build("gpt_oss")
+    reference = logits(model)
+    experts = experts_modules(model)[1]
+    with torch.no_grad():
+        experts.down_proj[2, 5, 7] = float("nan")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"layers/1/mlp/experts/down_proj/2.*non-finite"):
+        quantize(model, "int4")
+    assert [type(m) for m in model.modules()] == classes
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    assert all(
+        torch.allclose(after[k], v, rtol=0, atol=0, equal_nan=True) for k, v in state.items()
+    )
+    assert experts.down_proj.dim() == 3 and experts_layout(experts) is not None
+    with torch.no_grad():
+        experts.down_proj[2, 5, 7] = state["model.layers.1.mlp.experts.down_proj"][2, 5, 6]
+    assert logits(model).shape == reference.shape
+
+
+def test_a_policy_reaches_the_experts_linears_and_leaves_them_with_remove():
+    model = build("qwen3_moe")
+    handle = apply_policy(model, "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    linear = experts_modules(model)[0].gate_up_proj[3]
+    assert state_of(linear).call.policy.name == "int8_from_mixed_bfloat16"
+    assert model(TOKENS).logits.dtype == torch.bfloat16
+    handle.remove()
+    assert state_of(linear).call.compute == torch.float32
+    assert model(TOKENS).logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("name", "mode"), [("gpt_oss", "int4"), ("qwen3_moe", "float8")])
+def test_the_expanded_model_saves_and_loads_bit_for_bit(name, mode, tmp_path):
+    model = build(name)
+    apply_policy(model, "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, mode)
+    expected = logits(model)
+    saving.save(model, tmp_path / "ckpt")
+    with torch.device("meta"):
+        fresh = MODELS[name]().eval()
+    saving.load(fresh, tmp_path / "ckpt")
+    assert torch.equal(logits(fresh), expected)
+    model.save_pretrained(tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = type(model).from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(logits(loaded), expected)
+    assert torch.equal(logits(copy.deepcopy(loaded)), expected)
+    assert torch.equal(logits(pickle.loads(pickle.dumps(loaded))), expected)
+
+
+def test_loading_into_a_model_whose_experts_are_not_transformers_experts_raises(tmp_path):
+    model = build("mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    saving.save(model, tmp_path / "ckpt")
+    target = build("mixtral")
+    target.model.layers[1].mlp.experts = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(saving.CheckpointError, match=r"layers.1.mlp.experts.*Linear"):
+        saving.load(target, tmp_path / "ckpt")
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in before.items())
+    assert not any(expanded(m) for m in target.modules())
+
+
+def test_a_second_quantize_keeps_the_expansion_and_changes_nothing():
+    model = build("mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+        expected = logits(model)
+        report = quantize(model, "int8")
+    assert report.quantized == [] and torch.equal(logits(model), expected)
+
+
+def test_straight_through_gradients_reach_the_router_and_the_inputs():
+    model = build("qwen3_moe").train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    loss = model(TOKENS, labels=TOKENS).loss
+    loss.backward()
+    router = model.model.layers[0].mlp.gate
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    assert model.model.layers[0].input_layernorm.weight.grad.abs().sum() > 0
+
+
+def test_calibrated_modes_name_the_experts_they_leave_float():
+    model = build("mixtral")
+    data = TOKENS.repeat(2, 1)
+    config = GPTQConfig(data, None, num_samples=4, sequence_length=12, group_size=32)
+    with pytest.warns(UserWarning, match=r"experts.*calibrated 'gptq'"):
+        report = quantize(model, config=config, progress=False)
+    assert not any(expanded(m) for m in model.modules())
+    assert "model/layers/0/mlp/experts" in report.skipped_by_reason("no quantize support")
+
+
+@pytest.mark.slow
+def test_a_compiled_graph_runs_the_experts_as_one_operator():
+    model = build("qwen3_moe")
+    apply_policy(model, "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    expected = logits(model)
+    compiled = compile_for_inference(model, fullgraph=True, autotune=False)
+    with torch.inference_mode():
+        ours = compiled(TOKENS).logits.float()
+    assert relative(ours, expected) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class", "router"),
+    [
+        ("PhimoeConfig", "PhimoeForCausalLM", "mlp/router"),  # an nn.Linear subclass
+        ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "mlp/gate/wg"),  # nested nn.Linear
+    ],
+)
+def test_routers_stay_float_whatever_their_class(config_class, model_class, router):
+    config = getattr(transformers, config_class)(
+        **SMALL, intermediate_size=96, num_experts_per_tok=2, head_dim=16
+    )
+    for name in ("num_local_experts", "num_experts"):
+        if hasattr(config, name):
+            setattr(config, name, 4)
+    if hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = 48
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = quantize(model, "int8")
+    assert report.skipped_by_reason("router") == [f"model/layers/{i}/{router}" for i in range(2)]
+    module = model.get_submodule(f"model.layers.0.{router.replace('/', '.')}")
+    assert module.weight.dtype == torch.float32 and state_of(module) is None
+    assert all(expanded(m) for m in experts_modules(model))
