@@ -348,3 +348,51 @@ def test_routers_stay_float_whatever_their_class(config_class, model_class, rout
     module = model.get_submodule(f"model.layers.0.{router.replace('/', '.')}")
     assert module.weight.dtype == torch.float32 and state_of(module) is None
     assert all(expanded(m) for m in experts_modules(model))
+
+
+@pytest.mark.parametrize("policy", ["int8_from_mixed_bfloat16", "float8_from_float32"])
+def test_apply_policy_with_a_quantized_policy_quantizes_the_experts_too(policy, tmp_path):
+    model = build("gpt_oss")
+    by_quantize = build("gpt_oss")
+    handle = apply_policy(model, policy)
+    source, mode = policy.split("_from_")[1], policy.split("_from_")[0]
+    apply_policy(by_quantize, source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(by_quantize, mode)
+    experts = experts_modules(model)
+    assert all(expanded(m) for m in experts)
+    assert "model/layers/0/mlp/experts/down_proj/3" in handle.quantized_paths
+    assert handle.policies["model/layers/0/mlp/experts/down_proj/3"].name == policy
+    router = model.model.layers[0].mlp.router
+    assert router.weight.dtype == torch.float32 and "model/layers/0/mlp/router" not in (
+        handle.quantized_paths
+    )
+    assert torch.equal(logits(model), logits(by_quantize))
+    saving.save(model, tmp_path / "ckpt")
+    with torch.device("meta"):
+        fresh = MODELS["gpt_oss"]().eval()
+    saving.load(fresh, tmp_path / "ckpt")
+    assert torch.equal(logits(fresh), logits(model))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        handle.remove()
+    if mode == "float8":  # undone exactly: the experts compute in float32 again
+        assert not seen
+        assert relative(logits(model), logits(build("gpt_oss"))) < 1e-5
+    else:
+        assert "stay quantized" in str(seen[0].message)
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_through_the_experts():
+    model = build("qwen3_moe").train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    eager = model(TOKENS, labels=TOKENS).loss
+    compiled = torch.compile(model)(TOKENS, labels=TOKENS).loss  # (tracing the loop gave NaN)
+    assert abs(compiled.item() - eager.item()) < 1e-3
+    compiled.backward()
+    grad = model.model.layers[0].mlp.gate.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0

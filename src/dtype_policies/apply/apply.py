@@ -21,11 +21,12 @@ from dtype_policies._core.module_state import (
     state_of,
 )
 from dtype_policies._dtypes import is_float_dtype
+from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.layers.layer import Layer, LayerApplication
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.policies import get as get_policy
-from dtype_policies.quantization import attach
+from dtype_policies.quantization import attach, experts
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.kinds import kind_of
 
@@ -226,7 +227,8 @@ def apply_policy(
 
     # Plan everything first, so that an error leaves the model untouched.
     steps, used_keys = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
-    plans = _plan_quantization(steps)
+    plans, expert_steps = _plan_quantization(steps)
+    steps += expert_steps
     if policy.is_map:
         for key in policy:
             if key not in used_keys:
@@ -345,36 +347,69 @@ def _quantized_conflict(
     )
 
 
-def _plan_quantization(steps: list[Step]) -> list[attach.Plan]:
-    plans = []
+def _plan_quantization(steps: list[Step]) -> tuple[list[attach.Plan], list[Step]]:
+    """The quantizations the steps' quantized policies ask for, and the steps
+    of the per-expert linears of mixture-of-experts modules expanded for them
+    (`quantization.experts`: each linear takes its module's step). Routers
+    compute with their policy's float source, as `quantize()` keeps them."""
+    plans, expert_steps = [], []
+    routers = experts.expert_routers(step.module for step in steps)
     for step in steps:
         mode = step.policy.quantization_mode
-        kind = kind_of(step.module)
-        if mode is None or kind is None or not kind.supports(mode):
+        if mode is None or id(step.module) in routers:
             continue
-        if attach.quantization_of(step.module) is not None:
+        layout = experts.experts_layout(step.module)
+        if layout is not None and "linear" in mode_record(mode).roles:
+            expansion = experts.ExpertsExpansion(step.module, layout)
+            linear_steps = [
+                Step(_join(step.path, relative), linear, step.policy, step.island, step.options)
+                for relative, linear in expansion.linears()
+            ]
+            linear_plans = [p for p in map(_plan_one, linear_steps) if p is not None]
+            for linear_plan in linear_plans:
+                expansion.claim(linear_plan)
+            if linear_plans:
+                plans += linear_plans
+                expert_steps += linear_steps
             continue
-        config = step.policy.quantization_config
-        if isinstance(step.module, Layer):
-            existing = getattr(step.module, "quantization_config", None)
-            if existing is not None and existing.mode == mode:
-                config = existing
-        try:
-            plans.append(
-                attach.plan(
-                    step.module,
-                    config,
-                    path=step.path,
-                    type_check=False,
-                    kind=kind,
-                    source=step.policy.source_policy,
-                )
-            )
-        except NotImplementedError:
-            continue  # computes with the policy's float source
-        except ValueError as e:
-            raise ValueError(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
-    return plans
+        module_plan = _plan_one(step)
+        if module_plan is not None:
+            plans.append(module_plan)
+    return plans, expert_steps
+
+
+def _join(path: str, relative: str) -> str:
+    return f"{path}/{relative}" if path else relative
+
+
+def _plan_one(step: Step) -> attach.Plan | None:
+    """The plan of one step's quantized policy, or None where the module
+    computes with the policy's float source (no kind, the mode unsupported,
+    quantized already)."""
+    mode = step.policy.quantization_mode
+    kind = kind_of(step.module)
+    if mode is None or kind is None or not kind.supports(mode):
+        return None
+    if attach.quantization_of(step.module) is not None:
+        return None
+    config = step.policy.quantization_config
+    if isinstance(step.module, Layer):
+        existing = getattr(step.module, "quantization_config", None)
+        if existing is not None and existing.mode == mode:
+            config = existing
+    try:
+        return attach.plan(
+            step.module,
+            config,
+            path=step.path,
+            type_check=False,
+            kind=kind,
+            source=step.policy.source_policy,
+        )
+    except NotImplementedError:
+        return None  # computes with the policy's float source
+    except ValueError as e:
+        raise ValueError(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
 
 
 def _example_paths(steps: list[Step]) -> str:

@@ -18,7 +18,7 @@ from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import check, commit, plan
 from dtype_policies.quantization.calibration import plan_calibrated
-from dtype_policies.quantization.experts import ExpertsExpansion, expanded, experts_layout
+from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.report import (
     SKIP_ALREADY_QUANTIZED,
@@ -280,7 +280,7 @@ def quantize(
 
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
     expansions: dict[int, ExpertsExpansion] = {}  # of linears, by the linear's id
-    routers = _routers(modules.values())
+    routers = expert_routers(modules.values())
     for path, module in _with_expert_linears(modules, calibrated, expansions):
         label = path or "(root)"
         kind = kind_of(module)
@@ -386,32 +386,6 @@ def quantize(
 
 
 _ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
-
-
-def _routers(modules: Any) -> set[int]:
-    """The ids of the modules of a mixture-of-experts block (the experts'
-    parent and its other descendants) whose weight has one row per expert:
-    the block's router, which engines keep in floating point (llama.cpp's
-    `ffn_gate_inp`): it is small, and its rounding would change which experts
-    run."""
-    found = set()
-    for parent in modules:
-        experts = [
-            child
-            for child in parent._modules.values()
-            if child is not None and (expanded(child) or experts_layout(child) is not None)
-        ]
-        if not experts:
-            continue
-        count = experts[0].num_experts
-        inside = {id(m) for expert in experts for m in expert.modules()}
-        for module in parent.modules():
-            if id(module) in inside:
-                continue
-            matrices = [p for p in _own_parameters(module) if p.dim() == 2]
-            if matrices and all(p.shape[0] == count for p in matrices):
-                found.add(id(module))
-    return found
 
 
 def _with_expert_linears(

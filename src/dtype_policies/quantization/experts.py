@@ -102,6 +102,32 @@ def expanded(module: torch.nn.Module) -> bool:
     return ExpertLinearsForward in mixins_of(module)
 
 
+def expert_routers(modules: Any) -> set[int]:
+    """The ids of the modules of a mixture-of-experts block (the experts'
+    parent and its other descendants) whose weight has one row per expert:
+    the block's router, which engines keep in floating point (llama.cpp's
+    `ffn_gate_inp`): it is small, and its rounding would change which experts
+    run. `modules` are the candidate parents (a model's modules)."""
+    found = set()
+    for parent in modules:
+        experts = [
+            child
+            for child in parent._modules.values()
+            if child is not None and (expanded(child) or experts_layout(child) is not None)
+        ]
+        if not experts:
+            continue
+        count = experts[0].num_experts
+        inside = {id(m) for expert in experts for m in expert.modules()}
+        for module in parent.modules():
+            if id(module) in inside:
+                continue
+            matrices = [p for p in module._parameters.values() if p is not None and p.dim() == 2]
+            if matrices and all(p.shape[0] == count for p in matrices):
+                found.add(id(module))
+    return found
+
+
 class ExpertsExpansion:
     """One experts module's 3-D weights as one `nn.Linear` per expert,
     planned (the linears hold views of the weights; the module is untouched)
@@ -209,10 +235,16 @@ class ExpertLinearsForward(ModuleMixin):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         index, weights = _routing(args, kwargs)
-        if torch.compiler.is_compiling():
+        needs_grad = torch.is_grad_enabled() and (
+            hidden_states.requires_grad or weights.requires_grad
+        )
+        if torch.compiler.is_compiling() and not needs_grad:
             # the loop over the chosen experts depends on the routing's values:
-            # one opaque operator in a compiled graph (fullgraph included)
+            # one opaque operator in a compiled inference graph (fullgraph
+            # included); with gradients, the graph breaks around the eager loop
             return torch.ops.dtype_policies.experts(hidden_states, index, weights, id(self))
+        if torch.compiler.is_compiling():
+            return _experts_outside_graphs(self, hidden_states, index, weights)
         _register(self)
         return _experts(self, hidden_states, index, weights)
 
@@ -254,6 +286,15 @@ def _experts(
     return output.to(hidden_states.dtype).reshape(*shape[:-1], features)
 
 
+_OUTSIDE_GRAPHS: list[Any] = []  # `_experts` behind `torch.compiler.disable`, made once
+
+
+def _experts_outside_graphs(module: Any, *args: torch.Tensor) -> torch.Tensor:
+    # made when the first module is registered, never while tracing; not at
+    # import (`torch.compiler.disable` loads Dynamo, and with it FSDP)
+    return _OUTSIDE_GRAPHS[0](module, *args)
+
+
 _MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 """Expanded experts modules by `id`: the operator's `handle` (a constant of
 the graph) names its module; registered when a module is expanded, copied
@@ -262,6 +303,8 @@ or unpickled, and at each eager call."""
 
 def _register(module: torch.nn.Module) -> None:
     _MODULES[id(module)] = module
+    if not _OUTSIDE_GRAPHS:
+        _OUTSIDE_GRAPHS.append(torch.compiler.disable(_experts))
 
 
 @torch.library.custom_op("dtype_policies::experts", mutates_args=())

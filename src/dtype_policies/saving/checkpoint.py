@@ -181,10 +181,14 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest)
-    steps, plans = plan_from_manifest(module, manifest, _saved_tensors(state), str(file))
-    _check_state(module, manifest, header, plans, str(file))
+    steps, plans, expansions = plan_from_manifest(
+        module, manifest, _saved_tensors(state), str(file)
+    )
+    _check_state(module, manifest, header, plans, expansions, str(file))
     # Nothing above changed `module`; nothing below can fail on a checked file.
     tied = _tied_parameters(module)
+    for expansion in expansions:
+        expansion.attach()
     if steps:
         commit_application(module, steps, [])
     for plan in plans:
@@ -267,9 +271,11 @@ def plan_from_manifest(
     manifest: Manifest,
     tensor_for: TensorFor,
     source: str,
-) -> tuple[list[Step], list[attach.Plan]]:
-    """The application steps (policies) and quantization plans that make
-    `module` what `manifest` describes, without changing `module`.
+) -> tuple[list[Step], list[attach.Plan], list[ExpertsExpansion]]:
+    """The application steps (policies), quantization plans and experts
+    expansions (`quantization.experts`; a plan of one of its linears attaches
+    its expansion, the caller attaches them first) that make `module` what
+    `manifest` describes, without changing `module`.
 
     Each quantized buffer's tensor comes from `tensor_for`: the saved tensor
     (`load`), or an empty one on the meta device that a loader fills later
@@ -306,15 +312,11 @@ def plan_from_manifest(
         expansion = expansions.get(id(plan.module))
         if expansion is not None:
             expansion.claim(plan)
-    unplanned = {id(expansion) for expansion in expansions.values() if not expansion.planned}
-    for name in manifest.experts:
-        if id(modules.get(name)) in unplanned:
-            problems.append(f"'{name}': its experts are expanded but none is quantized")
     if problems:
         raise CheckpointError(
             f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
         )
-    return steps, plans
+    return steps, plans, list({id(e): e for e in expansions.values()}.values())
 
 
 def _expansions(
@@ -435,6 +437,7 @@ def _check_state(
     manifest: Manifest,
     header: dict,
     plans: list[attach.Plan],
+    expansions: list[ExpertsExpansion],
     source: str,
 ) -> None:
     """The target's tensors, once the plans are committed, are exactly the
@@ -449,8 +452,7 @@ def _check_state(
             buffer = None
         if buffer is not None:
             expected[key] = (tuple(buffer.shape), dtype_code(buffer.dtype))
-    expansions = {id(p.expansion): p.expansion for p in plans if p.expansion is not None}
-    for expansion in expansions.values():
+    for expansion in expansions:
         prefix = _module_prefix(module, expansion.module)
         for name in expansion.lists:
             expected.pop(prefix + name, None)

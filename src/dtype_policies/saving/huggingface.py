@@ -185,11 +185,13 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         saved_as = list(getattr(model.config, "architectures", None) or ())
         if saved_as and type(model).__name__ not in saved_as:
             source += f" (saved from {saved_as[0]}, loaded into {type(model).__name__})"
-        steps, plans = plan_from_manifest(model, manifest, _empty_on_meta, source)
+        steps, plans, expansions = plan_from_manifest(model, manifest, _empty_on_meta, source)
         header = _read_headers(kwargs.get("checkpoint_files"))
         if header is not None:
             header = _as_model_keys(model, header)
             _check_headers(model, manifest, plans, header)
+        for expansion in expansions:
+            expansion.attach()
         for plan in plans:
             attach.commit(plan)
             if (
