@@ -263,3 +263,25 @@ def test_load_state_dict_assign_sees_new_values():
         reference = copy.deepcopy(other)
         apply_policy(reference, "mixed_bfloat16")
         assert torch.equal(model(x), reference(x))
+
+
+def test_a_model_only_quantized_checks_the_whole_checkpoint_before_loading_any_of_it():
+    # no policy at the root (quantize() alone): a later module's refusal used
+    # to leave the earlier ones loaded although the error said "nothing was loaded"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    quantize(model, "int8")
+    donor = copy.deepcopy(model)
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    quantize(other, "int8", filters="^0$")
+    quantize(other, "int4", filters="^2$")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"2\.weight_int4.*nothing was loaded"):
+        model.load_state_dict(other.state_dict())
+    assert_unchanged(model, before)
+    model.load_state_dict(copy.deepcopy(donor).state_dict())  # the guard lets a fitting one in
+    assert torch.equal(model(X), donor(X))
+    copied = copy.deepcopy(model)  # the guard travels with copies
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        copied.load_state_dict(other.state_dict())

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import quantization_of, state_of
@@ -368,6 +369,7 @@ def quantize(
             (label, module_plan.mode, state_of(module_plan.module).call.policy.name)
         )
     if plans:
+        guard_loading(model)
         model_changed(model)
     for unmatched in keep.unmatched():
         warnings.warn(

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.slots import (
     replace_buffer,
@@ -204,6 +205,8 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
             stored_buffer(module, key).copy_(state[key])
     if assign:
         _retie(module, tied)
+    if plans:
+        guard_loading(module)
     model_changed(module)
     return module
 

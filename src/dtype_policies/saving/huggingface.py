@@ -86,6 +86,7 @@ except ImportError as e:  # pragma: no cover - transformers missing or too old
         f"(transformers.quantizers.register_quantizer): {e}"
     ) from e
 
+from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.policy_module import is_policied, refresh
 from dtype_policies._core.slots import replace_buffer
 from dtype_policies._version import __version__
@@ -224,6 +225,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
                 f"from_pretrained left {len(left)} quantized tensor(s) without values: {left[:10]}"
             )
         self._stored = []
+        guard_loading(model)
         steps, self._steps = self._steps, []
         for submodule in model.modules():
             if is_policied(submodule):
