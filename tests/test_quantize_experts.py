@@ -396,3 +396,30 @@ def test_torch_compile_trains_through_the_experts():
     compiled.backward()
     grad = model.model.layers[0].mlp.gate.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "mixtral"])
+def test_load_state_dict_of_the_fused_float_model_quantizes_it_into_the_experts(name):
+    donor = build(name)
+    with torch.no_grad():
+        for parameter in donor.parameters():
+            parameter.mul_(1.5)  # other values than the model's own
+    expected = copy.deepcopy(donor)
+    model = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+        quantize(expected, "int8")
+    model.load_state_dict(donor.state_dict())  # strict: every key placed
+    assert torch.equal(logits(model), logits(expected))
+    fresh = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(fresh, "int8")
+    before = logits(fresh)
+    bad = donor.state_dict()
+    key = "model.layers.0.mlp.experts.down_proj"
+    bad[key] = bad[key][:2]
+    with pytest.raises((RuntimeError, ValueError), match="down_proj"):
+        fresh.load_state_dict(bad)
+    assert torch.equal(logits(fresh), before)  # nothing loaded

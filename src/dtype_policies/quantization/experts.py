@@ -252,6 +252,59 @@ class ExpertLinearsForward(ModuleMixin):
         super().__setstate__(state)
         _register(self)
 
+    def _dp_check_checkpoint(self, state_dict: dict, prefix: str) -> None:
+        """Raises `ValueError` if a fused tensor of `state_dict` (transformers'
+        own checkpoint of this module) cannot be split into its linears."""
+        for name, expected in _fused_shapes(self).items():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != expected:
+                raise ValueError(
+                    f"The checkpoint's '{prefix + name}' has shape {tuple(value.shape)}; the "
+                    f"experts at '{prefix[:-1]}' (one linear per expert) take {expected}. "
+                    "Nothing was loaded."
+                )
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        # a checkpoint of the fused module (transformers' own, float): its 3-D
+        # tensors become each expert linear's, which quantize them on loading
+        _split_fused(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _fused_shapes(module: Any) -> dict[str, tuple[int, ...]]:
+    """The shapes of the expanded `module`'s fused tensors, by name."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, linears in module._modules.items():
+        if not isinstance(linears, torch.nn.ModuleList) or name not in _WEIGHT_NAMES:
+            continue
+        first = cast(torch.nn.Linear, linears[0])
+        count, rows, columns = len(linears), first.out_features, first.in_features
+        shapes[name] = (count, columns, rows) if module.is_transposed else (count, rows, columns)
+        if first.bias is not None:
+            shapes[f"{name}_bias"] = (count, rows)
+    return shapes
+
+
+def _split_fused(module: Any, state_dict: dict, prefix: str) -> None:
+    """Rewrites, in `state_dict`, the expanded `module`'s fused tensors
+    (`<prefix>gate_up_proj`, `<prefix>down_proj_bias`, ...) as its linears'
+    (`<prefix>gate_up_proj.3.weight`); shapes were checked before loading."""
+    for name, shape in _fused_shapes(module).items():
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            continue
+        del state_dict[prefix + name]
+        weight_name, is_bias = name.removesuffix("_bias"), name.endswith("_bias")
+        for index in range(shape[0]):
+            piece = value[index]
+            if not is_bias and module.is_transposed:
+                piece = piece.t()
+            key = f"{prefix}{weight_name}.{index}.{'bias' if is_bias else 'weight'}"
+            state_dict[key] = piece.contiguous()
+
+
+_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
+
 
 def _experts(
     module: Any, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
