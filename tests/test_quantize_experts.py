@@ -90,6 +90,13 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
         return model(TOKENS).logits.float()
 
 
+def quantize_quietly(*args, **kwargs):
+    """`quantize()` with its summary warning ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize(*args, **kwargs)
+
+
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if experts_layout(m) is not None or expanded(m)]
 
@@ -179,9 +186,7 @@ def test_each_expert_is_quantized_on_its_own_and_computes_with_its_dequantized_w
 
 def test_a_filter_chooses_experts_and_the_rest_stay_float_in_storage_of_their_own():
     model = build("mixtral")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = quantize(model, "int8", filters=r"layers/0/mlp/experts/down_proj/1$")
+    report = quantize_quietly(model, "int8", filters=r"layers/0/mlp/experts/down_proj/1$")
     assert [path for path, _, _ in report.quantized] == ["model/layers/0/mlp/experts/down_proj/1"]
     first, second = experts_modules(model)
     assert expanded(first) and not expanded(second)  # the second block is untouched
@@ -196,9 +201,7 @@ def test_a_filter_chooses_experts_and_the_rest_stay_float_in_storage_of_their_ow
 def test_a_filter_matching_no_expert_leaves_the_experts_as_they_are():
     model = build("qwen3_moe")
     before = [p for m in experts_modules(model) for p in m.parameters()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8", filters="self_attn")
+    quantize_quietly(model, "int8", filters="self_attn")
     after = [p for m in experts_modules(model) for p in m.parameters()]
     assert len(before) == len(after) and all(a is b for a, b in zip(before, after, strict=True))
     assert not any(expanded(m) for m in model.modules())
@@ -229,9 +232,7 @@ def test_an_error_in_one_expert_leaves_the_model_bit_for_bit_unchanged():
 def test_a_policy_reaches_the_experts_linears_and_leaves_them_with_remove():
     model = build("qwen3_moe")
     handle = apply_policy(model, "mixed_bfloat16")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8")
+    quantize_quietly(model, "int8")
     linear = experts_modules(model)[0].gate_up_proj[3]
     assert state_of(linear).call.policy.name == "int8_from_mixed_bfloat16"
     assert model(TOKENS).logits.dtype == torch.bfloat16
@@ -244,9 +245,7 @@ def test_a_policy_reaches_the_experts_linears_and_leaves_them_with_remove():
 def test_the_expanded_model_saves_and_loads_bit_for_bit(name, mode, tmp_path):
     model = build(name)
     apply_policy(model, "mixed_bfloat16")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, mode)
+    quantize_quietly(model, mode)
     expected = logits(model)
     saving.save(model, tmp_path / "ckpt")
     with torch.device("meta"):
@@ -264,9 +263,7 @@ def test_the_expanded_model_saves_and_loads_bit_for_bit(name, mode, tmp_path):
 
 def test_loading_into_a_model_whose_experts_are_not_transformers_experts_raises(tmp_path):
     model = build("mixtral")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8")
+    quantize_quietly(model, "int8")
     saving.save(model, tmp_path / "ckpt")
     target = build("mixtral")
     target.model.layers[1].mlp.experts = torch.nn.Linear(2, 2)
@@ -279,19 +276,15 @@ def test_loading_into_a_model_whose_experts_are_not_transformers_experts_raises(
 
 def test_a_second_quantize_keeps_the_expansion_and_changes_nothing():
     model = build("mixtral")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8")
-        expected = logits(model)
-        report = quantize(model, "int8")
+    quantize_quietly(model, "int8")
+    expected = logits(model)
+    report = quantize_quietly(model, "int8")
     assert report.quantized == [] and torch.equal(logits(model), expected)
 
 
 def test_straight_through_gradients_reach_the_router_and_the_inputs():
     model = build("qwen3_moe").train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8")
+    quantize_quietly(model, "int8")
     loss = model(TOKENS, labels=TOKENS).loss
     loss.backward()
     router = model.model.layers[0].mlp.gate
@@ -313,9 +306,7 @@ def test_calibrated_modes_name_the_experts_they_leave_float():
 def test_a_compiled_graph_runs_the_experts_as_one_operator():
     model = build("qwen3_moe")
     apply_policy(model, "mixed_bfloat16")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8")
+    quantize_quietly(model, "int8")
     expected = logits(model)
     compiled = compile_for_inference(model, fullgraph=True, autotune=False)
     with torch.inference_mode():
@@ -357,9 +348,7 @@ def test_apply_policy_with_a_quantized_policy_quantizes_the_experts_too(policy, 
     handle = apply_policy(model, policy)
     source, mode = policy.split("_from_")[1], policy.split("_from_")[0]
     apply_policy(by_quantize, source)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(by_quantize, mode)
+    quantize_quietly(by_quantize, mode)
     experts = experts_modules(model)
     assert all(expanded(m) for m in experts)
     assert "model/layers/0/mlp/experts/down_proj/3" in handle.quantized_paths
@@ -387,9 +376,7 @@ def test_apply_policy_with_a_quantized_policy_quantizes_the_experts_too(policy, 
 @pytest.mark.slow
 def test_torch_compile_trains_through_the_experts():
     model = build("qwen3_moe").train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8")
+    quantize_quietly(model, "int8")
     eager = model(TOKENS, labels=TOKENS).loss
     compiled = torch.compile(model)(TOKENS, labels=TOKENS).loss  # (tracing the loop gave NaN)
     assert abs(compiled.item() - eager.item()) < 1e-3
@@ -406,16 +393,12 @@ def test_load_state_dict_of_the_fused_float_model_quantizes_it_into_the_experts(
             parameter.mul_(1.5)  # other values than the model's own
     expected = copy.deepcopy(donor)
     model = build(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(model, "int8")
-        quantize(expected, "int8")
+    quantize_quietly(model, "int8")
+    quantize_quietly(expected, "int8")
     model.load_state_dict(donor.state_dict())  # strict: every key placed
     assert torch.equal(logits(model), logits(expected))
     fresh = build(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize(fresh, "int8")
+    quantize_quietly(fresh, "int8")
     before = logits(fresh)
     bad = donor.state_dict()
     key = "model.layers.0.mlp.experts.down_proj"

@@ -362,12 +362,11 @@ def _plan_quantization(steps: list[Step]) -> tuple[list[attach.Plan], list[Step]
         if layout is not None and "linear" in mode_record(mode).roles:
             expansion = experts.ExpertsExpansion(step.module, layout)
             linear_steps = [
-                Step(_join(step.path, relative), linear, step.policy, step.island, step.options)
-                for relative, linear in expansion.linears()
+                Step(path, linear, step.policy, step.island, step.options)
+                for path, linear in expansion.linears(under=step.path)
             ]
             linear_plans = [p for p in map(_plan_one, linear_steps) if p is not None]
-            for linear_plan in linear_plans:
-                expansion.claim(linear_plan)
+            experts.ExpertsExpansion.claim_all(linear_plans, [expansion])
             if linear_plans:
                 plans += linear_plans
                 expert_steps += linear_steps
@@ -376,10 +375,6 @@ def _plan_quantization(steps: list[Step]) -> tuple[list[attach.Plan], list[Step]
         if module_plan is not None:
             plans.append(module_plan)
     return plans, expert_steps
-
-
-def _join(path: str, relative: str) -> str:
-    return f"{path}/{relative}" if path else relative
 
 
 def _plan_one(step: Step) -> attach.Plan | None:

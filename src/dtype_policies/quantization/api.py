@@ -280,7 +280,7 @@ def quantize(
         )
 
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
-    expansions: dict[int, ExpertsExpansion] = {}  # of linears, by the linear's id
+    expansions: list[ExpertsExpansion] = []
     routers = expert_routers(modules.values())
     for path, module in _with_expert_linears(modules, calibrated, expansions):
         label = path or "(root)"
@@ -358,10 +358,7 @@ def quantize(
         outside = [(path or "(root)", SKIP_OUTSIDE_STRUCTURE) for path in calibration.outside]
         report.skipped += outside
         report.outside_linears = _outside_linears(model, modules, calibration.outside)
-    for module_plan in plans:
-        expansion = expansions.get(id(module_plan.module))
-        if expansion is not None:
-            expansion.claim(module_plan)
+    ExpertsExpansion.claim_all(plans, expansions)
     for module_plan in plans:  # nothing above changed the model
         commit(module_plan)
         label = module_plan.path or "(root)"
@@ -391,21 +388,20 @@ _ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses
 
 
 def _with_expert_linears(
-    modules: dict[str, torch.nn.Module], calibrated: bool, expansions: dict
+    modules: dict[str, torch.nn.Module], calibrated: bool, expansions: list
 ) -> Any:
     """`modules`' items, each transformers experts module (3-D weights)
     followed by the linears of its planned expansion (`quantization.experts`;
     not for calibrated modes, whose statistics come from the linears' own
-    calls) in its place; `expansions` gets each linear's expansion."""
+    calls) in its place; the expansions are added to `expansions`."""
     for path, module in modules.items():
         layout = None if calibrated else experts_layout(module)
         if layout is None:
             yield path, module
             continue
         expansion = ExpertsExpansion(module, layout)
-        for relative, linear in expansion.linears():
-            expansions[id(linear)] = expansion
-            yield (f"{path}/{relative}" if path else relative), linear
+        expansions.append(expansion)
+        yield from expansion.linears(under=path)
 
 
 def _not_kept_float_elsewhere(

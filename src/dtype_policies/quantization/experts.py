@@ -54,6 +54,7 @@ from dtype_policies._core.module_state import ensure_state, state_of
 from dtype_policies._core.policy_module import install
 
 _FLAGS = ("num_experts", "has_gate", "has_bias", "is_transposed")
+_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,11 @@ class ExpertsExpansion:
                 weight = cast(torch.nn.Parameter, module._parameters[name])
                 bias = module._parameters.get(f"{name}_bias")
                 self.lists[name] = torch.nn.ModuleList(
-                    _linear(weight[e].t() if layout.transposed else weight[e], bias, e, weight)
+                    _linear(
+                        weight[e].t() if layout.transposed else weight[e],
+                        None if bias is None else bias[e],
+                        weight.requires_grad,
+                    )
                     for e in range(layout.num_experts)
                 )
         # the linears compute by the module's policy applications
@@ -168,10 +173,12 @@ class ExpertsExpansion:
     def all_linears(self) -> list[torch.nn.Linear]:
         return [linear for linears in self.lists.values() for linear in linears]  # type: ignore[misc]
 
-    def linears(self) -> list[tuple[str, torch.nn.Module]]:
-        """`(path relative to the module, linear)`, in `/` paths."""
+    def linears(self, under: str = "", separator: str = "/") -> list[tuple[str, torch.nn.Module]]:
+        """`(path, linear)` for each linear, its path under the module's path
+        `under` (`"gate_up_proj/3"` below the module itself)."""
+        start = f"{under}{separator}" if under else ""
         return [
-            (f"{name}/{index}", linear)
+            (f"{start}{name}{separator}{index}", linear)
             for name, linears in self.lists.items()
             for index, linear in enumerate(linears)
         ]
@@ -183,6 +190,16 @@ class ExpertsExpansion:
         self.planned.add(id(plan.module))
         if not plan.scheme.keeps_float_weight:
             self.dropping.add(id(plan.module))
+
+    @staticmethod
+    def claim_all(plans: list, expansions: list[ExpertsExpansion]) -> None:
+        """Makes each plan of one of the `expansions`' linears attach its
+        expansion when committed (`claim`)."""
+        owner = {id(linear): e for e in expansions for linear in e.all_linears()}
+        for plan in plans:
+            expansion = owner.get(id(plan.module))
+            if expansion is not None:
+                expansion.claim(plan)
 
     def attach(self) -> None:
         """Puts the linears in the module in place of its 3-D weights (once;
@@ -214,14 +231,13 @@ class ExpertsExpansion:
 
 
 def _linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, index: int, parent: torch.nn.Parameter
+    weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool
 ) -> torch.nn.Linear:
+    """An `nn.Linear` holding `weight` (N, K) and `bias` (views) as its parameters."""
     out_features, in_features = weight.shape
     linear = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
-    linear._parameters["weight"] = torch.nn.Parameter(weight, parent.requires_grad)
-    linear._parameters["bias"] = (
-        None if bias is None else torch.nn.Parameter(bias[index], bias.requires_grad)
-    )
+    linear._parameters["weight"] = torch.nn.Parameter(weight, requires_grad)
+    linear._parameters["bias"] = None if bias is None else torch.nn.Parameter(bias, requires_grad)
     return linear
 
 
@@ -301,9 +317,6 @@ def _split_fused(module: Any, state_dict: dict, prefix: str) -> None:
                 piece = piece.t()
             key = f"{prefix}{weight_name}.{index}.{'bias' if is_bias else 'weight'}"
             state_dict[key] = piece.contiguous()
-
-
-_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
 
 
 def _experts(

@@ -188,7 +188,7 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     _check_state(module, manifest, header, plans, expansions, str(file))
     # Nothing above changed `module`; nothing below can fail on a checked file.
     tied = _tied_parameters(module)
-    for expansion in expansions:
+    for expansion in expansions.values():
         expansion.attach()
     if steps:
         commit_application(module, steps, [])
@@ -274,11 +274,11 @@ def plan_from_manifest(
     manifest: Manifest,
     tensor_for: TensorFor,
     source: str,
-) -> tuple[list[Step], list[attach.Plan], list[ExpertsExpansion]]:
+) -> tuple[list[Step], list[attach.Plan], dict[str, ExpertsExpansion]]:
     """The application steps (policies), quantization plans and experts
-    expansions (`quantization.experts`; a plan of one of its linears attaches
-    its expansion, the caller attaches them first) that make `module` what
-    `manifest` describes, without changing `module`.
+    expansions by module name (`quantization.experts`; a plan of one of its
+    linears attaches its expansion, the caller attaches them first) that make
+    `module` what `manifest` describes, without changing `module`.
 
     Each quantized buffer's tensor comes from `tensor_for`: the saved tensor
     (`load`), or an empty one on the meta device that a loader fills later
@@ -311,25 +311,21 @@ def plan_from_manifest(
             plans.extend(_plan_quantized(name, target, record, tensor_for))
         except (CheckpointError, NotImplementedError, ValueError) as e:
             problems.append(f"'{name or '(root)'}': {e}")
-    for plan in plans:
-        expansion = expansions.get(id(plan.module))
-        if expansion is not None:
-            expansion.claim(plan)
+    ExpertsExpansion.claim_all(plans, list(expansions.values()))
     if problems:
         raise CheckpointError(
             f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
         )
-    return steps, plans, list({id(e): e for e in expansions.values()}.values())
+    return steps, plans, expansions
 
 
 def _expansions(
-    modules: dict[str, torch.nn.Module], paths: list[str], problems: list[str]
-) -> dict[int, ExpertsExpansion]:
-    """The planned expansions of the experts modules at `paths` (the manifest's
-    `experts`), their linears added to `modules` under their names; maps each
-    linear's id to its expansion."""
-    found: dict[int, ExpertsExpansion] = {}
-    for name in paths:
+    modules: dict[str, torch.nn.Module], names: list[str], problems: list[str]
+) -> dict[str, ExpertsExpansion]:
+    """The planned expansions of the experts modules named in `names` (the
+    manifest's `experts`), by name; their linears are added to `modules`."""
+    found: dict[str, ExpertsExpansion] = {}
+    for name in names:
         target = modules.get(name)
         layout = None if target is None else experts_layout(target)
         if target is None or layout is None:
@@ -339,16 +335,9 @@ def _expansions(
                 f"but the target holds {what} (not transformers experts with 3-D weights)"
             )
             continue
-        expansion = ExpertsExpansion(target, layout)
-        for relative, linear in expansion.linears():
-            modules[f"{name}.{relative.replace('/', '.')}"] = linear
-            found[id(linear)] = expansion
+        found[name] = ExpertsExpansion(target, layout)
+        modules.update(found[name].linears(under=name, separator="."))
     return found
-
-
-def _module_prefix(root: torch.nn.Module, module: torch.nn.Module) -> str:
-    name = next(name for name, found in root.named_modules() if found is module)
-    return f"{name}." if name else ""
 
 
 def _saved_tensors(state: dict[str, torch.Tensor]) -> TensorFor:
@@ -440,7 +429,7 @@ def _check_state(
     manifest: Manifest,
     header: dict,
     plans: list[attach.Plan],
-    expansions: list[ExpertsExpansion],
+    expansions: dict[str, ExpertsExpansion],
     source: str,
 ) -> None:
     """The target's tensors, once the plans are committed, are exactly the
@@ -455,15 +444,14 @@ def _check_state(
             buffer = None
         if buffer is not None:
             expected[key] = (tuple(buffer.shape), dtype_code(buffer.dtype))
-    for expansion in expansions:
-        prefix = _module_prefix(module, expansion.module)
-        for name in expansion.lists:
-            expected.pop(prefix + name, None)
-            expected.pop(f"{prefix}{name}_bias", None)
-        for relative, linear in expansion.linears():
+    for name, expansion in expansions.items():
+        prefix = f"{name}." if name else ""
+        for weight in expansion.lists:
+            expected.pop(prefix + weight, None)
+            expected.pop(f"{prefix}{weight}_bias", None)
+        for path, linear in expansion.linears(under=name, separator="."):
             for key, tensor in linear.state_dict(keep_vars=True).items():
-                full = f"{prefix}{relative.replace('/', '.')}.{key}"
-                expected[full] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+                expected[f"{path}.{key}"] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     for plan in plans:
         prefix = f"{plan.path}." if plan.path else ""
         if not plan.scheme.keeps_float_weight:

@@ -88,7 +88,7 @@ except ImportError as e:  # pragma: no cover - transformers missing or too old
 
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.policy_module import is_policied, refresh
-from dtype_policies._core.slots import replace_buffer
+from dtype_policies._core.slots import non_persistent_buffer_names, replace_buffer
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import commit_application
 from dtype_policies.quantization import attach
@@ -191,7 +191,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         if header is not None:
             header = _as_model_keys(model, header)
             _check_headers(model, manifest, plans, header)
-        for expansion in expansions:
+        for expansion in expansions.values():
             expansion.attach()
         for plan in plans:
             attach.commit(plan)
@@ -199,7 +199,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
                 header is not None
                 and _all_keys_saved(plan, header, manifest.aliases)
                 # non-persistent buffers (Gemma's `embed_scale`) come from the model's init
-                and not _has_non_persistent_buffers(plan.module)
+                and not non_persistent_buffer_names(plan.module)
             ):
                 plan.module._is_hf_initialized = True  # every tensor of it comes from the file
         for name in manifest.experts:  # expanded: its tensors are its linears'
@@ -468,12 +468,6 @@ def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) ->
             "The checkpoint does not match its dtype_policies quantization_config:\n  "
             + "\n  ".join(problems[:25])
         )
-
-
-def _has_non_persistent_buffers(module: torch.nn.Module) -> bool:
-    """Whether `module` has buffers of its own that its state dict leaves out."""
-    saved = module.state_dict(keep_vars=True)
-    return any(name not in saved for name, _ in module.named_buffers(recurse=False))
 
 
 def _all_keys_saved(plan: attach.Plan, header: dict, aliases: dict) -> bool:
