@@ -497,3 +497,116 @@ def test_many_w4a8_rows_stay_on_the_kernel_where_it_has_vnni():
             x, None, scale, zero, 64, None, torch.bfloat16, runtime, "decoded_q8"
         )
         torch.testing.assert_close(y.float(), decoded.float(), rtol=2**-7, atol=1e-3)
+
+
+def _packed_runtime(q, scale, zero, block, g_idx=None):
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q, scale, zero, block, (q,), g_idx, kernel="packed")
+    return runtime
+
+
+@needs_kernel
+def test_torch_packing_is_read_for_the_capability_torch_runs():
+    """The probe finds the column block of torch's packing in this process:
+    64 where its kernels run AVX-512, 32 under AVX2, none for its scalar
+    layout (which this library's decoder does not read)."""
+    expected = {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())
+    assert int4_native.torch_packing_block() == expected
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("n", "k", "block", "permuted"),
+    [
+        (64, 256, 128, False),
+        (112, 576, 64, False),  # a whole column block of 64 and a last one of 48
+        (30, 256, 128, False),  # N padded to 32: one last block of 32
+        (48, 200, 40, False),  # padded blocks: the activations spread
+        (24, 576, 128, True),  # kernel groups of 64, activation order folded in
+        (20, 100, -1, False),  # per channel, K padded
+    ],
+)
+def test_torch_packing_decodes_into_bfloat16_gemms_with_the_kernels_values(n, k, block, permuted):
+    """From many rows torch's packed weight is decoded chunk by chunk into
+    bfloat16 and multiplied by bfloat16 GEMMs: the product of the kernel's
+    weights `q * s + z`, each rounded once to bfloat16, with float32 sums; the
+    kernel's own result within that rounding, eager and in a frozen graph."""
+    if int4_native.torch_packing_block() is None:
+        pytest.skip("torch's int4 packing in this process is not one the decoder reads")
+    from torch._inductor import config
+
+    q, scale, zero = _weights(n, k, block, seed=n + k)
+    g_idx = None
+    if block > 0:
+        g_idx = (torch.arange(k) // block).float()
+        if permuted:
+            g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(k))]
+    runtime = _packed_runtime(q, scale, zero, block, g_idx)
+    assert int4_kernels.paths(runtime) == ["packed", "decoded_bf16", "dequantized"]
+    rows = int4_kernels.PACKED_DECODED_MIN_ROWS  # the path of these small weights
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+
+    def product(path):
+        return int4_kernels.int4_linear(
+            x, q, scale, zero, block, None, torch.bfloat16, runtime, path, g_idx
+        ).double()
+
+    decoded, kernel = product("decoded_bf16"), product("packed")
+    weight = int4_kernels.kernel_weight(q, scale, zero, block, g_idx)  # (N, K) float32
+    exact = x.double() @ weight.bfloat16().double().t()
+    magnitude = x.double().abs() @ weight.double().abs().t()
+    assert decoded.shape == (rows, n)
+    assert ((decoded - exact).abs() <= 2**-8 * exact.abs() + 1e-6 * magnitude).all()
+    assert ((decoded - kernel).abs() <= 2**-8 * (magnitude + kernel.abs())).all()
+    assert ((decoded - kernel).norm() / kernel.norm()).item() < 2**-8
+    if int4_kernels.int4_path(runtime, rows, block) == "decoded_bf16":
+        with config.patch(freezing=True):
+            frozen = int4_kernels.int4_linear_traced(
+                x, q, scale, zero, block, None, torch.bfloat16, runtime, g_idx
+            )
+        assert torch.equal(frozen.double(), decoded)
+
+
+def test_torch_packing_is_decoded_only_where_bfloat16_gemms_are_native():
+    """The decoded bfloat16 path is chosen from `PACKED_DECODED_MIN_ROWS`
+    rows (fewer for large weights) on CPUs with native bfloat16 products, and
+    never elsewhere: emulated bfloat16 GEMMs do not beat the kernel."""
+    import dataclasses
+
+    native_bf16 = dataclasses.replace(_cpu.processor(), native_bf16=True)
+    emulated = dataclasses.replace(_cpu.processor(), native_bf16=False)
+    assert int4_kernels.decoded_min_rows("packed", emulated) is None
+    with _cpu.emulate("avx2"):
+        assert int4_kernels.decoded_min_rows("packed") is None
+    large, small = 2048 * 1536, 576 * 1536
+    if int4_native.torch_packing_block() is None:
+        assert int4_kernels.decoded_min_rows("packed", native_bf16, large) is None
+        return
+    expected = {
+        large: int4_kernels.PACKED_DECODED_LARGE_MIN_ROWS,
+        small: int4_kernels.PACKED_DECODED_MIN_ROWS,
+        None: int4_kernels.PACKED_DECODED_MIN_ROWS,
+    }
+    for elements, rows in expected.items():
+        assert int4_kernels.decoded_min_rows("packed", native_bf16, elements) == rows
+    q, scale, zero = _weights(1536, 576, 128, seed=6)
+    runtime = _packed_runtime(q, scale, zero, 128)
+    from_rows = int4_kernels.decoded_min_rows("packed", elements=1536 * 576)
+    if from_rows is None:  # this CPU's bfloat16 is emulated
+        assert int4_kernels.int4_path(runtime, 4096, 128) == "packed"
+    else:
+        assert int4_kernels.int4_path(runtime, from_rows - 1, 128) == "packed"
+        assert int4_kernels.int4_path(runtime, from_rows, 128) == "decoded_bf16"
+
+
+@needs_kernel
+def test_decoding_torch_packing_refuses_a_layout_it_cannot_read():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    packed = torch.zeros(16 * 64 // 2, dtype=torch.uint8)
+    pairs = torch.zeros(1, 16, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="block_n 32 or 64"):
+        torch.ops.dtype_policies.int4_packed_decoded_mm(x, packed, pairs, 64, 48)
+    with pytest.raises(RuntimeError, match="pairs must be"):
+        torch.ops.dtype_policies.int4_packed_decoded_mm(x, packed, pairs[:, :, :1], 64, 64)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.dtype_policies.int4_packed_decoded_mm(x.float(), packed, pairs, 64, 64)

@@ -131,10 +131,12 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         if spec.out_features % 16 and not own_kernel:
             text += ", N padded to a multiple of 16"
         decoded_from = None
-        if chosen is not None and own_kernel:
-            decoded_from = int4.decoded_min_rows(chosen, cpu)
+        if chosen is not None:
+            elements = layout.padded_k * spec.out_features
+            decoded_from = int4.decoded_min_rows(chosen, cpu, elements)
         if decoded_from is not None:
-            text += f"; from {decoded_from} rows decoded into float32 GEMMs"
+            gemms = "float32" if own_kernel else "bfloat16"
+            text += f"; from {decoded_from} rows decoded into {gemms} GEMMs"
         from_rows = int4.dequantized_min_rows(spec.in_features * spec.out_features, cpu)
         if config.group_size <= 0 and from_rows is not None:
             text += f"; from {from_rows} rows one GEMM on the integer weights"

@@ -4,8 +4,12 @@ Which CPU kernel a weight is packed for is decided once per weight from the
 processor (`cpu_kernel`): on x86 CPUs with AVX2 but not AVX-512 this
 library's own kernel (`int4_native`: torch's AVX2 int4 kernel is
 compute-bound there and Inductor has no AVX2 int4 template), from 128 rows its
-weight decoded per call into float32 GEMMs; elsewhere torch's. Both compute
-the same values (below) from the same layout plan (`Int4Layout`).
+weight decoded per call into float32 GEMMs; elsewhere torch's, from 64 rows
+(32 for weights of 2^20 elements or more) its weight decoded per call into
+bfloat16 GEMMs where bfloat16 products are native (`decoded_min_rows`). The kernels compute the
+same values (below) from the same layout plan (`Int4Layout`); the bfloat16
+GEMMs round each weight `q * s + z` to bfloat16 first (a relative 2**-9 per
+weight, below the output's own rounding to bfloat16 in a sum of many terms).
 
 On CPU every shape can run on torch's packed kernel
 `_weight_int4pack_mm_for_cpu`, with bfloat16 activations, scales and offsets
@@ -139,18 +143,21 @@ def int4_linear_traced(
     packs the weight itself, which freezing folds into a constant once, and
     calls the kernel: the storage stays int4 and the values are the eager
     ones. The plan is read only for what cannot be traced (whether `g_idx`
-    permutes the blocks); the packing is computed from the stored tensors.
+    permutes the blocks, and the path for the rows); the packing is computed
+    from the stored tensors. Of the decoded paths only torch's packing's
+    (`decoded_bf16`, one operator) runs in a graph.
     Otherwise plain ops on the kernel's float32 weight (`kernel_weight`),
     computing what the kernel computes.
     """
     plan = None if runtime is None else runtime.plan
-    if plan is not None and freezing_weights() and _path(plan, x2.shape[0], block_size) in KERNELS:
+    path = None if plan is None else _path(plan, x2.shape[0], block_size)
+    if plan is not None and freezing_weights() and path in KERNELS:
         order = None
         if plan.permuted:  # a permuting g_idx was given to the plan
             assert g_idx is not None
             order = torch.argsort(g_idx.long(), stable=True)
         traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel)
-        return _packed(x2, traced, plan.n, bias, out_dtype)
+        return _packed(x2, traced, plan.n, bias, out_dtype, decoded=path == "decoded_bf16")
     weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)
     return int4_linear_traceable(x2, weight, bias, out_dtype, activation_block_size)
 
@@ -402,6 +409,8 @@ def dequantized_min_rows(elements: int, cpu: Processor | None = None) -> int | N
 
 KERNELS = {
     "packed": "torch's packed int4 kernel, bfloat16 activations",
+    "decoded_bf16": "torch's packed weight decoded per call in cache-sized chunks into bfloat16, "
+    "bfloat16 GEMMs",
     "native": "this library's AVX2 int4 kernel, bfloat16 activations",
     "decoded": "the AVX2 kernel's weight decoded per call in cache-sized chunks, float32 GEMMs",
     "native_q8": "this library's W4A8 kernel (AVX2, or its VNNI copy), activations rounded to "
@@ -411,7 +420,7 @@ KERNELS = {
 }
 # The paths of each packing (the first: the kernel itself).
 KERNEL_PATHS = {
-    "packed": ("packed",),
+    "packed": ("packed", "decoded_bf16"),
     "native": ("native", "decoded"),
     "native_q8": ("native_q8", "decoded_q8"),
 }
@@ -424,6 +433,17 @@ KERNEL_PATHS = {
 # VNNI copy (4 rows per weight load, one vpdpbusd per 4 inputs x 8 columns):
 # 3-5x faster than these GEMMs at 128 and 512 rows (AMD Zen 4, docs/speed.md).
 NATIVE_DECODED_MIN_ROWS = 128
+# From this many rows a weight packed for torch's kernel is decoded per call
+# into bfloat16, 8 MiB of columns at a time, each chunk one bfloat16 GEMM, on
+# CPUs whose bfloat16 products are native: torch's kernel dequantizes each
+# weight once per 4 rows. Measured (AMD Zen 4, `avx512_bf16`, 2 threads,
+# docs/speed.md), the kernel's time over the decoded path's: weights of 2^20
+# elements and more 1.04-1.35x at 32 rows, 1.34-1.75x at 64; smaller ones
+# (128 x 768 to 576 x 1536) 0.70-1.21x at 32 rows, 1.04-1.67x at 64; 512 rows
+# within 1.1x of a bfloat16 weight's own GEMM.
+PACKED_DECODED_MIN_ROWS = 64
+PACKED_DECODED_LARGE_MIN_ROWS = 32
+PACKED_DECODED_LARGE_ELEMENTS = 1 << 20
 PATHS = {
     **KERNELS,
     "dequantized": "the weight dequantized per call, one GEMM",
@@ -440,34 +460,49 @@ def paths(runtime: Int4Runtime) -> list[str]:
     plan = runtime.plan
     if plan is None:
         return ["dequantized"]
-    return [*KERNEL_PATHS[plan.kernel], "dequantized"]
+    kernel_paths = list(KERNEL_PATHS[plan.kernel])
+    if plan.kernel == "packed" and int4_native.torch_packing_block() is None:
+        kernel_paths.remove("decoded_bf16")
+    return [*kernel_paths, "dequantized"]
 
 
 def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
     if plan is None:
         return "dequantized"
+    elements = plan.n * plan.layout.padded_k
     if block_size <= 0:
-        from_rows = dequantized_min_rows(plan.n * plan.layout.padded_k)
+        from_rows = dequantized_min_rows(elements)
         if from_rows is not None and rows >= from_rows:
             return "dequantized"
-    from_rows = decoded_min_rows(plan.kernel)
+    from_rows = decoded_min_rows(plan.kernel, elements=elements)
     if from_rows is not None and rows >= from_rows:
         return KERNEL_PATHS[plan.kernel][1]
     return plan.kernel
 
 
-def decoded_min_rows(kernel: str, cpu: Processor | None = None) -> int | None:
-    """The rows from which a weight packed for `kernel` (a key of
-    `KERNEL_PATHS`) is decoded per call into float32 GEMMs on `cpu`
-    (default this one), or None where it stays on its kernel: torch's packed
-    kernel, and the W4A8 kernel's VNNI copy (faster than those GEMMs at any
-    rows).
+def decoded_min_rows(
+    kernel: str, cpu: Processor | None = None, elements: int | None = None
+) -> int | None:
+    """The rows from which a weight of `elements` values (None: any weight)
+    packed for `kernel` (a key of `KERNEL_PATHS`) is decoded per call on `cpu`
+    (default this one), or None where it stays on its kernel. This library's
+    AVX2 packings decode into float32 GEMMs (except the W4A8 kernel's VNNI
+    copy, faster than those GEMMs at any rows); torch's packing decodes into
+    bfloat16 GEMMs where bfloat16 products are native (elsewhere those GEMMs
+    do not beat the kernel) and this library reads the packing.
 
-    >>> decoded_min_rows("packed") is None
+    >>> from dtype_policies import _cpu
+    >>> with _cpu.emulate("avx2"):
+    ...     decoded_min_rows("packed") is None
     True
     """
+    cpu = processor() if cpu is None else cpu
     if kernel == "packed":
-        return None
+        if not cpu.native_bf16 or int4_native.torch_packing_block() is None:
+            return None
+        if elements is not None and elements >= PACKED_DECODED_LARGE_ELEMENTS:
+            return PACKED_DECODED_LARGE_MIN_ROWS
+        return PACKED_DECODED_MIN_ROWS
     if kernel == "native_q8" and native.operator_suffix(cpu) == "vnni":
         return None
     return NATIVE_DECODED_MIN_ROWS
@@ -536,7 +571,11 @@ def _packed(
     elif layout.padded_k != xk.shape[1]:
         xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
     q8 = plan.kernel == "native_q8"
-    if decoded:  # the kernel's values: its activations, float32 sums, bfloat16 out
+    if decoded and plan.kernel == "packed":  # bfloat16 weights, float32 sums, bfloat16 out
+        y = int4_native.packed_decoded_mm(
+            xk.contiguous(), plan.packed, plan.scales_and_zeros, layout.group
+        )
+    elif decoded:  # the kernel's values: its activations, float32 sums, bfloat16 out
         xf = epilogues.round_activation_blocks(xk) if q8 else xk.float()
         y = int4_native.decoded_mm(
             xf, plan.packed, plan.scales_and_zeros, layout.group, q8=q8

@@ -25,6 +25,13 @@ compiled alike; `decoded_mm` decodes the weight chunk by
 chunk into float32 for GEMMs, for many rows, where float32 GEMMs beat any int4
 kernel on this class (eager only).
 
+The same library decodes torch's own packing (`_convert_weight_to_int4pack_for_cpu`,
+the layout of the CPUs with AVX-512) into bfloat16, chunk by chunk, each chunk
+one bfloat16 GEMM: `packed_decoded_mm`, for many rows on CPUs whose bfloat16
+GEMMs are native. Which of torch's layouts a process packs is found once by
+packing a probe (`torch_packing_block`); a layout it does not know leaves the
+path unused.
+
 >>> import torch
 >>> from dtype_policies.quantization.kernels import int4_native
 >>> q = torch.randint(-8, 8, (16, 64), dtype=torch.int32)
@@ -185,6 +192,52 @@ def decoded_mm(
     return y
 
 
+_torch_block: list[int | None] = []  # found once per process (`torch_packing_block`)
+
+
+def torch_packing_block() -> int | None:
+    """The column block of torch's CPU int4 packing in this process (64 where
+    its kernels run AVX-512, 32 under AVX2), found by decoding a packed probe;
+    None where this library's decoder does not read it (or is not built)."""
+    if not native.available(KERNEL):  # on this processor (or the class emulated)
+        return None
+    if not _torch_block:  # torch's packing: one layout per process
+        _torch_block.append(_probe_torch_block())
+    return _torch_block[0]
+
+
+def _probe_torch_block() -> int | None:
+    if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
+        return None
+    with torch.inference_mode(False), torch.no_grad():
+        q = torch.randint(0, 16, (112, 64), generator=torch.Generator().manual_seed(0))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        ones = torch.ones(1, 112, dtype=torch.bfloat16)
+        pairs = torch.stack([ones, torch.zeros_like(ones)], dim=-1).contiguous()  # s 1, z 0
+        identity = torch.eye(64, dtype=torch.bfloat16)
+        for block in (64, 32):
+            try:
+                decoded = _ops().int4_packed_decoded_mm(identity, packed, pairs, 64, block)
+            except RuntimeError:
+                continue
+            if torch.equal(decoded.float(), (q - 8).t().float()):
+                return block
+    return None
+
+
+def packed_decoded_mm(
+    x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int
+) -> torch.Tensor:
+    """`x` (M, Kp) bfloat16 times torch's packed int4 weight (`pairs`: its
+    (Kp / group, Np, 2) bfloat16 scales and offsets), decoded chunk by chunk
+    into bfloat16, each chunk one GEMM with float32 sums: (M, Np) bfloat16.
+    Needs `torch_packing_block()`."""
+    block = torch_packing_block()
+    if block is None:
+        raise RuntimeError("torch's int4 packing is not one this library decodes in this process")
+    return _ops().int4_packed_decoded_mm(x, packed, pairs, group, block)
+
+
 def _ops() -> Any:
     """The operators' namespace, the library built and loaded if it was not."""
     if native.library(KERNEL) is None:
@@ -209,6 +262,12 @@ def _register_fakes() -> None:
 
     for name in ("int4_decode_avx2", "int4_decode_q8_avx2"):
         torch.library.register_fake(f"dtype_policies::{name}", decode)
+
+    def packed_decoded(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int,
+                       block: int):  # fmt: skip
+        return x.new_empty((x.shape[0], pairs.shape[1]), dtype=torch.bfloat16)
+
+    torch.library.register_fake("dtype_policies::int4_packed_decoded_mm", packed_decoded)
 
 
 native.on_load(KERNEL, _register_fakes)

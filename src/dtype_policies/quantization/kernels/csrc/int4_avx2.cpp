@@ -16,6 +16,7 @@
 //     two, at least 32.
 // Inputs x [M, K] (K <= Kp; the rest reads as zeros), output y [M, N], both bfloat16.
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -572,6 +573,95 @@ extern "C" int dtype_policies_round_rows_q8(const uint16_t* x, int64_t m, int64_
     if (!finite[r]) {
       memset(q + r * kp, 0, static_cast<size_t>(kp));
       for (int64_t b = 0; b < blocks; ++b) d[r * blocks + b] = 0.0f;
+    }
+  }
+  return 0;
+}
+
+// torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`), decoded into
+// bfloat16 for GEMMs. Columns come in blocks of `block_n` (64 where torch's
+// kernels run AVX-512, 32 under AVX2), block b at byte b * kp * block_n / 2:
+//   a whole block: byte j of input k (k * block_n / 2 + j) holds column j in its
+//     low nibble and column j + block_n / 2 in its high nibble;
+//   a last block of nb < block_n columns: byte j of input k (k * nb / 2 + j) holds
+//     columns 2 j and 2 j + 1.
+//   sz [G, np, 2] bfloat16: (s, z) per group of `group` inputs and column.
+// Writes columns [c0, c0 + cols) (c0 a multiple of block_n, c0 + cols <= np) of
+// the weight, transposed: out[k * ldo + c - c0] = bf16((u - 8) * s + z), the float32
+// value torch's kernel multiplies by, rounded to nearest even.
+namespace {
+
+inline __m256i round_to_bf16_bits(__m256 w) {  // finite inputs: the bits in the high half
+  const __m256i bits = _mm256_castps_si256(w);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+}
+
+// 16 nibbles (one per byte of `u`, already masked) of columns c .. c + 15 into out.
+inline void decode16(__m128i u, const float* s, const float* z, uint16_t* out) {
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  const __m256 a = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u)), eight);
+  const __m256 b = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8))), eight);
+  const __m256i wa = round_to_bf16_bits(_mm256_fmadd_ps(a, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
+  const __m256i wb = round_to_bf16_bits(_mm256_fmadd_ps(b, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(wa, wb), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+}
+
+}  // namespace
+
+// The chunk's scales and offsets as float32, s and z each [groups, cols].
+extern "C" int dtype_policies_int4_torch_pairs(const uint16_t* sz, int64_t groups, int64_t np,
+                                               int64_t c0, int64_t cols, float* s, float* z) {
+  if (c0 < 0 || cols < 0 || c0 + cols > np) return 1;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t c = 0; c < cols; ++c) {
+      s[g * cols + c] = bf16_to_float(sz[(g * np + c0 + c) * 2]);
+      z[g * cols + c] = bf16_to_float(sz[(g * np + c0 + c) * 2 + 1]);
+    }
+  return 0;
+}
+
+// Inputs [k0, k1) of the chunk's columns (the caller runs ranges in parallel);
+// s, z from dtype_policies_int4_torch_pairs.
+extern "C" int dtype_policies_int4_decode_torch_packed(const uint8_t* packed, const float* s,
+                                                       const float* z, int64_t kp, int64_t group,
+                                                       int64_t np, int64_t block_n, int64_t c0,
+                                                       int64_t cols, int64_t k0, int64_t k1,
+                                                       uint16_t* out, int64_t ldo) {
+  if (cols <= 0 || k1 <= k0) return 0;
+  if ((block_n != 32 && block_n != 64) || c0 % block_n != 0 || c0 + cols > np || np % 16 != 0 ||
+      cols % 16 != 0 || ldo < cols || group < 1 || kp % group != 0 || k0 < 0 || k1 > kp)
+    return 1;
+  const int64_t half = block_n / 2;
+  const int64_t first_block = c0 / block_n, blocks = (cols + block_n - 1) / block_n;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* sk = s + (k / group) * cols;
+    const float* zk = z + (k / group) * cols;
+    uint16_t* row = out + k * ldo;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t col = b * block_n;  // in the chunk
+      const int64_t nb = np - (c0 + col) < block_n ? np - (c0 + col) : block_n;
+      const uint8_t* base = packed + (first_block + b) * kp * half;
+      if (nb == block_n) {
+        const uint8_t* bytes = base + k * half;
+        for (int64_t j = 0; j < half; j += 16) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
+          const __m128i low = _mm_and_si128(v, _mm_set1_epi8(0x0f));
+          const __m128i high = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
+          decode16(low, sk + col + j, zk + col + j, row + col + j);
+          decode16(high, sk + col + half + j, zk + col + half + j, row + col + half + j);
+        }
+      } else {
+        const uint8_t* bytes = base + k * (nb / 2);
+        for (int64_t j = 0; j < nb / 2; ++j) {
+          const int64_t c = col + 2 * j;
+          const float lo = static_cast<float>(bytes[j] & 0x0f) - 8.0f;
+          const float hi = static_cast<float>(bytes[j] >> 4) - 8.0f;
+          row[c] = float_to_bf16(fmaf(lo, sk[c], zk[c]));
+          row[c + 1] = float_to_bf16(fmaf(hi, sk[c + 1], zk[c + 1]));
+        }
+      }
     }
   }
   return 0;

@@ -6,6 +6,8 @@
 //   dtype_policies::int4_mm_q8_vnni(...)  the same values, for CPUs with AVX-512 VNNI
 //   dtype_policies::int4_decode_avx2(packed, pairs, group, out)  float32 weight into out
 //   dtype_policies::int4_decode_q8_avx2(packed, pairs, group, out)  the same, W4A8 layout
+//   dtype_policies::int4_packed_decoded_mm(x, packed, pairs, group, block_n)  torch's
+//     packed int4 weight decoded chunk by chunk into bfloat16, each chunk one GEMM
 // x: (M, K) bfloat16; weight-only: packed (N, Kp / 2) uint8, pairs (N, G, 2)
 // bfloat16; W4A8: packed (ceil(N / 8), Kp * 4) uint8, pairs (ceil(N / 8), G, 16)
 // bfloat16 (int4_avx2.cpp has the layouts). The decoders write (N, Kp) float32
@@ -13,8 +15,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 extern "C" int dtype_policies_int4_mm_bf16(const uint16_t*, int64_t, int64_t, const uint8_t*,
@@ -26,6 +31,12 @@ extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t*, int64_t, int64_t,
                                               int);
 extern "C" int dtype_policies_int4_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
                                               int64_t, float*, int);
+extern "C" int dtype_policies_int4_torch_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                                               float*, float*);
+extern "C" int dtype_policies_int4_decode_torch_packed(const uint8_t*, const float*, const float*,
+                                                       int64_t, int64_t, int64_t, int64_t, int64_t,
+                                                       int64_t, int64_t, int64_t, uint16_t*,
+                                                       int64_t);
 extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
                                                  int64_t, float*, int);
 
@@ -129,6 +140,69 @@ void int4_decode_q8_avx2(const at::Tensor& packed, const at::Tensor& pairs, int6
              out);
 }
 
+// Values of the bfloat16 weight decoded per chunk: 8 MiB. With 1 MiB chunks (multiplied
+// while in cache) the alternation of parallel decoding and GEMMs made the time bimodal
+// (896 x 4864 at 128 rows, 2 threads: 3.7 or 6.4-7.0 ms from one run to the next); with
+// 8 MiB it is 3.5-4.0 ms every run.
+constexpr int64_t kDecodedChunkValues = int64_t{1} << 22;
+
+// x [M, Kp] bfloat16 times torch's packed int4 weight (packed: its bytes for
+// np = pairs.size(1) columns in blocks of block_n; pairs [Kp / group, np, 2]
+// bfloat16): [M, np] bfloat16, from one bfloat16 GEMM per chunk of columns on
+// the decoded weight (float32 sums, one rounding of each output). Each chunk is
+// decoded in parallel on torch's threads (at::parallel_for), so that they work
+// instead of spinning between the GEMMs.
+at::Tensor int4_packed_decoded_mm(const at::Tensor& x, const at::Tensor& packed,
+                                  const at::Tensor& pairs, int64_t group, int64_t block_n) {
+  const char* name = "int4_packed_decoded_mm";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), name,
+              ": x must be a contiguous 2-D bfloat16 tensor, got ", x.scalar_type(), " of shape ",
+              x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), name,
+              ": packed must be a contiguous uint8 tensor, got ", packed.scalar_type());
+  const int64_t kp = x.size(1);
+  TORCH_CHECK(pairs.dim() == 3 && pairs.scalar_type() == at::kBFloat16 && pairs.is_contiguous() &&
+                  pairs.size(2) == 2 && group > 0 && kp % group == 0 &&
+                  pairs.size(0) == kp / group,
+              name, ": pairs must be a contiguous bfloat16 (Kp / group, np, 2) tensor for Kp=", kp,
+              ", group=", group, "; got ", pairs.scalar_type(), " of shape ", pairs.sizes());
+  const int64_t np = pairs.size(1);
+  TORCH_CHECK((block_n == 32 || block_n == 64) && np % 16 == 0 && packed.numel() == np * kp / 2,
+              name, ": expected block_n 32 or 64, np a multiple of 16 and np * Kp / 2 packed "
+              "bytes; got block_n=", block_n, ", np=", np, ", ", packed.numel(), " bytes");
+  const int64_t m = x.size(0);
+  const int64_t chunk = std::max(block_n, kDecodedChunkValues / kp / block_n * block_n);
+  const int64_t width = std::min(chunk, np);
+  const int64_t groups = kp / group;
+  at::Tensor buffer = at::empty({kp, width}, x.options());
+  at::Tensor steps = at::empty({2, groups, width}, x.options().dtype(at::kFloat));
+  at::Tensor y = width == np ? at::Tensor() : at::empty({m, np}, x.options());
+  const uint8_t* bytes = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(pairs.data_ptr());
+  uint16_t* out = reinterpret_cast<uint16_t*>(buffer.data_ptr());
+  float* s = steps.data_ptr<float>();
+  // rows of the decoded chunk per task: about 32 KiB of output each
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / width);
+  for (int64_t c0 = 0; c0 < np; c0 += chunk) {
+    const int64_t cols = std::min(chunk, np - c0);
+    float* z = s + groups * cols;
+    TORCH_CHECK(dtype_policies_int4_torch_pairs(sz, groups, np, c0, cols, s, z) == 0, name,
+                ": a column range outside the weight");
+    std::atomic<int> status{0};
+    at::parallel_for(0, kp, grain, [&](int64_t k0, int64_t k1) {
+      const int code = dtype_policies_int4_decode_torch_packed(bytes, s, z, kp, group, np, block_n,
+                                                               c0, cols, k0, k1, out, width);
+      if (code != 0) status = code;
+    });
+    TORCH_CHECK(status == 0, name, " rejected its arguments (status ", status.load(), ")");
+    at::Tensor weight = cols == width ? buffer : buffer.narrow(1, 0, cols);
+    if (cols == np) return at::mm(x, weight);
+    at::Tensor part = y.narrow(1, c0, cols);
+    at::mm_out(part, x, weight);
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
@@ -137,6 +211,9 @@ TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int4_mm_q8_vnni(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_decode_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
   m.def("int4_decode_q8_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
+  m.def(
+      "int4_packed_decoded_mm(Tensor x, Tensor packed, Tensor pairs, int group, int block_n) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
@@ -145,4 +222,5 @@ TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int4_mm_q8_vnni", &int4_mm_q8_vnni);
   m.impl("int4_decode_avx2", &int4_decode_avx2);
   m.impl("int4_decode_q8_avx2", &int4_decode_q8_avx2);
+  m.impl("int4_packed_decoded_mm", &int4_packed_decoded_mm);
 }
