@@ -22,13 +22,15 @@ from dtype_policies import (  # noqa: E402
     quantize,
     saving,
 )
-from dtype_policies._core.module_state import state_of  # noqa: E402
+from dtype_policies._core.module_state import quantization_of, state_of  # noqa: E402
+from dtype_policies.quantization import Int4QuantizationConfig  # noqa: E402
+from dtype_policies.quantization.attach import is_quantized  # noqa: E402
 from dtype_policies.quantization.experts import (  # noqa: E402
     ExpertsExpansion,
     expanded,
     experts_layout,
 )
-from dtype_policies.quantizers import GPTQConfig  # noqa: E402
+from dtype_policies.quantizers import AWQConfig, GPTQConfig  # noqa: E402
 
 VOCAB = 96
 TOKENS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -292,14 +294,114 @@ def test_straight_through_gradients_reach_the_router_and_the_inputs():
     assert model.model.layers[0].input_layernorm.weight.grad.abs().sum() > 0
 
 
-def test_calibrated_modes_name_the_experts_they_leave_float():
-    model = build("mixtral")
-    data = TOKENS.repeat(2, 1)
-    config = GPTQConfig(data, None, num_samples=4, sequence_length=12, group_size=32)
-    with pytest.warns(UserWarning, match=r"experts.*calibrated 'gptq'"):
-        report = quantize(model, config=config, progress=False)
+CALIBRATION = torch.randint(3, VOCAB, (16, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _calibrated_config(mode: str):
+    config_class = GPTQConfig if mode == "gptq" else AWQConfig
+    return config_class(CALIBRATION, None, num_samples=16, sequence_length=12, group_size=32)
+
+
+def _error(model: torch.nn.Module, reference: torch.Tensor) -> float:
+    return ((logits(model) - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_calibrated_modes_quantize_each_expert_on_the_tokens_routed_to_it(name, mode, tmp_path):
+    """GPTQ and AWQ expand the experts like the plain modes; while
+    calibrating, the block computes with the linears, so that each expert's
+    statistics are its routed tokens'; routers stay float; the model saves and
+    loads bit for bit."""
+    model = build(name)
+    apply_policy(model, "mixed_bfloat16")
+    reference = logits(model)
+    report = quantize_quietly(model, config=_calibrated_config(mode), progress=False)
+    experts = [m for m in model.modules() if expanded(m)]
+    assert len(experts) == 2 and not any("forward" in vars(m) for m in experts)
+    for module in experts:
+        for linears in (module.gate_up_proj, module.down_proj):
+            assert [linear.dtype_policy.name for linear in linears] == [
+                f"{mode}/4/32_from_mixed_bfloat16"
+            ] * len(linears)
+            assert all(linear._parameters.get("weight") is None for linear in linears)
+    assert "model/layers/0/mlp/experts/down_proj/3" in {path for path, *_ in report.quantized}
+    block = model.model.layers[0].mlp
+    assert not is_quantized(block.router if name == "gpt_oss" else block.gate)
+    error = _error(model, reference)
+    assert 0 < error < 0.3
+    if mode == "gptq":  # better than round to nearest on the same grid, on other tokens
+        rounded = build(name)
+        apply_policy(rounded, "mixed_bfloat16")
+        quantize_quietly(rounded, "int4", Int4QuantizationConfig(block_size=32))
+        assert error < 0.9 * _error(rounded, reference)
+    expected = logits(model)
+    saving.save(model, tmp_path / "ckpt")
+    with torch.device("meta"):
+        fresh = MODELS[name]().eval()
+    saving.load(fresh, tmp_path / "ckpt")
+    assert torch.equal(logits(fresh), expected)
+
+
+def _never_choose(expert: int):
+    """A forward hook for a Qwen3-MoE router: no token goes to `expert` (its
+    place in each top-k given to the next expert)."""
+
+    def hook(module, args, output):
+        router_logits, scores, indices = output
+        count = router_logits.shape[-1]
+        return router_logits, scores, torch.where(indices == expert, (indices + 1) % count, indices)
+
+    return hook
+
+
+def test_an_expert_no_calibration_token_chose_is_rounded_on_its_grid():
+    """An expert that no calibration token reaches has statistics of no rows:
+    GPTQ's Hessian is then the identity, and its weights are rounded on their
+    grid (an error like round to nearest's), never NaN or left float."""
+    model = build("qwen3_moe")
+    original = copy.deepcopy(model)
+    handles = [
+        layer.mlp.gate.register_forward_hook(_never_choose(7)) for layer in model.model.layers
+    ]
+    quantize_quietly(model, config=_calibrated_config("gptq"), progress=False)
+    for handle in handles:
+        handle.remove()
+    for layer, float_layer in zip(model.model.layers, original.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            linear = getattr(layer.mlp.experts, name)[7]
+            assert linear.dtype_policy.name == "gptq/4/32_from_float32"
+            weight = quantization_of(linear).scheme.dequantize(linear, quantization_of(linear))
+            expected = getattr(float_layer.mlp.experts, name)[7]
+            assert torch.isfinite(weight).all()
+            assert ((weight - expected).norm() / expected.norm()).item() < 0.15
+
+
+def test_an_interrupted_calibration_leaves_the_experts_as_they_were(monkeypatch):
+    from dtype_policies.quantization import calibration
+
+    model = build("qwen3_moe")
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    expected = logits(model)
+    planned = calibration._plan_block
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second block
+            raise KeyboardInterrupt
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "_plan_block", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize(model, config=_calibrated_config("gptq"), progress=False)
+    assert len(calls) == 2
     assert not any(expanded(m) for m in model.modules())
-    assert "model/layers/0/mlp/experts" in report.skipped_by_reason("no quantize support")
+    assert not any("forward" in vars(m) for m in model.modules())
+    state = model.state_dict()
+    assert state.keys() == before.keys()
+    assert all(torch.equal(state[key], value) for key, value in before.items())
+    assert torch.equal(logits(model), expected)
 
 
 @pytest.mark.slow

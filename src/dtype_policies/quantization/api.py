@@ -282,17 +282,9 @@ def quantize(
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
     expansions: list[ExpertsExpansion] = []
     routers = expert_routers(modules.values())
-    for path, module in _with_expert_linears(modules, calibrated, expansions):
+    for path, module in _with_expert_linears(modules, expansions):
         label = path or "(root)"
         kind = kind_of(module)
-        if kind is None and calibrated and experts_layout(module) is not None:
-            unsupported(
-                label,
-                module,
-                f"{original_class(module).__name__}, mixture-of-experts experts are "
-                f"quantized in plain modes (int8, int4, float8), not by calibrated '{mode}'",
-            )
-            continue
         if id(module) in routers:
             report.skipped.append((label, f"{SKIP_ROUTER}: {_ROUTER_DETAIL}"))
             leave_float(label, module, in_scope=False)
@@ -353,7 +345,7 @@ def quantize(
     ]
     checked = [(path, f) for path, f in checked if stores_no_float_copy(path, f.scheme, f.weight)]
     if checked:
-        calibration = plan_calibrated(model, checked, config, progress)
+        calibration = plan_calibrated(model, checked, config, progress, expansions)
         plans += calibration.plans
         outside = [(path or "(root)", SKIP_OUTSIDE_STRUCTURE) for path in calibration.outside]
         report.skipped += outside
@@ -387,15 +379,14 @@ def quantize(
 _ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
 
 
-def _with_expert_linears(
-    modules: dict[str, torch.nn.Module], calibrated: bool, expansions: list
-) -> Any:
+def _with_expert_linears(modules: dict[str, torch.nn.Module], expansions: list) -> Any:
     """`modules`' items, each transformers experts module (3-D weights)
-    followed by the linears of its planned expansion (`quantization.experts`;
-    not for calibrated modes, whose statistics come from the linears' own
-    calls) in its place; the expansions are added to `expansions`."""
+    followed by the linears of its planned expansion (`quantization.experts`)
+    in its place; the expansions are added to `expansions` (calibrated modes
+    run them while calibrating, so that each linear's statistics come from its
+    own calls)."""
     for path, module in modules.items():
-        layout = None if calibrated else experts_layout(module)
+        layout = experts_layout(module)
         if layout is None:
             yield path, module
             continue

@@ -20,7 +20,15 @@ its stored tensors from the activations each weight sees on calibration data.
 
 The model is only ever run (in eval mode, without gradients, with its
 weights read, or swapped for the planned ones inside `functional_call`); its
-hooks and modes are restored on the way out, whatever happens. Nothing is
+hooks and modes are restored on the way out, whatever happens. A
+mixture-of-experts block's experts planned as one linear per expert
+(`quantization.experts`, `expansions`) compute with those linears while
+calibrating, so that each expert's statistics are those of the tokens routed
+to it (an expert no calibration token chose gets its scheme's statistics of
+no rows: GPTQ's Hessian is then the identity, round to nearest on its grid);
+the linears, outside the module tree until attached, get their planned
+weights in place of their views for the next block's inputs, and their views
+back after. Nothing is
 committed here: `quantize()` commits every plan at the end, so a failure or a
 `KeyboardInterrupt` part-way leaves the model bit-for-bit unchanged.
 
@@ -55,6 +63,7 @@ from torch.func import functional_call
 from dtype_policies._core.module_state import casts_not_kept
 from dtype_policies._paths import join, named_module_paths, root_path_of
 from dtype_policies.quantization.attach import Checked, Plan, is_quantized, plan
+from dtype_policies.quantization.experts import ExpertsExpansion
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.progress import CalibrationProgress
 from dtype_policies.quantization.schemes.base import ActivationStatistics, QuantizedWeight
@@ -81,10 +90,12 @@ def plan_calibrated(
     targets: Sequence[tuple[str, Checked]],
     config: QuantizationConfig,
     progress: bool | None = None,
+    expansions: Sequence[ExpertsExpansion] = (),
 ) -> CalibrationResult:
     """Plans the calibrated quantization of `targets` (checked modules of
-    `model`, with their paths) from `config`'s calibration data; `progress`
-    as `CalibrationProgress`'s `enabled`."""
+    `model`, with their paths, the linears of planned `expansions`
+    included) from `config`'s calibration data; `progress` as
+    `CalibrationProgress`'s `enabled`."""
     structure = getattr(config, "quantization_layer_structure", None)
     found = structure is None
     repeated = [module for _, module in find_blocks(model)] if found else []
@@ -96,7 +107,9 @@ def plan_calibrated(
         result, members = _assign(blocks, targets)
     if not any(members):
         return result
-    with _calibrating(model):
+    with _calibrating(model), contextlib.ExitStack() as stack:
+        for expansion in expansions:
+            stack.enter_context(expansion.computing())
         batches = config.calibration_batches(model)
         chained, why = (
             blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
@@ -202,12 +215,40 @@ def _next_calls(block: torch.nn.Module, calls: list[Call], plans: list[Plan]) ->
     argument. `calls` is overwritten call by call, so that the block's inputs
     and outputs for the whole calibration set are never held at once."""
     swapped = {}
+    planned_outside: list[Plan] = []  # experts' linears, not in the tree until attached
     if plans and plans[0].scheme.calibrated_on_quantized_outputs:
         names = {id(module): name for name, module in block.named_modules()}
         for module_plan in plans:
-            prefix = names[id(module_plan.module)]
+            prefix = names.get(id(module_plan.module))
+            if prefix is None:
+                planned_outside.append(module_plan)
+                continue
             key = f"{prefix}.{module_plan.spec.weight}" if prefix else module_plan.spec.weight
             swapped[key] = _dequantized(module_plan)
+    with _planned_weights(planned_outside):
+        return _run_calls(block, calls, swapped)
+
+
+@contextlib.contextmanager
+def _planned_weights(plans: list[Plan]) -> Iterator[None]:
+    """The planned modules' weights in place of their own (parameters of
+    modules outside the model's tree: an expansion's linears), restored after."""
+    originals = []
+    try:
+        for module_plan in plans:
+            name = module_plan.spec.weight
+            parameter = module_plan.module._parameters[name]
+            originals.append((module_plan.module, name, parameter))
+            module_plan.module._parameters[name] = torch.nn.Parameter(
+                _dequantized(module_plan), requires_grad=False
+            )
+        yield
+    finally:
+        for module, name, parameter in reversed(originals):
+            module._parameters[name] = parameter
+
+
+def _run_calls(block: torch.nn.Module, calls: list[Call], swapped: dict) -> list[Call]:
     for index, (args, kwargs) in enumerate(calls):
         out = functional_call(block, swapped, args, kwargs) if swapped else block(*args, **kwargs)
         first = out[0] if isinstance(out, (tuple, list)) else out

@@ -43,7 +43,9 @@ expands them again before the saved tensors go in.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -191,6 +193,28 @@ class ExpertsExpansion:
         if not plan.scheme.keeps_float_weight:
             self.dropping.add(id(plan.module))
 
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """While planned (before `attach`), the module computes with its
+        linears (`ExpertLinearsForward`'s values, on the linears' views of its
+        weights), so that each linear's own calls can be observed (the
+        statistics of calibrated modes); its forward is restored after."""
+        module = self.module
+        if self.attached:
+            yield
+            return
+        lists = self.lists
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            index, weights = _routing(args, kwargs)
+            return _experts(module, hidden_states, index, weights, lists)
+
+        module.forward = forward  # an instance attribute, in front of the class's
+        try:
+            yield
+        finally:
+            del module.forward
+
     @staticmethod
     def claim_all(plans: list, expansions: list[ExpertsExpansion]) -> None:
         """Makes each plan of one of the `expansions`' linears attach its
@@ -320,17 +344,24 @@ def _split_fused(module: Any, state_dict: dict, prefix: str) -> None:
 
 
 def _experts(
-    module: Any, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+    module: Any,
+    hidden_states: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    lists: dict[str, torch.nn.ModuleList] | None = None,
 ) -> torch.Tensor:
-    """`ExpertLinearsForward.forward`, eagerly."""
+    """`ExpertLinearsForward.forward`, eagerly, on the module's linears (or
+    on `lists`, an expansion's linears by weight name, before it is attached)."""
+    lists = module._modules if lists is None else lists
     shape = hidden_states.shape
     hidden = hidden_states.reshape(-1, shape[-1])
     k = index.shape[-1]
     expert_ids = index.reshape(-1)
     weights = weights.reshape(-1)
-    count = len(module.down_proj)
-    first = module.gate_up_proj if module.has_gate else module.up_proj
-    features = module.down_proj[0].out_features
+    down = cast(torch.nn.ModuleList, lists["down_proj"])
+    count = len(down)
+    first = lists["gate_up_proj"] if module.has_gate else lists["up_proj"]
+    features = cast(torch.nn.Linear, down[0]).out_features
     output = torch.zeros(hidden.shape[0], features, dtype=torch.float32, device=hidden.device)
     order = torch.argsort(expert_ids, stable=True)
     # ids past the last expert (expert parallelism's sentinels) sort last, counted apart
@@ -344,7 +375,7 @@ def _experts(
         token_index = chosen // k
         out = first[expert](hidden[token_index])
         out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
-        out = module.down_proj[expert](out)
+        out = down[expert](out)
         if module.has_post_expert_norm:
             out = module.post_expert_norm(out)
         out = out * weights[chosen].unsqueeze(-1).to(out.dtype)
