@@ -103,6 +103,15 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if experts_layout(m) is not None or expanded(m)]
 
 
+def reloaded(model: torch.nn.Module, name: str, tmp_path) -> torch.nn.Module:
+    """`model` saved with `saving.save` and loaded into a fresh meta-device one."""
+    saving.save(model, tmp_path / "ckpt")
+    with torch.device("meta"):
+        fresh = MODELS[name]().eval()
+    saving.load(fresh, tmp_path / "ckpt")
+    return fresh
+
+
 def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours - reference).abs().max() / reference.abs().max()).item()
 
@@ -249,11 +258,7 @@ def test_the_expanded_model_saves_and_loads_bit_for_bit(name, mode, tmp_path):
     apply_policy(model, "mixed_bfloat16")
     quantize_quietly(model, mode)
     expected = logits(model)
-    saving.save(model, tmp_path / "ckpt")
-    with torch.device("meta"):
-        fresh = MODELS[name]().eval()
-    saving.load(fresh, tmp_path / "ckpt")
-    assert torch.equal(logits(fresh), expected)
+    assert torch.equal(logits(reloaded(model, name, tmp_path)), expected)
     model.save_pretrained(tmp_path / "hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -336,11 +341,7 @@ def test_calibrated_modes_quantize_each_expert_on_the_tokens_routed_to_it(name, 
         quantize_quietly(rounded, "int4", Int4QuantizationConfig(block_size=32))
         assert error < 0.9 * _error(rounded, reference)
     expected = logits(model)
-    saving.save(model, tmp_path / "ckpt")
-    with torch.device("meta"):
-        fresh = MODELS[name]().eval()
-    saving.load(fresh, tmp_path / "ckpt")
-    assert torch.equal(logits(fresh), expected)
+    assert torch.equal(logits(reloaded(model, name, tmp_path)), expected)
 
 
 def _never_choose(expert: int):
