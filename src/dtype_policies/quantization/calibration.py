@@ -110,6 +110,8 @@ def plan_calibrated(
     with _calibrating(model), contextlib.ExitStack() as stack:
         for expansion in expansions:
             stack.enter_context(expansion.computing())
+            for linears in expansion.lists.values():  # outside the model's tree
+                stack.enter_context(casts_not_kept(linears))
         batches = config.calibration_batches(model)
         chained, why = (
             blocks_chain([b for _, b in blocks], lambda: _run(model, batches[0]))
