@@ -444,6 +444,14 @@ NATIVE_DECODED_MIN_ROWS = 128
 PACKED_DECODED_MIN_ROWS = 64
 PACKED_DECODED_LARGE_MIN_ROWS = 32
 PACKED_DECODED_LARGE_ELEMENTS = 1 << 20
+# Below this many rows every weight stays on its kernel (the fewest rows of
+# any threshold above), so that one-row decoding asks nothing per call.
+KERNEL_ONLY_BELOW_ROWS = min(
+    DEQUANTIZED_MIN_ROWS,
+    PACKED_DECODED_LARGE_MIN_ROWS,
+    PACKED_DECODED_MIN_ROWS,
+    NATIVE_DECODED_MIN_ROWS,
+)
 PATHS = {
     **KERNELS,
     "dequantized": "the weight dequantized per call, one GEMM",
@@ -469,6 +477,8 @@ def paths(runtime: Int4Runtime) -> list[str]:
 def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
     if plan is None:
         return "dequantized"
+    if rows < KERNEL_ONLY_BELOW_ROWS:
+        return plan.kernel
     elements = plan.n * plan.layout.padded_k
     if block_size <= 0:
         from_rows = dequantized_min_rows(elements)
