@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import dtype_policies
 from dtype_policies import DTypePolicy, DTypePolicyMap, apply_policy, layers
 from dtype_policies._core.module_state import state_of
+from tiny_models import tiny_decoder
 
 
 def mlp():
@@ -226,6 +227,72 @@ def test_map_keeps_one_block_in_float32():
     assert seen["layers/1/linear1"][:2] == (torch.float32, torch.float32)
     assert seen["layers/2/linear1"][:2] == (torch.bfloat16, torch.bfloat16)
     assert out.dtype == torch.bfloat16
+
+
+def test_a_narrower_module_hands_its_outputs_back_in_the_enclosing_dtype(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    inner = []
+    model[0].register_forward_hook(lambda module, args, output: inner.append(output.dtype))
+    apply_policy(model, DTypePolicyMap("float32", {"0": "mixed_bfloat16"}))
+    y0 = model[0](x)
+    assert inner == [torch.bfloat16]  # computed in bfloat16 ...
+    assert y0.dtype == torch.float32  # ... handed back in the float32 around it
+    w, b = model[0].weight, model[0].bias
+    assert torch.equal(y0, F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float())
+    assert model(x).dtype == torch.float32
+
+    # the saved manifest keeps it
+    path = dtype_policies.saving.save(model, tmp_path / "model.safetensors")
+    fresh = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    dtype_policies.saving.load(fresh, path)
+    assert torch.equal(fresh[0](x), y0)
+
+    # the same policy everywhere: nothing handed back, outputs in bfloat16 as before
+    apply_policy(model, "mixed_bfloat16")
+    assert model[0](x).dtype == torch.bfloat16 and model(x).dtype == torch.bfloat16
+    # a wider module keeps its outputs (a float32 head of a bfloat16 model)
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"2": "float32"}))
+    assert model[0](x).dtype == torch.bfloat16 and model(x).dtype == torch.float32
+    # the root's own entry: the map's default is what the code around it computes in
+    leaf = model[0]
+    apply_policy(leaf, DTypePolicyMap("float32", {"": "mixed_bfloat16"}))
+    assert torch.equal(leaf(x), y0)
+    apply_policy(leaf, "mixed_bfloat16")  # a policy, not a map: nothing around it
+    assert torch.equal(leaf(x), y0.bfloat16())
+
+
+def test_a_weight_already_in_the_compute_dtype_beside_a_float32_bias():
+    # (calibration swaps planned weights in this way; a user may convert a weight alone)
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 4)
+    linear.weight.data = linear.weight.data.bfloat16()
+    apply_policy(linear, "mixed_bfloat16")
+    x = torch.randn(3, 8)
+    y = linear(x)
+    expected = F.linear(x.bfloat16(), linear.weight, linear.bias.bfloat16())
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+    assert linear.bias.dtype == torch.float32
+
+
+def test_attention_projections_alone_in_bfloat16_run_in_a_float32_model():
+    model = tiny_decoder("qwen3")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    # q and k meet float32 q/k norms and rotary tables, v does not
+    apply_policy(
+        model,
+        DTypePolicyMap(
+            "float32", {r"model/layers/\d+/self_attn/[qkv]_proj": "int8_from_mixed_bfloat16"}
+        ),
+    )
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert got.dtype == torch.float32
+    error = float((got - want).norm() / want.norm())
+    assert 0 < error < 0.05
 
 
 def test_map_entry_overrides_float32_island():

@@ -47,6 +47,10 @@ class ModuleOptions:
         gather: Its weights are looked up, not multiplied (embeddings).
         cast_buffers: Read floating buffers in the compute dtype too.
         weight_cache: Keep graph-free casts between calls (see `weight_casts`).
+        outputs: The name of the dtype its floating outputs are handed back
+            in (`None`: its compute dtype): the enclosing module's compute
+            dtype, where the module computes in a narrower one, so that the
+            code around it computes as its own policy says.
     """
 
     policy: DTypePolicy
@@ -56,6 +60,7 @@ class ModuleOptions:
     gather: bool = False
     cast_buffers: bool = True
     weight_cache: bool = True
+    outputs: str | None = None
 
 
 class PolicyModule(ModuleMixin):
@@ -164,7 +169,10 @@ class FastLinearForward(ModuleMixin):
                 return out.view(*input.shape[:-1], out.shape[-1])
         elif call is not None and call.compute in HALF_DTYPES:
             # Weights already in the compute dtype (sharded or half-precision
-            # parameters) take the same product path as cast ones.
+            # parameters) take the same product path as cast ones; a bias
+            # left in another dtype is cast per call.
+            if bias is not None and call.autocast and bias.dtype is not call.compute:
+                bias = bias.to(call.compute)
             product = traced_product(weight) if tracing() else linear_product(weight, kept=False)
             if product is not None:
                 return product(input, bias)
@@ -276,6 +284,7 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
         gather_dtype=gather_dtype,
         output_compute=options.norm,
         norm_dtype=stored_dtype,
+        hand_back=None if options.outputs is None else getattr(torch, options.outputs),
         casts_own_weights=quantization is not None or original_class(module) in FAST_LINEARS,
     )
 

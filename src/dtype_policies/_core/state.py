@@ -75,6 +75,7 @@ def derive_call_state(
     casts_own_weights: bool = False,
     convert_arrays: bool = False,
     norm_dtype: torch.dtype | None = None,
+    hand_back: torch.dtype | None = None,
 ) -> CallState:
     """The call state of a module under `policy` (see `CallState`).
 
@@ -87,6 +88,8 @@ def derive_call_state(
     running statistics are stored in; when a conversion of the model
     (`.double()`, `.half()`, `.to(dtype)`) left it other than float32 and the
     compute dtype, no kernel combines the two: the layer computes in it.
+    `hand_back`: floating outputs are cast to this dtype (the enclosing
+    module's, wider than the compute dtype).
     """
     compute = compute_dtype_of(policy)
     inputs = outputs = None
@@ -103,6 +106,8 @@ def derive_call_state(
     ):
         compute, half_inputs_ok = norm_dtype, False
         inputs = compute if inputs is not None else None
+    if hand_back is not None and compute is not None and hand_back != compute:
+        outputs = hand_back
     return CallState(
         policy=policy,
         compute=compute,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,11 +21,12 @@ from dtype_policies._core.module_state import (
     push_application,
     state_of,
 )
+from dtype_policies._core.state import compute_dtype_of
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.layers.layer import Layer, LayerApplication
-from dtype_policies.policies import DTypePolicy
+from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.policies import get as get_policy
 from dtype_policies.quantization import attach, experts
 from dtype_policies.quantization.kernels import attention
@@ -280,7 +282,9 @@ def _plan_policies(
     weight_cache: bool,
 ) -> tuple[list[Step], set[str]]:
     steps, used_keys, conflicts = [], set(), []
-    for path, submodule in named_module_paths(module, root_path_of(module)):
+    root_path = root_path_of(module)
+    computes: dict[str, torch.dtype | None] = {}  # each path's compute dtype
+    for path, submodule in named_module_paths(module, root_path):
         explicit = False
         resolved = policy
         if policy.is_map:
@@ -305,6 +309,12 @@ def _plan_policies(
             continue
         island = not explicit and matches_any(path, submodule, rules)
         resolved = _FLOAT32 if island else resolved
+        computes[path] = compute_dtype_of(resolved)
+        if path != root_path:
+            enclosing = computes.get(path.rsplit("/", 1)[0] if "/" in path else "")
+        else:  # what the code around the model computes in: the map's default
+            around = policy.default_policy if isinstance(policy, DTypePolicyMap) else None
+            enclosing = compute_dtype_of(around) if explicit and around is not None else None
         options = None
         if not isinstance(submodule, Layer):
             options = policy_module.ModuleOptions(
@@ -315,6 +325,7 @@ def _plan_policies(
                 gather=issubclass(original_class(submodule), _GATHER_MODULES),
                 cast_buffers=cast_buffers,
                 weight_cache=weight_cache,
+                outputs=_handed_back(computes[path], enclosing),
             )
         steps.append(Step(path, submodule, resolved, island, options))
     if conflicts:
@@ -325,6 +336,17 @@ def _plan_policies(
             "module computes with it) or rebuild the model from a float checkpoint."
         )
     return steps, used_keys
+
+
+def _handed_back(compute: torch.dtype | None, enclosing: torch.dtype | None) -> str | None:
+    """The dtype a module's outputs go back in: the enclosing module's, where
+    the module computes in a narrower one (`mixed_bfloat16` q/k/v projections
+    of a float32 attention, whose q and k meet a float32 rotary table and v
+    does not); `None` otherwise (a wider module, a float32 head in a bfloat16
+    model, keeps its outputs as Keras does)."""
+    if compute is None or enclosing is None or compute.itemsize >= enclosing.itemsize:
+        return None
+    return str(enclosing).removeprefix("torch.")
 
 
 def _quantized_conflict(
@@ -361,8 +383,10 @@ def _plan_quantization(steps: list[Step]) -> tuple[list[attach.Plan], list[Step]
         layout = experts.experts_layout(step.module)
         if layout is not None and "linear" in mode_record(mode).roles:
             expansion = experts.ExpertsExpansion(step.module, layout)
+            # inside the module, in its compute dtype: its outputs alone go back
+            inner = step.options and dataclasses.replace(step.options, outputs=None)
             linear_steps = [
-                Step(path, linear, step.policy, step.island, step.options)
+                Step(path, linear, step.policy, step.island, inner)
                 for path, linear in expansion.linears(under=step.path)
             ]
             linear_plans = [p for p in map(_plan_one, linear_steps) if p is not None]

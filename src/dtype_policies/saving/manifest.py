@@ -44,6 +44,7 @@ class ModuleRecord:
     gather: bool = False
     cast_buffers: bool = True
     weight_cache: bool = True
+    outputs: str | None = None
 
     @classmethod
     def of(cls, options: ModuleOptions) -> ModuleRecord:

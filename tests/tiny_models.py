@@ -1,0 +1,27 @@
+"""Tiny Hugging Face decoders from configs (random weights), shared by tests."""
+
+import pytest
+import torch
+
+
+def tiny_decoder(family: str = "llama", layers: int = 2, tie: bool = False) -> torch.nn.Module:
+    """A causal LM of `family` ("llama"; "qwen3", with float32 q/k norms), 64
+    wide, 4 heads over 2 key-value heads, vocabulary 128, eval mode, seed 0."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    widths = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**widths)).eval()
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**widths, head_dim=16)
+        return transformers.Qwen3ForCausalLM(config).eval()
+    raise ValueError(f"no tiny {family!r}")
