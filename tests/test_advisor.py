@@ -14,6 +14,8 @@ import torch
 import dtype_policies
 from dtype_policies import Advice, DTypePolicyMap, advise, saving
 from dtype_policies.advisor import relative_error
+from dtype_policies.quantization.attach import quantization_of
+from tiny_models import tiny_decoder
 
 # Aggressiveness of the labels advise uses, least first.
 ORDER = ["float32", "mixed_bfloat16", "int8", "int4"]
@@ -217,19 +219,7 @@ def test_bad_arguments_raise_and_leave_the_model_alone(kwargs, error, match):
 
 
 def tiny_llama(tie: bool = False):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_decoder("llama", tie=tie)
 
 
 def test_llama_q_k_v_share_one_precision():
@@ -267,6 +257,84 @@ def test_tied_embedding_and_head_are_one_group():
     assert advice.error <= 0.02
     logits = lambda module, ids: module(input_ids=ids).logits  # noqa: E731
     assert measured_error(model, advice, [ids], logits) <= 0.02
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_q_k_v_are_measured_under_every_candidate(family):
+    # The q/k/v group's outputs meet in attention: q and k after a float32
+    # rotary table (and Qwen3's float32 q/k norms), v directly; a narrower
+    # group hands its outputs back in float32, so every candidate runs.
+    model = tiny_decoder(family, layers=1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    advice = advise(model, {"input_ids": ids}, max_error=0.05, objective="memory", **FAST)
+    rows = {row.path: row for row in advice.modules}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        row = rows[f"model/layers/0/self_attn/{name}"]
+        assert "failed" not in row.note, row.note
+        for label in ("mixed_bfloat16", "int8", "int4"):
+            assert row.errors[label] is not None and 0 < row.errors[label] < 0.5, (label, row)
+    logits = lambda module, ids: module(input_ids=ids).logits  # noqa: E731
+    assert measured_error(model, advice, [ids], logits) <= 0.05
+
+
+def tiny_qwen3_moe():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+def test_mixture_of_experts_experts_are_quantized_and_routers_stay_float():
+    model = tiny_qwen3_moe()
+    before = snapshot(model)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    advice = advise(
+        model,
+        {"input_ids": ids},
+        max_error=0.05,
+        objective="memory",
+        candidates=("int4", "int8", "mixed_bfloat16"),
+        **FAST,
+    )
+    assert_unchanged(model, before)
+    rows = {row.path: row for row in advice.modules}
+    for layer in (0, 1):
+        experts = rows[f"model/layers/{layer}/mlp/experts"]
+        router = rows[f"model/layers/{layer}/mlp/gate"]
+        assert experts.group == router.group  # they read the same input
+        float_bytes = experts.bytes["float32"]
+        assert float_bytes == sum(
+            p.numel() * 4 for p in model.model.layers[layer].mlp.experts.parameters()
+        )
+        assert 0 < experts.bytes["int8"] < float_bytes / 3
+        assert 0 < experts.bytes["int4"] < experts.bytes["int8"]
+        assert router.bytes["int4"] == router.bytes["float32"]  # computes with the float source
+        assert experts.errors["int4"] is not None and experts.errors["int4"] > 0
+    assert any(rows[f"model/layers/{i}/mlp/experts"].choice in QUANTIZED for i in (0, 1))
+    assert advice.error <= 0.05
+
+    deployed = copy.deepcopy(model)
+    advice.apply(deployed)
+    for layer in (0, 1):
+        mlp = deployed.model.layers[layer].mlp
+        if rows[f"model/layers/{layer}/mlp/experts"].choice in QUANTIZED:
+            linear = mlp.experts.down_proj[0]  # one linear per expert
+            assert quantization_of(linear).mode == rows[f"model/layers/{layer}/mlp/experts"].choice
+        assert mlp.gate.weight.dtype == torch.float32
+    logits = lambda module, ids: module(input_ids=ids).logits  # noqa: E731
+    assert measured_error(model, advice, [ids], logits) <= 0.05
 
 
 FACTORY = textwrap.dedent(

@@ -302,7 +302,7 @@ def _measure_group(
     for candidate in choices:
         built = {}
         for unit in group:
-            variant = build_variant(originals[unit.path], candidate, unit.args)
+            variant = build_variant(originals[unit.path], candidate, unit.args, unit.router)
             if isinstance(variant, str):
                 result.unavailable[candidate.rank] = f"{unit.path or '(root)'}: {variant}"
                 break
@@ -341,7 +341,8 @@ def _retime(
     for unit in group:
         micros = measure.micros[unit.path]
         per_rank = {
-            rank: build_variant(originals[unit.path], choices[rank], unit.args) for rank in micros
+            rank: build_variant(originals[unit.path], choices[rank], unit.args, unit.router)
+            for rank in micros
         }
         try:
             seconds = time_variants(per_rank, unit.args, unit.kwargs, repeats)

@@ -16,6 +16,7 @@ from dtype_policies.advisor.batches import Batch, floating_tensors
 from dtype_policies.apply.apply import DEFAULT_FLOAT32_MODULES
 from dtype_policies.quantization.api import read_by_parent
 from dtype_policies.quantization.attach import quantization_of
+from dtype_policies.quantization.experts import expert_routers
 
 ISLAND_RULES = (*DEFAULT_FLOAT32_MODULES, "Norm")  # apply_policy's default float32 modules
 
@@ -30,6 +31,8 @@ class Unit:
         calls: How many times one forward on the first batch calls it.
         args, kwargs: Its (cloned) arguments in its first call.
         output_dtype: The dtype of its first floating output.
+        router: A mixture-of-experts block's router, which computes with a
+            quantized policy's float source (`apply_policy` keeps it so).
     """
 
     path: str
@@ -38,6 +41,7 @@ class Unit:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     output_dtype: torch.dtype | None = None
+    router: bool = False
 
     @property
     def class_name(self) -> str:
@@ -63,6 +67,7 @@ def find_units(model: torch.nn.Module) -> tuple[list[Unit], list[Skipped]]:
     `apply_policy` keeps them), weights read directly by their parent,
     modules already quantized."""
     modules = dict(named_module_paths(model, root_path_of(model)))
+    routers = expert_routers(modules.values())
     units, skipped = [], []
     for path, module in modules.items():
         if not _owns_float_weights(module) and quantization_of(module) is None:
@@ -75,7 +80,7 @@ def find_units(model: torch.nn.Module) -> tuple[list[Unit], list[Skipped]]:
         elif (reason := read_by_parent(path, module, modules)) is not None:
             skipped.append(Skipped(path, name, reason))
         else:
-            units.append(Unit(path, module))
+            units.append(Unit(path, module, router=id(module) in routers))
     return units, skipped
 
 

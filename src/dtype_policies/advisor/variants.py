@@ -16,20 +16,38 @@ from dtype_policies.apply import PolicyHandle, apply_policy, module_summaries
 from dtype_policies.policies import DTypePolicyMap
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.api import quantize
+from dtype_policies.quantization.experts import expanded, experts_layout
 from dtype_policies.quantization.kinds import kind_of
 
 
 def build_variant(
-    module: torch.nn.Module, candidate: Candidate, inputs: tuple | None = None
+    module: torch.nn.Module,
+    candidate: Candidate,
+    inputs: tuple | None = None,
+    router: bool = False,
 ) -> torch.nn.Module | str:
     """A copy of `module` computing by `candidate` (its children, if any, in
     float32), or the reason it cannot take the candidate. A calibrated mode
     (gptq, awq) calibrates on `inputs`, the module's recorded positional
-    arguments."""
+    arguments. A mixture-of-experts module's experts are quantized one linear
+    per expert; a `router` computes with a quantized candidate's float source,
+    as `apply_policy` keeps it."""
     mode = candidate.mode
-    if mode is not None and mode_record(mode).calibrated:
+    policy: Any = candidate.policy  # quantized ones have a source_policy
+    if mode is not None and router:
+        mode, policy = None, policy.source_policy
+    layout = None if mode is None else experts_layout(module)
+    if mode is not None and layout is not None:
+        if mode_record(mode).calibrated:
+            return (
+                f"{candidate.label}: experts calibrate on their block's routing; "
+                "quantize(model, config=...) calibrates them"
+            )
+        if "linear" not in mode_record(mode).roles:
+            return f"{type(module).__name__}'s experts cannot be quantized by {mode}"
+    elif mode is not None and mode_record(mode).calibrated:
         return _calibrated_variant(module, candidate, inputs)
-    if mode is not None:
+    elif mode is not None:
         kind = kind_of(module)
         if kind is None:
             return f"{type(module).__name__} cannot be quantized"
@@ -39,12 +57,15 @@ def build_variant(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            apply_policy(variant, DTypePolicyMap("float32", {"": candidate.policy}))
+            apply_policy(variant, DTypePolicyMap("float32", {"": policy}))
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         return f"{candidate.label}: {e}"
-    if mode is not None:
+    if mode is not None and layout is not None:
+        if not expanded(variant):
+            return f"{candidate.label}: {type(module).__name__}'s experts were not quantized"
+    elif mode is not None:
         quantized = attach.quantization_of(variant)
-        if quantized is None or quantized.config != candidate.policy.quantization_config:
+        if quantized is None or quantized.config != policy.quantization_config:
             return f"{candidate.label}: {_why_not_quantized(module, candidate)}"
     return variant
 
@@ -139,8 +160,10 @@ def _why_not_quantized(module: torch.nn.Module, candidate: Candidate) -> str:
 
 def stored_bytes(variant: torch.nn.Module) -> int:
     """The bytes of the module's own parameters and buffers (as `summary`
-    counts them: int8/int4 data and scales, float weights)."""
-    return module_summaries(variant)[0].bytes
+    counts them: int8/int4 data and scales, float weights); of an expanded
+    experts module, its experts' linears'."""
+    summaries = module_summaries(variant)
+    return sum(s.bytes for s in summaries) if expanded(variant) else summaries[0].bytes
 
 
 def model_bytes(model: torch.nn.Module) -> int:
