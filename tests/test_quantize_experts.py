@@ -402,6 +402,36 @@ def test_calibration_keeps_no_casts_of_the_experts_weights(monkeypatch):
     assert len(kept) == 2 * 2 * 8 and not any(kept)
 
 
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_statistics_in_several_passes_give_the_same_quantization(mode, monkeypatch):
+    """A block whose statistics exceed `STATISTICS_PER_PASS` runs its calls once
+    per share of its weights; each weight's statistics, hence its integers,
+    are those of one pass."""
+    from dtype_policies.quantization import calibration
+
+    def calibrated(per_pass: int):
+        monkeypatch.setattr(calibration, "STATISTICS_PER_PASS", per_pass)
+        model = build("qwen3_moe")
+        apply_policy(model, "mixed_bfloat16")
+        passes = []
+        observing = calibration._observing
+
+        def counted(block, members, statistics):
+            passes.append(len(members))
+            return observing(block, members, statistics)
+
+        monkeypatch.setattr(calibration, "_observing", counted)
+        quantize_quietly(model, config=_calibrated_config(mode), progress=False)
+        monkeypatch.setattr(calibration, "_observing", observing)
+        return model.state_dict(), passes
+
+    one, passes = calibrated(2**40)
+    several, many_passes = calibrated(1)  # every weight alone
+    assert len(passes) == 2 and len(many_passes) == sum(passes) > 2
+    assert one.keys() == several.keys()
+    assert all(torch.equal(one[key], several[key]) for key in one)
+
+
 def test_an_interrupted_calibration_leaves_the_experts_as_they_were(monkeypatch):
     from dtype_policies.quantization import calibration
 

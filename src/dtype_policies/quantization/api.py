@@ -15,6 +15,7 @@ from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import quantization_of, state_of
+from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import check, commit, plan
@@ -360,6 +361,7 @@ def quantize(
     if plans:
         guard_loading(model)
         model_changed(model)
+        release_freed_memory()  # the float weights and the planning's temporaries
     for unmatched in keep.unmatched():
         warnings.warn(
             f"quantize(): the filter {unmatched!r} matched no quantizable module (strings are "

@@ -60,7 +60,8 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from dtype_policies._core.module_state import casts_not_kept
+from dtype_policies._core.module_state import casts_not_kept, state_of
+from dtype_policies._memory import release_freed_memory
 from dtype_policies._paths import join, named_module_paths, root_path_of
 from dtype_policies.quantization.attach import Checked, Plan, is_quantized, plan
 from dtype_policies.quantization.experts import ExpertsExpansion
@@ -118,6 +119,7 @@ def plan_calibrated(
             if len(blocks) > 1
             else (True, "")
         )
+        release_freed_memory()
         if not chained:
             if not found:
                 raise ValueError(
@@ -142,8 +144,10 @@ def plan_calibrated(
             for index, (_, block) in enumerate(blocks[: last + 1]):
                 plans = _plan_block(block, calls, members[index], config)
                 result.plans += plans
+                release_freed_memory()  # the block's statistics
                 if index < last:
                     calls = _next_calls(block, calls, plans)
+                    release_freed_memory()  # the planned weights swapped in
                 report.block_done(index)
         except BaseException as error:
             report.interrupted(error)
@@ -185,31 +189,55 @@ def _plan_block(
     group: list[tuple[str, Checked]],
     config: QuantizationConfig,
 ) -> list[Plan]:
-    if not group:
-        return []
-    statistics = {
-        id(checked.module): checked.scheme.new_statistics(checked.spec, config)
-        for _, checked in group
-    }
-    with _observing(block, group, statistics):
-        for args, kwargs in calls:
-            block(*args, **kwargs)
     plans = []
-    for path, checked in group:
-        try:
-            module_plan = plan(
-                checked.module,
-                config,
-                path=path,
-                type_check=False,
-                kind=checked.kind,
-                source=checked.source,
-                statistics=statistics[id(checked.module)],
-            )
-        except Exception as e:
-            raise type(e)(f"quantize(): module '{path or '(root)'}': {e}") from e
-        plans.append(module_plan)
+    for members, statistics in _statistics_passes(group, config):
+        with _observing(block, members, statistics):
+            for args, kwargs in calls:
+                block(*args, **kwargs)
+        release_freed_memory()  # the forward's temporaries, before the statistics are solved
+        for path, checked in members:
+            try:
+                module_plan = plan(
+                    checked.module,
+                    config,
+                    path=path,
+                    type_check=False,
+                    kind=checked.kind,
+                    source=checked.source,
+                    statistics=statistics.pop(id(checked.module)),  # freed once planned
+                )
+            except Exception as e:
+                raise type(e)(f"quantize(): module '{path or '(root)'}': {e}") from e
+            plans.append(module_plan)
     return plans
+
+
+STATISTICS_PER_PASS = 512 * 2**20
+"""Bytes of statistics one pass over the calibration set gathers: a block
+whose weights need more (a mixture-of-experts block: one `K x K` Hessian per
+expert and weight, 1.4 GB for 64 experts at width 2048) runs its calls again
+for each further share of its weights, with the same statistics as one pass."""
+
+
+def _statistics_passes(
+    group: list[tuple[str, Checked]], config: QuantizationConfig
+) -> Iterator[tuple[list[tuple[str, Checked]], dict[int, Any]]]:
+    """The block's weights in consecutive shares of at most about
+    `STATISTICS_PER_PASS` bytes of statistics, each with its new statistics
+    (made when its pass comes, not before)."""
+    members: list[tuple[str, Checked]] = []
+    statistics: dict[int, Any] = {}
+    size = 0
+    for path, checked in group:
+        new = checked.scheme.new_statistics(checked.spec, config)
+        size += sum(v.nbytes for v in vars(new).values() if isinstance(v, torch.Tensor))
+        members.append((path, checked))
+        statistics[id(checked.module)] = new
+        if size >= STATISTICS_PER_PASS:
+            yield members, statistics
+            members, statistics, size = [], {}, 0
+    if members:
+        yield members, statistics
 
 
 def _next_calls(block: torch.nn.Module, calls: list[Call], plans: list[Plan]) -> list[Call]:
@@ -267,12 +295,32 @@ def _run_calls(block: torch.nn.Module, calls: list[Call], swapped: dict) -> list
 
 
 def _dequantized(module_plan: Plan) -> torch.Tensor:
-    """The float weight the planned tensors stand for, in the parameter's shape and dtype."""
+    """The float weight the planned tensors stand for, in the parameter's
+    shape, and in the dtype the module's calls read it in: a linear computing
+    in a narrower dtype (`mixed_bfloat16`) would cast the parameter's dtype to
+    it in every call, so it gets the cast once (the same rounding; half the
+    memory, which for a mixture-of-experts block's experts is most of it)."""
     holder = torch.nn.Module()
     holder._buffers.update(module_plan.tensors)
     qw = QuantizedWeight(module_plan.scheme, module_plan.spec, module_plan.config)
     weight = module_plan.spec.from_nk(module_plan.scheme.dequantize(holder, qw))
-    return weight.to(module_plan.float_dtype)
+    return weight.to(module_plan.float_dtype).to(_read_dtype(module_plan))
+
+
+def _read_dtype(module_plan: Plan) -> torch.dtype:
+    state = state_of(module_plan.module)
+    call = None if state is None else state.call
+    dtype = module_plan.float_dtype
+    if (
+        call is None
+        or call.compute is None
+        or module_plan.kind.role != "linear"
+        or module_plan.spec.weight not in call.weight_names
+        or not (call.autocast or call.casts_own_weights)
+        or call.compute.itemsize >= dtype.itemsize
+    ):
+        return dtype
+    return call.compute
 
 
 def _first_block_calls(
