@@ -277,6 +277,26 @@ def test_q_k_v_are_measured_under_every_candidate(family):
     assert measured_error(model, advice, [ids], logits) <= 0.05
 
 
+def test_a_majority_float_policy_can_become_the_maps_default():
+    from dtype_policies.advisor.runner import _with_common_default
+    from dtype_policies.advisor.units import Unit
+
+    units = [Unit(path, torch.nn.Linear(2, 2)) for path in "abcde"]
+    bf16, int8 = "mixed_bfloat16", "int8_from_mixed_bfloat16"
+    chosen = DTypePolicyMap("float32", {"a": bf16, "b": bf16, "c": int8, "d": bf16})
+    common = _with_common_default(chosen, units)
+    assert common.default_policy.name == "mixed_bfloat16"
+    assert {key: policy.name for key, policy in common.policy_map.items()} == {
+        "c": "int8_from_mixed_bfloat16",
+        "e": "float32",  # left at float32 by the choice: kept so by an entry
+    }
+    # no float policy over half the units: nothing to rewrite
+    half = DTypePolicyMap("float32", {"a": bf16, "b": bf16})
+    assert _with_common_default(half, units) is None
+    quantized = {key: "int8_from_mixed_bfloat16" for key in "abc"}
+    assert _with_common_default(DTypePolicyMap("float32", quantized), units) is None
+
+
 def tiny_qwen3_moe():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

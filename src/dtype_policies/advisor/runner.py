@@ -243,18 +243,32 @@ def advise(
             UserWarning,
             stacklevel=2,
         )
+    chosen_map, chosen_model = policy_map_after(taken), verified[taken]
+    common = _with_common_default(chosen_map, units) if objective == "latency" else None
+    if common is not None:
+        # The code between the units (attention, activations, sums) computes by
+        # the map's default: float32 as measured, or the units' common policy,
+        # kept when it is within the budget and faster.
+        say(f"dtype_policies.advise: the same choice with {common.default_policy.name} by default")
+        common_model = prepared(model, common, recorded)
+        common_error = meter(common_model)
+        if common_error <= max_error:
+            pair = {"map": chosen_model, "default": common_model}
+            seconds = time_variants(pair, batches[0].args, batches[0].kwargs, repeats)
+            if seconds["default"] < seconds["map"]:
+                chosen_map, chosen_model, error = common, common_model, common_error
     verified_at = time.perf_counter()
 
     # 5. The whole model, as given and under the chosen map.
     float32.remove()
     say("dtype_policies.advise: timing the whole model, float32 and chosen")
-    whole = {"float32": work, "chosen": verified[taken]}
+    whole = {"float32": work, "chosen": chosen_model}
     forward = time_variants(whole, batches[0].args, batches[0].kwargs, repeats)
     finished = time.perf_counter()
     state = state_after(ladders, steps, taken)
     rows = _rows(originals, units, skipped, groups, measurements, state, choices)
     return Advice(
-        policy_map=policy_map_after(taken),
+        policy_map=chosen_map,
         error=error,
         max_error=max_error,
         predicted_error=predictions[taken],
@@ -453,6 +467,24 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
             item.path, item.class_name, None, 0, "float32", "float32", note=item.reason
         )
     return [by_path[path] for path in originals if path in by_path]
+
+
+def _with_common_default(policy_map: DTypePolicyMap, units: list[Unit]) -> DTypePolicyMap | None:
+    """The same per-unit choice written with the float policy more than half
+    the units took as the map's default (the others, float32 ones included,
+    by entries); `None` when no float policy has a majority."""
+    entries = policy_map.policy_map
+    floats = [policy for policy in entries.values() if policy.quantization_mode is None]
+    names = [policy.name for policy in floats]
+    top = max(set(names), key=names.count, default=None)
+    if top is None or 2 * names.count(top) <= len(units):
+        return None
+    default = next(policy for policy in floats if policy.name == top)
+    others = {key: policy for key, policy in entries.items() if policy.name != top}
+    for unit in units:  # units the map leaves at its default keep it
+        if map_key(unit.path) not in entries:
+            others[map_key(unit.path)] = policy_map.default_policy
+    return DTypePolicyMap(default, others)
 
 
 def map_key(path: str) -> str:
