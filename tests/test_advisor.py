@@ -297,27 +297,8 @@ def test_a_majority_float_policy_can_become_the_maps_default():
     assert _with_common_default(DTypePolicyMap("float32", quantized), units) is None
 
 
-def tiny_qwen3_moe():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    return transformers.Qwen3MoeForCausalLM(config).eval()
-
-
 def test_mixture_of_experts_experts_are_quantized_and_routers_stay_float():
-    model = tiny_qwen3_moe()
+    model = tiny_decoder("qwen3_moe")
     before = snapshot(model)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     advice = advise(

@@ -5,8 +5,9 @@ import torch
 
 
 def tiny_decoder(family: str = "llama", layers: int = 2, tie: bool = False) -> torch.nn.Module:
-    """A causal LM of `family` ("llama"; "qwen3", with float32 q/k norms), 64
-    wide, 4 heads over 2 key-value heads, vocabulary 128, eval mode, seed 0."""
+    """A causal LM of `family` ("llama"; "qwen3", with float32 q/k norms;
+    "qwen3_moe", 4 experts of width 96 choosing 2), 64 wide, 4 heads over 2
+    key-value heads, vocabulary 128, eval mode, seed 0."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     widths = dict(
@@ -24,4 +25,8 @@ def tiny_decoder(family: str = "llama", layers: int = 2, tie: bool = False) -> t
     if family == "qwen3":
         config = transformers.Qwen3Config(**widths, head_dim=16)
         return transformers.Qwen3ForCausalLM(config).eval()
+    if family == "qwen3_moe":
+        experts = dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2)
+        config = transformers.Qwen3MoeConfig(**widths, head_dim=16, **experts)
+        return transformers.Qwen3MoeForCausalLM(config).eval()
     raise ValueError(f"no tiny {family!r}")

@@ -8,6 +8,7 @@ import re
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable
 from numbers import Real
 from typing import Any
@@ -474,16 +475,14 @@ def _with_common_default(policy_map: DTypePolicyMap, units: list[Unit]) -> DType
     the units took as the map's default (the others, float32 ones included,
     by entries); `None` when no float policy has a majority."""
     entries = policy_map.policy_map
-    floats = [policy for policy in entries.values() if policy.quantization_mode is None]
-    names = [policy.name for policy in floats]
-    top = max(set(names), key=names.count, default=None)
-    if top is None or 2 * names.count(top) <= len(units):
+    counts = Counter(policy for policy in entries.values() if policy.quantization_mode is None)
+    if not counts or 2 * counts.most_common(1)[0][1] <= len(units):
         return None
-    default = next(policy for policy in floats if policy.name == top)
-    others = {key: policy for key, policy in entries.items() if policy.name != top}
-    for unit in units:  # units the map leaves at its default keep it
-        if map_key(unit.path) not in entries:
-            others[map_key(unit.path)] = policy_map.default_policy
+    default = counts.most_common(1)[0][0]
+    others = {key: policy for key, policy in entries.items() if policy != default}
+    for key in map(map_key, (unit.path for unit in units)):
+        if key not in entries:  # left at the map's default: kept so by an entry
+            others[key] = policy_map.default_policy
     return DTypePolicyMap(default, others)
 
 

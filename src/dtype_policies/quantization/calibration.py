@@ -221,15 +221,16 @@ for each further share of its weights, with the same statistics as one pass."""
 
 def _statistics_passes(
     group: list[tuple[str, Checked]], config: QuantizationConfig
-) -> Iterator[tuple[list[tuple[str, Checked]], dict[int, Any]]]:
+) -> Iterator[tuple[list[tuple[str, Checked]], dict[int, ActivationStatistics]]]:
     """The block's weights in consecutive shares of at most about
     `STATISTICS_PER_PASS` bytes of statistics, each with its new statistics
     (made when its pass comes, not before)."""
     members: list[tuple[str, Checked]] = []
-    statistics: dict[int, Any] = {}
+    statistics: dict[int, ActivationStatistics] = {}
     size = 0
     for path, checked in group:
         new = checked.scheme.new_statistics(checked.spec, config)
+        # any statistics object: the tensors it holds
         size += sum(v.nbytes for v in vars(new).values() if isinstance(v, torch.Tensor))
         members.append((path, checked))
         statistics[id(checked.module)] = new
@@ -314,7 +315,6 @@ def _read_dtype(module_plan: Plan) -> torch.dtype:
     if (
         call is None
         or call.compute is None
-        or module_plan.kind.role != "linear"
         or module_plan.spec.weight not in call.weight_names
         or not (call.autocast or call.casts_own_weights)
         or call.compute.itemsize >= dtype.itemsize
