@@ -4,7 +4,8 @@ those kernels (one definition, imported by each test file)."""
 import pytest
 
 from dtype_policies import _cpu
-from dtype_policies.quantization.kernels import int4_native, int8_native, native
+from dtype_policies import _native as native
+from dtype_policies.quantization.kernels import int4_native, int8_native
 
 KERNEL = int4_native.KERNEL
 assert int8_native.KERNEL == KERNEL, "the int4 and int8 kernels share one library"

@@ -1,4 +1,4 @@
-"""This library's AVX2 int4 kernels (`kernels/int4_native.py`, `csrc/int4_avx2.cpp`):
+"""This library's AVX2 int4 kernels (`kernels/int4_native.py`, `_csrc/int4_avx2.cpp`):
 weight-only, and W4A8 (`Int4QuantizationConfig(activation_block_size=32)`: the
 inputs rounded to int8 in blocks of 32, the W4A8 kernel, its decoded path for
 many rows, and the plain-ops path everywhere else, all computing the
@@ -20,10 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtype_policies import _cpu, apply_policy, quantize, saving
+from dtype_policies import _native as native
 from dtype_policies._core.module_state import quantization_of
 from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.quantization import Int4QuantizationConfig
-from dtype_policies.quantization.kernels import epilogues, int4_native, native
+from dtype_policies.quantization.kernels import epilogues, int4_native
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from native_kernels import RUNS_HERE, needs_kernel, needs_vnni
 

@@ -1,7 +1,7 @@
 """int8 W8A8 with the inputs rounded per block of 32 (`Int8QuantizationConfig(
 activation_block_size=32)`), the weights per channel or per block of inputs
 (`block_size=32`: with both, the default int8): the config, the AVX2 kernels
-(`int8_native.int8_mm_q8` and `int8_mm_q8b`, `csrc/int8_avx2.cpp`), the
+(`int8_native.int8_mm_q8` and `int8_mm_q8b`, `_csrc/int8_avx2.cpp`), the
 floating-point path every other device takes, and the layers, compiled graphs
 and training on them."""
 
@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtype_policies import _cpu, apply_policy, quantize
+from dtype_policies import _native as native
 from dtype_policies._core.module_state import quantization_of
 from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
-from dtype_policies.quantization.kernels import epilogues, int8_native, native
+from dtype_policies.quantization.kernels import epilogues, int8_native
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantizers import AbsMaxQuantizer, abs_max_quantize
 from dtype_policies.quantizers.math import abs_max_quantize_blocks, expand_blocks

@@ -1,5 +1,5 @@
 """This library's AVX2 s8 x s8 kernel (`kernels/int8_native.py`,
-`csrc/int8_avx2.cpp`): exact integer accumulators on CPUs without VNNI, the
+`_csrc/int8_avx2.cpp`): exact integer accumulators on CPUs without VNNI, the
 W8A8 path there (`Int8Runtime`, eager and in frozen compiled graphs).
 
 It runs on any x86 CPU with AVX2 and FMA, so the kernel cases call it directly
@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtype_policies import _cpu, quantize
+from dtype_policies import _native as native
 from dtype_policies._core.module_state import quantization_of
 from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.quantization import Int8QuantizationConfig
 from dtype_policies.quantization.kernels import int8 as int8_kernels
-from dtype_policies.quantization.kernels import int8_native, native
+from dtype_policies.quantization.kernels import int8_native
 from dtype_policies.quantizers import abs_max_quantize
 from native_kernels import RUNS_HERE, needs_kernel
 

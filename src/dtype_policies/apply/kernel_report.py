@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies import _native as native
 from dtype_policies._core import products
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.module_state import state_of
@@ -24,7 +25,7 @@ from dtype_policies._core.policy_module import FAST_LINEARS
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.layers.dense import Dense
 from dtype_policies.quantization.attach import quantization_of
-from dtype_policies.quantization.kernels import int4, int8, native
+from dtype_policies.quantization.kernels import int4, int8
 from dtype_policies.quantization.schemes.base import QuantizedWeight
 
 

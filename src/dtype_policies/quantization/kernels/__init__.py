@@ -27,8 +27,8 @@ def prepare() -> None:
     that call (`torch.compile`) cannot read files or load libraries. Called
     when a weight is planned for quantization and before a frozen compiled
     call; a kernel that cannot be built is warned about once and left out."""
+    from dtype_policies import _native as native
     from dtype_policies._cpu import processor
-    from dtype_policies.quantization.kernels import native
 
     cpu = processor()
     for name in native.KERNELS:

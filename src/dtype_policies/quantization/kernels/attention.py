@@ -1,5 +1,5 @@
 """Scaled dot-product attention on bfloat16 tensors with this library's kernel
-(`csrc/attention_bf16.cpp`) on CPUs with AVX-512 bfloat16 dot products, and
+(`_csrc/attention_bf16.cpp`) on CPUs with AVX-512 bfloat16 dot products, and
 torch's `F.scaled_dot_product_attention` everywhere else.
 
 torch's CPU flash kernel multiplies bfloat16 at float32 speed on these CPUs
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import _attention_dispatch
-from dtype_policies.quantization.kernels import native
+from dtype_policies import _native as native
 
 KERNEL = "attention_bf16"
 NAME = "dtype_policies_sdpa"

@@ -51,13 +51,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dtype_policies import _native as native
 from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
     epilogues,
     freezing_weights,
     int4_native,
-    native,
     tensor_key,
 )
 from dtype_policies.quantizers.math import dequantize_grouped

@@ -1,5 +1,5 @@
-"""The int4 product on this library's AVX2 kernels (`csrc/int4_avx2.cpp`,
-operators in `csrc/int4_ops.cpp`).
+"""The int4 product on this library's AVX2 kernels (`_csrc/int4_avx2.cpp`,
+operators in `_csrc/int4_ops.cpp`).
 
 On x86 CPUs with AVX2 but not AVX-512, torch's packed int4 kernel is
 compute-bound (slower than float32 from a few rows: docs/speed.md) and
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dtype_policies import _native as native
 from dtype_policies._cpu import processor
-from dtype_policies.quantization.kernels import native
 
 KERNEL = "avx2"
 
@@ -98,7 +98,7 @@ def pack_q8(
     """The W4A8 kernel's weight (ceil(N / 8), Kp * 4) uint8 and its
     (ceil(N / 8), Kp / group, 16) bfloat16 scales and offsets, from the same
     arguments as `pack` (Kp: K rounded up to a multiple of 32). Output columns
-    are interleaved by 8 (`csrc/int4_avx2.cpp` has the byte order); padded
+    are interleaved by 8 (`_csrc/int4_avx2.cpp` has the byte order); padded
     columns and inputs get zero weights."""
     n, k = q_nk.shape
     kp = -(-k // 32) * 32

@@ -1,5 +1,5 @@
 """Exact int8 x int8 products on this library's AVX2 kernel
-(`csrc/int8_avx2.cpp`): the integer accumulators of the W8A8 product on x86
+(`_csrc/int8_avx2.cpp`): the integer accumulators of the W8A8 product on x86
 CPUs without VNNI, where the u8 x s8 instructions torch's and oneDNN's int8
 kernels use add pairs of products in saturating 16-bit sums.
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies.quantization.kernels import native
+from dtype_policies import _native as native
 
 KERNEL = "avx2"
 PANEL = 16  # output columns per panel of the packed weight
@@ -56,7 +56,7 @@ def available() -> bool:
 def pack(q_nk: torch.Tensor) -> torch.Tensor:
     """The kernel's (ceil(N / 16), Kp * 16) int8 weight from an (N, K) int8
     matrix (Kp: K rounded up to a multiple of 4; padded columns and inputs
-    are zeros). Byte order: `csrc/int8_avx2.cpp`."""
+    are zeros). Byte order: `_csrc/int8_avx2.cpp`."""
     n, k = q_nk.shape
     kp = -(-k // 4) * 4
     panels = -(-n // PANEL)

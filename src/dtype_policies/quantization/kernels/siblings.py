@@ -265,7 +265,7 @@ def _source_hash() -> str:
     """This package's kernels: every Python file of it (the operators' fake
     kernels among them, whose shapes and strides a cached graph bakes in) and
     the C++ sources."""
-    from dtype_policies.quantization.kernels import native
+    from dtype_policies import _native as native
 
     digest = hashlib.sha256(native.sources_digest().encode())
     for source in sorted(Path(__file__).parent.glob("*.py")):

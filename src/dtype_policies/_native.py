@@ -1,4 +1,4 @@
-"""This library's own CPU kernels: C++ sources in `csrc/`, compiled on first
+"""This library's own CPU kernels: C++ sources in `_csrc/`, compiled on first
 use with the system's C++ compiler (the one `torch.compile` uses on CPU)
 against torch's own headers, cached on disk, and loaded into torch
 (`torch.ops.load_library`): each kernel library registers its operators in
@@ -23,7 +23,7 @@ the copy torch has already loaded (the same soname), so that the kernels share
 torch's thread pool instead of starting a second one; likewise `libc10` and
 `libtorch_cpu`.
 
->>> from dtype_policies.quantization.kernels import native
+>>> from dtype_policies import _native as native
 >>> native.available("avx2") in (True, False)
 True
 """
@@ -47,7 +47,7 @@ from dtype_policies._cpu import Processor, hardware_flags, processor
 
 DISABLE_VARIABLE = "DTYPE_POLICIES_NATIVE_KERNELS"
 CACHE_VARIABLE = "DTYPE_POLICIES_KERNEL_CACHE"
-SOURCES = Path(__file__).parent / "csrc"
+SOURCES = Path(__file__).parent / "_csrc"
 
 
 @dataclass(frozen=True)
