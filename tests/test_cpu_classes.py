@@ -177,14 +177,19 @@ def test_emulated_bfloat16_multiplies_one_row_by_its_weight_and_more_in_float32(
     rounded = model.weight.detach().bfloat16().float()
     bias = model.bias.detach().bfloat16().float()
     apply_policy(model, "mixed_bfloat16")
-    x = torch.randn(3, 576)
+    x = torch.randn(products.KERNEL_ROWS + 1, 576)
+    counts = (1, 2, 3, products.KERNEL_ROWS + 1)
     with torch.no_grad():
-        outputs = [model(x[:rows]) for rows in (1, 2, 3)]
-    product = model.__dict__[STATE_KEY].casts.pair[5]
-    assert product.kind == "float32_products"
+        outputs = [model(x[:rows]) for rows in counts[:-1]]
+        product = model.__dict__[STATE_KEY].casts.pair[5]
+        # the AVX2 kernel multiplies up to KERNEL_ROWS rows by the bfloat16
+        # weight; without it torch does one row and float32 products the rest
+        assert product.kernel == products.bf16_kernel(cpu_class)
+        assert products.FEW_ROWS == 1 and (product._float32 is None) == product.kernel
+        outputs.append(model(x))
+    assert product.kind == "float32_products" and product._float32 is not None
     assert product.onednn == products.onednn_gemv(torch.bfloat16, cpu_class)
-    assert products.FEW_ROWS == 1 and product._float32 is not None  # made by the 2-row call
-    for rows, out in zip((1, 2, 3), outputs):
+    for rows, out in zip(counts, outputs):
         reference = (x[:rows].bfloat16().float() @ rounded.t() + bias).bfloat16()
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), reference.float(), atol=1e-2, rtol=8e-3)

@@ -114,6 +114,25 @@ def test_int4_siblings_merge_bit_for_bit(q8):
     _merged_equals_original(fn, x, *[t for w in weights for t in w], expect_removed=1)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_siblings_merge_bit_for_bit(bias):
+    # the AVX2 bfloat16 product of `_core.products` (plain (N, K) weights)
+    ops = _ops()
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, K, generator=g).bfloat16() for n in (96, 40, 41)]
+    biases = [torch.randn(w.shape[0], generator=g).bfloat16() for w in weights]
+    x = torch.randn(1, K).bfloat16()
+
+    def fn(x, *flat):
+        return [
+            ops.bf16_mm_avx2(x.view(-1, K), flat[2 * i], flat[2 * i + 1] if bias else None)
+            for i in range(3)
+        ]
+
+    flat = [t for pair in zip(weights, biases, strict=True) for t in pair]
+    _merged_equals_original(fn, x, *flat, expect_removed=2)
+
+
 def test_groups_that_cannot_merge_are_left_alone():
     ops = _ops()
     (p1, s1, b1), (p2, s2, _) = _q8b_weights(96, 0, bias=True), _q8b_weights(40, 1)

@@ -71,7 +71,7 @@ class KernelSource:
 KERNELS: dict[str, KernelSource] = {
     "avx2": KernelSource(
         "avx2",
-        ("int4_avx2.cpp", "int4_ops.cpp", "int8_avx2.cpp"),
+        ("bf16_avx2.cpp", "int4_avx2.cpp", "int4_ops.cpp", "int8_avx2.cpp"),
         ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"),
     ),
     # a library of its own, so that a compiler without AVX-512 bfloat16
@@ -132,6 +132,12 @@ def available(name: str, cpu: Processor | None = None) -> bool:
     kernel = KERNELS[name]
     cpu = processor() if cpu is None else cpu
     return enabled() and kernel.supports(cpu) and library(name) is not None
+
+
+def loaded(name: str) -> bool:
+    """Whether kernel `name`'s library is already loaded and allowed (never
+    builds or loads it: safe inside a compiler's trace)."""
+    return _loaded.get(name) is not None and enabled()
 
 
 def library(name: str) -> Path | None:

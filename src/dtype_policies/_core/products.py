@@ -16,7 +16,11 @@ trying a kernel and catching its error.
   its bfloat16 runs (AVX-512 without native bfloat16: 1.5-1.9x float32 at one
   row, against 1.3x for torch's own product) on a kept weight, else by torch.
   The float32 copy of the rounded weight is made on the first call that needs
-  it.
+  it. On x86 CPUs with AVX2 whose bfloat16 is emulated by torch alone (the
+  `avx2` classes), bfloat16 weights multiply up to `KERNEL_ROWS` rows on this
+  library's AVX2 kernel instead (`_csrc/bf16_avx2.cpp`: the weight read once
+  as it is stored, float32 sums, one rounding; 1.4-2x torch's product at one
+  row and 2-5x at 2 to 8, faster than float32 products up to 8 rows).
 * Prepacked, small weights at a few rows multiply in float32 (see
   `LinearProduct`).
 * `None`: `F.linear` in the compute dtype.
@@ -33,7 +37,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._cpu import Processor, processor
+from dtype_policies import _native as native
+from dtype_policies._core.casting import tracing
+from dtype_policies._cpu import Processor, hardware_flags, processor
 
 KINDS = ("onednn_prepacked", "float32_products")
 
@@ -64,6 +70,13 @@ PREPACK_MIN_ELEMENTS = 1 << 16
 # 576 x 1536 1.1x, 576 x 49152 1.35x, 2048 x 5632 1.6x; SmolLM2-135M's decode
 # step 8% slower with every weight on oneDNN).
 ONEDNN_GEMV_MIN_ELEMENTS = 1 << 21
+
+# Up to this many rows the AVX2 bfloat16 kernel beats float32 products of the
+# rounded values (AMD Zen 3, 1 thread, 2026-11-29, weights 576 x 192 to
+# 2048 x 8192 read from memory: 1.5-3x at 1 row, 1.4-2.6x at 8, about equal at
+# 16; in cache 1.0-2.5x at 8).
+KERNEL_ROWS = 8
+KERNEL = "avx2"  # the native library holding `bf16_mm_avx2`
 
 _PREPACK_OPS = (
     torch.backends.mkldnn.is_available()
@@ -140,9 +153,44 @@ def describe(kind: str | None, dtype: torch.dtype, numel: int | None = None) -> 
     if kind == "float32_products":
         few = f"{FEW_ROWS} row" if FEW_ROWS == 1 else f"up to {FEW_ROWS} rows"
         large = numel is not None and numel >= ONEDNN_GEMV_MIN_ELEMENTS
-        by = "oneDNN " if large and onednn_gemv(dtype, processor()) else ""
+        cpu = processor()
+        if dtype is torch.bfloat16 and bf16_kernel(cpu):
+            return (
+                f"{name} weight up to {KERNEL_ROWS} rows (this library's AVX2 kernel), "
+                "float32 products of its values beyond"
+            )
+        by = "oneDNN " if large and onednn_gemv(dtype, cpu) else ""
         return f"{by}{name} weight at {few}, float32 products of its values beyond"
     return f"F.linear {name}"
+
+
+_kernel_built: list[bool] = []  # read once; a plain global, traced through by compilers
+
+
+def bf16_kernel(cpu: Processor) -> bool:
+    """Whether a bfloat16 weight without native products multiplies a few
+    rows on this library's AVX2 kernel: x86 with AVX2 and FMA, bfloat16
+    emulated by torch alone (where oneDNN emulates it, `onednn_gemv` decides:
+    the kernel is not measured there), the kernel built. The first call
+    outside a trace builds it (cached on disk); a trace never builds one."""
+    if cpu.native_bf16 or cpu.onednn_bf16 or "avx2" not in cpu.features:
+        return False
+    if not _kernel_built:
+        if tracing():
+            return native.loaded(KERNEL)
+        hardware = hardware_flags()
+        _kernel_built.append("avx2" in hardware and "fma" in hardware and native.available(KERNEL))
+    return _kernel_built[0]
+
+
+def _register_kernel_fake() -> None:
+    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    torch.library.register_fake("dtype_policies::bf16_mm_avx2", product)
+
+
+native.on_load(KERNEL, _register_kernel_fake)
 
 
 def onednn_gemv(dtype: torch.dtype, cpu: Processor) -> bool:
@@ -161,10 +209,13 @@ class LinearProduct:
     than `SMALL_ELEMENTS` elements is multiplied in float32: the fixed cost
     of a oneDNN call dominates there. `onednn`:
     a graph-free `float32_products` weight multiplied by oneDNN at `FEW_ROWS`
-    rows (`onednn_gemv`; oneDNN's product has no autograd).
+    rows (`onednn_gemv`; oneDNN's product has no autograd). `kernel`: a
+    `float32_products` bfloat16 weight multiplied up to `KERNEL_ROWS` rows on
+    this library's AVX2 kernel (`bf16_kernel`) when no gradient is needed (the
+    kernel has no autograd; with one, the rule above).
     """
 
-    __slots__ = ("_float32", "dtype", "kind", "onednn", "small", "traced", "weight")
+    __slots__ = ("_float32", "dtype", "kernel", "kind", "onednn", "small", "traced", "weight")
 
     def __init__(
         self,
@@ -174,8 +225,10 @@ class LinearProduct:
         float32: torch.Tensor | None = None,
         onednn: bool = False,
         traced: bool = False,
+        kernel: bool = False,
     ) -> None:
         self.kind = kind
+        self.kernel = kernel
         self.weight = weight
         self.dtype = dtype
         self._float32 = float32
@@ -197,7 +250,11 @@ class LinearProduct:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        few = x2.shape[0] <= FEW_ROWS
+        rows = x2.shape[0]
+        if self.kernel and rows <= KERNEL_ROWS and self._kernel_applies(x2, bias):
+            out = torch.ops.dtype_policies.bf16_mm_avx2(x2, self.weight, bias)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+        few = rows <= FEW_ROWS
         if self.kind == "onednn_prepacked" and not (few and self.small):
             return torch.ops.mkldnn._linear_pointwise(
                 x if x.is_contiguous() else x.contiguous(), self.weight, bias, "none", [], ""
@@ -213,6 +270,16 @@ class LinearProduct:
                 x2.float(), self.float32_weight(), None if bias is None else bias.float()
             ).to(self.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+    def _kernel_applies(self, x2: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if x2.dtype is not torch.bfloat16:
+            return False
+        if bias is not None and bias.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if not torch.is_grad_enabled():
+            return True
+        tensors = (x2, self.weight) if bias is None else (x2, self.weight, bias)
+        return not any(t.requires_grad for t in tensors)
 
     def __repr__(self) -> str:
         return f"LinearProduct({self.kind}, {tuple(self.weight.shape)} {self.dtype})"
@@ -241,7 +308,26 @@ def linear_product(weight: torch.Tensor, kept: bool) -> LinearProduct | None:
     )
     if onednn:
         weight = weight.contiguous()
-    return LinearProduct(kind, weight, dtype, float32, onednn)
+    # The kernel reads rows of the weight as stored: a transposed view (GPT-2's
+    # Conv1D) is copied once when kept, else left to the rule above.
+    kernel = (
+        kind == "float32_products"
+        and _kernel_for(weight, dtype)
+        and (graph_free or weight.is_contiguous())
+    )
+    if kernel and not weight.is_contiguous():
+        with torch.inference_mode(False), torch.no_grad():
+            weight = weight.contiguous()
+    return LinearProduct(kind, weight, dtype, float32, onednn, kernel=kernel)
+
+
+def _kernel_for(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (
+        dtype is torch.bfloat16
+        and weight.dim() == 2
+        and weight.device.type == "cpu"
+        and bf16_kernel(processor())
+    )
 
 
 def traced_product(weight: torch.Tensor) -> LinearProduct | None:
@@ -253,4 +339,7 @@ def traced_product(weight: torch.Tensor) -> LinearProduct | None:
     kind = kind_for(weight.dtype, weight.device, weight.numel(), weight.dim(), kept=False)
     if kind != "float32_products":
         return None
-    return LinearProduct(kind, weight, weight.dtype, traced=True)
+    kernel = _kernel_for(weight, weight.dtype)
+    if kernel:  # a plain op: freezing folds it into the constant
+        weight = weight.contiguous()
+    return LinearProduct(kind, weight, weight.dtype, traced=True, kernel=kernel)

@@ -48,8 +48,9 @@ class Mergeable:
     positions of the tensors laid out panel by panel along their first
     dimension (the packed weight, per-panel steps or scales); `column_args`:
     the positions of (n,) per-column float vectors (an optional one may be
-    `None`); `n_arg`: the position of the number of output columns. Every
-    other argument must be the same in each sibling.
+    `None`); `n_arg`: the position of the number of output columns (`None`:
+    the first panel argument's rows times `panel`). Every other argument must
+    be the same in each sibling.
 
     >>> Mergeable(panel=16, panel_args=(1,), column_args=(2, 3), n_arg=4).panel
     16
@@ -58,7 +59,7 @@ class Mergeable:
     panel: int
     panel_args: tuple[int, ...]
     column_args: tuple[int, ...]
-    n_arg: int
+    n_arg: int | None
 
 
 MERGEABLE: dict[str, Mergeable] = {
@@ -72,6 +73,8 @@ MERGEABLE: dict[str, Mergeable] = {
     "int4_mm_avx2": Mergeable(1, (1, 2), (), 4),
     "int4_mm_q8_avx2": Mergeable(8, (1, 2), (), 4),
     "int4_mm_q8_vnni": Mergeable(8, (1, 2), (), 4),
+    # (x, weight, bias?): a plain (N, K) bfloat16 weight (`_core.products`)
+    "bf16_mm_avx2": Mergeable(1, (1,), (2,), None),
 }
 
 
@@ -132,9 +135,11 @@ def _spans(nodes: list[torch.fx.Node], spec: Mergeable) -> tuple[list[int], list
     ns: list[int] = []
     spans: list[int] = []
     for node in nodes:
-        n = node.args[spec.n_arg]
         examples = [_example(node.args[i]) for i in spec.panel_args]
-        if not isinstance(n, int) or not all(isinstance(e, torch.Tensor) for e in examples):
+        if not all(isinstance(e, torch.Tensor) for e in examples):
+            return None
+        n = examples[0].shape[0] * spec.panel if spec.n_arg is None else node.args[spec.n_arg]
+        if not isinstance(n, int):
             return None
         span = examples[0].shape[0] * spec.panel
         if any(e.shape[0] * spec.panel != span for e in examples) or span < n:
@@ -233,7 +238,8 @@ def _merge(graph: torch.fx.Graph, nodes: list[torch.fx.Node], spec: Mergeable) -
                 for j, (node, n, span) in enumerate(zip(nodes, ns, spans, strict=True))
             ]
             args[i] = _add(graph, aten.cat.default, pieces, 0)
-        args[spec.n_arg] = total
+        if spec.n_arg is not None:
+            args[spec.n_arg] = total
         call = _add(graph, first.target, *args)
         for node, start, n in zip(nodes, starts, ns, strict=True):
             node.replace_all_uses_with(_add(graph, aten.slice.Tensor, call, 1, start, start + n))
