@@ -51,7 +51,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dtype_policies import _native as native
 from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
@@ -429,9 +428,11 @@ KERNEL_PATHS = {
 # activations, as the kernel): the kernel reads each weight once per 4 rows, a
 # GEMM far less often. Measured (AMD Zen 3, 2 threads, docs/speed.md): at 512
 # rows 1.3-2x faster than the kernel at every measured shape, at 128 rows on
-# three shapes of four, at 64 rows on none reliably. Not for the W4A8 kernel's
-# VNNI copy (4 rows per weight load, one vpdpbusd per 4 inputs x 8 columns):
-# 3-5x faster than these GEMMs at 128 and 512 rows (AMD Zen 4, docs/speed.md).
+# three shapes of four, at 64 rows on none reliably. Not for the W4A8 kernel,
+# whose integer products beat these GEMMs at every row count: its VNNI copy
+# (4 rows per weight load, one vpdpbusd per 4 inputs x 8 columns) 3-5x at 128
+# and 512 rows (AMD Zen 4), its AVX2 copy 1.5-2.8x at 128 rows (the shape
+# sweep, 5 shapes) and 1.65-8.8x at 512 (AMD Zen 3, 2026-11-29, docs/speed.md).
 NATIVE_DECODED_MIN_ROWS = 128
 # From this many rows a weight packed for torch's kernel is decoded per call
 # into bfloat16, 8 MiB of columns at a time, each chunk one bfloat16 GEMM, on
@@ -496,8 +497,8 @@ def decoded_min_rows(
     """The rows from which a weight of `elements` values (None: any weight)
     packed for `kernel` (a key of `KERNEL_PATHS`) is decoded per call on `cpu`
     (default this one), or None where it stays on its kernel. This library's
-    AVX2 packings decode into float32 GEMMs (except the W4A8 kernel's VNNI
-    copy, faster than those GEMMs at any rows); torch's packing decodes into
+    weight-only AVX2 packing decodes into float32 GEMMs (the W4A8 kernel is
+    faster than those GEMMs at any rows, in both copies); torch's packing decodes into
     bfloat16 GEMMs where bfloat16 products are native (elsewhere those GEMMs
     do not beat the kernel) and this library reads the packing.
 
@@ -513,7 +514,7 @@ def decoded_min_rows(
         if elements is not None and elements >= PACKED_DECODED_LARGE_ELEMENTS:
             return PACKED_DECODED_LARGE_MIN_ROWS
         return PACKED_DECODED_MIN_ROWS
-    if kernel == "native_q8" and native.operator_suffix(cpu) == "vnni":
+    if kernel == "native_q8":
         return None
     return NATIVE_DECODED_MIN_ROWS
 
