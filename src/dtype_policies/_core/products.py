@@ -19,8 +19,8 @@ trying a kernel and catching its error.
   it. On x86 CPUs with AVX2 whose bfloat16 is emulated by torch alone (the
   `avx2` classes), bfloat16 weights multiply up to `KERNEL_ROWS` rows on this
   library's AVX2 kernel instead (`_csrc/bf16_avx2.cpp`: the weight read once
-  as it is stored, float32 sums, one rounding; 1.4-2x torch's product at one
-  row and 2-5x at 2 to 8, faster than float32 products up to 8 rows).
+  as it is stored, float32 sums, one rounding; 1.5-1.8x torch's product at
+  one row and 3-6x at 2 to 8, faster than float32 products up to 8 rows).
 * Prepacked, small weights at a few rows multiply in float32 (see
   `LinearProduct`).
 * `None`: `F.linear` in the compute dtype.
@@ -73,7 +73,7 @@ ONEDNN_GEMV_MIN_ELEMENTS = 1 << 21
 
 # Up to this many rows the AVX2 bfloat16 kernel beats float32 products of the
 # rounded values (AMD Zen 3, 1 thread, 2026-11-29, weights 576 x 192 to
-# 2048 x 8192 read from memory: 1.5-3x at 1 row, 1.4-2.6x at 8, about equal at
+# 2048 x 8192 read from memory: 1.5-3x at 1 row, 1.9-2.6x at 8, about equal at
 # 16; in cache 1.0-2.5x at 8).
 KERNEL_ROWS = 8
 KERNEL = "avx2"  # the native library holding `bf16_mm_avx2`

@@ -87,6 +87,11 @@ def _float_paths(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype):
         f"F.linear {str(dtype).removeprefix('torch.')}": lambda: F.linear(xd, weight, bias),
         "float32 products": lambda: F.linear(xd.float(), weight32, bias32).to(dtype),
     }
+    if dtype is torch.bfloat16 and products.bf16_kernel(processor()):
+        x2 = xd.reshape(-1, xd.shape[-1])
+        paths["AVX2 bfloat16 kernel"] = lambda: torch.ops.dtype_policies.bf16_mm_avx2(
+            x2, weight, bias
+        )
     if products.kind_for(dtype, weight.device, weight.numel()) == "onednn_prepacked":
         packed = products.linear_product(weight, kept=True)
         paths["oneDNN prepacked"] = lambda: packed(xd, bias)

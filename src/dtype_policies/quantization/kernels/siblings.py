@@ -1,5 +1,6 @@
 """One product per input in a frozen compiled graph: sibling calls of this
-library's packed operators on the same input, merged into one call.
+library's packed operators (and of its AVX2 bfloat16 product, whose weight is
+plain rows) on the same input, merged into one call.
 
 A decoder layer multiplies one input by several weights (a Llama's query,
 key and value projections; its gate and up projections). On one row each
