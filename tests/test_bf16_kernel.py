@@ -192,3 +192,17 @@ def test_compiled_graph_calls_the_kernel_with_eager_values(avx2_class):
         compiled = compile_for_inference(model)(x)
     assert compiled.dtype == torch.bfloat16
     assert torch.equal(compiled, eager)
+
+
+def test_native_kernels_off_keeps_torchs_products(avx2_class, monkeypatch):
+    from dtype_policies import _native as native
+
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    assert not products.bf16_kernel(avx2_class)
+    model = nn.Linear(64, 32)
+    apply_policy(model, "mixed_bfloat16")
+    with torch.no_grad():
+        out = model(torch.randn(2, 64))
+    product = model.__dict__[STATE_KEY].casts.pair[5]
+    assert out.dtype == torch.bfloat16 and not product.kernel
+    assert product._float32 is not None  # 2 rows: float32 products, as before the kernel

@@ -175,9 +175,11 @@ def bf16_kernel(cpu: Processor) -> bool:
     outside a trace builds it (cached on disk); a trace never builds one."""
     if cpu.native_bf16 or cpu.onednn_bf16 or "avx2" not in cpu.features:
         return False
+    if tracing():  # decided as the eager call would be, without building
+        return _kernel_built[0] if _kernel_built else native.loaded(KERNEL)
+    if not native.enabled():  # `DTYPE_POLICIES_NATIVE_KERNELS=0`, read when asked
+        return False
     if not _kernel_built:
-        if tracing():
-            return native.loaded(KERNEL)
         hardware = hardware_flags()
         _kernel_built.append("avx2" in hardware and "fma" in hardware and native.available(KERNEL))
     return _kernel_built[0]
