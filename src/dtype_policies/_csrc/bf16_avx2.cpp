@@ -43,6 +43,13 @@ constexpr int64_t kChunk = 16;  // weights per 256-bit load
 // parallel region's fixed cost is larger than what a second thread saves.
 constexpr int64_t kParallelMinMacs = int64_t{1} << 17;
 
+inline float to_float(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
 // x split per row: for chunk j, 8 even-indexed inputs then 8 odd-indexed ones,
 // as float32; then the K % 16 tail inputs in order.
 struct SplitRows {
@@ -93,12 +100,7 @@ inline void tile(const SplitRows& x, int64_t r0, const uint16_t* w, int64_t k, i
       s = _mm_add_ss(s, _mm_movehdup_ps(s));
       float sum = _mm_cvtss_f32(s);
       const float* tail = row[r] + k_tail;
-      for (int64_t t = 0; t < x.tail; ++t) {
-        const uint32_t bits = static_cast<uint32_t>(col[c][k_tail + t]) << 16;
-        float wt;
-        std::memcpy(&wt, &bits, 4);
-        sum += tail[t] * wt;
-      }
+      for (int64_t t = 0; t < x.tail; ++t) sum += tail[t] * to_float(col[c][k_tail + t]);
       if (bias != nullptr) sum += bias[c0 + c];
       y[(r0 + r) * n + c0 + c] = c10::BFloat16(sum);
     }
@@ -135,15 +137,14 @@ at::Tensor bf16_mm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in,
               "bf16_mm_avx2: weight must be a 2-D bfloat16 tensor with K=", x_in.size(1),
               " columns, got ", weight_in.scalar_type(), " of shape ", weight_in.sizes());
   const int64_t m = x_in.size(0), k = x_in.size(1), n = weight_in.size(0);
-  std::vector<float> bias_values;
+  at::Tensor bias32;  // float32, contiguous: the caller's own when it already is
   if (bias_in.has_value() && bias_in->defined()) {
     const at::Tensor& b = *bias_in;
     TORCH_CHECK(b.dim() == 1 && b.size(0) == n &&
                     (b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16),
                 "bf16_mm_avx2: bias must be a (", n, ",) float32 or bfloat16 tensor, got ",
                 b.scalar_type(), " of shape ", b.sizes());
-    const at::Tensor b32 = b.to(at::kFloat).contiguous();
-    bias_values.assign(b32.data_ptr<float>(), b32.data_ptr<float>() + n);
+    bias32 = b.to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({m, n}, x_in.options());
   if (m == 0 || n == 0) return y;
@@ -159,19 +160,14 @@ at::Tensor bf16_mm_avx2(const at::Tensor& x_in, const at::Tensor& weight_in,
     float* dst = split.data() + r * stride;
     for (int64_t j = 0; j < chunks; ++j)
       for (int64_t l = 0; l < 8; ++l) {
-        const uint32_t even = static_cast<uint32_t>(src[j * kChunk + 2 * l]) << 16;
-        const uint32_t odd = static_cast<uint32_t>(src[j * kChunk + 2 * l + 1]) << 16;
-        std::memcpy(dst + j * kChunk + l, &even, 4);
-        std::memcpy(dst + j * kChunk + 8 + l, &odd, 4);
+        dst[j * kChunk + l] = to_float(src[j * kChunk + 2 * l]);
+        dst[j * kChunk + 8 + l] = to_float(src[j * kChunk + 2 * l + 1]);
       }
-    for (int64_t t = 0; t < tail; ++t) {
-      const uint32_t bits = static_cast<uint32_t>(src[chunks * kChunk + t]) << 16;
-      std::memcpy(dst + chunks * kChunk + t, &bits, 4);
-    }
+    for (int64_t t = 0; t < tail; ++t) dst[chunks * kChunk + t] = to_float(src[chunks * kChunk + t]);
   }
   const SplitRows rows{split.data(), stride, chunks, tail};
   const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  const float* bias = bias_values.empty() ? nullptr : bias_values.data();
+  const float* bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   c10::BFloat16* out = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
 
   // Units of 8 columns, so that each thread's tiles are whole.
