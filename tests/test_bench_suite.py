@@ -3,13 +3,22 @@ timer, the real-model text rules, and failing variants becoming rows."""
 
 import json
 import statistics
+import threading
 
 import pytest
 import torch
 
 from dtype_policies._cpu import CPU_CLASSES, processor
 from dtype_policies.bench import harness, registry, workloads
-from dtype_policies.bench.realmodels import catalogue, chart, engines, quality_table, text, variants
+from dtype_policies.bench.realmodels import (
+    catalogue,
+    chart,
+    engines,
+    models,
+    quality_table,
+    text,
+    variants,
+)
 from dtype_policies.bench.realmodels import table as realtable
 from dtype_policies.bench.realmodels.variants import Calibration, Variant
 
@@ -354,3 +363,34 @@ def test_lm_scores_from_gathered_rows_match_the_full_log_probabilities(monkeypat
     assert scores["top1"] == pytest.approx(
         float((argmax == reference["top_ids"][:, 0]).float().mean())
     )
+
+
+def test_cache_entries_made_at_once_by_several_workers_end_whole_and_alone(tmp_path):
+    """Two test workers converting SmolLM2 at once: each writes its own copy,
+    the first rename wins, the other copy is dropped (no error, no leftover)."""
+    started = threading.Barrier(4)
+
+    def write(directory):
+        started.wait()
+        (directory / "config.json").write_text("{}")
+
+    results = []
+    workers = [
+        threading.Thread(target=lambda: results.append(models.publish(tmp_path / "m", write, True)))
+        for _ in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert results == [tmp_path / "m"] * 4
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+    assert (tmp_path / "m" / "config.json").read_text() == "{}"
+
+    def fails(path):
+        path.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        models.publish(tmp_path / "f.bin", fails)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]

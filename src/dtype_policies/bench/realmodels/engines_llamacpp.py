@@ -55,13 +55,15 @@ def _quantize(source: Path, target: Path, file_type: str) -> None:
     params.ftype = getattr(llama_cpp, _FTYPE_NAMES[file_type])
     params.allow_requantize = True
     params.nthread = run_threads()
-    partial = target.with_name(target.name + ".partial")
-    code = llama_cpp.llama_model_quantize(
-        str(source).encode(), str(partial).encode(), ctypes.byref(params)
-    )
-    if code != 0:
-        raise RuntimeError(f"llama_model_quantize to {file_type} returned {code}")
-    partial.rename(target)
+
+    def write(partial: Path) -> None:
+        code = llama_cpp.llama_model_quantize(
+            str(source).encode(), str(partial).encode(), ctypes.byref(params)
+        )
+        if code != 0:
+            raise RuntimeError(f"llama_model_quantize to {file_type} returned {code}")
+
+    models.publish(target, write)
 
 
 @cache

@@ -19,6 +19,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -76,6 +79,40 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def publish(target: Path, write: Callable[[Path], object], directory: bool = False) -> Path:
+    """Make `target` (a file, or a directory with `directory`) by `write(path)`
+    into a path of this call's own beside it, then one rename: a reader never
+    sees half of it, and processes making the same target at once (test
+    workers) each write their own copy; the first rename wins, the others'
+    copies are dropped (a directory cannot be renamed onto a full one).
+
+    >>> import tempfile
+    >>> root = Path(tempfile.mkdtemp())
+    >>> publish(root / "a.txt", lambda p: p.write_text("x")).read_text()
+    'x'
+    """
+    prefix, suffix = f".{target.name}.", ".partial"
+    if directory:
+        partial = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=target.parent))
+    else:
+        handle, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=target.parent)
+        os.close(handle)
+        partial = Path(name)
+    try:
+        write(partial)
+        try:
+            os.replace(partial, target)
+        except OSError:
+            if not (directory and target.is_dir()):
+                raise
+    finally:
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial.exists():
+            partial.unlink()
+    return target
+
+
 @cache
 def smollm2_plain_dir() -> Path:
     """A plain float32 model directory of SmolLM2 (built once from the GGUF)."""
@@ -99,11 +136,12 @@ def smollm2_plain_dir() -> Path:
         del config.quantization_config
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(loaded.state_dict())
-    partial = target.with_name(target.name + ".partial")
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
-    return target
+
+    def write(directory: Path) -> None:
+        plain.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    return publish(target, write, directory=True)
 
 
 def load_smollm2() -> tuple[torch.nn.Module, object]:

@@ -103,9 +103,7 @@ def lm_reference() -> dict[str, torch.Tensor]:
     if path.is_file():
         return torch.load(path)
     reference = _compute_lm_reference()
-    partial = path.with_name(path.name + ".partial")
-    torch.save(reference, partial)
-    partial.rename(path)
+    models.publish(path, lambda partial: torch.save(reference, partial))
     return reference
 
 
