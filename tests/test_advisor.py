@@ -297,6 +297,7 @@ def test_a_majority_float_policy_can_become_the_maps_default():
     assert _with_common_default(DTypePolicyMap("float32", quantized), units) is None
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_experts_are_quantized_and_routers_stay_float():
     model = tiny_decoder("qwen3_moe")
     before = snapshot(model)

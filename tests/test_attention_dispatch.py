@@ -117,7 +117,7 @@ def test_falcon_keeps_its_causal_attention_under_a_policy():
         mixed = copy.deepcopy(model)
         apply_policy(mixed, "mixed_bfloat16")
         ours = mixed(TOKENS).logits.float()
-        compiled = compile_for_inference(mixed)(TOKENS).logits.float()
+        compiled = compile_for_inference(mixed, autotune=False)(TOKENS).logits.float()
     scale = reference.abs().max()
     bfloat16_error = ((as_bfloat16 - reference).abs().max() / scale).item()
     assert ((ours - reference).abs().max() / scale).item() < max(2 * bfloat16_error, 2e-2)

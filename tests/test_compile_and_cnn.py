@@ -85,7 +85,9 @@ def _mlp():
     return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 64))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode", [None, "int8", *(pytest.param(m, marks=pytest.mark.slow) for m in ("int4", "float8"))]
+)
 def test_compiled_quantized_mlp_has_no_graph_breaks_and_matches_eager(mode):
     torch.manual_seed(0)
     model = _mlp()

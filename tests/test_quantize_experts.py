@@ -311,6 +311,7 @@ def _error(model: torch.nn.Module, reference: torch.Tensor) -> float:
     return ((logits(model) - reference).norm() / reference.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("mode", ["gptq", "awq"])
 def test_calibrated_modes_quantize_each_expert_on_the_tokens_routed_to_it(name, mode, tmp_path):
@@ -402,6 +403,7 @@ def test_calibration_keeps_no_casts_of_the_experts_weights(monkeypatch):
     assert len(kept) == 2 * 2 * 8 and not any(kept)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["gptq", "awq"])
 def test_statistics_in_several_passes_give_the_same_quantization(mode, monkeypatch):
     """A block whose statistics exceed `STATISTICS_PER_PASS` runs its calls once

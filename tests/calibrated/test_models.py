@@ -122,7 +122,7 @@ def rtn_copy(model: nn.Module, bits: int, group: int) -> nn.Module:
     return rounded
 
 
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_gptq_beats_round_to_nearest_on_held_out_data(bits):
     model = llama()
     reference = logits(model)
@@ -543,7 +543,7 @@ def kept_casts(module: nn.Module) -> int:
     return sum(1 for s in states if s is not None and (s.casts.entries or s.casts.pair))
 
 
-@pytest.mark.parametrize("mode", ["gptq", "awq"])
+@pytest.mark.parametrize("mode", ["gptq", pytest.param("awq", marks=pytest.mark.slow)])
 def test_calibration_keeps_no_casts_and_inference_keeps_them_again(mode):
     model = llama()
     apply_policy(model, "mixed_bfloat16")
