@@ -15,6 +15,14 @@ settings.register_profile("deterministic", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
+# Under pytest-xdist each worker gets its share of the cores for torch's
+# threads (2 workers on 2 cores: one each), not every core: OpenMP regions of
+# workers sharing cores wait on each other. Tests of multi-threaded kernels
+# set their thread counts themselves (tests/test_kernel_threads.py).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 # The Hugging Face integration module imports transformers (an optional dependency).
 collect_ignore = []
 if importlib.util.find_spec("transformers") is None:
