@@ -2,6 +2,7 @@
 those kernels (one definition, imported by each test file)."""
 
 import pytest
+import torch
 
 from dtype_policies import _cpu
 from dtype_policies import _native as native
@@ -23,3 +24,16 @@ VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
 
 needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
 needs_vnni = pytest.mark.skipif(not VNNI_HERE, reason="needs a CPU with AVX-512 VNNI")
+
+
+def on_one_and_several_threads(call):
+    """`(call() on one torch thread, call() on at least two)`, the thread count
+    restored after: the kernels' parallel splits against their serial loops."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = call()
+        torch.set_num_threads(max(2, threads))
+        return one, call()
+    finally:
+        torch.set_num_threads(threads)

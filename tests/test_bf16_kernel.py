@@ -12,7 +12,7 @@ from torch import nn
 from dtype_policies import _cpu, apply_policy, compile_for_inference
 from dtype_policies._core import products
 from dtype_policies._core.module_state import STATE_KEY
-from native_kernels import RUNS_HERE, needs_kernel
+from native_kernels import RUNS_HERE, needs_kernel, on_one_and_several_threads
 
 pytestmark = needs_kernel
 
@@ -91,14 +91,7 @@ def test_threads_split_columns_without_changing_values():
     torch.manual_seed(1)
     x = torch.randn(3, 1024).bfloat16()
     weight = torch.randn(1000, 1024).bfloat16()  # large enough to run in parallel
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _op(x, weight)
-        torch.set_num_threads(max(2, threads))
-        many = _op(x, weight)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = on_one_and_several_threads(lambda: _op(x, weight))
     assert torch.equal(one, many)
 
 

@@ -86,7 +86,7 @@ def _mlp():
 
 
 @pytest.mark.parametrize(
-    "mode", [None, "int8", *(pytest.param(m, marks=pytest.mark.slow) for m in ("int4", "float8"))]
+    "mode", [m if m in (None, "int8") else pytest.param(m, marks=pytest.mark.slow) for m in MODES]
 )
 def test_compiled_quantized_mlp_has_no_graph_breaks_and_matches_eager(mode):
     torch.manual_seed(0)

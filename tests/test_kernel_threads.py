@@ -8,6 +8,7 @@ from torch import nn
 
 from dtype_policies import apply_policy, quantize
 from dtype_policies.quantizers import Int4QuantizationConfig, Int8QuantizationConfig
+from native_kernels import on_one_and_several_threads
 
 # (mode, config, rows): the integer products at every row count (their sums are
 # exact, whatever the split); int4 weight-only at the few rows its kernels take
@@ -35,14 +36,7 @@ def test_one_thread_and_several_give_the_same_values(case, rows):
     apply_policy(model, "mixed_bfloat16")
     quantize(model, mode, config)
     x = torch.randn(rows, 1024)
-    threads = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            torch.set_num_threads(1)
-            one = model(x)
-            torch.set_num_threads(max(2, threads))
-            several = model(x)
-    finally:
-        torch.set_num_threads(threads)
+    with torch.inference_mode():
+        one, several = on_one_and_several_threads(lambda: model(x))
     assert one.dtype == several.dtype == torch.bfloat16
     assert torch.equal(one, several), case
