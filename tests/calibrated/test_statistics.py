@@ -102,3 +102,76 @@ def test_row_weights_give_the_weighted_second_moment():
     torch.testing.assert_close(plain.hessian, 2 * rows.T @ rows / 50, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="Row weights of shape"):
         stats.update(rows, weights[:3])
+
+
+def _calibrated_state(model, config, monkeypatch, stop_early: bool):
+    if not stop_early:
+        monkeypatch.setattr(calibration, "_record_order", lambda *args: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(model, config=config, progress=False)
+    monkeypatch.undo()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_later_calls_stop_after_the_last_target_and_store_the_same_integers(mode, monkeypatch):
+    """After a first whole call, the statistics pass stops each call at the
+    block's last target (a decoder layer's down projection is not computed):
+    the statistics, hence the stored integers, are those of whole calls."""
+    from dtype_policies.quantizers import AWQConfig
+
+    config_class = GPTQConfig if mode == "gptq" else AWQConfig
+
+    def config():  # 3 batches of 8 windows
+        return config_class(
+            token_data(), None, num_samples=24, sequence_length=LENGTH, group_size=32
+        )
+
+    results, down_calls = [], []
+    for stop_early in (True, False):
+        model = llama(layers_count=2)
+        count = [0]
+        model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda *a, count=count: count.__setitem__(0, count[0] + 1)
+        )
+        results.append(_calibrated_state(model, config(), monkeypatch, stop_early))
+        down_calls.append(count[0])
+    # the chain check: 1; statistics: 1 whole call then 2 stopped (or 3 whole); next inputs: 3
+    assert down_calls == [1 + 1 + 3, 1 + 3 + 3]
+    stopped, whole = results
+    assert stopped.keys() == whole.keys()
+    assert all(torch.equal(stopped[key], whole[key]) for key in whole)
+
+
+def test_a_target_called_twice_per_call_is_observed_in_every_call(monkeypatch):
+    """A block calling one target twice (shared weights) never stops early:
+    both calls' rows count, in every batch."""
+    torch.manual_seed(0)
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = torch.nn.Linear(32, 32)
+            self.out = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return x + self.out(torch.relu(self.shared(torch.relu(self.shared(x)))))
+
+    blocks = torch.nn.Sequential(Twice(), Twice())
+    data = [torch.randn(4, 32) for _ in range(3)]
+    rows = []
+    original = calibrated_int.InputStatistics.update
+
+    def counting(self, x, row_weights=None):
+        rows.append(x.shape[0])
+        return original(self, x, row_weights)
+
+    monkeypatch.setattr(calibrated_int.InputStatistics, "update", counting)
+    config = GPTQConfig(data, None, group_size=16)
+    config.quantization_layer_structure = list(blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(blocks, config=config, progress=False)
+    # 3 batches x (2 calls of `shared` + 1 of `out`) x 2 blocks, 4 rows each
+    assert rows == [4] * (3 * 3 * 2)

@@ -133,8 +133,10 @@ def test_each_block_runs_once_per_batch_for_statistics_and_once_for_the_next_inp
     )
     quietly(dtype_policies.quantize, model, config=config)
     # the chain check runs the first batch up to the last block once; then the stem runs once
-    # per batch (capture), blocks 0-1 twice, the last once
-    assert calls == {"stem": 1 + 4, "block0": 1 + 8, "block1": 1 + 8, "block2": 1 + 4}
+    # per batch (capture); each block's statistics run the first batch to the end and stop
+    # the others at the block's last target (no forward hook then); blocks 0-1 then compute
+    # the next block's inputs, once per batch
+    assert calls == {"stem": 1 + 4, "block0": 1 + 1 + 4, "block1": 1 + 1 + 4, "block2": 1 + 1}
 
 
 def test_calibration_runs_in_eval_mode_and_restores_the_modes():
