@@ -11,8 +11,9 @@ Two kinds of cast, two lifetimes, both fixed by construction:
 * A cast made without gradients (`no_grad`, `inference_mode`) is graph-free and
   may be kept in the module's `WeightCasts` for the next such call, which is
   what makes repeated inference fast. It is reused only while its weight is the
-  same object, at the same address, with the same version counter, so every
-  write that torch tracks is seen. All of a module's kept casts are dropped
+  same object, on the same storage, at the same address, with the same
+  version counter (`tensor_identity.contents_key`), so every write that
+  torch tracks is seen, `p.data = ...` included. All of a module's kept casts are dropped
   whenever the module reads a weight with gradients enabled (it runs in a
   training call) and whenever it switches mode (`train()`, `eval()`).
 
@@ -26,11 +27,15 @@ What a kept cast cannot see is stated once, in docs/apply_policy.md
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from dtype_policies._core.casting import cast_tensor, functorch_wrapped, tracing
 from dtype_policies._core.products import LinearProduct, linear_product, traced_product
 from dtype_policies._core.scope import AutocastScope, current_scope
+from dtype_policies._core.tensor_identity import contents_key
 from dtype_policies._cpu import processor
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -92,6 +97,31 @@ def _uses_store(store: WeightCasts | None) -> bool:
     return True
 
 
+def keep_derived(
+    store: WeightCasts | None,
+    name: str,
+    tensors: tuple[torch.Tensor, ...],
+    extra: tuple,
+    make: Callable[[], Any],
+) -> Any:
+    """`make()`, a graph-free value computed from `tensors` (a quantized
+    kernel of a float weight, say), kept in `store` under `name` by the rules
+    of kept casts: reused only while every one of `tensors` is the same
+    object with the same `contents_key`, and `extra` is equal; never kept by
+    a call with gradients enabled (which empties the store), and dropped with
+    the casts (`train()`, `eval()`, `clear_cast_caches`)."""
+    if not _uses_store(store) or not all(can_keep(t) for t in tensors):
+        return make()
+    assert store is not None
+    key = (*(part for t in tensors for part in (id(t), *contents_key(t))), *extra)
+    entry = store.entries.get(name)
+    if entry is not None and entry[1] == key:
+        return entry[2]
+    value = make()
+    store.entries[name] = (tensors[0], key, value)
+    return value
+
+
 def _make_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A graph-free cast to keep (made outside inference mode, so that it can
     be used outside it later)."""
@@ -122,15 +152,11 @@ def cast_weight(
     if not _uses_store(store):
         return _call_cast(weight, dtype, scope)
     entry = store.entries.get(name)
-    if (
-        entry is not None
-        and entry[0] is weight
-        and entry[1] == (weight._version, weight.data_ptr(), dtype)
-    ):
+    if entry is not None and entry[0] is weight and entry[1] == (*contents_key(weight), dtype):
         return entry[2]
     if not can_keep(weight):
         return _call_cast(weight, dtype, scope)
-    key = (weight._version, weight.data_ptr(), dtype)  # before the cast reads the values
+    key = (*contents_key(weight), dtype)  # before the cast reads the values
     cast = _make_cast(weight, dtype)
     store.entries[name] = (weight, key, cast)
     return cast
@@ -202,12 +228,5 @@ def _product(
 def _pair_key(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> tuple:
     # The processor is part of the key: its product path was chosen for it.
     if bias is None:
-        return (weight._version, weight.data_ptr(), dtype, processor())
-    return (
-        weight._version,
-        weight.data_ptr(),
-        bias._version,
-        bias.data_ptr(),
-        dtype,
-        processor(),
-    )
+        return (*contents_key(weight), dtype, processor())
+    return (*contents_key(weight), *contents_key(bias), dtype, processor())

@@ -6,17 +6,17 @@ import sys
 
 import torch
 
+from dtype_policies._core.tensor_identity import contents_key
+
 
 def tensor_key(*tensors: torch.Tensor) -> tuple:
-    """A key that changes whenever any of `tensors` is written through torch
-    (identity, address, version). Inference tensors have no version counter:
-    they are keyed by identity and address only (they cannot be written
-    outside inference mode)."""
-    key = []
+    """A key that changes whenever any of `tensors` is replaced or written
+    through torch: each one's identity and `contents_key` (its storage,
+    address and version; `p.data = ...` included)."""
+    key: list = []
     for t in tensors:
         key.append(id(t))
-        key.append(t.data_ptr())
-        key.append(-1 if t.is_inference() else t._version)
+        key.extend(contents_key(t))
     return tuple(key)
 
 

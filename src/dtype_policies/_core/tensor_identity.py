@@ -1,0 +1,44 @@
+"""What tells a tensor's contents apart between two calls, for the caches
+that keep what they compute from a tensor (kept casts, packed layouts).
+
+A tensor's address and version counter are not enough: `p.data = new` does
+not move `p`'s version counter, and the allocator may hand the new tensor
+the address of a storage freed a moment before (two `p.data = ...` between
+two calls). The storage itself is the identity that cannot come back: torch
+keeps one Python object per live storage, and a weak reference to a storage
+that has died compares equal to nothing but itself.
+
+>>> import torch
+>>> p = torch.nn.Parameter(torch.ones(4))
+>>> before = contents_key(p)
+>>> p.data = torch.zeros(4)
+>>> before == contents_key(p)
+False
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def storage_ref(tensor: torch.Tensor) -> weakref.ref | None:
+    """A weak reference to `tensor`'s storage (the same object while the
+    storage lives), or None for a tensor without one of its own (a tensor
+    subclass that keeps none)."""
+    try:
+        return weakref.ref(tensor.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def contents_key(tensor: torch.Tensor) -> tuple:
+    """A key equal between two reads of `tensor` only if nothing torch tracks
+    wrote it in between: its storage, address and version counter (-1 for an
+    inference tensor, which cannot be written outside inference mode)."""
+    try:
+        version = tensor._version
+    except RuntimeError:  # an inference tensor
+        version = -1
+    return (storage_ref(tensor), tensor.data_ptr(), version)
