@@ -98,6 +98,9 @@ def _mutate(model, name, how):
             param.mul_(0.5).add_(_new_values(param, 3), alpha=0.5)
     elif how == "data_assign":
         param.data = _new_values(param, 4)
+    elif how == "data_assign_twice":  # the second often lands where the first was
+        param.data = _new_values(param, 4)
+        param.data = _new_values(param, 5)
     elif how == "init":
         with torch.no_grad():
             nn.init.normal_(param, std=2.0)
@@ -113,6 +116,7 @@ MUTATIONS = [
     "copy_",
     "ema",
     "data_assign",
+    "data_assign_twice",
     "init",
 ]
 
@@ -232,3 +236,58 @@ def test_weight_changes_are_seen_by_kept_casts():
         first = uncached(x)
         uncached[0].weight.data.zero_()
         assert not torch.equal(uncached(x), first)
+
+
+def test_a_new_storage_at_the_old_address_is_seen():
+    """`p.data = new` keeps `p`'s version counter, and the new tensor may sit
+    where the old one was (here forced: two tensors on one numpy buffer, the
+    buffer rewritten in between): the kept cast is keyed on the storage too."""
+    import numpy as np
+
+    from dtype_policies._core.tensor_identity import contents_key
+
+    model, _ = _build("linear", weight_cache=True)
+    buffer = np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32)
+    first = torch.from_numpy(buffer)
+    model[0].weight.data = first
+    with torch.no_grad():
+        model(X)  # keeps a cast of `first`
+    del first
+    buffer *= -2.0
+    second = torch.from_numpy(buffer)
+    model[0].weight.data = second  # same address, same version, another storage
+    with torch.no_grad():
+        out = model(X)
+    assert relative_error(out, _reference(model, "linear", X)) < 0.02
+    third = torch.from_numpy(buffer)
+    assert third.data_ptr() == second.data_ptr() and third._version == second._version
+    assert contents_key(second) != contents_key(third)
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic", "weight_only"])
+@pytest.mark.parametrize("drop", ["eval", "clear_cast_caches", "training_call"])
+def test_a_float8_kernel_kept_for_inference_is_dropped_with_the_casts(scaling, drop):
+    """float8's quantized kernel kept between calls without gradients is a
+    kept cast of the float weight: a write torch does not see (a fused
+    optimizer's, `p.data.mul_`) is seen after `eval()`, `clear_cast_caches`
+    or any training call, as for the casts."""
+    from dtype_policies.quantization import Float8QuantizationConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16))
+    apply_policy(model, "mixed_bfloat16")
+    dtype_policies.quantize(model, "float8", Float8QuantizationConfig(scaling=scaling))
+    with torch.no_grad():
+        before = model(X)
+    model[0].weight.data.mul_(-3.0)  # no version bump
+    if drop == "eval":
+        model.eval()
+    elif drop == "clear_cast_caches":
+        dtype_policies.clear_cast_caches(model)
+    else:
+        model(X).float().sum().backward()
+    with torch.no_grad():
+        after = model(X)
+    expected = _reference(model, "linear", X)
+    assert relative_error(before, expected) > 0.5
+    assert relative_error(after, expected) < 0.1

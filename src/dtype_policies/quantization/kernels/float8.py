@@ -3,14 +3,16 @@
 In a call that builds no autograd graph, a float8 layer's kernel is the same
 function of its stored tensors every time: the weight cast to the compute
 dtype, quantize-dequantized in float8_e4m3fn with the stored `kernel_scale`
-(delayed scaling) or with its own scale (dynamic). `Float8Runtime` keeps that
-kernel, keyed by identity, address and version of the weight and the scale (so
-it can never be stale: any write through torch changes the key), by the
-compute dtype and by the processor, together with the product path this
-processor runs it by (`_core.products`: e.g. oneDNN's prepacked layout, or
-float32 products where bfloat16 ones are emulated). Per call only the inputs
-are quantize-dequantized: float8 is then a storage and rounding format on CPU
-that costs about what its compute dtype costs.
+(delayed scaling) or with its own scale (dynamic). `float8_kernel` keeps that
+kernel, with the product path this processor runs it by (`_core.products`:
+e.g. oneDNN's prepacked layout, or float32 products where bfloat16 ones are
+emulated), among the module's kept casts (`weight_casts.keep_derived`): it is
+a graph-free copy of a trainable weight, so it lives by their rules (keyed by
+the weight's and the scale's storage, address and version, the compute dtype
+and the processor; dropped by a training call, `train()`, `eval()` and
+`clear_cast_caches`). Per call only the inputs are quantize-dequantized:
+float8 is then a storage and rounding format on CPU that costs about what its
+compute dtype costs.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 
 from dtype_policies._core.casting import cast_tensor
 from dtype_policies._core.products import LinearProduct, linear_product
+from dtype_policies._core.weight_casts import WeightCasts, keep_derived
 from dtype_policies._cpu import processor
-from dtype_policies.quantization.kernels import tensor_key
 from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
     compute_float8_dynamic_scale,
@@ -60,48 +62,41 @@ def quantize_dequantize_e4m3(
     return v.add_(magic).sub_(magic).mul_(scale).to(compute)
 
 
-class Float8Runtime:
-    """The kept quantize-dequantized kernel of one float8 layer (and its
-    product), rebuilt whenever its key changes. Never stored."""
+def float8_kernel(
+    store: WeightCasts | None,
+    name: str,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    compute: torch.dtype,
+    to_nk,
+    quantize=None,
+) -> tuple[torch.Tensor, LinearProduct | None]:
+    """`(kernel, product)`: the kernel quantize-dequantized in `compute`, in
+    the weight's own shape, and the product path of its (N, K) view
+    `to_nk(kernel)` (`None`: `F.linear` or the layer's contraction), kept in
+    `store` under `name` (see the module docstring). `scale` is the stored
+    kernel scale, `None` for scales of the weight's own: per tensor, or by
+    `quantize` (the weight in `compute` to its quantize-dequantized kernel)
+    when given."""
 
-    __slots__ = ("_entry",)
-
-    def __init__(self) -> None:
-        self._entry: tuple | None = None
-
-    def kernel(
-        self,
-        weight: torch.Tensor,
-        scale: torch.Tensor | None,
-        compute: torch.dtype,
-        to_nk,
-        quantize=None,
-    ) -> tuple[torch.Tensor, LinearProduct | None]:
-        """`(kernel, product)`: the kernel quantize-dequantized in `compute`,
-        in the weight's own shape, and the product path of its (N, K) view
-        `to_nk(kernel)` (`None`: `F.linear` or the layer's contraction).
-        `scale` is the stored kernel scale, `None` for scales of the weight's
-        own: per tensor, or by `quantize` (the weight in `compute` to its
-        quantize-dequantized kernel) when given."""
-        stored = (weight,) if scale is None else (weight, scale)
-        key = (*tensor_key(*stored), compute, processor())
-        entry = self._entry
-        if entry is not None and entry[0] == key:
-            return entry[1], entry[2]
+    def make() -> tuple[torch.Tensor, LinearProduct | None]:
         with torch.inference_mode(False), torch.no_grad():
             cast = cast_tensor(weight.detach(), compute)
             if quantize is not None:
                 kernel = quantize(cast)
             else:
-                if scale is None:
-                    scale = compute_float8_dynamic_scale(cast, FLOAT8_E4M3_MAX)
-                kernel = quantize_dequantize_e4m3(cast, scale, compute)
+                kernel_scale = scale
+                if kernel_scale is None:
+                    kernel_scale = compute_float8_dynamic_scale(cast, FLOAT8_E4M3_MAX)
+                kernel = quantize_dequantize_e4m3(cast, kernel_scale, compute)
             nk = to_nk(kernel)
             product = None
             if nk is not None:
                 product = linear_product(nk.contiguous(), kept=True)
-        self._entry = (key, kernel, product)
         return kernel, product
+
+    stored = (weight,) if scale is None else (weight, scale)
+    return keep_derived(store, name, stored, (compute, processor()), make)
 
 
 def float8_linear(

@@ -37,7 +37,7 @@ from dtype_policies._core.casting import functorch_wrapped, tracing
 from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
-from dtype_policies.quantization.kernels.float8 import Float8Runtime, float8_linear
+from dtype_policies.quantization.kernels.float8 import float8_kernel, float8_linear
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import Float8QuantizationConfig
 from dtype_policies.quantizers.math import (
@@ -93,9 +93,6 @@ class Float8Scheme(Scheme):
     def linear(self, module, qw, x2, bias, compute):
         return self.forward(module, qw, x2, bias, compute)
 
-    def new_runtime(self) -> Float8Runtime:
-        return Float8Runtime()
-
     def forward(self, module, qw, x, bias, compute):
         spec = qw.spec
         weight = module._parameters[spec.weight]
@@ -138,11 +135,11 @@ class Float8Scheme(Scheme):
             bias = leaf_weights(state_of(module).casts, bias, None, compute, "bias")[0]
         if x.dtype != compute and x.is_floating_point():
             x = x.to(compute)
-        if qw.runtime is None:
-            qw.runtime = self.new_runtime()
         scaling = qw.config.scaling
         stored = None if scaling != "delayed" else module._buffers["kernel_scale"]
-        kernel, product = qw.runtime.kernel(
+        kernel, product = float8_kernel(
+            state_of(module).casts,
+            f"{spec.weight}:float8",
             weight,
             stored,
             compute,
