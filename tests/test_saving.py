@@ -187,21 +187,26 @@ def test_tied_weights_stay_tied_and_shared(tmp_path):
 
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (2, 7))
-    for quantized in (False, True):
+    # quantized: both sides, or one side only (the other keeps its float parameter)
+    for quantized in (None, "embed|head", "embed", "head"):
         model = TiedLM()
         apply_policy(model, "mixed_bfloat16")
         if quantized:
-            quantize(model, "int8")
+            quantize(model, "int8", filters=quantized)
         expected = model(ids)
         path = saving.save(model, tmp_path / f"tied{quantized}.safetensors")
-        with torch.device("meta"):
-            fresh = TiedLM()
-        saving.load(fresh, path)
-        assert torch.equal(fresh(ids), expected)
-        if quantized:
-            assert fresh.head.weight_int8 is fresh.embed.weight_int8
-        else:
-            assert fresh.head.weight is fresh.embed.weight
+        for device in ("cpu", "meta"):
+            with torch.device(device):
+                fresh = TiedLM()
+            saving.load(fresh, path)
+            assert torch.equal(fresh(ids), expected), (quantized, device)
+            if quantized == "embed|head":
+                assert fresh.head.weight_int8 is fresh.embed.weight_int8
+            elif quantized is None:
+                assert fresh.head.weight is fresh.embed.weight
+            else:
+                float_side = fresh.head if quantized == "embed" else fresh.embed
+                assert float_side.weight.device.type == "cpu"
 
 
 def test_mismatches_raise_naming_the_path_and_change_nothing(tmp_path):

@@ -187,13 +187,15 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     )
     _check_state(module, manifest, header, plans, expansions, str(file))
     # Nothing above changed `module`; nothing below can fail on a checked file.
-    tied = _tied_parameters(module)
     for expansion in expansions.values():
         expansion.attach()
     if steps:
         commit_application(module, steps, [])
     for plan in plans:
         attach.commit(plan)
+    # the ties as quantization leaves them (one side of a tied table quantized
+    # leaves the other side's parameter alone)
+    tied = _tied_parameters(module)
     assign = any(t.device.type == "meta" for t in _module_tensors(module))
     non_persistent = set(manifest.non_persistent)
     persistent = {k: v for k, v in state.items() if k not in non_persistent}
