@@ -452,7 +452,7 @@ def test_lora_adapters_on_a_quantized_base_read_every_update(mode):
         )
         model = peft.get_peft_model(base, config)
         apply_policy(model, "mixed_bfloat16")
-        dtype_policies.quantize(model, mode, filters="base_layer")  # not the adapters
+        dtype_policies.quantize(model, mode)  # the bases (adapters stay float)
         return model
 
     through_data, tracked = build(), build()
@@ -462,6 +462,33 @@ def test_lora_adapters_on_a_quantized_base_read_every_update(mode):
         assert torch.equal(a, b)
     for a, b in zip(through_data.parameters(), tracked.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_quantize_leaves_peft_adapters_float_and_trainable(mode):
+    """`quantize(model, mode)` on a peft model quantizes the bases, not the
+    adapters (reported as "adapter"): an optimizer made before still trains."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
+    config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    report = dtype_policies.quantize(model, mode)
+    assert [path.rsplit("/", 1)[-1] for path, *_ in report.quantized] == ["base_layer"] * 2
+    adapters = report.skipped_by_reason("adapter")
+    assert len(adapters) == 4 and all("/lora_" in path for path in adapters)
+    assert [p for p in model.parameters() if p.requires_grad] == trainable
+    x, target = torch.randn(32, IN), torch.randn(32, OUT)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = (model(x).float() - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0]
 
 
 @pytest.mark.parametrize("kind", MODELS)

@@ -18,11 +18,13 @@ from dtype_policies._core.module_state import quantization_of, state_of
 from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
+from dtype_policies.quantization.adapters import adapter_modules
 from dtype_policies.quantization.attach import check, commit, plan
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.report import (
+    SKIP_ADAPTER,
     SKIP_ALREADY_QUANTIZED,
     SKIP_FILTERED,
     SKIP_NO_MATRIX,
@@ -283,11 +285,17 @@ def quantize(
     tied = _tied_embeddings(modules.values(), config.tied_embeddings_config().mode)
     expansions: list[ExpertsExpansion] = []
     routers = expert_routers(modules.values())
+    adapters = adapter_modules(modules.values())
     for path, module in _with_expert_linears(modules, expansions):
         label = path or "(root)"
         kind = kind_of(module)
         if id(module) in routers:
             report.skipped.append((label, f"{SKIP_ROUTER}: {_ROUTER_DETAIL}"))
+            leave_float(label, module, in_scope=False)
+            continue
+        if id(module) in adapters:
+            if _owns_matrix(module):
+                report.skipped.append((label, f"{SKIP_ADAPTER}: {_ADAPTER_DETAIL}"))
             leave_float(label, module, in_scope=False)
             continue
         if kind is None:
@@ -378,6 +386,7 @@ def quantize(
     return report
 
 
+_ADAPTER_DETAIL = "a fine-tuning adapter (PEFT), kept in floating point to train"
 _ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
 
 
