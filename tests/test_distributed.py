@@ -397,6 +397,27 @@ def test_fully_shard_refuses_quantized_policies_before_changing_the_model(policy
     assert set(state) == set(before) and all(torch.equal(state[k], before[k]) for k in state)
 
 
+@pytest.mark.parametrize(
+    "units, message",
+    [(None, r"'3.weight' is tied to '1.0.weight'"), ([42], r"Received: 42")],
+)
+def test_a_plan_refused_after_the_policy_leaves_the_model_as_it_was(units, message):
+    """The plan is made from the applied policies; when it is refused (ties
+    across units, a bad `units` entry) the policy is removed again."""
+    model = _model()
+    model[3].weight = model[1][0].weight  # tied across two blocks
+    classes = [type(m) for m in model.modules()]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises((ValueError, TypeError), match=message):
+        fully_shard(model, "mixed_bfloat16", units=units)
+    assert not any(hasattr(m, "dtype_policy") for m in model.modules())
+    assert [type(m) for m in model.modules()] == classes
+    state = model.state_dict()
+    assert set(state) == set(before) and all(torch.equal(state[k], before[k]) for k in state)
+    x = torch.randn(4, 8)
+    assert model[2](x).dtype == torch.float32
+
+
 def test_fully_shard_refuses_a_quantized_model():
     model = _model()
     apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"3": "int8_from_mixed_bfloat16"}))

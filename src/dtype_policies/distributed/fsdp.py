@@ -125,9 +125,15 @@ def fully_shard(
     if policy_or_map is not None:
         _refuse_quantized_policies(policy_or_map)
     refuse_quantized(model, "fully_shard()")
+    handle = None
     if policy_or_map is not None:
-        apply_policy(model, policy_or_map, float32_modules=float32_modules)
-    plan = shard_plan(model, units=units)
+        handle = apply_policy(model, policy_or_map, float32_modules=float32_modules)
+    try:
+        plan = shard_plan(model, units=units)
+    except BaseException:
+        if handle is not None:
+            handle.remove()  # the model exactly as it came
+        raise
     for unit in plan:
         torch_fully_shard(
             unit.module,
