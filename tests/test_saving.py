@@ -355,3 +355,20 @@ def test_copy_of_loaded_model_is_independent(tmp_path):
     clone = copy.deepcopy(loaded)
     x = torch.randn(3, 64)
     assert torch.equal(clone(x), loaded(x))
+
+
+def test_saved_files_get_the_mode_of_a_plain_open(tmp_path):
+    """Written through a private temporary file, a checkpoint still gets the
+    permissions `open()` would give (the umask's), or the replaced file's."""
+    model = prepare(mlp(), "mixed_bfloat16", None, None)
+    old = os.umask(0o027)
+    try:
+        path = saving.save(model, tmp_path / "shared")
+        policy_file = saving.save_policy("mixed_bfloat16", tmp_path / "policy.json")
+    finally:
+        os.umask(old)
+    files = [*(tmp_path / "shared").iterdir(), policy_file]
+    assert files and all(os.stat(f).st_mode & 0o777 == 0o640 for f in files)
+    os.chmod(path, 0o600)
+    saving.save(model, tmp_path / "shared")  # replaces the file: keeps its mode
+    assert os.stat(path).st_mode & 0o777 == 0o600
