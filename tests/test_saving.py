@@ -243,7 +243,16 @@ def test_mismatches_raise_naming_the_path_and_change_nothing(tmp_path):
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncate", "truncate_header", "garbage", "empty", "bad_manifest", "foreign", "alien_version"],
+    [
+        "truncate",
+        "truncate_header",
+        "garbage",
+        "empty",
+        "bad_manifest",
+        "foreign",
+        "alien_version",
+        "unknown_policy",
+    ],
 )
 def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
     model = prepare(mlp(), "mixed_bfloat16", "int8", None)
@@ -257,6 +266,16 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
         path.write_bytes(os.urandom(len(data)))
     elif damage == "empty":
         path.write_bytes(b"")
+    elif damage == "unknown_policy":  # a manifest edited by hand
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(path), framework="pt") as reader:
+            metadata = reader.metadata()
+            tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118
+        manifest = metadata["dtype_policies"].replace('"mixed_bfloat16"', '"mixed_bfloat17"')
+        assert manifest != metadata["dtype_policies"]
+        save_file(tensors, str(path), metadata={**metadata, "dtype_policies": manifest})
     else:
         from safetensors.torch import save_file
 

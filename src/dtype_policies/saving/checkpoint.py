@@ -296,14 +296,22 @@ def plan_from_manifest(
         if target is None or isinstance(target, Layer):
             problems.append(f"'{name or '(root)'}': no such torch module in the target")
             continue
-        options = record.options()
+        try:
+            options = record.options()
+        except (ValueError, TypeError) as e:  # a manifest edited by hand, or corrupted
+            problems.append(f"'{name or '(root)'}': its saved policy cannot be read: {e}")
+            continue
         steps.append(Step(name.replace(".", "/"), target, options.policy, options.island, options))
     for name, record in manifest.layers.items():
         target = modules.get(name)
         if not isinstance(target, Layer):
             problems.append(f"'{name or '(root)'}': no such dtype_policies layer in the target")
             continue
-        policy = layer_policy(record)
+        try:
+            policy = layer_policy(record)
+        except (ValueError, TypeError) as e:
+            problems.append(f"'{name or '(root)'}': its saved policy cannot be read: {e}")
+            continue
         if resolved_policy(target) != policy:
             steps.append(Step(name.replace(".", "/"), target, policy))
     plans = []
