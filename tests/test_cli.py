@@ -104,6 +104,12 @@ def test_demo_reduced_run_reports_every_variant():
     assert "epoch" in plain.stderr  # progress
 
 
+@pytest.mark.parametrize("quick", [(), ("--quick",)])
+def test_demo_refuses_bad_sizes_with_or_without_quick(in_process, quick):
+    code, _, err = in_process("demo", *quick, "--epochs", "-1", "--hidden", "0")
+    assert code != 0 and "--epochs and --hidden must be positive (got -1, 0)" in err
+
+
 def test_inspect_a_factory_with_policy_and_quantization(factory):
     result = cli(
         "inspect", "cli_models:mlp", "--policy", "mixed_bfloat16", "--quantize", "int8", "--json",

@@ -27,8 +27,12 @@ def add_parser(subparsers: Any) -> None:
         "mixed_bfloat16, quantizes it to int8 and int4, and prints accuracy, train step "
         "time, inference time, speed against float32 and weight size.",
     )
-    parser.add_argument("--epochs", type=int, default=12, help="training epochs (default 12)")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden width (default 1024)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="training epochs (default 12; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="hidden width (default 1024; 128 with --quick)"
+    )
     parser.add_argument("--quick", action="store_true", help="a reduced run (seconds)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -110,7 +114,9 @@ def _megabytes(model: nn.Module) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    epochs, hidden, repeats = (1, 128, 3) if args.quick else (args.epochs, args.hidden, 30)
+    epochs, hidden, repeats = (1, 128, 3) if args.quick else (12, 1024, 30)
+    epochs = epochs if args.epochs is None else args.epochs  # given values win, --quick or not
+    hidden = hidden if args.hidden is None else args.hidden
     if epochs < 1 or hidden < 1:
         raise CLIError(f"--epochs and --hidden must be positive (got {epochs}, {hidden})")
     torch.manual_seed(args.seed)
