@@ -52,3 +52,47 @@ def test_keras_map_with_deferred_default_reads_here():
     restored = dtype_policies.deserialize(config)
     assert restored["a"].name == "int8_from_bfloat16"
     assert restored.default_policy.name == "bfloat16"
+
+
+INITIALIZER_NAMES = [
+    "RandomNormal",
+    "RandomUniform",
+    "TruncatedNormal",
+    "VarianceScaling",
+    "GlorotUniform",
+    "GlorotNormal",
+    "HeNormal",
+    "HeUniform",
+    "LecunNormal",
+    "LecunUniform",
+    "Orthogonal",
+    "Constant",
+    "Zeros",
+    "Ones",
+]
+
+
+@pytest.mark.parametrize("name", INITIALIZER_NAMES)
+def test_initializer_configs_are_keras_configs(name):
+    from dtype_policies import initializers
+
+    theirs = getattr(keras.initializers, name)().get_config()
+    assert getattr(initializers, name)().get_config() == theirs
+    configured = {k: 7 if k == "seed" else v for k, v in theirs.items()}
+    assert getattr(initializers, name)(**configured).get_config() == configured
+
+
+def test_a_keras_dense_config_with_its_initializers_reads_here():
+    from dtype_policies import saving
+
+    dense = keras.layers.Dense(
+        8, dtype="mixed_bfloat16", name="d", kernel_initializer=keras.initializers.HeNormal(seed=3)
+    )
+    config = keras.saving.serialize_keras_object(dense)
+    layer = saving.deserialize_layer(config)
+    assert layer.kernel_initializer.get_config() == {
+        "seed": 3,
+        "input_axes": None,
+        "output_axes": None,
+    }
+    assert layer.dtype_policy.name == "mixed_bfloat16"

@@ -563,3 +563,36 @@ def test_config_round_trip_carries_policy():
 
 def test_repr_shows_policy():
     assert "dtype_policy='mixed_bfloat16'" in repr(Dense(2, dtype="mixed_bfloat16", name="d"))
+
+
+def test_seeded_initializers_draw_the_same_values_every_call():
+    from dtype_policies import initializers
+
+    for name in (
+        "random_normal",
+        "random_uniform",
+        "truncated_normal",
+        "glorot_uniform",
+        "orthogonal",
+    ):
+        seeded = initializers.get({"class_name": name, "config": {"seed": 5}})
+        first, second = seeded((16, 8)), seeded((16, 8))
+        assert torch.equal(first, second), name
+        other = initializers.get({"class_name": name, "config": {"seed": 6}})((16, 8))
+        assert not torch.equal(first, other), name
+    with pytest.raises(TypeError, match=r"`seed` must be an integer or None. Received: seed='5'"):
+        initializers.RandomNormal(seed="5")
+
+
+def test_variance_scaling_fans_from_the_given_axes():
+    from dtype_policies import initializers
+
+    # an einsum kernel (heads, in, out): fan_in = in, fan_out = heads * out
+    by_axes = initializers.VarianceScaling(
+        1.0, "fan_out", "uniform", seed=0, input_axes=[1], output_axes=[0, 2]
+    )
+    values = by_axes((4, 64, 16))
+    limit = (3.0 / (4 * 16)) ** 0.5
+    assert float(values.abs().max()) <= limit and float(values.abs().max()) > 0.9 * limit
+    with pytest.raises(ValueError, match=r"do not fit a weight of shape \(4, 64\)"):
+        initializers.VarianceScaling(input_axes=[2], output_axes=[0])((4, 64))

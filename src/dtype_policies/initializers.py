@@ -81,52 +81,88 @@ class Ones(Constant):
         return {}
 
 
-class RandomNormal(Initializer):
-    def __init__(self, mean: float = 0.0, stddev: float = 0.05) -> None:
+class RandomInitializer(Initializer):
+    """An initializer that draws random values: with an integer `seed`, every
+    call draws the same values (Keras's seeded initializers; torch's generator,
+    so not Keras's numbers), else torch's global generator."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(
+                f"{type(self).__name__}: `seed` must be an integer or None. Received: seed={seed!r}"
+            )
+        self.seed = seed
+
+    def generator(self, out: torch.Tensor) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        return torch.Generator(device=out.device).manual_seed(self.seed)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+
+class RandomNormal(RandomInitializer):
+    def __init__(self, mean: float = 0.0, stddev: float = 0.05, seed: int | None = None) -> None:
+        super().__init__(seed)
         self.mean, self.stddev = mean, stddev
 
     def sample(self, shape, out):
-        return out.normal_(self.mean, self.stddev)
+        return out.normal_(self.mean, self.stddev, generator=self.generator(out))
 
     def get_config(self):
-        return {"mean": self.mean, "stddev": self.stddev}
+        return {**super().get_config(), "mean": self.mean, "stddev": self.stddev}
 
 
-class RandomUniform(Initializer):
-    def __init__(self, minval: float = -0.05, maxval: float = 0.05) -> None:
+class RandomUniform(RandomInitializer):
+    def __init__(
+        self, minval: float = -0.05, maxval: float = 0.05, seed: int | None = None
+    ) -> None:
+        super().__init__(seed)
         self.minval, self.maxval = minval, maxval
 
     def sample(self, shape, out):
-        return out.uniform_(self.minval, self.maxval)
+        return out.uniform_(self.minval, self.maxval, generator=self.generator(out))
 
     def get_config(self):
-        return {"minval": self.minval, "maxval": self.maxval}
+        return {**super().get_config(), "minval": self.minval, "maxval": self.maxval}
 
 
-class TruncatedNormal(Initializer):
+class TruncatedNormal(RandomInitializer):
     """Normal values re-drawn beyond two standard deviations."""
 
-    def __init__(self, mean: float = 0.0, stddev: float = 0.05) -> None:
+    def __init__(self, mean: float = 0.0, stddev: float = 0.05, seed: int | None = None) -> None:
+        super().__init__(seed)
         self.mean, self.stddev = mean, stddev
 
     def sample(self, shape, out):
+        low, high = self.mean - 2 * self.stddev, self.mean + 2 * self.stddev
         return torch.nn.init.trunc_normal_(
-            out, self.mean, self.stddev, self.mean - 2 * self.stddev, self.mean + 2 * self.stddev
+            out, self.mean, self.stddev, low, high, generator=self.generator(out)
         )
 
     def get_config(self):
-        return {"mean": self.mean, "stddev": self.stddev}
+        return {**super().get_config(), "mean": self.mean, "stddev": self.stddev}
 
 
-class VarianceScaling(Initializer):
-    """Values with variance `scale / n`, `n` the fan given by `mode`."""
+class VarianceScaling(RandomInitializer):
+    """Values with variance `scale / n`, `n` the fan given by `mode`; the fans
+    are the products of `input_axes` and `output_axes` of the shape when both
+    are given (Keras 3.15's option for einsum kernels), else `compute_fans`."""
 
     # Standard deviation of a unit normal truncated to [-2, 2].
     _TRUNCATION_STDDEV = 0.87962566103423978
 
     def __init__(
-        self, scale: float = 1.0, mode: str = "fan_in", distribution: str = "truncated_normal"
+        self,
+        scale: float = 1.0,
+        mode: str = "fan_in",
+        distribution: str = "truncated_normal",
+        seed: int | None = None,
+        input_axes: list[int] | None = None,
+        output_axes: list[int] | None = None,
     ) -> None:
+        super().__init__(seed)
         if mode not in ("fan_in", "fan_out", "fan_avg"):
             raise ValueError(f"Invalid `mode` {mode!r}: expected fan_in, fan_out or fan_avg.")
         if distribution not in ("truncated_normal", "untruncated_normal", "uniform"):
@@ -137,84 +173,109 @@ class VarianceScaling(Initializer):
         if scale <= 0:
             raise ValueError(f"`scale` must be positive. Received: scale={scale}")
         self.scale, self.mode, self.distribution = scale, mode, distribution
+        self.input_axes = None if input_axes is None else list(input_axes)
+        self.output_axes = None if output_axes is None else list(output_axes)
+
+    def fans(self, shape: Shape) -> tuple[int, int]:
+        if self.input_axes is None or self.output_axes is None:
+            return compute_fans(shape)
+        try:
+            return (
+                math.prod(shape[axis] for axis in self.input_axes),
+                math.prod(shape[axis] for axis in self.output_axes),
+            )
+        except IndexError:
+            raise ValueError(
+                f"{type(self).__name__}: input_axes={self.input_axes} and "
+                f"output_axes={self.output_axes} do not fit a weight of shape {shape}."
+            ) from None
 
     def sample(self, shape, out):
-        fan_in, fan_out = compute_fans(shape)
+        fan_in, fan_out = self.fans(shape)
         n = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2}[self.mode]
         variance = self.scale / max(1.0, n)
+        generator = self.generator(out)
         if self.distribution == "uniform":
             limit = math.sqrt(3.0 * variance)
-            return out.uniform_(-limit, limit)
+            return out.uniform_(-limit, limit, generator=generator)
         if self.distribution == "untruncated_normal":
-            return out.normal_(0.0, math.sqrt(variance))
+            return out.normal_(0.0, math.sqrt(variance), generator=generator)
         stddev = math.sqrt(variance) / self._TRUNCATION_STDDEV
-        return torch.nn.init.trunc_normal_(out, 0.0, stddev, -2 * stddev, 2 * stddev)
+        return torch.nn.init.trunc_normal_(
+            out, 0.0, stddev, -2 * stddev, 2 * stddev, generator=generator
+        )
+
+    def axes_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "input_axes": self.input_axes,
+            "output_axes": self.output_axes,
+        }
 
     def get_config(self):
-        return {"scale": self.scale, "mode": self.mode, "distribution": self.distribution}
+        return {
+            **self.axes_config(),
+            "scale": self.scale,
+            "mode": self.mode,
+            "distribution": self.distribution,
+        }
 
 
-class GlorotUniform(VarianceScaling):
-    def __init__(self) -> None:
-        super().__init__(1.0, "fan_avg", "uniform")
+class _NamedVarianceScaling(VarianceScaling):
+    """A variance scaling with fixed `scale`, `mode` and `distribution`."""
 
-    def get_config(self):
-        return {}
+    fixed: tuple[float, str, str]
 
-
-class GlorotNormal(VarianceScaling):
-    def __init__(self) -> None:
-        super().__init__(1.0, "fan_avg", "truncated_normal")
-
-    def get_config(self):
-        return {}
-
-
-class HeNormal(VarianceScaling):
-    def __init__(self) -> None:
-        super().__init__(2.0, "fan_in", "truncated_normal")
+    def __init__(
+        self,
+        seed: int | None = None,
+        input_axes: list[int] | None = None,
+        output_axes: list[int] | None = None,
+    ) -> None:
+        super().__init__(*self.fixed, seed, input_axes, output_axes)
 
     def get_config(self):
-        return {}
+        return self.axes_config()
 
 
-class HeUniform(VarianceScaling):
-    def __init__(self) -> None:
-        super().__init__(2.0, "fan_in", "uniform")
-
-    def get_config(self):
-        return {}
+class GlorotUniform(_NamedVarianceScaling):
+    fixed = (1.0, "fan_avg", "uniform")
 
 
-class LecunNormal(VarianceScaling):
-    def __init__(self) -> None:
-        super().__init__(1.0, "fan_in", "truncated_normal")
-
-    def get_config(self):
-        return {}
+class GlorotNormal(_NamedVarianceScaling):
+    fixed = (1.0, "fan_avg", "truncated_normal")
 
 
-class LecunUniform(VarianceScaling):
-    def __init__(self) -> None:
-        super().__init__(1.0, "fan_in", "uniform")
-
-    def get_config(self):
-        return {}
+class HeNormal(_NamedVarianceScaling):
+    fixed = (2.0, "fan_in", "truncated_normal")
 
 
-class Orthogonal(Initializer):
-    def __init__(self, gain: float = 1.0) -> None:
+class HeUniform(_NamedVarianceScaling):
+    fixed = (2.0, "fan_in", "uniform")
+
+
+class LecunNormal(_NamedVarianceScaling):
+    fixed = (1.0, "fan_in", "truncated_normal")
+
+
+class LecunUniform(_NamedVarianceScaling):
+    fixed = (1.0, "fan_in", "uniform")
+
+
+class Orthogonal(RandomInitializer):
+    def __init__(self, gain: float = 1.0, seed: int | None = None) -> None:
+        super().__init__(seed)
         self.gain = gain
 
     def sample(self, shape, out):
         if len(shape) < 2:
             raise ValueError(f"Orthogonal needs a weight of rank >= 2. Received shape {shape}")
         flat = out.reshape(-1, shape[-1])
-        torch.nn.init.orthogonal_(flat, self.gain)
+        torch.nn.init.orthogonal_(flat, self.gain, generator=self.generator(out))
         return flat.reshape(shape)
 
     def get_config(self):
-        return {"gain": self.gain}
+        return {**super().get_config(), "gain": self.gain}
 
 
 INITIALIZERS: dict[str, type[Initializer]] = {
