@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.module_state import STATE_KEY
+from dtype_policies._inductor_repairs import repaired
 
 
 def _step(call: Any, *args: Any, **kwargs: Any) -> Any:
@@ -285,7 +286,7 @@ class FrozenCompiledCall:
             else self.call_context(model, kwargs, continuing)
         )
         try:
-            with config.patch(self.inductor_options), context:
+            with config.patch(self.inductor_options), repaired(), context:
                 return self.compiled(*args, **kwargs)
         except _recompile_limit() as error:
             # raised while compiling, before the call ran: the eager call is its first run

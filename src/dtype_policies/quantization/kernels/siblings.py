@@ -270,12 +270,13 @@ def merge_sibling_products(graph: torch.fx.Graph) -> int:
 @functools.cache
 def _source_hash() -> str:
     """This package's kernels: every Python file of it (the operators' fake
-    kernels among them, whose shapes and strides a cached graph bakes in) and
-    the C++ sources."""
+    kernels among them, whose shapes and strides a cached graph bakes in), the
+    C++ sources, and the repairs of Inductor's code generation."""
+    from dtype_policies import _inductor_repairs
     from dtype_policies import _native as native
 
     digest = hashlib.sha256(native.sources_digest().encode())
-    for source in sorted(Path(__file__).parent.glob("*.py")):
+    for source in [*sorted(Path(__file__).parent.glob("*.py")), Path(_inductor_repairs.__file__)]:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     return digest.hexdigest()
 
