@@ -330,7 +330,15 @@ def test_load_in_bfloat16_keeps_stored_dtypes(tmp_path):
     assert q_proj.weight_int8.dtype == torch.int8 and q_proj.weight_scale.dtype == torch.float32
     assert torch.equal(q_proj.weight_int8, model.model.layers[0].self_attn.q_proj.weight_int8)
     assert loaded.model.norm.weight.dtype == torch.bfloat16
-    assert outputs(loaded).shape == (2, 9, VOCAB)
+    # quantized on a float32 model without a policy: its layers follow the
+    # dtype asked for, as the model converted in memory does
+    assert q_proj.dtype_policy.name == "int8_from_bfloat16"
+    in_memory = model.to(torch.bfloat16)
+    assert in_memory.model.layers[0].self_attn.q_proj.dtype_policy.name == "int8_from_bfloat16"
+    got = outputs(loaded)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 9, VOCAB)
+    expected = outputs(in_memory).float()  # (its rotary buffers rounded to bfloat16 too)
+    assert float((got.float() - expected).norm() / expected.norm()) < 0.02
 
 
 # -- the listener: apply_policy / quantize / remove keep hf_quantizer current ------------------

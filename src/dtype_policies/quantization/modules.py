@@ -40,6 +40,18 @@ def own_options(dtype: torch.dtype) -> ModuleOptions:
     return ModuleOptions(policy=DTypePolicy(str(dtype).removeprefix("torch.")))
 
 
+def computes_in_own_dtype(module: torch.nn.Module) -> bool:
+    """Whether a quantized module computes in its own float dtype: no policy
+    applied above `quantize()`'s own application, so that it follows a
+    conversion of the model's dtype (`.to()`, `from_pretrained(dtype=...)`)."""
+    state = state_of(module)
+    return (
+        state is not None
+        and bool(state.applications)
+        and state.applications[-1][0] is QUANTIZE_TOKEN
+    )
+
+
 def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
     name = qw.spec.bias
     bias = module._parameters.get(name) if name else None

@@ -23,6 +23,7 @@ from dtype_policies.layers.layer import Layer, resolved_policy
 from dtype_policies.policies import DTypePolicy, deserialize, serialize
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.experts import expanded
+from dtype_policies.quantization.modules import computes_in_own_dtype
 from dtype_policies.quantizers.config import deserialize_config, serialize_config
 
 FORMAT_NAME = "dtype_policies"
@@ -137,7 +138,9 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
             manifest.layers[name] = serialize(resolved_policy(submodule))
         else:
             options = top_options(submodule)
-            if options is not None:
+            # quantize()'s own application is rebuilt with the quantized record
+            # from the loaded weight's dtype (it follows `from_pretrained(dtype=)`)
+            if options is not None and not computes_in_own_dtype(submodule):
                 manifest.modules[name] = ModuleRecord.of(options)
         quantized = quantization_of(submodule)
         if quantized is not None:
