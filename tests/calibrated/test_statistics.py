@@ -175,3 +175,15 @@ def test_a_target_called_twice_per_call_is_observed_in_every_call(monkeypatch):
         quantize(blocks, config=config, progress=False)
     # 3 batches x (2 calls of `shared` + 1 of `out`) x 2 blocks, 4 rows each
     assert rows == [4] * (3 * 3 * 2)
+
+
+@pytest.mark.parametrize("k", [8, 575, 576, 1000, 1536])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gram_matrix_from_its_upper_blocks_is_the_whole_product(k, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(300, k).to(dtype)
+    gram = calibrated_int.symmetric_gram(x)
+    assert gram.dtype == dtype and torch.equal(gram, gram.t())
+    expected = x.t() @ x
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gram.float(), expected.float(), rtol=tolerance, atol=tolerance * 30)

@@ -33,6 +33,7 @@ dequantize and multiply (correct, not fast).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 import weakref
@@ -114,6 +115,32 @@ class InputStatistics:
 
 
 GRAM_CHUNK = 512
+GRAM_BLOCK = 384
+"""Inputs per block of `symmetric_gram`'s products (the whole Gram matrix in
+one product below `1.5 * GRAM_BLOCK` inputs). Measured on 4096 rows (AMD Zen
+3, 2 threads, float32): 0.89x one product's time at K = 576 (2 blocks),
+0.68x at K = 1536 (4 blocks)."""
+
+
+def symmetric_gram(x: torch.Tensor) -> torch.Tensor:
+    """`xᵀx` (in `x`'s dtype) from the products of its diagonal and upper
+    blocks only, the lower ones mirrored: for K inputs in b blocks,
+    `(b + 1) / 2b` of one product's operations (5/8 at K = 1536).
+
+    >>> x = torch.randn(64, 1000)
+    >>> torch.allclose(symmetric_gram(x), x.t() @ x, rtol=1e-4, atol=1e-3)
+    True
+    """
+    k = x.shape[1]
+    count = max(1, round(k / GRAM_BLOCK))
+    if count == 1:
+        return x.t() @ x
+    edges = [round(i * k / count) for i in range(count + 1)]
+    gram = torch.empty(k, k, dtype=x.dtype)
+    for start, stop in itertools.pairwise(edges):
+        torch.mm(x[:, start:stop].t(), x[:, start:], out=gram[start:stop, start:])
+        gram[start:, start:stop] = gram[start:stop, start:].t()
+    return gram
 
 
 class _Moments:
@@ -142,11 +169,9 @@ class _Moments:
             if rows.dtype == torch.bfloat16 and processor().native_bf16:
                 gram = torch.zeros(rows.shape[1], rows.shape[1])
                 for start in range(0, rows.shape[0], GRAM_CHUNK):
-                    chunk = rows[start : start + GRAM_CHUNK]
-                    gram += (chunk.t() @ chunk).float()
+                    gram += symmetric_gram(rows[start : start + GRAM_CHUNK]).float()
             else:
-                x = rows.float()
-                gram = x.t() @ x
+                gram = symmetric_gram(rows.float())
             self._gram = gram
         return self._gram
 
