@@ -580,6 +580,39 @@ def test_float8_training_learns():
     assert model.layers[0].inputs_scale.item() != 1.0
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_float8_delayed_scaling_under_activation_checkpointing(reentrant):
+    """Activation checkpointing recomputes the forward during the backward:
+    the recomputation reads the scales the forward read (the step's new ones
+    are written when the backward is over), so the gradients and the float8
+    state are those of the same steps without checkpointing, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+        quantize(model, "float8")
+        return model
+
+    x, target = torch.randn(32, 16) * 5, torch.randn(32, 4)
+    plain, checkpointed = build(), build()
+    for _ in range(3):
+        checkpointed.load_state_dict(plain.state_dict())
+        plain.zero_grad(set_to_none=True)
+        checkpointed.zero_grad(set_to_none=True)
+        (plain(x) - target).pow(2).mean().backward()
+        inputs = x.clone().requires_grad_(reentrant)
+        out = checkpoint(checkpointed, inputs, use_reentrant=reentrant)
+        (out - target).pow(2).mean().backward()
+        for p, q in zip(plain.parameters(), checkpointed.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        state, other = plain.state_dict(), checkpointed.state_dict()
+        assert all(torch.equal(state[k], other[k]) for k in state)
+        with torch.no_grad():
+            for p in plain.parameters():
+                p.sub_(1e-3 * p.grad)
+
+
 def test_int4_checkpoint_of_earlier_versions_loads_unchanged_in_value():
     """Before 0.3 grouped int4 stored an int8 zero point, (G, N) grids for every
     weight and no g_idx; such a state dict loads and computes the same."""

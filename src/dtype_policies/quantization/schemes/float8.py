@@ -176,12 +176,31 @@ def weight_only_kernel(spec: WeightSpec, kernel: torch.Tensor) -> torch.Tensor:
 
 
 class _Updates:
-    """New scale/history values computed in the forward, written after backward."""
+    """New scale/history values computed in the forward, written once the
+    backward pass that reaches them is over (`commit_after_backward`)."""
 
     __slots__ = ("pending",)
 
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def commit(self) -> None:
+        with torch.no_grad():
+            for buffer, value in self.pending:
+                buffer.copy_(value)
+        self.pending = []
+
+
+def commit_after_backward(updates: _Updates) -> None:
+    """Writes `updates` when the running backward pass ends, not in the middle
+    of it: activation checkpointing recomputes a layer's forward during the
+    backward (after its output gradient's node ran), and that forward must
+    read the scales the first one read. Outside a backward pass (or where
+    torch has no such callback), at once."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(updates.commit)
+    except (RuntimeError, AttributeError):
+        updates.commit()
 
 
 def _next_state(
@@ -210,7 +229,8 @@ class _QDQForward(torch.autograd.Function):
 class _QDQGradient(torch.autograd.Function):
     """Forward: identity. Backward: quantize-dequantize the gradient in e5m2
     (with the stored scale, or with its own when `dynamic`), then commit the
-    step's scale and history updates (delayed scaling)."""
+    step's scale and history updates (delayed scaling) when the backward pass
+    is over."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -235,13 +255,11 @@ class _QDQGradient(torch.autograd.Function):
         scale, history = ctx.scale, ctx.history
         qdq = quantize_and_dequantize(grad, scale, torch.float8_e5m2, grad.dtype)
         if ctx.updates is not None and grad.numel() > 0:
+            updates, ctx.updates = ctx.updates, None  # a second backward commits nothing
             with torch.no_grad():
                 new_scale, new_history = _next_state(grad, scale, history, FLOAT8_E5M2_MAX)
-                for buffer, value in ctx.updates.pending:
-                    buffer.copy_(value)
-                scale.copy_(new_scale)
-                history.copy_(new_history)
-            ctx.updates = None  # a second backward through this graph commits nothing
+            updates.pending += [(scale, new_scale), (history, new_history)]
+            commit_after_backward(updates)
         return qdq, None, None, None, None
 
 
