@@ -230,9 +230,28 @@ def test_mismatches_raise_naming_the_path_and_change_nothing(tmp_path):
     other_mode = mlp()
     quantize(other_mode, "int4")
     before = snapshot(other_mode)
-    with pytest.raises(saving.CheckpointError, match="already quantized in mode 'int4'"):
+    with pytest.raises(
+        saving.CheckpointError,
+        match=r"the target is quantized in mode 'int4' .*the checkpoint holds it in mode 'int8'",
+    ):
         saving.load(other_mode, path)
     assert_unchanged(other_mode, before)
+
+
+@pytest.mark.parametrize("target_policy", ["float32", "bfloat16", "mixed_float16", "float16"])
+def test_the_saved_policies_win_over_the_targets(target_policy, tmp_path):
+    """A target with a policy of its own gets the saved policies, quantized
+    modules included (their source is the saved policy, not the target's):
+    float16 compute, which int8 refuses, is no obstacle."""
+    model = prepare(mlp(), "mixed_bfloat16", "int8", None)
+    x = torch.randn(4, 64)
+    expected = model(x)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    target = mlp()
+    apply_policy(target, target_policy)
+    saving.load(target, path)
+    assert target[0].dtype_policy.name == "int8_from_mixed_bfloat16"
+    assert torch.equal(target(x), expected)
 
     extra = nn.Sequential(*mlp(), nn.Linear(16, 4))
     before = snapshot(extra)

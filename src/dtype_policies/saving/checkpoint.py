@@ -30,6 +30,7 @@ from dtype_policies._core.slots import (
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import Step, commit_application
 from dtype_policies.layers.layer import Layer, resolved_policy
+from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
 from dtype_policies.quantization.kinds import kind_of
@@ -315,10 +316,12 @@ def plan_from_manifest(
         if resolved_policy(target) != policy:
             steps.append(Step(name.replace(".", "/"), target, policy))
     plans = []
+    saved_policies = {step.path.replace("/", "."): step.policy for step in steps}
     for name, record in manifest.quantized.items():
         target = modules.get(name)
         try:
-            plans.extend(_plan_quantized(name, target, record, tensor_for))
+            saved = saved_policies.get(name)
+            plans.extend(_plan_quantized(name, target, record, tensor_for, saved))
         except (CheckpointError, NotImplementedError, ValueError) as e:
             problems.append(f"'{name or '(root)'}': {e}")
     ExpertsExpansion.claim_all(plans, list(expansions.values()))
@@ -370,7 +373,12 @@ def _plan_quantized(
     target: torch.nn.Module | None,
     record: QuantizedRecord,
     tensor_for: TensorFor,
+    saved_policy: DTypePolicy | None = None,
 ) -> list[attach.Plan]:
+    """The plan of one saved quantized module. It computes from the policy
+    saved for it (`saved_policy`, which loading applies) whatever policy the
+    target has now; without one (quantized on a float model, no policy), in
+    the dtype of the target's weight, as a dtype conversion would."""
     if target is None:
         raise CheckpointError("no such module in the target")
     config = record.quantization_config
@@ -383,7 +391,11 @@ def _plan_quantized(
     if existing is not None:
         if existing.mode == record.mode and existing.config == config:
             return []  # already quantized the same way: only the tensors load
-        raise CheckpointError(f"already quantized in mode '{existing.mode}' ({existing.config})")
+        raise CheckpointError(
+            f"the target is quantized in mode '{existing.mode}' ({existing.config}); the "
+            f"checkpoint holds it in mode '{record.mode}' ({config}). Load into a model that "
+            "is not quantized, or quantized the same way"
+        )
     spec = kind.spec(target, record.mode)
     saved = (record.weight, record.layout, record.role, tuple(record.float_shape))
     found = (spec.weight, spec.layout, spec.role, tuple(spec.float_shape))
@@ -396,7 +408,20 @@ def _plan_quantized(
     for buffer, (shape, dtype) in scheme.stored_shapes(spec, config).items():
         key = f"{name}.{buffer}" if name else buffer
         tensors[buffer] = tensor_for(key, tuple(shape), dtype)
-    plan = attach.plan(target, config, path=name, type_check=False, kind=kind, tensors=tensors)
+    source = None
+    if saved_policy is not None:
+        source = getattr(saved_policy, "source_policy", None) or saved_policy
+    try:
+        plan = attach.plan(
+            target, config, path=name, type_check=False, kind=kind, tensors=tensors, source=source
+        )
+    except ValueError as e:
+        saved = "no policy" if saved_policy is None else f"policy '{saved_policy.name}'"
+        now = getattr(getattr(target, "dtype_policy", None), "name", None)
+        raise CheckpointError(
+            f"saved in mode '{record.mode}' with {saved}, from {record.float_dtype} weights; "
+            f"the target{f' computes by {now!r} and' if now else ''} cannot take it: {e}"
+        ) from None
     return [plan]
 
 
