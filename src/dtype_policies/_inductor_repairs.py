@@ -78,4 +78,4 @@ def _install() -> None:
             return False
         return original(self, cpp_kernel_proxy_list, outer_loop_fusion_depth)
 
-    OuterLoopFusedSchedulerNode.check_outer_fusion_loop_level_attr = check
+    setattr(OuterLoopFusedSchedulerNode, "check_outer_fusion_loop_level_attr", check)  # noqa: B010

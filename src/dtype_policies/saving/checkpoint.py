@@ -416,10 +416,10 @@ def _plan_quantized(
             target, config, path=name, type_check=False, kind=kind, tensors=tensors, source=source
         )
     except ValueError as e:
-        saved = "no policy" if saved_policy is None else f"policy '{saved_policy.name}'"
+        described = "no policy" if saved_policy is None else f"policy '{saved_policy.name}'"
         now = getattr(getattr(target, "dtype_policy", None), "name", None)
         raise CheckpointError(
-            f"saved in mode '{record.mode}' with {saved}, from {record.float_dtype} weights; "
+            f"saved in mode '{record.mode}' with {described}, from {record.float_dtype} weights; "
             f"the target{f' computes by {now!r} and' if now else ''} cannot take it: {e}"
         ) from None
     return [plan]
