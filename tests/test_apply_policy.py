@@ -506,3 +506,30 @@ def test_listeners_hear_each_committed_change_once():
     finally:
         listeners.remove_listener(listener)
         listeners.remove_listener(broken)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "bfloat16", "mixed_float16"])
+def test_a_transformer_encoder_with_a_padding_mask_in_eval_mode(policy):
+    """torch's default `nn.TransformerEncoder` (nested tensors enabled) turns
+    a padded batch into nested tensors in eval mode, and its fused layer
+    refuses float32 norm weights beside half activations: under a half
+    policy it takes the dense path (padded positions are not compared: the
+    nested path gives zeros there, the dense path values)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2).eval()
+    reference = copy.deepcopy(encoder)
+    x = torch.randn(2, 5, 8)
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    handle = apply_policy(encoder, policy)
+    with torch.no_grad():
+        out = encoder(x, src_key_padding_mask=padding)
+        expected = reference(x, src_key_padding_mask=padding)
+    assert out.dtype == (torch.bfloat16 if "bfloat16" in policy else torch.float16)
+    valid = ~padding
+    assert float((out.float() - expected)[valid].abs().max()) < 0.05
+    assert encoder.__dict__["use_nested_tensor"] is True  # its own value, kept
+    handle.remove()
+    assert type(encoder) is nn.TransformerEncoder and encoder.use_nested_tensor is True
+    with torch.no_grad():
+        assert torch.equal(encoder(x, src_key_padding_mask=padding), expected)

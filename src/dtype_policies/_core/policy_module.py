@@ -182,6 +182,39 @@ class FastLinearForward(ModuleMixin):
 FAST_LINEARS = (torch.nn.Linear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
+class DenseTransformerEncoder(ModuleMixin):
+    """An `nn.TransformerEncoder` whose layers compute in a half dtype: its
+    nested-tensor path (eval mode with a padding mask) runs torch's fused
+    encoder layer on nested tensors, which refuses the layers' float32 norm
+    weights beside half activations ("expected scalar type Float but found
+    BFloat16"); the dense path takes them. So `use_nested_tensor` reads False
+    then; the module's own value is kept and is read again when its layers
+    compute in float32, or once the policy is removed."""
+
+    _dp_order = 10
+
+    @property
+    def use_nested_tensor(self) -> bool:
+        own = bool(self.__dict__.get("use_nested_tensor", False))
+        layers = self.__dict__["_modules"].get("layers")
+        return own and not any(
+            (state := layer.__dict__.get(STATE_KEY)) is not None
+            and state.call is not None
+            and state.call.compute in HALF_DTYPES
+            for layer in (layers or ())
+        )
+
+    @use_nested_tensor.setter
+    def use_nested_tensor(self, value: bool) -> None:
+        self.__dict__["use_nested_tensor"] = value
+
+
+CLASS_MIXINS: dict[type[torch.nn.Module], type[ModuleMixin]] = {
+    torch.nn.TransformerEncoder: DenseTransformerEncoder,
+}
+"""Mixins that a policied module of a class (or a subclass) also gets."""
+
+
 def install(
     module: torch.nn.Module, token: object, options: ModuleOptions, bottom: bool = False
 ) -> None:
@@ -215,6 +248,8 @@ def refresh(module: torch.nn.Module) -> None:
         mixins.add(FastLinearForward)
     else:
         mixins.discard(FastLinearForward)
+    cls = original_class(module)
+    mixins.update(mixin for base, mixin in CLASS_MIXINS.items() if issubclass(cls, base))
     set_mixins(module, tuple(mixins))
 
 
@@ -224,9 +259,8 @@ def release(module: torch.nn.Module) -> None:
     state = module.__dict__[STATE_KEY]
     state.call = None
     state.casts = WeightCasts()
-    set_mixins(
-        module, tuple(m for m in mixins_of(module) if m not in (PolicyModule, FastLinearForward))
-    )
+    own = (PolicyModule, FastLinearForward, *CLASS_MIXINS.values())
+    set_mixins(module, tuple(m for m in mixins_of(module) if m not in own))
     drop_state_if_empty(module)
 
 
