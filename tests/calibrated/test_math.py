@@ -383,3 +383,56 @@ def test_refined_grids_symmetric_and_per_tensor(symmetric, per_channel, activati
         )
     )
     assert output_error(x, w, restored) < output_error(x, w, rtn)
+
+
+def test_configs_take_numpy_numbers_as_keras_does_and_refuse_nan_damping():
+    import numpy as np
+
+    from dtype_policies.quantizers import AWQConfig, GPTQConfig
+
+    config = GPTQConfig(
+        None,
+        None,
+        weight_bits=np.int64(4),
+        group_size=np.int32(64),
+        num_samples=np.int64(8),
+        hessian_damping=np.float32(0.05),
+        activation_order=np.True_,
+    )
+    assert (config.weight_bits, config.group_size, config.num_samples) == (4, 64, 8)
+    assert type(config.group_size) is int and config.activation_order is True
+    assert AWQConfig(None, None, num_grid_points=np.int64(10)).num_grid_points == 10
+    with pytest.raises(ValueError, match=r"hessian_damping must be between 0 and 1. Received: nan"):
+        GPTQConfig(None, None, hessian_damping=float("nan"))
+    with pytest.raises(ValueError, match=r"group_size must be an integer. Received: group_"):
+        GPTQConfig(None, None, group_size=True)
+
+
+@pytest.mark.parametrize("structure", ["model.layers", 5, [3], {"sequential_blocks": "a.b"}])
+def test_a_structure_of_another_form_is_refused_when_the_config_is_made(structure):
+    from dtype_policies.quantizers import GPTQConfig
+
+    with pytest.raises(ValueError, match=r"quantization_layer_structure.*(Received|holds)"):
+        GPTQConfig(None, None, quantization_layer_structure=structure)
+
+
+def test_a_structure_holding_modules_is_not_serialized_and_the_model_saves(tmp_path):
+    import warnings
+
+    import torch.nn as nn
+
+    from dtype_policies import quantize, saving
+    from dtype_policies.quantizers import GPTQConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16)), nn.Linear(16, 4))
+    structure = {"pre_block_layers": [model[0]], "sequential_blocks": [model[1]]}
+    config = GPTQConfig([torch.randn(8, 16) for _ in range(2)], None, group_size=16)
+    config.quantization_layer_structure = structure
+    assert config.get_config()["quantization_layer_structure"] is None
+    paths = GPTQConfig(None, None, quantization_layer_structure={"sequential_blocks": ("1",)})
+    assert paths.get_config()["quantization_layer_structure"] == {"sequential_blocks": ["1"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, config=config, progress=False)
+    saving.save(model, tmp_path / "model")

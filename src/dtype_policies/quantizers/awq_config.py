@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig, _structure_config
+from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig, _structure_config, as_int
 
 AWQ_OBJECTIVES = ("output", "weight")
 
@@ -98,12 +98,11 @@ class AWQConfig(TokenCalibrationConfig):
             calibration_batch_size=calibration_batch_size,
             grid=grid,
         )
-        if (
-            not isinstance(num_grid_points, int)
-            or isinstance(num_grid_points, bool)
-            or num_grid_points <= 0
-        ):
-            raise ValueError("num_grid_points must be a positive integer.")
+        num_grid_points = as_int("num_grid_points", num_grid_points)
+        if num_grid_points <= 0:
+            raise ValueError(
+                f"num_grid_points must be a positive integer. Received: {num_grid_points}"
+            )
         if objective not in AWQ_OBJECTIVES:
             raise ValueError(
                 f"`objective` must be one of {AWQ_OBJECTIVES}. Received: objective={objective!r}"

@@ -3,6 +3,9 @@ with `AWQConfig`: calibration text or ids, `num_samples` x `sequence_length`."""
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -14,18 +17,72 @@ from dtype_policies.quantizers.gptq import GRIDS
 GPTQ_WEIGHT_BITS = (2, 3, 4, 8)
 
 
-def _check_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer. Received: {name}={value!r}")
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")  # NumPy
+
+
+def as_int(name: str, value: Any) -> int:
+    """`value` as an int: Python's or NumPy's integers (as Keras takes them),
+    never a bool."""
+    if not _is_bool(value) and isinstance(value, numbers.Integral):
+        return int(value)
+    raise ValueError(f"{name} must be an integer. Received: {name}={value!r}")
+
+
+def as_bool(name: str, value: Any) -> bool:
+    if _is_bool(value):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False. Received: {name}={value!r}")
+
+
+def checked_structure(structure: Any) -> Any:
+    """`quantization_layer_structure` as given, once checked to be one of the
+    forms calibration reads: None, a sequence of submodules or their paths
+    (a `ModuleList` or `Sequential` too), or Keras's dict of them."""
+    if structure is None:
+        return None
+    if isinstance(structure, dict):
+        for key in ("sequential_blocks", "pre_block_layers"):
+            if key in structure and structure[key] is not None:
+                _check_entries(f"quantization_layer_structure[{key!r}]", structure[key])
+        return structure
+    _check_entries("quantization_layer_structure", structure)
+    return structure
+
+
+def _check_entries(name: str, entries: Any) -> None:
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
+        raise ValueError(
+            f"{name} must be a sequence of submodules or their paths (a list, even of "
+            f"one block), or Keras's dict of them. Received: {entries!r}"
+        )
+    for entry in entries:
+        if not isinstance(entry, (str, torch.nn.Module)):
+            raise ValueError(
+                f"{name} holds {entry!r} ({type(entry).__name__}); its entries are "
+                "submodules of the model or their paths."
+            )
 
 
 def _structure_config(structure: Any) -> Any:
     """The structure as `get_config` keeps it: paths (strings) are kept;
     modules are not serializable, so a structure holding them is `None`."""
-    blocks = structure.get("sequential_blocks", []) if isinstance(structure, dict) else structure
-    if structure is None or all(isinstance(b, str) for b in blocks or ()):
-        return structure
-    return None
+    if structure is None:
+        return None
+    if not isinstance(structure, dict):
+        return _paths_only(structure)
+    kept = {}
+    for key, entries in structure.items():
+        kept[key] = entries if entries is None else _paths_only(entries)
+        if entries is not None and kept[key] is None:
+            return None
+    return kept
+
+
+def _paths_only(entries: Any) -> list[str] | None:
+    """The entries as a list when they are all paths, else None."""
+    entries = list(entries)
+    return entries if all(isinstance(entry, str) for entry in entries) else None
 
 
 class TokenCalibrationConfig(CalibratedQuantizationConfig):
@@ -60,14 +117,11 @@ class TokenCalibrationConfig(CalibratedQuantizationConfig):
     ) -> None:
         if grid not in GRIDS:
             raise ValueError(f"grid must be one of {GRIDS}. Received: grid={grid!r}")
-        for name, value in (
-            ("weight_bits", weight_bits),
-            ("num_samples", num_samples),
-            ("sequence_length", sequence_length),
-            ("group_size", group_size),
-            ("calibration_batch_size", calibration_batch_size),
-        ):
-            _check_int(name, value)
+        weight_bits = as_int("weight_bits", weight_bits)
+        num_samples = as_int("num_samples", num_samples)
+        sequence_length = as_int("sequence_length", sequence_length)
+        group_size = as_int("group_size", group_size)
+        calibration_batch_size = as_int("calibration_batch_size", calibration_batch_size)
         if calibration_batch_size <= 0:
             raise ValueError("calibration_batch_size must be a positive integer.")
         if num_samples <= 0:
@@ -79,7 +133,9 @@ class TokenCalibrationConfig(CalibratedQuantizationConfig):
                 f"Invalid group_size. Supported values are {self.group_size_meaning} or a "
                 f"positive integer, but got {group_size}."
             )
-        super().__init__(dataset, quantization_layer_structure=quantization_layer_structure)
+        super().__init__(
+            dataset, quantization_layer_structure=checked_structure(quantization_layer_structure)
+        )
         self.tokenizer = tokenizer
         self.weight_bits = weight_bits
         self.num_samples = num_samples
@@ -224,8 +280,12 @@ class GPTQConfig(TokenCalibrationConfig):
             raise ValueError(
                 f"Unsupported weight_bits {weight_bits}. Supported values are 2, 3, 4, and 8."
             )
-        if not isinstance(hessian_damping, (int, float)) or isinstance(hessian_damping, bool):
+        if not isinstance(hessian_damping, numbers.Real) or _is_bool(hessian_damping):
             raise ValueError(f"hessian_damping must be a number. Received: {hessian_damping!r}")
+        if not math.isfinite(hessian_damping) or hessian_damping < 0 or hessian_damping > 1:
+            raise ValueError(
+                f"hessian_damping must be between 0 and 1. Received: {hessian_damping!r}"
+            )
         super().__init__(
             dataset,
             tokenizer,
@@ -237,19 +297,10 @@ class GPTQConfig(TokenCalibrationConfig):
             calibration_batch_size=calibration_batch_size,
             grid=grid,
         )
-        if hessian_damping < 0 or hessian_damping > 1:
-            raise ValueError("hessian_damping must be between 0 and 1.")
-        for name, value in (
-            ("per_channel", per_channel),
-            ("symmetric", symmetric),
-            ("activation_order", activation_order),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False. Received: {name}={value!r}")
-        self.per_channel = per_channel
+        self.per_channel = as_bool("per_channel", per_channel)
         self.hessian_damping = float(hessian_damping)
-        self.symmetric = symmetric
-        self.activation_order = activation_order
+        self.symmetric = as_bool("symmetric", symmetric)
+        self.activation_order = as_bool("activation_order", activation_order)
 
     def get_config(self) -> dict[str, Any]:
         config = {
