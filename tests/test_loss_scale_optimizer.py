@@ -179,11 +179,14 @@ def test_finite_steps_equal_the_inner_optimizer_on_unscaled_grads(make_inner):
     assert scaled.iterations == 4 and scaled.dynamic_scale == 2.0**15
 
 
-def test_step_with_no_gradients_runs_the_inner_step():
+def test_step_with_no_gradients_runs_the_inner_step_and_counts_nothing():
     weight = nn.Parameter(torch.ones(2))
-    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0))
-    optimizer.step()
-    assert optimizer.iterations == 1 and torch.equal(weight, torch.ones(2))
+    inner = torch.optim.SGD([weight], lr=1.0)
+    optimizer = LossScaleOptimizer(inner)
+    with mock.patch.object(inner, "step", wraps=inner.step) as step:
+        optimizer.step()
+    assert step.call_count == 1  # torch's own step skips parameters without gradients
+    assert optimizer.iterations == 0 and torch.equal(weight, torch.ones(2))
 
 
 def test_unscale_and_check_is_one_fused_pass_with_one_sync():
@@ -440,6 +443,8 @@ def test_deepcopy_and_pickle():
     clone = copy.deepcopy(optimizer)
     assert clone.dynamic_scale == 8.0 and clone.inner_optimizer is not optimizer.inner_optimizer
     assert clone.param_groups is clone.inner_optimizer.param_groups
+    for param in clone.inner_optimizer.param_groups[0]["params"]:
+        param.grad = torch.ones_like(param)
     clone.step()
     assert clone.iterations == 1 and optimizer.iterations == 0
 
@@ -618,3 +623,51 @@ def test_loss_scaling_prevents_float16_underflow():
     assert optimizer.iterations == 6 and optimizer.dynamic_scale == 2.0**15
     assert losses[-1] < 0.9 * losses[0]
     assert all(b < a for a, b in itertools.pairwise(losses))
+
+
+@pytest.mark.parametrize("steps, growth, first", [(300, 2000, INF), (3, 1, 0.0)])
+def test_a_state_dict_at_a_scale_of_zero_or_inf_reloads(steps, growth, first):
+    """Both are states a run reaches (skipped steps halve the scale to 0;
+    growth doubles it past float32's range)."""
+    weight = nn.Parameter(torch.ones(1))
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD([weight], lr=0.0), initial_scale=2.0**126, dynamic_growth_steps=growth
+    )
+    for _ in range(steps):
+        set_grads([weight], [[first]])
+        optimizer.step()
+    assert optimizer.dynamic_scale in (0.0, math.inf)
+    state = optimizer.state_dict()
+    again = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.0))
+    again.load_state_dict(state)
+    assert again.dynamic_scale == optimizer.dynamic_scale
+    with pytest.raises(ValueError, match=r"loss_scale\['scale'\] must be a number >= 0"):
+        again.load_state_dict({**state, "loss_scale": {**state["loss_scale"], "scale": -1.0}})
+
+
+def test_a_step_without_any_gradient_applies_and_counts_nothing():
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD([weight], lr=1.0), initial_scale=4.0, dynamic_growth_steps=2
+    )
+    for _ in range(4):
+        optimizer.zero_grad()
+        optimizer.step()
+    assert optimizer.iterations == 0 and optimizer.dynamic_scale == 4.0
+    assert optimizer.step_counter == 0 and not optimizer.last_step_skipped
+    assert torch.equal(weight.detach(), torch.ones(2))
+
+
+def test_complex_gradients_are_unscaled_and_checked():
+    real = nn.Parameter(torch.ones(2))
+    complex_ = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([complex_, real], lr=0.5), initial_scale=4.0)
+    real.grad = torch.full((2,), 4.0)
+    complex_.grad = torch.full((2,), 4.0 + 8.0j, dtype=torch.complex64)
+    optimizer.step()
+    assert torch.equal(complex_.grad, torch.full((2,), 1.0 + 2.0j, dtype=torch.complex64))
+    assert torch.equal(real.detach(), torch.full((2,), 0.5))
+    complex_.grad = torch.full((2,), complex(float("inf"), 0.0), dtype=torch.complex64)
+    real.grad = torch.zeros(2)
+    optimizer.step()
+    assert optimizer.last_step_skipped and optimizer.dynamic_scale == 2.0

@@ -306,6 +306,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     grad = grad._values()
                 elif type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
                     grad = grad.to_local()  # a DTensor (FSDP2): this rank's shard, in place
+                if grad.is_complex():  # the fused op takes its real view, in place
+                    grad = torch.view_as_real(grad)
                 grads.append(grad)
         if not grads:
             return []
@@ -348,6 +350,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if found_infs is None:
             found_infs = self._unscale_grads()
         self._found_inf = None
+        if not found_infs:  # no gradient at all: the inner step (a no-op) runs, nothing counts
+            self._last_step_skipped = False
+            self._inner.step()
+            return None
         finite = self._all_finite(found_infs)
         self._last_step_skipped = not finite
         if not finite:
