@@ -102,3 +102,18 @@ def test_linears_left_outside_the_calibrated_blocks_are_named():
     assert (
         f"{len(report.outside_linears)} linear module(s) outside the calibrated blocks" in message
     )
+
+
+def test_weights_read_by_their_parent_count_in_the_float_share():
+    """`nn.TransformerEncoderLayer` reads its linears' weights itself (its fused
+    fast path): none can be quantized, and the warning's share says so."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    with pytest.warns(UserWarning) as caught:
+        report = quantize(layer, "int8")
+    assert not report.quantized
+    norms = sum(p.numel() for name, p in layer.named_parameters() if "norm" in name)
+    total = sum(p.numel() for p in layer.parameters())
+    assert report.unsupported_parameters == total - norms
+    share = f"{100 * (total - norms) / total:.1f}% of the model's parameters stay in floating point"
+    assert any(share in str(w.message) for w in caught)

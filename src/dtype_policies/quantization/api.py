@@ -319,10 +319,14 @@ def quantize(
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))
             continue
-        reason = _not_ready(module) or read_by_parent(path, module, modules)
-        if reason is not None:
-            report.skipped.append((label, reason))
+        not_ready = _not_ready(module)
+        if not_ready is not None:
+            report.skipped.append((label, not_ready))
             leave_float(label, module)
+            continue
+        read = read_by_parent(path, module, modules)
+        if read is not None:  # stays float: counted with the other unsupported weights
+            unsupported(label, module, read)
             continue
         module_config = config.tied_embeddings_config() if id(module) in tied else config
         if not kind.supports(module_config.mode):  # the mode's scope, as Keras's
