@@ -3,6 +3,7 @@
 import copy
 import io
 import re
+import warnings
 
 import pytest
 import torch
@@ -533,3 +534,18 @@ def test_a_transformer_encoder_with_a_padding_mask_in_eval_mode(policy):
     assert type(encoder) is nn.TransformerEncoder and encoder.use_nested_tensor is True
     with torch.no_grad():
         assert torch.equal(encoder(x, src_key_padding_mask=padding), expected)
+
+
+def test_a_map_entry_asking_a_module_for_a_mode_it_cannot_take_is_named():
+    """A quantized policy by default (the map's or the whole model's) quietly
+    leaves modules of no quantizable kind in its float source; an explicit
+    map key that asks for it warns, naming them."""
+    model = nn.Sequential(nn.Conv1d(4, 4, 3), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.warns(UserWarning, match=r"cannot be quantized in its mode .*'0' \(Conv1d\)"):
+        apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"0|1": "int8_from_mixed_bfloat16"}))
+    assert model[0].dtype_policy.name == "mixed_bfloat16"
+    quiet = nn.Sequential(nn.Conv1d(4, 4, 3), nn.Flatten(), nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_policy(quiet, "int8_from_mixed_bfloat16")
+    assert quiet[2].dtype_policy.name == "int8_from_mixed_bfloat16"

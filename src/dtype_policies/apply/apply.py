@@ -144,6 +144,7 @@ class Step:
     policy: DTypePolicy
     island: bool = False
     options: policy_module.ModuleOptions | None = None
+    explicit: bool = False  # its policy is a map entry's, not the map's default
 
 
 def apply_policy(
@@ -231,6 +232,28 @@ def apply_policy(
     steps, used_keys = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
     plans, expert_steps = _plan_quantization(steps)
     steps += expert_steps
+    planned = {id(p.module) for p in plans} | {id(s.module) for s in expert_steps}
+    planned |= experts.expert_routers(step.module for step in steps)  # float by design
+    unquantized = [
+        step
+        for step in steps
+        if step.explicit
+        and step.policy.quantization_mode is not None
+        and id(step.module) not in planned
+        and attach.quantization_of(step.module) is None
+        and any(p is not None and p.dim() >= 2 for p in step.module._parameters.values())
+    ]
+    if unquantized:
+        named = ", ".join(
+            f"'{step.path}' ({type(step.module).__name__})" for step in unquantized[:5]
+        )
+        warnings.warn(
+            f"apply_policy(): {len(unquantized)} module(s) given a quantized policy by a "
+            f"DTypePolicyMap key cannot be quantized in its mode and compute with the "
+            f"policy's float source instead: {named}.",
+            UserWarning,
+            stacklevel=2,
+        )
     if policy.is_map:
         for key in policy:
             if key not in used_keys:
@@ -327,7 +350,7 @@ def _plan_policies(
                 weight_cache=weight_cache,
                 outputs=_handed_back(computes[path], enclosing),
             )
-        steps.append(Step(path, submodule, resolved, island, options))
+        steps.append(Step(path, submodule, resolved, island, options, explicit))
     if conflicts:
         others = [path for path, _ in conflicts[1:]]
         also = f" The same holds for {others}." if others else ""
