@@ -87,13 +87,13 @@ def check_loss_scale_state(loss_scale: Any) -> tuple[float, int, int, int]:
             "The 'loss_scale' entry of a LossScaleOptimizer state dict must be a dict "
             f"with the keys {sorted(expected)}. Received: {loss_scale!r}"
         )
-    scale = loss_scale["scale"]
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale >= 0:
-        # 0 and inf are states a run reaches (about 150 skipped steps; growth)
+    value = loss_scale["scale"]
+    # 0 and inf are states a run reaches (about 150 skipped steps; growth)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not float(value) >= 0:
         raise ValueError(
-            f"loss_scale['scale'] must be a number >= 0 (inf included). Received: {scale!r}"
+            f"loss_scale['scale'] must be a number >= 0 (inf included). Received: {value!r}"
         )
-    scale = to_float32(float(scale))
+    scale = to_float32(float(value))
     counts = []
     for key, minimum in (("step_counter", 0), ("iterations", 0), ("dynamic_growth_steps", 1)):
         value = loss_scale[key]

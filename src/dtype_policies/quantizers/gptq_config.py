@@ -282,7 +282,8 @@ class GPTQConfig(TokenCalibrationConfig):
             )
         if not isinstance(hessian_damping, numbers.Real) or _is_bool(hessian_damping):
             raise ValueError(f"hessian_damping must be a number. Received: {hessian_damping!r}")
-        if not math.isfinite(hessian_damping) or hessian_damping < 0 or hessian_damping > 1:
+        damping = float(hessian_damping)
+        if not math.isfinite(damping) or damping < 0 or damping > 1:
             raise ValueError(
                 f"hessian_damping must be between 0 and 1. Received: {hessian_damping!r}"
             )
@@ -297,10 +298,10 @@ class GPTQConfig(TokenCalibrationConfig):
             calibration_batch_size=calibration_batch_size,
             grid=grid,
         )
-        self.per_channel = as_bool("per_channel", per_channel)
-        self.hessian_damping = float(hessian_damping)
-        self.symmetric = as_bool("symmetric", symmetric)
-        self.activation_order = as_bool("activation_order", activation_order)
+        self.per_channel: bool = as_bool("per_channel", per_channel)
+        self.hessian_damping: float = damping
+        self.symmetric: bool = as_bool("symmetric", symmetric)
+        self.activation_order: bool = as_bool("activation_order", activation_order)
 
     def get_config(self) -> dict[str, Any]:
         config = {

@@ -293,8 +293,8 @@ class CalibratedIntScheme(Scheme):
         the calibrated algorithm gives with no information about the inputs)."""
         warnings.warn(
             f"{config.mode.upper()} without calibration data: the weight is rounded to nearest "
-            f"on {config.mode.upper()}'s grid, without the calibrated search. Quantize the model "
-            f"with a `{type(config).__name__}` holding a dataset to calibrate it.",
+            f"on {config.mode.upper()}'s grid, without the calibrated search. To calibrate it, "
+            f"quantize the model with `{type(config).__name__}(dataset, tokenizer, ...)`.",
             UserWarning,
             stacklevel=4,  # the caller of Layer.quantize
         )
