@@ -436,3 +436,24 @@ def test_a_structure_holding_modules_is_not_serialized_and_the_model_saves(tmp_p
         warnings.simplefilter("ignore")
         quantize(model, config=config, progress=False)
     saving.save(model, tmp_path / "model")
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e20])
+def test_non_finite_calibration_inputs_are_refused_naming_the_module(mode, value):
+    """AWQ fell back to scales of 1 on them without a word; GPTQ blamed its
+    Hessian. Both now say what is wrong, before anything changes."""
+    import torch.nn as nn
+
+    from dtype_policies import quantize
+    from dtype_policies.quantizers import AWQConfig, GPTQConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = [torch.full((4, 64), value) if value != 1e20 else torch.randn(4, 64) * value]
+    config = (GPTQConfig if mode == "gptq" else AWQConfig)(data, None, group_size=32)
+    with pytest.raises(ValueError, match=r"module '0': its calibration inputs hold inf or NaN"):
+        quantize(model, config=config, progress=False)
+    state = model.state_dict()
+    assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in state)

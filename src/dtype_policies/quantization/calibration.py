@@ -202,6 +202,9 @@ def _plan_block(
         release_freed_memory()  # the forward's temporaries, before the statistics are solved
         for path, checked in members:
             try:
+                gathered = statistics[id(checked.module)]
+                if hasattr(gathered, "check_finite"):
+                    gathered.check_finite()
                 module_plan = plan(
                     checked.module,
                     config,

@@ -113,6 +113,19 @@ class InputStatistics:
     def mean_abs(self) -> torch.Tensor:
         return (self.abs_sum / max(self.rows, 1)).float()
 
+    def check_finite(self) -> None:
+        """Raises `ValueError` if the inputs held inf or NaN, or overflowed
+        float32 in the statistics (read off what was gathered, per input)."""
+        gathered = [t for t in (self.gram, self.abs_sum, self.abs_max) if t is not None]
+        if self.gram is not None:
+            gathered[0] = self.gram.diagonal()  # a non-finite input makes its own row so
+        if not all(bool(torch.isfinite(t).all()) for t in gathered):
+            raise ValueError(
+                "its calibration inputs hold inf or NaN (or overflow float32 when squared): "
+                "the model overflows on the calibration data in its compute dtype; check "
+                "the data, or calibrate from a float32 model"
+            )
+
 
 GRAM_CHUNK = 512
 GRAM_BLOCK = 384
