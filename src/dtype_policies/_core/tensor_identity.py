@@ -42,3 +42,9 @@ def contents_key(tensor: torch.Tensor) -> tuple:
     except RuntimeError:  # an inference tensor
         version = -1
     return (storage_ref(tensor), tensor.data_ptr(), version)
+
+
+def tensor_key(*tensors: torch.Tensor) -> tuple:
+    """A key that changes whenever any of `tensors` is replaced or written
+    through torch: each one's identity and `contents_key`."""
+    return tuple(part for t in tensors for part in (id(t), *contents_key(t)))

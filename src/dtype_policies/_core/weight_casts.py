@@ -35,7 +35,7 @@ import torch
 from dtype_policies._core.casting import cast_tensor, functorch_wrapped, tracing
 from dtype_policies._core.products import LinearProduct, linear_product, traced_product
 from dtype_policies._core.scope import AutocastScope, current_scope
-from dtype_policies._core.tensor_identity import contents_key
+from dtype_policies._core.tensor_identity import contents_key, tensor_key
 from dtype_policies._cpu import processor
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -113,7 +113,7 @@ def keep_derived(
     if not _uses_store(store) or not all(can_keep(t) for t in tensors):
         return make()
     assert store is not None
-    key = (*(part for t in tensors for part in (id(t), *contents_key(t))), *extra)
+    key = (*tensor_key(*tensors), *extra)
     entry = store.entries.get(name)
     if entry is not None and entry[1] == key:
         return entry[2]

@@ -30,7 +30,7 @@ from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.policies import get as get_policy
 from dtype_policies.quantization import attach, experts
 from dtype_policies.quantization.kernels import attention
-from dtype_policies.quantization.kinds import kind_of
+from dtype_policies.quantization.kinds import kind_of, owns_matrix
 
 _FLOAT32 = DTypePolicy("float32")
 
@@ -230,19 +230,9 @@ def apply_policy(
 
     # Plan everything first, so that an error leaves the model untouched.
     steps, used_keys = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
-    plans, expert_steps = _plan_quantization(steps)
+    plans, expert_steps, declined = _plan_quantization(steps)
     steps += expert_steps
-    planned = {id(p.module) for p in plans} | {id(s.module) for s in expert_steps}
-    planned |= experts.expert_routers(step.module for step in steps)  # float by design
-    unquantized = [
-        step
-        for step in steps
-        if step.explicit
-        and step.policy.quantization_mode is not None
-        and id(step.module) not in planned
-        and attach.quantization_of(step.module) is None
-        and any(p is not None and p.dim() >= 2 for p in step.module._parameters.values())
-    ]
+    unquantized = [step for step in declined if step.explicit and owns_matrix(step.module)]
     if unquantized:
         named = ", ".join(
             f"'{step.path}' ({type(step.module).__name__})" for step in unquantized[:5]
@@ -392,12 +382,16 @@ def _quantized_conflict(
     )
 
 
-def _plan_quantization(steps: list[Step]) -> tuple[list[attach.Plan], list[Step]]:
-    """The quantizations the steps' quantized policies ask for, and the steps
-    of the per-expert linears of mixture-of-experts modules expanded for them
-    (`quantization.experts`: each linear takes its module's step). Routers
-    compute with their policy's float source, as `quantize()` keeps them."""
-    plans, expert_steps = [], []
+def _plan_quantization(
+    steps: list[Step],
+) -> tuple[list[attach.Plan], list[Step], list[Step]]:
+    """The quantizations the steps' quantized policies ask for, the steps of
+    the per-expert linears of mixture-of-experts modules expanded for them
+    (`quantization.experts`: each linear takes its module's step), and the
+    steps whose module cannot take its policy's mode (it computes with the
+    policy's float source). Routers compute with their policy's float
+    source, as `quantize()` keeps them."""
+    plans, expert_steps, declined = [], [], []
     routers = experts.expert_routers(step.module for step in steps)
     for step in steps:
         mode = step.policy.quantization_mode
@@ -421,7 +415,9 @@ def _plan_quantization(steps: list[Step]) -> tuple[list[attach.Plan], list[Step]
         module_plan = _plan_one(step)
         if module_plan is not None:
             plans.append(module_plan)
-    return plans, expert_steps
+        elif attach.quantization_of(step.module) is None:
+            declined.append(step)
+    return plans, expert_steps, declined
 
 
 def _plan_one(step: Step) -> attach.Plan | None:

@@ -22,7 +22,7 @@ from dtype_policies.quantization.adapters import adapter_modules
 from dtype_policies.quantization.attach import check, commit, plan
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
-from dtype_policies.quantization.kinds import kind_of
+from dtype_policies.quantization.kinds import kind_of, owns_matrix
 from dtype_policies.quantization.report import (
     SKIP_ADAPTER,
     SKIP_ALREADY_QUANTIZED,
@@ -132,13 +132,6 @@ def _two_argument_form(function: Callable) -> Callable[[str, torch.nn.Module], b
 
 def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module._parameters.values() if p is not None]
-
-
-def _owns_matrix(module: torch.nn.Module) -> bool:
-    """Whether a module holds a weight of 2 or more dimensions (what a mode
-    could quantize), not only scales and offsets (norms) or tensors added to
-    every row (ViT's class token and position embeddings, shaped (1, ...))."""
-    return any(p.dim() >= 2 and p.shape[0] > 1 for p in _own_parameters(module))
 
 
 def _unique_elements(parameters: Any, seen: set[int]) -> int:
@@ -294,12 +287,12 @@ def quantize(
             leave_float(label, module, in_scope=False)
             continue
         if id(module) in adapters:
-            if _owns_matrix(module):
+            if owns_matrix(module):
                 report.skipped.append((label, f"{SKIP_ADAPTER}: {_ADAPTER_DETAIL}"))
             leave_float(label, module, in_scope=False)
             continue
         if kind is None:
-            if not _owns_matrix(module):
+            if not owns_matrix(module):
                 if _own_parameters(module):
                     report.skipped.append((label, SKIP_NO_MATRIX))
             elif keep(path, module, False):

@@ -213,3 +213,12 @@ register_module_kind(
 register_linear_kind("transformers.pytorch_utils.Conv1D", layout="in_out")
 # an nn.Linear subclass whose forward is the plain product, written out
 register_linear_kind("transformers.models.falcon.modeling_falcon.FalconLinear")
+
+
+def owns_matrix(module: torch.nn.Module) -> bool:
+    """Whether a module holds a weight of 2 or more dimensions (what a mode
+    could quantize), not only scales and offsets (norms) or tensors added to
+    every row (ViT's class token and position embeddings, shaped (1, ...))."""
+    return any(
+        p is not None and p.dim() >= 2 and p.shape[0] > 1 for p in module._parameters.values()
+    )

@@ -4,20 +4,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
-from dtype_policies._core.tensor_identity import contents_key
-
-
-def tensor_key(*tensors: torch.Tensor) -> tuple:
-    """A key that changes whenever any of `tensors` is replaced or written
-    through torch: each one's identity and `contents_key` (its storage,
-    address and version; `p.data = ...` included)."""
-    key: list = []
-    for t in tensors:
-        key.append(id(t))
-        key.extend(contents_key(t))
-    return tuple(key)
+from dtype_policies._core.tensor_identity import tensor_key as tensor_key
 
 
 def prepare() -> None:
