@@ -257,6 +257,43 @@ def test_applying_the_policy_again_takes_in_a_later_parametrization(hook):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_a_parametrization_computes_its_weight_in_the_variable_dtype(kind):
+    """`orthogonal`'s `matrix_exp` in bfloat16 returns NaN for any non-zero
+    input: under the policy it computed there, and training went NaN after
+    one step. A parametrization computes a variable, so in float32."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        first = nn.Linear(16, 16) if kind == "linear" else nn.Conv1d(16, 16, 1)
+        nn.utils.parametrizations.orthogonal(first)
+        return nn.Sequential(first, nn.Flatten(), nn.LazyLinear(4))
+
+    x = torch.randn(8, 16) if kind == "linear" else torch.randn(8, 16, 3)
+    target = torch.randint(0, 4, (8,))
+    losses = {}
+    for policied in (True, False):
+        model = build()
+        model(x)  # materialises the lazy head
+        if policied:
+            apply_policy(model, "mixed_bfloat16")
+            assert model[0].parametrizations.weight.dtype_policy.name == "float32"
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for _ in range(4):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not policied):
+                out = model(x)
+            assert out.dtype == torch.bfloat16
+            loss = F.cross_entropy(out.float(), target)
+            loss.backward()
+            optimizer.step()
+        losses[policied] = loss.item()
+        original = model[0].parametrizations.weight.original
+        assert original.dtype == torch.float32 and torch.isfinite(original).all()
+    # the same computation as torch's autocast, which keeps matrix_exp in float32
+    assert losses[True] == pytest.approx(losses[False], rel=0.02)
+
+
 def test_the_issue_spectral_norm_call():
     layer = nn.utils.spectral_norm(nn.Linear(16, 16))
     apply_policy(layer, "mixed_bfloat16")

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 
 from dtype_policies._core import policy_module
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.module_rules import ModuleRule, matches_any
+from dtype_policies._core.module_rules import ModuleRule, matches_any, module_rules
 from dtype_policies._core.module_state import (
     drop_state_if_empty,
     ensure_state,
@@ -219,14 +220,13 @@ def apply_policy(
     except (TypeError, ValueError) as e:
         raise type(e)(f"apply_policy(): invalid policy {policy!r}: {e}") from None
     rules = (
-        (*DEFAULT_FLOAT32_MODULES, "Norm") if float32_modules is None else tuple(float32_modules)
+        (*DEFAULT_FLOAT32_MODULES, "Norm")
+        if float32_modules is None
+        else module_rules(float32_modules, "apply_policy(): float32_modules")
     )
-    for rule in rules:
-        if not (isinstance(rule, (type, str)) or callable(rule)):
-            raise TypeError(
-                "float32_modules entries must be module classes, class-name suffixes or "
-                f"callables (path, module) -> bool. Received: {rule!r}"
-            )
+    for name, flag in (("cast_buffers", cast_buffers), ("weight_cache", weight_cache)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"apply_policy(): {name} must be True or False. Received: {flag!r}")
 
     # Plan everything first, so that an error leaves the model untouched.
     steps, used_keys = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
@@ -297,6 +297,7 @@ def _plan_policies(
     steps, used_keys, conflicts = [], set(), []
     root_path = root_path_of(module)
     computes: dict[str, torch.dtype | None] = {}  # each path's compute dtype
+    weight_computations: list[str] = []  # the paths of parametrizations' lists
     for path, submodule in named_module_paths(module, root_path):
         explicit = False
         resolved = policy
@@ -322,6 +323,14 @@ def _plan_policies(
             continue
         island = not explicit and matches_any(path, submodule, rules)
         resolved = _FLOAT32 if island else resolved
+        computes_weight = issubclass(original_class(submodule), parametrize.ParametrizationList)
+        if computes_weight:
+            weight_computations.append(path)
+        if not explicit and any(path.startswith(p) for p in weight_computations):
+            # A parametrization computes a weight: in the variable dtype, as
+            # Keras computes variables (torch's bfloat16 `matrix_exp`, under
+            # `orthogonal`, returns NaN); the module reads it in its own dtype.
+            resolved = DTypePolicy(resolved.variable_dtype)
         computes[path] = compute_dtype_of(resolved)
         if path != root_path:
             enclosing = computes.get(path.rsplit("/", 1)[0] if "/" in path else "")
@@ -338,7 +347,11 @@ def _plan_policies(
                 gather=issubclass(original_class(submodule), _GATHER_MODULES),
                 cast_buffers=cast_buffers,
                 weight_cache=weight_cache,
-                outputs=_handed_back(computes[path], enclosing),
+                outputs=(
+                    _read_as(computes[path], enclosing)
+                    if computes_weight
+                    else _handed_back(computes[path], enclosing)
+                ),
             )
         steps.append(Step(path, submodule, resolved, island, options, explicit))
     if conflicts:
@@ -358,6 +371,14 @@ def _handed_back(compute: torch.dtype | None, enclosing: torch.dtype | None) -> 
     does not); `None` otherwise (a wider module, a float32 head in a bfloat16
     model, keeps its outputs as Keras does)."""
     if compute is None or enclosing is None or compute.itemsize >= enclosing.itemsize:
+        return None
+    return str(enclosing).removeprefix("torch.")
+
+
+def _read_as(compute: torch.dtype | None, enclosing: torch.dtype | None) -> str | None:
+    """The dtype a parametrization's weight goes back in: its module's compute
+    dtype (a weight is read in the compute dtype, wider or narrower)."""
+    if compute is None or enclosing is None or compute == enclosing:
         return None
     return str(enclosing).removeprefix("torch.")
 
