@@ -338,7 +338,25 @@ def test_errors_leave_model_untouched():
         apply_policy("model", "float32")
     with pytest.raises(TypeError, match="float32_modules entries"):
         apply_policy(model, "float32", float32_modules=[3])
+    with pytest.raises(TypeError, match=r"a module instance: pass its class"):
+        apply_policy(model, "float32", float32_modules=[torch.nn.LayerNorm(4)])
+    with pytest.raises(TypeError, match=r"float32_modules must be .* Received: 3"):
+        apply_policy(model, "float32", float32_modules=3)
+    with pytest.raises(TypeError, match=r"weight_cache must be True or False. Received: 'no'"):
+        apply_policy(model, "float32", weight_cache="no")
+    with pytest.raises(TypeError, match=r"cast_buffers must be True or False. Received: None"):
+        apply_policy(model, "float32", cast_buffers=None)
     assert not hasattr(model[0], "dtype_policy")
+
+
+@pytest.mark.parametrize("rule", ["Norm", torch.nn.LayerNorm, lambda path, module: path == "1"])
+def test_one_float32_rule_on_its_own_is_one_rule(rule):
+    """A bare string was read letter by letter: "LayerNorm" made every class
+    ending in r, m, o, ... (`Linear`) a float32 island."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    handle = apply_policy(model, "mixed_bfloat16", float32_modules=rule)
+    assert handle.float32_paths == ["1"]
+    assert [model[i].dtype_policy.name for i in (0, 2)] == ["mixed_bfloat16"] * 2
 
 
 def test_no_grad_and_inference_mode():

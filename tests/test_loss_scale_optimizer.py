@@ -472,6 +472,7 @@ def test_deepcopy_and_pickle():
             r"LossScaleOptimizer no longer supports `dynamic=False`\. Instead, simply set "
             r"`loss_scale_factor` directly on the `inner_optimizer`\.",
         ),
+        ({"dynamic": 0}, ValueError, r"no longer supports `dynamic=False`"),  # Keras: `not`
         (
             {"clipnorm": 1.0},
             ValueError,

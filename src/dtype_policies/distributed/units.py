@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dtype_policies._core.compose import original_class
-from dtype_policies._core.module_rules import ModuleRule, matches_any
+from dtype_policies._core.module_rules import ModuleRule, matches_any, module_rules
 from dtype_policies._core.module_state import state_of
 from dtype_policies.distributed.mixed_precision import quantized_error
 from dtype_policies.quantization.attach import quantization_of
@@ -172,13 +172,7 @@ def shard_plan(
     if units is None:
         blocks = _default_blocks(model)
     else:
-        rules = tuple(units)
-        for rule in rules:
-            if not (isinstance(rule, (type, str)) or callable(rule)):
-                raise TypeError(
-                    "units entries must be module classes, class-name suffixes or callables "
-                    f"(name, module) -> bool. Received: {rule!r}"
-                )
+        rules = module_rules(units, "units")
         blocks = [
             (name, module)
             for name, module in model.named_modules()

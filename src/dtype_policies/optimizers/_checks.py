@@ -45,7 +45,7 @@ def to_float32(value: float) -> float:
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> None:
-    if kwargs.pop("dynamic", True) is False:
+    if not kwargs.pop("dynamic", True):  # any false value, as Keras reads it
         raise ValueError(
             "LossScaleOptimizer no longer supports `dynamic=False`. Instead, simply set "
             "`loss_scale_factor` directly on the `inner_optimizer`."
