@@ -216,6 +216,28 @@ def test_func_grad_wrt_input(setup):
     assert F.cosine_similarity(g.flatten(), x.grad.flatten(), 0) > 0.999
 
 
+@pytest.mark.parametrize("setup", ["mixed_bfloat16", "int8", "int4_128", "float8"])
+def test_per_sample_gradients_through_a_float32_norm(setup):
+    """`vmap(grad(...))` (per-sample gradients): the float32 norm took its
+    half inputs into torch's mixed-dtype kernel, which has no vmap rule."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 16))
+    apply_policy(model, "mixed_bfloat16")
+    if setup != "mixed_bfloat16":
+        quantize_with(model, setup)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p, x):
+        return torch.func.functional_call(model, p, (x.unsqueeze(0),)).float().square().mean()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, X[:4])
+    for i in range(4):
+        alone = torch.func.grad(loss)(params, X[i])
+        for name, grad in alone.items():
+            assert per_sample[name][i].dtype == torch.float32
+            assert relative_error(per_sample[name][i], grad) < 0.02, (i, name)
+
+
 @pytest.mark.usefixtures("quiet")
 def test_functional_call_and_func_grad():
     model = mlp()

@@ -14,6 +14,7 @@ from dtype_policies._core.casting import (
     cast_inputs,
     cast_tensor,
     first_tensor,
+    functorch_wrapped,
 )
 from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
 from dtype_policies._core.scope import call_in_scope, current_scope, scope_for_call
@@ -35,7 +36,12 @@ def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: di
     if state.island:
         first = first_tensor((args, kwargs), floating=True)
         if first is not None and first.dtype != cast_to:
-            if state.half_inputs_ok and first.dtype in HALF_DTYPES and first.device.type == "cpu":
+            if (
+                state.half_inputs_ok
+                and first.dtype in HALF_DTYPES
+                and first.device.type == "cpu"
+                and not functorch_wrapped(first)  # those kernels have no vmap rule
+            ):
                 # torch's mixed-dtype norm kernels compute float32 statistics from
                 # half inputs and return half outputs: no extra passes needed.
                 cast_to = None

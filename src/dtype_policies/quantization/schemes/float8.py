@@ -213,6 +213,8 @@ def _next_state(
 class _QDQForward(torch.autograd.Function):
     """Forward: quantize-dequantize in e4m3fn. Backward: straight through."""
 
+    generate_vmap_rule = True  # per-sample gradients (`vmap(grad(...))`)
+
     @staticmethod
     def forward(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return quantize_and_dequantize(x, scale, torch.float8_e4m3fn, x.dtype)
@@ -231,6 +233,8 @@ class _QDQGradient(torch.autograd.Function):
     (with the stored scale, or with its own when `dynamic`), then commit the
     step's scale and history updates (delayed scaling) when the backward pass
     is over."""
+
+    generate_vmap_rule = True  # under torch.func no state is updated: pure
 
     @staticmethod
     def forward(  # type: ignore[override]
