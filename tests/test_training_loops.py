@@ -518,3 +518,44 @@ def test_training_through_data_while_another_thread_evaluates(kind):
         thread.join()
     assert not errors, errors
     assert losses[-1] < 0.9 * losses[0]
+
+
+# -- activation checkpointing inside a forward --------------------------------------------------
+
+
+class _CheckpointsAFunction(nn.Module):
+    """A forward that checkpoints a function reading the module's own weight
+    by attribute (not a module call): its recomputation, in the backward
+    pass, runs outside the module's call."""
+
+    def __init__(self, context_fn=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(HIDDEN, IN) * 0.1)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.context_fn = context_fn
+
+    def inner(self, x):
+        return self.norm(F.gelu(F.linear(x, self.weight)))
+
+    def forward(self, x):
+        if self.context_fn is None:
+            return self.inner(x)
+        return torch.utils.checkpoint.checkpoint(
+            self.inner, x, use_reentrant=False, context_fn=self.context_fn
+        )
+
+
+def test_checkpoint_contexts_recompute_in_the_forwards_scopes():
+    x = torch.randn(8, IN, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for context_fn in (None, dtype_policies.checkpoint_contexts):
+        model = _CheckpointsAFunction(context_fn)
+        apply_policy(model, "mixed_bfloat16")
+        out = model(x)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        assert model.weight.grad.dtype == torch.float32
+        grads.append([p.grad for p in model.parameters()])
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)

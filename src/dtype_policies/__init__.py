@@ -19,6 +19,7 @@ from dtype_policies import (
 )
 from dtype_policies._core.cpu_float16 import CPUFloat16Warning
 from dtype_policies._core.module_state import clear_cast_caches
+from dtype_policies._core.scope import checkpoint_contexts
 from dtype_policies._version import __version__
 
 # The advisor sits at the top: it imports the rest, nothing imports it.
@@ -60,6 +61,7 @@ __all__ = [
     "__version__",
     "advise",
     "apply_policy",
+    "checkpoint_contexts",
     "clear_cast_caches",
     "compile_for_generation",
     "compile_for_inference",

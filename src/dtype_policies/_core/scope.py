@@ -10,8 +10,10 @@ back to the real buffers when the scope ends.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -106,6 +108,49 @@ def call_in_scope(
         scopes.pop()
         if scope._buffers:
             scope.write_back()
+
+
+def checkpoint_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` for a function
+    that reads a policied module's weights by attribute inside the module's
+    forward (`checkpoint(self.inner, x, use_reentrant=False,
+    context_fn=checkpoint_contexts)`): the recomputation in the backward pass
+    runs outside the module's call, so it re-enters the autocast scopes of
+    the forward (with casts of its own) and reads the weights as it did.
+    A checkpointed module call (`checkpoint(self.block, x)`) needs nothing.
+
+    >>> import torch, dtype_policies
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> class Block(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.weight = torch.nn.Parameter(torch.randn(8, 8))
+    ...     def inner(self, x):
+    ...         return torch.nn.functional.linear(x, self.weight)
+    ...     def forward(self, x):
+    ...         return checkpoint(self.inner, x, use_reentrant=False,
+    ...                           context_fn=dtype_policies.checkpoint_contexts)
+    >>> block = Block()
+    >>> _ = dtype_policies.apply_policy(block, "mixed_bfloat16")
+    >>> out = block(torch.randn(2, 8))
+    >>> out.dtype
+    torch.bfloat16
+    >>> out.float().sum().backward()
+    >>> block.weight.grad.dtype
+    torch.float32
+    """
+    dtypes = [scope.dtype for scope in _state.scopes]
+    return contextlib.nullcontext(), _scopes_of(dtypes)
+
+
+@contextlib.contextmanager
+def _scopes_of(dtypes: list[torch.dtype | None]) -> Iterator[None]:
+    outer = _state.scopes
+    _state.scopes = [AutocastScope(dtype) for dtype in dtypes]
+    try:
+        yield
+    finally:
+        _state.scopes = outer
 
 
 def scope_for_call(
