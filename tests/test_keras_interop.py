@@ -96,3 +96,47 @@ def test_a_keras_dense_config_with_its_initializers_reads_here():
         "output_axes": None,
     }
     assert layer.dtype_policy.name == "mixed_bfloat16"
+
+
+def _configs(library):
+    """The same quantization configs, built by Keras or by this library."""
+    quantizers = library.quantizers
+    return [
+        quantizers.Int8QuantizationConfig(),
+        quantizers.Int8QuantizationConfig(
+            weight_quantizer=quantizers.AbsMaxQuantizer(axis=0), activation_quantizer=None
+        ),
+        quantizers.Int4QuantizationConfig(block_size=64),
+        quantizers.Float8QuantizationConfig(),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_quantization_configs_read_in_both_directions(index):
+    """Nested quantizers were written as bare dicts: Keras read them as dicts
+    (and failed at the first call), and this library failed on Keras's form."""
+    ours, theirs = _configs(dtype_policies)[index], _configs(keras)[index]
+    written_here = dtype_policies.quantizers.serialize(ours)
+    assert written_here == keras.quantizers.serialize(theirs)
+    read_by_keras = keras.quantizers.deserialize(written_here)
+    assert type(read_by_keras) is type(theirs)
+    for name in ("weight_quantizer", "activation_quantizer"):
+        quantizer = getattr(read_by_keras, name, None)
+        assert quantizer is None or isinstance(quantizer, keras.quantizers.AbsMaxQuantizer)
+    read_here = dtype_policies.quantizers.deserialize(keras.quantizers.serialize(theirs))
+    assert read_here == ours
+
+
+def test_a_keras_int8_dense_config_reads_here_and_a_policy_built_layer_writes_none():
+    from dtype_policies import layers
+
+    dense = keras.layers.Dense(8, name="d")
+    dense.build((2, 64))
+    dense.quantize("int8")
+    layer = layers.Dense.from_config(dense.get_config())
+    assert layer.quantization_config == dtype_policies.quantizers.Int8QuantizationConfig(
+        weight_quantizer=dtype_policies.quantizers.AbsMaxQuantizer(axis=0)
+    ).__class__.from_config(dense.get_config()["quantization_config"]["config"])
+    built = layers.Dense(8, dtype="int8_from_float32", name="d")
+    built.build((2, 64))
+    assert built.get_config()["quantization_config"] is None  # as Keras writes it

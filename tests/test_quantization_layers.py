@@ -465,8 +465,10 @@ def test_layer_config_carries_quantization_config():
     layer.quantize("int4", Int4QuantizationConfig(block_size=32))
     config = layer.get_config()
     assert config["quantization_config"] == {
+        "module": "keras.quantizers",
         "class_name": "Int4QuantizationConfig",
-        "config": {"block_size": 32},
+        "config": {"weight_quantizer": None, "activation_quantizer": None, "block_size": 32},
+        "registered_name": None,
     }
     clone = layers.Dense.from_config(config)
     clone(torch.randn(1, 64))

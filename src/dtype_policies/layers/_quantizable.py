@@ -106,7 +106,7 @@ class QuantizableLayer(Layer):
         mode = self.quantization_mode
         if mode is None or self.is_quantized or not self.built:
             return
-        config = self.quantization_config
+        given = config = self.quantization_config
         if config is None or config.mode != mode:
             config = self._resolve_policy().quantization_config
         try:
@@ -118,8 +118,10 @@ class QuantizableLayer(Layer):
                 checked.spec, config, checked.weight.device
             )
             attach.commit(attach.plan(self, config, type_check=False, tensors=tensors))
-            return
-        self.quantize(mode, config, type_check=False)
+        else:
+            self.quantize(mode, config, type_check=False)
+        # As Keras: the config is what the layer was given (`None`: the policy's).
+        self.quantization_config = given
 
     def _after_build(self) -> None:
         super()._after_build()

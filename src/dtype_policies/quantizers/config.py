@@ -145,7 +145,14 @@ def _quantizer(value: Any, default: AbsMaxQuantizer | None, name: str) -> AbsMax
     if value is None or isinstance(value, AbsMaxQuantizer):
         return value
     if isinstance(value, dict):
-        return AbsMaxQuantizer.from_config(value)
+        if "class_name" in value:  # Keras's form: {"module", "class_name", "config", ...}
+            if value["class_name"] not in ("AbsMaxQuantizer", "abs_max_quantizer"):
+                raise ValueError(
+                    f"`{name}` must be an AbsMaxQuantizer's config. Received a "
+                    f"{value['class_name']!r}: {value!r}"
+                )
+            value = value.get("config", {})
+        return AbsMaxQuantizer.from_config(dict(value))
     raise TypeError(
         f"`{name}` must be an AbsMaxQuantizer, its config dict, 'default' or None. "
         f"Received: {value!r}"
@@ -224,12 +231,18 @@ class QuantizationConfig:
         return hash((type(self).__name__, repr(self._identity())))
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        quantizers = ("weight_quantizer", "activation_quantizer")  # objects; none: left out
+        config = {
+            k: getattr(self, k) if k in quantizers else v
+            for k, v in self.get_config().items()
+            if k not in quantizers or getattr(self, k) is not None
+        }
+        args = ", ".join(f"{k}={v!r}" for k, v in config.items())
         return f"{type(self).__name__}({args})"
 
 
 def _quantizer_config(quantizer: AbsMaxQuantizer | None) -> dict[str, Any] | None:
-    return None if quantizer is None else quantizer.get_config()
+    return serialize(quantizer)  # Keras's form, so that Keras reads it back
 
 
 def _stored_values(quantizer: AbsMaxQuantizer | None) -> tuple | None:
@@ -404,11 +417,13 @@ class Int4QuantizationConfig(QuantizationConfig):
     >>> Int4QuantizationConfig(block_size=None).group_size
     -1
     >>> Int4QuantizationConfig(scale_search=True).get_config()
-    {'block_size': 128, 'scale_search': True}
+    {'weight_quantizer': None, 'activation_quantizer': None, 'block_size': 128, \
+'scale_search': True}
     >>> Int4QuantizationConfig().tied_embeddings_config().activation_block_size
     32
     >>> Int4QuantizationConfig(block_size=32, activation_block_size=32).get_config()
-    {'block_size': 32, 'activation_block_size': 32}
+    {'weight_quantizer': None, 'activation_quantizer': None, 'block_size': 32, \
+'activation_block_size': 32}
     """
 
     mode = "int4"  # type: ignore[assignment]
@@ -502,11 +517,8 @@ class Int4QuantizationConfig(QuantizationConfig):
         return self
 
     def get_config(self) -> dict[str, Any]:
-        config: dict[str, Any] = {"block_size": self.block_size}
-        if self.weight_quantizer is not None:
-            config["weight_quantizer"] = self.weight_quantizer.get_config()
-        if self.activation_quantizer is not None:
-            config["activation_quantizer"] = self.activation_quantizer.get_config()
+        config = super().get_config()  # the quantizers, as Keras writes them
+        config["block_size"] = self.block_size
         if self.scale_search:  # absent when off: Keras's configs have no such key
             config["scale_search"] = True
         if self.tied_embeddings != "int8":
@@ -562,7 +574,7 @@ class Float8QuantizationConfig(QuantizationConfig):
             the most accurate, for serving a float8 checkpoint).
 
     >>> Float8QuantizationConfig(scaling="weight_only").get_config()
-    {'amax_history_length': None, 'scaling': 'weight_only'}
+    {'scaling': 'weight_only'}
     """
 
     mode = "float8"  # type: ignore[assignment]
@@ -600,7 +612,9 @@ class Float8QuantizationConfig(QuantizationConfig):
         return self
 
     def get_config(self) -> dict[str, Any]:
-        config: dict[str, Any] = {"amax_history_length": self.amax_history_length}
+        config: dict[str, Any] = {}  # Keras's (no settings) when nothing is set
+        if self.amax_history_length is not None:
+            config["amax_history_length"] = self.amax_history_length
         if self.scaling != "delayed":
             config["scaling"] = self.scaling
         return config
@@ -682,10 +696,9 @@ def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
 
 
 def serialize_config(config: QuantizationConfig | None) -> dict[str, Any] | None:
-    """`{"class_name", "config"}` for a config (`None` stays `None`)."""
-    if config is None:
-        return None
-    return {"class_name": type(config).__name__, "config": config.get_config()}
+    """Keras's `{"module", "class_name", "config", "registered_name"}` for a
+    config (`None` stays `None`)."""
+    return serialize(config)
 
 
 def deserialize_config(data: Any) -> QuantizationConfig | None:
@@ -722,15 +735,23 @@ def _snake_case(name: str) -> str:
 
 
 def serialize(obj: Any) -> dict[str, Any] | None:
-    """`{"class_name", "config"}` of a quantizer or a quantization config
-    (Keras's `keras.quantizers.serialize`).
+    """A quantizer's or a quantization config's serialized form, as Keras's
+    `keras.quantizers.serialize` writes it (so that each library reads the
+    other's).
 
-    >>> serialize(AbsMaxQuantizer(axis=0))["class_name"]
-    'AbsMaxQuantizer'
+    >>> serialize(AbsMaxQuantizer(axis=0))
+    {'module': 'keras.quantizers', 'class_name': 'AbsMaxQuantizer', \
+'config': {'value_range': (-127, 127), 'epsilon': 1e-07, 'output_dtype': 'int8', 'axis': (0,)}, \
+'registered_name': None}
     """
     if obj is None:
         return None
-    return {"class_name": type(obj).__name__, "config": obj.get_config()}
+    return {
+        "module": "keras.quantizers",
+        "class_name": type(obj).__name__,
+        "config": obj.get_config(),
+        "registered_name": None,
+    }
 
 
 def deserialize(config: Any) -> Any:
