@@ -82,7 +82,9 @@ def _llama():
 
 
 def _mlp():
-    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 64))
+    # 100 inputs: not a multiple of int8's blocks of 32 (Inductor miscompiled
+    # the slice of the repeated block scales there: outputs of 1e37)
+    return nn.Sequential(nn.Linear(100, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 64))
 
 
 @pytest.mark.parametrize(
@@ -95,7 +97,7 @@ def test_compiled_quantized_mlp_has_no_graph_breaks_and_matches_eager(mode):
     if mode is not None:
         quantize(model, mode)
     compiled = torch.compile(model, fullgraph=True)
-    for shape in [(2, 64), (40, 64), (3, 7, 64)]:
+    for shape in [(2, 100), (40, 100), (3, 7, 100)]:
         x = torch.randn(*shape)
         with torch.no_grad():
             eager, ours = model(x), compiled(x)
@@ -152,15 +154,15 @@ def test_compiled_training_step_through_an_int8_layer():
     torch.manual_seed(0)
     model = _mlp()
     apply_policy(model, "mixed_bfloat16")
-    quantize(model, "int8", filters="^3$")
+    quantize(model, "int8", filters="^(0|3)$")
     compiled = torch.compile(model, fullgraph=True)
-    x = torch.randn(16, 64, requires_grad=True)
+    x = torch.randn(16, 100, requires_grad=True)
     compiled(x).float().square().mean().backward()
     eager_x = x.detach().clone().requires_grad_(True)
     model(eager_x).float().square().mean().backward()
     cosine = torch.nn.functional.cosine_similarity(x.grad.flatten(), eager_x.grad.flatten(), dim=0)
     assert cosine > 0.99
-    assert model[0].weight.grad is not None
+    assert model[2].weight.grad is not None
 
 
 _FRESH_PROCESS = """

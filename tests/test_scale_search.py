@@ -22,6 +22,8 @@ from dtype_policies.quantizers import (
     search_per_channel_int4,
 )
 
+NO_QUANTIZERS = {"weight_quantizer": None, "activation_quantizer": None}  # Keras writes them
+
 RTOL = 1e-4  # float32 rounding: errors summed in another order than the search's
 
 
@@ -261,10 +263,13 @@ def test_the_int4_kernel_computes_with_searched_codes(block_size):
 
 def test_config_serializes_the_setting_and_old_configs_load():
     config = Int4QuantizationConfig(block_size=64, scale_search=True)
-    assert config.get_config() == {"block_size": 64, "scale_search": True}
+    assert config.get_config() == {**NO_QUANTIZERS, "block_size": 64, "scale_search": True}
     restored = Int4QuantizationConfig.from_config(config.get_config())
     assert restored.scale_search is True and restored.block_size == 64
-    assert Int4QuantizationConfig().get_config() == {"block_size": 128}  # Keras's keys
+    assert Int4QuantizationConfig().get_config() == {
+        **NO_QUANTIZERS,
+        "block_size": 128,
+    }  # Keras's keys
     old = Int4QuantizationConfig.from_config({"block_size": 32})
     assert old.scale_search is False and old.block_size == 32
     # A quantize-time setting: same stored format, so equal configs.

@@ -15,6 +15,7 @@ from dtype_policies._core.casting import (
     cast_tensor,
     first_tensor,
     functorch_wrapped,
+    tracing,
 )
 from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
 from dtype_policies._core.scope import call_in_scope, current_scope, scope_for_call
@@ -40,7 +41,8 @@ def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: di
                 state.half_inputs_ok
                 and first.dtype in HALF_DTYPES
                 and first.device.type == "cpu"
-                and not functorch_wrapped(first)  # those kernels have no vmap rule
+                # those kernels have no vmap rule (a tracer sees no wrapped tensors)
+                and (tracing() or not functorch_wrapped(first))
             ):
                 # torch's mixed-dtype norm kernels compute float32 statistics from
                 # half inputs and return half outputs: no extra passes needed.

@@ -75,18 +75,30 @@ def abs_max_quantize_blocks(
     """
     n, k = w_nk.shape
     blocks = -(-k // block_size)
-    padded = torch.nn.functional.pad(w_nk.float(), (0, blocks * block_size - k))
-    q, scale = abs_max_quantize(padded.view(n, blocks, block_size), -1, value_range, epsilon)
-    return q.view(n, blocks * block_size)[:, :k], scale.view(n, blocks)
+    w = w_nk.float()
+    padded = torch.nn.functional.pad(w, (0, blocks * block_size - k))
+    _, scale = abs_max_quantize(padded.view(n, blocks, block_size), -1, value_range, epsilon)
+    scale = scale.view(n, blocks)
+    # `q` from each input's scale by an index, not the padded blocks sliced
+    # back to k (which torch 2.13's Inductor miscompiles: `expand_blocks`)
+    per_input = expand_blocks(scale, block_size, k)
+    q = torch.round(w * per_input).clamp_(value_range[0], value_range[1]).to(torch.int8)
+    return q, scale
 
 
-def expand_blocks(per_block: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
-    """(..., blocks) values repeated over their blocks' inputs: (..., k).
+def expand_blocks(per_block: torch.Tensor, block_size: int, k: int, dim: int = -1) -> torch.Tensor:
+    """(..., blocks) values repeated over their blocks' inputs: (..., k)
+    (along `dim`).
+
+    By an index, not `repeat_interleave(...)[..., :k]`: torch 2.13's Inductor
+    (CPU) miscompiles a slice cutting into repeated or expanded blocks (reads
+    out of bounds: int8 products of 1e37 where K is not a multiple of 32).
 
     >>> expand_blocks(torch.tensor([[1.0, 2.0]]), 2, 3).tolist()
     [[1.0, 1.0, 2.0]]
     """
-    return per_block.repeat_interleave(block_size, dim=-1)[..., :k]
+    index = torch.arange(k, device=per_block.device) // block_size
+    return per_block.index_select(dim, index)
 
 
 def grouped_quantize_with_zero_point(

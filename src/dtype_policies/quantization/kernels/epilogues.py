@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies._core.casting import tracing
-from dtype_policies.quantizers.math import EPSILON
+from dtype_policies.quantizers.math import EPSILON, expand_blocks
 
 _compile_enabled = os.environ.get("DTYPE_POLICIES_COMPILE", "0") == "1"
 _compiled: dict[Callable, Callable] = {}
@@ -128,8 +128,11 @@ def round_activation_blocks(x2: torch.Tensor, block: int = 32) -> torch.Tensor:
     tensor([[127.0000, -63.0000,   2.0000,   0.5039]])
     """
     m, k = x2.shape
-    padded = -(-k // block) * block
-    xb = F.pad(x2.bfloat16().float(), (0, padded - k)).view(m, padded // block, block)
-    step = xb.abs().amax(dim=-1, keepdim=True) / 127.0
-    rounded = torch.where(step > 0, torch.round(xb / step), torch.zeros_like(xb))
-    return (rounded.clamp(-127, 127) * step).view(m, padded)[:, :k]
+    blocks = -(-k // block)
+    x = x2.bfloat16().float()
+    step = F.pad(x, (0, blocks * block - k)).view(m, blocks, block).abs().amax(dim=-1) / 127.0
+    # each input's step by an index, not the padded blocks sliced back to k:
+    # torch 2.13's Inductor miscompiles that slice (`quantizers.math.expand_blocks`)
+    step = expand_blocks(step, block, k)
+    rounded = torch.where(step > 0, torch.round(x / step), torch.zeros_like(x))
+    return rounded.clamp(-127, 127) * step
