@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+import dtype_policies
 from dtype_policies import apply_policy, compile_for_generation, quantize
 from dtype_policies._attention_dispatch import SELECTION
 from dtype_policies._frozen import ModelWatch
@@ -180,6 +181,22 @@ def _changes():
     def remove_parameter(m):
         m.model.layers[0].mlp.up_proj.weight = None
 
+    def fused_step(m):  # a fused optimizer step moves no version counter
+        parameters = list(m.model.layers[0].parameters())
+        for p in parameters:
+            p.grad = torch.ones_like(p)
+        torch.optim.AdamW(parameters, lr=0.1, fused=True).step()
+
+    def data_copy_then_clear(m):  # `p.data.copy_` neither: clear_cast_caches tells
+        m.model.layers[0].mlp.up_proj.weight.data.copy_(torch.zeros(1))
+        dtype_policies.clear_cast_caches(m)
+
+    def a_hook(m):
+        m.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
+
+    def a_pre_hook(m):
+        m.model.norm.register_forward_pre_hook(lambda module, args: None)
+
     return [
         ("in-place write", write_in_place),
         ("p.data", assign_data),
@@ -190,6 +207,10 @@ def _changes():
         ("train()", lambda m: m.train()),
         ("a child", replace_child),
         ("a removed parameter", remove_parameter),
+        ("a fused optimizer step", fused_step),
+        ("p.data.copy_ and clear_cast_caches", data_copy_then_clear),
+        ("a forward hook", a_hook),
+        ("a forward pre-hook", a_pre_hook),
     ]
 
 
@@ -398,3 +419,27 @@ def test_frozen_quantized_steps_multiply_integer_weights(mode, config, kernel, t
     # can move by a step (the same kernel, measured 1.1% on this tiny model).
     tolerance = 2e-2 if mode == "int8" and config is None else 1e-2
     assert close(scores[1:], step_scores(model)[1:]) < tolerance
+
+
+def test_an_optimizer_step_elsewhere_leaves_the_watch_unchanged():
+    """The step hook marks only the watches of the tensors the step updates."""
+    model = tiny_llama()
+    watch = ModelWatch(model)
+    other = torch.nn.Linear(4, 4)
+    other.weight.grad = torch.ones_like(other.weight)
+    torch.optim.AdamW([other.weight], fused=True).step()
+    dtype_policies.clear_cast_caches(other)
+    assert watch.unchanged()
+
+
+def test_the_eager_call_after_remove_is_the_restored_class():
+    """The eager call was the policied class's bound `__call__`: after
+    `remove()` restored the class it raised "super(type, obj)"."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    handle = apply_policy(model, "mixed_bfloat16")
+    fast = dtype_policies.compile_for_inference(model, autotune=False)
+    handle.remove()
+    x = torch.randn(2, 8)
+    with torch.no_grad(), pytest.warns(UserWarning, match="changed after it was compiled"):
+        out = fast(x)
+    assert out.dtype == torch.float32 and torch.equal(out, model(x))

@@ -24,7 +24,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from dtype_policies._core.listeners import add_write_listener
 from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies._inductor_repairs import repaired
 
@@ -57,10 +60,12 @@ class ModelWatch:
     """
 
     __slots__ = (
+        "__weakref__",
         "addresses",
         "calls",
         "children",
         "children_now",
+        "hooks",
         "module_dicts",
         "modules",
         "quantizations",
@@ -72,6 +77,7 @@ class ModelWatch:
         "training",
         "versioned",
         "versions",
+        "written",
     )
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -98,11 +104,19 @@ class ModelWatch:
         self.quantizations = list(map(_get_quantization, self.stateful))
         self.children_now = [module._modules for module in self.modules]
         self.children = [dict(children) for children in self.children_now]
+        self.hooks = _hook_counts(self.modules)
+        # Writes torch's version counters miss: fused optimizer steps (seen by a
+        # step hook on every optimizer) and `clear_cast_caches` after `p.data` writes.
+        self.written = False
+        _watch_writes(self)
 
     def unchanged(self) -> bool:
         """Whether nothing the compiled graph depends on changed since the watch was made."""
         return (
-            all(map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.tensors))
+            not self.written
+            and all(
+                map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.tensors)
+            )
             and list(map(_data_ptr, self.tensors)) == self.addresses
             and list(map(_get_version, self.versioned)) == self.versions
             and list(map(_get_training, self.modules)) == self.training
@@ -117,7 +131,64 @@ class ModelWatch:
             and all(map(operator.is_, map(_get_quantization, self.stateful), self.quantizations))
             # Modules compare by identity: a replaced child makes the dicts differ.
             and self.children_now == self.children
+            and _hook_counts(self.modules) == self.hooks
         )
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
+
+
+def _hook_counts(modules: list[torch.nn.Module]) -> list[int]:
+    """How many hooks of each kind the modules have, then the global ones (a
+    hook added after compiling is not in the graph: Dynamo's guards on
+    modules, which would see it, are replaced by the watch)."""
+    counts = [sum(map(len, map(operator.attrgetter(name), modules))) for name in _HOOK_DICTS]
+    counts += [len(nn_module._global_forward_hooks), len(nn_module._global_forward_pre_hooks)]
+    return counts
+
+
+# id(tensor) -> (a weak reference to it, the watches reading it): told of
+# writes their version checks miss. Keyed by id: tensors compare elementwise.
+_watches_of: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
+_step_hook: list[Any] = []
+
+
+def _watch_writes(watch: ModelWatch) -> None:
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_post_hook(_after_step))
+        add_write_listener(_after_write)
+    for tensor in watch.tensors:
+        entry = _watches_of.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            entry = _watches_of[id(tensor)] = (
+                weakref.ref(tensor, functools.partial(_forget, id(tensor))),
+                weakref.WeakSet(),
+            )
+        entry[1].add(watch)
+
+
+def _forget(key: int, _: weakref.ref) -> None:
+    _watches_of.pop(key, None)
+
+
+def _mark_written(tensors: Any) -> None:
+    for tensor in tensors:
+        entry = _watches_of.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            for watch in entry[1]:
+                watch.written = True
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Every optimizer's step: a fused step moves no version counter."""
+    if len(_watches_of):
+        for group in optimizer.param_groups:
+            _mark_written(group["params"])
+
+
+def _after_write(model: torch.nn.Module) -> None:
+    if len(_watches_of):
+        _mark_written(itertools.chain(model.parameters(), model.buffers()))
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -236,8 +307,8 @@ class FrozenCompiledCall:
             dynamic=dynamic,
             options=options or None,
         )
-        self.eager = model.__call__
         self.model_ref = weakref.ref(model)
+        self.model_class = type(model)  # whose `__call__` the graph is traced from
         self.freeze_weights = freeze_weights
         self.name = name
         self.call_context = call_context
@@ -252,6 +323,14 @@ class FrozenCompiledCall:
             self.inductor_options.update(CPP_WRAPPER_OPTIONS)
         self.watch: ModelWatch | None = None
         self.given_up: str | None = None  # why the compiler gave up on this model
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own call, looked up now (`remove()` of a policy
+        restores its class, and with it another `__call__`)."""
+        model = self.model_ref()
+        if model is None:
+            raise ReferenceError("the compiled model no longer exists")
+        return model(*args, **kwargs)
 
     def begin_session(self) -> None:
         """The next call reads the model again (the start of a generation)."""
@@ -268,9 +347,13 @@ class FrozenCompiledCall:
         if self.freeze_weights and model is not None:
             if torch.is_grad_enabled():  # a frozen graph has no backward
                 return self.eager(*args, **kwargs)
-            if self.watch is None:
+            if self.watch is None and type(model) is self.model_class:
                 self.watch = ModelWatch(model)
-            elif not continuing and not self.watch.unchanged():
+            elif (
+                type(model) is not self.model_class
+                or self.watch is None
+                or (not continuing and not self.watch.unchanged())
+            ):
                 self.session = None
                 warnings.warn(
                     f"{self.name}: the model's weights, policies or mode changed after it "

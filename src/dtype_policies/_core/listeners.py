@@ -57,3 +57,22 @@ def model_changed(module: Any) -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+_write_listeners: list[Listener] = []
+
+
+def add_write_listener(callback: Listener) -> None:
+    """Calls `callback(root)` whenever `weights_written(root)` is told of
+    writes to a model's weights that torch's version counters do not see."""
+    if not callable(callback):
+        raise TypeError(f"add_write_listener() expects a callable. Received: {callback!r}")
+    if callback not in _write_listeners:
+        _write_listeners.append(callback)
+
+
+def weights_written(module: Any) -> None:
+    """Tells the write listeners that `module`'s weights may have changed
+    behind torch's version counters (`clear_cast_caches`)."""
+    for callback in tuple(_write_listeners):
+        callback(module)

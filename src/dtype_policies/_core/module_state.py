@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.listeners import weights_written
 from dtype_policies._core.state import CallState
 from dtype_policies._core.weight_casts import WeightCasts
 
@@ -201,11 +202,13 @@ def casts_not_kept(model: torch.nn.Module) -> Iterator[None]:
 
 
 def clear_cast_caches(model: torch.nn.Module) -> None:
-    """Drops the compute-dtype casts kept by `model` and its submodules.
+    """Drops the compute-dtype casts kept by `model` and its submodules, and
+    makes graphs compiled from it with frozen weights (`compile_for_inference`,
+    `compile_for_generation`) run eagerly until compiled again.
 
-    Needed only in the one case kept casts cannot see (docs/apply_policy.md,
+    Needed only in the one case neither can see (docs/apply_policy.md,
     "What a kept cast cannot see"): a write that bypasses torch's version
-    counter between two calls without gradients.
+    counter (`p.data.copy_(...)`) between two calls without gradients.
 
     >>> import torch
     >>> import dtype_policies
@@ -222,3 +225,4 @@ def clear_cast_caches(model: torch.nn.Module) -> None:
         state = module.__dict__.get(STATE_KEY)
         if state is not None:
             state.casts.clear()
+    weights_written(model)  # and graphs compiled with frozen weights run eagerly
