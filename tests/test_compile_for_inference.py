@@ -8,8 +8,9 @@ import warnings
 import pytest
 import torch
 
-from dtype_policies import apply_policy, compile_for_inference, quantize
+from dtype_policies import apply_policy, compile_for_generation, compile_for_inference, quantize
 from dtype_policies.inference import CompiledInference
+from tiny_models import tiny_decoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,3 +186,19 @@ def test_the_repair_refuses_outer_loop_fusion_only_over_tiled_loops():
     assert not _inductor_repairs.active()
     with _inductor_repairs.repaired():
         assert _inductor_repairs.active()
+
+
+@pytest.mark.parametrize(
+    ("function", "flag", "value"),
+    [
+        (compile_for_inference, "autotune", "no"),
+        (compile_for_inference, "freeze_weights", None),
+        (compile_for_inference, "cpp_wrapper", "false"),
+        (compile_for_generation, "autotune", 0),
+    ],
+)
+def test_option_values_that_are_not_bools_are_refused_by_name(function, flag, value):
+    model = tiny_decoder() if function is compile_for_generation else tiny_bert()
+    with pytest.raises(TypeError, match=f"{flag} must be True or False. Received: {value!r}"):
+        function(model, **{flag: value})
+    assert not hasattr(model, "_compiled_call")

@@ -250,6 +250,14 @@ def _recompile_limit() -> tuple[type[BaseException], ...]:
     return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
 
 
+def check_flags(function: str, **flags: Any) -> None:
+    """Raises TypeError naming the first flag that is not a bool (`"no"` is
+    truthy: it would have turned the option on)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{function}(): {name} must be True or False. Received: {value!r}")
+
+
 class FrozenCompiledCall:
     """`model`'s call, compiled (Inductor, with weight freezing on: Dynamo
     reads the setting while tracing, so it must hold during the call, not

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from dtype_policies import _attention_dispatch, _one_query_attention
-from dtype_policies._frozen import FrozenCompiledCall
+from dtype_policies._frozen import FrozenCompiledCall, check_flags
 
 _COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
 
@@ -208,6 +208,12 @@ def compile_for_generation(
             "compile_for_generation needs a Hugging Face generative model (with `generate` "
             f"and `generation_config`), got {type(model).__name__}"
         )
+    check_flags(
+        "compile_for_generation",
+        freeze_weights=freeze_weights,
+        autotune=autotune,
+        cpp_wrapper=cpp_wrapper,
+    )
     from transformers.generation.configuration_utils import CompileConfig
 
     compile_config: Any = CompileConfig(fullgraph=True, dynamic=False, mode=None)  # type: ignore[arg-type]

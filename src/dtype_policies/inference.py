@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies._frozen import FrozenCompiledCall
+from dtype_policies._frozen import FrozenCompiledCall, check_flags
 from dtype_policies.quantization.kernels import attention
 
 
@@ -146,4 +146,11 @@ def compile_for_inference(
         raise TypeError(
             f"compile_for_inference needs a torch.nn.Module, got {type(model).__name__}"
         )
+    check_flags(
+        "compile_for_inference",
+        freeze_weights=freeze_weights,
+        fullgraph=fullgraph,
+        autotune=autotune,
+        cpp_wrapper=cpp_wrapper,
+    )
     return CompiledInference(model, freeze_weights, fullgraph, autotune, cpp_wrapper)
