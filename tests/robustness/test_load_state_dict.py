@@ -63,6 +63,21 @@ def test_float_checkpoint_into_quantized_model_requantizes(mode, kind, strict):
     assert relative_error(got, trained(X)) < 0.25
 
 
+@pytest.mark.parametrize("kind", ["torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_a_float_checkpoint_with_a_non_finite_weight_is_refused(mode, kind):
+    """quantize() refuses NaN/inf weights; a float checkpoint loaded into a
+    quantized model was quantized anyway (NaN rows, NaN outputs)."""
+    checkpoint = {k: v.clone() for k, v in _float_model(kind, seed=1).state_dict().items()}
+    key = _weight_keys(_float_model(kind, seed=1))[-1]
+    checkpoint[key][3, 5] = float("nan")
+    target = _float_model(kind, seed=2)
+    quantize_with(target, mode)
+    with pytest.raises(ValueError, match=r"Cannot load .* 1 non-finite value\(s\) \(first: nan"):
+        target.load_state_dict(checkpoint)
+    assert torch.isfinite(target(X)).all()
+
+
 @pytest.mark.parametrize("strict", [True, False])
 @pytest.mark.parametrize("kind", ["torch", "layers"])
 @pytest.mark.parametrize("mode", INTEGER_MODES)

@@ -24,7 +24,12 @@ from dtype_policies._modes import QuantizationMode, mode_record, registered_mode
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization import kernels
 from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
-from dtype_policies.quantization.modules import FORWARDS, QUANTIZE_TOKEN, own_options
+from dtype_policies.quantization.modules import (
+    FORWARDS,
+    QUANTIZE_TOKEN,
+    check_finite,
+    own_options,
+)
 from dtype_policies.quantization.schemes import (
     ActivationStatistics,
     QuantizedWeight,
@@ -78,22 +83,6 @@ def _check_weight(module: torch.nn.Module, name: str, needs_values: bool) -> tor
     if needs_values and weight.device.type == "meta":
         raise ValueError(f"its weight '{name}' is on the meta device (load real values first)")
     return weight
-
-
-def _check_finite(weight: torch.Tensor, name: str) -> None:
-    """Every mode derives its scales from the weight's range, so one NaN or
-    infinity would silently poison the whole row or group it sits in: refused."""
-    with torch.no_grad():
-        finite = torch.isfinite(weight)
-        if bool(finite.all()):
-            return
-        bad = ~finite
-        index = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"its weight '{name}' holds {int(bad.sum())} non-finite value(s) (first: "
-            f"{float(weight[index])} at index {list(index)}); quantization needs finite "
-            "weights"
-        )
 
 
 def _check_forward_replaceable(module: torch.nn.Module, kind: ModuleKind) -> None:
@@ -235,7 +224,7 @@ def plan(
     if weight.device.type == "cpu":
         kernels.prepare()  # never on a first product a compiler may be tracing
     if tensors is None:
-        _check_finite(weight, spec.weight)
+        check_finite(weight, spec.weight)
         with torch.no_grad(), torch.inference_mode(False):
             if checked.record.calibrated and statistics is not None:
                 tensors = scheme.quantize_calibrated(weight, spec, config, statistics)

@@ -184,6 +184,22 @@ def _follow_float_dtype(module: torch.nn.Module, qw: QuantizedWeight, dtype: tor
     cast(Any, module)._refresh_policy_state()
 
 
+def check_finite(weight: torch.Tensor, name: str) -> None:
+    """Every mode derives its scales from the weight's range, so one NaN or
+    infinity would silently poison the whole row or group it sits in: refused."""
+    with torch.no_grad():
+        finite = torch.isfinite(weight)
+        if bool(finite.all()):
+            return
+        bad = ~finite
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"its weight '{name}' holds {int(bad.sum())} non-finite value(s) (first: "
+            f"{float(weight[index])} at index {list(index)}); quantization needs finite "
+            "weights"
+        )
+
+
 def adapt_state_dict(
     module: torch.nn.Module, qw: QuantizedWeight, state_dict: dict, prefix: str
 ) -> None:
@@ -212,6 +228,12 @@ def adapt_state_dict(
                 f"Cannot load '{weight_key}' of shape {tuple(value.shape)} into the module "
                 f"quantized from a weight of shape {qw.spec.float_shape}."
             )
+        try:
+            check_finite(value, qw.weight_name)
+        except ValueError as e:
+            raise ValueError(
+                f"Cannot load '{weight_key}' into the quantized module: {e}."
+            ) from None
         with torch.no_grad(), torch.inference_mode(False):
             tensors = qw.scheme.quantize(value.detach(), qw.spec, qw.config)
         del state_dict[weight_key]
