@@ -216,6 +216,21 @@ def test_torch_embedding(mode):
     assert relative_error(embedding.weight, reference_table) < TOLERANCE[mode]
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_torch_embedding_refuses_the_ids_torch_refuses(mode):
+    """Negative ids wrapped to the last rows and float or bool ids were
+    truncated, where `nn.Embedding` raises."""
+    embedding = nn.Embedding(10, 64)
+    quantize(embedding, mode)
+    for ids in (torch.tensor([-1]), torch.tensor([3, -10])):
+        with pytest.raises(IndexError, match="index out of range in self"):
+            embedding(ids)
+    for ids in (torch.tensor([2.9]), torch.tensor([True, False])):
+        with pytest.raises(RuntimeError, match="scalar types: Long, Int; but got torch"):
+            embedding(ids)
+    assert embedding(torch.tensor([9], dtype=torch.int32)).shape == (1, 64)
+
+
 def test_quantize_composes_with_apply_policy_and_computes_in_bfloat16():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))

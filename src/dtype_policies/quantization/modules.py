@@ -107,6 +107,12 @@ class QuantizedEmbeddingForward(QuantizedForward):
     """Rows looked up in the quantized table, in the module's compute dtype."""
 
     def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if input.dtype not in (torch.int32, torch.int64):  # as nn.Embedding's own check
+            raise RuntimeError(
+                "Expected tensor for argument #1 'indices' to have one of the following "
+                f"scalar types: Long, Int; but got {input.dtype} instead (while checking "
+                "arguments for embedding)"
+            )
         state = state_of(self)
         return state.quantization.lookup(self, input, state.call.compute)
 

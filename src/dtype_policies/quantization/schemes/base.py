@@ -288,6 +288,9 @@ class QuantizedWeight:
     def lookup(self, module: torch.nn.Module, ids: torch.Tensor, compute: torch.dtype):
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.long()
+        # a float table refuses negative ids; indexing the stored rows would wrap
+        if not tracing() and not functorch_wrapped(ids) and ids.numel() and bool((ids < 0).any()):
+            raise IndexError(f"index out of range in self (a negative id: {int(ids.min())})")
         return self.scheme.lookup(module, self, ids, compute)
 
     def dequantized(self, module: torch.nn.Module) -> torch.Tensor:
