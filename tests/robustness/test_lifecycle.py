@@ -306,6 +306,20 @@ def test_jit_trace_and_export(mode):
         assert torch.allclose(exported.module()(x).float(), expected.float(), atol=2e-2), strict
 
 
+def test_float32_weight_only_int8_traces_under_no_grad():
+    """The traced weight-only product of float32 activations multiplied the
+    int8 weight uncast: "expected m1 and m2 to have the same dtype"."""
+    model = mlp()
+    quantize_with(model, "int8_wo")
+    x = torch.randn(20, 32)
+    with torch.no_grad():
+        expected = model(x)
+        assert expected.dtype == torch.float32
+        assert torch.allclose(torch.jit.trace(model, x)(x), expected, atol=1e-4)
+        exported = torch.export.export(model, (x,))
+        assert torch.allclose(exported.module()(x), expected, atol=1e-4)
+
+
 # ---------------------------------------------------------------- float8 empty batch
 
 

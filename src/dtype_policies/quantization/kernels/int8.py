@@ -462,7 +462,8 @@ def int8_linear_traceable(
             y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
             return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
         if x2.dtype is torch.float32 and x2.device.type == "cpu":  # as the eager path
-            y = bfloat16_rounded_product(x2, q_nk, lambda x, w: F.linear(x, w))
+            # the integer weight in the activations' dtype (exact in bfloat16)
+            y = bfloat16_rounded_product(x2, q_nk, lambda x, w: F.linear(x, w.to(x.dtype)))
         else:
             dtype = product_dtype(x2.dtype, x2.device)
             y = F.linear(x2.to(dtype), q_nk.to(dtype))
