@@ -418,6 +418,28 @@ def test_layers_inside_a_plain_model_follow_the_map():
     assert model[2].dtype_policy.name == "float32"
 
 
+@pytest.mark.parametrize("mode", [None, "int8"])
+def test_summary_total_counts_a_tied_table_once(mode):
+    """The rows show the shared table under both modules; the total counted
+    it twice (279,360 bytes for a model of 213,824)."""
+    model = tiny_decoder(tie=True)
+    if mode is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dtype_policies.quantize(model, mode)
+    stored = {}  # each tensor once, by identity
+    for module in model.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None:
+                stored[id(tensor)] = tensor.numel() * tensor.element_size()
+    assert dtype_policies.apply.model_totals(model)[1] == sum(stored.values())
+    assert f"{sum(stored.values())} bytes" in dtype_policies.summary(model)
+    if mode is None:
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        unique = sum(p.numel() for p in model.parameters())  # torch counts it once too
+        assert dtype_policies.apply.model_totals(model)[0] == unique
+
+
 def test_summary_lists_every_module():
     model = mlp()
     apply_policy(model, "mixed_bfloat16")

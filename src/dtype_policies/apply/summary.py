@@ -131,6 +131,44 @@ def summary(model: torch.nn.Module) -> str:
     rows = module_summaries(model)
     cells = [tuple(str(getattr(r, field)) for _, field in COLUMNS) for r in rows]
     text = render_table(tuple(name for name, _ in COLUMNS), cells, numeric=2)
-    total_params = sum(r.parameters for r in rows)
-    total_bytes = sum(r.bytes for r in rows)
+    total_params, total_bytes = model_totals(model)
     return f"{text}\nTotal: {total_params} parameters, {total_bytes} bytes"
+
+
+def model_totals(model: torch.nn.Module) -> tuple[int, int]:
+    """The model's parameter count and bytes, each tensor once: a table
+    shared by an embedding and its tied head is one table (the rows of
+    `module_summaries` show it in both modules)."""
+    counted: set[int] = set()  # ids of the tensors whose parameters are counted
+    stored: set[tuple] = set()  # the tensors whose bytes are counted, by storage
+    parameters = size = 0
+    for module in model.modules():
+        own: list[torch.Tensor] = [p for p in module._parameters.values() if p is not None]
+        buffers = [b for b in module._buffers.values() if b is not None]
+        quantized = quantization_of(module)
+        if quantized is not None and not quantized.scheme.keeps_float_weight:
+            data = quantized.weight_name + (mode_record(quantized.mode).data_suffix or "")
+            if id(module._buffers[data]) not in counted:
+                counted.add(id(module._buffers[data]))
+                parameters += int(torch.Size(quantized.spec.float_shape).numel())
+        for tensor in own:
+            if id(tensor) not in counted:
+                counted.add(id(tensor))
+                parameters += tensor.numel()
+        for tensor in own + buffers:
+            key = _storage_key(tensor)
+            if key not in stored:
+                stored.add(key)
+                size += tensor.numel() * tensor.element_size()
+    return parameters, size
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    if tensor.device.type == "meta":
+        return (id(tensor),)
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tensor.numel(),
+        tensor.dtype,
+    )

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from dtype_policies.apply import apply_policy, module_summaries
+from dtype_policies.apply import apply_policy, model_totals
 from dtype_policies.cli import output
 from dtype_policies.cli.targets import CLIError
 from dtype_policies.quantization import quantize
@@ -110,7 +110,7 @@ def _evaluate(
 
 
 def _megabytes(model: nn.Module) -> float:
-    return sum(row.bytes for row in module_summaries(model)) / 2**20
+    return model_totals(model)[1] / 2**20
 
 
 def run(args: argparse.Namespace) -> int:

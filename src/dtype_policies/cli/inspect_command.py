@@ -9,7 +9,7 @@ from typing import Any
 from dtype_policies._cpu import processor
 from dtype_policies._modes import mode_record, registered_modes
 from dtype_policies._paths import named_module_paths, root_path_of
-from dtype_policies.apply import apply_policy, module_summaries
+from dtype_policies.apply import apply_policy, model_totals, module_summaries
 from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.apply.summary import COLUMNS, label_of
 from dtype_policies.cli import output
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         if args.policy or args.policy_map or args.quantize:
             raise CLIError("--policy, --policy-map and --quantize apply to a factory TARGET only")
         rows = _checkpoint_rows(args.target)
+        totals = (sum(r["parameters"] for r in rows), sum(r["bytes"] for r in rows))
     else:
         model = build_model(args.target)
         if args.policy or args.policy_map:
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         rows = [row.as_dict() for row in module_summaries(model)]
         for row, (_, module) in zip(rows, named_module_paths(model, root_path_of(model))):
             row["kernel"] = kernel_of(module)
+        totals = model_totals(model)  # a table shared by two modules, once
     cpu = processor().describe()
     if args.json:
         output.print_json(
@@ -70,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 "target": args.target,
                 "cpu": cpu,
                 "modules": rows,
-                "total_parameters": sum(r["parameters"] for r in rows),
-                "total_bytes": sum(r["bytes"] for r in rows),
+                "total_parameters": totals[0],
+                "total_bytes": totals[1],
             }
         )
         return 0
@@ -80,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
         [name for name, _ in COLUMNS],
         [[row[field] for _, field in COLUMNS] for row in rows],
         numeric=2,
-        footer=f"Total: {sum(r['parameters'] for r in rows):,} parameters, "
-        f"{sum(r['bytes'] for r in rows):,} bytes",
+        footer=f"Total: {totals[0]:,} parameters, {totals[1]:,} bytes",
     )
     kernels = [(row["path"], row["kernel"]) for row in rows if row.get("kernel", "-") != "-"]
     print(f"CPU class: {cpu}")
