@@ -83,3 +83,12 @@ def test_layers_built_with_a_toy_policy(toys):
     calibrated.build((None, 16))
     assert calibrated.quantization_mode == "toyact"
     assert not calibrated.kernel_toyact.any() and bool((calibrated.kernel_toyact_mean == 1).all())
+    # until then a call raises (it computed with the zeros: -sum(x) in every column)
+    with pytest.raises(RuntimeError, match="holds no calibrated TOYACT weights yet"):
+        calibrated(torch.randn(2, 16))
+    source = layers.Dense(8)
+    source.build((None, 16))
+    source.quantize("toyact", ToyActConfig(dataset=[torch.randn(4, 16)]))
+    calibrated.load_state_dict(source.state_dict())
+    x = torch.randn(2, 16)
+    assert torch.equal(calibrated(x), source(x))

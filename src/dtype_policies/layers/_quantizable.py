@@ -118,6 +118,14 @@ class QuantizableLayer(Layer):
                 checked.spec, config, checked.weight.device
             )
             attach.commit(attach.plan(self, config, type_check=False, tensors=tensors))
+            quantized = self._quantized
+            assert quantized is not None
+            quantized.placeholder = (
+                f"Layer '{self.name}' was built under the policy '{self._resolve_policy().name}' "
+                f"and holds no calibrated {mode.upper()} weights yet: load a checkpoint into it "
+                "(load_state_dict, saving.load), or build it under its float source policy "
+                f"and calibrate it with .quantize('{mode}', config=...)."
+            )
         else:
             self.quantize(mode, config, type_check=False)
         # As Keras: the config is what the layer was given (`None`: the policy's).

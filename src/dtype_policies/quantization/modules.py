@@ -221,6 +221,8 @@ def adapt_state_dict(
     qw.scheme.upgrade_checkpoint(qw.spec, qw.config, state_dict, prefix)
     weight_key = prefix + qw.weight_name
     present = [prefix + name for name in qw.stored_names if prefix + name in state_dict]
+    if present:
+        qw.placeholder = None  # a checkpoint's tensors replace the placeholders
     if qw.scheme.keeps_float_weight:
         for name in qw.stored_names:
             state_dict.setdefault(prefix + name, module._buffers[name].detach())

@@ -260,6 +260,9 @@ class QuantizedWeight:
         self.config = config
         self.float_dtype = float_dtype  # the dtype of the float weight it replaced
         self.runtime = scheme.new_runtime()
+        # Stored tensors that are placeholders until a checkpoint is loaded (a
+        # layer built under a calibrated policy): a call then raises.
+        self.placeholder: str | None = None
         # read on every product: named once (spec and config do not change)
         self.buffer_names: tuple[str, ...] = tuple(scheme.buffer_names(spec, config))
 
@@ -283,9 +286,13 @@ class QuantizedWeight:
         compute: torch.dtype,
     ) -> torch.Tensor:
         """`x @ W + bias` over `x`'s last axis (see `Scheme.forward`)."""
+        if self.placeholder is not None:
+            raise RuntimeError(self.placeholder)
         return self.scheme.forward(module, self, x, bias, compute)
 
     def lookup(self, module: torch.nn.Module, ids: torch.Tensor, compute: torch.dtype):
+        if self.placeholder is not None:
+            raise RuntimeError(self.placeholder)
         if ids.dtype not in (torch.int32, torch.int64):
             ids = ids.long()
         # a float table refuses negative ids; indexing the stored rows would wrap
