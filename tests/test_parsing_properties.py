@@ -3,6 +3,7 @@ raises only ValueError / TypeError."""
 
 import pickle
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,3 +77,21 @@ def test_map_config_round_trips(entries):
     restored = deserialize(serialize(policy_map))
     assert restored == policy_map
     assert list(restored) == list(policy_map)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["gptq", "awq", "int4"]),
+    st.sampled_from(["4", "8", "3"]),
+    st.sampled_from(["128", "64", "-1"]),
+    st.sampled_from([" ", "+", "٤", "0x", "_"]),
+    st.integers(0, 1),
+)
+def test_mode_numbers_are_ascii_digits_only(base, bits, group, junk, where):
+    """`int()` read " 4", "+4" and "٤" (an Arabic-Indic four) in GPTQ/AWQ
+    names, which were then renamed; int4's block sizes were already strict."""
+    numbers = [bits, group][-1:] if base == "int4" else [bits, group]
+    numbers[min(where, len(numbers) - 1)] = junk + numbers[min(where, len(numbers) - 1)]
+    name = "/".join([base, *numbers]) + "_from_float32"
+    with pytest.raises(ValueError):
+        get(name)

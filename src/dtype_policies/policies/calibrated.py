@@ -8,6 +8,7 @@ data."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -16,6 +17,8 @@ from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantizers.awq_config import AWQConfig
 from dtype_policies.quantizers.config import QuantizationConfig
 from dtype_policies.quantizers.gptq_config import GPTQ_WEIGHT_BITS, GPTQConfig
+
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only
 
 
 class _CalibratedPolicy(QuantizedDTypePolicy):
@@ -41,13 +44,13 @@ class _CalibratedPolicy(QuantizedDTypePolicy):
             raise ValueError(
                 f"Invalid mode for {cls.__name__}. Expected format {expected}, but got '{mode}'."
             )
-        try:
-            bits, group_size = int(parts[1]), int(parts[2])
-        except ValueError:
+        if not all(_INTEGER.fullmatch(part) for part in parts[1:]):
+            # read strictly, as int4's block sizes: `int()` takes " 4", "+4", "٤"
             raise ValueError(
                 f"Invalid mode for {cls.__name__}. <weight_bits> and <group_size> must be "
                 f"integers. Expected format {expected}, but got '{mode}'."
-            ) from None
+            )
+        bits, group_size = int(parts[1]), int(parts[2])
         cls._check_bits(bits, mode)
         if group_size < -1 or group_size == 0:
             raise ValueError(
