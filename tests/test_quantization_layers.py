@@ -161,6 +161,16 @@ def test_embedding_float8_is_not_supported_and_leaves_layer_unchanged():
     assert layer.embeddings.dtype == torch.float32
 
 
+def test_an_embedding_given_float8_raises_as_in_keras_and_a_default_float8_does_not():
+    """Given to the layer, a policy it cannot take was silently ignored (the
+    layer computed in float32 under a float8 policy); Keras raises."""
+    with pytest.raises(NotImplementedError, match="Expected one of \\('int8', 'int4'\\)"):
+        layers.Embedding(10, 4, dtype="float8_from_float32")(torch.tensor([1]))
+    with dtype_policies.policy_scope("float8_from_float32"):  # the README's difference
+        table = layers.Embedding(10, 4)
+        assert table(torch.tensor([1])).dtype == torch.float32
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(8, 64), (2, 3, 64), (1, 64), (17, 64)])
 @pytest.mark.parametrize("bias", [True, False])

@@ -41,6 +41,8 @@ class QuantizableLayer(Layer):
     """
 
     def __init__(self, *, quantization_config: Any = None, **kwargs: Any) -> None:
+        # a policy given to the layer itself, not the default in force
+        self._policy_given = kwargs.get("dtype") is not None
         super().__init__(**kwargs)
         self.quantization_config: QuantizationConfig | None = deserialize_config(
             quantization_config
@@ -104,7 +106,18 @@ class QuantizableLayer(Layer):
         the mode (an `EinsumDense` whose equation is no matrix product under
         int8) computes with the policy's float source."""
         mode = self.quantization_mode
-        if mode is None or self.is_quantized or not self.built:
+        if self.is_quantized or not self.built:
+            return
+        if mode is None:
+            wanted = self._resolve_policy().quantization_mode
+            kind = kind_of(self)
+            own = self._policy_given and not self._dtype_policy.is_map
+            if wanted is not None and own and kind is not None:
+                # Keras's error; a quantized *default* policy leaves such a layer float
+                raise NotImplementedError(
+                    f"Invalid quantization mode. Expected one of {kind.modes}. "
+                    f"Received: quantization_mode={wanted}"
+                )
             return
         given = config = self.quantization_config
         if config is None or config.mode != mode:
