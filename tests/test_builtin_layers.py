@@ -23,6 +23,21 @@ def test_dense_matches_reference_and_shapes():
     assert no_bias.bias is None and list(no_bias.state_dict()) == ["kernel"]
 
 
+@pytest.mark.parametrize(
+    ("policy", "dtype"),
+    [("float32", torch.float32), ("mixed_bfloat16", torch.bfloat16), ("int8_from_float32", None)],
+)
+def test_dense_takes_integer_inputs_as_keras_does(policy, dtype):
+    """Integer inputs are not autocast; Keras's product promotes them to the
+    kernel's dtype. The library raised torch's "mat1 and mat2 must have the
+    same dtype"."""
+    layer = layers.Dense(3, dtype=policy)
+    ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    out = layer(ids)
+    assert out.dtype == (dtype or torch.float32)
+    torch.testing.assert_close(out, layer(ids.float()))
+
+
 def test_dense_mixed_bfloat16_close_to_float32():
     x = torch.randn(8, 16)
     reference = layers.Dense(4, dtype="float32")

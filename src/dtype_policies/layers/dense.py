@@ -101,6 +101,8 @@ class Dense(QuantizableLayer):
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
         quantized = self._quantized
         compute = self._call_state.compute
+        if not inputs.is_floating_point():  # not autocast; Keras's product promotes them
+            inputs = inputs.to(compute or torch.promote_types(inputs.dtype, self._kernel_dtype()))
         if quantized is not None:
             bias = self._parameters["bias"]
             if bias is not None and compute is not None:
@@ -123,6 +125,10 @@ class Dense(QuantizableLayer):
                     return outputs if self._linear_activation else self.activation(outputs)
         else:
             kernel, bias = self.kernel, self.bias
+        if kernel is not None and inputs.dtype is not kernel.dtype:
+            # `autocast=False`: promoted, as Keras's product
+            inputs = inputs.to(torch.promote_types(inputs.dtype, kernel.dtype))
+            kernel, bias = _as(kernel, inputs.dtype), _as(bias, inputs.dtype)
         if inputs.dim() == 2:  # one op, and no transposed view of the kernel
             outputs = inputs @ kernel if bias is None else torch.addmm(bias, inputs, kernel)
         else:  # folded to 2-D here: torch's matmul may copy the kernel for strided inputs
@@ -130,6 +136,10 @@ class Dense(QuantizableLayer):
             flat = flat @ kernel if bias is None else torch.addmm(bias, flat, kernel)
             outputs = flat.reshape(*inputs.shape[:-1], flat.shape[-1])
         return outputs if self._linear_activation else self.activation(outputs)
+
+    def _kernel_dtype(self) -> torch.dtype:
+        kernel = self._parameters.get("kernel")
+        return torch.float32 if kernel is None else kernel.dtype
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -155,3 +165,7 @@ def _dense_spec(layer: Dense, mode: str) -> WeightSpec:
 
 
 register_layer_kind(Dense, _dense_spec, role="linear")
+
+
+def _as(tensor: Any, dtype: torch.dtype) -> Any:
+    return tensor if tensor is None or tensor.dtype is dtype else tensor.to(dtype)
