@@ -207,6 +207,10 @@ def test_table_and_json(tmp_path):
         ({"inputs": 3.0}, TypeError, "float"),
         ({"inputs": torch.randn(4, 7)}, ValueError, "calling the model"),
         ({"metric": "mse"}, TypeError, "metric"),
+        ({"max_error": float("inf")}, ValueError, "finite number"),  # JSON has no Infinity
+        ({"repeats": True}, ValueError, "repeats"),
+        ({"inputs": torch.full((4, 64), float("nan"))}, ValueError, "non-finite value"),
+        ({"inputs": torch.randn(0, 64)}, ValueError, r"empty tensor of shape \(0, 64\)"),
     ],
 )
 def test_bad_arguments_raise_and_leave_the_model_alone(kwargs, error, match):
@@ -216,6 +220,13 @@ def test_bad_arguments_raise_and_leave_the_model_alone(kwargs, error, match):
     with pytest.raises(error, match=match):
         advise(model, **arguments, progress=False)
     assert_unchanged(model, before)
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    with pytest.raises(ValueError, match=r"'0\.weight' is on the meta device"):
+        advise(model, torch.randn(2, 16), progress=False)
 
 
 def tiny_llama(tie: bool = False):

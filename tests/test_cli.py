@@ -153,6 +153,7 @@ BAD_INPUTS = [
     (("inspect", "not-a-target"), "neither 'package.module:factory' nor a checkpoint"),
     (("inspect", "cli_models:mlp", "--policy", "mixed_float15"), "mixed_float15"),
     (("inspect", "missing.safetensors"), "missing.safetensors"),
+    (("bench", "--threads", "0"), "--threads must be a positive integer (got 0)"),  # was ignored
 ]
 
 

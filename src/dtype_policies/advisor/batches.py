@@ -61,7 +61,32 @@ def as_batches(inputs: Any) -> list[Batch]:
     for i, batch in enumerate(batches):
         if not batch.args and not batch.kwargs:
             raise ValueError(f"advise(): batch {i} is empty (no arguments).")
+        for tensor in _tensors((batch.args, batch.kwargs)):
+            # every measured error would be inf, or 0 over no values at all
+            if tensor.numel() == 0:
+                raise ValueError(
+                    f"advise(): batch {i} holds an empty tensor of shape "
+                    f"{tuple(tensor.shape)}; errors need values to measure."
+                )
+            floating = tensor.is_floating_point() and tensor.device.type != "meta"
+            if floating and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(
+                    f"advise(): batch {i} holds a non-finite value (NaN or inf) in a "
+                    f"tensor of shape {tuple(tensor.shape)}; errors measured on it are "
+                    "meaningless."
+                )
     return batches
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _is_mapping_like(value: Any) -> bool:

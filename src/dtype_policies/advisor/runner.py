@@ -132,12 +132,12 @@ def advise(
     if (
         isinstance(max_error, bool)
         or not isinstance(max_error, Real)
-        or math.isnan(max_error)
+        or not math.isfinite(max_error)
         or max_error <= 0
     ):
         raise ValueError(
-            "advise(): `max_error` must be a number > 0 (the relative error allowed, e.g. "
-            f"0.02). Received: max_error={max_error!r}"
+            "advise(): `max_error` must be a finite number > 0 (the relative error allowed, "
+            f"e.g. 0.02). Received: max_error={max_error!r}"
         )
     if objective not in OBJECTIVES:
         raise ValueError(
@@ -148,8 +148,14 @@ def advise(
             f"advise(): `metric` must be a callable (outputs, reference) -> float. "
             f"Received: {metric!r}"
         )
-    if not isinstance(repeats, int) or repeats < 1:
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"advise(): `repeats` must be a positive int. Received: {repeats!r}")
+    meta = next((n for n, t in _named_tensors(model) if t.device.type == "meta"), None)
+    if meta is not None:
+        raise ValueError(
+            f"advise(): the model's '{meta}' is on the meta device; the advisor measures "
+            "errors and times on real weights (load them first)."
+        )
     choices = parse_candidates(candidates)
     batches = as_batches(inputs)
     max_error = float(max_error)
@@ -498,3 +504,8 @@ def _printer(enabled: bool) -> Callable[[str], None]:
             print(message, file=sys.stderr, flush=True)
 
     return say
+
+
+def _named_tensors(model: torch.nn.Module) -> Any:
+    yield from model.named_parameters()
+    yield from model.named_buffers()

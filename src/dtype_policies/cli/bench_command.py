@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         )
     argv = ["--workloads", ",".join(selected), "--output", args.output]
     argv += ["--quick"] if args.quick else []
-    argv += ["--threads", str(args.threads)] if args.threads else []
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be a positive integer (got {args.threads})")
+    argv += ["--threads", str(args.threads)] if args.threads is not None else []
     argv += ["--no-memory"] if args.no_memory else []
     argv += ["--no-first-call"] if args.no_first_call else []
     argv += ["--variants", args.variants] if args.variants else []
