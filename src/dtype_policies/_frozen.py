@@ -24,7 +24,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._core.listeners import add_write_listener
@@ -65,7 +64,6 @@ class ModelWatch:
         "calls",
         "children",
         "children_now",
-        "hooks",
         "module_dicts",
         "modules",
         "quantizations",
@@ -104,7 +102,6 @@ class ModelWatch:
         self.quantizations = list(map(_get_quantization, self.stateful))
         self.children_now = [module._modules for module in self.modules]
         self.children = [dict(children) for children in self.children_now]
-        self.hooks = _hook_counts(self.modules)
         # Writes torch's version counters miss: fused optimizer steps (seen by a
         # step hook on every optimizer) and `clear_cast_caches` after `p.data` writes.
         self.written = False
@@ -131,20 +128,7 @@ class ModelWatch:
             and all(map(operator.is_, map(_get_quantization, self.stateful), self.quantizations))
             # Modules compare by identity: a replaced child makes the dicts differ.
             and self.children_now == self.children
-            and _hook_counts(self.modules) == self.hooks
         )
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
-
-
-def _hook_counts(modules: list[torch.nn.Module]) -> list[int]:
-    """How many hooks of each kind the modules have, then the global ones (a
-    hook added after compiling is not in the graph: Dynamo's guards on
-    modules, which would see it, are replaced by the watch)."""
-    counts = [sum(map(len, map(operator.attrgetter(name), modules))) for name in _HOOK_DICTS]
-    counts += [len(nn_module._global_forward_hooks), len(nn_module._global_forward_pre_hooks)]
-    return counts
 
 
 # id(tensor) -> (a weak reference to it, the watches reading it): told of
