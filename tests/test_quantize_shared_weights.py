@@ -109,3 +109,22 @@ def test_gemma_under_mixed_bfloat16_stores_its_tied_table_once():
     scale = reference.abs().max()
     assert ((ours - reference).abs().max() / scale).item() < 0.05
     assert ((policied - reference).abs().max() / scale).item() < 0.02
+
+
+@pytest.mark.parametrize("policy", ["int8_from_mixed_bfloat16", "int4/32_from_float32"])
+def test_apply_policy_with_a_quantized_policy_stores_a_tied_table_once(policy):
+    """`quantize()` stored the table once; a quantized policy through
+    `apply_policy` (the advisor's `advice.apply`) stored it twice."""
+    torch.manual_seed(0)
+    model = TiedLM(nn.Embedding(256, 64))
+    reference = TiedLM(nn.Embedding(256, 64))
+    reference.load_state_dict(model.state_dict())
+    apply_policy(model, policy)
+    apply_policy(reference, policy.split("_from_")[1])
+    stored = [name for name in model.embed._buffers if name.startswith("weight_")]
+    assert stored and all(
+        model.embed._buffers[name] is model.head._buffers[name] for name in stored
+    )
+    with torch.no_grad():
+        error = (model(IDS).float() - reference(IDS).float()).norm() / reference(IDS).float().norm()
+    assert error < (0.05 if policy.startswith("int8") else 0.2)  # random weights, int4/32

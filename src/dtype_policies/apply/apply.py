@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -413,6 +414,8 @@ def _plan_quantization(
     policy's float source). Routers compute with their policy's float
     source, as `quantize()` keeps them."""
     plans, expert_steps, declined = [], [], []
+    planned_weights: dict[int, attach.Plan] = {}  # id(weight) -> its first plan
+    plan_one = functools.partial(_plan_one, planned_weights=planned_weights)
     routers = experts.expert_routers(step.module for step in steps)
     for step in steps:
         mode = step.policy.quantization_mode
@@ -427,13 +430,13 @@ def _plan_quantization(
                 Step(path, linear, step.policy, step.island, inner)
                 for path, linear in expansion.linears(under=step.path)
             ]
-            linear_plans = [p for p in map(_plan_one, linear_steps) if p is not None]
+            linear_plans = [p for p in map(plan_one, linear_steps) if p is not None]
             experts.ExpertsExpansion.claim_all(linear_plans, [expansion])
             if linear_plans:
                 plans += linear_plans
                 expert_steps += linear_steps
             continue
-        module_plan = _plan_one(step)
+        module_plan = plan_one(step)
         if module_plan is not None:
             plans.append(module_plan)
         elif attach.quantization_of(step.module) is None:
@@ -441,7 +444,7 @@ def _plan_quantization(
     return plans, expert_steps, declined
 
 
-def _plan_one(step: Step) -> attach.Plan | None:
+def _plan_one(step: Step, planned_weights: dict[int, attach.Plan]) -> attach.Plan | None:
     """The plan of one step's quantized policy, or None where the module
     computes with the policy's float source (no kind, the mode unsupported,
     quantized already)."""
@@ -456,15 +459,25 @@ def _plan_one(step: Step) -> attach.Plan | None:
         existing = getattr(step.module, "quantization_config", None)
         if existing is not None and existing.mode == mode:
             config = existing
+    source = step.policy.source_policy
     try:
-        return attach.plan(
+        found = attach.check(
+            step.module, config, path=step.path, type_check=False, kind=kind, source=source
+        )
+        module_plan = attach.plan(
             step.module,
             config,
             path=step.path,
             type_check=False,
             kind=kind,
-            source=step.policy.source_policy,
+            source=source,
+            # a table tied to a head: quantized once, its stored tensors shared
+            tensors=attach.shared_tensors(step.module, found.spec, config, planned_weights),
         )
+        weight = step.module._parameters.get(module_plan.spec.weight)
+        if weight is not None:
+            planned_weights.setdefault(id(weight), module_plan)
+        return module_plan
     except NotImplementedError:
         return None  # computes with the policy's float source
     except ValueError as e:

@@ -19,7 +19,7 @@ from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.adapters import adapter_modules
-from dtype_policies.quantization.attach import check, commit, plan
+from dtype_policies.quantization.attach import check, commit, plan, shared_tensors
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
@@ -332,7 +332,7 @@ def quantize(
             if calibrated and module_config is config:
                 checked.append((path, found))
                 continue
-            shared = _shared_tensors(module, found.spec, module_config, planned_weights)
+            shared = shared_tensors(module, found.spec, module_config, planned_weights)
             module_plan = plan(
                 module, module_config, path=path, type_check=type_check, kind=kind, tensors=shared
             )
@@ -445,25 +445,6 @@ def _outside_linears(
 def _examples(paths: list[str], count: int = 3) -> str:
     text = ", ".join(repr(path) for path in paths[:count]) or "none"
     return text + (", ..." if len(paths) > count else "")
-
-
-def _shared_tensors(module, spec, config, planned_weights) -> dict | None:
-    """The stored tensors of an already planned module holding the same weight
-    Parameter, stored the same way (tied weights), if any."""
-    weight = module._parameters.get(spec.weight)
-    earlier = planned_weights.get(id(weight)) if weight is not None else None
-    if earlier is None:
-        return None
-    same = (
-        earlier.config == config
-        and earlier.spec.layout == spec.layout
-        and earlier.spec.float_shape == spec.float_shape
-        and earlier.spec.weight == spec.weight
-        and not earlier.scheme.keeps_float_weight
-        and earlier.scheme.stored_shapes(earlier.spec, earlier.config)
-        == earlier.scheme.stored_shapes(spec, config)
-    )
-    return earlier.tensors if same else None
 
 
 def _tied_embeddings(modules: Any, mode: str) -> set[int]:

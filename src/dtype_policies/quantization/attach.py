@@ -190,6 +190,29 @@ def check(
     return Checked(module, kind, record, spec, weight, source)
 
 
+def shared_tensors(
+    module: torch.nn.Module, spec: Any, config: QuantizationConfig, planned_weights: dict
+) -> dict | None:
+    """The stored tensors of an already planned module holding the same weight
+    Parameter, stored the same way (tied weights), if any: `planned_weights`
+    maps `id(weight)` to the first plan of that weight (`quantize()` and
+    `apply_policy` both store a tied table once)."""
+    weight = module._parameters.get(spec.weight)
+    earlier = planned_weights.get(id(weight)) if weight is not None else None
+    if earlier is None:
+        return None
+    same = (
+        earlier.config == config
+        and earlier.spec.layout == spec.layout
+        and earlier.spec.float_shape == spec.float_shape
+        and earlier.spec.weight == spec.weight
+        and not earlier.scheme.keeps_float_weight
+        and earlier.scheme.stored_shapes(earlier.spec, earlier.config)
+        == earlier.scheme.stored_shapes(spec, config)
+    )
+    return earlier.tensors if same else None
+
+
 def plan(
     module: torch.nn.Module,
     config: QuantizationConfig,
