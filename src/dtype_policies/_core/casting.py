@@ -43,6 +43,27 @@ def fake_tensor_mode_active() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
+def bfloat16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to bfloat16's values, in float32 (nearest, ties to even).
+
+    A cast there and back; under `torch.compile`, the same rounding in
+    integer ops: Inductor keeps the intermediate of a fused cast pair in
+    float32 (it skips the rounding unless `emulate_precision_casts` is set),
+    so compiled products that round their inputs to bfloat16 differed from
+    eager ones. (`torch.jit.trace` has no dtype views; it keeps casts.)
+
+    >>> import torch
+    >>> bfloat16_rounded(torch.tensor([1.00390625, 1.01171875])).tolist()  # ties to even
+    [1.0, 1.015625]
+    """
+    x = x.float()
+    if not torch.compiler.is_compiling():
+        return x.bfloat16().float()
+    bits = x.view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
+    return torch.where(torch.isnan(x), x, rounded)
+
+
 def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x.to(dtype)`, the fast way for the common float dtypes."""
     method = _CAST_METHODS.get(dtype)

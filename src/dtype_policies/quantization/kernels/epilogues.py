@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import tracing
+from dtype_policies._core.casting import bfloat16_rounded, tracing
 from dtype_policies.quantizers.math import EPSILON, expand_blocks
 
 _compile_enabled = os.environ.get("DTYPE_POLICIES_COMPILE", "0") == "1"
@@ -129,7 +129,7 @@ def round_activation_blocks(x2: torch.Tensor, block: int = 32) -> torch.Tensor:
     """
     m, k = x2.shape
     blocks = -(-k // block)
-    x = x2.bfloat16().float()
+    x = bfloat16_rounded(x2)
     step = F.pad(x, (0, blocks * block - k)).view(m, blocks, block).abs().amax(dim=-1) / 127.0
     # each input's step by an index, not the padded blocks sliced back to k:
     # torch 2.13's Inductor miscompiles that slice (`quantizers.math.expand_blocks`)

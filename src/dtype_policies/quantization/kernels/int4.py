@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._core.casting import bfloat16_rounded
 from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
@@ -96,10 +97,10 @@ def kernel_weight(
             block = torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
         else:
             block = g_idx.long()
-        group_scale = scale.float().bfloat16().float()[block].t()  # (N, K)
-        offset = (-zero.float()[block].t() * group_scale).bfloat16().float()
+        group_scale = bfloat16_rounded(scale.float())[block].t()  # (N, K)
+        offset = bfloat16_rounded(-zero.float()[block].t() * group_scale)
         return q_nk.float() * group_scale + offset
-    return q_nk.float() * (1.0 / scale.float()).bfloat16().float()[:, None]
+    return q_nk.float() * bfloat16_rounded(1.0 / scale.float())[:, None]
 
 
 def int4_linear_traceable(
@@ -113,12 +114,12 @@ def int4_linear_traceable(
     activations (rounded in blocks with `activation_block_size`) times the
     kernel's float32 `weight`, a bfloat16 output."""
     if activation_block_size is None:
-        xk = x2.bfloat16().float()
+        xk = bfloat16_rounded(x2)
     else:
         xk = epilogues.round_activation_blocks(x2, activation_block_size)
         if x2.requires_grad:  # straight through the rounding
             xk = x2.float() + (xk - x2.float()).detach()
-    y = F.linear(xk, weight).bfloat16().to(out_dtype)
+    y = bfloat16_rounded(F.linear(xk, weight)).to(out_dtype)  # the kernel's bfloat16 output
     return y if bias is None else y + bias.to(out_dtype)
 
 
