@@ -94,7 +94,7 @@ def test_inspect_reads_a_calibrated_checkpoint(tmp_path):
     assert rows["3"]["quantization"] in (None, "", "-")
 
 
-def test_the_advisor_offers_calibrated_int4_and_applies_it_as_measured():
+def test_the_advisor_offers_calibrated_int4_and_applies_it_as_measured(tmp_path):
     """A gptq candidate is calibrated on each module's recorded inputs, both
     when measured and when the advice is applied; it beats data-free int4
     where inputs have outlier channels."""
@@ -128,6 +128,9 @@ def test_the_advisor_offers_calibrated_int4_and_applies_it_as_measured():
         got, want = fresh(x), model(x)
     error = float((got - want).norm() / want.norm())
     assert error == pytest.approx(advice.error, rel=1e-3, abs=1e-6) and error <= 0.05
+    # the policy file holds the map, not the calibration inputs: said when saved
+    with pytest.warns(UserWarning, match=r"2 entries \('0', '2'\) are calibrated modes"):
+        advice.save(tmp_path / "map.json")
 
 
 def _calibrated_mlp(mode):

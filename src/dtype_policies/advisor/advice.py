@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dtype_policies._modes import mode_record
 from dtype_policies.advisor.variants import apply_advised
 from dtype_policies.apply import PolicyHandle
 from dtype_policies.apply.summary import render_table
@@ -254,7 +256,30 @@ class Advice:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Writes a policy file (`saving.save_policy`; `saving.load_policy`
-        reads the map back) with the rest of the advice under `"advice"`."""
+        reads the map back) with the rest of the advice under `"advice"`.
+
+        A calibrated entry (GPTQ, AWQ) was measured calibrated on the inputs
+        its module received; the file holds the map, not those inputs, so
+        applying it alone rounds those modules to nearest: a warning says so.
+        `advice.apply(model)` calibrates them as measured; save the model
+        after it (`saving.save`) to keep the result."""
+        calibrated = sorted(
+            key
+            for key in self.policy_map
+            if (mode := self.policy_map[key].quantization_mode) is not None
+            and mode_record(mode).calibrated
+        )
+        if calibrated:
+            named = ", ".join(map(repr, calibrated[:3])) + (", ..." if len(calibrated) > 3 else "")
+            warnings.warn(
+                f"Advice.save(): {len(calibrated)} entr{'y' if len(calibrated) == 1 else 'ies'} "
+                f"({named}) are "
+                "calibrated modes measured on the inputs their modules received; the policy "
+                "file does not hold those inputs, so applying it alone rounds them to nearest "
+                "(a larger error than advised). Use advice.apply(model), then saving.save.",
+                UserWarning,
+                stacklevel=2,
+            )
         path = save_policy(self.policy_map, path)
         data = json.loads(path.read_text())
         advice = self.to_dict()
