@@ -78,17 +78,6 @@ def as_batches(inputs: Any) -> list[Batch]:
     return batches
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def _is_mapping_like(value: Any) -> bool:
     """`BatchEncoding` and other `UserDict`s are dicts of keyword arguments."""
     return hasattr(value, "keys") and hasattr(value, "__getitem__") and hasattr(value, "data")
@@ -104,12 +93,16 @@ def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
     """The floating tensors in `value`, in order: tensors, tuples, lists, dicts
     (Hugging Face `ModelOutput`s included, in field order); other objects
     (a `DynamicCache`, strings, numbers) are skipped."""
+    return (tensor for tensor in _tensors(value) if tensor.is_floating_point())
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in `value`, in order, through tuples, lists and dicts."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
+        yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from floating_tensors(item)
+            yield from _tensors(item)
     elif isinstance(value, Mapping):
         for item in value.values():
-            yield from floating_tensors(item)
+            yield from _tensors(item)
