@@ -327,7 +327,7 @@ def _plan_policies(
         computes_weight = issubclass(original_class(submodule), parametrize.ParametrizationList)
         if computes_weight:
             weight_computations.append(path)
-        if not explicit and any(path.startswith(p) for p in weight_computations):
+        if not explicit and any(path == p or path.startswith(p + "/") for p in weight_computations):
             # A parametrization computes a weight: in the variable dtype, as
             # Keras computes variables (torch's bfloat16 `matrix_exp`, under
             # `orthogonal`, returns NaN); the module reads it in its own dtype.
