@@ -76,8 +76,7 @@ def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
             stored = [module._buffers[n] for n in sorted(quantized.stored_names)]
             if not quantized.scheme.keeps_float_weight:
                 parameters += int(torch.Size(quantized.spec.float_shape).numel())
-                data = quantized.weight_name + (mode_record(quantized.mode).data_suffix or "")
-                stored = [module._buffers[data]]  # the integer data (scales are bookkeeping)
+                stored = [_integer_data(module, quantized)]  # (scales are bookkeeping)
         state = getattr(state_of(module), "call", None)
         if state is not None:
             policy, compute = state.policy.name, state.policy.compute_dtype
@@ -147,9 +146,9 @@ def model_totals(model: torch.nn.Module) -> tuple[int, int]:
         buffers = [b for b in module._buffers.values() if b is not None]
         quantized = quantization_of(module)
         if quantized is not None and not quantized.scheme.keeps_float_weight:
-            data = quantized.weight_name + (mode_record(quantized.mode).data_suffix or "")
-            if id(module._buffers[data]) not in counted:
-                counted.add(id(module._buffers[data]))
+            data = _integer_data(module, quantized)
+            if id(data) not in counted:
+                counted.add(id(data))
                 parameters += int(torch.Size(quantized.spec.float_shape).numel())
         for tensor in own:
             if id(tensor) not in counted:
@@ -161,6 +160,11 @@ def model_totals(model: torch.nn.Module) -> tuple[int, int]:
                 stored.add(key)
                 size += tensor.numel() * tensor.element_size()
     return parameters, size
+
+
+def _integer_data(module: torch.nn.Module, quantized: Any) -> Any:
+    """The buffer holding a quantized weight's integer values."""
+    return module._buffers[quantized.weight_name + (mode_record(quantized.mode).data_suffix or "")]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
