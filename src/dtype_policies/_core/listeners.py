@@ -76,3 +76,21 @@ def weights_written(module: Any) -> None:
     behind torch's version counters (`clear_cast_caches`)."""
     for callback in tuple(_write_listeners):
         callback(module)
+
+
+_step_skipped_listeners: list[Callable[[], None]] = []
+
+
+def add_step_skipped_listener(callback: Callable[[], None]) -> None:
+    """Calls `callback()` whenever a loss scaler skips an optimizer step
+    (`step_skipped`): state a backward pass wrote for that step is undone."""
+    if not callable(callback):
+        raise TypeError(f"add_step_skipped_listener() expects a callable. Received: {callback!r}")
+    if callback not in _step_skipped_listeners:
+        _step_skipped_listeners.append(callback)
+
+
+def step_skipped() -> None:
+    """Tells the listeners that a loss scaler skipped an optimizer step."""
+    for callback in tuple(_step_skipped_listeners):
+        callback()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from dtype_policies._core.listeners import step_skipped
 from dtype_policies.optimizers._checks import (
     check_kwargs,
     check_loss_scale_state,
@@ -67,8 +68,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     counter and `iterations`.
 
     Float8 scales and amax histories (from `float8_from_*` policies) are module
-    buffers, not parameters, so neither the inner optimizer nor the scaler ever
-    touch them.
+    buffers, not parameters: the inner optimizer never touches them, and a
+    skipped step undoes what the backward passes since the last optimizer step
+    wrote to them (Keras applies them with the step).
 
     Args:
         inner_optimizer: The `torch.optim.Optimizer` to wrap.
@@ -359,6 +361,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if not finite:
             self._step_counter = 0
             self._set_scale(self._scale / 2.0)
+            step_skipped()  # float8 scale updates of the skipped step are undone
             return None
         self._inner.step()
         self._iterations += 1

@@ -256,6 +256,12 @@ def unpack_int4(
     return signed.movedim(0, axis)
 
 
+_SMALLEST_SCALE = float(torch.finfo(torch.float32).tiny)
+"""The smallest float8 scale: the smallest normal float32. A smaller one (a
+maximum near 0, divided by the format's maximum, underflows) would turn the
+division by the scale into inf and NaN."""
+
+
 def compute_float8_scale(
     amax: torch.Tensor, scale: torch.Tensor, dtype_max: float, margin: int = 0
 ) -> torch.Tensor:
@@ -266,7 +272,7 @@ def compute_float8_scale(
     factor = (dtype_max / amax) / (2.0**margin)
     keep = (amax <= 0) | ~torch.isfinite(amax)
     factor = torch.where(keep, 1.0 / scale, factor)
-    return 1.0 / factor
+    return (1.0 / factor).clamp_min(_SMALLEST_SCALE)
 
 
 def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Tensor:
@@ -284,7 +290,7 @@ def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Ten
         return torch.ones((), dtype=torch.float32, device=x.device)
     amax = x.detach().abs().amax().float()
     usable = (amax > 0) & torch.isfinite(amax)
-    return torch.where(usable, amax / dtype_max, torch.ones_like(amax))
+    return torch.where(usable, amax / dtype_max, torch.ones_like(amax)).clamp_min(_SMALLEST_SCALE)
 
 
 def compute_float8_amax_history(x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
@@ -306,7 +312,7 @@ def compute_float8_channel_scale(w_nk: torch.Tensor, dtype_max: float) -> torch.
     """
     amax = w_nk.detach().abs().amax(dim=-1, keepdim=True).float()
     usable = (amax > 0) & torch.isfinite(amax)
-    return torch.where(usable, amax / dtype_max, torch.ones_like(amax))
+    return torch.where(usable, amax / dtype_max, torch.ones_like(amax)).clamp_min(_SMALLEST_SCALE)
 
 
 def quantize_and_dequantize(

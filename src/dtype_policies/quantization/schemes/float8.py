@@ -15,25 +15,35 @@ forward, the output gradient in the backward): `max|t| / format max`. It
 needs no calibration and never reads or writes the six buffers (they stay,
 so that checkpoints have one format).
 
-Delayed scaling: in a training step (a forward in training mode and its backward): inputs and
+Delayed scaling: in a training step (forwards in training mode, with
+gradients enabled, and the backward pass that reaches them): inputs and
 kernel are quantize-dequantized in float8_e4m3fn with the scales from before
 the step, the output gradient in float8_e5m2 with its scale; gradients pass
-straight through; once the backward has run, each scale becomes
-`max(history before the step) / format max` and each history is rolled with
-this step's absolute maximum as its newest entry (index 0). Forwards in eval
-mode, or without a backward, change nothing. The buffers are never
-parameters, so no optimizer and no loss scaler touch them.
+straight through (an inf or NaN gradient stays one, so that loss scalers see
+the overflow). Once the backward pass is over, each scale becomes
+`max(history before the step) / format max` and each history is rolled once
+with the largest absolute maximum of the module's calls in that pass (a
+layer called twice counts both calls) as its newest entry (index 0); a
+non-finite maximum leaves its history and scale as they were. A step that
+`LossScaleOptimizer` skips undoes the updates made since the last optimizer
+step, as Keras never applies them. Forwards in eval mode, or without
+gradients, change nothing; a frozen layer in training mode still records its
+step.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.listeners import add_step_skipped_listener
 from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
@@ -43,7 +53,6 @@ from dtype_policies.quantizers.config import Float8QuantizationConfig
 from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
     FLOAT8_E5M2_MAX,
-    compute_float8_amax_history,
     compute_float8_channel_scale,
     compute_float8_dynamic_scale,
     compute_float8_scale,
@@ -96,7 +105,10 @@ class Float8Scheme(Scheme):
     def forward(self, module, qw, x, bias, compute):
         spec = qw.spec
         weight = module._parameters[spec.weight]
-        if _without_graph(x, weight, bias):
+        records_step = (
+            qw.config.scaling == "delayed" and module.training and torch.is_grad_enabled()
+        )
+        if not records_step and _without_graph(x, weight, bias):
             return self._inference(module, qw, x, weight, bias, compute)
         kernel, bias = leaf_weights(
             state_of(module).casts,
@@ -175,39 +187,110 @@ def weight_only_kernel(spec: WeightSpec, kernel: torch.Tensor) -> torch.Tensor:
     return spec.from_nk(_QDQForward.apply(w_nk, scale))
 
 
-class _Updates:
-    """New scale/history values computed in the forward, written once the
-    backward pass that reaches them is over (`commit_after_backward`)."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def commit(self) -> None:
-        with torch.no_grad():
-            for buffer, value in self.pending:
-                buffer.copy_(value)
-        self.pending = []
+_STATE_FORMATS = (
+    ("inputs", FLOAT8_E4M3_MAX),
+    ("kernel", FLOAT8_E4M3_MAX),
+    ("outputs_grad", FLOAT8_E5M2_MAX),
+)
 
 
-def commit_after_backward(updates: _Updates) -> None:
-    """Writes `updates` when the running backward pass ends, not in the middle
+class _CallMaxima:
+    """One call's absolute maxima of its inputs and kernel, taken in the
+    forward and handed to the module's step by the call's backward (a call
+    no backward reaches counts for nothing)."""
+
+    __slots__ = ("maxima", "module")
+
+    def __init__(self, module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
+        self.module = module
+        self.maxima = maxima
+
+
+_lock = threading.Lock()
+_pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per module, the largest absolute maxima its calls of the running backward
+pass have shown, until the pass is over (`_commit`)."""
+_undo: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+"""Per state buffer (by id), its value before the first commit since the last
+optimizer step: what a skipped step restores."""
+
+
+def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
+    """Adds one call's maxima to `module`'s step; the first call of a backward
+    pass schedules the step's commit for the end of that pass."""
+    with _lock:
+        step = _pending.get(module)
+        first = step is None
+        if first:
+            step = _pending[module] = {}
+        for name, amax in maxima.items():
+            held = step.get(name)
+            step[name] = amax if held is None else torch.maximum(held, amax)
+    if first:
+        _commit_after_backward(lambda: _commit(module))
+
+
+def _commit_after_backward(commit: Any) -> None:
+    """Runs `commit` when the running backward pass ends, not in the middle
     of it: activation checkpointing recomputes a layer's forward during the
     backward (after its output gradient's node ran), and that forward must
     read the scales the first one read. Outside a backward pass (or where
     torch has no such callback), at once."""
     try:
-        torch.autograd.Variable._execution_engine.queue_callback(updates.commit)
+        torch.autograd.Variable._execution_engine.queue_callback(commit)
     except (RuntimeError, AttributeError):
-        updates.commit()
+        commit()
 
 
-def _next_state(
-    x: torch.Tensor, scale: torch.Tensor, history: torch.Tensor, fmt_max: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    new_scale = compute_float8_scale(history.max(), scale, fmt_max)
-    return new_scale, compute_float8_amax_history(x, history)
+def _commit(module: torch.nn.Module) -> None:
+    """Writes `module`'s pending step: each scale from its history before the
+    step, each history rolled with the step's maximum (a non-finite maximum
+    changes neither)."""
+    with _lock:
+        step = _pending.pop(module, None)
+        if not step:
+            return
+        buffers = module._buffers
+        with torch.no_grad():
+            for name, fmt_max in _STATE_FORMATS:
+                amax = step.get(name)
+                if amax is None or not bool(torch.isfinite(amax)):
+                    continue
+                scale, history = buffers[f"{name}_scale"], buffers[f"{name}_amax_history"]
+                for tensor in (scale, history):
+                    if id(tensor) not in _undo:
+                        _undo[id(tensor)] = (weakref.ref(tensor), tensor.detach().clone())
+                new_scale = compute_float8_scale(history.max(), scale, fmt_max)
+                rolled = torch.roll(history, shifts=-1, dims=0)
+                rolled[0] = amax.to(history.dtype)
+                scale.copy_(new_scale)
+                history.copy_(rolled)
+
+
+def _forget_undo(*_: Any) -> None:
+    """An optimizer stepped: the steps recorded so far stand."""
+    if _undo:
+        with _lock:
+            _undo.clear()
+
+
+def _undo_since_last_step() -> None:
+    """A loss scaler skipped the step: the state goes back to what it was
+    before the backward passes since the last optimizer step."""
+    with _lock:
+        restores = [(ref(), old) for ref, old in _undo.values()]
+        _undo.clear()
+        _pending.clear()
+        with torch.no_grad():
+            for tensor, old in restores:
+                if tensor is not None:
+                    tensor.copy_(old)
+
+
+register_optimizer_step_post_hook(_forget_undo)
+add_step_skipped_listener(_undo_since_last_step)
 
 
 class _QDQForward(torch.autograd.Function):
@@ -240,31 +323,32 @@ class _QDQGradient(torch.autograd.Function):
     def forward(  # type: ignore[override]
         y: torch.Tensor,
         scale: torch.Tensor,
-        history: torch.Tensor,
-        updates: _Updates | None,
+        step: _CallMaxima | None,
         dynamic: bool,
+        anchor: torch.Tensor | None,
     ) -> torch.Tensor:
         return y.view_as(y)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
-        _, ctx.scale, ctx.history, ctx.updates, ctx.dynamic = inputs
+        _, ctx.scale, ctx.step, ctx.dynamic, _ = inputs
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None, None]:
         if ctx.dynamic:
             scale = compute_float8_dynamic_scale(grad, FLOAT8_E5M2_MAX)
-            qdq = quantize_and_dequantize(grad, scale, torch.float8_e5m2, grad.dtype)
-            return qdq, None, None, None, None
-        scale, history = ctx.scale, ctx.history
+        else:
+            # a graph of the backward (create_graph) keeps its own copy: the
+            # commit at the end of this pass writes the buffer in place
+            scale = ctx.scale.clone() if torch.is_grad_enabled() else ctx.scale
         qdq = quantize_and_dequantize(grad, scale, torch.float8_e5m2, grad.dtype)
-        if ctx.updates is not None and grad.numel() > 0:
-            updates, ctx.updates = ctx.updates, None  # a second backward commits nothing
+        qdq = torch.where(torch.isfinite(grad), qdq, grad)  # an overflow stays visible
+        if ctx.step is not None and grad.numel() > 0:
+            step, ctx.step = ctx.step, None  # a second backward records nothing
             with torch.no_grad():
-                new_scale, new_history = _next_state(grad, scale, history, FLOAT8_E5M2_MAX)
-            updates.pending += [(scale, new_scale), (history, new_history)]
-            commit_after_backward(updates)
-        return qdq, None, None, None, None
+                maxima = {**step.maxima, "outputs_grad": grad.detach().abs().amax().float()}
+            _record(step.module, maxima)
+        return (qdq if ctx.needs_input_grad[0] else None), None, None, None, None
 
 
 def float8_contract(
@@ -285,28 +369,28 @@ def float8_contract(
         x = _QDQForward.apply(inputs, compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX))
         k = _QDQForward.apply(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
         y = contract(x, k)
-        scale, history = state["outputs_grad_scale"], state["outputs_grad_amax_history"]
-        return _QDQGradient.apply(y, scale, history, None, True)
-    updates = None
+        return _QDQGradient.apply(y, state["outputs_grad_scale"], None, True, None)
+    step = anchor = None
     functional = not tracing() and (functorch_wrapped(inputs) or functorch_wrapped(kernel))
     if training and torch.is_grad_enabled() and inputs.numel() > 0 and not functional:
-        updates = _Updates()
         with torch.no_grad():
-            for name, tensor, fmt_max in (
-                ("inputs", inputs, FLOAT8_E4M3_MAX),
-                ("kernel", kernel, FLOAT8_E4M3_MAX),
-            ):
-                scale = state[f"{name}_scale"]
-                history = state[f"{name}_amax_history"]
-                new_scale, new_history = _next_state(tensor, scale, history, fmt_max)
-                updates.pending += [(scale, new_scale), (history, new_history)]
+            maxima = {
+                "inputs": inputs.detach().abs().amax().float(),
+                "kernel": kernel.detach().abs().amax().float(),
+            }
+        step = _CallMaxima(module, maxima)
+        if not (inputs.requires_grad or kernel.requires_grad):
+            anchor = _ANCHOR  # a frozen call's backward still records its step
     x = _QDQForward.apply(inputs, state["inputs_scale"])
     k = _QDQForward.apply(kernel, state["kernel_scale"])
     y = contract(x, k)
-    return _QDQGradient.apply(
-        y, state["outputs_grad_scale"], state["outputs_grad_amax_history"], updates, False
-    )
+    return _QDQGradient.apply(y, state["outputs_grad_scale"], step, False, anchor)
 
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+"""An input that requires gradients, given to the output-gradient function of
+a training call whose inputs and kernel do not, so that the backward pass
+reaches it (its own gradient is never computed)."""
 
 register_mode(
     QuantizationMode(

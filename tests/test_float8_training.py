@@ -1,0 +1,141 @@
+"""float8 delayed scaling in training: what one step records (every call of
+the step, by maximum; frozen layers too), what it never records (non-finite
+maxima, steps a loss scaler skips), and the edges of the scales (overflowed
+gradients stay visible, maxima near 0 give no NaN)."""
+
+import pytest
+import torch
+
+from dtype_policies import QuantizedFloat8DTypePolicy, layers
+from dtype_policies.optimizers import LossScaleOptimizer
+
+STATE = tuple(
+    f"{tensor}_{kind}"
+    for tensor in ("inputs", "kernel", "outputs_grad")
+    for kind in ("scale", "amax_history")
+)
+
+
+def _dense(source="float32", scaling="delayed", history=4, units=4, width=8, bias=False):
+    torch.manual_seed(0)
+    layer = layers.Dense(
+        units,
+        use_bias=bias,
+        dtype=QuantizedFloat8DTypePolicy("float8", source, history, scaling=scaling),
+    )
+    layer.build((None, width))
+    return layer
+
+
+def _state(layer):
+    return {name: getattr(layer, name).detach().clone() for name in STATE}
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_an_overflowed_output_gradient_reaches_the_loss_scaler(scaling):
+    # e5m2's clamp would turn the inf into 57344 x scale: a finite, wrong update
+    layer = _dense("mixed_float16", scaling)
+    with torch.no_grad():
+        layer.kernel.fill_(0.5)
+        layer.kernel[:, 0] = 448.0
+    before_kernel, before_state = layer.kernel.detach().clone(), _state(layer)
+    optimizer = LossScaleOptimizer(torch.optim.SGD(layer.parameters(), lr=1e-3))
+    loss = layer(torch.full((2, 8), 1e-2)).float().square().mean()
+    optimizer.scale_loss(loss).backward()
+    assert not torch.isfinite(layer.kernel.grad).all()
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    assert optimizer.dynamic_scale == 2.0**14
+    assert torch.equal(layer.kernel.detach(), before_kernel)
+    for name, value in _state(layer).items():
+        assert torch.equal(value, before_state[name]), name
+
+
+def test_a_step_the_loss_scaler_skips_leaves_the_scales_as_they_were():
+    layer = _dense("mixed_float16")
+    optimizer = LossScaleOptimizer(torch.optim.SGD(layer.parameters(), lr=1e-3))
+    for _ in range(3):
+        optimizer.zero_grad()
+        optimizer.scale_loss(layer(torch.randn(4, 8)).float().sum()).backward()
+        optimizer.step()
+    before = _state(layer)
+    assert before["inputs_amax_history"][0] > 0
+    optimizer.zero_grad()
+    spike = torch.randn(4, 8)
+    spike[0, 0] = float("nan")
+    optimizer.scale_loss(layer(spike).float().sum()).backward()
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    for name, value in _state(layer).items():
+        assert torch.equal(value, before[name]), name
+    optimizer.zero_grad()  # the next step records as usual
+    optimizer.scale_loss(layer(torch.full((4, 8), 3.0)).float().sum()).backward()
+    optimizer.step()
+    assert not optimizer.last_step_skipped
+    assert layer.inputs_amax_history[0].item() == 3.0
+    expected = torch.roll(before["inputs_amax_history"], -1)[1:]
+    assert torch.equal(layer.inputs_amax_history[1:], expected)
+
+
+def test_a_non_finite_maximum_never_enters_a_history():
+    layer = _dense()
+    layer(torch.full((2, 8), 2.0)).sum().backward()
+    before = _state(layer)
+    spike = torch.full((2, 8), 2.0)
+    spike[0, 0] = float("inf")
+    layer(spike).sum().backward()
+    for name in ("inputs_scale", "inputs_amax_history"):
+        assert torch.equal(getattr(layer, name), before[name]), name
+    assert torch.isfinite(layer.outputs_grad_amax_history).all()
+
+
+def test_a_layer_called_twice_in_one_step_records_the_larger_call():
+    layer = _dense()
+    small, big = torch.full((2, 8), 1.0), torch.full((2, 8), 100.0)
+    (layer(small).sum() + layer(big).sum()).backward()
+    history = layer.inputs_amax_history.tolist()
+    assert history == [100.0, 0.0, 0.0, 0.0]  # rolled once, with the larger maximum
+    layer.zero_grad()
+    (layer(big).sum() + layer(small).sum()).backward()
+    assert layer.inputs_amax_history.tolist() == [100.0, 0.0, 0.0, 100.0]
+    assert layer.inputs_scale.item() == pytest.approx(100.0 / 448.0)
+
+
+def test_a_frozen_layer_in_training_mode_records_its_steps():
+    layer = _dense()
+    layer.kernel.requires_grad_(False)
+    head = torch.nn.Linear(4, 1)
+    for _ in range(3):
+        head(layer(torch.full((2, 8), 5.0))).sum().backward()
+    assert layer.inputs_amax_history.tolist() == [5.0, 0.0, 5.0, 5.0]  # Keras's roll
+    assert layer.inputs_scale.item() == pytest.approx(5.0 / 448.0)
+    layer.eval()  # eval mode still changes nothing
+    before = _state(layer)
+    head(layer(torch.full((2, 8), 50.0))).sum().backward()
+    for name, value in _state(layer).items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_gradient_penalty_runs_under_delayed_scaling():
+    layer = _dense(units=1)
+    x = torch.randn(4, 8, requires_grad=True)
+    (gradient,) = torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+    gradient.square().sum().backward()
+    assert layer.kernel.grad is not None and torch.isfinite(layer.kernel.grad).all()
+    assert layer.inputs_amax_history[0].item() == pytest.approx(x.abs().max().item())
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic", "weight_only"])
+def test_maxima_near_zero_give_a_finite_output(scaling):
+    layer = _dense(scaling=scaling)
+    tiny = torch.full((2, 8), 1e-37)
+    if scaling == "weight_only":
+        with torch.no_grad():
+            layer.kernel[:, 0] = 1e-44  # one output channel near zero
+    layer(tiny).sum().backward()
+    layer(torch.randn(2, 8)).sum().backward()
+    assert layer.inputs_scale.item() > 0
+    layer.eval()
+    with torch.no_grad():
+        assert torch.isfinite(layer(torch.arange(8.0)[None])).all()
+        assert torch.isfinite(layer(tiny)).all()
