@@ -291,3 +291,24 @@ def test_a_float8_kernel_kept_for_inference_is_dropped_with_the_casts(scaling, d
     expected = _reference(model, "linear", X)
     assert relative_error(before, expected) > 0.5
     assert relative_error(after, expected) < 0.1
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_stored_tensors_written_behind_the_version_counter_are_read_after_clear_cast_caches(mode):
+    # what a torch.distributed broadcast into a quantized model does
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+        apply_policy(model, "mixed_bfloat16")
+        dtype_policies.quantize(model, mode)
+        return model
+
+    source, target = build(0), build(1)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        expected = source(x)
+        assert not torch.equal(target(x), expected)  # the target's kernels now hold its layouts
+        for ours, theirs in zip(target.state_dict().values(), source.state_dict().values()):
+            ours.data.copy_(theirs)
+        dtype_policies.clear_cast_caches(target)
+        assert torch.equal(target(x), expected)

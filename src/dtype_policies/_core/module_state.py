@@ -208,7 +208,9 @@ def clear_cast_caches(model: torch.nn.Module) -> None:
 
     Needed only in the one case neither can see (docs/apply_policy.md,
     "What a kept cast cannot see"): a write that bypasses torch's version
-    counter (`p.data.copy_(...)`) between two calls without gradients.
+    counter (`p.data.copy_(...)`, a `torch.distributed` collective into a
+    tensor) between two calls. It also drops what quantized modules keep of
+    their stored tensors (the kernels' packed layouts).
 
     >>> import torch
     >>> import dtype_policies
@@ -225,4 +227,6 @@ def clear_cast_caches(model: torch.nn.Module) -> None:
         state = module.__dict__.get(STATE_KEY)
         if state is not None:
             state.casts.clear()
+            if state.quantization is not None:
+                state.quantization.forget_kept()  # packed layouts of the stored tensors
     weights_written(model)  # and graphs compiled with frozen weights run eagerly

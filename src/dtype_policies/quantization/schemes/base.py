@@ -346,6 +346,12 @@ class QuantizedWeight:
         """The integer values in the float parameter's shape (Keras's `kernel`)."""
         return self.spec.from_nk(self.scheme.integer_values(module, self))
 
+    def forget_kept(self) -> None:
+        """Drops what the kernels keep of the stored tensors (packed layouts),
+        so that the next call reads them again: for writes torch's version
+        counters do not see (`clear_cast_caches`)."""
+        self.runtime = self.scheme.new_runtime()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["runtime"] = None
