@@ -173,6 +173,37 @@ def test_layers_model_round_trip_with_quantized_sublayers(tmp_path):
     del build
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16", "float8"])
+def test_an_untied_checkpoint_is_refused_by_a_tied_target(tmp_path, device, policy):
+    class LM(nn.Module):
+        def __init__(self, tie):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.head = nn.Linear(32, 64, bias=False)
+            if tie:
+                self.head.weight = self.embed.weight
+
+    torch.manual_seed(0)
+    source = LM(tie=False)
+    if policy == "float8":
+        quantize(source, "float8")
+    elif policy:
+        apply_policy(source, policy)
+    path = saving.save(source, tmp_path / "untied.safetensors")
+    with torch.device(device):
+        target = LM(tie=True)
+    before = {k: v.clone() for k, v in target.state_dict().items()} if device == "cpu" else None
+    with pytest.raises(saving.CheckpointError, match=r"'embed.weight', 'head.weight' are one"):
+        saving.load(target, path)  # one of the two tables would be dropped
+    assert target.head.weight is target.embed.weight
+    if before is not None:
+        for key, value in target.state_dict().items():
+            assert torch.equal(value, before[key]), key
+    untied = saving.load(LM(tie=False), path)  # the right target loads it
+    assert torch.equal(untied.head.weight, source.head.weight)
+
+
 def test_tied_weights_stay_tied_and_shared(tmp_path):
     class TiedLM(nn.Module):
         def __init__(self):

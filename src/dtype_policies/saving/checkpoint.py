@@ -507,6 +507,13 @@ def _check_state(
         for key in expected
         if key in saved and saved[key] != expected[key]
     ]
+    for names in _tied_parameters(module):  # one tensor here must be one there
+        held = [name for name in names if name in expected and name in saved]
+        if len({manifest.aliases.get(name, name) for name in held}) > 1:
+            problems.append(
+                f"{', '.join(repr(name) for name in held)} are one tensor (tied) in the "
+                "target and separate tensors in the checkpoint"
+            )
     if problems:
         raise CheckpointError(
             f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
