@@ -367,6 +367,26 @@ def test_listener_attaches_updates_and_detaches():
     }
 
 
+@pytest.mark.parametrize("change", ["mixed_bfloat16", "int8"])
+def test_models_built_from_one_config_object_save_their_own_policies(change, tmp_path):
+    config = llama().config
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).eval()
+    trial = transformers.LlamaForCausalLM(config).eval()
+    if change == "int8":
+        quantize(trial, "int8")
+    else:
+        apply_policy(trial, change)
+    assert getattr(base.config, "quantization_config", None) is None
+    assert trial.model.layers[0].self_attn.config is trial.config  # the copy reaches its users
+    base.save_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, base(ids).logits)
+    assert getattr(back, "hf_quantizer", None) is None
+
+
 def test_listener_ignores_plain_modules_and_submodules():
     block = torch.nn.Sequential(torch.nn.Linear(8, 8))
     apply_policy(block, "mixed_bfloat16")

@@ -64,6 +64,7 @@ integer weights), so `Trainer` accepts these models.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import warnings
@@ -331,9 +332,11 @@ def sync(model: Any) -> None:
     manifest = describe(model, __version__)
     if not (manifest.modules or manifest.layers or manifest.quantized):
         if current is not None:
+            _own_config(model)
             current.remove_quantization_config(model)
             _set_flags(model, manifest)
         return
+    _own_config(model)
     config = DTypePoliciesConfig(manifest)
     if current is None:
         current = DTypePoliciesHfQuantizer(config, pre_quantized=True)
@@ -345,6 +348,24 @@ def sync(model: Any) -> None:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+_OWN_CONFIG = "_dtype_policies_own_config"
+
+
+def _own_config(model: Any) -> None:
+    """Gives `model` (and its submodules that share it) a config object of its
+    own before its quantization config is written: models built from one
+    config object share it, and another model's `save_pretrained` would
+    record this model's policies."""
+    shared = model.config
+    if model.__dict__.get(_OWN_CONFIG) is shared:
+        return
+    own = copy.deepcopy(shared)
+    for module in model.modules():
+        if module.__dict__.get("config") is shared:
+            module.config = own
+    model.__dict__[_OWN_CONFIG] = own
 
 
 def _integer_records(manifest: Manifest):
