@@ -190,3 +190,16 @@ def test_checkpoint_round_trip_keeps_dynamic_scaling(tmp_path):
         loaded = saving.load(nn.Sequential(nn.Linear(32, 16)), path)
     with torch.no_grad():
         assert torch.equal(loaded(x), expected)
+
+
+def test_the_default_window_and_its_length_are_one_config():
+    # what quantize(m, "float8") writes, and what a float8_from_* policy builds
+    default, explicit = Float8QuantizationConfig(), Float8QuantizationConfig(1024)
+    assert default == explicit and hash(default) == hash(explicit)
+    assert default != Float8QuantizationConfig(16)
+    assert default != Float8QuantizationConfig(scaling="dynamic")
+    for wrong in (2.0, True, "16"):
+        with pytest.raises(TypeError, match=repr(wrong).replace(".", r"\.")):
+            Float8QuantizationConfig(wrong)
+    with pytest.raises(ValueError, match="Received: 0"):
+        Float8QuantizationConfig(0)

@@ -582,10 +582,13 @@ class Float8QuantizationConfig(QuantizationConfig):
     def __init__(self, amax_history_length: int | None = None, scaling: str = "delayed") -> None:
         super().__init__(None, None)
         if amax_history_length is not None and (
-            not isinstance(amax_history_length, int)
-            or isinstance(amax_history_length, bool)
-            or amax_history_length < 1
+            not isinstance(amax_history_length, int) or isinstance(amax_history_length, bool)
         ):
+            raise TypeError(  # as QuantizedFloat8DTypePolicy
+                "`amax_history_length` must be a positive integer or None. "
+                f"Received: {amax_history_length!r}"
+            )
+        if amax_history_length is not None and amax_history_length < 1:
             raise ValueError(
                 "`amax_history_length` must be a positive integer or None. "
                 f"Received: {amax_history_length!r}"
@@ -596,6 +599,10 @@ class Float8QuantizationConfig(QuantizationConfig):
             )
         self.amax_history_length = amax_history_length
         self.scaling = scaling
+
+    def _identity(self) -> dict[str, Any]:
+        # `None` means the default window: the same stored state and scales
+        return {"amax_history_length": self.history_length, "scaling": self.scaling}
 
     @property
     def history_length(self) -> int:
