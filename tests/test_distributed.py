@@ -418,6 +418,14 @@ def test_a_plan_refused_after_the_policy_leaves_the_model_as_it_was(units, messa
     assert model[2](x).dtype == torch.float32
 
 
+def test_without_a_process_group_nothing_is_applied():
+    model = _model()
+    with pytest.raises(RuntimeError, match="no process group"):
+        fully_shard(model, "mixed_bfloat16")  # torch's rendezvous error came after the policy
+    assert not any(hasattr(m, "dtype_policy") for m in model.modules())
+    assert model[2](torch.randn(4, 8)).dtype == torch.float32
+
+
 def test_fully_shard_refuses_a_quantized_model():
     model = _model()
     apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"3": "int8_from_mixed_bfloat16"}))

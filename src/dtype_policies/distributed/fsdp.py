@@ -130,6 +130,11 @@ def fully_shard(
         handle = apply_policy(model, policy_or_map, float32_modules=float32_modules)
     try:
         plan = shard_plan(model, units=units)
+        if mesh is None and not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "fully_shard(): no process group (call torch.distributed.init_process_group "
+                "first) and no `mesh` given."
+            )
     except BaseException:
         if handle is not None:
             handle.remove()  # the model exactly as it came
