@@ -2,7 +2,9 @@
 
 import os
 
+import numpy as np
 import pytest
+import torch
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 keras = pytest.importorskip("keras")
@@ -140,3 +142,24 @@ def test_a_keras_int8_dense_config_reads_here_and_a_policy_built_layer_writes_no
     built = layers.Dense(8, dtype="int8_from_float32", name="d")
     built.build((2, 64))
     assert built.get_config()["quantization_config"] is None  # as Keras writes it
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_keras_multi_head_attention_with_a_sliding_window_computes_as_keras(causal):
+    theirs = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, sliding_window=2)
+    x = np.random.default_rng(0).standard_normal((2, 6, 8)).astype("float32")
+    expected = keras.ops.convert_to_numpy(theirs(x, x, use_causal_mask=causal))
+    ours = dtype_policies.saving.deserialize_layer(keras.saving.serialize_keras_object(theirs))
+    assert ours.sliding_window == 2 and ours.get_config()["sliding_window"] == 2
+    ours.build((2, 6, 8), (2, 6, 8))
+    names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
+    for name, mine in zip(names, ["query", "key", "value", "attention_output"]):
+        dense = getattr(theirs, name)
+        with torch.no_grad():
+            for weight in ("kernel", "bias"):
+                value = keras.ops.convert_to_numpy(getattr(dense, weight))
+                getattr(getattr(ours, mine), weight).copy_(torch.as_tensor(value))
+    actual = ours(torch.as_tensor(x), torch.as_tensor(x), use_causal_mask=causal)
+    np.testing.assert_allclose(actual.detach().numpy(), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        dtype_policies.layers.MultiHeadAttention(2, 4, sliding_window=0)

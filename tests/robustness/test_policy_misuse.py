@@ -57,9 +57,11 @@ def test_apply_policy_with_bare_int8():
 def test_apply_policy_with_other_non_float_names(name):
     model = _model()
     before = snapshot(model)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as info:
         apply_policy(model, name)
     assert_unchanged(model, before)
+    for suggested in re.findall(r"'(\w+_from_\w+)'", str(info.value)):
+        dtype_policies.get(suggested)  # every name it suggests exists
 
 
 def test_apply_policy_int8_message_names_the_alternatives():

@@ -315,8 +315,8 @@ def _plan_policies(
             raise ValueError(
                 f"apply_policy(): the policy '{resolved.name}' for '{path or '(root)'}' "
                 f"computes in {resolved.compute_dtype}, which is not a floating dtype. To "
-                f"quantize weights, use a quantized policy such as "
-                f"'{resolved.name}_from_mixed_bfloat16', or call dtype_policies.quantize()."
+                "quantize weights, use a quantized policy such as 'int8_from_mixed_bfloat16' "
+                "or 'int4_from_mixed_bfloat16', or call dtype_policies.quantize()."
             )
         conflict = _quantized_conflict(path, submodule, resolved)
         if conflict is not None:

@@ -34,6 +34,12 @@ class MultiHeadAttention(Layer):
         use_bias: Whether the projections have biases.
         output_shape: Size of the output features (default: the query's).
         attention_axes: Only `None` (attend over the sequence axis) is supported.
+        sliding_window: None (full attention) or a positive int: each query
+            attends only to keys within `sliding_window - 1` positions of its
+            own, on either side (with `use_causal_mask=True`: the causal
+            sliding window of Mistral), as Keras's.
+        flash_attention: Accepted for Keras's configs; torch's fused
+            attention is used whenever no scores are returned.
         kernel_initializer, bias_initializer, kernel_regularizer,
         bias_regularizer, kernel_constraint, bias_constraint: For the
             projections.
@@ -66,6 +72,8 @@ class MultiHeadAttention(Layer):
         use_bias: bool = True,
         output_shape: int | None = None,
         attention_axes: Any = None,
+        sliding_window: int | None = None,
+        flash_attention: bool | None = None,
         kernel_initializer: Any = "glorot_uniform",
         bias_initializer: Any = "zeros",
         kernel_regularizer: Any = None,
@@ -86,6 +94,17 @@ class MultiHeadAttention(Layer):
                 "Only attention over the sequence axis of (batch, sequence, features) "
                 f"inputs is supported (attention_axes=None). Received: {attention_axes!r}"
             )
+        if sliding_window is not None and (
+            not isinstance(sliding_window, int)
+            or isinstance(sliding_window, bool)
+            or sliding_window <= 0
+        ):
+            raise ValueError(
+                "`sliding_window` must be `None` or a positive integer. "
+                f"Received: sliding_window={sliding_window!r}"
+            )
+        self.sliding_window = sliding_window
+        self.flash_attention = flash_attention
         self.dropout = float(dropout)
         self.use_bias = bool(use_bias)
         self._output_shape = output_shape
@@ -163,6 +182,10 @@ class MultiHeadAttention(Layer):
         if use_causal_mask:
             causal = torch.ones(target, source, dtype=torch.bool, device=device).tril()
             mask = causal if mask is None else mask & causal
+        if self.sliding_window is not None:
+            rows = torch.arange(target, device=device)[:, None]
+            band = (rows - torch.arange(source, device=device)).abs() < self.sliding_window
+            mask = band if mask is None else mask & band
         return mask
 
     def call(
@@ -216,6 +239,7 @@ class MultiHeadAttention(Layer):
             "use_bias": self.use_bias,
             "output_shape": self._output_shape,
             "attention_axes": None,
+            "sliding_window": self.sliding_window,
             **kernel_bias_config(self),
             "seed": self.seed,
             "use_gate": self.use_gate,
