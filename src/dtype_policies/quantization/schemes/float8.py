@@ -221,10 +221,11 @@ def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
     """Adds one call's maxima to `module`'s step; the first call of a backward
     pass schedules the step's commit for the end of that pass."""
     with _lock:
-        step = _pending.get(module)
-        first = step is None
+        held_step = _pending.get(module)
+        first = held_step is None
+        step: dict[str, torch.Tensor] = {} if held_step is None else held_step
         if first:
-            step = _pending[module] = {}
+            _pending[module] = step
         for name, amax in maxima.items():
             held = step.get(name)
             step[name] = amax if held is None else torch.maximum(held, amax)
@@ -252,13 +253,13 @@ def _commit(module: torch.nn.Module) -> None:
         step = _pending.pop(module, None)
         if not step:
             return
-        buffers = module._buffers
         with torch.no_grad():
             for name, fmt_max in _STATE_FORMATS:
                 amax = step.get(name)
                 if amax is None or not bool(torch.isfinite(amax)):
                     continue
-                scale, history = buffers[f"{name}_scale"], buffers[f"{name}_amax_history"]
+                scale = module.get_buffer(f"{name}_scale")
+                history = module.get_buffer(f"{name}_amax_history")
                 for tensor in (scale, history):
                     if id(tensor) not in _undo:
                         _undo[id(tensor)] = (weakref.ref(tensor), tensor.detach().clone())
