@@ -204,6 +204,20 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_target(tmp_path, device, poli
     assert torch.equal(untied.head.weight, source.head.weight)
 
 
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+def test_a_checkpoint_of_another_module_class_is_refused(tmp_path, policy):
+    transformers = pytest.importorskip("transformers")
+    source = nn.Sequential(nn.Linear(16, 16))
+    if policy:
+        apply_policy(source, policy)
+    path = saving.save(source, tmp_path / "linear.safetensors")
+    target = nn.Sequential(transformers.pytorch_utils.Conv1D(16, 16))  # its weight transposed
+    before = target[0].weight.detach().clone()
+    with pytest.raises(saving.CheckpointError, match="'0' is a Linear in the checkpoint and a Conv1D"):
+        saving.load(target, path)
+    assert torch.equal(target[0].weight, before)
+
+
 def test_tied_weights_stay_tied_and_shared(tmp_path):
     class TiedLM(nn.Module):
         def __init__(self):

@@ -40,6 +40,7 @@ from dtype_policies.saving.manifest import (
     CheckpointError,
     Manifest,
     QuantizedRecord,
+    class_name,
     describe,
     layer_policy,
 )
@@ -507,6 +508,13 @@ def _check_state(
         for key in expected
         if key in saved and saved[key] != expected[key]
     ]
+    for name, submodule in module.named_modules():  # a weight's layout comes with its class
+        recorded = manifest.classes.get(name)
+        if recorded is not None and submodule._parameters and class_name(submodule) != recorded:
+            problems.append(
+                f"'{name or '(root)'}' is a {recorded} in the checkpoint and a "
+                f"{class_name(submodule)} in the target"
+            )
     for names in _tied_parameters(module):  # one tensor here must be one there
         held = [name for name in names if name in expected and name in saved]
         if len({manifest.aliases.get(name, name) for name in held}) > 1:

@@ -131,7 +131,7 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     """The manifest of `module` as it is now."""
     manifest = Manifest(library_version=library_version)
     for name, submodule in module.named_modules():
-        manifest.classes[name] = _class_name(submodule)
+        manifest.classes[name] = class_name(submodule)
         if expanded(submodule):
             manifest.experts.append(name)
         if isinstance(submodule, Layer):
@@ -160,7 +160,7 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     return manifest
 
 
-def _class_name(module: torch.nn.Module) -> str:
+def class_name(module: torch.nn.Module) -> str:
     """The module's own class name, without this library's mixins or FSDP2's
     `FSDP<class>` wrapper class."""
     cls = original_class(module)
