@@ -213,7 +213,7 @@ def test_a_checkpoint_of_another_module_class_is_refused(tmp_path, policy):
     path = saving.save(source, tmp_path / "linear.safetensors")
     target = nn.Sequential(transformers.pytorch_utils.Conv1D(16, 16))  # its weight transposed
     before = target[0].weight.detach().clone()
-    with pytest.raises(saving.CheckpointError, match="'0' is a Linear in the checkpoint and a Conv1D"):
+    with pytest.raises(saving.CheckpointError, match="'0' is a Linear in the checkpoint"):
         saving.load(target, path)
     assert torch.equal(target[0].weight, before)
 
