@@ -4,6 +4,7 @@ the target unchanged, atomic writes, policy files."""
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -216,6 +217,38 @@ def test_a_checkpoint_of_another_module_class_is_refused(tmp_path, policy):
     with pytest.raises(saving.CheckpointError, match="'0' is a Linear in the checkpoint"):
         saving.load(target, path)
     assert torch.equal(target[0].weight, before)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.__setitem__("non_persistent", ["0.nope"]), "'0.nope' is in neither"),
+        (lambda m: m["quantized"]["0"].__setitem__("mode", "gptq"), "'0': "),
+        (lambda m: m["modules"]["0"].__setitem__("outputs", "bogus"), "'outputs' must name"),
+    ],
+)
+def test_a_manifest_edited_by_hand_is_refused_before_anything_changes(tmp_path, edit, message):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    path = saving.save(model, tmp_path / "edited.safetensors")
+    with safe_open(str(path), "pt") as reader:
+        metadata = reader.metadata()
+    manifest = json.loads(metadata["dtype_policies"])
+    edit(manifest)
+    save_file(load_file(str(path)), str(path), {**metadata, "dtype_policies": json.dumps(manifest)})
+    target = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(saving.CheckpointError, match=re.escape(message)):
+        saving.load(target, path)
+    assert not any(hasattr(m, "dtype_policy") for m in target.modules())
+    assert target.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
 
 
 def test_tied_weights_stay_tied_and_shared(tmp_path):

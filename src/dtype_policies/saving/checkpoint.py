@@ -300,7 +300,7 @@ def plan_from_manifest(
             continue
         try:
             options = record.options()
-        except (ValueError, TypeError) as e:  # a manifest edited by hand, or corrupted
+        except (ValueError, TypeError, AttributeError) as e:  # a manifest edited by hand
             problems.append(f"'{name or '(root)'}': its saved policy cannot be read: {e}")
             continue
         steps.append(Step(name.replace(".", "/"), target, options.policy, options.island, options))
@@ -323,8 +323,8 @@ def plan_from_manifest(
         try:
             saved = saved_policies.get(name)
             plans.extend(_plan_quantized(name, target, record, tensor_for, saved))
-        except (CheckpointError, NotImplementedError, ValueError) as e:
-            problems.append(f"'{name or '(root)'}': {e}")
+        except (CheckpointError, NotImplementedError, ValueError, TypeError, AttributeError) as e:
+            problems.append(f"'{name or '(root)'}': {e}")  # a record that does not fit its mode
     ExpertsExpansion.claim_all(plans, list(expansions.values()))
     if problems:
         raise CheckpointError(
@@ -473,6 +473,7 @@ def _check_state(
     expected: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
         expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+    unmatched = []
     for key in manifest.non_persistent:
         try:
             buffer = stored_buffer(module, key)
@@ -480,6 +481,10 @@ def _check_state(
             buffer = None
         if buffer is not None:
             expected[key] = (tuple(buffer.shape), dtype_code(buffer.dtype))
+        elif key not in header:  # neither side has it: nothing else would name it
+            unmatched.append(
+                f"the manifest's non-persistent buffer '{key}' is in neither file nor target"
+            )
     for name, expansion in expansions.items():
         prefix = f"{name}." if name else ""
         for weight in expansion.lists:
@@ -498,6 +503,7 @@ def _check_state(
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))
     problems = [f"'{key}' is missing from the checkpoint" for key in expected if key not in saved]
+    problems += unmatched
     problems += [
         f"'{key}' is in the checkpoint but not in the target"
         for key in saved

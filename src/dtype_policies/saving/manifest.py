@@ -54,6 +54,10 @@ class ModuleRecord:
 
     def options(self) -> ModuleOptions:
         values = {k: v for k, v in asdict(self).items() if k != "policy"}
+        if self.outputs is not None and not isinstance(
+            getattr(torch, str(self.outputs), None), torch.dtype
+        ):
+            raise ValueError(f"'outputs' must name a torch dtype. Received: {self.outputs!r}")
         return ModuleOptions(policy=deserialize(self.policy), **values)
 
 
