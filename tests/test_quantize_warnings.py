@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import dtype_policies
 from dtype_policies import quantize
 from dtype_policies.quantizers import GPTQConfig
 
@@ -117,3 +118,17 @@ def test_weights_read_by_their_parent_count_in_the_float_share():
     assert report.unsupported_parameters == total - norms
     share = f"{100 * (total - norms) / total:.1f}% of the model's parameters stay in floating point"
     assert any(share in str(w.message) for w in caught)
+
+
+def test_an_embedding_subclass_with_its_own_forward_gets_advice_that_works():
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    model = torch.nn.Sequential(Scaled(64, 8))
+    with pytest.warns(UserWarning, match="not quantized"):
+        report = dtype_policies.quantize(model, "int8")
+    reason = " ".join(why for _, why in report.skipped)
+    assert "nn.Embedding" in reason and "register_linear_kind" not in reason, reason
+    with pytest.raises(TypeError, match="Scaled is an nn.Embedding"):
+        dtype_policies.quantization.register_linear_kind(Scaled)

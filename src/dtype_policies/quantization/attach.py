@@ -93,10 +93,15 @@ def _check_forward_replaceable(module: torch.nn.Module, kind: ModuleKind) -> Non
         if kind_of_class(cls) is kind:
             return
         if "forward" in vars(cls):
+            advice = (
+                "quantize the table of a plain nn.Embedding instead"
+                if kind.role == "embedding"
+                else "register the class with register_linear_kind if its forward is the "
+                "plain product"
+            )
             raise NotImplementedError(
                 f"its class {cls.__name__} defines its own forward(), which a quantized "
-                "forward would bypass (register the class with register_linear_kind if its "
-                "forward is the plain product)"
+                f"forward would bypass ({advice})"
             )
 
 

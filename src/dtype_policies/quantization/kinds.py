@@ -112,6 +112,11 @@ def register_linear_kind(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
+    if isinstance(cls, type) and issubclass(cls, torch.nn.Embedding):
+        raise TypeError(  # its forward is a lookup: a product in its place reads ids as inputs
+            f"register_linear_kind() registers linear-like classes; {cls.__name__} is an "
+            "nn.Embedding (a lookup, not a product)."
+        )
     for mode in modes or ():
         mode_record(mode)  # an unknown mode raises
     if not isinstance(weight, str) or not weight:
