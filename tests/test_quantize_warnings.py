@@ -130,5 +130,5 @@ def test_an_embedding_subclass_with_its_own_forward_gets_advice_that_works():
         report = dtype_policies.quantize(model, "int8")
     reason = " ".join(why for _, why in report.skipped)
     assert "nn.Embedding" in reason and "register_linear_kind" not in reason, reason
-    with pytest.raises(TypeError, match="Scaled is an nn.Embedding"):
+    with pytest.raises(TypeError, match=r"Scaled is an nn\.Embedding"):
         dtype_policies.quantization.register_linear_kind(Scaled)
