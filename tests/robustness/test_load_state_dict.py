@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import dtype_policies
 from dtype_policies import apply_policy, layers, quantize
 
 from .helpers import (
@@ -300,3 +301,19 @@ def test_a_model_only_quantized_checks_the_whole_checkpoint_before_loading_any_o
     copied = copy.deepcopy(model)  # the guard travels with copies
     with pytest.raises(ValueError, match="nothing was loaded"):
         copied.load_state_dict(other.state_dict())
+
+
+def test_a_float8_state_of_another_history_length_is_refused_before_anything_loads():
+    from dtype_policies.quantization import Float8QuantizationConfig
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+    source, target = build(0), build(1)
+    dtype_policies.quantize(source, "float8", Float8QuantizationConfig(amax_history_length=16))
+    dtype_policies.quantize(target, "float8")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"'0.inputs_amax_history': \(16,\)"):
+        target.load_state_dict(source.state_dict(), strict=False)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())

@@ -309,10 +309,13 @@ class QuantizedWeight:
         weight stored by another mode, or by this mode with another layout
         (int4 per channel against grouped, another block size); reads only."""
         name = self.weight_name
-        state_dict = {k: v for k, v in state_dict.items() if k.startswith(prefix + name)}
+        expected = self.scheme.stored_shapes(self.spec, self.config)
+        own = {prefix + buffer for buffer in expected}  # float8's state is not under the weight
+        state_dict = {
+            k: v for k, v in state_dict.items() if k.startswith(prefix + name) or k in own
+        }
         self.scheme.upgrade_checkpoint(self.spec, self.config, state_dict, prefix)
         path = prefix[:-1] or "(root)"
-        expected = self.scheme.stored_shapes(self.spec, self.config)
         foreign = [
             prefix + name + suffix
             for suffix in stored_suffixes()
