@@ -642,3 +642,19 @@ def test_meta_route_with_saving_save_and_load(mode, tmp_path):
     loaded.save_pretrained(tmp_path / "pretrained")  # and it can go on to the Hub format
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
     assert torch.equal(outputs(again), outputs(model))
+
+
+def test_an_int8_model_loads_in_float16_as_it_converts(tmp_path):
+    torch.manual_seed(0)
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    converted = model.to(torch.float16)  # int8 does not compute in float16: the policy stays
+    with torch.no_grad():
+        expected = converted(ids).logits
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16)
+    assert loaded.model.layers[0].mlp.up_proj.dtype_policy.name == "int8_from_mixed_bfloat16"
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected)

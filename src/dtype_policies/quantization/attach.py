@@ -276,11 +276,20 @@ def commit(plan: Plan) -> QuantizedWeight:
     ensure_state(module).quantization = qw
     if plan.kind.forward is not None:
         set_mixins(module, (*mixins_of(module), FORWARDS[plan.kind.forward]))
-        # Below any application: the module computes in its own dtype without one.
-        install(module, QUANTIZE_TOKEN, own_options(plan.float_dtype), bottom=True)
+        # Below any application: the module computes in its own dtype without one
+        # (float32 where the mode refuses it, as `.to()` leaves it: int8 and float16).
+        install(module, QUANTIZE_TOKEN, own_options(_own_dtype(plan)), bottom=True)
     if plan.kind.after_commit is not None:
         plan.kind.after_commit(module, plan)
     return qw
+
+
+def _own_dtype(plan: Plan) -> torch.dtype:
+    try:
+        mode_record(plan.mode).check_compute_dtype(str(plan.float_dtype).removeprefix("torch."))
+    except ValueError:
+        return torch.float32
+    return plan.float_dtype
 
 
 def detach_float8(module: torch.nn.Module) -> None:
