@@ -392,9 +392,10 @@ def test_listener_ignores_plain_modules_and_submodules():
     apply_policy(block, "mixed_bfloat16")
     assert not hasattr(block, "hf_quantizer")
     model = llama()
-    apply_policy(model.model.layers[0], "mixed_bfloat16")  # not the PreTrainedModel itself
+    with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now has dtype policies.*sync"):
+        apply_policy(model.model.layers[0], "mixed_bfloat16")  # not the PreTrainedModel itself
     assert getattr(model, "hf_quantizer", None) is None
-    with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now stores int8/int4.*sync"):
+    with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now has dtype policies.*sync"):
         quantize(model.model.layers[0], "int8")
     with pytest.raises(TypeError, match="Received: Sequential"):
         huggingface.sync(block)

@@ -24,7 +24,7 @@ from importlib.abc import MetaPathFinder
 from typing import Any
 
 from dtype_policies._core.listeners import add_listener
-from dtype_policies.quantization.attach import quantization_of
+from dtype_policies._core.module_state import state_of
 
 REGISTRY_MODULE = "transformers.quantizers.auto"
 INTEGRATION_MODULE = "dtype_policies.saving.huggingface"
@@ -44,23 +44,19 @@ def on_model_changed(module: Any) -> None:
         return
     if isinstance(module, pretrained):
         _integration().sync(module)
-    elif type(module).__module__.startswith("transformers.") and _has_integer_weights(module):
+    elif type(module).__module__.startswith("transformers.") and _has_policies(module):
         warnings.warn(
-            f"dtype_policies: a part of a transformers model ({type(module).__name__}) now "
-            "stores int8/int4 weights. save_pretrained of the whole model records that only "
-            "after dtype_policies.saving.huggingface.sync(model); or quantize the model "
-            "itself, with filters= to choose the part.",
+            f"dtype_policies: a part of a transformers model ({type(module).__name__}) now has "
+            "dtype policies or quantization. save_pretrained of the whole model records them "
+            "only after dtype_policies.saving.huggingface.sync(model); or apply them to the "
+            "model itself (a DTypePolicyMap, or quantize() with filters=, chooses the part).",
             UserWarning,
             stacklevel=4,
         )
 
 
-def _has_integer_weights(module: Any) -> bool:
-    for submodule in module.modules():
-        quantized = quantization_of(submodule)
-        if quantized is not None and not quantized.scheme.keeps_float_weight:
-            return True
-    return False
+def _has_policies(module: Any) -> bool:
+    return any(state_of(submodule) is not None for submodule in module.modules())
 
 
 def _register() -> None:
