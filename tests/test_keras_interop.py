@@ -163,3 +163,22 @@ def test_a_keras_multi_head_attention_with_a_sliding_window_computes_as_keras(ca
     np.testing.assert_allclose(actual.detach().numpy(), expected, atol=1e-5)
     with pytest.raises(ValueError, match="sliding_window=0"):
         dtype_policies.layers.MultiHeadAttention(2, 4, sliding_window=0)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "abs_max_quantize",
+        "pack_int4",
+        "unpack_int4",
+        "compute_float8_amax_history",
+        "compute_float8_scale",
+        "quantize_and_dequantize",
+    ],
+)
+def test_the_quantizers_mirror_takes_keras_arguments(name):
+    import inspect
+
+    ours = list(inspect.signature(getattr(dtype_policies.quantizers, name)).parameters)
+    theirs = list(inspect.signature(getattr(keras.quantizers, name)).parameters)
+    assert ours == theirs  # the same names in the same order: positional calls agree

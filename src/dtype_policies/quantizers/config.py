@@ -112,7 +112,7 @@ class AbsMaxQuantizer:
         if axis is None:
             axis = self.axis if self.axis is not None else -1
         dtype = _INTEGER_DTYPES[self.output_dtype]
-        return abs_max_quantize(torch.as_tensor(x), axis, self.value_range, self.epsilon, dtype)
+        return abs_max_quantize(torch.as_tensor(x), axis, self.value_range, dtype, self.epsilon)
 
     def get_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {

@@ -25,11 +25,11 @@ FLOAT8_E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)  # 57344
 
 
 def abs_max_quantize(
-    x: torch.Tensor,
+    inputs: torch.Tensor,
     axis: int | tuple[int, ...],
     value_range: tuple[int, int] = INT8_RANGE,
+    dtype: torch.dtype | str = torch.int8,
     epsilon: float = EPSILON,
-    dtype: torch.dtype = torch.int8,
     to_numpy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric abs-max quantization reducing over `axis`.
@@ -38,7 +38,8 @@ def abs_max_quantize(
     (`axis` kept with size 1) such that `x ≈ q / scale`. The scale is in the
     input's floating dtype (float32 for other inputs), as Keras's; it is
     computed in float32 and `q` uses it as returned. `to_numpy` (Keras's
-    memory hint) changes nothing here.
+    memory hint) changes nothing here. Arguments as Keras's (names and order;
+    `dtype` also as a name: `"int8"`).
 
     >>> import torch
     >>> q, scale = abs_max_quantize(torch.tensor([[0.5, -1.0], [2.0, 0.25]]), axis=-1)
@@ -48,11 +49,13 @@ def abs_max_quantize(
     >>> torch.allclose(q / scale, torch.tensor([[0.5, -1.0], [2.0, 0.25]]), atol=0.01)
     True
     """
-    x32 = x.float()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    x32 = inputs.float()
     qmax = float(value_range[1])
     scale = qmax / (x32.abs().amax(dim=axis, keepdim=True) + epsilon)
-    if x.is_floating_point() and x.dtype != torch.float32:
-        scale = scale.to(x.dtype)
+    if inputs.is_floating_point() and inputs.dtype != torch.float32:
+        scale = scale.to(inputs.dtype)
     q = torch.round(x32 * scale.float()).clamp_(value_range[0], value_range[1]).to(dtype)
     return q, scale
 
@@ -77,7 +80,9 @@ def abs_max_quantize_blocks(
     blocks = -(-k // block_size)
     w = w_nk.float()
     padded = torch.nn.functional.pad(w, (0, blocks * block_size - k))
-    _, scale = abs_max_quantize(padded.view(n, blocks, block_size), -1, value_range, epsilon)
+    _, scale = abs_max_quantize(
+        padded.view(n, blocks, block_size), -1, value_range, epsilon=epsilon
+    )
     scale = scale.view(n, blocks)
     # `q` from each input's scale by an index, not the padded blocks sliced
     # back to k (which torch 2.13's Inductor miscompiles: `expand_blocks`)
@@ -206,7 +211,7 @@ def dequantize_grouped(
     return (q.float() - zero.float()[group_of_row]) * scale.float()[group_of_row]
 
 
-def pack_int4(values: torch.Tensor, axis: int = 0) -> torch.Tensor:
+def pack_int4(arr: torch.Tensor, axis: int = 0, dtype: str | torch.dtype = "int8") -> torch.Tensor:
     """Packs int8 values in [-8, 7] (or uint8 values in [0, 15]) two per byte
     along `axis` (Keras layout).
 
@@ -221,10 +226,13 @@ def pack_int4(values: torch.Tensor, axis: int = 0) -> torch.Tensor:
     >>> unpack_int4(pack_int4(torch.tensor([15, 0, 9], dtype=torch.uint8)), 3, dtype="uint8")
     tensor([15,  0,  9], dtype=torch.uint8)
     """
+    values = arr  # Keras's name; `dtype` (Keras's) is the input's, as here
     if values.dtype not in (torch.int8, torch.uint8):
         raise TypeError(
             f"Expected int8 tensor for packing (or uint8 of values 0-15), got {values.dtype}"
         )
+    if dtype not in ("int8", "uint8", torch.int8, torch.uint8):
+        raise ValueError(f"Expected dtype to be 'int8' or 'uint8', but got '{dtype}'.")
     moved = values.movedim(axis, 0)
     if moved.shape[0] % 2:
         moved = torch.cat([moved, moved.new_zeros((1, *moved.shape[1:]))])
@@ -237,10 +245,11 @@ def pack_int4(values: torch.Tensor, axis: int = 0) -> torch.Tensor:
 
 
 def unpack_int4(
-    packed: torch.Tensor, length: int, axis: int = 0, dtype: str | torch.dtype = "int8"
+    packed: torch.Tensor, orig_len: int, axis: int = 0, dtype: str | torch.dtype = "int8"
 ) -> torch.Tensor:
-    """Inverse of `pack_int4`: `length` values along `axis`, sign-extended
+    """Inverse of `pack_int4`: `orig_len` values along `axis`, sign-extended
     int8 (`dtype="int8"`) or unsigned uint8 in [0, 15] (`dtype="uint8"`)."""
+    length = orig_len
     if packed.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"Expected an int8 or uint8 packed tensor, got {packed.dtype}")
     if dtype not in ("int8", "uint8", torch.int8, torch.uint8):
@@ -293,10 +302,10 @@ def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Ten
     return torch.where(usable, amax / dtype_max, torch.ones_like(amax)).clamp_min(_SMALLEST_SCALE)
 
 
-def compute_float8_amax_history(x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+def compute_float8_amax_history(x: torch.Tensor, amax_history: torch.Tensor) -> torch.Tensor:
     """The history rolled by one with `max|x|` as the newest entry, at index 0."""
-    amax = x.detach().abs().max().to(history.dtype)
-    rolled = torch.roll(history, shifts=-1, dims=0)
+    amax = x.detach().abs().max().to(amax_history.dtype)
+    rolled = torch.roll(amax_history, shifts=-1, dims=0)
     rolled[0] = amax
     return rolled
 
@@ -316,14 +325,17 @@ def compute_float8_channel_scale(w_nk: torch.Tensor, dtype_max: float) -> torch.
 
 
 def quantize_and_dequantize(
-    x: torch.Tensor,
+    inputs: torch.Tensor,
     scale: torch.Tensor | float,
-    qdtype: torch.dtype | str,
+    quantized_dtype: torch.dtype | str,
     compute_dtype: torch.dtype | str,
 ) -> torch.Tensor:
-    """`x / scale`, clipped to the format's range, rounded to float8 and back,
-    times `scale`, in `compute_dtype` (dtypes as torch dtypes or names)."""
-    qdtype = getattr(torch, qdtype) if isinstance(qdtype, str) else qdtype
+    """`inputs / scale`, clipped to the format's range, rounded to float8 and
+    back, times `scale`, in `compute_dtype` (dtypes as torch dtypes or names)."""
+    x = inputs
+    qdtype = quantized_dtype
+    if isinstance(qdtype, str):
+        qdtype = getattr(torch, qdtype)
     compute_dtype = (
         getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
     )

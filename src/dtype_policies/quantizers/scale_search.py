@@ -180,7 +180,7 @@ def search_per_channel_int4(
     rows, _ = kernel.shape
     kernel = kernel.float()
     weights = torch.ones(rows, device=kernel.device) if importance is None else importance.float()
-    q, scale = abs_max_quantize(kernel, 0, INT4_RANGE, epsilon)
+    q, scale = abs_max_quantize(kernel, 0, INT4_RANGE, epsilon=epsilon)
     scale = scale.reshape(-1)
 
     def error(codes: torch.Tensor, inverse_step: torch.Tensor) -> torch.Tensor:

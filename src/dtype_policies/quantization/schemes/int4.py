@@ -66,7 +66,9 @@ class Int4Scheme(Scheme):
             q_kn, scale = search_per_channel_int4(w_nk.t(), epsilon=quantizer.epsilon)
             q_nk, extra = q_kn.t(), {names[1]: scale}
         else:
-            q_nk, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
+            q_nk, scale = abs_max_quantize(
+                w_nk, 1, quantizer.value_range, epsilon=quantizer.epsilon
+            )
             extra = {names[1]: scale.reshape(-1)}
         data = q_nk.t() if spec.layout == "in_out" else q_nk
         stored = {names[0]: pack_int4(data.contiguous(), axis=-1)}

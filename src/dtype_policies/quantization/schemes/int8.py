@@ -42,7 +42,7 @@ class Int8Scheme(Scheme):
         quantizer = config.weight_quantizer or AbsMaxQuantizer()
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
         if config.block_size is None:
-            q, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, quantizer.epsilon)
+            q, scale = abs_max_quantize(w_nk, 1, quantizer.value_range, epsilon=quantizer.epsilon)
             scale = scale.reshape(-1)
         else:
             q, scale = abs_max_quantize_blocks(
