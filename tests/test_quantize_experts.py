@@ -565,3 +565,20 @@ def test_load_state_dict_of_the_fused_float_model_quantizes_it_into_the_experts(
     with pytest.raises((RuntimeError, ValueError), match="down_proj"):
         fresh.load_state_dict(bad)
     assert torch.equal(logits(fresh), before)  # nothing loaded
+
+
+def test_experts_outside_the_calibrated_blocks_stay_float_and_are_reported():
+    model = build("mixtral")
+    config = GPTQConfig(
+        CALIBRATION,
+        None,
+        num_samples=16,
+        sequence_length=12,
+        group_size=32,
+        quantization_layer_structure=[model.model.layers[0]],  # the second layer is outside
+    )
+    report = quantize_quietly(model, config=config, progress=False)
+    outside = [p for p in report.outside_linears if p.startswith("model/layers/1/mlp/experts")]
+    assert outside, report.outside_linears
+    assert not any(expanded(m) for m in model.model.layers[1].modules())
+    assert any(expanded(m) for m in model.model.layers[0].modules())

@@ -435,7 +435,10 @@ def _outside_linears(
     head = head_of() if callable(head_of) else None
     linears = []
     for path in outside:
-        module = modules[path]
+        module = modules.get(path)
+        if module is None:  # one expert's linear of a mixture expanded for planning only
+            linears.append(path)
+            continue
         kind = kind_of(module)
         if kind is not None and kind.role == "linear" and module is not head:
             linears.append(path or "(root)")
