@@ -516,7 +516,8 @@ def _check_state(
     ]
     for name, submodule in module.named_modules():  # a weight's layout comes with its class
         recorded = manifest.classes.get(name)
-        if recorded is not None and submodule._parameters and class_name(submodule) != recorded:
+        holds_weights = next(submodule.parameters(recurse=False), None) is not None
+        if recorded is not None and holds_weights and class_name(submodule) != recorded:
             problems.append(
                 f"'{name or '(root)'}' is a {recorded} in the checkpoint and a "
                 f"{class_name(submodule)} in the target"
