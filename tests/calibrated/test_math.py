@@ -457,3 +457,25 @@ def test_non_finite_calibration_inputs_are_refused_naming_the_module(mode, value
         quantize(model, config=config, progress=False)
     state = model.state_dict()
     assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in state)
+
+
+def test_a_refit_on_few_calibration_rows_does_not_fit_the_weights_to_them():
+    # a rarely routed expert: 12 rows for 256 inputs (H of rank 12)
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    rows = torch.randn(12, 256)
+    held_out = torch.randn(512, 256)
+    scale, zero, maxq = gptq.refined_grid(w, bits=4, group_size=32)
+    g_idx = torch.arange(256) // 32
+    q = gptq.quantize_with_zero_point(w, scale[:, g_idx], zero[:, g_idx], maxq).to(torch.int32)
+    hessian = 2 * rows.T @ rows / 12
+
+    def held_out_error(new_grid):
+        weights = gptq.dequantize_with_sz_map(q, *new_grid, g_idx)
+        return float((held_out @ (weights - w).T).norm() / (held_out @ w.T).norm())
+
+    rtn = held_out_error((scale, zero))
+    assert held_out_error(gptq.refit_grid(w, q, scale, zero, g_idx, hessian, samples=12)) < rtn
+    # told nothing of the rows (and undamped): fitted to them
+    unshrunk = held_out_error(gptq.refit_grid(w, q, scale, zero, g_idx, hessian, damping=0))
+    assert unshrunk > 3 * rtn

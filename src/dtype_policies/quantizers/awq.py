@@ -220,9 +220,11 @@ def awq_quantize_output(
     group_size: int = -1,
     clip: bool = True,
     grid: str = "refined",
+    samples: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """AWQ with the output-error search: `(q, scale, zero, awq_scales, g_idx)`
-    as `awq_quantize_matrix`.
+    as `awq_quantize_matrix` (`samples`: the calibration rows behind
+    `hessian`, for the refit: `gptq.refit_grid`).
 
     `grid="keras"`: the candidates and the result on Keras's grid, each
     group's range clipped by the original AWQ's search (`clip`).
@@ -246,7 +248,7 @@ def awq_quantize_output(
             scaled, bits=AWQ_BITS, group_size=group, grid="refined"
         )
         scaled_hessian = hessian.float() / scales[:, None] / scales[None, :]
-        scale, zero = refit_grid(scaled, q, scale, zero, g_idx, scaled_hessian)
+        scale, zero = refit_grid(scaled, q, scale, zero, g_idx, scaled_hessian, samples=samples)
         return q, scale, zero, scales, g_idx
     if clip:
         bound = _clip_bounds(scaled, hessian.float(), scales, group)

@@ -49,6 +49,7 @@ class AWQScheme(CalibratedIntScheme):
                 num_grid_points=config.num_grid_points,
                 group_size=group,
                 grid=config.grid,
+                samples=statistics.rows,
             )
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx, (scales,))
 

@@ -43,6 +43,7 @@ class GPTQScheme(CalibratedIntScheme):
             damping=config.hessian_damping,
             activation_order=config.activation_order,
             grid=config.grid,
+            samples=statistics.rows,
         )
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx)
 
