@@ -467,7 +467,7 @@ def refit_grid(
     typical = torch.diagonal(hessian).mean()
     shrink = 0.0 if samples is None else features / (max(samples, 0) + features)
     if shrink > 0 or damping > 0:
-        identity = torch.eye(features, dtype=hessian.dtype)
+        identity = torch.eye(features, dtype=hessian.dtype, device=hessian.device)
         hessian = (1 - shrink) * hessian + (shrink + damping) * typical * identity
     n, groups = weights.shape[0], scale.shape[1]
     member = torch.nn.functional.one_hot(g_idx.long(), groups).float()  # (K, G)
@@ -531,7 +531,8 @@ def gptq_quantize(
     and rounds the weights of inputs that never fired to nearest (the
     reference zeroes them: an input silent on the calibration data may not
     be silent later); after the loop each row's grid is re-fitted to its
-    levels (`refit_grid`);
+    levels (`refit_grid`, told of the `samples` calibration rows behind
+    `hessian` when given);
     `grid="keras"` computes each group's grid, Keras's min/max with a rounded
     zero point, from its columns as they are when the loop reaches them
     (already moved by the compensation of earlier columns), and `g_idx`
