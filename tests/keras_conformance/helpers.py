@@ -17,7 +17,10 @@ DELIBERATE = {
     "instead of resolving its entries against the default in force at load time).",
     "buffers": "Quantized state is plain tensors: integer data, scales and float8's scaling "
     "state are buffers, not parameters, so an optimizer never sees them; float8's scales and "
-    "amax histories are updated by the backward pass, not overwritten by the optimizer.",
+    "amax histories are updated once per backward pass (by the maximum over the layer's "
+    "calls), not overwritten by the optimizer; a step `LossScaleOptimizer` skips undoes them, "
+    "as Keras never applies them, and with gradient accumulation they advance once per "
+    "micro-batch where Keras advances once per step.",
     "einsum": "`EinsumDense` takes int8 and int4 only when its equation is a matrix product of "
     "the input's last axes (the integer kernels are matrix products); other equations take "
     "float8.",
