@@ -28,6 +28,7 @@ from dtype_policies.quantization.modules import (
     FORWARDS,
     QUANTIZE_TOKEN,
     check_finite,
+    computes_in,
     own_options,
 )
 from dtype_policies.quantization.schemes import (
@@ -278,18 +279,11 @@ def commit(plan: Plan) -> QuantizedWeight:
         set_mixins(module, (*mixins_of(module), FORWARDS[plan.kind.forward]))
         # Below any application: the module computes in its own dtype without one
         # (float32 where the mode refuses it, as `.to()` leaves it: int8 and float16).
-        install(module, QUANTIZE_TOKEN, own_options(_own_dtype(plan)), bottom=True)
+        own = plan.float_dtype if computes_in(plan.mode, plan.float_dtype) else torch.float32
+        install(module, QUANTIZE_TOKEN, own_options(own), bottom=True)
     if plan.kind.after_commit is not None:
         plan.kind.after_commit(module, plan)
     return qw
-
-
-def _own_dtype(plan: Plan) -> torch.dtype:
-    try:
-        mode_record(plan.mode).check_compute_dtype(str(plan.float_dtype).removeprefix("torch."))
-    except ValueError:
-        return torch.float32
-    return plan.float_dtype
 
 
 def detach_float8(module: torch.nn.Module) -> None:

@@ -173,13 +173,20 @@ def apply_keeping_stored_dtypes(
     return result
 
 
+def computes_in(mode: str, dtype: torch.dtype) -> bool:
+    """Whether `mode` computes in the float `dtype` (int8 refuses float16)."""
+    try:
+        mode_record(mode).check_compute_dtype(str(dtype).removeprefix("torch."))
+    except ValueError:
+        return False
+    return True
+
+
 def _follow_float_dtype(module: torch.nn.Module, qw: QuantizedWeight, dtype: torch.dtype) -> None:
     """Makes `dtype` the module's own float dtype (its bottom application),
     unless the mode refuses to compute in it (int8 and float16: the module
     keeps computing in its former dtype)."""
-    try:
-        mode_record(qw.mode).check_compute_dtype(str(dtype).removeprefix("torch."))
-    except ValueError:
+    if not computes_in(qw.mode, dtype):
         return
     qw.float_dtype = dtype
     state = ensure_state(module)

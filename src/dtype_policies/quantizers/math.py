@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._dtypes import standardize_dtype, to_torch_dtype
+
 EPSILON = 1e-7
 INT8_RANGE = (-127, 127)
 INT4_RANGE = (-8, 7)
@@ -49,8 +51,7 @@ def abs_max_quantize(
     >>> torch.allclose(q / scale, torch.tensor([[0.5, -1.0], [2.0, 0.25]]), atol=0.01)
     True
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = _torch_dtype(dtype)
     x32 = inputs.float()
     qmax = float(value_range[1])
     scale = qmax / (x32.abs().amax(dim=axis, keepdim=True) + epsilon)
@@ -226,20 +227,19 @@ def pack_int4(arr: torch.Tensor, axis: int = 0, dtype: str | torch.dtype = "int8
     >>> unpack_int4(pack_int4(torch.tensor([15, 0, 9], dtype=torch.uint8)), 3, dtype="uint8")
     tensor([15,  0,  9], dtype=torch.uint8)
     """
-    values = arr  # Keras's name; `dtype` (Keras's) is the input's, as here
-    if values.dtype not in (torch.int8, torch.uint8):
+    if arr.dtype not in (torch.int8, torch.uint8):
         raise TypeError(
-            f"Expected int8 tensor for packing (or uint8 of values 0-15), got {values.dtype}"
+            f"Expected int8 tensor for packing (or uint8 of values 0-15), got {arr.dtype}"
         )
-    if dtype not in ("int8", "uint8", torch.int8, torch.uint8):
+    if dtype not in ("int8", "uint8", torch.int8, torch.uint8):  # Keras's: the input's dtype
         raise ValueError(f"Expected dtype to be 'int8' or 'uint8', but got '{dtype}'.")
-    moved = values.movedim(axis, 0)
+    moved = arr.movedim(axis, 0)
     if moved.shape[0] % 2:
         moved = torch.cat([moved, moved.new_zeros((1, *moved.shape[1:]))])
     low = moved[0::2].to(torch.int16) & 0xF
     high = moved[1::2].to(torch.int16) & 0xF
     packed = (low | (high << 4)).to(torch.uint8)
-    if values.dtype == torch.int8:
+    if arr.dtype == torch.int8:
         packed = packed.view(torch.int8)
     return packed.movedim(0, axis)
 
@@ -249,7 +249,6 @@ def unpack_int4(
 ) -> torch.Tensor:
     """Inverse of `pack_int4`: `orig_len` values along `axis`, sign-extended
     int8 (`dtype="int8"`) or unsigned uint8 in [0, 15] (`dtype="uint8"`)."""
-    length = orig_len
     if packed.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"Expected an int8 or uint8 packed tensor, got {packed.dtype}")
     if dtype not in ("int8", "uint8", torch.int8, torch.uint8):
@@ -258,7 +257,7 @@ def unpack_int4(
     low = moved & 0xF
     high = (moved >> 4) & 0xF
     nibbles = torch.stack([low, high], dim=1).reshape(2 * moved.shape[0], *moved.shape[1:])
-    nibbles = nibbles[:length]
+    nibbles = nibbles[:orig_len]
     if dtype in ("uint8", torch.uint8):
         return nibbles.to(torch.uint8).movedim(0, axis)
     signed = torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
@@ -332,13 +331,12 @@ def quantize_and_dequantize(
 ) -> torch.Tensor:
     """`inputs / scale`, clipped to the format's range, rounded to float8 and
     back, times `scale`, in `compute_dtype` (dtypes as torch dtypes or names)."""
-    x = inputs
-    qdtype = quantized_dtype
-    if isinstance(qdtype, str):
-        qdtype = getattr(torch, qdtype)
-    compute_dtype = (
-        getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
-    )
+    qdtype, compute = _torch_dtype(quantized_dtype), _torch_dtype(compute_dtype)
     limit = float(torch.finfo(qdtype).max)
-    scaled = (x.float() / scale).clamp(-limit, limit)
-    return (scaled.to(qdtype).float() * scale).to(compute_dtype)
+    scaled = (inputs.float() / scale).clamp(-limit, limit)
+    return (scaled.to(qdtype).float() * scale).to(compute)
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype given as itself or by its name (Keras's arguments)."""
+    return dtype if isinstance(dtype, torch.dtype) else to_torch_dtype(standardize_dtype(dtype))

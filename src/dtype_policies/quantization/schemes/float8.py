@@ -53,6 +53,7 @@ from dtype_policies.quantizers.config import Float8QuantizationConfig
 from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
     FLOAT8_E5M2_MAX,
+    compute_float8_amax_history,
     compute_float8_channel_scale,
     compute_float8_dynamic_scale,
     compute_float8_scale,
@@ -263,11 +264,8 @@ def _commit(module: torch.nn.Module) -> None:
                 for tensor in (scale, history):
                     if id(tensor) not in _undo:
                         _undo[id(tensor)] = (weakref.ref(tensor), tensor.detach().clone())
-                new_scale = compute_float8_scale(history.max(), scale, fmt_max)
-                rolled = torch.roll(history, shifts=-1, dims=0)
-                rolled[0] = amax.to(history.dtype)
-                scale.copy_(new_scale)
-                history.copy_(rolled)
+                scale.copy_(compute_float8_scale(history.max(), scale, fmt_max))
+                history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
 
 
 def _forget_undo(*_: Any) -> None:
