@@ -418,6 +418,70 @@ def test_a_plan_refused_after_the_policy_leaves_the_model_as_it_was(units, messa
     assert model[2](x).dtype == torch.float32
 
 
+def _policy_state(model):
+    """What the policies left on each module: its class, the policy in force,
+    how many applications it has, and the model's output."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        output = model(torch.randint(0, 10, (2, 3)))
+    return output, [
+        (
+            type(m).__name__,
+            getattr(getattr(state_of(m), "call", None), "policy", None),
+            len(getattr(state_of(m), "applications", ())),
+        )
+        for m in model.modules()
+    ]
+
+
+def _called_model():
+    """`_model()` whose every module is called: a Sequential for the list."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(10, 8),
+        nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
+        nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)),
+        nn.Linear(8, 8),
+    )
+
+
+@pytest.mark.parametrize(
+    "units, error",
+    [(None, ValueError), ([42], TypeError)],  # a tie across units; a bad `units` entry
+)
+def test_a_refused_plan_keeps_the_application_made_before(units, error):
+    """fully_shard(model, policy) over a model policied before: when the plan
+    is refused, the earlier application is in force again, as it was."""
+    model = _called_model()
+    model[3].weight = model[1][0].weight  # tied across two blocks
+    earlier = apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"2/0": "float32"}))
+    before = _policy_state(model)
+    with pytest.raises(error):
+        fully_shard(model, "mixed_float16", units=units)
+    after = _policy_state(model)
+    assert torch.equal(after[0], before[0]) and after[0].dtype == torch.bfloat16
+    assert after[1] == before[1]
+    assert not earlier.removed and model.dtype_policy.name == "mixed_bfloat16"
+    earlier.remove()  # the earlier handle still undoes its application
+    assert not any(hasattr(m, "dtype_policy") for m in model.modules())
+
+
+def test_a_shard_over_an_earlier_application_replaces_it(tmp_path):
+    model = _called_model()
+    earlier = apply_policy(model, "mixed_bfloat16")
+    dist = torch.distributed
+    init = f"file://{tmp_path / 'init'}"
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    try:
+        fully_shard(model, "float32")
+        assert earlier.removed
+        assert {len(state_of(m).applications) for m in model.modules()} == {1}
+        assert model[2][0].dtype_policy.name == "float32"
+        assert model(torch.randint(0, 10, (2, 3))).dtype == torch.float32
+    finally:
+        dist.destroy_process_group()
+
+
 def test_without_a_process_group_nothing_is_applied():
     model = _model()
     with pytest.raises(RuntimeError, match="no process group"):

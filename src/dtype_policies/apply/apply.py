@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,6 +213,67 @@ def apply_policy(
     >>> model(torch.randn(2, 8)).dtype
     torch.float32
     """
+    steps, plans = _plan_application(
+        module, policy, float32_modules, cast_buffers, weight_cache, stacklevel=3
+    )
+    return commit_application(module, steps, plans)
+
+
+@contextlib.contextmanager
+def tentative_application(
+    module: torch.nn.Module,
+    policy: Any,
+    *,
+    float32_modules: Iterable[Float32Rule] | None = None,
+) -> Iterator[PolicyHandle]:
+    """`apply_policy(module, policy)` in force inside the block, kept only if
+    the block completes.
+
+    The new application goes over the one in force on `module` (from an
+    earlier `apply_policy` or `saving.load`). When the block raises, the new
+    one is removed and the earlier one is in force again, its handle still
+    valid: the model is as it was. When it completes, the earlier one is
+    removed, as `apply_policy` would have replaced it. (A policy that
+    quantizes int8 or int4 weights cannot be undone: its callers refuse them.)
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 4)
+    >>> earlier = apply_policy(model, "mixed_bfloat16")
+    >>> try:
+    ...     with tentative_application(model, "float16"):
+    ...         raise RuntimeError("a later step failed")
+    ... except RuntimeError:
+    ...     pass
+    >>> model.dtype_policy.name, earlier.removed
+    ('mixed_bfloat16', False)
+    """
+    steps, plans = _plan_application(module, policy, float32_modules, True, True, stacklevel=5)
+    previous = getattr(state_of(module), "handle", None)
+    if previous is not None and previous.removed:
+        previous = None
+    handle = commit_application(module, steps, plans, replace=False)
+    try:
+        yield handle
+    except BaseException:
+        handle._remove()
+        if previous is not None:
+            ensure_state(module).handle = previous
+        model_changed(module)
+        raise
+    if previous is not None:
+        previous._remove(stacklevel=5)
+        model_changed(module)
+
+
+def _plan_application(
+    module: torch.nn.Module,
+    policy: Any,
+    float32_modules: Iterable[Float32Rule] | None,
+    cast_buffers: bool,
+    weight_cache: bool,
+    stacklevel: int,
+) -> tuple[list[Step], list[attach.Plan]]:
+    """`apply_policy`'s steps and quantization plans; changes nothing."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"apply_policy() expects a torch.nn.Module. Received: {type(module).__name__}"
@@ -243,7 +305,7 @@ def apply_policy(
             f"DTypePolicyMap key cannot be quantized in its mode and compute with the "
             f"policy's float source instead: {named}.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
     if policy.is_map:
         for key in policy:
@@ -252,19 +314,19 @@ def apply_policy(
                     f"apply_policy(): the DTypePolicyMap key {key!r} matches no module path "
                     f"(paths look like {_example_paths(steps)}; they use '/' between names).",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=stacklevel,
                 )
-
-    return commit_application(module, steps, plans)
+    return steps, plans
 
 
 def commit_application(
-    module: torch.nn.Module, steps: list[Step], plans: list[attach.Plan]
+    module: torch.nn.Module, steps: list[Step], plans: list[attach.Plan], *, replace: bool = True
 ) -> PolicyHandle:
     """Applies planned steps and quantizations to `module` as one application
-    (replacing an earlier one on the same module). Cannot fail."""
+    (replacing an earlier one on the same module; with `replace=False`, over
+    it, which its caller removes). Cannot fail."""
     previous = getattr(state_of(module), "handle", None)
-    if previous is not None and not previous.removed:
+    if replace and previous is not None and not previous.removed:
         previous._remove(stacklevel=4)
     handle = PolicyHandle(module)
     for step in steps:

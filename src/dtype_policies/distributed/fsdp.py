@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from dtype_policies.apply.apply import Float32Rule, apply_policy
+from dtype_policies.apply.apply import Float32Rule, tentative_application
 from dtype_policies.distributed.mixed_precision import mixed_precision_policy, quantized_error
 from dtype_policies.distributed.units import UnitRule, refuse_quantized, shard_plan
 from dtype_policies.policies import get as get_policy
@@ -104,7 +105,8 @@ def fully_shard(
             quantized models; shard the float model, quantize afterwards).
         TypeError: `model` is not a module, or a bad policy or `units` entry.
 
-    Nothing is changed when it raises before the first shard.
+    When it raises before the first shard, the model is as it was, the
+    policies applied before the call (and their handles) included.
     """
     try:
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -125,20 +127,18 @@ def fully_shard(
     if policy_or_map is not None:
         _refuse_quantized_policies(policy_or_map)
     refuse_quantized(model, "fully_shard()")
-    handle = None
-    if policy_or_map is not None:
-        handle = apply_policy(model, policy_or_map, float32_modules=float32_modules)
-    try:
+    applied = (
+        contextlib.nullcontext()
+        if policy_or_map is None
+        else tentative_application(model, policy_or_map, float32_modules=float32_modules)
+    )
+    with applied:  # an error inside leaves the policies as they were before the call
         plan = shard_plan(model, units=units)
         if mesh is None and not torch.distributed.is_initialized():
             raise RuntimeError(
                 "fully_shard(): no process group (call torch.distributed.init_process_group "
                 "first) and no `mesh` given."
             )
-    except BaseException:
-        if handle is not None:
-            handle.remove()  # the model exactly as it came
-        raise
     for unit in plan:
         torch_fully_shard(
             unit.module,
