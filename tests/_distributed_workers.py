@@ -289,6 +289,51 @@ def load_then_shard(rank: int, tmp: str) -> dict:
     return {"output": output, "policy": model.blocks[1].up.dtype_policy.name}
 
 
+def mismatched_policies(rank: int, tmp: str) -> dict:
+    """Rank 1 forgets the map's float32 block; both ranks must refuse to shard."""
+    model = make_model()
+    before = full_state(model)
+    try:
+        dp_distributed.fully_shard(model, POLICY if rank == 0 else "mixed_bfloat16")
+    except dp_distributed.PolicyMismatchError as error:
+        message = str(error)
+    else:
+        message = None
+    state = full_state(model)
+    return {
+        "message": message,
+        "unchanged": all(torch.equal(state[k], before[k]) for k in before),
+        "policied": [n for n, m in model.named_modules() if hasattr(m, "dtype_policy")],
+        "sharded": [n for n, m in model.named_modules() if "FSDP" in type(m).__name__],
+    }
+
+
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather_object", "all_gather", "all_reduce")
+
+
+def fsdp_setup_collectives(rank: int, tmp: str) -> dict:
+    """The collectives fully_shard makes before the first forward."""
+    model = make_model()
+    counts = dict.fromkeys(_COLLECTIVES, 0)
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        dp_distributed.fully_shard(model, POLICY)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"counts": counts}
+
+
 SCENARIOS = (
     fsdp_training,
     fsdp_float32_training,
@@ -298,6 +343,8 @@ SCENARIOS = (
     fsdp_loss_scale,
     ddp_loss_scale,
     load_then_shard,
+    mismatched_policies,
+    fsdp_setup_collectives,
 )
 
 

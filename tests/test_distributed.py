@@ -291,6 +291,25 @@ def test_load_into_a_model_then_shard_it(runs):
         assert torch.equal(results[rank]["output"], reference["output"])
 
 
+@distributed
+def test_ranks_applying_different_policies_refuse_to_shard(runs):
+    results = outcome(runs, "mismatched_policies")
+    for rank in (0, 1):
+        result = results[rank]
+        assert result["message"] is not None, rank  # raised on every rank
+        assert "module 'blocks.1.up': rank 0 float32, rank 1 mixed_bfloat16" in result["message"]
+        assert "unit 'blocks.1'" in result["message"]
+        assert result["unchanged"] and result["policied"] == [] and result["sharded"] == []
+    assert results[0]["message"] == results[1]["message"]
+
+
+@distributed
+def test_agreeing_ranks_pay_one_collective_at_setup(runs):
+    for rank in (0, 1):
+        counts = outcome(runs, "fsdp_setup_collectives")[rank]["counts"]
+        assert sum(counts.values()) == 1 and counts["all_gather_into_tensor"] == 1, counts
+
+
 # ------------------------------------------------------------ one process
 
 
@@ -302,6 +321,19 @@ def _model():
         nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)),
         nn.Linear(8, 2),
     )
+
+
+def test_the_mismatch_message_names_each_differing_module_and_rank():
+    from dtype_policies.distributed.agreement import describe_policies, mismatch_message
+
+    model, other = _called_model(), _called_model()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"2/0": "float32"}))
+    apply_policy(other, "mixed_bfloat16", float32_modules=())
+    descriptions = [describe_policies(m, shard_plan(m)) for m in (model, other)]
+    message = mismatch_message(descriptions, [0, 3])
+    assert "module '2.0': rank 0 float32, rank 3 mixed_bfloat16" in message
+    assert "module '1.1': rank 0 float32, rank 3 mixed_bfloat16" in message  # an island
+    assert "module '0'" not in message  # agreeing modules are not named
 
 
 def test_to_mixed_precision_policy():

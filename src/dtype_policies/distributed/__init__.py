@@ -12,11 +12,13 @@ model reduces the float32 gradients of the float32 parameters. Under both,
 See docs/distributed.md.
 """
 
+from dtype_policies.distributed.agreement import PolicyMismatchError
 from dtype_policies.distributed.fsdp import fully_shard
 from dtype_policies.distributed.mixed_precision import to_mixed_precision_policy
 from dtype_policies.distributed.units import ShardUnit, describe_plan, shard_plan
 
 __all__ = [
+    "PolicyMismatchError",
     "ShardUnit",
     "describe_plan",
     "fully_shard",

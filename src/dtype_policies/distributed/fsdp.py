@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dtype_policies.apply.apply import Float32Rule, tentative_application
+from dtype_policies.distributed.agreement import check_ranks_agree, describe_policies
 from dtype_policies.distributed.mixed_precision import mixed_precision_policy, quantized_error
 from dtype_policies.distributed.units import UnitRule, refuse_quantized, shard_plan
 from dtype_policies.policies import get as get_policy
@@ -66,7 +67,8 @@ def fully_shard(
 
     Call it on every rank, after `torch.distributed.init_process_group`, on
     a model that is not sharded yet, then build the optimizer on
-    `model.parameters()`.
+    `model.parameters()`. The ranks check that they agree on every module's
+    policy and every unit (one all-gather of a digest) before any shard.
 
     Args:
         model: The model (not yet sharded). Its parameters should be on the
@@ -100,6 +102,8 @@ def fully_shard(
     >>> dist.destroy_process_group(); os.remove(init)
 
     Raises:
+        PolicyMismatchError: (a `ValueError`) The ranks apply different
+            policies or units; raised on every rank, naming the modules.
         ValueError: The model is sharded already; or a policy of the map, or
             a module of the model, is quantized (FSDP2 does not train
             quantized models; shard the float model, quantize afterwards).
@@ -139,6 +143,7 @@ def fully_shard(
                 "fully_shard(): no process group (call torch.distributed.init_process_group "
                 "first) and no `mesh` given."
             )
+        check_ranks_agree(describe_policies(model, plan), mesh)
     for unit in plan:
         torch_fully_shard(
             unit.module,

@@ -194,7 +194,7 @@ def shard_plan(
     def walk(name: str, module: torch.nn.Module, unit: ShardUnit) -> None:
         has_own, own = _requirement(module)
         if has_own and module is not unit.module and unit.param_dtype not in (None, own):
-            unit = add(name, module, own, f"reads {_dtype_name(own)}")
+            unit = add(name, module, own, f"reads {dtype_name(own)}")
         for parameter_name, parameter in module._parameters.items():
             if parameter is None:
                 continue
@@ -220,7 +220,7 @@ def shard_plan(
     return [unit for _, unit in plan]
 
 
-def _dtype_name(dtype: torch.dtype | None) -> str:
+def dtype_name(dtype: torch.dtype | None) -> str:
     return "as stored" if dtype is None else str(dtype).removeprefix("torch.")
 
 
@@ -238,7 +238,7 @@ def describe_plan(plan: list[ShardUnit]) -> str:
     (model): param bfloat16, reduce float32 (root)
     """
     return "\n".join(
-        f"{unit.name or '(model)'}: param {_dtype_name(unit.param_dtype)}, "
-        f"reduce {_dtype_name(unit.reduce_dtype)} ({unit.reason})"
+        f"{unit.name or '(model)'}: param {dtype_name(unit.param_dtype)}, "
+        f"reduce {dtype_name(unit.reduce_dtype)} ({unit.reason})"
         for unit in plan
     )
