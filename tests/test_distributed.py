@@ -20,6 +20,7 @@ under the float32 policy the runs agree to float32 summation order (1e-5).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 
@@ -498,20 +499,45 @@ def test_a_refused_plan_keeps_the_application_made_before(units, error):
     assert not any(hasattr(m, "dtype_policy") for m in model.modules())
 
 
+@contextlib.contextmanager
+def _group_of_one(tmp_path):
+    """A gloo process group of this process alone, as torchrun would start one."""
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@distributed
 def test_a_shard_over_an_earlier_application_replaces_it(tmp_path):
     model = _called_model()
     earlier = apply_policy(model, "mixed_bfloat16")
-    dist = torch.distributed
-    init = f"file://{tmp_path / 'init'}"
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    try:
+    with _group_of_one(tmp_path):
         fully_shard(model, "float32")
         assert earlier.removed
         assert {len(state_of(m).applications) for m in model.modules()} == {1}
         assert model[2][0].dtype_policy.name == "float32"
         assert model(torch.randint(0, 10, (2, 3))).dtype == torch.float32
-    finally:
-        dist.destroy_process_group()
+
+
+@distributed
+def test_loading_into_a_sharded_model_is_refused_before_changing_it(tmp_path):
+    """The checkpoint's policies (another map) would go over FSDP2 units
+    planned for the model's: refused, the sharded model left as it was."""
+    saved = _called_model()
+    apply_policy(saved, DTypePolicyMap("mixed_bfloat16", {"3": "float32"}))
+    path = saving.save(saved, tmp_path / "saved")
+    with _group_of_one(tmp_path):
+        model = fully_shard(_called_model(), "mixed_bfloat16")
+        before, policies = _policy_state(model)
+        weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        with pytest.raises(saving.CheckpointError, match=r"the target is sharded .*'0.weight'"):
+            saving.load(model, path)
+        assert _policy_state(model)[1] == policies and model[3].dtype_policy.name != "float32"
+        assert torch.equal(_policy_state(model)[0], before)
+        assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in model.state_dict().items())
 
 
 def test_without_a_process_group_nothing_is_applied():

@@ -174,10 +174,13 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     Raises `CheckpointError` (a `ValueError`) naming each path that differs
     (a missing or extra module or tensor, another shape, dtype or mode), or
     saying what is wrong with a corrupted file, and then `module` is exactly
-    as it was. A missing file raises `FileNotFoundError`.
+    as it was. A missing file raises `FileNotFoundError`. A sharded `module`
+    (FSDP2's DTensor parameters) raises `CheckpointError`: load into the
+    unsharded model, then shard it.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load() expects a torch.nn.Module. Received: {type(module).__name__}")
+    _refuse_sharded(module)
     file = model_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"No dtype_policies checkpoint at '{file}'.")
@@ -453,6 +456,23 @@ def _retie(module: torch.nn.Module, tied: list[list[str]]) -> None:
         first = stored_parameter(module, names[0])
         for name in names[1:]:
             replace_parameter(module, name, first)
+
+
+def _refuse_sharded(module: torch.nn.Module) -> None:
+    """Raises if `module` holds sharded tensors: a load would re-apply the
+    saved policies under FSDP2 units planned for other dtypes, and the file's
+    full tensors do not go into shards."""
+    named_tensors = [*module.named_parameters(), *module.named_buffers()]
+    sharded = [name for name, tensor in named_tensors if _is_sharded(tensor)]
+    if sharded:
+        shown = ", ".join(repr(name) for name in sharded[:3]) + (" ..." if len(sharded) > 3 else "")
+        raise CheckpointError(
+            f"load(): the target is sharded ({len(sharded)} sharded tensor(s): {shown}). "
+            "saving.load restores policies and full tensors into an unsharded model: load into "
+            "a freshly built model on every rank, then "
+            "dtype_policies.distributed.fully_shard(model, None) to shard it with the loaded "
+            "policies."
+        )
 
 
 def _module_tensors(module: torch.nn.Module):
