@@ -540,6 +540,17 @@ def test_loading_into_a_sharded_model_is_refused_before_changing_it(tmp_path):
         assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in model.state_dict().items())
 
 
+def test_float32_modules_without_a_policy_is_refused():
+    """With None no policy is applied, so float32_modules could not act."""
+    model = _called_model()
+    earlier = apply_policy(model, "mixed_bfloat16")
+    before = _policy_state(model)
+    with pytest.raises(ValueError, match=r"float32_modules=\[<class .*Linear'>\]"):
+        fully_shard(model, None, float32_modules=[nn.Linear])
+    after = _policy_state(model)
+    assert torch.equal(after[0], before[0]) and after[1] == before[1] and not earlier.removed
+
+
 def test_without_a_process_group_nothing_is_applied():
     model = _model()
     with pytest.raises(RuntimeError, match="no process group"):

@@ -80,7 +80,8 @@ def fully_shard(
         units: The blocks: module classes, class-name suffixes, or callables
             `(name, module) -> bool` (`name` is torch's dotted name).
             Default: each direct child with parameters.
-        float32_modules: As for `apply_policy`.
+        float32_modules: As for `apply_policy`; only with a policy (with
+            `None`, the policies applied before keep their own).
 
     Returns:
         `model`, sharded (an `FSDPModule`).
@@ -104,7 +105,8 @@ def fully_shard(
     Raises:
         PolicyMismatchError: (a `ValueError`) The ranks apply different
             policies or units; raised on every rank, naming the modules.
-        ValueError: The model is sharded already; or a policy of the map, or
+        ValueError: The model is sharded already; `float32_modules` without
+            a policy; or a policy of the map, or
             a module of the model, is quantized (FSDP2 does not train
             quantized models; shard the float model, quantize afterwards).
         TypeError: `model` is not a module, or a bad policy or `units` entry.
@@ -127,6 +129,13 @@ def fully_shard(
         raise ValueError(
             f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
             "dtype_policies.distributed.fully_shard to the unsharded model."
+        )
+    if policy_or_map is None and float32_modules is not None:
+        raise ValueError(
+            "fully_shard(): float32_modules is an option of the policy's application, and "
+            "policy_or_map=None applies none (it keeps the policies applied before, their "
+            f"float32 modules included). Received: float32_modules={float32_modules!r}. Pass "
+            "the policy with it, or apply_policy(model, policy, float32_modules=...) first."
         )
     if policy_or_map is not None:
         _refuse_quantized_policies(policy_or_map)
