@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
+import warnings
 
 import pytest
 import torch
@@ -383,6 +384,17 @@ def test_shard_plan_units_and_dtypes():
     assert [u.name for u in custom] == ["2.2", "1.1", "0", "2", "3", ""]
     with pytest.raises(TypeError, match="units"):
         shard_plan(model, units=[3])
+
+
+def test_a_units_rule_that_matches_nothing_warns_naming_it():
+    model = _called_model()
+    apply_policy(model, "mixed_bfloat16")
+    with pytest.warns(UserWarning, match=r"the units rule 'DecoderLayer' matches no module"):
+        plan = shard_plan(model, units=["DecoderLayer", nn.Sequential])
+    assert [u.name for u in plan] == ["1.1", "2.2", "1", "2", "0", ""]  # the rules that matched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shard_plan(model, units=[nn.Sequential])  # every rule matches: quiet
 
 
 def test_shard_plan_refuses_ties_across_units():

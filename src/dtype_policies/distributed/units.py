@@ -14,6 +14,7 @@ them).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -143,6 +144,34 @@ def _block_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return compute
 
 
+def _named_blocks(
+    model: torch.nn.Module, rules: tuple[UnitRule, ...], stacklevel: int
+) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `rules` pick as blocks; warns naming each rule that picks
+    none (its modules would fall into the model's unit, gathered whole)."""
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if module is not model and _has_parameters(module) and not _never_called(module)
+    ]
+    for rule in rules:
+        if not any(matches_any(name, module, (rule,)) for name, module in candidates):
+            warnings.warn(
+                f"shard_plan(): the units rule {rule!r} matches no module of the model "
+                "with parameters and a forward of its own (e.g. "
+                f"{_example_blocks(candidates)}); what it was meant to pick is sharded in the "
+                "unit around it.",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
+    return [(name, module) for name, module in candidates if matches_any(name, module, rules)]
+
+
+def _example_blocks(candidates: list[tuple[str, torch.nn.Module]]) -> str:
+    shown = [f"'{name}' ({original_class(module).__name__})" for name, module in candidates[:3]]
+    return ", ".join(shown) or "none"
+
+
 def shard_plan(
     model: torch.nn.Module, *, units: Iterable[UnitRule] | None = None
 ) -> list[ShardUnit]:
@@ -157,8 +186,9 @@ def shard_plan(
     Inside it, a module reading its parameters in another dtype (float32
     islands, modules of another policy, embedding tables) is a unit of its
     own, all-gathered as stored. The model is the last unit, for the
-    parameters no block holds. A model with quantized modules raises
-    `ValueError` (FSDP2 does not train them).
+    parameters no block holds. A `units` rule that matches no module (with
+    parameters and a forward) warns, naming it. A model with quantized
+    modules raises `ValueError` (FSDP2 does not train them).
 
     >>> import torch
     >>> import dtype_policies
@@ -172,15 +202,7 @@ def shard_plan(
     if units is None:
         blocks = _default_blocks(model)
     else:
-        rules = module_rules(units, "units")
-        blocks = [
-            (name, module)
-            for name, module in model.named_modules()
-            if module is not model
-            and _has_parameters(module)
-            and not _never_called(module)
-            and matches_any(name, module, rules)
-        ]
+        blocks = _named_blocks(model, module_rules(units, "units"), stacklevel=3)
     block_ids = {id(module) for _, module in blocks}
     plan: list[tuple[int, ShardUnit]] = []  # (depth, unit)
     owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (unit name, parameter name)
