@@ -534,6 +534,52 @@ def test_a_shard_over_an_earlier_application_replaces_it(tmp_path):
         assert model(torch.randint(0, 10, (2, 3))).dtype == torch.float32
 
 
+class _AttentionBlock(nn.Module):
+    """nn.MultiheadAttention reads `out_proj.weight` itself, never calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.ff = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.ff(self.attn(x, x, x, need_weights=False)[0])
+
+
+def _attention_model():
+    torch.manual_seed(0)
+    return nn.Sequential(_AttentionBlock(), nn.Linear(8, 2))
+
+
+@distributed
+@pytest.mark.parametrize(
+    "policy, units, attention",
+    [
+        ("mixed_bfloat16", [nn.Linear, _AttentionBlock], None),  # out_proj picked by `units`
+        # out_proj split off by its policy: its parent becomes the unit, as stored
+        (DTypePolicyMap("mixed_bfloat16", {".*out_proj": "float32"}), None, ("0.attn", None)),
+    ],
+)
+def test_a_module_its_parent_reads_stays_in_its_parents_unit(tmp_path, policy, units, attention):
+    single = _attention_model()
+    apply_policy(single, policy)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    with _group_of_one(tmp_path), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fully_shard(_attention_model(), policy, units=units)
+        names = [(u.name, u.param_dtype) for u in shard_plan(model, units=units)]
+        output = model(x)
+        output.float().sum().backward()  # torch's DTensor error, before
+    assert "0.attn.out_proj" not in [name for name, _ in names]
+    assert attention is None or attention in names
+    assert "FSDP" not in type(model[0].attn.out_proj).__name__
+    messages = [str(w.message) for w in caught if "picks" in str(w.message)]
+    assert bool(messages) == (units is not None)  # a picked module kept in its parent: said
+    with torch.no_grad():
+        assert torch.equal(output, single(x))  # the forward of one process, bit for bit
+    assert model[0].attn.out_proj.weight.grad is not None
+
+
 @distributed
 def test_loading_into_a_sharded_model_is_refused_before_changing_it(tmp_path):
     """The checkpoint's policies (another map) would go over FSDP2 units

@@ -11,7 +11,7 @@ import torch
 from dtype_policies.apply.apply import Float32Rule, tentative_application
 from dtype_policies.distributed.agreement import check_ranks_agree, describe_policies
 from dtype_policies.distributed.mixed_precision import mixed_precision_policy, quantized_error
-from dtype_policies.distributed.units import UnitRule, refuse_quantized, shard_plan
+from dtype_policies.distributed.units import UnitRule, plan_units, refuse_quantized
 from dtype_policies.policies import get as get_policy
 
 
@@ -146,7 +146,7 @@ def fully_shard(
         else tentative_application(model, policy_or_map, float32_modules=float32_modules)
     )
     with applied:  # an error inside leaves the policies as they were before the call
-        plan = shard_plan(model, units=units)
+        plan = plan_units(model, units, stacklevel=4)
         if mesh is None and not torch.distributed.is_initialized():
             raise RuntimeError(
                 "fully_shard(): no process group (call torch.distributed.init_process_group "

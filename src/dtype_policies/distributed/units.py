@@ -15,7 +15,7 @@ them).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +24,7 @@ from dtype_policies._core.compose import original_class
 from dtype_policies._core.module_rules import ModuleRule, matches_any, module_rules
 from dtype_policies._core.module_state import state_of
 from dtype_policies.distributed.mixed_precision import quantized_error
+from dtype_policies.quantization.api import read_by_parent
 from dtype_policies.quantization.attach import quantization_of
 
 UnitRule = ModuleRule
@@ -70,14 +71,17 @@ def _has_parameters(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def _default_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Each direct child with parameters; containers are looked into."""
+def _default_blocks(
+    model: torch.nn.Module, folded: Mapping[int, str]
+) -> list[tuple[str, torch.nn.Module]]:
+    """Each direct child with parameters (not one the model reads itself);
+    containers are looked into."""
     blocks = []
 
     def visit(prefix: str, module: torch.nn.Module) -> None:
         for child_name, child in module.named_children():
             name = f"{prefix}{child_name}"
-            if not _has_parameters(child):
+            if not _has_parameters(child) or id(child) in folded:
                 continue
             if _never_called(child):
                 visit(f"{name}.", child)
@@ -118,9 +122,32 @@ def _read_dtypes(module: torch.nn.Module) -> set[torch.dtype | None]:
     return dtypes
 
 
-def _requirement(module: torch.nn.Module) -> tuple[bool, torch.dtype | None]:
-    """`(has own floating parameters, the one dtype they can be all-gathered in)`."""
+def read_by_parents(model: torch.nn.Module) -> dict[int, str]:
+    """`{id(module): why}` for the modules whose parameters their parent
+    reads itself, never calling their forward (`nn.MultiheadAttention`'s
+    `out_proj`): FSDP2 gathers a unit's parameters around the unit's own
+    forward, so such a module shares its parent's unit."""
+    modules = {name.replace(".", "/"): module for name, module in model.named_modules()}
+    found = {}
+    for path, module in modules.items():
+        why = read_by_parent(path, module, modules)
+        if why is not None:
+            found[id(module)] = why
+    return found
+
+
+def _requirement(
+    module: torch.nn.Module, folded: Mapping[int, str]
+) -> tuple[bool, torch.dtype | None]:
+    """`(has own floating parameters, the one dtype they can be all-gathered
+    in)`; the parameters of the children it reads itself (`folded`) count as
+    its own."""
     dtypes = _read_dtypes(module)
+    for child in module.children():
+        if id(child) in folded:
+            has_own, own = _requirement(child, folded)
+            if has_own:
+                dtypes.add(own)
     if not dtypes:
         return False, None
     return True, dtypes.pop() if len(dtypes) == 1 else None
@@ -133,8 +160,8 @@ def _stored_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return None
 
 
-def _block_dtype(module: torch.nn.Module) -> torch.dtype | None:
-    has_own, own = _requirement(module)
+def _block_dtype(module: torch.nn.Module, folded: Mapping[int, str]) -> torch.dtype | None:
+    has_own, own = _requirement(module, folded)
     if has_own:
         return own
     state = getattr(state_of(module), "call", None)
@@ -145,10 +172,11 @@ def _block_dtype(module: torch.nn.Module) -> torch.dtype | None:
 
 
 def _named_blocks(
-    model: torch.nn.Module, rules: tuple[UnitRule, ...], stacklevel: int
+    model: torch.nn.Module, rules: tuple[UnitRule, ...], folded: Mapping[int, str], stacklevel: int
 ) -> list[tuple[str, torch.nn.Module]]:
     """The modules `rules` pick as blocks; warns naming each rule that picks
-    none (its modules would fall into the model's unit, gathered whole)."""
+    none (its modules would fall into the model's unit, gathered whole), and
+    the picked modules whose parent reads them (they stay in its unit)."""
     candidates = [
         (name, module)
         for name, module in model.named_modules()
@@ -164,7 +192,20 @@ def _named_blocks(
                 UserWarning,
                 stacklevel=stacklevel,
             )
-    return [(name, module) for name, module in candidates if matches_any(name, module, rules)]
+    picked = [(name, module) for name, module in candidates if matches_any(name, module, rules)]
+    kept_in_parent = [
+        f"'{name}' ({folded[id(module)]})" for name, module in picked if id(module) in folded
+    ]
+    if kept_in_parent:
+        warnings.warn(
+            f"shard_plan(): `units` picks {', '.join(kept_in_parent[:3])}"
+            f"{' ...' if len(kept_in_parent) > 3 else ''}, whose parent never calls its "
+            "forward, around which FSDP2 gathers a unit's parameters: it stays in its "
+            "parent's unit.",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return [(name, module) for name, module in picked if id(module) not in folded]
 
 
 def _example_blocks(candidates: list[tuple[str, torch.nn.Module]]) -> str:
@@ -185,7 +226,9 @@ def shard_plan(
     dotted `name`). A block is all-gathered in its policy's compute dtype.
     Inside it, a module reading its parameters in another dtype (float32
     islands, modules of another policy, embedding tables) is a unit of its
-    own, all-gathered as stored. The model is the last unit, for the
+    own, all-gathered as stored. A module whose parent reads its parameters
+    without calling it (`nn.MultiheadAttention.out_proj`) is never a unit:
+    its parameters count as its parent's. The model is the last unit, for the
     parameters no block holds. A `units` rule that matches no module (with
     parameters and a forward) warns, naming it. A model with quantized
     modules raises `ValueError` (FSDP2 does not train them).
@@ -198,11 +241,19 @@ def shard_plan(
     >>> [(u.name, u.param_dtype, u.reason) for u in shard_plan(model)]
     [('0', torch.bfloat16, 'block'), ('1', None, 'block'), ('', torch.bfloat16, 'root')]
     """
+    return plan_units(model, units, stacklevel=4)
+
+
+def plan_units(
+    model: torch.nn.Module, units: Iterable[UnitRule] | None, stacklevel: int
+) -> list[ShardUnit]:
+    """`shard_plan`, its warnings attributed `stacklevel` frames up."""
     refuse_quantized(model, "shard_plan()")
+    folded = read_by_parents(model)
     if units is None:
-        blocks = _default_blocks(model)
+        blocks = _default_blocks(model, folded)
     else:
-        blocks = _named_blocks(model, module_rules(units, "units"), stacklevel=3)
+        blocks = _named_blocks(model, module_rules(units, "units"), folded, stacklevel)
     block_ids = {id(module) for _, module in blocks}
     plan: list[tuple[int, ShardUnit]] = []  # (depth, unit)
     owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (unit name, parameter name)
@@ -214,8 +265,9 @@ def shard_plan(
         return unit
 
     def walk(name: str, module: torch.nn.Module, unit: ShardUnit) -> None:
-        has_own, own = _requirement(module)
-        if has_own and module is not unit.module and unit.param_dtype not in (None, own):
+        has_own, own = _requirement(module, folded)
+        split = module is not unit.module and id(module) not in folded
+        if has_own and split and unit.param_dtype not in (None, own):
             unit = add(name, module, own, f"reads {dtype_name(own)}")
         for parameter_name, parameter in module._parameters.items():
             if parameter is None:
@@ -236,8 +288,8 @@ def shard_plan(
             walk(child_full, child, unit)
 
     for name, block in blocks:
-        walk(name, block, add(name, block, _block_dtype(block), "block"))
-    walk("", model, add("", model, _block_dtype(model), "root"))
+        walk(name, block, add(name, block, _block_dtype(block, folded), "block"))
+    walk("", model, add("", model, _block_dtype(model, folded), "root"))
     plan.sort(key=lambda entry: -entry[0])  # stable: innermost first, the model last
     return [unit for _, unit in plan]
 
