@@ -7,14 +7,18 @@ per layer) for PyTorch.
 """
 
 from dtype_policies import (
+    activations,
     config,
+    constraints,
     distributed,
+    initializers,
     layers,
     mixed_precision,
     optimizers,
     policies,
     quantization,
     quantizers,
+    regularizers,
     saving,
 )
 from dtype_policies._core.cpu_float16 import CPUFloat16Warning
@@ -59,6 +63,7 @@ __all__ = [
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
     "__version__",
+    "activations",
     "advise",
     "apply_policy",
     "checkpoint_contexts",
@@ -66,10 +71,12 @@ __all__ = [
     "compile_for_generation",
     "compile_for_inference",
     "config",
+    "constraints",
     "deserialize",
     "distributed",
     "dtype_policy",
     "get",
+    "initializers",
     "layers",
     "mixed_precision",
     "optimizers",
@@ -78,6 +85,7 @@ __all__ = [
     "quantization",
     "quantize",
     "quantizers",
+    "regularizers",
     "saving",
     "serialize",
     "set_dtype_policy",

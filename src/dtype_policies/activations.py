@@ -117,3 +117,26 @@ def get(identifier: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 def serialize(activation: Callable) -> str:
     """The name of a built-in activation (or the `__name__` of a custom one)."""
     return _registry.serialize(activation, ACTIVATIONS)
+
+
+__all__ = [
+    "elu",
+    "exponential",
+    "gelu",
+    "get",
+    "hard_sigmoid",
+    "leaky_relu",
+    "linear",
+    "log_softmax",
+    "mish",
+    "relu",
+    "relu6",
+    "selu",
+    "serialize",
+    "sigmoid",
+    "silu",
+    "softmax",
+    "softplus",
+    "softsign",
+    "tanh",
+]

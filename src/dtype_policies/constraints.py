@@ -94,3 +94,6 @@ def get(identifier: Any) -> Any:
 
 def serialize(constraint: Any) -> Any:
     return _registry.serialize(constraint, CONSTRAINTS)
+
+
+__all__ = ["Constraint", "MaxNorm", "MinMaxNorm", "NonNeg", "UnitNorm", "get", "serialize"]

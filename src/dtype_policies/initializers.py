@@ -307,3 +307,26 @@ def get(identifier: Any) -> Any:
 
 def serialize(initializer: Any) -> Any:
     return _registry.serialize(initializer, INITIALIZERS)
+
+
+__all__ = [
+    "Constant",
+    "GlorotNormal",
+    "GlorotUniform",
+    "HeNormal",
+    "HeUniform",
+    "Initializer",
+    "LecunNormal",
+    "LecunUniform",
+    "Ones",
+    "Orthogonal",
+    "RandomInitializer",
+    "RandomNormal",
+    "RandomUniform",
+    "TruncatedNormal",
+    "VarianceScaling",
+    "Zeros",
+    "compute_fans",
+    "get",
+    "serialize",
+]

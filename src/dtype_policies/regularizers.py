@@ -78,3 +78,6 @@ def get(identifier: Any) -> Any:
 
 def serialize(regularizer: Any) -> Any:
     return _registry.serialize(regularizer, REGULARIZERS)
+
+
+__all__ = ["L1", "L1L2", "L2", "Regularizer", "get", "serialize"]

@@ -1,0 +1,110 @@
+"""Contract (public API): the package and each of its public namespaces declare
+`__all__`, which lists exactly the names they define or re-export (submodules,
+which are implementation files, and names from outside the package aside),
+`import *` gives exactly those names, and every name a namespace shares with
+its Keras 3 counterpart is listed."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import types
+
+import pytest
+
+import dtype_policies
+
+# The public namespaces, each with its Keras 3 counterpart (None: no counterpart).
+NAMESPACES = {
+    "activations": "activations",
+    "config": "config",
+    "constraints": "constraints",
+    "distributed": None,
+    "initializers": "initializers",
+    "layers": "layers",
+    "mixed_precision": "mixed_precision",
+    "optimizers": "optimizers",
+    "policies": "dtype_policies",
+    "quantization": None,
+    "quantizers": "quantizers",
+    "regularizers": "regularizers",
+    "saving": None,  # keras.saving is Keras's model files: no name in common
+}
+# Tables the namespaces' own functions read (`get`, deserialization): public
+# spellings, not API (Keras does not export its ALL_OBJECTS_DICT either).
+TABLES = {"ACTIVATIONS", "BUILTIN_LAYERS", "CONSTRAINTS", "INITIALIZERS", "REGULARIZERS"}
+# Submodules the package itself re-exports their functions from.
+IMPLEMENTATION_MODULES = {"advisor", "apply", "default_policy", "generation", "inference"}
+
+
+def _module(name: str) -> types.ModuleType:
+    return dtype_policies if name == "" else importlib.import_module(f"dtype_policies.{name}")
+
+
+def _defined_or_reexported(module: types.ModuleType) -> set[str]:
+    """Every public spelling bound in `module` that this package made: not a
+    submodule, not an import from elsewhere (typing's `Any`, `torch`,
+    `from __future__ import annotations`)."""
+    names = set()
+    for name, value in vars(module).items():
+        if name.startswith("_") or name in TABLES:
+            continue
+        if isinstance(value, types.ModuleType):
+            continue
+        origin = getattr(value, "__module__", None)
+        if isinstance(value, type) or callable(value):
+            if not (origin or "").startswith("dtype_policies"):
+                continue
+        elif type(value).__module__ == "__future__":
+            continue
+        names.add(name)
+    return names
+
+
+def test_the_package_lists_its_namespaces_and_names():
+    listed = set(dtype_policies.__all__)
+    namespaces = {n for n in listed if isinstance(getattr(dtype_policies, n), types.ModuleType)}
+    assert namespaces == set(NAMESPACES)
+    assert listed - namespaces == _defined_or_reexported(dtype_policies) | {"__version__"}
+    submodules = {
+        n
+        for n, v in vars(dtype_policies).items()
+        if isinstance(v, types.ModuleType) and not n.startswith("_")
+    }
+    assert submodules - namespaces == IMPLEMENTATION_MODULES
+
+
+@pytest.mark.parametrize("name", sorted(NAMESPACES))
+def test_namespace_all_lists_exactly_its_public_names(name):
+    module = _module(name)
+    assert "__all__" in vars(module), f"dtype_policies.{name} has no __all__"
+    assert len(module.__all__) == len(set(module.__all__)), "a name listed twice"
+    assert set(module.__all__) == _defined_or_reexported(module)
+
+
+@pytest.mark.parametrize("name", ["", *sorted(NAMESPACES)])
+def test_star_import_gives_exactly_all(name):
+    module_name = "dtype_policies" + (f".{name}" if name else "")
+    namespace: dict = {}
+    exec(f"from {module_name} import *", namespace)
+    namespace.pop("__builtins__")
+    assert set(namespace) == set(_module(name).__all__)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, keras_name in NAMESPACES.items() if keras_name))
+def test_names_shared_with_keras_are_listed(name):
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    keras = pytest.importorskip("keras")
+    theirs = getattr(keras, NAMESPACES[name])
+    module = _module(name)
+    shared = {
+        n
+        for n in dir(theirs)
+        if not n.startswith("_")
+        and not isinstance(getattr(theirs, n), types.ModuleType)
+        and hasattr(module, n)
+    }
+    assert shared, f"dtype_policies.{name} shares no name with keras.{NAMESPACES[name]}"
+    assert shared <= set(module.__all__)
+    if name == "policies":  # the top level mirrors keras.dtype_policies too
+        assert shared <= set(dtype_policies.__all__)
