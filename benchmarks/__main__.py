@@ -26,4 +26,4 @@ if __name__ == "__main__":
         sys.exit(quality_main(_with_output(arguments[1:])))
     from dtype_policies.bench import main
 
-    sys.exit(main(_with_output(arguments)))
+    sys.exit(main(_with_output(arguments), prog="python -m benchmarks"))

@@ -2,8 +2,12 @@
 timer, the real-model text rules, and failing variants becoming rows."""
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +156,25 @@ def test_runner_refuses_zero_threads(capsys):
     with pytest.raises(SystemExit):
         runner.main(["--workloads", "overhead_grad", "--threads", "0"])
     assert "--threads must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_benchmarks_module_names_itself_in_its_usage():
+    root = Path(__file__).resolve().parent.parent
+    environment = {**os.environ, "PYTHONPATH": str(root / "src")}
+    for argv, usage in (
+        (["--help"], "usage: python -m benchmarks [-h]"),
+        (["quality", "--help"], "usage: python -m benchmarks quality [-h]"),
+    ):
+        shown = subprocess.run(
+            [sys.executable, "-m", "benchmarks", *argv],
+            cwd=root,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.startswith(usage), shown.stdout.splitlines()[0]
 
 
 @pytest.fixture

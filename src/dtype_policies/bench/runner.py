@@ -29,10 +29,9 @@ from dtype_policies.bench.workloads import mlp
 DEFAULT_OUTPUT = "benchmark-results"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="dtype-policies bench", description=__doc__.splitlines()[0]
-    )
+def main(argv: list[str] | None = None, prog: str = "dtype-policies bench") -> int:
+    """Run the suite; `prog` is the command that ran it, for usage and errors."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--workloads",
         default=",".join(workloads.WORKLOADS),
