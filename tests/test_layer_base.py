@@ -501,6 +501,24 @@ def test_regularizer_losses_in_variable_dtype():
     torch.testing.assert_close(losses[1], torch.tensor(0.01 * 3))
 
 
+def test_every_registered_regularizer_name_gives_a_regularizer():
+    from dtype_policies import regularizers
+
+    weight = torch.tensor([1.0, -2.0])
+    for name in regularizers.REGULARIZERS:
+        assert isinstance(regularizers.get(name), regularizers.Regularizer), name
+        assert regularizers.get(name)(weight).shape == (), name
+    # tf.keras's "l1_l2": l1 = l2 = 0.01, by name and by config dict
+    torch.testing.assert_close(regularizers.get("l1_l2")(weight), torch.tensor(0.01 * 3 + 0.01 * 5))
+    assert regularizers.get({"class_name": "l1_l2", "config": {"l2": 0.5}}).get_config() == {
+        "l1": 0.01,
+        "l2": 0.5,
+    }
+    layer = Dense(2, kernel_initializer="ones", kernel_regularizer="l1_l2")
+    layer(torch.ones(1, 3))
+    torch.testing.assert_close(layer.losses[0], torch.tensor(0.02 * 6))
+
+
 def test_activity_regularizer():
     layer = Dense(2, kernel_initializer="ones", activity_regularizer="l1")
     layer(torch.ones(1, 3))

@@ -6,9 +6,15 @@ from collections.abc import Callable
 from typing import Any
 
 
-def resolve(identifier: Any, registry: dict[str, Callable], kind: str) -> Any:
+def resolve(
+    identifier: Any, registry: dict[str, Callable], kind: str, *, factories: bool = True
+) -> Any:
     """Returns the object for `identifier`: `None`, a registered name, a
-    `{"class_name", "config"}` dict, or a callable (returned as is)."""
+    `{"class_name", "config"}` dict, or a callable (returned as is).
+
+    With `factories` (initializers, regularizers, constraints) every registry
+    entry is a class or function that makes the object, called with the
+    config; without (activations) the entry is the object itself."""
     if identifier is None:
         return None
     if isinstance(identifier, str):
@@ -18,16 +24,14 @@ def resolve(identifier: Any, registry: dict[str, Callable], kind: str) -> Any:
             raise ValueError(
                 f"Unknown {kind} '{identifier}'. Expected one of {sorted(registry)}, or a callable."
             ) from None
-        return factory() if isinstance(factory, type) else factory
+        return factory() if factories else factory
     if isinstance(identifier, dict):
         class_name = identifier.get("class_name")
         names = {getattr(f, "__name__", name): f for name, f in registry.items()}
         factory = registry.get(class_name) or names.get(class_name)
         if factory is None:
             raise ValueError(f"Unknown {kind} config {identifier!r}.")
-        if isinstance(factory, type):
-            return factory(**identifier.get("config", {}))
-        return factory
+        return factory(**identifier.get("config", {})) if factories else factory
     if callable(identifier):
         return identifier
     raise TypeError(

@@ -21,7 +21,15 @@ _EPSILON = 1e-7
 
 
 class Constraint:
-    """Base class: `constraint(weight) -> projected weight`."""
+    """Base class: `constraint(weight) -> projected weight`; the base returns
+    the weight unchanged.
+
+    >>> class Clip(Constraint):
+    ...     def __call__(self, weight):
+    ...         return weight.clamp(-1, 1)
+    >>> Clip()(torch.tensor([-3.0, 0.5, 2.0]))
+    tensor([-1.0000,  0.5000,  1.0000])
+    """
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
@@ -31,11 +39,24 @@ class Constraint:
 
 
 class NonNeg(Constraint):
+    """Negative entries become 0.
+
+    >>> NonNeg()(torch.tensor([-1.0, 2.0]))
+    tensor([0., 2.])
+    """
+
     def __call__(self, weight):
         return weight.clamp_min(0)
 
 
 class MaxNorm(Constraint):
+    """Slices along `axis` whose norm exceeds `max_value` scaled down to it.
+
+    >>> MaxNorm(max_value=1.0)(torch.tensor([[3.0, 0.0], [4.0, 0.5]]))
+    tensor([[0.6000, 0.0000],
+            [0.8000, 0.5000]])
+    """
+
     def __init__(self, max_value: float = 2.0, axis: int = 0) -> None:
         self.max_value, self.axis = max_value, axis
 
@@ -49,6 +70,13 @@ class MaxNorm(Constraint):
 
 
 class UnitNorm(Constraint):
+    """Every slice along `axis` scaled to norm 1.
+
+    >>> UnitNorm()(torch.tensor([[3.0], [4.0]]))
+    tensor([[0.6000],
+            [0.8000]])
+    """
+
     def __init__(self, axis: int = 0) -> None:
         self.axis = axis
 
@@ -60,6 +88,13 @@ class UnitNorm(Constraint):
 
 
 class MinMaxNorm(Constraint):
+    """Norms along `axis` moved into `[min_value, max_value]`, by `rate` of the way.
+
+    >>> MinMaxNorm(min_value=1.0, max_value=2.0)(torch.tensor([[0.3], [0.4]]))
+    tensor([[0.6000],
+            [0.8000]])
+    """
+
     def __init__(
         self, min_value: float = 0.0, max_value: float = 1.0, rate: float = 1.0, axis: int = 0
     ) -> None:
@@ -88,11 +123,23 @@ CONSTRAINTS = {
 
 
 def get(identifier: Any) -> Any:
+    """A constraint from a name, a config dict or a callable; `None` stays `None`.
+
+    >>> get("max_norm").get_config()
+    {'max_value': 2.0, 'axis': 0}
+    >>> get({"class_name": "UnitNorm", "config": {"axis": 1}}).axis
+    1
+    """
     """A constraint from a name, a config dict or a callable; `None` stays `None`."""
     return _registry.resolve(identifier, CONSTRAINTS, "constraint")
 
 
 def serialize(constraint: Any) -> Any:
+    """The Keras dict of a constraint (`get` reads it back).
+
+    >>> serialize(MaxNorm(3.0))
+    {'class_name': 'MaxNorm', 'config': {'max_value': 3.0, 'axis': 0}}
+    """
     return _registry.serialize(constraint, CONSTRAINTS)
 
 
