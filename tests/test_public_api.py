@@ -2,11 +2,14 @@
 `__all__`, which lists exactly the names they define or re-export (submodules,
 which are implementation files, and names from outside the package aside),
 `import *` gives exactly those names, and every name a namespace shares with
-its Keras 3 counterpart is listed."""
+its Keras 3 counterpart is listed. Every public object shows itself in a
+runnable example that the doctest collection runs."""
 
 from __future__ import annotations
 
+import doctest
 import importlib
+import inspect
 import os
 import types
 
@@ -108,3 +111,39 @@ def test_names_shared_with_keras_are_listed(name):
     assert shared <= set(module.__all__)
     if name == "policies":  # the top level mirrors keras.dtype_policies too
         assert shared <= set(dtype_policies.__all__)
+
+
+def _public_objects() -> list[tuple[str, str]]:
+    return [
+        (namespace, name)
+        for namespace in ["", *sorted(NAMESPACES)]
+        for name in _module(namespace).__all__
+    ]
+
+
+def _collected_examples(module_name: str) -> dict[str, int]:
+    """The doctests `--doctest-modules` collects from a module: name -> examples."""
+    finder = doctest.DocTestFinder()
+    module = importlib.import_module(module_name)
+    return {test.name: len(test.examples) for test in finder.find(module)}
+
+
+@pytest.mark.parametrize(
+    ("namespace", "name"), _public_objects(), ids=lambda value: value or "dtype_policies"
+)
+def test_every_public_object_has_a_collected_example(namespace, name):
+    module = _module(namespace)
+    value = getattr(module, name)
+    if inspect.ismodule(value):
+        owner, qualified = value.__name__, value.__name__
+    elif inspect.isclass(value) or inspect.isroutine(value):
+        owner = value.__module__
+        qualified = f"{owner}.{value.__qualname__}"
+    else:  # a constant has no docstring of its own: its namespace's shows it
+        lines = (module.__doc__ or "").splitlines()
+        shown = [line for line in lines if line.lstrip().startswith(">>>") and name in line]
+        assert shown, f"{module.__name__}.{name} appears in no example of the module docstring"
+        return
+    assert _collected_examples(owner).get(qualified, 0) > 0, (
+        f"{module.__name__}.{name} ({qualified}) has no runnable >>> example in its docstring"
+    )

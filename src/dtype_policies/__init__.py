@@ -4,6 +4,10 @@ per layer) for PyTorch.
 >>> import dtype_policies
 >>> dtype_policies.DTypePolicy("mixed_bfloat16").compute_dtype
 'bfloat16'
+>>> dtype_policies.QUANTIZATION_MODES  # the registered modes, live
+('int8', 'float8', 'int4', 'gptq', 'awq')
+>>> dtype_policies.__version__.count(".")
+2
 """
 
 from dtype_policies import (

@@ -66,7 +66,18 @@ from dtype_policies.quantization.kernels import attention
 
 class CompiledInference:
     """`model`'s inference, compiled with frozen weights (see the module
-    docstring). Call it as the model; `module` is the model."""
+    docstring). Call it as the model; `module` is the model. Calls with
+    gradients enabled run the model eagerly, without compiling.
+
+    >>> import torch
+    >>> from dtype_policies import CompiledInference, compile_for_inference
+    >>> model = torch.nn.Linear(4, 2)
+    >>> fast = compile_for_inference(model)
+    >>> isinstance(fast, CompiledInference), fast.module is model
+    (True, True)
+    >>> torch.equal(fast(torch.ones(1, 4)), model(torch.ones(1, 4)))  # grad enabled: eager
+    True
+    """
 
     def __init__(
         self,

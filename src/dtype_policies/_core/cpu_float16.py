@@ -12,7 +12,17 @@ from dtype_policies._cpu import processor
 
 class CPUFloat16Warning(UserWarning):
     """float16 compute on a CPU tensor: correct, rarely faster than bfloat16 and
-    often far slower (by CPU class); use bfloat16."""
+    often far slower (by CPU class); use bfloat16. Shown once per process;
+    a program that means float16 on CPU silences it by its category.
+
+    >>> import warnings
+    >>> from dtype_policies import CPUFloat16Warning
+    >>> warnings.filterwarnings("ignore", category=CPUFloat16Warning)
+    >>> issubclass(CPUFloat16Warning, UserWarning)
+    True
+    >>> warnings.filters.pop(0)[2] is CPUFloat16Warning  # the filter above, removed
+    True
+    """
 
 
 _warned = False

@@ -73,6 +73,16 @@ class PolicyHandle:
         policies: `{path: policy}` for every module the policy was applied to.
         float32_paths: Paths kept in float32 as normalization islands.
         quantized_paths: Paths this application quantized.
+
+    >>> import torch
+    >>> from dtype_policies import apply_policy
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> handle = apply_policy(model, "mixed_bfloat16")
+    >>> handle.policies["0"], handle.float32_paths
+    (<DTypePolicy "mixed_bfloat16">, ['1'])
+    >>> handle.remove()
+    >>> model(torch.ones(1, 4)).dtype
+    torch.float32
     """
 
     module: torch.nn.Module = field(repr=False)

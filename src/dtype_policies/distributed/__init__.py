@@ -10,6 +10,11 @@ model reduces the float32 gradients of the float32 parameters. Under both,
 `optimizers.LossScaleOptimizer` agrees with all ranks on skipping a step, and
 `saving.save` of a sharded model writes full tensors from rank 0.
 See docs/distributed.md.
+
+>>> from dtype_policies import distributed
+>>> fsdp_policy = distributed.to_mixed_precision_policy("mixed_bfloat16")
+>>> fsdp_policy.param_dtype, fsdp_policy.reduce_dtype
+(torch.bfloat16, torch.float32)
 """
 
 from dtype_policies.distributed.agreement import PolicyMismatchError

@@ -53,7 +53,13 @@ BUILTIN_LAYERS: dict[str, type] = {}
 
 
 def serialize_layer(layer: torch.nn.Module) -> dict[str, Any]:
-    """The dict form of a layer (its class and `get_config()`)."""
+    """The dict form of a layer (its class and `get_config()`).
+
+    >>> from dtype_policies import layers
+    >>> config = serialize_layer(layers.Dense(3, dtype="mixed_bfloat16", name="d"))
+    >>> config["module"], config["class_name"], config["config"]["units"]
+    ('dtype_policies.layers', 'Dense', 3)
+    """
     if not hasattr(layer, "get_config"):
         raise TypeError(
             f"Cannot serialize {type(layer).__name__}: only layers with `get_config()` "
@@ -77,7 +83,13 @@ def serialize_layer(layer: torch.nn.Module) -> dict[str, Any]:
 def deserialize_layer(
     config: dict[str, Any], custom_objects: dict[str, type] | None = None
 ) -> torch.nn.Module:
-    """Rebuilds a layer from `serialize_layer` output."""
+    """Rebuilds a layer from `serialize_layer` output.
+
+    >>> from dtype_policies import layers
+    >>> dense = deserialize_layer(serialize_layer(layers.Dense(3, dtype="bfloat16")))
+    >>> type(dense).__name__, dense.units, dense.dtype_policy
+    ('Dense', 3, <DTypePolicy "bfloat16">)
+    """
     if not isinstance(config, dict) or "class_name" not in config or "config" not in config:
         raise ValueError(
             f"A serialized layer is a dict with 'class_name' and 'config'. Received: {config!r}"

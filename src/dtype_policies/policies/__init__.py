@@ -4,6 +4,8 @@ quantized policies, `DTypePolicyMap`, and `get`/`serialize`/`deserialize`.
 >>> from dtype_policies import policies
 >>> policies.get("int4/64_from_mixed_bfloat16").block_size
 64
+>>> "int4" in policies.QUANTIZATION_MODES
+True
 """
 
 from dtype_policies.policies.calibrated import AWQDTypePolicy, GPTQDTypePolicy

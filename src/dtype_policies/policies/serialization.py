@@ -121,7 +121,15 @@ def deserialize(
 
 def default_policy() -> DTypePolicy:
     """The default policy in force: the innermost `policy_scope`, else the
-    process-wide one (`float32` until `set_dtype_policy` is called)."""
+    process-wide one (`float32` until `set_dtype_policy` is called).
+
+    >>> from dtype_policies import policy_scope
+    >>> with policy_scope("mixed_bfloat16"):
+    ...     default_policy()
+    <DTypePolicy "mixed_bfloat16">
+    >>> default_policy()
+    <DTypePolicy "float32">
+    """
     current = _default_state.current()
     return current if current is not None else _FLOAT32
 

@@ -109,6 +109,19 @@ def register_linear_kind(
 
     The quantized module computes `x @ W (+ bias)` over the input's last axis
     in place of the class's own forward.
+
+    >>> import torch
+    >>> from dtype_policies import quantize
+    >>> class InOutLinear(torch.nn.Module):  # y = x @ w, w of shape (in, out)
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = torch.nn.Parameter(torch.randn(64, 32))
+    ...     def forward(self, x):
+    ...         return x @ self.w
+    >>> register_linear_kind(InOutLinear, weight="w", layout="in_out", bias=None)
+    >>> model = torch.nn.Sequential(InOutLinear())
+    >>> quantize(model, "int8")
+    QuantizationReport(mode='int8', quantized=1, skipped=0, errors=0)
     """
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")

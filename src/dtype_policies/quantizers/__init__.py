@@ -6,6 +6,8 @@ functions on tensors and plain settings objects, with Keras 3's conventions.
 >>> q, scale = quantizers.abs_max_quantize(torch.tensor([[0.5, -1.0]]), axis=-1)
 >>> q, quantizers.Int4QuantizationConfig(block_size=64)
 (tensor([[  63, -127]], dtype=torch.int8), Int4QuantizationConfig(block_size=64))
+>>> quantizers.QUANTIZATION_MODES[:3], quantizers.DEFAULT_AMAX_HISTORY_LENGTH
+(('int8', 'float8', 'int4'), 1024)
 """
 
 from dtype_policies.quantizers.awq_config import AWQConfig

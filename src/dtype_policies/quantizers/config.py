@@ -642,6 +642,12 @@ class CalibratedQuantizationConfig(QuantizationConfig):
             time, in the order the model runs them: a sequence of submodules
             or their paths, or Keras's `{"sequential_blocks": [...]}`;
             `None` makes the whole model one block.
+
+    >>> import torch
+    >>> from dtype_policies.quantizers import GPTQConfig
+    >>> config = GPTQConfig(dataset=[torch.ones(1, 8, dtype=torch.long)], tokenizer=None)
+    >>> isinstance(config, CalibratedQuantizationConfig), config.get_config()["dataset"]
+    (True, None)
     """
 
     def __init__(
@@ -704,12 +710,20 @@ def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
 
 def serialize_config(config: QuantizationConfig | None) -> dict[str, Any] | None:
     """Keras's `{"module", "class_name", "config", "registered_name"}` for a
-    config (`None` stays `None`)."""
+    config (`None` stays `None`).
+
+    >>> serialize_config(Int4QuantizationConfig(block_size=32))["config"]["block_size"]
+    32
+    """
     return serialize(config)
 
 
 def deserialize_config(data: Any) -> QuantizationConfig | None:
-    """Inverse of `serialize_config` (a config object is returned as is)."""
+    """Inverse of `serialize_config` (a config object is returned as is).
+
+    >>> deserialize_config(serialize_config(Int4QuantizationConfig(block_size=32)))
+    Int4QuantizationConfig(block_size=32)
+    """
     if data is None or isinstance(data, QuantizationConfig):
         return data
     classes = {record.config_class.__name__: record.config_class for record in registered_modes()}

@@ -204,7 +204,14 @@ def dequantize_grouped(
 ) -> torch.Tensor:
     """`(q - zero) * scale` (float32), each row with its group's scale and
     zero: row `i` is in group `g_idx[i]` when given (Keras's `g_idx`, which
-    GPTQ's activation order permutes), else `i // block_size`."""
+    GPTQ's activation order permutes), else `i // block_size`.
+
+    >>> import torch
+    >>> q = torch.tensor([[0], [15], [8], [8]], dtype=torch.uint8)  # 4 rows, groups of 2
+    >>> scale, zero = torch.tensor([[0.1], [1.0]]), torch.tensor([[8.0], [8.0]])
+    >>> dequantize_grouped(q, scale, zero, block_size=2).flatten()
+    tensor([-0.8000,  0.7000,  0.0000,  0.0000])
+    """
     if g_idx is None:
         group_of_row = torch.arange(q.shape[0], device=q.device) // block_size
     else:
@@ -248,7 +255,12 @@ def unpack_int4(
     packed: torch.Tensor, orig_len: int, axis: int = 0, dtype: str | torch.dtype = "int8"
 ) -> torch.Tensor:
     """Inverse of `pack_int4`: `orig_len` values along `axis`, sign-extended
-    int8 (`dtype="int8"`) or unsigned uint8 in [0, 15] (`dtype="uint8"`)."""
+    int8 (`dtype="int8"`) or unsigned uint8 in [0, 15] (`dtype="uint8"`).
+
+    >>> import torch
+    >>> unpack_int4(torch.tensor([-31, 7], dtype=torch.int8), 3)
+    tensor([ 1, -2,  7], dtype=torch.int8)
+    """
     if packed.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"Expected an int8 or uint8 packed tensor, got {packed.dtype}")
     if dtype not in ("int8", "uint8", torch.int8, torch.uint8):
@@ -275,7 +287,14 @@ def compute_float8_scale(
 ) -> torch.Tensor:
     """The delayed-scaling update (Transformer Engine's rule, as Keras uses it):
     `amax * 2**margin / dtype_max`, keeping the old scale when `amax` is zero or
-    not finite. Numbers are taken as float32 tensors."""
+    not finite. Numbers are taken as float32 tensors.
+
+    >>> import torch
+    >>> compute_float8_scale(torch.tensor(896.0), torch.tensor(1.0), dtype_max=448.0)
+    tensor(2.)
+    >>> compute_float8_scale(torch.tensor(0.0), torch.tensor(3.0), dtype_max=448.0)
+    tensor(3.)
+    """
     amax, scale = torch.as_tensor(amax, dtype=torch.float32), torch.as_tensor(scale)
     factor = (dtype_max / amax) / (2.0**margin)
     keep = (amax <= 0) | ~torch.isfinite(amax)
@@ -302,7 +321,12 @@ def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Ten
 
 
 def compute_float8_amax_history(x: torch.Tensor, amax_history: torch.Tensor) -> torch.Tensor:
-    """The history rolled by one with `max|x|` as the newest entry, at index 0."""
+    """The history rolled by one with `max|x|` as the newest entry, at index 0.
+
+    >>> import torch
+    >>> compute_float8_amax_history(torch.tensor([-5.0, 1.0]), torch.tensor([1.0, 2.0, 3.0]))
+    tensor([5., 3., 1.])
+    """
     amax = x.detach().abs().max().to(amax_history.dtype)
     rolled = torch.roll(amax_history, shifts=-1, dims=0)
     rolled[0] = amax
@@ -330,7 +354,13 @@ def quantize_and_dequantize(
     compute_dtype: torch.dtype | str,
 ) -> torch.Tensor:
     """`inputs / scale`, clipped to the format's range, rounded to float8 and
-    back, times `scale`, in `compute_dtype` (dtypes as torch dtypes or names)."""
+    back, times `scale`, in `compute_dtype` (dtypes as torch dtypes or names).
+
+    >>> import torch
+    >>> x = torch.tensor([0.3, 1000.0])
+    >>> quantize_and_dequantize(x, 1.0, "float8_e4m3fn", "float32").tolist()  # clipped at 448
+    [0.3125, 448.0]
+    """
     qdtype, compute = _torch_dtype(quantized_dtype), _torch_dtype(compute_dtype)
     limit = float(torch.finfo(qdtype).max)
     scaled = (inputs.float() / scale).clamp(-limit, limit)

@@ -177,6 +177,17 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     as it was. A missing file raises `FileNotFoundError`. A sharded `module`
     (FSDP2's DTensor parameters) raises `CheckpointError`: load into the
     unsharded model, then shard it.
+
+    >>> import pathlib, tempfile, torch
+    >>> from dtype_policies import apply_policy, quantize, saving
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    >>> _ = apply_policy(model, "mixed_bfloat16"); _ = quantize(model, "int8")
+    >>> path = saving.save(model, pathlib.Path(tempfile.mkdtemp()) / "model")
+    >>> with torch.device("meta"):
+    ...     target = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    >>> x = torch.randn(2, 64)
+    >>> torch.equal(saving.load(target, path)(x), model(x))
+    True
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load() expects a torch.nn.Module. Received: {type(module).__name__}")

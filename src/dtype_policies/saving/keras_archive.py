@@ -171,6 +171,15 @@ def policy_map_from_keras(
             config is not valid JSON, does not describe a Keras model, or holds a
             dtype policy this library cannot read (an unknown class, a GPTQ,
             AWQ or ternary policy, an invalid name).
+
+    >>> import json, pathlib, tempfile, zipfile
+    >>> archive = pathlib.Path(tempfile.mkdtemp()) / "model.keras"
+    >>> dense = {"class_name": "Dense", "config": {"name": "head", "dtype": "mixed_bfloat16"}}
+    >>> config = {"class_name": "Sequential", "config": {"name": "seq", "layers": [dense]}}
+    >>> with zipfile.ZipFile(archive, "w") as z:
+    ...     z.writestr("config.json", json.dumps(config))
+    >>> policy_map_from_keras(archive)["seq/head"]
+    <DTypePolicy "mixed_bfloat16">
     """
     name = os.fspath(path)
     config = _read_config(name)

@@ -31,7 +31,17 @@ FORMAT_VERSION = 1
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or that does not fit the target module."""
+    """A checkpoint that cannot be read, or that does not fit the target module.
+
+    >>> import pathlib, tempfile, torch
+    >>> from dtype_policies import saving
+    >>> path = saving.save(torch.nn.Linear(4, 2), pathlib.Path(tempfile.mkdtemp()) / "m")
+    >>> try:
+    ...     saving.load(torch.nn.Linear(4, 3), path)
+    ... except saving.CheckpointError as e:
+    ...     print(type(e).__mro__[1].__name__)
+    ValueError
+    """
 
 
 @dataclass

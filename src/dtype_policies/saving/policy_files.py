@@ -46,7 +46,15 @@ def save_policy(policy: Any, path: str | os.PathLike) -> Path:
 
 def load_policy(path: str | os.PathLike) -> DTypePolicy:
     """Reads a policy or `DTypePolicyMap` written by `save_policy`. A file
-    holding just a serialized policy dict (Keras's format) is read too."""
+    holding just a serialized policy dict (Keras's format) is read too.
+
+    >>> import json, pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "keras_policy.json"
+    >>> _ = path.write_text(json.dumps({"class_name": "DTypePolicy",
+    ...                                 "config": {"name": "mixed_bfloat16"}}))
+    >>> load_policy(path)
+    <DTypePolicy "mixed_bfloat16">
+    """
     path = Path(path)
     try:
         data = json.loads(path.read_text())
