@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtype_policies import apply_policy, quantize
+from dtype_policies.apply.summary import module_summaries
 from dtype_policies.quantization import Int4QuantizationConfig
 
 from .helpers import TOLERANCE, quantize_with, relative_error
@@ -82,6 +83,43 @@ def test_transformer_encoder(mode, training):
         out = model(X3)
     assert torch.isfinite(out).all()
     assert relative_error(out, reference) < TOLERANCE[mode]
+
+
+class AttentionThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.head(self.attention(x, x, x)[0])
+
+
+@pytest.mark.parametrize(
+    "policy", ["int8_from_float32", "int4_from_float32", "float8_from_float32"]
+)
+def test_apply_policy_keeps_weights_their_parent_reads_float_and_says_why(policy):
+    """`nn.MultiheadAttention` computes with `out_proj.weight` itself (and
+    `nn.TransformerEncoderLayer`'s fast path with its linears'): a quantized
+    product there would never run. `apply_policy` leaves them float, as
+    `quantize()` does, says why, and the attention computes what float does."""
+    torch.manual_seed(0)
+    model = AttentionThenLinear().eval()
+    with torch.no_grad():
+        reference = model.attention(X3, X3, X3)[0]
+    handle = apply_policy(model, policy)
+    assert handle.quantized_paths == ["head"]
+    assert "read by its parent" in handle.unquantized["attention/out_proj"]
+    assert not hasattr(model.attention.out_proj, "weight_int8")
+    rows = {row.path: row for row in module_summaries(model)}
+    assert rows["attention/out_proj"].quantization == "-"
+    assert rows["head"].quantization != "-"
+    with torch.no_grad():
+        assert torch.equal(model.attention(X3, X3, X3)[0], reference)
+    encoder = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+    handle = apply_policy(encoder, policy)
+    assert handle.quantized_paths == []
+    assert sorted(handle.unquantized) == ["linear1", "linear2", "self_attn", "self_attn/out_proj"]
 
 
 class ReadsChildWeight(nn.Module):

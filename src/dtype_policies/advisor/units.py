@@ -14,9 +14,9 @@ from dtype_policies._core.slots import own_parameters
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.batches import Batch, floating_tensors
 from dtype_policies.apply.apply import DEFAULT_FLOAT32_MODULES
-from dtype_policies.quantization.api import read_by_parent
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.experts import expert_routers
+from dtype_policies.quantization.kinds import read_by_parent
 
 ISLAND_RULES = (*DEFAULT_FLOAT32_MODULES, "Norm")  # apply_policy's default float32 modules
 

@@ -34,6 +34,7 @@ from dtype_policies.policies import get as get_policy
 from dtype_policies.quantization import attach, experts
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
+from dtype_policies.quantization.report import ROUTER_DETAIL
 
 _FLOAT32 = DTypePolicy("float32")
 
@@ -73,6 +74,10 @@ class PolicyHandle:
         policies: `{path: policy}` for every module the policy was applied to.
         float32_paths: Paths kept in float32 as normalization islands.
         quantized_paths: Paths this application quantized.
+        unquantized: `{path: why}` for the modules holding a weight matrix
+            whose quantized policy left it in floating point (they compute
+            with the policy's float source): a weight its parent reads
+            directly, a class of no quantizable kind, a router, ...
 
     >>> import torch
     >>> from dtype_policies import apply_policy
@@ -89,6 +94,7 @@ class PolicyHandle:
     policies: dict[str, DTypePolicy] = field(default_factory=dict)
     float32_paths: list[str] = field(default_factory=list)
     quantized_paths: list[str] = field(default_factory=list)
+    unquantized: dict[str, str] = field(default_factory=dict)
     _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _quantized: list[tuple[str, torch.nn.Module]] = field(default_factory=list, repr=False)
     _hooks: list[Any] = field(default_factory=list, repr=False)
@@ -223,10 +229,12 @@ def apply_policy(
     >>> model(torch.randn(2, 8)).dtype
     torch.float32
     """
-    steps, plans = _plan_application(
+    steps, plans, unquantized = _plan_application(
         module, policy, float32_modules, cast_buffers, weight_cache, stacklevel=3
     )
-    return commit_application(module, steps, plans)
+    handle = commit_application(module, steps, plans)
+    handle.unquantized = unquantized
+    return handle
 
 
 @contextlib.contextmanager
@@ -257,11 +265,14 @@ def tentative_application(
     >>> model.dtype_policy.name, earlier.removed
     ('mixed_bfloat16', False)
     """
-    steps, plans = _plan_application(module, policy, float32_modules, True, True, stacklevel=5)
+    steps, plans, unquantized = _plan_application(
+        module, policy, float32_modules, True, True, stacklevel=5
+    )
     previous = getattr(state_of(module), "handle", None)
     if previous is not None and previous.removed:
         previous = None
     handle = commit_application(module, steps, plans, replace=False)
+    handle.unquantized = unquantized
     try:
         yield handle
     except BaseException:
@@ -282,8 +293,9 @@ def _plan_application(
     cast_buffers: bool,
     weight_cache: bool,
     stacklevel: int,
-) -> tuple[list[Step], list[attach.Plan]]:
-    """`apply_policy`'s steps and quantization plans; changes nothing."""
+) -> tuple[list[Step], list[attach.Plan], dict[str, str]]:
+    """`apply_policy`'s steps, quantization plans, and `{path: why}` of the
+    modules its quantized policy leaves float; changes nothing."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"apply_policy() expects a torch.nn.Module. Received: {type(module).__name__}"
@@ -305,13 +317,12 @@ def _plan_application(
     steps, used_keys = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
     plans, expert_steps, declined = _plan_quantization(steps)
     steps += expert_steps
-    unquantized = [step for step in declined if step.explicit and owns_matrix(step.module)]
-    if unquantized:
-        named = ", ".join(
-            f"'{step.path}' ({type(step.module).__name__})" for step in unquantized[:5]
-        )
+    declined = [(step, why) for step, why in declined if owns_matrix(step.module)]
+    explicit = [step for step, _ in declined if step.explicit]
+    if explicit:
+        named = ", ".join(f"'{step.path}' ({type(step.module).__name__})" for step in explicit[:5])
         warnings.warn(
-            f"apply_policy(): {len(unquantized)} module(s) given a quantized policy by a "
+            f"apply_policy(): {len(explicit)} module(s) given a quantized policy by a "
             f"DTypePolicyMap key cannot be quantized in its mode and compute with the "
             f"policy's float source instead: {named}.",
             UserWarning,
@@ -326,7 +337,7 @@ def _plan_application(
                     UserWarning,
                     stacklevel=stacklevel,
                 )
-    return steps, plans
+    return steps, plans, {step.path or "(root)": why for step, why in declined}
 
 
 def commit_application(
@@ -478,20 +489,24 @@ def _quantized_conflict(
 
 def _plan_quantization(
     steps: list[Step],
-) -> tuple[list[attach.Plan], list[Step], list[Step]]:
+) -> tuple[list[attach.Plan], list[Step], list[tuple[Step, str]]]:
     """The quantizations the steps' quantized policies ask for, the steps of
     the per-expert linears of mixture-of-experts modules expanded for them
     (`quantization.experts`: each linear takes its module's step), and the
     steps whose module cannot take its policy's mode (it computes with the
-    policy's float source). Routers compute with their policy's float
-    source, as `quantize()` keeps them."""
+    policy's float source), each with why. Routers compute with their
+    policy's float source, as `quantize()` keeps them."""
     plans, expert_steps, declined = [], [], []
     planned_weights: dict[int, attach.Plan] = {}  # id(weight) -> its first plan
-    plan_one = functools.partial(_plan_one, planned_weights=planned_weights)
+    modules = {step.path: step.module for step in steps}
+    plan_one = functools.partial(_plan_one, planned_weights=planned_weights, modules=modules)
     routers = experts.expert_routers(step.module for step in steps)
     for step in steps:
         mode = step.policy.quantization_mode
-        if mode is None or id(step.module) in routers:
+        if mode is None:
+            continue
+        if id(step.module) in routers:
+            declined.append((step, ROUTER_DETAIL))
             continue
         layout = experts.experts_layout(step.module)
         if layout is not None and "linear" in mode_record(mode).roles:
@@ -502,30 +517,34 @@ def _plan_quantization(
                 Step(path, linear, step.policy, step.island, inner)
                 for path, linear in expansion.linears(under=step.path)
             ]
-            linear_plans = [p for p in map(plan_one, linear_steps) if p is not None]
+            linear_plans = [p for p, _ in map(plan_one, linear_steps) if p is not None]
             experts.ExpertsExpansion.claim_all(linear_plans, [expansion])
             if linear_plans:
                 plans += linear_plans
                 expert_steps += linear_steps
             continue
-        module_plan = plan_one(step)
+        module_plan, why = plan_one(step)
         if module_plan is not None:
             plans.append(module_plan)
-        elif attach.quantization_of(step.module) is None:
-            declined.append(step)
+        elif why is not None:
+            declined.append((step, why))
     return plans, expert_steps, declined
 
 
-def _plan_one(step: Step, planned_weights: dict[int, attach.Plan]) -> attach.Plan | None:
-    """The plan of one step's quantized policy, or None where the module
+def _plan_one(
+    step: Step, planned_weights: dict[int, attach.Plan], modules: dict[str, torch.nn.Module]
+) -> tuple[attach.Plan | None, str | None]:
+    """The plan of one step's quantized policy, or `None` and why the module
     computes with the policy's float source (no kind, the mode unsupported,
-    quantized already)."""
+    its weight read by its parent; no reason when quantized already)."""
     mode = step.policy.quantization_mode
     kind = kind_of(step.module)
-    if mode is None or kind is None or not kind.supports(mode):
-        return None
-    if attach.quantization_of(step.module) is not None:
-        return None
+    if mode is None or attach.quantization_of(step.module) is not None:
+        return None, None
+    if kind is None:
+        return None, f"{original_class(step.module).__name__}, not a quantizable kind"
+    if not kind.supports(mode):
+        return None, f"{kind.role} weights take {', '.join(kind.modes) or 'no mode'}"
     config = step.policy.quantization_config
     if isinstance(step.module, Layer):
         existing = getattr(step.module, "quantization_config", None)
@@ -534,7 +553,13 @@ def _plan_one(step: Step, planned_weights: dict[int, attach.Plan]) -> attach.Pla
     source = step.policy.source_policy
     try:
         found = attach.check(
-            step.module, config, path=step.path, type_check=False, kind=kind, source=source
+            step.module,
+            config,
+            path=step.path,
+            type_check=False,
+            kind=kind,
+            source=source,
+            modules=modules,
         )
         module_plan = attach.plan(
             step.module,
@@ -549,9 +574,9 @@ def _plan_one(step: Step, planned_weights: dict[int, attach.Plan]) -> attach.Pla
         weight = step.module._parameters.get(module_plan.spec.weight)
         if weight is not None:
             planned_weights.setdefault(id(weight), module_plan)
-        return module_plan
-    except NotImplementedError:
-        return None  # computes with the policy's float source
+        return module_plan, None
+    except NotImplementedError as e:
+        return None, str(e)  # computes with the policy's float source
     except ValueError as e:
         raise ValueError(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
 

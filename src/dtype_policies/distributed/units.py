@@ -24,8 +24,8 @@ from dtype_policies._core.compose import original_class
 from dtype_policies._core.module_rules import ModuleRule, matches_any, module_rules
 from dtype_policies._core.module_state import state_of
 from dtype_policies.distributed.mixed_precision import quantized_error
-from dtype_policies.quantization.api import read_by_parent
 from dtype_policies.quantization.attach import quantization_of
+from dtype_policies.quantization.kinds import read_by_parent
 
 UnitRule = ModuleRule
 

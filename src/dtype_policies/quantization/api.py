@@ -24,6 +24,7 @@ from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
 from dtype_policies.quantization.report import (
+    ROUTER_DETAIL,
     SKIP_ADAPTER,
     SKIP_ALREADY_QUANTIZED,
     SKIP_FILTERED,
@@ -38,13 +39,6 @@ from dtype_policies.quantization.report import (
 from dtype_policies.quantizers.config import validate_and_resolve_config
 
 Filters = str | list | tuple | Callable[[str, torch.nn.Module], bool] | None
-
-# Parents whose forward reads these children's weights directly (so a
-# quantized child would not be used through its own forward).
-_PARENT_READS: dict[type, tuple[str, ...]] = {
-    torch.nn.MultiheadAttention: ("out_proj",),
-    torch.nn.TransformerEncoderLayer: ("linear1", "linear2"),
-}
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -148,22 +142,6 @@ def _not_ready(module: torch.nn.Module) -> str | None:
     """Why a torch module has no weights to quantize yet (a lazy module), if so."""
     if any(torch.nn.parameter.is_lazy(p) for p in module._parameters.values() if p is not None):
         return f"{SKIP_NOT_READY}: a lazy module, call the model once first"
-    return None
-
-
-def read_by_parent(path: str, module: torch.nn.Module, modules: dict[str, Any]) -> str | None:
-    """Why `module`'s weight is read directly by its parent (so that it cannot
-    change how it computes on its own), or `None`; `modules` maps paths to
-    modules (the advisor keeps such weights as they are too)."""
-    if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
-        return "weight read by its parent (NonDynamicallyQuantizableLinear)"
-    parent_path, _, name = path.rpartition("/")
-    parent = modules.get(parent_path)
-    if parent is None:
-        return None
-    for cls, children in _PARENT_READS.items():
-        if issubclass(original_class(parent), cls) and name in children:
-            return f"weight read by its parent ({cls.__name__})"
     return None
 
 
@@ -283,7 +261,7 @@ def quantize(
         label = path or "(root)"
         kind = kind_of(module)
         if id(module) in routers:
-            report.skipped.append((label, f"{SKIP_ROUTER}: {_ROUTER_DETAIL}"))
+            report.skipped.append((label, f"{SKIP_ROUTER}: {ROUTER_DETAIL}"))
             leave_float(label, module, in_scope=False)
             continue
         if id(module) in adapters:
@@ -317,10 +295,6 @@ def quantize(
             report.skipped.append((label, not_ready))
             leave_float(label, module)
             continue
-        read = read_by_parent(path, module, modules)
-        if read is not None:  # stays float: counted with the other unsupported weights
-            unsupported(label, module, read)
-            continue
         module_config = config.tied_embeddings_config() if id(module) in tied else config
         if not kind.supports(module_config.mode):  # the mode's scope, as Keras's
             modes = ", ".join(kind.modes)
@@ -328,7 +302,14 @@ def quantize(
             leave_float(label, module, in_scope=False)
             continue
         try:
-            found = check(module, module_config, path=path, type_check=type_check, kind=kind)
+            found = check(
+                module,
+                module_config,
+                path=path,
+                type_check=type_check,
+                kind=kind,
+                modules=modules,
+            )
             if calibrated and module_config is config:
                 checked.append((path, found))
                 continue
@@ -384,7 +365,6 @@ def quantize(
 
 
 _ADAPTER_DETAIL = "a fine-tuning adapter (PEFT), kept in floating point to train"
-_ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
 
 
 def _with_expert_linears(modules: dict[str, torch.nn.Module], expansions: list) -> Any:

@@ -6,6 +6,7 @@ everything (and raises on any problem) without touching the module;
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from dtype_policies._core.policy_module import install
 from dtype_policies._modes import QuantizationMode, mode_record, registered_modes
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization import kernels
-from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
+from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class, read_by_parent
 from dtype_policies.quantization.modules import (
     FORWARDS,
     QUANTIZE_TOKEN,
@@ -131,11 +132,16 @@ def check(
     kind: ModuleKind | None = None,
     source: DTypePolicy | None = None,
     needs_values: bool = True,
+    modules: Mapping[str, torch.nn.Module] | None = None,
 ) -> Checked:
     """Everything `plan` checks, without computing stored tensors.
 
     Raises `NotImplementedError` when the module cannot take this mode (the
-    message says why) and `ValueError` for invalid states.
+    message says why) and `ValueError` for invalid states. `modules` (the
+    model's modules by path, `path` among them) lets it refuse a module
+    whose weight its parent reads directly (`kinds.read_by_parent`): the
+    quantized product would never run, the parent computing with the
+    dequantized weight instead.
     """
     mode = config.mode
     record = mode_record(mode)
@@ -158,6 +164,8 @@ def check(
             f"Invalid quantization mode. Expected one of {kind.modes}. "
             f"Received: quantization_mode={mode}"
         )
+    if modules is not None and (read := read_by_parent(path, module, modules)) is not None:
+        raise NotImplementedError(read)
     state = getattr(state_of(module), "call", None)
     if source is not None:
         record.check_compute_dtype(source.compute_dtype)
@@ -229,6 +237,7 @@ def plan(
     tensors: dict[str, torch.Tensor] | None = None,
     source: DTypePolicy | None = None,
     statistics: ActivationStatistics | None = None,
+    modules: Mapping[str, torch.nn.Module] | None = None,
 ) -> Plan:
     """Plans quantizing `module` with `config`.
 
@@ -238,7 +247,8 @@ def plan(
     checkpoint's). `source` is the float policy the module will compute with
     (default: the one it computes with now). A calibrated mode computes its
     tensors from `statistics` (what `quantization.calibration` gathered);
-    without them, its scheme's `quantize` (which may refuse).
+    without them, its scheme's `quantize` (which may refuse). `modules`: as
+    `check`'s.
     """
     checked = check(
         module,
@@ -248,6 +258,7 @@ def plan(
         kind=kind,
         source=source,
         needs_values=tensors is None,
+        modules=modules,
     )
     scheme, spec, weight = checked.scheme, checked.spec, checked.weight
     if weight.device.type == "cpu":

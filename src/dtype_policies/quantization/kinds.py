@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -240,3 +240,29 @@ def owns_matrix(module: torch.nn.Module) -> bool:
     return any(
         p is not None and p.dim() >= 2 and p.shape[0] > 1 for p in module._parameters.values()
     )
+
+
+# Parents whose forward reads these children's weights directly (so a
+# quantized child would not be used through its own forward).
+_PARENT_READS: dict[type, tuple[str, ...]] = {
+    torch.nn.MultiheadAttention: ("out_proj",),
+    torch.nn.TransformerEncoderLayer: ("linear1", "linear2"),
+}
+
+
+def read_by_parent(
+    path: str, module: torch.nn.Module, modules: Mapping[str, torch.nn.Module]
+) -> str | None:
+    """Why `module`'s weight is read directly by its parent (so that it cannot
+    change how it computes on its own), or `None`; `modules` maps paths to
+    modules (the advisor keeps such weights as they are too)."""
+    if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return "weight read by its parent (NonDynamicallyQuantizableLinear)"
+    parent_path, _, name = path.rpartition("/")
+    parent = modules.get(parent_path)
+    if parent is None:
+        return None
+    for cls, children in _PARENT_READS.items():
+        if issubclass(original_class(parent), cls) and name in children:
+            return f"weight read by its parent ({cls.__name__})"
+    return None

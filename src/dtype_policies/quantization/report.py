@@ -13,6 +13,7 @@ SKIP_NO_MATRIX = "no weight matrix"  # norms, scales: nothing any mode quantizes
 SKIP_NOT_IN_MODE = "not in the mode"  # embeddings under float8 and the calibrated modes
 SKIP_ROUTER = "router"  # a mixture of experts' gate: it decides which experts run
 SKIP_ADAPTER = "adapter"  # a PEFT adapter (LoRA's A and B): trained on the quantized base
+ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
 
 
 @dataclass
