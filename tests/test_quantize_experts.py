@@ -582,3 +582,185 @@ def test_experts_outside_the_calibrated_blocks_stay_float_and_are_reported():
     assert outside, report.outside_linears
     assert not any(expanded(m) for m in model.model.layers[1].modules())
     assert any(expanded(m) for m in model.model.layers[0].modules())
+
+
+def _switch_transformers():
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        num_experts=4,
+        encoder_sparse_step=1,
+        decoder_sparse_step=1,
+        expert_capacity=64,
+    )
+    return transformers.SwitchTransformersForConditionalGeneration(config)
+
+
+def _nllb_moe():
+    config = transformers.NllbMoeConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_experts=4,
+        expert_capacity=64,
+        encoder_sparse_step=1,
+        decoder_sparse_step=1,
+        max_position_embeddings=64,
+    )
+    return transformers.NllbMoeForConditionalGeneration(config)
+
+
+def _jetmoe():  # experts in 3-D `ParallelExperts`, in the MLP and in the attention
+    config = transformers.JetMoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=8,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    return transformers.JetMoeForCausalLM(config)
+
+
+LIST_STYLE = {
+    "switch": (_switch_transformers, ["encoder/block/0/layer/1/mlp/router/classifier"]),
+    "nllb_moe": (_nllb_moe, ["model/encoder/layers/0/ffn/router/classifier"]),
+    "jetmoe": (
+        _jetmoe,
+        ["model/layers/0/mlp/router/layer", "model/layers/0/self_attention/experts/router/layer"],
+    ),
+}
+
+
+def _outputs(model: torch.nn.Module) -> torch.Tensor:
+    inputs = {"input_ids": TOKENS}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = TOKENS[:, :5]
+    with torch.no_grad():
+        return model(**inputs).logits.float()
+
+
+@pytest.mark.parametrize("name", sorted(LIST_STYLE))
+def test_routers_of_experts_in_lists_stay_float(name):
+    """Switch Transformers' and NLLB-MoE's experts are a list of MLPs, JetMoe's
+    3-D `ParallelExperts`: their blocks' routers stay float as Mixtral's do
+    (by `quantize()` and by a quantized policy), and a second `quantize()`
+    after a filtered one still finds them."""
+    build_model, routers = LIST_STYLE[name]
+    torch.manual_seed(0)
+    model = build_model().eval()
+    reference = _outputs(model)
+    report = quantize_quietly(model, "int8", filters="expert")
+    report = quantize_quietly(model, "int8")
+    skipped = report.skipped_by_reason("router")
+    assert set(routers) <= set(skipped) and len(skipped) == 2 * len(routers) * (
+        2 if model.config.is_encoder_decoder else 1
+    )
+    for path in skipped:
+        router = model.get_submodule(path.replace("/", "."))
+        assert quantization_of(router) is None and router.weight.dtype == torch.float32
+    assert not any("router" in path for path, *_ in report.quantized)
+    assert relative(_outputs(model), reference) < 0.1
+    torch.manual_seed(0)
+    model = build_model().eval()
+    handle = apply_policy(model, "int8_from_float32")
+    assert not any("router" in path for path in handle.quantized_paths)
+    assert all("gate" in handle.unquantized[path] for path in routers)
+
+
+def _qwen2_moe():  # a shared expert as wide as the number of experts, and its gate
+    config = transformers.Qwen2MoeConfig(
+        **SMALL,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=8,
+    )
+    return transformers.Qwen2MoeForCausalLM(config), "mlp/shared_expert", ["mlp/shared_expert_gate"]
+
+
+def _deepseek_v3():
+    config = transformers.DeepseekV3Config(
+        **SMALL,
+        intermediate_size=96,
+        moe_intermediate_size=8,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+    return transformers.DeepseekV3ForCausalLM(config), "mlp/shared_experts", []
+
+
+def _olmoe():
+    config = transformers.OlmoeConfig(
+        **SMALL, intermediate_size=8, num_experts=8, num_experts_per_tok=2
+    )
+    return transformers.OlmoeForCausalLM(config), None, []
+
+
+def _granite_moe_shared():  # the shared MLP is the decoder layer's, beside the block
+    config = transformers.GraniteMoeSharedConfig(
+        **SMALL,
+        intermediate_size=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        shared_intermediate_size=8,
+    )
+    return transformers.GraniteMoeSharedForCausalLM(config), "shared_mlp", []
+
+
+SHARED = {
+    "qwen2_moe": _qwen2_moe,
+    "deepseek_v3": _deepseek_v3,
+    "olmoe": _olmoe,
+    "granite_moe_shared": _granite_moe_shared,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_shared_experts_are_quantized_and_every_gate_stays_float(name):
+    """A shared expert is an MLP of the block (several matrices): quantized,
+    even when its width is the number of experts; the router and a shared
+    expert's gate (one matrix each) stay float."""
+    torch.manual_seed(0)
+    model, shared, gates = SHARED[name]()
+    model.eval()
+    reference = logits(model)
+    report = quantize_quietly(model, "int8")
+    layer = "model/layers/0"
+    routers = [p for p in report.skipped_by_reason("router") if p.startswith(layer + "/")]
+    router = next(p for p in routers if p.endswith(("/gate", "/router")))
+    assert sorted(routers) == sorted([router, *(f"{layer}/{gate}" for gate in gates)])
+    quantized = {path for path, *_ in report.quantized}
+    if shared is not None:
+        linears = [
+            f"{layer}/{shared}/{child}"
+            for child, module in model.get_submodule(
+                f"model.layers.0.{shared.replace('/', '.')}"
+            ).named_children()
+            if isinstance(module, torch.nn.Linear)
+        ]
+        assert len(linears) >= 2 and set(linears) <= quantized
+    assert relative(logits(model), reference) < 0.1

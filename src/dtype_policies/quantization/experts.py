@@ -51,8 +51,8 @@ from typing import Any, cast
 
 import torch
 
-from dtype_policies._core.compose import ModuleMixin, mixins_of, set_mixins
-from dtype_policies._core.module_state import ensure_state, state_of
+from dtype_policies._core.compose import ModuleMixin, mixins_of, original_class, set_mixins
+from dtype_policies._core.module_state import ensure_state, quantization_of, state_of
 from dtype_policies._core.policy_module import install
 
 _FLAGS = ("num_experts", "has_gate", "has_bias", "is_transposed")
@@ -106,29 +106,94 @@ def expanded(module: torch.nn.Module) -> bool:
 
 
 def expert_routers(modules: Any) -> set[int]:
-    """The ids of the modules of a mixture-of-experts block (the experts'
-    parent and its other descendants) whose weight has one row per expert:
-    the block's router, which engines keep in floating point (llama.cpp's
-    `ffn_gate_inp`): it is small, and its rounding would change which experts
-    run. `modules` are the candidate parents (a model's modules)."""
+    """The ids of the gates of mixture-of-experts blocks, which engines keep
+    in floating point (llama.cpp's `ffn_gate_inp`): they are small, and their
+    rounding would change which experts run. `modules` are the candidate
+    blocks (a model's modules).
+
+    A block is a module with a collection of experts among its children
+    (`_experts_count`: transformers' experts modules, fused or expanded;
+    3-D weights with one slice per expert; or a container of two or more
+    children of one structure, Switch Transformers' and NLLB-MoE's lists of
+    experts). Its gates are those of its other children that hold a single
+    weight matrix: the router, whose matrix has one row per expert (the
+    block is a block only if it has one), and a gate of one row (a scalar
+    per token, as Qwen-MoE's `shared_expert_gate`). A child of several
+    matrices (a shared expert's MLP) computes, and is quantized."""
     found = set()
-    for parent in modules:
-        experts = [
-            child
-            for child in parent._modules.values()
-            if child is not None and (expanded(child) or experts_layout(child) is not None)
-        ]
-        if not experts:
-            continue
-        count = experts[0].num_experts
-        inside = {id(m) for expert in experts for m in expert.modules()}
-        for module in parent.modules():
-            if id(module) in inside:
+    for block in modules:
+        counts = []
+        others = []
+        for child in block._modules.values():
+            if child is None:
                 continue
-            matrices = [p for p in module._parameters.values() if p is not None and p.dim() == 2]
-            if matrices and all(p.shape[0] == count for p in matrices):
-                found.add(id(module))
+            count = _experts_count(child)
+            if count is None:
+                others.append(child)
+            else:
+                counts.append(count)
+        if not counts:
+            continue
+        single = [m for m in map(_single_matrix, others) if m is not None]
+        routers = [(holder, rows) for holder, rows in single if rows in counts]
+        if not routers:
+            continue
+        found.update(id(holder) for holder, rows in single if rows in counts or rows == 1)
     return found
+
+
+def _experts_count(module: torch.nn.Module) -> int | None:
+    """How many experts `module` holds, if it is a collection of experts: a
+    transformers experts module (fused or expanded), a module whose weights
+    are 3-D with one slice per expert (`num_experts` of them: JetMoe's
+    `ParallelExperts`), or a container of two or more children with
+    parameters, all of one structure (the same classes at the same paths),
+    each an MLP (two or more weight matrices), and no parameters of its own;
+    an `nn.Sequential` runs its children one after another and holds none."""
+    if expanded(module) or experts_layout(module) is not None:
+        return module.num_experts
+    own = [p for p in module._parameters.values() if p is not None]
+    count = getattr(module, "num_experts", None)
+    if isinstance(count, int) and own and all(p.dim() == 3 and p.shape[0] == count for p in own):
+        return count
+    if own or isinstance(module, torch.nn.Sequential):
+        return None
+    children = [
+        child for child in module._modules.values() if child is not None and _weight_matrices(child)
+    ]
+    if len(children) < 2 or len(_weight_matrices(children[0])) < 2:
+        return None
+    structure = _structure(children[0])
+    return len(children) if all(_structure(c) == structure for c in children[1:]) else None
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    return tuple((name, original_class(m)) for name, m in module.named_modules())
+
+
+def _weight_matrices(module: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[int, ...]]]:
+    """`(holder, shape)` of each weight matrix under `module`, a quantized
+    weight included (by its float shape)."""
+    found = []
+    for holder in module.modules():
+        quantized = quantization_of(holder)
+        skip = None if quantized is None else quantized.weight_name
+        if quantized is not None:
+            found.append((holder, tuple(quantized.spec.float_shape)))
+        for name, parameter in holder._parameters.items():
+            if parameter is not None and parameter.dim() >= 2 and name != skip:
+                found.append((holder, tuple(parameter.shape)))
+    return found
+
+
+def _single_matrix(module: torch.nn.Module) -> tuple[torch.nn.Module, int] | None:
+    """`(holder, rows)` if the only weight matrix under `module` is a 2-D
+    one of `holder` with `rows` rows; `None` otherwise."""
+    matrices = _weight_matrices(module)
+    if len(matrices) != 1 or len(matrices[0][1]) != 2:
+        return None
+    holder, shape = matrices[0]
+    return holder, shape[0]
 
 
 class ExpertsExpansion:
