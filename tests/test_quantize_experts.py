@@ -764,3 +764,35 @@ def test_shared_experts_are_quantized_and_every_gate_stays_float(name):
         ]
         assert len(linears) >= 2 and set(linears) <= quantized
     assert relative(logits(model), reference) < 0.1
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_removing_a_float8_policy_gives_the_experts_their_3d_weights_back(name):
+    """float8's application expands the experts into one linear per expert;
+    `remove()` undoes it whole: the same state_dict keys, shapes and order as
+    before, holding what the linears hold now (a training step's values),
+    and the module's own forward."""
+    model = build(name)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    experts = model.model.layers[0].mlp.experts
+    cls = type(experts)
+    handle = apply_policy(model, "float8_from_float32")
+    assert expanded(experts)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(TOKENS, labels=TOKENS).loss.backward()
+    optimizer.step()
+    trained = experts.down_proj[1].weight.detach().clone()
+    model.eval()
+    handle.remove()
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[key].shape == before[key].shape for key in before)
+    assert type(experts) is cls and not expanded(experts)
+    down = experts.down_proj
+    assert isinstance(down, torch.nn.Parameter) and down.dtype == torch.float32
+    assert torch.equal(down[1].t() if experts.is_transposed else down[1], trained)
+    assert not torch.equal(down, before["model.layers.0.mlp.experts.down_proj"])
+    reference = build(name)
+    reference.load_state_dict(after)
+    assert torch.equal(logits(model), logits(reference))

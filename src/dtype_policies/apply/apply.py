@@ -97,6 +97,7 @@ class PolicyHandle:
     unquantized: dict[str, str] = field(default_factory=dict)
     _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
     _quantized: list[tuple[str, torch.nn.Module]] = field(default_factory=list, repr=False)
+    _expansions: list[experts.ExpertsExpansion] = field(default_factory=list, repr=False)
     _hooks: list[Any] = field(default_factory=list, repr=False)
     _token: object = field(default_factory=object, repr=False)
     removed: bool = False
@@ -105,9 +106,10 @@ class PolicyHandle:
         """Undoes this application: every module computes as before it.
 
         Float policies and float8 are undone exactly (float8 kept the float
-        weight). Modules this application quantized to int8 or int4 stay
-        quantized, since their float weights were replaced; a warning names
-        them.
+        weight; mixture-of-experts modules it expanded into one linear per
+        expert get their 3-D weights back, as the linears' weights are now).
+        Modules this application quantized to int8 or int4 stay quantized,
+        since their float weights were replaced; a warning names them.
         """
         if self.removed:
             return
@@ -129,6 +131,11 @@ class PolicyHandle:
         # mixture-of-experts module expanded under it: quantization.experts)
         for module in {id(m): m for m in (*self._modules, *self.module.modules())}.values():
             pop_application(module, self._token)
+        # mixture-of-experts modules this application expanded, back to their
+        # 3-D weights once none of their linears stays quantized
+        for expansion in self._expansions:
+            if expansion.detachable():
+                expansion.detach()
         for hook in self._hooks:
             hook.remove()
         state = state_of(self.module)
@@ -363,6 +370,8 @@ def commit_application(
     for plan in plans:
         attach.commit(plan)
         handle._quantized.append((plan.path, plan.module))
+        if plan.expansion is not None and plan.expansion not in handle._expansions:
+            handle._expansions.append(plan.expansion)
         handle.quantized_paths.append(plan.path or "(root)")
     # a transformers model's bfloat16 attention on this library's kernel where the CPU has it
     handle._hooks = attention.attend_on_kernel(module)

@@ -207,6 +207,7 @@ class ExpertsExpansion:
         self.lists: dict[str, torch.nn.ModuleList] = {}
         self.attached = False
         self.planned: set[int] = set()  # the ids of linears with a quantization planned
+        self.parameter_names = list(module._parameters)  # their order, for `detach`
         self.dropping: set[int] = set()  # of those whose float weight the quantization drops
         with torch.no_grad():  # views, not steps of a graph
             for name in layout.weights:
@@ -317,6 +318,45 @@ class ExpertsExpansion:
         ensure_state(module)
         set_mixins(module, (*mixins_of(module), ExpertLinearsForward))
         _register(module)
+
+    def detachable(self) -> bool:
+        """Whether `detach` can put the 3-D weights back: attached, its lists
+        still in the module, and every linear's weight a float parameter
+        (none quantized, or float8 undone)."""
+        return (
+            self.attached
+            and all(
+                self.module._modules.get(name) is linears for name, linears in self.lists.items()
+            )
+            and all(
+                quantization_of(linear) is None
+                and isinstance(linear._parameters.get("weight"), torch.nn.Parameter)
+                for linear in self.all_linears()
+            )
+        )
+
+    def detach(self) -> None:
+        """Undoes `attach` (once `detachable`; cannot fail): the module's 3-D
+        weights (and biases), in their order, stacked from its linears' weights
+        as they are now (trained, say), and the module's own forward."""
+        module = self.module
+        parameters = {}
+        with torch.no_grad():
+            for name, linears in self.lists.items():
+                weights = [cast(torch.nn.Linear, linear).weight for linear in linears]
+                stacked = torch.stack([w.t() if self.layout.transposed else w for w in weights])
+                parameters[name] = torch.nn.Parameter(stacked, weights[0].requires_grad)
+                if self.layout.biased:
+                    biases = [cast(torch.nn.Linear, linear).bias for linear in linears]
+                    parameters[f"{name}_bias"] = torch.nn.Parameter(
+                        torch.stack(biases), biases[0].requires_grad
+                    )
+                del module._modules[name]
+        for name in self.parameter_names:
+            module._parameters[name] = parameters[name]
+        set_mixins(module, tuple(m for m in mixins_of(module) if m is not ExpertLinearsForward))
+        _MODULES.pop(id(module), None)
+        self.attached = False
 
 
 def _linear(
