@@ -436,6 +436,56 @@ def test_misuse():
     assert torch.equal(logits(model), before)
 
 
+def _whisper() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    return transformers.WhisperForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
+def test_an_encoder_decoder_reading_features_says_what_to_pass_and_calibrates_on_it(
+    config_class,
+):
+    """Whisper's input table is its decoder's, but it reads `input_features`:
+    token ids are refused naming that input, before anything changes, and
+    its features (a tensor, or a dict) calibrate the encoder's blocks."""
+    model = _whisper()
+    features = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    decoder_ids = torch.tensor([[1, 5, 9, 4]] * 2)
+
+    def outputs():
+        with torch.no_grad():
+            return model(input_features=features, decoder_input_ids=decoder_ids).logits
+
+    before = outputs()
+    settings = dict(num_samples=2, sequence_length=8, group_size=16)
+    with pytest.raises(TypeError, match=r"reads 'input_features' \(its main_input_name\)"):
+        quiet_quantize(model, config_class(token_data(), None, **settings))
+    assert all(quantization_of(m) is None for m in model.modules())
+    assert torch.equal(outputs(), before)
+    report = quiet_quantize(model, config_class([features], None, **settings))
+    quantized = {path for path, *_ in report.quantized}
+    assert {"model/encoder/layers/0/fc1", "model/encoder/layers/1/self_attn/q_proj"} <= quantized
+    assert torch.isfinite(outputs()).all()
+    assert float((outputs() - before).abs().max() / before.abs().max()) < 0.2
+
+
 def test_a_second_call_keeps_the_structure_and_changes_nothing():
     # the first call skips what lies outside the decoder blocks (the LM head); a second call,
     # every block already quantized, once took the whole model as the block and calibrated it

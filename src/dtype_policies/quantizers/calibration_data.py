@@ -21,7 +21,9 @@ an offset taken from Python's per-process string hash, so its windows change
 from run to run, ours do not).
 
 Floating-point tensors (or tuples and dicts of tensors) are taken as ready
-model inputs, one batch each, for models that do not read token ids.
+model inputs, one batch each, for models that do not read token ids (a
+Hugging Face model reads them when its `main_input_name` is `"input_ids"`:
+Whisper reads `"input_features"`, and refuses ids naming them).
 
 >>> import torch
 >>> windows = token_windows([torch.arange(12)], None, num_samples=3, sequence_length=4)
@@ -199,6 +201,13 @@ def _vocabulary_size(model: torch.nn.Module) -> int | None:
     return table.num_embeddings if isinstance(table, torch.nn.Embedding) else None
 
 
+def _main_input(model: torch.nn.Module) -> str | None:
+    """A Hugging Face model's main input (its `main_input_name`: `"input_ids"`,
+    Whisper's `"input_features"`, ViT's `"pixel_values"`), else None."""
+    name = getattr(model, "main_input_name", None) if is_huggingface_model(model) else None
+    return name if isinstance(name, str) else None
+
+
 def calibration_inputs(
     dataset: Any,
     tokenizer: Any,
@@ -214,9 +223,12 @@ def calibration_inputs(
     `num_samples` of them, as they are)."""
     items = _items(dataset)
     vocabulary = _vocabulary_size(model)
+    main = _main_input(model)
+    # an encoder-decoder's input table is its decoder's: its main input says what it reads
+    reads_ids = vocabulary is not None if main is None else main == "input_ids"
     if all(_is_model_input(item) for item in items):
         inputs = [torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in items]
-        if vocabulary is not None and isinstance(inputs[0], torch.Tensor):
+        if reads_ids and isinstance(inputs[0], torch.Tensor):
             raise TypeError(
                 f"The calibration dataset holds floating-point tensors ({inputs[0].dtype}, "
                 f"shape {tuple(inputs[0].shape)}), taken as ready model inputs, but this model "
@@ -224,6 +236,12 @@ def calibration_inputs(
                 "model inputs (such as {'inputs_embeds': ...})."
             )
         return inputs[:num_samples]
+    if not reads_ids and main is not None:
+        raise TypeError(
+            f"The calibration dataset holds text or token ids, but {type(model).__name__} "
+            f"reads '{main}' (its main_input_name), not token ids: pass its inputs, "
+            f"floating-point tensors or dicts of model inputs such as {{'{main}': ...}}."
+        )
     windows = token_windows(items, tokenizer, num_samples, sequence_length)
     if vocabulary is not None and windows.numel():
         low, high = int(windows.min()), int(windows.max())
