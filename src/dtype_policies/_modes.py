@@ -59,6 +59,9 @@ class QuantizationMode:
             in checkpoints.
         data_suffix: The suffix of its integer data (`"_int8"`): a checkpoint
             key `<weight><data_suffix>` means a quantized weight.
+        module_buffers: The names of the tensors it stores on the module itself,
+            not beside the weight (float8's scales and amax histories): a
+            checkpoint key `<module>.<name>` means a module in this mode.
         calibrated: Quantizing needs activations (a calibration dataset in
             the config): `quantize()` runs the model block by block on it and
             the scheme's `new_statistics` / `quantize_calibrated` compute the
@@ -82,6 +85,7 @@ class QuantizationMode:
     scheme: Any
     stored_suffixes: tuple[str, ...] = ()
     data_suffix: str | None = None
+    module_buffers: tuple[str, ...] = ()
     calibrated: bool = False
     refused_compute_dtypes: tuple[str, ...] = ()
     parse_policy: Callable[[str, str], Any] | None = None
@@ -204,8 +208,15 @@ def mode_record(name: Any) -> QuantizationMode:
 
 
 def quantized_suffixes() -> tuple[str, ...]:
-    """The data suffixes (`"_int8"`, `"_int4"`) that mark quantized weights."""
-    return tuple(r.data_suffix for r in _MODES.values() if r.data_suffix)
+    """The data suffixes (`"_int8"`, `"_int4"`) that mark quantized weights,
+    each once."""
+    return tuple(dict.fromkeys(r.data_suffix for r in _MODES.values() if r.data_suffix))
+
+
+def module_buffer_modes() -> dict[str, str]:
+    """`{name: mode}` of the tensors modes store on a module itself
+    (float8's `"kernel_scale"`, ...): they mark a module in that mode."""
+    return {name: r.name for r in _MODES.values() for name in r.module_buffers}
 
 
 def stored_suffixes() -> tuple[str, ...]:

@@ -127,10 +127,11 @@ def test_quantized_checkpoint_into_float_model_strict_raises(mode, kind):
 
 
 @pytest.mark.parametrize("kind", ["torch", "layers"])
-@pytest.mark.parametrize("mode", INTEGER_MODES)
+@pytest.mark.parametrize("mode", [*INTEGER_MODES, "float8"])
 def test_quantized_checkpoint_into_float_model_strict_failure_changes_nothing(mode, kind):
     """Stricter than torch (whose failing strict load has already copied the
-    matching keys): a model of ours refuses before loading anything."""
+    matching keys): a model of ours refuses before loading anything, float8's
+    state too (its float weights share the float model's keys)."""
     checkpoint, target = _quantized_checkpoint_and_float_target(mode, kind)
     before = snapshot(target)
     with pytest.raises((RuntimeError, ValueError)):
@@ -166,6 +167,8 @@ OTHER_MODE_CASES = [
     ("int8", "int4_128"),
     ("int4_pc", "int4_128"),
     ("int8", "int4_pc"),
+    ("float8", "int8"),
+    ("float8", "int4_128"),
 ]
 
 

@@ -6,8 +6,10 @@ The root of a load (any policied module or `Layer`) checks its whole subtree
 first, so a checkpoint that cannot load changes nothing:
 
 * quantized weights (`<w>_int8`, `<w>_int4`: the data suffix of every
-  registered mode) for a module that is not quantized raise `ValueError`
-  naming the keys (never int8 values cast into float weights);
+  registered mode), or a mode's own buffers (float8's `kernel_scale`, ...),
+  for a module that is not quantized raise `ValueError` naming the keys
+  (never int8 values cast into float weights, nor float8's weights loaded
+  before torch refuses its scales);
 * a quantized module checks its own keys (`QuantizedWeight.check_checkpoint`:
   another mode, or the same mode stored with another layout);
 * a module with a `_dp_check_checkpoint(state_dict, prefix)` method checks
@@ -23,14 +25,15 @@ from __future__ import annotations
 import torch
 
 from dtype_policies._core.module_state import quantization_of
-from dtype_policies._modes import quantized_suffixes
+from dtype_policies._modes import module_buffer_modes, quantized_suffixes, stored_suffixes
 
 
 def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> None:
     """Raises `ValueError` if `state_dict` cannot load into the tree at `root`
     (loaded under `prefix`); reads only, changes nothing."""
     suffixes = quantized_suffixes()
-    if not any(key.endswith(suffixes) for key in state_dict) and not any(
+    buffer_modes = module_buffer_modes()
+    if not any(_quantized_key(key, suffixes, buffer_modes) for key in state_dict) and not any(
         quantization_of(module) is not None for module in root.modules()
     ):
         return
@@ -50,13 +53,35 @@ def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> No
             for suffix in suffixes
             if module_prefix + weight + suffix in state_dict
         ]
+        refused += foreign_module_buffers(module, state_dict, module_prefix)
     if refused:
         paths = sorted({key.rsplit(".", 1)[0] if "." in key else "(root)" for key in refused})
         raise ValueError(
-            f"The checkpoint holds quantized weights {refused}, but the module(s) {paths} "
+            f"The checkpoint holds quantized state {refused}, but the module(s) {paths} "
             "are not quantized. Quantize the model the same way (quantize() with the same "
             "mode and config) before loading; nothing was loaded."
         )
+
+
+def foreign_module_buffers(
+    module: torch.nn.Module, state_dict: dict, prefix: str, expected: frozenset[str] = frozenset()
+) -> list[str]:
+    """The keys of `state_dict` under `prefix` that are a mode's own buffers
+    (float8's `kernel_scale`, ...) which `module` neither holds nor `expected`.
+    A name that is also a weight's stored tensor (int8's `kernel_scale` of a
+    `kernel`) is left to the weight's checks."""
+    parameters = [name for name, _ in module.named_parameters(recurse=False)]
+    own = set(parameters) | {name for name, _ in module.named_buffers(recurse=False)}
+    own |= {weight + suffix for weight in parameters for suffix in stored_suffixes()}
+    return [
+        prefix + name
+        for name in module_buffer_modes()
+        if prefix + name in state_dict and name not in own and name not in expected
+    ]
+
+
+def _quantized_key(key: str, suffixes: tuple[str, ...], buffer_modes: dict[str, str]) -> bool:
+    return key.endswith(suffixes) or key.rsplit(".", 1)[-1] in buffer_modes
 
 
 def guard_loading(root: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.checkpoints import foreign_module_buffers
 from dtype_policies._modes import stored_suffixes
 from dtype_policies.quantizers.config import QuantizationConfig
 
@@ -310,6 +311,9 @@ class QuantizedWeight:
         (int4 per channel against grouped, another block size); reads only."""
         name = self.weight_name
         expected = self.scheme.stored_shapes(self.spec, self.config)
+        other_modes_buffers = foreign_module_buffers(
+            module, state_dict, prefix, frozenset(expected)
+        )
         own = {prefix + buffer for buffer in expected}  # float8's state is not under the weight
         state_dict = {
             k: v for k, v in state_dict.items() if k.startswith(prefix + name) or k in own
@@ -320,7 +324,7 @@ class QuantizedWeight:
             prefix + name + suffix
             for suffix in stored_suffixes()
             if prefix + name + suffix in state_dict and name + suffix not in expected
-        ]
+        ] + other_modes_buffers
         if foreign:
             raise ValueError(
                 f"The checkpoint holds {foreign}, stored by another quantization mode or "

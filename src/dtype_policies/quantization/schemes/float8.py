@@ -397,6 +397,7 @@ register_mode(
         config_class=Float8QuantizationConfig,
         policy_class=QuantizedFloat8DTypePolicy,
         scheme=Float8Scheme(),
+        module_buffers=STATE_NAMES,
         policy_for_config=lambda config, source: QuantizedFloat8DTypePolicy(
             "float8", source, config.history_length, config.scaling
         ),
