@@ -174,6 +174,50 @@ def test_layers_model_round_trip_with_quantized_sublayers(tmp_path):
     del build
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
+def test_a_policy_map_given_to_layers_is_restored_by_load(quantized, tmp_path):
+    """Keras's saved configs hold a layer's `DTypePolicyMap`, not its entry:
+    the loaded layers share one map equal to the saved one again, resolved
+    at the saved paths, whatever policy the target was built with."""
+
+    def build(dtype=None):
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        model = layers.Sequential(
+            [layers.Dense(16, **kwargs), layers.Dense(8, **kwargs)], name="model", **kwargs
+        )
+        model(torch.randn(2, 32))
+        return model
+
+    policy_map = DTypePolicyMap("float32", {"model/0": "mixed_bfloat16"})
+    torch.manual_seed(0)
+    model = build(policy_map)
+    if quantized:
+        quantize(model, "int8")
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    expected = model(x)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    torch.manual_seed(1)
+    loaded = saving.load(build(), path)
+    assert loaded.dtype_policy.is_map and loaded.dtype_policy == model.dtype_policy
+    assert all(layer.dtype_policy is loaded.dtype_policy for layer in loaded.layers)
+    assert [layer.path for layer in loaded.layers] == ["model/0", "model/1"]
+    assert [layer.dtype_policy.name for layer in loaded.layers] == [
+        layer.dtype_policy.name for layer in model.layers
+    ]
+    assert torch.equal(loaded(x), expected)
+
+
+def test_a_loaded_layer_keeps_its_path(tmp_path):
+    model = layers.Sequential([layers.Dense(8, dtype="mixed_bfloat16")], name="model")
+    model(torch.randn(2, 4))
+    path = saving.save(model, tmp_path / "m.safetensors")
+    target = layers.Sequential([layers.Dense(8)], name="model")
+    target(torch.randn(2, 4))
+    saving.load(target, path)
+    assert target.layers[0].dtype_policy.name == "mixed_bfloat16"
+    assert target.layers[0].path == "model/0"
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("policy", [None, "mixed_bfloat16", "float8"])
 def test_an_untied_checkpoint_is_refused_by_a_tied_target(tmp_path, device, policy):

@@ -27,10 +27,11 @@ from dtype_policies._core.slots import (
     stored_buffer,
     stored_parameter,
 )
+from dtype_policies._paths import join, root_path_of
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import Step, commit_application
 from dtype_policies.layers.layer import Layer, resolved_policy
-from dtype_policies.policies import DTypePolicy
+from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
 from dtype_policies.quantization.kinds import kind_of
@@ -307,6 +308,7 @@ def plan_from_manifest(
     problems: list[str] = []
     expansions = _expansions(modules, manifest.experts, problems)
     steps: list[Step] = []
+    saved_policies: dict[str, DTypePolicy] = {}  # the steps' policies, resolved, by name
     for name, record in manifest.modules.items():
         target = modules.get(name)
         if target is None or isinstance(target, Layer):
@@ -318,6 +320,9 @@ def plan_from_manifest(
             problems.append(f"'{name or '(root)'}': its saved policy cannot be read: {e}")
             continue
         steps.append(Step(name.replace(".", "/"), target, options.policy, options.island, options))
+        saved_policies[name] = options.policy
+    maps = _saved_maps(manifest, problems)
+    root_path = root_path_of(module)
     for name, record in manifest.layers.items():
         target = modules.get(name)
         if not isinstance(target, Layer):
@@ -328,10 +333,11 @@ def plan_from_manifest(
         except (ValueError, TypeError) as e:
             problems.append(f"'{name or '(root)'}': its saved policy cannot be read: {e}")
             continue
-        if resolved_policy(target) != policy:
-            steps.append(Step(name.replace(".", "/"), target, policy))
+        step = _layer_step(name, target, policy, manifest, maps, root_path, problems)
+        if step is not None:
+            steps.append(step)
+            saved_policies[name] = policy
     plans = []
-    saved_policies = {step.path.replace("/", "."): step.policy for step in steps}
     for name, record in manifest.quantized.items():
         target = modules.get(name)
         try:
@@ -345,6 +351,61 @@ def plan_from_manifest(
             f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
         )
     return steps, plans, expansions
+
+
+def _saved_maps(manifest: Manifest, problems: list[str]) -> list[DTypePolicyMap | None]:
+    """The manifest's policy maps, one object each (layers that shared a map
+    share it again); `None` for one that cannot be read."""
+    maps: list[DTypePolicyMap | None] = []
+    for index, record in enumerate(manifest.policy_maps):
+        try:
+            saved = layer_policy(record)
+        except (ValueError, TypeError) as e:
+            problems.append(f"saved policy map {index} cannot be read: {e}")
+            saved = None
+        if saved is not None and not saved.is_map:
+            problems.append(f"saved policy map {index} is not a DTypePolicyMap: {saved!r}")
+            saved = None
+        maps.append(saved)
+    return maps
+
+
+def _layer_step(
+    name: str,
+    target: Layer,
+    policy: DTypePolicy,
+    manifest: Manifest,
+    maps: list[DTypePolicyMap | None],
+    root_path: str,
+    problems: list[str],
+) -> Step | None:
+    """The step that makes `target` compute by its saved `policy`: the saved
+    map resolved at the saved path when the layer had one, else the policy
+    itself; `None` when the target is that already."""
+    saved_map = manifest.layer_maps.get(name)
+    if saved_map is None:
+        if resolved_policy(target) == policy:
+            return None
+        return Step(join(root_path, name.replace(".", "/")), target, policy)
+    if not 0 <= saved_map.map < len(maps):
+        problems.append(f"'{name or '(root)'}': its saved policy map {saved_map.map} is not saved")
+        return None
+    policy_map = maps[saved_map.map]
+    if policy_map is None:
+        return None  # its problem is listed
+    try:
+        resolved = policy_map[saved_map.path]
+    except ValueError as e:
+        resolved = e
+    if resolved != policy:
+        problems.append(
+            f"'{name or '(root)'}': its saved policy map resolves '{saved_map.path}' to "
+            f"{resolved!r}, not to its saved policy {policy!r}"
+        )
+        return None
+    if target.dtype_policy == policy_map and target.path == saved_map.path:
+        return None
+    return Step(saved_map.path, target, policy_map)
 
 
 def _expansions(

@@ -90,6 +90,16 @@ class QuantizedRecord:
 
 
 @dataclass
+class LayerMap:
+    """A layer whose policy is a `DTypePolicyMap`: the map (an index into the
+    manifest's `policy_maps`, one entry per map object, however many layers
+    share it) and the path the layer resolves it at."""
+
+    map: int
+    path: str
+
+
+@dataclass
 class Manifest:
     """What `saving.save` writes besides the tensors."""
 
@@ -103,6 +113,10 @@ class Manifest:
     # mixture-of-experts modules computing with one linear per expert
     # (`quantization.experts`): expanded again before loading
     experts: list[str] = field(default_factory=list)
+    # `layers` holds each layer's resolved policy; a layer given a map also
+    # gets the map back (Keras's saved configs hold the map, not its entries)
+    policy_maps: list[dict[str, Any]] = field(default_factory=list)
+    layer_maps: dict[str, LayerMap] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def to_json(self, indent: int | None = None) -> str:
@@ -135,6 +149,8 @@ class Manifest:
                 non_persistent=[str(k) for k in data["non_persistent"]],
                 classes={str(k): str(v) for k, v in data.get("classes", {}).items()},
                 experts=[str(k) for k in data.get("experts", [])],
+                policy_maps=[dict(m) for m in data.get("policy_maps", [])],
+                layer_maps={str(k): LayerMap(**v) for k, v in data.get("layer_maps", {}).items()},
                 format_version=version,
             )
         except (KeyError, TypeError, AttributeError) as e:
@@ -144,12 +160,19 @@ class Manifest:
 def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     """The manifest of `module` as it is now."""
     manifest = Manifest(library_version=library_version)
+    map_indices: dict[int, int] = {}  # id of a map -> its index in `policy_maps`
     for name, submodule in module.named_modules():
         manifest.classes[name] = class_name(submodule)
         if expanded(submodule):
             manifest.experts.append(name)
         if isinstance(submodule, Layer):
             manifest.layers[name] = serialize(resolved_policy(submodule))
+            in_force = submodule.dtype_policy
+            if in_force.is_map and submodule.path is not None:
+                if id(in_force) not in map_indices:
+                    map_indices[id(in_force)] = len(manifest.policy_maps)
+                    manifest.policy_maps.append(serialize(in_force))
+                manifest.layer_maps[name] = LayerMap(map_indices[id(in_force)], submodule.path)
         else:
             options = top_options(submodule)
             # quantize()'s own application is rebuilt with the quantized record
