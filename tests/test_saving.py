@@ -382,6 +382,49 @@ def test_the_saved_policies_win_over_the_targets(target_policy, tmp_path):
     assert_unchanged(extra, before)
 
 
+@pytest.mark.parametrize("mode", [None, "int8", "float8"])
+@pytest.mark.parametrize("applied_on", ["root", "part"])
+def test_a_checkpoint_without_policies_leaves_the_target_none(mode, applied_on, tmp_path):
+    """The manifest records every policied module, so a module it does not
+    list had none: the target's policies (apply_policy on it or on a part of
+    it) give way, and a quantized module computes in its weight's dtype."""
+    torch.manual_seed(0)
+    model = prepare(mlp(), None, mode, None)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    expected = model(x)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    target = mlp()
+    apply_policy(target if applied_on == "root" else target[:3], "mixed_bfloat16")
+    saving.load(target, path)
+    assert [getattr(m, "dtype_policy", None) for m in target] == [
+        getattr(m, "dtype_policy", None) for m in model
+    ]
+    out = target(x)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+
+
+def test_layers_keep_the_saved_policy_the_target_had_only_by_apply_policy(tmp_path):
+    """A layer whose saved policy the target gave it by apply_policy keeps it
+    when the load replaces that application (it compared before as equal)."""
+
+    def build(first=None):
+        kwargs = {} if first is None else {"dtype": first}
+        model = layers.Sequential([layers.Dense(8, **kwargs), layers.Dense(4)], name="m")
+        model(torch.randn(2, 16))
+        return model
+
+    torch.manual_seed(0)
+    model = build("mixed_bfloat16")
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    expected = model(x)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    target = build()
+    apply_policy(target, "mixed_bfloat16")
+    saving.load(target, path)
+    assert [layer.dtype_policy.name for layer in target.layers] == ["mixed_bfloat16", "float32"]
+    assert torch.equal(target(x), expected)
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -18,6 +18,7 @@ from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_rules import ModuleRule, matches_any, module_rules
 from dtype_policies._core.module_state import (
+    Token,
     drop_state_if_empty,
     ensure_state,
     pop_application,
@@ -116,9 +117,9 @@ class PolicyHandle:
         self._remove(stacklevel=3)
         model_changed(self.module)
 
-    def _remove(self, stacklevel: int = 2) -> None:
+    def _remove(self, stacklevel: int = 2, keep_quantized: bool = False) -> None:
         kept = []
-        for path, module in self._quantized:
+        for path, module in [] if keep_quantized else self._quantized:
             if attach.quantization_of(module) is not None and (
                 attach.quantization_of(module).scheme.keeps_float_weight
             ):
@@ -158,6 +159,57 @@ class PolicyHandle:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.remove()
+
+
+def applications_on(module: torch.nn.Module) -> frozenset[object]:
+    """The tokens of the applications (`apply_policy`, a load) in force on
+    `module` and its submodules, wherever they were made; not the permanent
+    entries (a layer's own policy, `quantize()`'s own application)."""
+    return frozenset(
+        token
+        for m in module.modules()
+        if (state := state_of(m)) is not None
+        for token, _ in state.applications
+        if not isinstance(token, Token)
+    )
+
+
+def lift_applications(module: torch.nn.Module) -> None:
+    """Takes every application off `module` and its submodules (those made on
+    them entirely, hooks included), leaving what they quantized quantized,
+    float8 too: a load replacing them planned with it."""
+    for m in module.modules():
+        handle = getattr(state_of(m), "handle", None)
+        if handle is not None and not handle.removed:
+            handle._remove(keep_quantized=True)
+    tokens = applications_on(module)  # made on a module outside `module`
+    for m in module.modules():
+        for token in tokens:
+            pop_application(m, token)
+
+
+def entry_without(
+    module: torch.nn.Module, tokens: frozenset[object]
+) -> LayerApplication | policy_module.ModuleOptions | None:
+    """The application entry `module` computes by once the applications
+    `tokens` are lifted (a layer's own at least; `None` for a torch module
+    left without one)."""
+    state = state_of(module)
+    entries = [] if state is None else [e for t, e in state.applications if t not in tokens]
+    return entries[-1] if entries else None
+
+
+def policy_without(module: torch.nn.Module, tokens: frozenset[object]) -> DTypePolicy | None:
+    """The policy `module` computes by once the applications `tokens` are
+    lifted (a map resolved at the layer's path); `None` for a torch module
+    left without one."""
+    entry = entry_without(module, tokens)
+    if isinstance(entry, LayerApplication):
+        policy = entry.policy
+        if policy.is_map:
+            return policy[entry.path] if entry.path is not None else policy.default_policy
+        return policy
+    return None if entry is None else entry.policy
 
 
 @dataclass

@@ -27,10 +27,18 @@ from dtype_policies._core.slots import (
     stored_buffer,
     stored_parameter,
 )
+from dtype_policies._dtypes import standardize_dtype
 from dtype_policies._paths import join, root_path_of
 from dtype_policies._version import __version__
-from dtype_policies.apply.apply import Step, commit_application
-from dtype_policies.layers.layer import Layer, resolved_policy
+from dtype_policies.apply.apply import (
+    Step,
+    applications_on,
+    commit_application,
+    entry_without,
+    lift_applications,
+    policy_without,
+)
+from dtype_policies.layers.layer import Layer
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
@@ -168,9 +176,10 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     `module` is a freshly built float model of the same architecture; it may
     be built on the `meta` device (`with torch.device("meta"): model = ...`),
     so that a large model never needs twice its memory. Its policies are
-    re-applied, what was quantized is quantized again (with the saved tensors,
-    not from the float weights), and every tensor is loaded: outputs are
-    bit-identical to the saved model's.
+    re-applied (replacing any `apply_policy` in force on `module`: a module
+    saved without a policy is loaded without one), what was quantized is
+    quantized again (with the saved tensors, not from the float weights), and
+    every tensor is loaded: outputs are bit-identical to the saved model's.
 
     Raises `CheckpointError` (a `ValueError`) naming each path that differs
     (a missing or extra module or tensor, another shape, dtype or mode), or
@@ -206,6 +215,8 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     # Nothing above changed `module`; nothing below can fail on a checked file.
     for expansion in expansions.values():
         expansion.attach()
+    # the saved policies replace every application made on the target, as planned
+    lift_applications(module)
     if steps:
         commit_application(module, steps, [])
     for plan in plans:
@@ -306,6 +317,10 @@ def plan_from_manifest(
     """
     modules = dict(module.named_modules())
     problems: list[str] = []
+    # planned against the target without the applications made on it
+    # (`apply_policy`, an earlier load), which the load replaces: a module
+    # the manifest gives no policy keeps none of the target's
+    replaced = applications_on(module)
     expansions = _expansions(modules, manifest.experts, problems)
     steps: list[Step] = []
     saved_policies: dict[str, DTypePolicy] = {}  # the steps' policies, resolved, by name
@@ -333,7 +348,7 @@ def plan_from_manifest(
         except (ValueError, TypeError) as e:
             problems.append(f"'{name or '(root)'}': its saved policy cannot be read: {e}")
             continue
-        step = _layer_step(name, target, policy, manifest, maps, root_path, problems)
+        step = _layer_step(name, target, policy, manifest, maps, root_path, replaced, problems)
         if step is not None:
             steps.append(step)
             saved_policies[name] = policy
@@ -342,7 +357,8 @@ def plan_from_manifest(
         target = modules.get(name)
         try:
             saved = saved_policies.get(name)
-            plans.extend(_plan_quantized(name, target, record, tensor_for, saved))
+            kept = None if target is None or saved is not None else policy_without(target, replaced)
+            plans.extend(_plan_quantized(name, target, record, tensor_for, saved, kept))
         except (CheckpointError, NotImplementedError, ValueError, TypeError, AttributeError) as e:
             problems.append(f"'{name or '(root)'}': {e}")  # a record that does not fit its mode
     ExpertsExpansion.claim_all(plans, list(expansions.values()))
@@ -377,14 +393,15 @@ def _layer_step(
     manifest: Manifest,
     maps: list[DTypePolicyMap | None],
     root_path: str,
+    replaced: frozenset[object],
     problems: list[str],
 ) -> Step | None:
     """The step that makes `target` compute by its saved `policy`: the saved
     map resolved at the saved path when the layer had one, else the policy
-    itself; `None` when the target is that already."""
+    itself; `None` when the target is that already without `replaced`."""
     saved_map = manifest.layer_maps.get(name)
     if saved_map is None:
-        if resolved_policy(target) == policy:
+        if policy_without(target, replaced) == policy:
             return None
         return Step(join(root_path, name.replace(".", "/")), target, policy)
     if not 0 <= saved_map.map < len(maps):
@@ -403,7 +420,8 @@ def _layer_step(
             f"{resolved!r}, not to its saved policy {policy!r}"
         )
         return None
-    if target.dtype_policy == policy_map and target.path == saved_map.path:
+    entry = entry_without(target, replaced)
+    if entry is not None and entry.policy == policy_map and entry.path == saved_map.path:
         return None
     return Step(saved_map.path, target, policy_map)
 
@@ -450,11 +468,14 @@ def _plan_quantized(
     record: QuantizedRecord,
     tensor_for: TensorFor,
     saved_policy: DTypePolicy | None = None,
+    kept_policy: DTypePolicy | None = None,
 ) -> list[attach.Plan]:
     """The plan of one saved quantized module. It computes from the policy
     saved for it (`saved_policy`, which loading applies) whatever policy the
-    target has now; without one (quantized on a float model, no policy), in
-    the dtype of the target's weight, as a dtype conversion would."""
+    target has now; without one, from the policy the target keeps through the
+    load (`kept_policy`: one applied to a part of it), else (quantized on a
+    float model, no policy) in the dtype of the target's weight, as a dtype
+    conversion would."""
     if target is None:
         raise CheckpointError("no such module in the target")
     config = record.quantization_config
@@ -484,9 +505,11 @@ def _plan_quantized(
     for buffer, (shape, dtype) in scheme.stored_shapes(spec, config).items():
         key = f"{name}.{buffer}" if name else buffer
         tensors[buffer] = tensor_for(key, tuple(shape), dtype)
-    source = None
-    if saved_policy is not None:
-        source = getattr(saved_policy, "source_policy", None) or saved_policy
+    source = saved_policy or kept_policy
+    if source is not None:
+        source = getattr(source, "source_policy", None) or source
+    elif (weight := stored_parameter(target, spec.weight)) is not None:
+        source = DTypePolicy(standardize_dtype(weight.dtype))  # not the replaced policy's
     try:
         plan = attach.plan(
             target, config, path=name, type_check=False, kind=kind, tensors=tensors, source=source
