@@ -360,6 +360,25 @@ def test_mismatches_raise_naming_the_path_and_change_nothing(tmp_path):
     assert_unchanged(other_mode, before)
 
 
+def test_one_error_lists_every_way_the_target_differs(tmp_path):
+    """Another quantization mode and other tensor shapes, in one error: the
+    module that cannot be planned does not hide the tensors that differ."""
+    model = prepare(mlp(), "mixed_bfloat16", "int8", None)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    target = nn.Sequential(
+        nn.Linear(64, 96), nn.GELU(), nn.LayerNorm(128), nn.Linear(96, 64), nn.Linear(64, 16)
+    )
+    quantize(target[4], "int4")
+    before = snapshot(target)
+    with pytest.raises(saving.CheckpointError) as info:
+        saving.load(target, path)
+    message = str(info.value)
+    assert "'4': the target is quantized in mode 'int4'" in message
+    assert "'2.weight': checkpoint ((96,), 'F32'), target ((128,), 'F32')" in message
+    assert "'2.bias'" in message and "'4.weight_int4'" not in message
+    assert_unchanged(target, before)
+
+
 @pytest.mark.parametrize("target_policy", ["float32", "bfloat16", "mixed_float16", "float16"])
 def test_the_saved_policies_win_over_the_targets(target_policy, tmp_path):
     """A target with a policy of its own gets the saved policies, quantized

@@ -208,10 +208,10 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest)
-    steps, plans, expansions = plan_from_manifest(
-        module, manifest, _saved_tensors(state), str(file)
-    )
-    _check_state(module, manifest, header, plans, expansions, str(file))
+    steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
+    problems += _state_problems(module, manifest, header, plans, expansions, unfit)
+    if problems:
+        raise_unfit(str(file), problems)
     # Nothing above changed `module`; nothing below can fail on a checked file.
     for expansion in expansions.values():
         expansion.attach()
@@ -315,8 +315,29 @@ def plan_from_manifest(
     (the Hugging Face route). Raises `CheckpointError` listing every module
     that does not fit.
     """
+    steps, plans, expansions, problems, _ = _plan(module, manifest, tensor_for)
+    if problems:
+        raise_unfit(source, problems)
+    return steps, plans, expansions
+
+
+def raise_unfit(source: str, problems: list[str]) -> None:
+    """Raises the `CheckpointError` listing every way `source` does not fit."""
+    shown = problems[:25]
+    more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    raise CheckpointError(
+        f"{source} does not fit the target module:\n  " + "\n  ".join(shown) + more
+    )
+
+
+def _plan(
+    module: torch.nn.Module, manifest: Manifest, tensor_for: TensorFor
+) -> tuple[list[Step], list[attach.Plan], dict[str, ExpertsExpansion], list[str], set[str]]:
+    """`plan_from_manifest`'s steps, plans and expansions, with every problem
+    found and the names of the quantized modules that could not be planned."""
     modules = dict(module.named_modules())
     problems: list[str] = []
+    unfit: set[str] = set()
     # planned against the target without the applications made on it
     # (`apply_policy`, an earlier load), which the load replaces: a module
     # the manifest gives no policy keeps none of the target's
@@ -361,12 +382,9 @@ def plan_from_manifest(
             plans.extend(_plan_quantized(name, target, record, tensor_for, saved, kept))
         except (CheckpointError, NotImplementedError, ValueError, TypeError, AttributeError) as e:
             problems.append(f"'{name or '(root)'}': {e}")  # a record that does not fit its mode
+            unfit.add(name)
     ExpertsExpansion.claim_all(plans, list(expansions.values()))
-    if problems:
-        raise CheckpointError(
-            f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
-        )
-    return steps, plans, expansions
+    return steps, plans, expansions, problems, unfit
 
 
 def _saved_maps(manifest: Manifest, problems: list[str]) -> list[DTypePolicyMap | None]:
@@ -575,16 +593,17 @@ def _module_tensors(module: torch.nn.Module):
     yield from module.buffers()
 
 
-def _check_state(
+def _state_problems(
     module: torch.nn.Module,
     manifest: Manifest,
     header: dict,
     plans: list[attach.Plan],
     expansions: dict[str, ExpertsExpansion],
-    source: str,
-) -> None:
-    """The target's tensors, once the plans are committed, are exactly the
-    checkpoint's keys, with the same shapes and dtypes."""
+    unfit: set[str],
+) -> list[str]:
+    """How the target's tensors, once the plans are committed, differ from
+    the checkpoint's keys, shapes and dtypes (the tensors of the quantized
+    modules in `unfit`, which could not be planned and are reported, left out)."""
     expected: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
         expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
@@ -617,6 +636,18 @@ def _check_state(
     saved = dict(header)
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))
+    modules = dict(module.named_modules())
+    for name in unfit:  # its quantized weight's keys: reported already
+        record = manifest.quantized[name]
+        prefix = f"{name}." if name else ""
+        expected.pop(prefix + record.weight, None)
+        for buffer in record.stored:
+            expected.pop(prefix + buffer, None)
+            saved.pop(prefix + buffer, None)
+        target = modules.get(name)
+        quantized = None if target is None else attach.quantization_of(target)
+        for buffer in () if quantized is None else quantized.stored_names:
+            expected.pop(prefix + buffer, None)
     problems = [f"'{key}' is missing from the checkpoint" for key in expected if key not in saved]
     problems += unmatched
     problems += [
@@ -644,7 +675,4 @@ def _check_state(
                 f"{', '.join(repr(name) for name in held)} are one tensor (tied) in the "
                 "target and separate tensors in the checkpoint"
             )
-    if problems:
-        raise CheckpointError(
-            f"{source} does not fit the target module:\n  " + "\n  ".join(problems[:25])
-        )
+    return problems
