@@ -309,6 +309,40 @@ def test_bert_round_trip_is_bit_exact(tmp_path):
     assert policies(loaded) == policies(model)
 
 
+@pytest.mark.parametrize("architecture", ["bert", "roberta"])
+def test_masked_lm_with_int4_tied_embeddings_round_trip(architecture, tmp_path):
+    """The decoder's weight is the embedding's, its bias `cls.predictions.bias`
+    (tied by transformers): initializing the decoder and tying its bias read
+    its weight, from int4 tensors shared only once loading is over (group
+    indices out of range: an IndexError). Both wait for them now."""
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    if architecture == "bert":
+        config, cls = transformers.BertConfig(vocab_size=128, **sizes), transformers.BertForMaskedLM
+    else:
+        config = transformers.RobertaConfig(vocab_size=128, pad_token_id=1, **sizes)
+        cls = transformers.RobertaForMaskedLM
+    model = cls(config).eval()
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32, tied_embeddings="int4"))
+    model.save_pretrained(tmp_path)
+    capture = _Capture()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(capture)
+    try:
+        loaded = cls.from_pretrained(tmp_path)
+    finally:
+        logger.removeHandler(capture)
+    assert not [m for m in capture.messages if "LOAD REPORT" in m], capture.messages
+    head = loaded.get_output_embeddings()
+    assert head.weight_int4 is loaded.get_input_embeddings().weight_int4
+    bias = loaded.cls.predictions.bias if architecture == "bert" else loaded.lm_head.bias
+    assert head.bias is bias
+    ids = torch.randint(2, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert policies(loaded) == policies(model)
+
+
 def test_sharded_checkpoint_and_resave(tmp_path):
     torch.manual_seed(0)
     model = llama()

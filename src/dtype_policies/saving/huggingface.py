@@ -178,6 +178,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         self._steps: list = []  # the policies, applied once the weights are in
         self._aliases: dict[str, str] = {}  # stored tensors shared by tied modules
         self._stored: list[str] = []  # the quantized tensors the loader must fill
+        self._deferred_ties: dict[str, str] = {}  # tied once the aliases are shared
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -192,13 +193,14 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         if header is not None:
             header = _as_model_keys(model, header)
             _check_headers(model, manifest, plans, header)
+        tied = _tied_keys(model)
         for expansion in expansions.values():
             expansion.attach()
         for plan in plans:
             attach.commit(plan)
             if (
                 header is not None
-                and _all_keys_saved(plan, header, manifest.aliases)
+                and _all_keys_saved(plan, header, manifest.aliases, tied)
                 # non-persistent buffers (Gemma's `embed_scale`) come from the model's init
                 and not non_persistent_buffer_names(plan.module)
             ):
@@ -211,15 +213,22 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
             f"{plan.path}.{name}" if plan.path else name for plan in plans for name in plan.tensors
         ]
         _untie_quantized(model, manifest)
+        self._deferred_ties = _defer_ties_reading_aliases(model, manifest)
         sentinels = [_sentinel_key(name, record) for name, record in _integer_records(manifest)]
         _ignore_keys(model, "_keys_to_ignore_on_load_unexpected", sentinels)
-        _ignore_keys(model, "_keys_to_ignore_on_load_missing", list(self._aliases))
+        _ignore_keys(
+            model, "_keys_to_ignore_on_load_missing", [*self._aliases, *self._deferred_ties]
+        )
         _set_flags(model, manifest)
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         for alias, key in self._aliases.items():
             replace_buffer(model, alias, model.get_buffer(key))
+        for target, source in self._deferred_ties.items():  # as transformers ties them
+            parent, _, name = target.rpartition(".")
+            setattr(model.get_submodule(parent), name, model.get_parameter(source))
+        self._deferred_ties = {}
         left = [key for key in self._stored if model.get_buffer(key).device.type == "meta"]
         if left:
             raise CheckpointError(
@@ -491,14 +500,25 @@ def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) ->
         )
 
 
-def _all_keys_saved(plan: attach.Plan, header: dict, aliases: dict) -> bool:
+def _all_keys_saved(plan: attach.Plan, header: dict, aliases: dict, tied: dict) -> bool:
     """Whether every tensor of the plan's module comes from the file, itself
-    or through a tied module's (an alias, shared again after loading)."""
+    or through a tied module's: an alias of its stored tensors (shared again
+    after loading), or a parameter transformers ties by name (`tied`, such
+    as BERT's `cls.predictions.decoder.bias` to `cls.predictions.bias`).
+    Otherwise transformers initializes the module, which reads its weight,
+    dequantized from stored tensors not loaded yet."""
     prefix = f"{plan.path}." if plan.path else ""
     return all(
-        prefix + key in header or aliases.get(prefix + key) in header
+        prefix + key in header
+        or aliases.get(prefix + key) in header
+        or tied.get(prefix + key) in header
         for key in plan.module.state_dict()
     )
+
+
+def _tied_keys(model: Any) -> dict[str, str]:
+    """transformers' `{tied parameter: the parameter it is tied to}`."""
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
 def _untie_quantized(model: Any, manifest: Manifest) -> None:
@@ -512,6 +532,25 @@ def _untie_quantized(model: Any, manifest: Manifest) -> None:
     for target, source in list(tied.items()):
         if target in gone or source in gone:
             del tied[target]
+
+
+def _defer_ties_reading_aliases(model: Any, manifest: Manifest) -> dict[str, str]:
+    """Takes out of transformers' tied keys (and returns) the pairs whose
+    target is a parameter of a module whose stored tensors are aliases:
+    tying reads the module's weight (`_adjust_bias`, for BERT's decoder bias),
+    dequantized from tensors that are shared only once the loading is over
+    (uninitialized memory before; int4's group indices out of range). They
+    are tied after the aliases are shared."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not tied:
+        return {}
+    aliased = {alias.rpartition(".")[0] for alias in manifest.aliases}
+    deferred = {
+        target: source for target, source in tied.items() if target.rpartition(".")[0] in aliased
+    }
+    for target in deferred:
+        del tied[target]
+    return deferred
 
 
 def _ignore_keys(model: Any, attribute: str, keys: list[str]) -> None:
