@@ -16,6 +16,7 @@ from dtype_policies.quantization import (
     Int8QuantizationConfig,
     QuantizationReport,
 )
+from dtype_policies.quantizers import AbsMaxQuantizer
 
 MODES = ["int8", "int4", "float8"]
 # Relative error bounds of a random layer's output against float32.
@@ -88,6 +89,22 @@ def test_int8_weight_only_and_int4_per_channel_configs():
     assert per_channel.dtype_policy.name == "int4/-1_from_mixed_bfloat16"
     assert per_channel.kernel_scale.shape == (16,) and "kernel_zero" not in per_channel.state_dict()
     assert relative_error(per_channel(x), reference) < TOLERANCE["int4"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Int8QuantizationConfig(),
+        Int8QuantizationConfig(activation_quantizer=None),
+        Int4QuantizationConfig(),
+        Int4QuantizationConfig(block_size=-1, activation_quantizer=None),
+    ],
+    ids=repr,
+)
+def test_a_config_reads_back_from_its_repr(config):
+    # a weight-only int8 config printed as `Int8QuantizationConfig()`, which is W8A8
+    namespace = {type(config).__name__: type(config), "AbsMaxQuantizer": AbsMaxQuantizer}
+    assert eval(repr(config), namespace) == config
 
 
 @pytest.mark.parametrize("mode", MODES)

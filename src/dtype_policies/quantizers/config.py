@@ -231,11 +231,18 @@ class QuantizationConfig:
         return hash((type(self).__name__, repr(self._identity())))
 
     def __repr__(self) -> str:
-        quantizers = ("weight_quantizer", "activation_quantizer")  # objects; none: left out
+        # quantizers shown as objects; None shown where the class's default is a quantizer
+        quantizers = ("weight_quantizer", "activation_quantizer")
+        try:
+            default = type(self)()
+        except Exception:  # a config with required arguments (GPTQ's dataset)
+            default = None
         config = {
             k: getattr(self, k) if k in quantizers else v
             for k, v in self.get_config().items()
-            if k not in quantizers or getattr(self, k) is not None
+            if k not in quantizers
+            or getattr(self, k) is not None
+            or getattr(default, k, None) is not None
         }
         args = ", ".join(f"{k}={v!r}" for k, v in config.items())
         return f"{type(self).__name__}({args})"
