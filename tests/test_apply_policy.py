@@ -433,7 +433,7 @@ def test_summary_total_counts_a_tied_table_once(mode):
             if tensor is not None:
                 stored[id(tensor)] = tensor.numel() * tensor.element_size()
     assert dtype_policies.apply.model_totals(model)[1] == sum(stored.values())
-    assert f"{sum(stored.values())} bytes" in dtype_policies.summary(model)
+    assert f"{sum(stored.values()):,} bytes" in dtype_policies.summary(model)
     if mode is None:
         assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
         unique = sum(p.numel() for p in model.parameters())  # torch counts it once too
@@ -451,7 +451,7 @@ def test_summary_lists_every_module():
     assert [r.path for r in rows] == ["(root)", "0", "1", "2", "3", "4"]
     assert rows[1].parameters == 32 * 64 + 64 and rows[1].bytes == 4 * (32 * 64 + 64)
     assert rows[1].policy == "mixed_bfloat16" and rows[1].variable_dtype == "float32"
-    assert f"Total: {sum(p.numel() for p in model.parameters())} parameters" in text
+    assert f"Total: {sum(p.numel() for p in model.parameters()):,} parameters" in text
     dtype_policies.quantize(
         model, "int4", dtype_policies.quantization.Int4QuantizationConfig(block_size=32)
     )

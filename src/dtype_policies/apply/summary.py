@@ -131,7 +131,7 @@ def summary(model: torch.nn.Module) -> str:
     cells = [tuple(str(getattr(r, field)) for _, field in COLUMNS) for r in rows]
     text = render_table(tuple(name for name, _ in COLUMNS), cells, numeric=2)
     total_params, total_bytes = model_totals(model)
-    return f"{text}\nTotal: {total_params} parameters, {total_bytes} bytes"
+    return f"{text}\nTotal: {total_params:,} parameters, {total_bytes:,} bytes"
 
 
 def model_totals(model: torch.nn.Module) -> tuple[int, int]:
