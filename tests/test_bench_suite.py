@@ -2,9 +2,8 @@
 timer, the real-model text rules, and failing variants becoming rows."""
 
 import json
-import os
+import runpy
 import statistics
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -158,23 +157,19 @@ def test_runner_refuses_zero_threads(capsys):
     assert "--threads must be at least 1, not 0" in capsys.readouterr().err
 
 
-def test_benchmarks_module_names_itself_in_its_usage():
+def test_benchmarks_module_names_itself_in_its_usage(monkeypatch, capsys):
     root = Path(__file__).resolve().parent.parent
-    environment = {**os.environ, "PYTHONPATH": str(root / "src")}
+    monkeypatch.syspath_prepend(str(root))
     for argv, usage in (
         (["--help"], "usage: python -m benchmarks [-h]"),
         (["quality", "--help"], "usage: python -m benchmarks quality [-h]"),
     ):
-        shown = subprocess.run(
-            [sys.executable, "-m", "benchmarks", *argv],
-            cwd=root,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert shown.returncode == 0, shown.stderr
-        assert shown.stdout.startswith(usage), shown.stdout.splitlines()[0]
+        monkeypatch.setattr(sys, "argv", ["benchmarks", *argv])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_module("benchmarks", run_name="__main__")
+        shown = capsys.readouterr().out
+        assert exited.value.code == 0
+        assert shown.startswith(usage), shown.splitlines()[0]
 
 
 @pytest.fixture
