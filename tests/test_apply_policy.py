@@ -589,3 +589,66 @@ def test_a_map_entry_asking_a_module_for_a_mode_it_cannot_take_is_named():
         warnings.simplefilter("error")
         apply_policy(quiet, "int8_from_mixed_bfloat16")
     assert quiet[2].dtype_policy.name == "int8_from_mixed_bfloat16"
+
+
+# -- torch.autocast -----------------------------------------------------------------------------
+
+
+def _autocast_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 24)).eval()
+
+
+def test_a_float32_island_stays_float32_under_autocast():
+    model = _autocast_mlp()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"2": "float32"}))
+    x = torch.randn(16, 96)
+    with torch.no_grad():
+        expected = model[2](x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model[2](x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_a_policy_computes_as_it_says_under_autocast(autocast_dtype):
+    model = _autocast_mlp()
+    apply_policy(model, "mixed_float16")
+    x = torch.randn(16, 48)
+    with torch.no_grad():
+        expected = model(x)
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            out = model(x)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, expected)
+
+
+def test_a_policied_model_compiled_under_autocast_computes_as_eager():
+    model = _autocast_mlp()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"2": "float32"}))
+    x = torch.randn(16, 48)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        expected = compiled(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = compiled(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, expected)
+
+
+def test_autocast_applies_around_policied_modules_not_inside_them():
+    torch.manual_seed(0)
+    policied = nn.Linear(48, 48)
+    apply_policy(policied, "float32")
+    plain = nn.Linear(48, 48)
+    model = nn.Sequential(plain, policied)
+    x = torch.randn(4, 48)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model[0](x).dtype == torch.bfloat16  # no policy: autocast's
+        assert model(x).dtype == torch.float32
+        # a module without a policy called inside a policied one computes as
+        # the policied one does (autocast is disabled for its whole call)
+        policied.add_module("inner", nn.Linear(48, 48))
+        policied.forward = lambda t: policied.inner(F.linear(t, policied.weight, policied.bias))
+        assert policied(x).dtype == torch.float32

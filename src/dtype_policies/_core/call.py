@@ -20,12 +20,16 @@ from dtype_policies._core.casting import (
 from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
 from dtype_policies._core.scope import call_in_scope, current_scope, scope_for_call
 from dtype_policies._core.state import CallState
+from dtype_policies._core.torch_autocast import autocast_active, call_without_autocast
 from dtype_policies._core.weight_casts import WeightCasts, cast_weight
 
 
 def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Calls `call(*args, **kwargs)` as `state` says: floating arguments cast,
-    inside the right autocast scope, outputs cast back where needed."""
+    inside the right autocast scope, outputs cast back where needed; the
+    policy decides the dtypes, not an enclosing `torch.autocast`."""
+    if autocast_active():
+        return call_without_autocast(run_call, state, call, args, kwargs)
     if state.leaf_fast_path and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
         # The common leaf call (one tensor in, weights cast by the forward).
         x = args[0]
