@@ -2,6 +2,8 @@
 eager's tokens and keeps the policies and the quantized storage."""
 
 import copy
+import io
+import pickle
 import warnings
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 import dtype_policies
 from dtype_policies import apply_policy, compile_for_generation, quantize
 from dtype_policies._attention_dispatch import SELECTION
-from dtype_policies._frozen import ModelWatch
+from dtype_policies._frozen import FrozenCompiledCall, ModelWatch
 from dtype_policies._one_query_attention import NAME as ONE_QUERY
 from dtype_policies.generation import _unmark_static_cache
 from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
@@ -282,6 +284,41 @@ def test_a_deep_copy_begins_its_own_generations():
     del model
     assert copied.get_compiled_call(config) is copied._compiled_call
     assert copied._compiled_call.session is None
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_a_copy_compiles_its_own_decode_step_lazily(how):
+    """Compiled graphs are not copied: a pickled, saved or deep-copied model
+    gets a decode step of its own with the same options, compiled at its
+    first call, which reads the copy (not the original)."""
+    model = tiny_llama()
+    apply_policy(model, "mixed_bfloat16")
+    compile_for_generation(model, autotune=False)
+    if how == "pickle":
+        copied = pickle.loads(pickle.dumps(model))
+    elif how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        copied = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    else:
+        copied = copy.deepcopy(model)
+    step = copied._compiled_call
+    assert isinstance(step, FrozenCompiledCall) and step is not model._compiled_call
+    assert step.model_ref() is copied and step.watch is None
+    assert step.settings["autotune"] is False
+    assert step.inductor_options.keys() == model._compiled_call.inductor_options.keys()
+    config = copied.generation_config.compile_config
+    assert copied.get_compiled_call(config) is step
+    assert copied.generation_config.cache_implementation == "static"
+    with torch.no_grad():
+        copied.model.layers[0].mlp.up_proj.weight.mul_(2)
+        expected = copied(PROMPT).logits
+    del model
+    with torch.inference_mode():
+        step.compiled = lambda *args, **kwargs: "compiled"  # not compiling here
+        assert step(PROMPT) == "compiled"
+    out = step(PROMPT).logits  # gradients enabled: the copy's eager call
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ frozen weights gives the eager values, follows the eager product rules of
 this CPU, and runs eagerly when it would be stale or asked for gradients."""
 
 import copy
+import io
+import pickle
 import warnings
 
 import pytest
@@ -202,3 +204,34 @@ def test_option_values_that_are_not_bools_are_refused_by_name(function, flag, va
     with pytest.raises(TypeError, match=f"{flag} must be True or False. Received: {value!r}"):
         function(model, **{flag: value})
     assert not hasattr(model, "_compiled_call")
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_a_copy_is_compiled_again_for_the_copied_model(how):
+    """Compiled graphs are not copied: a pickled, saved or deep-copied
+    `CompiledInference` is one of the copied model, with the same options,
+    compiled at its first call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    apply_policy(model, "mixed_bfloat16")
+    fast = compile_for_inference(model, autotune=False, fullgraph=True)
+    if how == "pickle":
+        copied = pickle.loads(pickle.dumps(fast))
+    elif how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(fast, buffer)
+        copied = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    else:
+        copied = copy.deepcopy(fast)
+    assert isinstance(copied, CompiledInference) and copied.module is not model
+    assert copied._call.model_ref() is copied.module
+    assert copied._call.settings == fast._call.settings
+    assert copied._call.inductor_options.keys() == fast._call.inductor_options.keys()
+    with torch.no_grad():
+        copied.module[0].weight.mul_(2)
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        copied._call.compiled = lambda *args, **kwargs: "compiled"  # not compiling here
+        assert copied(x) == "compiled"
+    assert torch.equal(copied(x), copied.module(x))  # gradients enabled: eager, the copy
+    assert not torch.equal(copied(x), model(x))

@@ -289,6 +289,15 @@ class FrozenCompiledCall:
         from dtype_policies.quantization import kernels
 
         kernels.prepare()  # built and loaded before Dynamo traces a product
+        self.settings: dict[str, Any] = {
+            "name": name,
+            "dynamic": dynamic,
+            "fullgraph": fullgraph,
+            "call_context": call_context,
+            "session_of": session_of,
+            "autotune": autotune,
+            "cpp_wrapper": cpp_wrapper,
+        }
         fresh = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
         options: Any = {}
         if freeze_weights and _SKIP_MODULE_GUARDS is not None:
@@ -315,6 +324,14 @@ class FrozenCompiledCall:
             self.inductor_options.update(CPP_WRAPPER_OPTIONS)
         self.watch: ModelWatch | None = None
         self.given_up: str | None = None  # why the compiler gave up on this model
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        # Compiled graphs cannot be copied: a copy (pickle, `torch.save`,
+        # deepcopy) is the copied model's call, compiled again at its first call.
+        model = self.model_ref()
+        if model is None:
+            raise ReferenceError(f"{self.name}: the compiled model no longer exists")
+        return (_compiled_again, (model, self.freeze_weights, self.settings))
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own call, looked up now (`remove()` of a policy
@@ -375,3 +392,11 @@ class FrozenCompiledCall:
                 stacklevel=2,
             )
             return self.eager(*args, **kwargs)
+
+
+def _compiled_again(
+    model: torch.nn.Module, freeze_weights: bool, settings: dict[str, Any]
+) -> FrozenCompiledCall:
+    """A copy of a `FrozenCompiledCall` (its `__reduce__`): the same settings
+    on the copied model, compiled at its first call."""
+    return FrozenCompiledCall(model, freeze_weights, **settings)

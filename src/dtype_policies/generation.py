@@ -65,7 +65,6 @@ generation (from a streamer, another thread) is seen at the next one.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -142,12 +141,32 @@ class _GenerationStart:
         hugging_face: Any = type(model)
         return hugging_face.get_compiled_call(model, compile_config)
 
+    def __reduce__(self) -> tuple[Any, tuple]:
+        model = self.model_ref()
+        if model is None:
+            raise ReferenceError("compile_for_generation: the model no longer exists")
+        return (_GenerationStart, (model,))
+
     def __deepcopy__(self, memo: dict) -> _GenerationStart:
         model = self.model_ref()
         if model is None:
             return self
         # The copy of the model is in `memo` before its attributes are copied.
         return _GenerationStart(memo.get(id(model), model))
+
+
+class _DecodeStepContext:
+    """`_decode_step` with the attention of this process (a copy unpickled in
+    another process registers it there)."""
+
+    def __init__(self) -> None:
+        self.attention = _decode_attention()
+
+    def __call__(self, model: torch.nn.Module, kwargs: dict, continuing: bool) -> Any:
+        return _decode_step(model, kwargs, continuing, attention=self.attention)
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return (_DecodeStepContext, ())
 
 
 def _decode_attention() -> str | None:
@@ -188,8 +207,10 @@ def compile_for_generation(
     Returns:
         `model`, changed in place: its generation config asks for a static
         cache and a compiled forward (compiled at the first decode step); an
-        earlier compiled forward is dropped. A copy of the model (deepcopy)
-        shares the original's compiled forward: call this on the copy.
+        earlier compiled forward is dropped. A copy of the model (deepcopy,
+        pickle, `torch.save`) has a compiled forward of its own with the same
+        options, compiled at its first decode step (compiled graphs are not
+        copied).
 
     Raises:
         TypeError: `model` has no `generate` or no `generation_config`.
@@ -227,7 +248,7 @@ def compile_for_generation(
     compiled = FrozenCompiledCall(
         model,
         freeze_weights,
-        call_context=functools.partial(_decode_step, attention=_decode_attention()),
+        call_context=_DecodeStepContext(),
         session_of=_cache_of,
         autotune=autotune,
         cpp_wrapper=cpp_wrapper,

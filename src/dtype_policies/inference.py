@@ -67,7 +67,10 @@ from dtype_policies.quantization.kernels import attention
 class CompiledInference:
     """`model`'s inference, compiled with frozen weights (see the module
     docstring). Call it as the model; `module` is the model. Calls with
-    gradients enabled run the model eagerly, without compiling.
+    gradients enabled run the model eagerly, without compiling. A copy
+    (pickle, `torch.save`, deepcopy) is a `CompiledInference` of the copied
+    model with the same options, compiled at its first call (compiled graphs
+    are not copied).
 
     >>> import torch
     >>> from dtype_policies import CompiledInference, compile_for_inference
