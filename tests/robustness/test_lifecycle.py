@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from dtype_policies import DTypePolicyMap, _cpu, apply_policy, layers, quantize
 from dtype_policies._core.module_state import quantization_of
+from dtype_policies.quantizers import Int8QuantizationConfig
 
 from .helpers import (
     IN_FEATURES,
@@ -524,13 +525,50 @@ def test_dtype_conversions_keep_the_quantized_state(mode, conversion):
     out = model(x)
     # Without a policy, a quantized module computes in its own float dtype,
     # which the conversion changes as it would a float weight's (int8 refuses
-    # float16, as Keras's int8 policies do: it keeps float32).
+    # float16, as Keras's int8 policies do: it computes in float32 and hands
+    # float16 back).
     moved = {"half": torch.float16, "to_float16": torch.float16}.get(conversion)
     moved = moved or {"bfloat16": torch.bfloat16, "double": torch.float64}[conversion]
-    expected = torch.float32 if (mode, moved) == ("int8", torch.float16) else moved
-    assert out.dtype == expected
+    assert out.dtype == moved
     assert torch.isfinite(out).all()
     assert ((out.float() - before.float()).norm() / before.float().norm()) < 0.02
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("weight_only", [False, True])
+@pytest.mark.parametrize("conversion", ["half", "to_float16"])
+def test_int8_under_float16_computes_in_float32_and_hands_float16_on(conversion, weight_only):
+    """int8 refuses float16 compute: converted to float16, an int8 module
+    computes in float32 and hands its outputs back in float16, so that the
+    float16 LayerNorm after it runs (it raised "mixed dtype (CPU)" when the
+    int8 module returned float32)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8)).eval()
+    config = Int8QuantizationConfig(activation_quantizer=None) if weight_only else None
+    quantize(model, "int8", config)
+    x = torch.randn(4, 32)
+    before = model(x)
+    in_float32 = copy.deepcopy(model)  # its linears' biases as float16 will hold them
+    for index in (0, 2):
+        in_float32[index].bias.data = in_float32[index].bias.data.half().float()
+    if conversion == "half":
+        model.half()
+    else:
+        model.to(torch.float16)
+    assert model[0].dtype_policy.name == "int8_from_float32"
+    x16 = x.half()
+    first = model[0](x16)
+    assert first.dtype == torch.float16
+    assert torch.equal(first, in_float32[0](x16.float()).half())
+    for inputs in (x16, x):
+        out = model(inputs)
+        assert out.dtype == torch.float16
+        assert relative_error(out, before) < 0.01
+    model.to("cpu")  # a device move keeps the float16 model's hand-back
+    assert model(x16).dtype == torch.float16
+    model.float()  # back to float32 outputs
+    assert model[0](x).dtype == model(x).dtype == torch.float32
+    assert relative_error(model(x), before) < 0.01
 
 
 @pytest.mark.usefixtures("quiet")

@@ -29,7 +29,6 @@ from dtype_policies.quantization.modules import (
     FORWARDS,
     QUANTIZE_TOKEN,
     check_finite,
-    computes_in,
     own_options,
 )
 from dtype_policies.quantization.schemes import (
@@ -288,10 +287,8 @@ def commit(plan: Plan) -> QuantizedWeight:
     ensure_state(module).quantization = qw
     if plan.kind.forward is not None:
         set_mixins(module, (*mixins_of(module), FORWARDS[plan.kind.forward]))
-        # Below any application: the module computes in its own dtype without one
-        # (float32 where the mode refuses it, as `.to()` leaves it: int8 and float16).
-        own = plan.float_dtype if computes_in(plan.mode, plan.float_dtype) else torch.float32
-        install(module, QUANTIZE_TOKEN, own_options(own), bottom=True)
+        # Below any application: the module computes in its own dtype without one.
+        install(module, QUANTIZE_TOKEN, own_options(plan.mode, plan.float_dtype), bottom=True)
     if plan.kind.after_commit is not None:
         plan.kind.after_commit(module, plan)
     return qw

@@ -11,7 +11,9 @@ A quantized module computes in its own float dtype (the dtype of the weight it
 replaced) unless a policy application above says otherwise; `.to(dtype)`,
 `.half()`, `.bfloat16()` ... change that own dtype as they would the float
 weight's, so a model quantized in part and then cast keeps computing in one
-dtype. The stored tensors never change dtype.
+dtype (where the mode refuses the new dtype, int8 and float16, the module
+computes in float32 and hands its outputs back in it). The stored tensors
+never change dtype.
 """
 
 from __future__ import annotations
@@ -35,9 +37,16 @@ from dtype_policies.quantization.schemes.base import QuantizedWeight
 QUANTIZE_TOKEN = Token("QUANTIZE_TOKEN")
 
 
-def own_options(dtype: torch.dtype) -> ModuleOptions:
-    """The bottom application of a module quantized from a `dtype` weight."""
-    return ModuleOptions(policy=DTypePolicy(str(dtype).removeprefix("torch.")))
+def own_options(mode: str, dtype: torch.dtype) -> ModuleOptions:
+    """The bottom application of a module quantized in `mode` whose float
+    weights are `dtype` (the weight it replaced, as conversions of the model
+    since left it): it computes in `dtype`, or, where the mode refuses to
+    (int8 and float16), in float32 and hands its outputs back in `dtype`, so
+    that the modules around it (a float16 `LayerNorm`) take them."""
+    name = str(dtype).removeprefix("torch.")
+    if computes_in(mode, dtype):
+        return ModuleOptions(policy=DTypePolicy(name))
+    return ModuleOptions(policy=DTypePolicy("float32"), outputs=name)
 
 
 def computes_in_own_dtype(module: torch.nn.Module) -> bool:
@@ -183,15 +192,12 @@ def computes_in(mode: str, dtype: torch.dtype) -> bool:
 
 
 def _follow_float_dtype(module: torch.nn.Module, qw: QuantizedWeight, dtype: torch.dtype) -> None:
-    """Makes `dtype` the module's own float dtype (its bottom application),
-    unless the mode refuses to compute in it (int8 and float16: the module
-    keeps computing in its former dtype)."""
-    if not computes_in(qw.mode, dtype):
-        return
+    """Makes `dtype` the module's own float dtype (its bottom application,
+    `own_options`)."""
     qw.float_dtype = dtype
     state = ensure_state(module)
     state.applications = [
-        (token, own_options(dtype) if token is QUANTIZE_TOKEN else entry)
+        (token, own_options(qw.mode, dtype) if token is QUANTIZE_TOKEN else entry)
         for token, entry in state.applications
     ]
     cast(Any, module)._refresh_policy_state()
