@@ -1,0 +1,116 @@
+"""The Keras-mirror namespaces (`activations`, `initializers`, `regularizers`,
+`constraints`, `quantizers`) compute as Keras 3 does and read Keras's
+serialized forms (skipped without keras)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+keras = pytest.importorskip("keras")
+
+from dtype_policies import activations  # noqa: E402
+
+
+def _random(shape, seed=0, scale=3.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype("float32")
+
+
+def _numpy(value):
+    return (
+        keras.ops.convert_to_numpy(value)
+        if not isinstance(value, torch.Tensor)
+        else (value.detach().cpu().numpy())
+    )
+
+
+def _close(ours, theirs, rtol=1e-6, atol=1e-7):
+    np.testing.assert_allclose(_numpy(ours), _numpy(theirs), rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------- activations
+
+ACTIVATION_ARGUMENTS = {"threshold": {"threshold": 0.3, "default_value": -2.0}}
+SERIALIZATION_FUNCTIONS = {"get", "serialize", "deserialize"}
+KERAS_ACTIVATIONS = sorted(
+    name
+    for name in dir(keras.activations)
+    if not name.startswith("_") and name not in SERIALIZATION_FUNCTIONS
+)
+
+
+@pytest.mark.parametrize("name", KERAS_ACTIVATIONS)
+def test_every_keras_activation_computes_as_keras(name):
+    x = _random((4, 6), seed=len(name))
+    kwargs = ACTIVATION_ARGUMENTS.get(name, {})
+    if name == "sparsemax":  # Keras agrees with the definition only on one-entry supports
+        x[:, 0] += 10.0
+    expected = getattr(keras.activations, name)(x, **kwargs)
+    _close(getattr(activations, name)(torch.from_numpy(x), **kwargs), expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"negative_slope": 0.1},
+        {"max_value": 6.0},
+        {"max_value": 2.5},
+        {"threshold": 0.5},
+        {"negative_slope": 0.3, "max_value": 4.0},
+        {"negative_slope": 0.3, "threshold": -0.5},
+        {"negative_slope": 0.2, "max_value": 3.0, "threshold": 1.0},
+    ],
+)
+def test_relu_takes_keras_arguments(kwargs):
+    x = _random((5, 7), seed=1)
+    _close(activations.relu(torch.from_numpy(x), **kwargs), keras.activations.relu(x, **kwargs))
+
+
+@pytest.mark.parametrize("axis", [-1, 0, None, (0, 2), (1, 2)])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_axes_as_keras(name, axis):
+    x = _random((2, 3, 4), seed=2, scale=1.0)
+    expected = getattr(keras.ops, name)(x, axis=axis)
+    _close(getattr(activations, name)(torch.from_numpy(x), axis=axis), expected)
+
+
+def test_sparsemax_is_the_projection_onto_the_simplex():
+    """Keras 3.15's sparsemax misses its threshold where more than one entry
+    survives (`[0.5, 1, 0]` gives `[0, 0.25, 0]`); this one is the projection."""
+    x = torch.from_numpy(_random((8, 5), seed=3, scale=0.5))
+    p = activations.sparsemax(x)
+    torch.testing.assert_close(p.sum(-1), torch.ones(8))
+    assert (p >= 0).all() and ((p > 0).sum(-1) > 1).any()
+    # the projection: p = max(x - tau, 0) with one tau per row, so the kept
+    # entries differ from x by the same amount
+    shift = torch.where(p > 0, x - p, torch.nan)
+    spread = shift.nan_to_num(nan=-1e9).amax(-1) + shift.nan_to_num(nan=1e9).amin(-1).neg()
+    assert spread.abs().max() < 1e-6
+    torch.testing.assert_close(
+        activations.sparsemax(torch.tensor([0.5, 1.0, 0.0])), torch.tensor([0.25, 0.75, 0.0])
+    )
+
+
+@pytest.mark.parametrize("name", sorted(activations.ACTIVATIONS))
+def test_activation_serialization_round_trips_with_keras(name):
+    function = activations.get(name)
+    written = activations.serialize(function)
+    assert written == keras.activations.serialize(keras.activations.get(name))
+    assert activations.deserialize(written) is function
+    assert activations.get(written) is function
+    keras_dict = keras.saving.serialize_keras_object(keras.activations.get(name))
+    assert activations.deserialize(keras_dict) is function
+    assert activations.get(keras_dict) is function
+
+
+def test_activation_deserialize_reads_custom_objects():
+    def scaled(x):
+        return 2 * x
+
+    keras_dict = keras.saving.serialize_keras_object(scaled)
+    assert activations.deserialize(keras_dict, custom_objects={"scaled": scaled}) is scaled
+    assert activations.deserialize("scaled", custom_objects={"scaled": scaled}) is scaled
+    with pytest.raises(ValueError, match="Unknown activation"):
+        activations.deserialize("no_such_activation")
