@@ -114,3 +114,56 @@ def test_activation_deserialize_reads_custom_objects():
     assert activations.deserialize("scaled", custom_objects={"scaled": scaled}) is scaled
     with pytest.raises(ValueError, match="Unknown activation"):
         activations.deserialize("no_such_activation")
+
+
+# ---------------------------------------------------------------- regularizers
+
+REGULARIZER_CASES = [
+    ("L1", {"l1": 0.3}),
+    ("L2", {"l2": 0.2}),
+    ("L1L2", {"l1": 0.1, "l2": 0.05}),
+    ("L1L2", {"l1": None, "l2": 0.05}),
+    ("OrthogonalRegularizer", {"factor": 0.5, "mode": "rows"}),
+    ("OrthogonalRegularizer", {"factor": 0.25, "mode": "columns"}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), REGULARIZER_CASES)
+def test_regularizers_compute_as_keras_and_read_keras_dicts(name, kwargs):
+    from dtype_policies import regularizers
+
+    x = _random((6, 4), seed=4)
+    theirs = getattr(keras.regularizers, name)(**kwargs)
+    ours = getattr(regularizers, name)(**kwargs)
+    _close(ours(torch.from_numpy(x)), theirs(keras.ops.convert_to_tensor(x)))
+    keras_dict = keras.regularizers.serialize(theirs)
+    for read in (regularizers.deserialize(keras_dict), regularizers.get(keras_dict)):
+        assert type(read) is type(ours)
+        assert read.get_config() == pytest.approx(ours.get_config())
+    written = regularizers.serialize(ours)
+    assert written.keys() == keras_dict.keys()
+    assert written["module"] == keras_dict["module"] and written["class_name"] == name
+    assert keras.regularizers.deserialize(written).get_config() == pytest.approx(
+        theirs.get_config()
+    )
+    assert type(ours).from_config(ours.get_config()).get_config() == ours.get_config()
+
+
+@pytest.mark.parametrize("name", ["l1", "l2", "l1_l2", "orthogonal_regularizer"])
+def test_regularizer_lowercase_names_are_keras_classes(name):
+    from dtype_policies import regularizers
+
+    assert getattr(regularizers, name).__name__ == getattr(keras.regularizers, name).__name__
+    assert regularizers.get(getattr(regularizers, name)).get_config() == pytest.approx(
+        getattr(keras.regularizers, name)().get_config()
+    )
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "0.1"])
+def test_regularizer_factors_are_checked_as_keras_does(bad):
+    from dtype_policies import regularizers
+
+    with pytest.raises(ValueError, match="non-negative float"):
+        regularizers.L2(bad)
+    with pytest.raises(ValueError):
+        keras.regularizers.L2(bad)

@@ -507,7 +507,7 @@ def test_every_registered_regularizer_name_gives_a_regularizer():
     weight = torch.tensor([1.0, -2.0])
     for name in regularizers.REGULARIZERS:
         assert isinstance(regularizers.get(name), regularizers.Regularizer), name
-        assert regularizers.get(name)(weight).shape == (), name
+        assert regularizers.get(name)(torch.tensor([[1.0, -2.0], [0.5, 3.0]])).shape == (), name
     # tf.keras's "l1_l2": l1 = l2 = 0.01, by name and by config dict
     torch.testing.assert_close(regularizers.get("l1_l2")(weight), torch.tensor(0.01 * 3 + 0.01 * 5))
     assert regularizers.get({"class_name": "l1_l2", "config": {"l2": 0.5}}).get_config() == {
