@@ -167,3 +167,43 @@ def test_regularizer_factors_are_checked_as_keras_does(bad):
         regularizers.L2(bad)
     with pytest.raises(ValueError):
         keras.regularizers.L2(bad)
+
+
+# ----------------------------------------------------------------- constraints
+
+CONSTRAINT_CASES = [
+    ("NonNeg", {}),
+    ("MaxNorm", {}),
+    ("MaxNorm", {"max_value": 1.5, "axis": 1}),
+    ("UnitNorm", {"axis": 1}),
+    ("MinMaxNorm", {"min_value": 0.5, "max_value": 2.0, "rate": 0.7, "axis": 0}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), CONSTRAINT_CASES)
+def test_constraints_compute_as_keras_and_read_keras_dicts(name, kwargs):
+    from dtype_policies import constraints
+
+    x = _random((6, 4), seed=5)
+    theirs = getattr(keras.constraints, name)(**kwargs)
+    ours = getattr(constraints, name)(**kwargs)
+    _close(ours(torch.from_numpy(x)), theirs(keras.ops.convert_to_tensor(x)))
+    keras_dict = keras.constraints.serialize(theirs)
+    assert constraints.serialize(ours) == keras_dict
+    for read in (constraints.deserialize(keras_dict), constraints.get(keras_dict)):
+        assert type(read) is type(ours) and read.get_config() == ours.get_config()
+    assert keras.constraints.deserialize(constraints.serialize(ours)).get_config() == (
+        theirs.get_config()
+    )
+    assert type(ours).from_config(ours.get_config()).get_config() == ours.get_config()
+
+
+@pytest.mark.parametrize("name", ["max_norm", "min_max_norm", "non_neg", "unit_norm"])
+def test_constraint_lowercase_names_are_keras_classes(name):
+    from dtype_policies import constraints
+
+    assert getattr(constraints, name).__name__ == getattr(keras.constraints, name).__name__
+    assert constraints.get(name).get_config() == keras.constraints.get(name).get_config()
+    assert constraints.get(getattr(constraints, name)).get_config() == (
+        getattr(keras.constraints, name)().get_config()
+    )

@@ -37,6 +37,15 @@ class Constraint:
     def get_config(self) -> dict[str, Any]:
         return {}
 
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Constraint:
+        """The constraint a `get_config()` dict describes.
+
+        >>> MaxNorm.from_config({"max_value": 3.0, "axis": 1}).max_value
+        3.0
+        """
+        return cls(**config)
+
 
 class NonNeg(Constraint):
     """Negative entries become 0.
@@ -57,7 +66,7 @@ class MaxNorm(Constraint):
             [0.8000, 0.5000]])
     """
 
-    def __init__(self, max_value: float = 2.0, axis: int = 0) -> None:
+    def __init__(self, max_value: float = 2, axis: int = 0) -> None:
         self.max_value, self.axis = max_value, axis
 
     def __call__(self, weight):
@@ -114,33 +123,62 @@ class MinMaxNorm(Constraint):
         }
 
 
+# Keras's lowercase spellings of the classes (`keras.constraints.max_norm` is `MaxNorm`).
+max_norm, min_max_norm, non_neg, unit_norm = MaxNorm, MinMaxNorm, NonNeg, UnitNorm
+
 CONSTRAINTS = {
     "non_neg": NonNeg,
     "max_norm": MaxNorm,
     "unit_norm": UnitNorm,
     "min_max_norm": MinMaxNorm,
+    "constraint": Constraint,
 }
 
 
 def get(identifier: Any) -> Any:
-    """A constraint from a name, a config dict or a callable; `None` stays `None`.
+    """A constraint from a name, a config dict, a class or a callable; `None`
+    stays `None`.
 
     >>> get("max_norm").get_config()
-    {'max_value': 2.0, 'axis': 0}
+    {'max_value': 2, 'axis': 0}
     >>> get({"class_name": "UnitNorm", "config": {"axis": 1}}).axis
     1
     """
-    """A constraint from a name, a config dict or a callable; `None` stays `None`."""
     return _registry.resolve(identifier, CONSTRAINTS, "constraint")
 
 
 def serialize(constraint: Any) -> Any:
-    """The Keras dict of a constraint (`get` reads it back).
+    """The Keras dict of a constraint, as `keras.constraints.serialize` writes
+    it (`get` and `deserialize` read it back).
 
     >>> serialize(MaxNorm(3.0))
-    {'class_name': 'MaxNorm', 'config': {'max_value': 3.0, 'axis': 0}}
+    {'module': 'keras.constraints', 'class_name': 'MaxNorm', 'config': {'max_value': 3.0, \
+'axis': 0}, 'registered_name': None}
     """
-    return _registry.serialize(constraint, CONSTRAINTS)
+    return _registry.serialize(constraint, CONSTRAINTS, "keras.constraints")
 
 
-__all__ = ["Constraint", "MaxNorm", "MinMaxNorm", "NonNeg", "UnitNorm", "get", "serialize"]
+def deserialize(config: Any, custom_objects: dict[str, Any] | None = None) -> Any:
+    """The constraint a name or a Keras serialized dict describes (Keras's
+    `keras.constraints.deserialize`), looked up in `custom_objects` first.
+
+    >>> deserialize("non_neg")(torch.tensor([-1.0, 1.0]))
+    tensor([0., 1.])
+    """
+    return _registry.resolve(config, CONSTRAINTS, "constraint", custom_objects=custom_objects)
+
+
+__all__ = [
+    "Constraint",
+    "MaxNorm",
+    "MinMaxNorm",
+    "NonNeg",
+    "UnitNorm",
+    "deserialize",
+    "get",
+    "max_norm",
+    "min_max_norm",
+    "non_neg",
+    "serialize",
+    "unit_norm",
+]
