@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from dtype_policies import _registry
-
-Shape = tuple[int, ...]
+from dtype_policies._fixed_initializers import STFT, Identity
+from dtype_policies._initializer_base import Initializer, Shape
 
 
 def compute_fans(shape: Shape) -> tuple[int, int]:
@@ -34,37 +34,6 @@ def compute_fans(shape: Shape) -> tuple[int, int]:
         return shape[0], shape[0]
     receptive_field = math.prod(shape[:-2])
     return shape[-2] * receptive_field, shape[-1] * receptive_field
-
-
-class Initializer:
-    """Base class: `initializer(shape, dtype, device=None) -> tensor`; a
-    subclass fills `sample(shape, out)`, drawn in float32 and cast to `dtype`.
-
-    >>> class Arange(Initializer):
-    ...     def sample(self, shape, out):
-    ...         return out.copy_(torch.arange(out.numel()).reshape(shape))
-    >>> Arange()((2, 2), torch.bfloat16)
-    tensor([[0., 1.],
-            [2., 3.]], dtype=torch.bfloat16)
-    """
-
-    def __call__(
-        self, shape: Shape, dtype: torch.dtype = torch.float32, device: Any = None
-    ) -> torch.Tensor:
-        shape = tuple(shape)
-        if not dtype.is_floating_point:
-            raise ValueError(
-                f"{type(self).__name__} makes floating values; it cannot initialize a "
-                f"{dtype} weight. Use 'zeros', 'ones' or a constant."
-            )
-        values = self.sample(shape, torch.empty(shape, dtype=torch.float32, device=device))
-        return values.to(dtype)
-
-    def sample(self, shape: Shape, out: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def get_config(self) -> dict[str, Any]:
-        return {}
 
 
 class Constant(Initializer):
@@ -382,10 +351,28 @@ class Orthogonal(RandomInitializer):
         return {**super().get_config(), "gain": self.gain}
 
 
+# Keras's lowercase spellings and compatibility names of the classes
+# (`keras.initializers.glorot_uniform` is `GlorotUniform`).
+constant, zeros, ones, identity, stft = Constant, Zeros, Ones, Identity, STFT
+random_normal, random_uniform, truncated_normal = RandomNormal, RandomUniform, TruncatedNormal
+variance_scaling, orthogonal = VarianceScaling, Orthogonal
+glorot_uniform, glorot_normal, he_normal, he_uniform = (
+    GlorotUniform,
+    GlorotNormal,
+    HeNormal,
+    HeUniform,
+)
+lecun_normal, lecun_uniform = LecunNormal, LecunUniform
+IdentityInitializer, OrthogonalInitializer, STFTInitializer = Identity, Orthogonal, STFT
+
 INITIALIZERS: dict[str, type[Initializer]] = {
     "zeros": Zeros,
+    "zero": Zeros,
     "ones": Ones,
+    "one": Ones,
     "constant": Constant,
+    "identity": Identity,
+    "stft": STFT,
     "random_normal": RandomNormal,
     "normal": RandomNormal,
     "random_uniform": RandomUniform,
@@ -399,50 +386,89 @@ INITIALIZERS: dict[str, type[Initializer]] = {
     "lecun_normal": LecunNormal,
     "lecun_uniform": LecunUniform,
     "orthogonal": Orthogonal,
+    "IdentityInitializer": Identity,
+    "OrthogonalInitializer": Orthogonal,
+    "STFTInitializer": STFT,
 }
 
 
 def get(identifier: Any) -> Any:
-    """An initializer from a name, a config dict or a callable; `None` stays `None`.
+    """An initializer from a name, a config dict, a class, a callable or a
+    number (a constant); `None` stays `None`.
 
     >>> type(get("he_normal")).__name__
     'HeNormal'
     >>> get({"class_name": "RandomNormal", "config": {"stddev": 1.0}}).stddev
     1.0
     """
-    """An initializer from a name, a config dict, a callable or a number (constant)."""
     if isinstance(identifier, (int, float)) and not isinstance(identifier, bool):
         return Constant(identifier)
     return _registry.resolve(identifier, INITIALIZERS, "initializer")
 
 
 def serialize(initializer: Any) -> Any:
-    """The Keras dict of an initializer (`get` reads it back).
+    """The Keras dict of an initializer, as `keras.initializers.serialize`
+    writes it (`get` and `deserialize` read it back).
 
     >>> serialize(Constant(2.0))
-    {'class_name': 'Constant', 'config': {'value': 2.0}}
+    {'module': 'keras.initializers', 'class_name': 'Constant', 'config': {'value': 2.0}, \
+'registered_name': None}
     """
-    return _registry.serialize(initializer, INITIALIZERS)
+    return _registry.serialize(initializer, INITIALIZERS, "keras.initializers")
+
+
+def deserialize(config: Any, custom_objects: dict[str, Any] | None = None) -> Any:
+    """The initializer a name or a Keras serialized dict describes (Keras's
+    `keras.initializers.deserialize`), looked up in `custom_objects` first.
+
+    >>> deserialize({"module": "keras.initializers", "class_name": "Identity",
+    ...              "config": {"gain": 3.0}, "registered_name": None})((2, 2))
+    tensor([[3., 0.],
+            [0., 3.]])
+    """
+    return _registry.resolve(config, INITIALIZERS, "initializer", custom_objects=custom_objects)
 
 
 __all__ = [
+    "STFT",
     "Constant",
     "GlorotNormal",
     "GlorotUniform",
     "HeNormal",
     "HeUniform",
+    "Identity",
+    "IdentityInitializer",
     "Initializer",
     "LecunNormal",
     "LecunUniform",
     "Ones",
     "Orthogonal",
+    "OrthogonalInitializer",
     "RandomInitializer",
     "RandomNormal",
     "RandomUniform",
+    "STFTInitializer",
     "TruncatedNormal",
     "VarianceScaling",
     "Zeros",
     "compute_fans",
+    "constant",
+    "deserialize",
     "get",
+    "glorot_normal",
+    "glorot_uniform",
+    "he_normal",
+    "he_uniform",
+    "identity",
+    "lecun_normal",
+    "lecun_uniform",
+    "ones",
+    "orthogonal",
+    "random_normal",
+    "random_uniform",
     "serialize",
+    "stft",
+    "truncated_normal",
+    "variance_scaling",
+    "zeros",
 ]
