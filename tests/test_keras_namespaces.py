@@ -299,3 +299,61 @@ def test_stft_names_the_windows_it_computes():
 
     with pytest.raises(ValueError, match="hann"):
         initializers.STFT(window="taylor")
+
+
+# ------------------------------------------------------------------ quantizers
+
+
+@pytest.mark.parametrize(("shape", "block_size"), [((16, 5), 4), ((13, 6), 4), ((3, 4), 8)])
+@pytest.mark.parametrize("value_range", [(-8, 7), (-2, 1), (-128, 127)])
+@pytest.mark.parametrize("to_numpy", [False, True])
+def test_grouped_zero_point_quantization_as_keras(shape, block_size, value_range, to_numpy):
+    from dtype_policies import quantizers
+
+    x = _random(shape, seed=6, scale=1.0)
+    x[:block_size, 0] = 0.5  # a group whose values are all equal
+    theirs = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
+        x, block_size, value_range, to_numpy=to_numpy
+    )
+    ours = quantizers.abs_max_quantize_grouped_with_zero_point(
+        torch.from_numpy(x), block_size, value_range, to_numpy=to_numpy
+    )
+    for mine, keras_value in zip(ours, theirs):
+        assert str(mine.dtype).removeprefix("torch.") == str(_numpy(keras_value).dtype)
+        _close(mine, keras_value)
+
+
+@pytest.mark.parametrize(
+    ("axis", "num_bits", "narrow_range"), [(None, 8, False), (None, 4, True), (-1, 8, False)]
+)
+def test_fake_quant_values_and_gradients_as_keras(axis, num_bits, narrow_range):
+    from dtype_policies import quantizers
+
+    x = _random((6, 4), seed=7, scale=1.5)
+    bounds = ([-1.0, -0.5, -2.0, 0.1], [1.0, 0.7, 2.0, 1.3]) if axis is not None else (-1.1, 0.9)
+
+    def run(fake_quant, tensor):
+        inputs = tensor(x)
+        low, high = (tensor(np.asarray(b, dtype="float32")) for b in bounds)
+        for t in (inputs, low, high):
+            t.requires_grad_(True)
+        out = fake_quant(inputs, low, high, num_bits, narrow_range, axis)
+        (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+        return out, inputs.grad, low.grad, high.grad
+
+    theirs = run(keras.quantizers.fake_quant_with_min_max_vars, keras.ops.convert_to_tensor)
+    ours = run(quantizers.fake_quant_with_min_max_vars, torch.from_numpy)
+    for mine, keras_value in zip(ours, theirs):
+        _close(mine, keras_value)
+
+
+def test_quantizer_base_class_is_keras():
+    from dtype_policies import quantizers
+
+    base = quantizers.Quantizer()
+    assert base.output_dtype == keras.quantizers.Quantizer().output_dtype == "int8"
+    x = torch.ones(2)
+    assert base(x) is x
+    assert isinstance(quantizers.AbsMaxQuantizer(), quantizers.Quantizer)
+    with pytest.raises(NotImplementedError):
+        base.get_config()

@@ -1,14 +1,15 @@
 """Origin: keras/src/quantizers/quantizers_test.py (Keras 3.15): the
 quantizers this library mirrors.
 
-Not ported: `fake_quant_with_min_max_vars` (Keras's quantization-aware
-training op, not part of this library) and GPTQ's primitives
+Not ported: `fake_quant_with_min_max_vars` (checked against Keras itself in
+tests/test_keras_namespaces.py) and GPTQ's primitives
 (`compute_quantization_parameters`, `quantize_with_sz_map`,
 `dequantize_with_sz_map`: `GPTQQuantizerTest`, `ComputeScaleZeroTest`,
 `GroupedQuantizationParametersTest`), which arrive with GPTQ. Keras's
 `abs_max_quantize_grouped_with_zero_point` is
-`grouped_quantize_with_zero_point` here and its `dequantize_with_sz_map` over
-a `g_idx` is `dequantize_grouped`; `pack_int4` returns the packed tensor
+`grouped_quantize_with_zero_point` in this library's int4 path (Keras's
+function, with its numerics, is here too) and its `dequantize_with_sz_map`
+over a `g_idx` is `dequantize_grouped`; `pack_int4` returns the packed tensor
 alone (Keras: `(packed, packed_shape, orig_len)`).
 """
 

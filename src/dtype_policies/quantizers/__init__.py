@@ -20,6 +20,7 @@ from dtype_policies.quantizers.config import (
     Int4QuantizationConfig,
     Int8QuantizationConfig,
     QuantizationConfig,
+    Quantizer,
     deserialize,
     deserialize_config,
     get,
@@ -27,7 +28,9 @@ from dtype_policies.quantizers.config import (
     serialize_config,
     validate_and_resolve_config,
 )
+from dtype_policies.quantizers.fake_quant import fake_quant_with_min_max_vars
 from dtype_policies.quantizers.gptq_config import GPTQConfig
+from dtype_policies.quantizers.grouped_zero_point import abs_max_quantize_grouped_with_zero_point
 from dtype_policies.quantizers.math import (
     abs_max_quantize,
     compute_float8_amax_history,
@@ -53,13 +56,16 @@ __all__ = [
     "Int4QuantizationConfig",
     "Int8QuantizationConfig",
     "QuantizationConfig",
+    "Quantizer",
     "abs_max_quantize",
+    "abs_max_quantize_grouped_with_zero_point",
     "compute_float8_amax_history",
     "compute_float8_dynamic_scale",
     "compute_float8_scale",
     "dequantize_grouped",
     "deserialize",
     "deserialize_config",
+    "fake_quant_with_min_max_vars",
     "get",
     "grouped_quantize_with_zero_point",
     "pack_int4",

@@ -39,7 +39,36 @@ def check_mode_and_compute_dtype(mode: str, compute_dtype: str) -> None:
     mode_record(mode).check_compute_dtype(compute_dtype)
 
 
-class AbsMaxQuantizer:
+class Quantizer:
+    """Base class of the quantizers (Keras's `keras.quantizers.Quantizer`):
+    calling the base returns its input; a subclass quantizes and describes
+    itself with `get_config` (`from_config` reads it back).
+
+    >>> import torch
+    >>> class Sign(Quantizer):
+    ...     def __call__(self, x):
+    ...         return torch.sign(x).to(torch.int8)
+    ...     def get_config(self):
+    ...         return {"output_dtype": self.output_dtype}
+    >>> Sign()(torch.tensor([-0.5, 2.0])), Sign.from_config({"output_dtype": "int8"}).output_dtype
+    (tensor([-1,  1], dtype=torch.int8), 'int8')
+    """
+
+    def __init__(self, output_dtype: str = "int8") -> None:
+        self.output_dtype = output_dtype
+
+    def __call__(self, x: Any) -> Any:
+        return x
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Quantizer:
+        return cls(**config)
+
+    def get_config(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{self} does not implement get_config()")
+
+
+class AbsMaxQuantizer(Quantizer):
     """Symmetric abs-max quantizer (Keras's `AbsMaxQuantizer`).
 
     Calling it quantizes a tensor over `axis` (the call's `axis`, else the
@@ -751,7 +780,7 @@ def deserialize_config(data: Any) -> QuantizationConfig | None:
 
 def _quantizer_classes() -> dict[str, type]:
     """Keras's `keras.quantizers` object names: class names and their snake_case."""
-    classes: list[type] = [AbsMaxQuantizer, QuantizationConfig]
+    classes: list[type] = [Quantizer, AbsMaxQuantizer, QuantizationConfig]
     classes += [record.config_class for record in registered_modes()]
     names = {cls.__name__: cls for cls in classes}
     names.update({_snake_case(cls.__name__): cls for cls in classes})
