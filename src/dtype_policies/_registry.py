@@ -4,7 +4,7 @@ constraints, reading and writing Keras 3's serialized forms."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 # Keras's form of a plain function: `serialize_keras_object(relu)` is
@@ -12,7 +12,7 @@ from typing import Any
 _FUNCTION = "function"
 
 
-def _lookup(name: Any, registry: dict[str, Callable], custom_objects: dict | None) -> Any:
+def _lookup(name: Any, registry: Mapping[str, Any], custom_objects: dict | None) -> Any:
     """The entry called `name`: a custom object first, then a registered name,
     then a registered object's `__name__` (`"GlorotUniform"`, `"silu"`)."""
     if not isinstance(name, str):
@@ -26,7 +26,7 @@ def _lookup(name: Any, registry: dict[str, Callable], custom_objects: dict | Non
 
 def resolve(
     identifier: Any,
-    registry: dict[str, Callable],
+    registry: Mapping[str, Any],
     kind: str,
     *,
     factories: bool = True,
@@ -63,7 +63,7 @@ def resolve(
 
 
 def _from_dict(
-    data: dict, registry: dict, kind: str, factories: bool, custom_objects: dict | None
+    data: dict, registry: Mapping[str, Any], kind: str, factories: bool, custom_objects: dict | None
 ) -> Any:
     class_name = data.get("class_name")
     if class_name == _FUNCTION:
@@ -87,7 +87,7 @@ def _from_dict(
     return from_config(config) if from_config is not None else factory(**config)
 
 
-def serialize(obj: Any, registry: dict[str, Callable], module: str | None = None) -> Any:
+def serialize(obj: Any, registry: Mapping[str, Any], module: str | None = None) -> Any:
     """A JSON-friendly form of `obj`: its registered name, or Keras's class
     dict `{"module", "class_name", "config", "registered_name"}` (`module`
     the Keras namespace for this library's classes)."""

@@ -206,7 +206,7 @@ def policy_without(module: torch.nn.Module, tokens: frozenset[object]) -> DTypeP
     entry = entry_without(module, tokens)
     if isinstance(entry, LayerApplication):
         policy = entry.policy
-        if policy.is_map:
+        if isinstance(policy, DTypePolicyMap):
             return policy[entry.path] if entry.path is not None else policy.default_policy
         return policy
     return None if entry is None else entry.policy

@@ -120,7 +120,7 @@ def expert_routers(modules: Any) -> set[int]:
     block is a block only if it has one), and a gate of one row (a scalar
     per token, as Qwen-MoE's `shared_expert_gate`). A child of several
     matrices (a shared expert's MLP) computes, and is quantized."""
-    found = set()
+    found: set[int] = set()
     for block in modules:
         counts = []
         others = []
@@ -151,7 +151,7 @@ def _experts_count(module: torch.nn.Module) -> int | None:
     each an MLP (two or more weight matrices), and no parameters of its own;
     an `nn.Sequential` runs its children one after another and holds none."""
     if expanded(module) or experts_layout(module) is not None:
-        return module.num_experts
+        return int(cast(int, module.num_experts))
     own = [p for p in module._parameters.values() if p is not None]
     count = getattr(module, "num_experts", None)
     if isinstance(count, int) and own and all(p.dim() == 3 and p.shape[0] == count for p in own):
@@ -343,11 +343,15 @@ class ExpertsExpansion:
         parameters = {}
         with torch.no_grad():
             for name, linears in self.lists.items():
-                weights = [cast(torch.nn.Linear, linear).weight for linear in linears]
+                weights: list[torch.Tensor] = [
+                    cast(torch.nn.Linear, linear).weight for linear in linears
+                ]
                 stacked = torch.stack([w.t() if self.layout.transposed else w for w in weights])
                 parameters[name] = torch.nn.Parameter(stacked, weights[0].requires_grad)
                 if self.layout.biased:
-                    biases = [cast(torch.nn.Linear, linear).bias for linear in linears]
+                    biases: list[torch.Tensor] = [
+                        cast(torch.nn.Linear, linear).bias for linear in linears
+                    ]
                     parameters[f"{name}_bias"] = torch.nn.Parameter(
                         torch.stack(biases), biases[0].requires_grad
                     )

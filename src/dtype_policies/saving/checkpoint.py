@@ -38,7 +38,7 @@ from dtype_policies.apply.apply import (
     lift_applications,
     policy_without,
 )
-from dtype_policies.layers.layer import Layer
+from dtype_policies.layers.layer import Layer, LayerApplication
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
@@ -397,7 +397,7 @@ def _saved_maps(manifest: Manifest, problems: list[str]) -> list[DTypePolicyMap 
         except (ValueError, TypeError) as e:
             problems.append(f"saved policy map {index} cannot be read: {e}")
             saved = None
-        if saved is not None and not saved.is_map:
+        if saved is not None and not isinstance(saved, DTypePolicyMap):
             problems.append(f"saved policy map {index} is not a DTypePolicyMap: {saved!r}")
             saved = None
         maps.append(saved)
@@ -428,6 +428,7 @@ def _layer_step(
     policy_map = maps[saved_map.map]
     if policy_map is None:
         return None  # its problem is listed
+    resolved: DTypePolicy | ValueError
     try:
         resolved = policy_map[saved_map.path]
     except ValueError as e:
@@ -439,7 +440,10 @@ def _layer_step(
         )
         return None
     entry = entry_without(target, replaced)
-    if entry is not None and entry.policy == policy_map and entry.path == saved_map.path:
+    if isinstance(entry, LayerApplication) and (entry.policy, entry.path) == (
+        policy_map,
+        saved_map.path,
+    ):
         return None
     return Step(saved_map.path, target, policy_map)
 
@@ -631,8 +635,8 @@ def _state_problems(
         prefix = f"{plan.path}." if plan.path else ""
         if not plan.scheme.keeps_float_weight:
             expected.pop(prefix + plan.spec.weight, None)
-        for buffer, tensor in plan.tensors.items():
-            expected[prefix + buffer] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+        for stored, tensor in plan.tensors.items():
+            expected[prefix + stored] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     saved = dict(header)
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))
@@ -641,13 +645,13 @@ def _state_problems(
         record = manifest.quantized[name]
         prefix = f"{name}." if name else ""
         expected.pop(prefix + record.weight, None)
-        for buffer in record.stored:
-            expected.pop(prefix + buffer, None)
-            saved.pop(prefix + buffer, None)
+        for stored in record.stored:
+            expected.pop(prefix + stored, None)
+            saved.pop(prefix + stored, None)
         target = modules.get(name)
         quantized = None if target is None else attach.quantization_of(target)
-        for buffer in () if quantized is None else quantized.stored_names:
-            expected.pop(prefix + buffer, None)
+        for stored in () if quantized is None else quantized.stored_names:
+            expected.pop(prefix + stored, None)
     problems = [f"'{key}' is missing from the checkpoint" for key in expected if key not in saved]
     problems += unmatched
     problems += [
