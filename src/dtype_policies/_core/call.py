@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._compat import fx_symbolic_tracing
 from dtype_policies._core.casting import (
     HALF_DTYPES,
     cast_floating,
@@ -18,6 +19,7 @@ from dtype_policies._core.casting import (
     tracing,
 )
 from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
+from dtype_policies._core.fx_calls import fx_proxy, record_module_call
 from dtype_policies._core.scope import call_in_scope, current_scope, scope_for_call
 from dtype_policies._core.state import CallState
 from dtype_policies._core.torch_autocast import autocast_active, call_without_autocast
@@ -36,6 +38,10 @@ def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: di
         if x.dtype is not state.inputs and x.is_floating_point():
             x = cast_tensor(x, state.inputs)
         return call(x)
+    if fx_symbolic_tracing():
+        proxy = fx_proxy(args, kwargs)
+        if proxy is not None:
+            return record_module_call(proxy, call, args, kwargs)
     cast_to = state.inputs
     restore = None
     if state.island:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies._compat import STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS
+from dtype_policies._compat import STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS, fx_symbolic_tracing
 
 # `Tensor.bfloat16()` and friends skip `Tensor.to`'s argument parsing: about
 # half a microsecond less per cast, which matters for small layers.
@@ -30,10 +30,22 @@ except ImportError:  # pragma: no cover - older torch
 
 
 def tracing() -> bool:
-    """Whether a compiler or tracer records the ops (`torch.compile`,
-    `torch.export`, `torch.jit.trace`): kept casts and opaque kernels are
+    """Whether a compiler or tracer records the ops (`torch.compile`, or one
+    of the tracers of `exporting`): kept casts and opaque kernels are
     bypassed then, so that the recording holds the real computation."""
-    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+    return torch.compiler.is_compiling() or exporting()
+
+
+def exporting() -> bool:
+    """Whether a tracer records the ops for a program that runs without this
+    library (`torch.export` and `torch.onnx.export`, `torch.jit.trace`,
+    `torch.fx`): the products are then plain, exportable ATen ops (no
+    private operators, no dtype views, no Python autograd functions, no
+    branch on a size) with the eager path's values, rounding included.
+    `torch.compile` alone (not exporting) may call this library's kernels."""
+    if torch.compiler.is_exporting() or torch._C._get_tracing_state() is not None:
+        return True
+    if fx_symbolic_tracing():
         return True
     return STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS and fake_tensor_mode_active()
 
@@ -44,24 +56,38 @@ def fake_tensor_mode_active() -> bool:
 
 
 def bfloat16_rounded(x: torch.Tensor) -> torch.Tensor:
-    """`x` rounded to bfloat16's values, in float32 (nearest, ties to even).
+    """`x` rounded to bfloat16's values, in float32 (nearest, ties to even);
+    a gradient passes straight through the rounding.
 
-    A cast there and back; under `torch.compile`, the same rounding in
-    integer ops: Inductor keeps the intermediate of a fused cast pair in
-    float32 (it skips the rounding unless `emulate_precision_casts` is set),
-    so compiled products that round their inputs to bfloat16 differed from
-    eager ones. (`torch.jit.trace` has no dtype views; it keeps casts.)
+    A cast there and back; under `torch.compile` (not exporting), the same
+    rounding in integer ops: Inductor keeps the intermediate of a fused cast
+    pair in float32 (it skips the rounding unless `emulate_precision_casts`
+    is set), so compiled products that round their inputs to bfloat16
+    differed from eager ones. Exported programs keep the cast pair (ONNX has
+    no dtype views).
 
     >>> import torch
     >>> bfloat16_rounded(torch.tensor([1.00390625, 1.01171875])).tolist()  # ties to even
     [1.0, 1.015625]
     """
     x = x.float()
-    if not torch.compiler.is_compiling():
-        return x.bfloat16().float()
-    bits = x.view(torch.int32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
-    return torch.where(torch.isnan(x), x, rounded)
+    if not torch.compiler.is_compiling() or exporting():
+        rounded = x.bfloat16().float()
+    else:
+        bits = x.view(torch.int32)
+        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
+        rounded = torch.where(torch.isnan(x), x, rounded)
+    return straight_through(x, rounded)
+
+
+def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """`rounded`'s values with `x`'s gradient (the identity through a
+    rounding), for graphs that record gradients; `rounded` itself otherwise.
+    (`x + (rounded - x)` is `rounded` exactly: the two are within a factor of
+    two of each other or the rounding is zero, so the difference is exact.)"""
+    if not x.requires_grad:
+        return rounded
+    return x + (rounded - x).detach()
 
 
 def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

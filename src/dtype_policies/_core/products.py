@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import _native as native
-from dtype_policies._core.casting import tracing
+from dtype_policies._core.casting import exporting, tracing
 from dtype_policies._cpu import Processor, hardware_flags, processor
 
 KINDS = ("onednn_prepacked", "float32_products")
@@ -176,6 +176,8 @@ def bf16_kernel(cpu: Processor) -> bool:
     if cpu.native_bf16 or cpu.onednn_bf16 or "avx2" not in cpu.features:
         return False
     if tracing():  # decided as the eager call would be, without building
+        if exporting():  # a program that runs without this library
+            return False
         return _kernel_built[0] if _kernel_built else native.loaded(KERNEL)
     if not native.enabled():  # `DTYPE_POLICIES_NATIVE_KERNELS=0`, read when asked
         return False
@@ -217,7 +219,17 @@ class LinearProduct:
     kernel has no autograd; with one, the rule above).
     """
 
-    __slots__ = ("_float32", "dtype", "kernel", "kind", "onednn", "small", "traced", "weight")
+    __slots__ = (
+        "_float32",
+        "dtype",
+        "kernel",
+        "kind",
+        "onednn",
+        "portable",
+        "small",
+        "traced",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -228,8 +240,10 @@ class LinearProduct:
         onednn: bool = False,
         traced: bool = False,
         kernel: bool = False,
+        portable: bool = False,
     ) -> None:
         self.kind = kind
+        self.portable = portable
         self.kernel = kernel
         self.weight = weight
         self.dtype = dtype
@@ -252,6 +266,10 @@ class LinearProduct:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.portable:  # the values of every path below, whatever the rows
+            out = F.linear(x2.float(), self.weight.float(), None if bias is None else bias.float())
+            out = out.to(self.dtype)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
         rows = x2.shape[0]
         if self.kernel and rows <= KERNEL_ROWS and self._kernel_applies(x2, bias):
             out = torch.ops.dtype_policies.bf16_mm_avx2(x2, self.weight, bias)
@@ -336,11 +354,14 @@ def traced_product(weight: torch.Tensor) -> LinearProduct | None:
     """The product of the compute-dtype (N, K) `weight` for compilers and
     tracers, in plain ops, by the same rule as the eager one: on a CPU without
     native products of its dtype, float32 products of its values beyond
-    `FEW_ROWS` rows. `None`: a plain `F.linear` (the compiler chooses the
-    product)."""
+    `FEW_ROWS` rows (exporting: at every row count, so that the program
+    holds no branch on the rows). `None`: a plain `F.linear` (the compiler
+    chooses the product)."""
     kind = kind_for(weight.dtype, weight.device, weight.numel(), weight.dim(), kept=False)
     if kind != "float32_products":
         return None
+    if exporting():
+        return LinearProduct(kind, weight, weight.dtype, traced=True, portable=True)
     kernel = _kernel_for(weight, weight.dtype)
     if kernel:  # a plain op: freezing folds it into the constant
         weight = weight.contiguous()

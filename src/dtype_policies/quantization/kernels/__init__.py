@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from dtype_policies._core.casting import exporting
 from dtype_policies._core.tensor_identity import tensor_key as tensor_key
 
 
@@ -28,4 +29,4 @@ def freezing_weights() -> bool:
     alone is then computed once, at compile time, and the traced products may
     call the eager kernels on layouts computed in the graph."""
     config = sys.modules.get("torch._inductor.config")
-    return bool(config is not None and config.freezing)
+    return bool(config is not None and config.freezing) and not exporting()

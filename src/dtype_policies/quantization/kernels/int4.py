@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import bfloat16_rounded
+from dtype_policies._core.casting import bfloat16_rounded, straight_through
 from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
@@ -116,9 +116,9 @@ def int4_linear_traceable(
     if activation_block_size is None:
         xk = bfloat16_rounded(x2)
     else:
-        xk = epilogues.round_activation_blocks(x2, activation_block_size)
-        if x2.requires_grad:  # straight through the rounding
-            xk = x2.float() + (xk - x2.float()).detach()
+        xk = straight_through(
+            x2.float(), epilogues.round_activation_blocks(x2, activation_block_size)
+        )
     y = bfloat16_rounded(F.linear(xk, weight)).to(out_dtype)  # the kernel's bfloat16 output
     return y if bias is None else y + bias.to(out_dtype)
 
@@ -135,7 +135,8 @@ def int4_linear_traced(
     g_idx: torch.Tensor | None = None,
     activation_block_size: int | None = None,
 ) -> torch.Tensor:
-    """The product for compilers and tracers (no autograd).
+    """The product for compilers and tracers (`runtime`: `None` when the
+    graph records gradients).
 
     With frozen weights (`freezing_weights`), where the eager runtime's plan
     (made by an earlier eager call on the same stored tensors: a frozen graph
@@ -149,9 +150,9 @@ def int4_linear_traced(
     Otherwise plain ops on the kernel's float32 weight (`kernel_weight`),
     computing what the kernel computes.
     """
-    plan = None if runtime is None else runtime.plan
+    plan = None if runtime is None or not freezing_weights() else runtime.plan
     path = None if plan is None else _path(plan, x2.shape[0], block_size)
-    if plan is not None and freezing_weights() and path in KERNELS:
+    if plan is not None and path in KERNELS:
         order = None
         if plan.permuted:  # a permuting g_idx was given to the plan
             assert g_idx is not None

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import bfloat16_rounded
+from dtype_policies._core.casting import bfloat16_rounded, exporting, straight_through
 from dtype_policies._core.products import native_half_products, product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
@@ -425,15 +425,20 @@ def int8_linear_traceable(
     weight_only: bool,
     activation_block_size: int | None = None,
     block_size: int | None = None,
+    needs_grad: bool = False,
 ) -> torch.Tensor:
     """The int8 product in plain ops on the stored tensors, for compilers and
     tracers (no derived runtime data; with frozen weights, the eager path's
     kernels on layouts the graph folds into constants). `block_size`: the
-    weight's `scale` is per block of that many inputs, (N, blocks)."""
+    weight's `scale` is per block of that many inputs, (N, blocks). The
+    values are the eager path's with or without `needs_grad`: its roundings
+    of the activations pass the gradient straight through (the gradient
+    through the dequantized weight, as the eager path's)."""
     column_step = 1.0 / scale.float()
     n, k = q_nk.shape
+    frozen = freezing_weights() and not needs_grad
     if activation_block_size is not None:
-        if freezing_weights() and blocked_kernel_applies(x2.device):
+        if frozen and blocked_kernel_applies(x2.device):
             # the eager path's kernel, on layouts the frozen graph folds into constants
             block_step = None
             if block_size is not None:
@@ -441,7 +446,9 @@ def int8_linear_traceable(
             return _blocked_kernel(
                 x2, int8_native.pack(q_nk), column_step, bias, out_dtype, n, block_step
             )
-        rounded = epilogues.round_activation_blocks(x2, activation_block_size)
+        rounded = straight_through(
+            x2.float(), epilogues.round_activation_blocks(x2, activation_block_size)
+        )
         dtype = product_dtype(x2.dtype, x2.device)
         if block_size is not None:
             weight = q_nk.float() * expand_blocks(column_step, block_size, k)
@@ -450,7 +457,7 @@ def int8_linear_traceable(
         y = F.linear(rounded.to(dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     if weight_only:
-        if _frozen_int8pack(x2, q_nk.shape[0]):
+        if frozen and _frozen_int8pack(x2, q_nk.shape[0]):
             # Frozen weights (`kernels.freezing_weights`): the kernel the
             # eager path runs, on fresh (aligned) copies: freezing folds the
             # weight's into a constant once, the activations' costs one row copy.
@@ -463,15 +470,29 @@ def int8_linear_traceable(
             y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
             return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
         if x2.dtype is torch.float32 and x2.device.type == "cpu":  # as the eager path
-            # the integer weight in the activations' dtype (exact in bfloat16)
-            y = bfloat16_rounded_product(x2, q_nk, lambda x, w: F.linear(x, w.to(x.dtype)))
+            if needs_grad or exporting() or not native_half_products(torch.bfloat16, processor()):
+                # float32 products, each rounding written out (a compiler
+                # skips the rounding of a cast pair, and a bfloat16 product's
+                # gradient would be rounded too)
+                y = bfloat16_rounded(F.linear(bfloat16_rounded(x2), q_nk.float()))
+            else:  # the integer weight in the activations' dtype (exact in bfloat16)
+                y = F.linear(x2.bfloat16(), q_nk.bfloat16())
         else:
             dtype = product_dtype(x2.dtype, x2.device)
             y = F.linear(x2.to(dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
-    xq, row_step = epilogues.quantize_rows_int8(x2)
     m, k = x2.shape
-    if freezing_weights() and native_applies(x2.device, processor()):
+    if needs_grad or exporting():
+        # the integer activations in floating point: the same integer sums
+        # (`exact_float_product`), in ops every exporter knows
+        row_step = epilogues.row_steps(x2.detach())
+        scaled = x2.float() / row_step
+        xq = straight_through(scaled, torch.round(scaled))
+        dtype = torch.float32 if k <= FLOAT32_EXACT_TERMS else torch.float64
+        accumulated = F.linear(xq.to(dtype), q_nk.to(dtype)).float()
+        return epilogues.rescale(accumulated, row_step, column_step, bias, out_dtype)
+    xq, row_step = epilogues.quantize_rows_int8(x2)
+    if frozen and native_applies(x2.device, processor()):
         # the eager path's kernel, on a layout the frozen graph folds into a constant
         accumulated = int8_native.int8_mm(xq, int8_native.pack(q_nk), q_nk.shape[0])
     elif _int_mm_supported(m, k, q_nk.shape[0], x2.device):

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._core.call import leaf_weights
-from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.casting import exporting, functorch_wrapped, straight_through, tracing
 from dtype_policies._core.listeners import add_step_skipped_listener
 from dtype_policies._core.module_state import state_of
 from dtype_policies._modes import QuantizationMode, register_mode
@@ -182,10 +182,19 @@ def weight_only_kernel(spec: WeightSpec, kernel: torch.Tensor) -> torch.Tensor:
     tensor for contractions without one), in its own shape and dtype;
     gradients pass straight through."""
     if spec.contract is not None:
-        return _QDQForward.apply(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
+        return _qdq(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
     w_nk = spec.nk(spec.matrix(kernel))
     scale = compute_float8_channel_scale(w_nk, FLOAT8_E4M3_MAX)
-    return spec.from_nk(_QDQForward.apply(w_nk, scale))
+    return spec.from_nk(_qdq(w_nk, scale))
+
+
+def _qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x` quantize-dequantized in e4m3fn, the gradient straight through:
+    plain ops when exporting (an exported program cannot hold a Python
+    autograd function), else `_QDQForward`."""
+    if exporting():
+        return straight_through(x, quantize_and_dequantize(x, scale, torch.float8_e4m3fn, x.dtype))
+    return _QDQForward.apply(x, scale)
 
 
 _STATE_FORMATS = (
@@ -364,6 +373,13 @@ def float8_contract(
     under `torch.func` transforms: they forbid writing to captured tensors).
     `dynamic`: with scales from the tensors themselves, the state untouched."""
     state = module._buffers  # read directly: never through a policy's autocasting
+    if exporting():  # the forward alone: no output-gradient rounding, no scale updates
+        if dynamic:
+            x_scale = compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX)
+            k_scale = compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX)
+        else:
+            x_scale, k_scale = state["inputs_scale"], state["kernel_scale"]
+        return contract(_qdq(inputs, x_scale), _qdq(kernel, k_scale))
     if dynamic:
         x = _QDQForward.apply(inputs, compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX))
         k = _QDQForward.apply(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._core.casting import straight_through
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import Int4DTypePolicy, QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import int4 as kernels
@@ -182,28 +183,20 @@ class Int4Scheme(Scheme):
         )
 
     def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
-        if qw.config.activation_quantizer is not None and not needs_grad:
+        if qw.config.activation_quantizer is not None:
             return self._per_row_quantized_linear(module, qw, x2, bias, compute)
         _, scale, zero = self._stored(module, qw)
         if scale.device.type != "cpu":
             return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
-        q_nk = self.integer_values(module, qw)
-        if needs_grad:
-            weight = kernels.kernel_weight(
-                q_nk, scale, zero, qw.config.group_size, self._g_idx(module, qw)
-            )
-            return kernels.int4_linear_traceable(
-                x2, weight, bias, compute, qw.config.activation_block_size
-            )
         return kernels.int4_linear_traced(
             x2,
-            q_nk,
+            self.integer_values(module, qw),
             scale,
             zero,
             qw.config.group_size,
             bias,
             compute,
-            qw.runtime,
+            None if needs_grad else qw.runtime,
             self._g_idx(module, qw),
             qw.config.activation_block_size,
         )
@@ -211,12 +204,14 @@ class Int4Scheme(Scheme):
     def _per_row_quantized_linear(self, module, qw, x2, bias, compute):
         """Per-channel W4A8 (Keras's int4 with an activation quantizer): inputs
         quantized per row by the config's quantizer, integer products exact in
-        float32 (|sums| stay far below 2**24 for any K under 16,000)."""
+        float32 (|sums| stay far below 2**24 for any K under 16,000); the
+        gradient passes straight through the inputs' rounding."""
         _, scale, _ = self._stored(module, qw)
-        xq, x_scale = qw.config.activation_quantizer(x2.float(), axis=-1)
-        y = (xq.float() @ self.integer_values(module, qw).float().t()) / (
-            x_scale.float() * scale.float()[None, :]
-        )
+        x = x2.float()
+        xq, x_scale = qw.config.activation_quantizer(x.detach(), axis=-1)
+        x_scale = x_scale.float()
+        xq = straight_through(x * x_scale, xq.float())
+        y = (xq @ self.integer_values(module, qw).float().t()) / (x_scale * scale.float()[None, :])
         if bias is not None:
             y = y + bias.float()
         return y.to(compute)

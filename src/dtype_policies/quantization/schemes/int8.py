@@ -14,7 +14,6 @@ import torch
 
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedDTypePolicy
-from dtype_policies.quantization.kernels import epilogues
 from dtype_policies.quantization.kernels import int8 as kernels
 from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
 from dtype_policies.quantizers.config import (
@@ -115,26 +114,17 @@ class Int8Scheme(Scheme):
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)
         data, scale = self._stored(module, qw)
-        block = qw.config.activation_block_size
-        if not needs_grad:
-            return kernels.int8_linear_traceable(
-                x2,
-                qw.spec.nk(data),
-                scale,
-                bias,
-                compute,
-                qw.config.weight_only,
-                block,
-                _block_size(qw),
-            )
-        # the activations' rounding, passed straight through
-        if block is not None:
-            rounded = epilogues.round_activation_blocks(x2, block).to(x2.dtype)
-            x2 = x2 + (rounded - x2).detach()
-        elif not qw.config.weight_only:
-            x2 = x2 + (kernels.fake_quantize_rows_int8(x2) - x2).detach()
-        weight = self.dequantize(module, qw).to(compute)
-        return torch.nn.functional.linear(x2, weight, bias)
+        return kernels.int8_linear_traceable(
+            x2,
+            qw.spec.nk(data),
+            scale,
+            bias,
+            compute,
+            qw.config.weight_only,
+            qw.config.activation_block_size,
+            _block_size(qw),
+            needs_grad,
+        )
 
     def lookup(self, module, qw, ids, compute):
         data, scale = self._stored(module, qw)
