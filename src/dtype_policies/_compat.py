@@ -14,17 +14,15 @@ STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS = TORCH_VERSION < (2, 13)
 
 
 try:  # the flag `torch.fx.symbolic_trace` (and `make_fx`) sets while it traces
-    from torch.fx import _symbolic_trace as _fx_trace
+    from torch.fx import _symbolic_trace as FX_TRACE
 
-    _fx_trace._is_fx_tracing_flag  # noqa: B018 - present on every supported version
+    FX_TRACE._is_fx_tracing_flag  # noqa: B018 - present on every supported version
 except (ImportError, AttributeError):  # pragma: no cover
-    _fx_trace = None
+    FX_TRACE = None
 
 
 def fx_symbolic_tracing() -> bool:
     """Whether `torch.fx` traces (`symbolic_trace`, `make_fx`) outside a compiler."""
     return (
-        _fx_trace is not None
-        and _fx_trace._is_fx_tracing_flag
-        and not torch.compiler.is_compiling()
+        FX_TRACE is not None and FX_TRACE._is_fx_tracing_flag and not torch.compiler.is_compiling()
     )

@@ -6,7 +6,11 @@ from typing import Any
 
 import torch
 
-from dtype_policies._compat import STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS, fx_symbolic_tracing
+from dtype_policies._compat import (
+    FX_TRACE,
+    STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS,
+    fx_symbolic_tracing,
+)
 
 # `Tensor.bfloat16()` and friends skip `Tensor.to`'s argument parsing: about
 # half a microsecond less per cast, which matters for small layers.
@@ -33,7 +37,12 @@ def tracing() -> bool:
     """Whether a compiler or tracer records the ops (`torch.compile`, or one
     of the tracers of `exporting`): kept casts and opaque kernels are
     bypassed then, so that the recording holds the real computation."""
-    return torch.compiler.is_compiling() or exporting()
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+        return True
+    # (a non-strict or strict `torch.export` sets `is_compiling`; read on every call)
+    if FX_TRACE is not None and FX_TRACE._is_fx_tracing_flag:
+        return True
+    return STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS and fake_tensor_mode_active()
 
 
 def exporting() -> bool:
