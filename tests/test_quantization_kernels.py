@@ -443,3 +443,30 @@ def test_per_channel_int4_runs_one_integer_gemm_only_with_amx():
     for path, out in outs.items():
         assert out.dtype == torch.float32
         assert ((out - reference).norm() / reference.norm()).item() < 0.01, path
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_compiled_row_quantization_of_a_non_finite_row_gives_a_nan_row_as_eager(
+    compiled_epilogues, bad
+):
+    """A NaN cast to an integer is undefined (0 eager, -128 compiled): the
+    quantized row must hold 0 there, so every kernel takes it and the row's
+    non-finite step alone makes that output row NaN."""
+    torch.manual_seed(0)
+    q, scale = abs_max_quantize(torch.randn(32, 64) * 0.05, axis=1)
+    x = torch.randn(4, 64)
+    x[2, 7] = bad
+    for quantize_rows in (
+        epilogues.quantize_rows_int8,
+        epilogues.quantize_rows_uint8,
+        epilogues.quantize_rows_split_uint8,
+    ):
+        compiled, _ = epilogues.run(quantize_rows, x)
+        eager, _ = quantize_rows(x)
+        assert torch.equal(compiled, eager), quantize_rows.__name__
+    xq, _ = epilogues.run(epilogues.quantize_rows_int8, x)
+    assert xq[2].eq(0).all() and xq.ne(-128).all()
+    runtime = _runtime(q, scale[:, 0])
+    for path in runtime.w8a8_paths():
+        y = int8_kernels.int8_linear(x, runtime, None, torch.float32, path)
+        assert y[2].isnan().all() and y[[0, 1, 3]].isfinite().all(), path

@@ -77,17 +77,26 @@ def row_steps(x: torch.Tensor) -> torch.Tensor:
     return absmax.add_(EPSILON).div_(127.0)
 
 
+def _row_quotients(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """`round(x / step)`, float32, in [-127, 127]: `|x / step| <= 127` by
+    construction for a finite row. A row holding NaN or inf has a NaN or inf
+    step, so its quotients are 0 or NaN; NaN becomes 0 (a NaN cast to an integer
+    is undefined: 0 eager, -128 compiled) and the row's non-finite step alone
+    carries the row to NaN (`0 * NaN`, `0 * inf`)."""
+    return torch.div(x, step).round_().nan_to_num_(nan=0.0)
+
+
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: `(q, step)` with `x ~= q * step`, `step` (M, 1)
-    float32. `|x / step| <= 127` by construction, so no clamp is needed."""
+    float32 (see `_row_quotients` for rows that are not finite)."""
     step = row_steps(x)
-    return torch.div(x, step).round_().to(torch.int8), step
+    return _row_quotients(x, step).to(torch.int8), step
 
 
 def quantize_rows_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_int8` shifted to uint8 with zero point 128."""
     step = row_steps(x)
-    return torch.div(x, step).round_().add_(128.0).to(torch.uint8), step
+    return _row_quotients(x, step).add_(128.0).to(torch.uint8), step
 
 
 def quantize_rows_split_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +104,7 @@ def quantize_rows_split_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     the first M rows `max(q, 0)`, the last M rows `max(-q, 0)` (both in
     [0, 127]), so that `q = u[:M] - u[M:]`."""
     step = row_steps(x)
-    q = torch.div(x, step).round_()
+    q = _row_quotients(x, step)
     return torch.cat([q.clamp(min=0), q.neg_().clamp_(min=0)]).to(torch.uint8), step
 
 
