@@ -235,3 +235,20 @@ def test_a_copy_is_compiled_again_for_the_copied_model(how):
         assert copied(x) == "compiled"
     assert torch.equal(copied(x), copied.module(x))  # gradients enabled: eager, the copy
     assert not torch.equal(copied(x), model(x))
+
+
+@pytest.mark.slow
+def test_int8_weight_only_from_float32_compiles_without_autotuning_to_the_eager_values():
+    """A few float32 rows run `_weight_int8pack_mm` on bfloat16-rounded inputs
+    with unit steps: Inductor's lowering of it (no autotuning) takes only
+    realized steps, not a constructor's values."""
+    from dtype_policies.quantization import Int8QuantizationConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    quantize(model, "int8", Int8QuantizationConfig(activation_quantizer=None))
+    fast = compile_for_inference(model, autotune=False)
+    x = torch.randn(2, 64)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs eagerly")
+        assert torch.equal(fast(x), model(x))

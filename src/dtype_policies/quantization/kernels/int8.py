@@ -464,7 +464,11 @@ def int8_linear_traceable(
             weight = q_nk.clone(memory_format=torch.contiguous_format)
             rows = x2.clone(memory_format=torch.contiguous_format)
             if x2.dtype is torch.float32:
-                ones = torch.ones_like(column_step, dtype=torch.bfloat16)
+                # Ones computed from the stored steps (x ** 0 is 1 for every x),
+                # so that freezing folds them into a constant buffer: Inductor's
+                # lowering of the op cannot take a constructor's (ones_like's)
+                # unrealized values.
+                ones = column_step.bfloat16().pow(0)
                 y = torch.ops.aten._weight_int8pack_mm(rows.bfloat16(), weight, ones)
                 return epilogues.rescale(y.float(), column_step[None, :], None, bias, out_dtype)
             y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
