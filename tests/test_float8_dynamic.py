@@ -102,6 +102,22 @@ def test_zero_and_empty_inputs_give_finite_outputs():
     assert empty.shape == (0, 16)
 
 
+@pytest.mark.parametrize("magnitude", [1e-4, 1e3])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_leaves_the_other_rows_their_own_scale(magnitude, bad):
+    """The scale is taken over the finite values: one NaN or inf in a batch
+    changes no other row (a scale of 1 flushed rows near 1e-4 to zero and
+    clipped rows near 1e3 at 448); a NaN row stays NaN."""
+    model = _linear("dynamic")
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)) * magnitude
+    spoiled = x.clone()
+    spoiled[0, 0] = bad
+    with torch.no_grad():
+        clean, y = model(x), model(spoiled)
+    torch.testing.assert_close(y[1:], clean[1:], atol=0, rtol=0)
+    assert y[0].isnan().all() == (bad != bad)
+
+
 def test_torch_compile_matches_eager_forward_and_backward():
     model = _linear("dynamic")
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(4)) * 50

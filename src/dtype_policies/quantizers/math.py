@@ -303,21 +303,23 @@ def compute_float8_scale(
 
 
 def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Tensor:
-    """Dynamic scaling: the float32 scalar `max|x| / dtype_max` of `x` itself,
-    1 when `x` is empty, all zero or its maximum is not finite (no graph, no
-    history).
+    """Dynamic scaling: the float32 scalar `max|x| / dtype_max` of `x` itself
+    over its finite values, 1 when `x` is empty or they are all zero (no graph,
+    no history). A NaN or inf leaves the other values' scale as it is (it
+    rounds to NaN or saturates by itself).
 
     >>> import torch
     >>> compute_float8_dynamic_scale(torch.tensor([1.0, -896.0]), FLOAT8_E4M3_MAX)
+    tensor(2.)
+    >>> compute_float8_dynamic_scale(torch.tensor([float("nan"), -896.0]), FLOAT8_E4M3_MAX)
     tensor(2.)
     >>> compute_float8_dynamic_scale(torch.zeros(3), FLOAT8_E4M3_MAX)
     tensor(1.)
     """
     if x.numel() == 0:
         return torch.ones((), dtype=torch.float32, device=x.device)
-    amax = x.detach().abs().amax().float()
-    usable = (amax > 0) & torch.isfinite(amax)
-    return torch.where(usable, amax / dtype_max, torch.ones_like(amax)).clamp_min(_SMALLEST_SCALE)
+    amax = x.detach().abs().nan_to_num_(nan=0.0, posinf=0.0).amax().float()
+    return torch.where(amax > 0, amax / dtype_max, torch.ones_like(amax)).clamp_min(_SMALLEST_SCALE)
 
 
 def compute_float8_amax_history(x: torch.Tensor, amax_history: torch.Tensor) -> torch.Tensor:
