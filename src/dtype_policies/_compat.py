@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 _MAJOR, _MINOR = (int(p) for p in torch.__version__.split(".")[:2])
@@ -13,6 +15,7 @@ TORCH_VERSION: tuple[int, int] = (_MAJOR, _MINOR)
 STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS = TORCH_VERSION < (2, 13)
 
 
+FX_TRACE: Any
 try:  # the flag `torch.fx.symbolic_trace` (and `make_fx`) sets while it traces
     from torch.fx import _symbolic_trace as FX_TRACE
 

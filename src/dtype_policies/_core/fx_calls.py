@@ -6,7 +6,7 @@ its autocast scope or its quantized products on `fx.Proxy` values."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,7 +28,7 @@ def record_module_call(
     is `call`. Raises `TypeError` when the traced root is policied itself:
     `symbolic_trace` runs the root's `forward` directly, so its policy (casts
     of its inputs, the compute dtype of its own ops) would be left out."""
-    tracer = proxy.tracer
+    tracer = cast(torch.fx.Tracer, proxy.tracer)  # a symbolic_trace tracer
     root = getattr(tracer, "root", None)
     root_state = None if root is None else root.__dict__.get(STATE_KEY)
     if root_state is not None and root_state.call is not None:

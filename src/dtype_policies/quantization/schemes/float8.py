@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -378,7 +378,8 @@ def float8_contract(
             x_scale = compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX)
             k_scale = compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX)
         else:
-            x_scale, k_scale = state["inputs_scale"], state["kernel_scale"]
+            x_scale = cast(torch.Tensor, state["inputs_scale"])
+            k_scale = cast(torch.Tensor, state["kernel_scale"])
         return contract(_qdq(inputs, x_scale), _qdq(kernel, k_scale))
     if dynamic:
         x = _QDQForward.apply(inputs, compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX))
