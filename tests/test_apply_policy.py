@@ -463,6 +463,7 @@ def test_summary_lists_every_module():
     assert rows[1].bytes < 4 * (32 * 64 + 64) / 3
 
 
+@pytest.mark.slow
 def test_compile_without_graph_breaks_matches_eager():
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))

@@ -175,6 +175,7 @@ def test_weights_updated_in_place_are_read_again(avx2_class):
     torch.testing.assert_close(after.float(), 2 * before.float(), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_compiled_graph_calls_the_kernel_with_eager_values(avx2_class):
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(96, 160), nn.GELU(), nn.Linear(160, 96)).eval()

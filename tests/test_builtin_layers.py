@@ -378,6 +378,7 @@ def test_transformer_block_trains_under_mixed_bfloat16_like_float32():
     assert abs(losses16[-1] - losses32[-1]) < 0.2 * losses32[0]
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_sequential_of_dense_matches_eager():
     dtype_policies.set_dtype_policy("mixed_bfloat16")
     model = layers.Sequential(

@@ -87,6 +87,7 @@ def _mlp():
     return nn.Sequential(nn.Linear(100, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 64))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode", [m if m in (None, "int8") else pytest.param(m, marks=pytest.mark.slow) for m in MODES]
 )
@@ -167,6 +168,7 @@ def test_compiled_graph_break_inside_a_policied_module_recompiles_per_shape():
         assert relative_error(ours, eager) < 0.01
 
 
+@pytest.mark.slow
 def test_compiled_training_step_through_an_int8_layer():
     torch.manual_seed(0)
     model = _mlp()

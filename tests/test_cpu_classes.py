@@ -265,6 +265,7 @@ def test_every_policy_and_mode_agrees_across_classes(source, mode, config):
                     )
 
 
+@pytest.mark.slow
 def test_compiled_and_eager_agree_under_an_emulated_class():
     if "avx2" not in CLASSES:
         pytest.skip("no AVX2 on this machine")

@@ -144,6 +144,7 @@ def test_native_kernel_rejects_a_layout_it_cannot_read():
         int4_native.int4_mm(torch.zeros(1, 96, dtype=torch.bfloat16), packed, pairs, 32, 4)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_native_kernel_runs_in_a_frozen_compiled_graph():
     """Under `torch.compile` with frozen weights the product is the custom op
@@ -397,6 +398,7 @@ def test_w4a8_is_stored_with_the_model_and_reloads_bit_for_bit(tmp_path):
     assert torch.equal(before, after)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_w4a8_kernel_runs_in_a_frozen_compiled_graph():
     """Under `torch.compile` with frozen weights the W4A8 product is the

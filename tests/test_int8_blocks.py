@@ -417,6 +417,7 @@ def test_training_passes_gradients_straight_through_the_rounding(config):
     assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize(
     ("config", "operator"),

@@ -143,6 +143,7 @@ def test_rows_with_nan_or_inf_give_nan_rows():
     assert y[0].isfinite().all() and y[3].isfinite().all()
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_frozen_compiled_w8a8_runs_the_kernel_with_the_eager_values():
     from dtype_policies import compile_for_inference

@@ -461,6 +461,7 @@ def test_compiled_unsigned_row_quantization_of_a_non_finite_row_is_eager(
     assert torch.equal(compiled, quantize_rows(x)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_compiled_row_quantization_of_a_non_finite_row_gives_a_nan_row_as_eager(
     compiled_epilogues, bad
