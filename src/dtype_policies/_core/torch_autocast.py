@@ -13,7 +13,28 @@ from typing import Any
 
 import torch
 
-_AUTOCAST_DEVICES: tuple[str, ...] = tuple(torch._C._autocast_supported_devices())
+
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types `torch.autocast` takes (torch < 2.7 has no list)."""
+    listed = getattr(torch._C, "_autocast_supported_devices", None)
+    if listed is not None:
+        return tuple(listed())
+    return tuple(  # torch 2.6's autocast device types
+        device
+        for device in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "privateuseone")
+        if _known(device)
+    )
+
+
+def _known(device: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device)
+    except RuntimeError:
+        return False
+    return True
+
+
+_AUTOCAST_DEVICES: tuple[str, ...] = _autocast_devices()
 
 
 def autocast_active() -> bool:
