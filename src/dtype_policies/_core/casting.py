@@ -45,6 +45,11 @@ def tracing() -> bool:
     return STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS and fake_tensor_mode_active()
 
 
+# torch < 2.7 has no export flag: every compile is then treated as an export
+# (plain ops, the eager values), the floor's safe side
+_is_exporting = getattr(torch.compiler, "is_exporting", torch.compiler.is_compiling)
+
+
 def exporting() -> bool:
     """Whether a tracer records the ops for a program that runs without this
     library (`torch.export` and `torch.onnx.export`, `torch.jit.trace`,
@@ -52,7 +57,7 @@ def exporting() -> bool:
     private operators, no dtype views, no Python autograd functions, no
     branch on a size) with the eager path's values, rounding included.
     `torch.compile` alone (not exporting) may call this library's kernels."""
-    if torch.compiler.is_exporting() or torch._C._get_tracing_state() is not None:
+    if _is_exporting() or torch._C._get_tracing_state() is not None:
         return True
     if fx_symbolic_tracing():
         return True
