@@ -9,12 +9,13 @@ tensor([0., 2.])
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dtype_policies import _registry
+from dtype_policies import _activation_functions, _registry
 from dtype_policies._activation_functions import (
     celu,
     elu,
@@ -53,39 +54,11 @@ swish = silu
 hard_swish = hard_silu
 
 ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
-    function.__name__: function
-    for function in (
-        celu,
-        elu,
-        exponential,
-        gelu,
-        glu,
-        hard_shrink,
-        hard_sigmoid,
-        hard_silu,
-        hard_tanh,
-        leaky_relu,
-        linear,
-        log_sigmoid,
-        log_softmax,
-        mish,
-        relu,
-        relu6,
-        selu,
-        sigmoid,
-        silu,
-        soft_shrink,
-        softmax,
-        softplus,
-        softsign,
-        sparse_plus,
-        sparse_sigmoid,
-        sparsemax,
-        squareplus,
-        tanh,
-        tanh_shrink,
-        threshold,
-    )
+    name: function
+    for name, function in vars(_activation_functions).items()
+    if inspect.isfunction(function)
+    and function.__module__ == _activation_functions.__name__
+    and not name.startswith("_")
 }
 ACTIVATIONS.update(swish=silu, hard_swish=hard_silu)
 

@@ -544,12 +544,6 @@ def float32_int8pack_max_rows(device: torch.device, cpu: Processor | None = None
     return FLOAT32_INT8PACK_MAX_ROWS
 
 
-def fake_quantize_rows_int8(x2: torch.Tensor) -> torch.Tensor:
-    """`x2` rounded as the W8A8 product sees it (per row, in `x2`'s dtype)."""
-    q, step = epilogues.quantize_rows_int8(x2)
-    return (q.float() * step).to(x2.dtype)
-
-
 def weight_int8pack_supported(x2: torch.Tensor, n: int, any_rows: bool = False) -> bool:
     """Shapes and dtypes `_weight_int8pack_mm` handles correctly on CPU. Its
     AVX-512 bfloat16 kernel reads the activations with aligned 32-byte loads:
