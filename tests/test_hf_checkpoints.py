@@ -679,17 +679,26 @@ def test_meta_route_with_saving_save_and_load(mode, tmp_path):
     assert torch.equal(outputs(again), outputs(model))
 
 
-def test_an_int8_model_loads_in_float16_as_it_converts(tmp_path):
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", None])
+def test_an_int8_model_loads_in_float16_as_it_converts(policy, tmp_path):
+    """`from_pretrained(dtype=torch.float16)` is `.to(torch.float16)` after
+    loading: an applied policy stays; without one, int8 computes in float32
+    and hands float16 on, as a converted quantized module does."""
     torch.manual_seed(0)
     model = llama()
-    apply_policy(model, "mixed_bfloat16")
+    if policy is not None:
+        apply_policy(model, policy)
     quantize(model, "int8")
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (2, 9))
-    converted = model.to(torch.float16)  # int8 does not compute in float16: the policy stays
+    converted = model.to(torch.float16)  # int8 does not compute in float16
     with torch.no_grad():
         expected = converted(ids).logits
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16)
-    assert loaded.model.layers[0].mlp.up_proj.dtype_policy.name == "int8_from_mixed_bfloat16"
+    up_proj = loaded.model.layers[0].mlp.up_proj
+    assert up_proj.dtype_policy == converted.model.layers[0].mlp.up_proj.dtype_policy
+    assert up_proj.dtype_policy.name == f"int8_from_{policy or 'float32'}"
+    assert up_proj.weight_scale.dtype == torch.float32
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, expected)
+        logits = loaded(ids).logits
+    assert logits.dtype == expected.dtype and torch.equal(logits, expected)

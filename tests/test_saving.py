@@ -422,6 +422,76 @@ def test_a_checkpoint_without_policies_leaves_the_target_none(mode, applied_on, 
     assert out.dtype == torch.float32 and torch.equal(out, expected)
 
 
+def built(on_meta, dtype=torch.float32):
+    if not on_meta:
+        torch.manual_seed(1)
+        return mlp().to(dtype)
+    with torch.device("meta"):
+        return mlp().to(dtype)
+
+
+@pytest.mark.parametrize("case", ["float32", "mixed_bfloat16", "int8_from_float32", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("on_meta", [False, True], ids=["cpu", "meta"])
+def test_loading_into_a_converted_target_is_loading_then_converting(case, dtype, on_meta, tmp_path):
+    """A target converted by `.half()` / `.to(dtype)` before loading ends as
+    the loaded model converted after: float tensors in the target's dtype,
+    stored int8 data and scales as saved, int8 without a policy computing in
+    float32 and handing on float16 (as `.half()` of a quantized module)."""
+    torch.manual_seed(0)
+    path = saving.save(prepare(mlp(), *CASES[case]), tmp_path / "m.safetensors")
+    load_then_convert = saving.load(built(on_meta), path).to(dtype)
+    convert_then_load = saving.load(built(on_meta, dtype), path)
+    expected, state = load_then_convert.state_dict(), convert_then_load.state_dict()
+    assert list(state) == list(expected)
+    assert all(state[k].dtype == expected[k].dtype for k in expected)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert [getattr(m, "dtype_policy", None) for m in convert_then_load] == [
+        getattr(m, "dtype_policy", None) for m in load_then_convert
+    ]
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out, expected_out = convert_then_load(x), load_then_convert(x)
+    assert out.dtype == expected_out.dtype and torch.equal(out, expected_out)
+    if case in ("float32", "int8_from_float32"):  # no policy: the model's dtype throughout
+        assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("on_meta", [False, True], ids=["cpu", "meta"])
+@pytest.mark.parametrize("mode", [None, "int8"])
+def test_bfloat16_variables_load_into_a_float32_target(on_meta, mode, tmp_path):
+    """A model whose variables are bfloat16 (the "bfloat16" policy on a
+    `.bfloat16()` model) loads into a float32-built target: the target keeps
+    its float32 parameters (a policy never re-types them), holding the saved
+    values exactly, and computes the saved outputs bit for bit."""
+    torch.manual_seed(0)
+    model = prepare(mlp().bfloat16(), "bfloat16", mode, None)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    target = saving.load(built(on_meta), path)
+    saved = model.state_dict()
+    for key, tensor in target.state_dict().items():
+        expected = torch.float32 if saved[key].dtype == torch.bfloat16 else saved[key].dtype
+        assert tensor.dtype == expected and torch.equal(tensor, saved[key].to(expected))
+    assert target[0].dtype_policy == model[0].dtype_policy
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(target(x), model(x))
+
+
+def test_a_stored_tensor_of_another_dtype_is_refused(tmp_path):
+    """Only float tensors load converted: the stored tensors of a quantized
+    module (int8 data, float32 scales) must have the file's dtypes."""
+    torch.manual_seed(0)
+    path = saving.save(prepare(mlp(), None, "int8", None), tmp_path / "m.safetensors")
+    target = mlp()
+    quantize(target, "int8")
+    target[0].weight_scale.data = target[0].weight_scale.data.half()
+    before = snapshot(target)
+    with pytest.raises(
+        saving.CheckpointError, match=r"'0\.weight_scale': checkpoint .*'F32'.*'F16'"
+    ):
+        saving.load(target, path)
+    assert_unchanged(target, before)
+
+
 def test_layers_keep_the_saved_policy_the_target_had_only_by_apply_policy(tmp_path):
     """A layer whose saved policy the target gave it by apply_policy keeps it
     when the load replaces that application (it compared before as equal)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,6 @@ from dtype_policies._core.slots import (
     stored_buffer,
     stored_parameter,
 )
-from dtype_policies._dtypes import standardize_dtype
 from dtype_policies._paths import join, root_path_of
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import (
@@ -43,6 +43,7 @@ from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
 from dtype_policies.quantization.kinds import kind_of
+from dtype_policies.quantization.modules import own_options
 from dtype_policies.quantization.schemes import scheme_for
 from dtype_policies.saving.atomic import write_atomically
 from dtype_policies.saving.manifest import (
@@ -180,6 +181,9 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     saved without a policy is loaded without one), what was quantized is
     quantized again (with the saved tensors, not from the float weights), and
     every tensor is loaded: outputs are bit-identical to the saved model's.
+    Float tensors load in the target's dtype (a target converted by `.half()`
+    before loading ends as the loaded model converted after); the stored
+    tensors of quantized weights keep the file's dtypes.
 
     Raises `CheckpointError` (a `ValueError`) naming each path that differs
     (a missing or extra module or tensor, another shape, dtype or mode), or
@@ -209,9 +213,13 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest)
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
-    problems += _state_problems(module, manifest, header, plans, expansions, unfit)
+    fit = _state_fit(module, manifest, header, plans, expansions, unfit)
+    problems += fit.problems
     if problems:
         raise_unfit(str(file), problems)
+    assign = any(t.device.type == "meta" for t in _module_tensors(module))
+    if assign:  # the file's tensors become the target's: in the target's float dtypes
+        state = _in_target_dtypes(state, fit.dtypes)
     # Nothing above changed `module`; nothing below can fail on a checked file.
     for expansion in expansions.values():
         expansion.attach()
@@ -224,7 +232,6 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     # the ties as quantization leaves them (one side of a tied table quantized
     # leaves the other side's parameter alone)
     tied = _tied_parameters(module)
-    assign = any(t.device.type == "meta" for t in _module_tensors(module))
     non_persistent = set(manifest.non_persistent)
     persistent = {k: v for k, v in state.items() if k not in non_persistent}
     module.load_state_dict(persistent, strict=True, assign=assign)
@@ -531,7 +538,9 @@ def _plan_quantized(
     if source is not None:
         source = getattr(source, "source_policy", None) or source
     elif (weight := stored_parameter(target, spec.weight)) is not None:
-        source = DTypePolicy(standardize_dtype(weight.dtype))  # not the replaced policy's
+        # what quantize()'s own application computes by for a weight of this
+        # dtype (int8 under float16: float32), as after the model's `.half()`
+        source = own_options(record.mode, weight.dtype).policy  # not the replaced policy's
     try:
         plan = attach.plan(
             target, config, path=name, type_check=False, kind=kind, tensors=tensors, source=source
@@ -597,20 +606,43 @@ def _module_tensors(module: torch.nn.Module):
     yield from module.buffers()
 
 
-def _state_problems(
+@dataclass
+class StateFit:
+    """How the checkpoint's tensors fit the target once the plans are committed."""
+
+    problems: list[str]
+    # the dtype each float tensor of the file loads in, where the target's
+    # differs (a target converted by `.half()`, `.to(dtype)`, `.float()`)
+    dtypes: dict[str, torch.dtype]
+
+
+CONVERTIBLE_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+"""The float dtypes a tensor loads into another of (as `load_state_dict` and
+`.to(dtype)` convert them); every other dtype, and a quantized module's stored
+tensors (int8 data, float32 scales), must be the file's."""
+
+
+def _state_fit(
     module: torch.nn.Module,
     manifest: Manifest,
     header: dict,
     plans: list[attach.Plan],
     expansions: dict[str, ExpertsExpansion],
     unfit: set[str],
-) -> list[str]:
+) -> StateFit:
     """How the target's tensors, once the plans are committed, differ from
     the checkpoint's keys, shapes and dtypes (the tensors of the quantized
-    modules in `unfit`, which could not be planned and are reported, left out)."""
+    modules in `unfit`, which could not be planned and are reported, left out),
+    and which float tensors load converted to the target's dtype."""
     expected: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
         expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+    stored: set[str] = set()  # quantized modules' stored tensors: the file's dtypes
+    for name, submodule in module.named_modules():
+        quantized = attach.quantization_of(submodule)
+        if quantized is not None:
+            prefix = f"{name}." if name else ""
+            stored.update(prefix + buffer for buffer in quantized.stored_names)
     unmatched = []
     for key in manifest.non_persistent:
         try:
@@ -635,8 +667,9 @@ def _state_problems(
         prefix = f"{plan.path}." if plan.path else ""
         if not plan.scheme.keeps_float_weight:
             expected.pop(prefix + plan.spec.weight, None)
-        for stored, tensor in plan.tensors.items():
-            expected[prefix + stored] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+        for buffer, tensor in plan.tensors.items():
+            expected[prefix + buffer] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+            stored.add(prefix + buffer)
     saved = dict(header)
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))
@@ -645,13 +678,13 @@ def _state_problems(
         record = manifest.quantized[name]
         prefix = f"{name}." if name else ""
         expected.pop(prefix + record.weight, None)
-        for stored in record.stored:
-            expected.pop(prefix + stored, None)
-            saved.pop(prefix + stored, None)
+        for buffer in record.stored:
+            expected.pop(prefix + buffer, None)
+            saved.pop(prefix + buffer, None)
         target = modules.get(name)
         quantized = None if target is None else attach.quantization_of(target)
-        for stored in () if quantized is None else quantized.stored_names:
-            expected.pop(prefix + stored, None)
+        for buffer in () if quantized is None else quantized.stored_names:
+            expected.pop(prefix + buffer, None)
     problems = [f"'{key}' is missing from the checkpoint" for key in expected if key not in saved]
     problems += unmatched
     problems += [
@@ -659,11 +692,18 @@ def _state_problems(
         for key in saved
         if key not in expected
     ]
-    problems += [
-        f"'{key}': checkpoint {saved[key]}, target {expected[key]} (shape, dtype)"
-        for key in expected
-        if key in saved and saved[key] != expected[key]
-    ]
+    dtypes: dict[str, torch.dtype] = {}
+    for key, (shape, code) in expected.items():
+        if key not in saved or saved[key] == (shape, code):
+            continue
+        saved_shape, saved_code = saved[key]
+        convertible = {saved_code, code} <= CONVERTIBLE_DTYPES and key not in stored
+        if saved_shape == shape and convertible:
+            dtypes[key] = _DTYPES_BY_CODE[code]
+        else:
+            problems.append(
+                f"'{key}': checkpoint {saved[key]}, target {(shape, code)} (shape, dtype)"
+            )
     for name, submodule in module.named_modules():  # a weight's layout comes with its class
         recorded = manifest.classes.get(name)
         holds_weights = next(submodule.parameters(recurse=False), None) is not None
@@ -679,4 +719,20 @@ def _state_problems(
                 f"{', '.join(repr(name) for name in held)} are one tensor (tied) in the "
                 "target and separate tensors in the checkpoint"
             )
-    return problems
+    return StateFit(problems, dtypes)
+
+
+def _in_target_dtypes(
+    state: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]
+) -> dict[str, torch.Tensor]:
+    """`state` with the tensors named in `dtypes` converted (each tensor once:
+    tied keys stay one tensor)."""
+    converted: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    state = dict(state)
+    for key, dtype in dtypes.items():
+        tensor = state[key]
+        identity = (id(tensor), dtype)
+        if identity not in converted:
+            converted[identity] = tensor.to(dtype)
+        state[key] = converted[identity]
+    return state
