@@ -4,6 +4,7 @@ checkpoints never load silently into float weights; a checkpoint of another
 quantization mode raises naming the keys."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -320,3 +321,63 @@ def test_a_float8_state_of_another_history_length_is_refused_before_anything_loa
     with pytest.raises(ValueError, match=r"'0.inputs_amax_history': \(16,\)"):
         target.load_state_dict(source.state_dict(), strict=False)
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+def _model_of_width(kind, width, seed):
+    torch.manual_seed(seed)
+    if kind == "layers":
+        model = layers.Sequential(
+            [layers.Dense(width, activation="relu"), layers.Dense(16)], dtype="mixed_bfloat16"
+        )
+        model(X)
+        return model
+    model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, 16))
+    if kind == "policied":
+        apply_policy(model, "mixed_bfloat16")
+    elif kind == "quantized":  # quantize() alone: its root is not policied
+        quantize(model, "int8", filters="^2$")
+    return model
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", ["policied", "layers", "quantized"])
+def test_a_checkpoint_of_other_shapes_is_refused_before_anything_loads(kind, strict):
+    """torch copies every tensor that fits, then raises for those of another
+    shape (strict or not): a model of ours refuses first, in one
+    `CheckpointError` naming every tensor that does not fit and both shapes."""
+    checkpoint = _model_of_width("float" if kind == "quantized" else kind, 48, seed=1)
+    target = _model_of_width(kind, 64, seed=2)
+    before = snapshot(target)
+    with pytest.raises(dtype_policies.saving.CheckpointError) as info:
+        target.load_state_dict(checkpoint.state_dict(), strict=strict)
+    message = str(info.value)
+    assert "nothing was loaded" in message
+    if kind == "layers":
+        assert re.search(r"shape \(32, 48\) in the checkpoint, \(32, 64\) in the module", message)
+    else:
+        assert "'0.weight': shape (48, 32) in the checkpoint, (64, 32) in the module" in message
+        assert "'0.bias': shape (48,) in the checkpoint, (64,) in the module" in message
+    if kind == "quantized":  # the float weight a quantized module would quantize on loading
+        assert "Cannot load '2.weight' of shape (16, 48)" in message
+    assert_unchanged(target, before)
+
+
+def test_a_module_that_loads_its_own_way_is_left_to_torch():
+    """A class whose `_load_from_state_dict` is its own (here: it takes its
+    weight transposed) is not checked against torch's rule: it loads."""
+
+    class TransposedLoad(nn.Linear):
+        def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+            key = prefix + "weight"
+            if key in state_dict and state_dict[key].shape != self.weight.shape:
+                state_dict[key] = state_dict[key].t()
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(TransposedLoad(32, 16), nn.BatchNorm1d(16))
+    apply_policy(model, "mixed_bfloat16")
+    weight = torch.randn(32, 16)
+    state = {k: v.clone() for k, v in model.state_dict().items() if "num_batches" not in k}
+    state["0.weight"] = weight
+    model.load_state_dict(state)  # BatchNorm adds its missing counter, as in torch
+    assert torch.equal(model[0].weight, weight.t())

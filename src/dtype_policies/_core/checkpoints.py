@@ -16,51 +16,157 @@ first, so a checkpoint that cannot load changes nothing:
   its own (a mixture-of-experts block expanded into one linear per expert:
   the fused tensors it splits on loading).
 
+* every tensor of the checkpoint that a module of the tree loads as torch
+  does (its class's `_load_from_state_dict` is torch's or marked
+  `loads_as_torch`, no foreign load pre-hook) has the shape of the parameter
+  or buffer it goes into: torch refuses another shape only after copying the
+  tensors before it.
+
+Every problem found is listed in one `CheckpointError`. Missing and
+unexpected keys are torch's to report: a module cannot tell whether the load
+is strict (torch passes `strict=True` to every module and applies the real
+`strict` at the end).
+
 The root of a model `quantize()` or a loader changed need not be policied
 itself: `guard_loading` gives it the same whole-tree check (a load pre-hook).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from dtype_policies._core.module_state import quantization_of
 from dtype_policies._modes import module_buffer_modes, quantized_suffixes, stored_suffixes
 
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that does not fit the target module.
+
+    >>> import pathlib, tempfile, torch
+    >>> from dtype_policies import saving
+    >>> path = saving.save(torch.nn.Linear(4, 2), pathlib.Path(tempfile.mkdtemp()) / "m")
+    >>> try:
+    ...     saving.load(torch.nn.Linear(4, 3), path)
+    ... except saving.CheckpointError as e:
+    ...     print(type(e).__mro__[1].__name__)
+    ValueError
+    """
+
 
 def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> None:
-    """Raises `ValueError` if `state_dict` cannot load into the tree at `root`
-    (loaded under `prefix`); reads only, changes nothing."""
+    """Raises `CheckpointError` (a `ValueError`) listing every way `state_dict`
+    cannot load into the tree at `root` (loaded under `prefix`); reads only,
+    changes nothing."""
     suffixes = quantized_suffixes()
-    buffer_modes = module_buffer_modes()
-    if not any(_quantized_key(key, suffixes, buffer_modes) for key in state_dict) and not any(
-        quantization_of(module) is not None for module in root.modules()
-    ):
-        return
+    problems: list[str] = []
     refused: list[str] = []
     for name, module in root.named_modules(prefix=prefix[:-1]):
         module_prefix = f"{name}." if name else ""
         own_check = getattr(module, "_dp_check_checkpoint", None)
         if own_check is not None:
-            own_check(state_dict, module_prefix)
+            _collect(problems, own_check, state_dict, module_prefix)
         quantized = quantization_of(module)
         if quantized is not None:
-            quantized.check_checkpoint(module, state_dict, module_prefix)
-            continue
-        refused += [
-            module_prefix + weight + suffix
-            for weight in module._parameters
-            for suffix in suffixes
-            if module_prefix + weight + suffix in state_dict
-        ]
-        refused += foreign_module_buffers(module, state_dict, module_prefix)
+            _collect(problems, quantized.check_checkpoint, module, state_dict, module_prefix)
+        else:
+            refused += [
+                module_prefix + weight + suffix
+                for weight in module._parameters
+                for suffix in suffixes
+                if module_prefix + weight + suffix in state_dict
+            ]
+            refused += foreign_module_buffers(module, state_dict, module_prefix)
+        if _loads_as_torch(module):
+            own = () if quantized is None else quantized.stored_names
+            problems += _shape_mismatches(module, state_dict, module_prefix, frozenset(own))
     if refused:
         paths = sorted({key.rsplit(".", 1)[0] if "." in key else "(root)" for key in refused})
-        raise ValueError(
+        problems.insert(
+            0,
             f"The checkpoint holds quantized state {refused}, but the module(s) {paths} "
             "are not quantized. Quantize the model the same way (quantize() with the same "
-            "mode and config) before loading; nothing was loaded."
+            "mode and config) before loading; nothing was loaded.",
         )
+    if len(problems) == 1:
+        raise CheckpointError(problems[0])
+    if problems:
+        raise CheckpointError(
+            "The checkpoint does not fit the module; nothing was loaded:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def _collect(problems: list[str], check: Callable[..., None], *args: Any) -> None:
+    try:
+        check(*args)
+    except ValueError as e:
+        problems.append(str(e))
+
+
+def loads_as_torch(function: _Function) -> _Function:
+    """Marks a `_load_from_state_dict` of this library's classes that loads
+    the module's own tensors as torch does (it checks, or adapts a quantized
+    weight that `check_checkpoint` checks through its `QuantizedWeight`)."""
+    function._dp_loads_as_torch = True  # type: ignore[attr-defined]
+    return function
+
+
+def _loads_as_torch(module: torch.nn.Module) -> bool:
+    """Whether `module` loads its own tensors by torch's rules: every
+    `_load_from_state_dict` of its classes is torch's or marked, and no
+    load pre-hook but this library's may rename or reshape what it reads."""
+    for cls in type(module).__mro__:
+        function = vars(cls).get("_load_from_state_dict")
+        if function is None:
+            continue
+        if not (
+            getattr(function, "__module__", "").startswith("torch.nn.")
+            or getattr(function, "_dp_loads_as_torch", False)
+        ):
+            return False
+    return all(
+        getattr(hook, "hook", hook) is _check_before_loading
+        for hook in module._load_state_dict_pre_hooks.values()
+    )
+
+
+def _shape_mismatches(
+    module: torch.nn.Module, state_dict: dict, prefix: str, left: frozenset[str]
+) -> list[str]:
+    """The module's own parameters and persistent buffers (but those named in
+    `left`) whose checkpoint tensor torch would refuse: another shape (a 0-d
+    tensor takes a 1-d one, as in torch), or not a tensor."""
+    persistent = [
+        (name, buffer)
+        for name, buffer in module._buffers.items()
+        if name not in module._non_persistent_buffers_set
+    ]
+    found = []
+    for name, tensor in [*module._parameters.items(), *persistent]:
+        key = prefix + name
+        if tensor is None or name in left or key not in state_dict:
+            continue
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor):
+            found.append(
+                f"'{key}': the checkpoint holds a {type(value).__name__}, the module a tensor "
+                f"of shape {tuple(tensor.shape)}"
+            )
+        elif not (
+            torch.nn.parameter.is_lazy(tensor)
+            or tuple(value.shape) == tuple(tensor.shape)
+            or (tensor.dim() == 0 and value.dim() == 1)
+        ):
+            found.append(
+                f"'{key}': shape {tuple(value.shape)} in the checkpoint, "
+                f"{tuple(tensor.shape)} in the module"
+            )
+    return found
 
 
 def foreign_module_buffers(
@@ -78,10 +184,6 @@ def foreign_module_buffers(
         for name in module_buffer_modes()
         if prefix + name in state_dict and name not in own and name not in expected
     ]
-
-
-def _quantized_key(key: str, suffixes: tuple[str, ...], buffer_modes: dict[str, str]) -> bool:
-    return key.endswith(suffixes) or key.rsplit(".", 1)[-1] in buffer_modes
 
 
 def guard_loading(root: torch.nn.Module) -> None:

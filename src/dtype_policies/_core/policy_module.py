@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import HALF_DTYPES, tracing
-from dtype_policies._core.checkpoints import check_checkpoint
+from dtype_policies._core.checkpoints import check_checkpoint, loads_as_torch
 from dtype_policies._core.compose import ModuleMixin, mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import (
     STATE_KEY,
@@ -106,6 +106,7 @@ class PolicyModule(ModuleMixin):
             state.casts.clear()
         return super().train(mode)
 
+    @loads_as_torch
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -28,7 +28,6 @@ from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class
 from dtype_policies.quantization.modules import (
     FORWARDS,
     QUANTIZE_TOKEN,
-    check_finite,
     own_options,
 )
 from dtype_policies.quantization.schemes import (
@@ -37,6 +36,7 @@ from dtype_policies.quantization.schemes import (
     Scheme,
     WeightSpec,
 )
+from dtype_policies.quantization.schemes.base import check_finite
 from dtype_policies.quantizers.config import QuantizationConfig
 
 

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from dtype_policies._core.call import leaf_weights
-from dtype_policies._core.checkpoints import check_checkpoint
+from dtype_policies._core.checkpoints import check_checkpoint, loads_as_torch
 from dtype_policies._core.compose import ModuleMixin
 from dtype_policies._core.module_state import Token, ensure_state, quantization_of, state_of
 from dtype_policies._core.policy_module import ModuleOptions
@@ -83,6 +83,7 @@ class QuantizedForward(ModuleMixin):
             return weight.to(dtype or qw.float_dtype)
         return super().__getattr__(name)
 
+    @loads_as_torch
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         qw = quantization_of(self)
         if qw is not None:
@@ -203,22 +204,6 @@ def _follow_float_dtype(module: torch.nn.Module, qw: QuantizedWeight, dtype: tor
     cast(Any, module)._refresh_policy_state()
 
 
-def check_finite(weight: torch.Tensor, name: str) -> None:
-    """Every mode derives its scales from the weight's range, so one NaN or
-    infinity would silently poison the whole row or group it sits in: refused."""
-    with torch.no_grad():
-        finite = torch.isfinite(weight)
-        if bool(finite.all()):
-            return
-        bad = ~finite
-        index = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"its weight '{name}' holds {int(bad.sum())} non-finite value(s) (first: "
-            f"{float(weight[index])} at index {list(index)}); quantization needs finite "
-            "weights"
-        )
-
-
 def adapt_state_dict(
     module: torch.nn.Module, qw: QuantizedWeight, state_dict: dict, prefix: str
 ) -> None:
@@ -244,17 +229,7 @@ def adapt_state_dict(
         value = state_dict[weight_key]
         if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
             return
-        if tuple(value.shape) != qw.spec.float_shape:
-            raise ValueError(
-                f"Cannot load '{weight_key}' of shape {tuple(value.shape)} into the module "
-                f"quantized from a weight of shape {qw.spec.float_shape}."
-            )
-        try:
-            check_finite(value, qw.weight_name)
-        except ValueError as e:
-            raise ValueError(
-                f"Cannot load '{weight_key}' into the quantized module: {e}."
-            ) from None
+        # its shape and values were checked with the stored tensors (check_checkpoint)
         with torch.no_grad(), torch.inference_mode(False):
             tensors = qw.scheme.quantize(value.detach(), qw.spec, qw.config)
         del state_dict[weight_key]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.checkpoints import CheckpointError
 from dtype_policies._core.compose import original_class, original_of
 from dtype_policies._core.policy_module import ModuleOptions, top_options
 from dtype_policies._core.sharded import class_under_fsdp
@@ -28,20 +29,6 @@ from dtype_policies.quantizers.config import deserialize_config, serialize_confi
 
 FORMAT_NAME = "dtype_policies"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or that does not fit the target module.
-
-    >>> import pathlib, tempfile, torch
-    >>> from dtype_policies import saving
-    >>> path = saving.save(torch.nn.Linear(4, 2), pathlib.Path(tempfile.mkdtemp()) / "m")
-    >>> try:
-    ...     saving.load(torch.nn.Linear(4, 3), path)
-    ... except saving.CheckpointError as e:
-    ...     print(type(e).__mro__[1].__name__)
-    ValueError
-    """
 
 
 @dataclass

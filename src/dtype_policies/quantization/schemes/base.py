@@ -348,6 +348,30 @@ class QuantizedWeight:
                 f"quantized in mode '{self.mode}' ({self.config}): it was quantized with another "
                 "configuration. Quantize the model the same way before loading; nothing was loaded."
             )
+        self._check_float_weight(state_dict, prefix)
+
+    def _check_float_weight(self, state_dict: dict, prefix: str) -> None:
+        """A float checkpoint's weight (no stored tensors beside it), which
+        loading quantizes (`modules.adapt_state_dict`): the float shape the
+        module was quantized from, finite values."""
+        key = prefix + self.weight_name
+        value = state_dict.get(key)
+        if (
+            self.scheme.keeps_float_weight
+            or not isinstance(value, torch.Tensor)
+            or not value.is_floating_point()
+            or any(prefix + name in state_dict for name in self.stored_names)
+        ):
+            return
+        if tuple(value.shape) != self.spec.float_shape:
+            raise ValueError(
+                f"Cannot load '{key}' of shape {tuple(value.shape)} into the module "
+                f"quantized from a weight of shape {self.spec.float_shape}."
+            )
+        try:
+            check_finite(value, self.weight_name)
+        except ValueError as e:
+            raise ValueError(f"Cannot load '{key}' into the quantized module: {e}.") from None
 
     def integer_values(self, module: torch.nn.Module) -> torch.Tensor:
         """The integer values in the float parameter's shape (Keras's `kernel`)."""
@@ -398,3 +422,19 @@ class _StraightThrough(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_bias = grad.sum(0)
         return grad_x, grad_bias, None, None, None
+
+
+def check_finite(weight: torch.Tensor, name: str) -> None:
+    """Every mode derives its scales from the weight's range, so one NaN or
+    infinity would silently poison the whole row or group it sits in: refused."""
+    with torch.no_grad():
+        finite = torch.isfinite(weight)
+        if bool(finite.all()):
+            return
+        bad = ~finite
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"its weight '{name}' holds {int(bad.sum())} non-finite value(s) (first: "
+            f"{float(weight[index])} at index {list(index)}); quantization needs finite "
+            "weights"
+        )
