@@ -360,6 +360,27 @@ def test_mismatches_raise_naming_the_path_and_change_nothing(tmp_path):
     assert_unchanged(other_mode, before)
 
 
+def test_a_plain_model_is_unchanged_by_a_load_that_does_not_fit(tmp_path):
+    """No policy anywhere, checkpoint or target: the whole load is checked
+    before any tensor is copied (torch's strict load copies the tensors that
+    fit, then raises), and one error lists every key that does not fit."""
+    torch.manual_seed(0)
+    path = saving.save(mlp(), tmp_path / "m.safetensors")
+    torch.manual_seed(1)
+    target = nn.Sequential(
+        nn.Linear(64, 96), nn.GELU(), nn.LayerNorm(96), nn.Linear(96, 32), nn.Linear(32, 16),
+        nn.Linear(16, 4),
+    )  # fmt: skip
+    before = snapshot(target)
+    with pytest.raises(saving.CheckpointError) as info:
+        saving.load(target, path)
+    message = str(info.value)
+    assert "'3.weight': checkpoint ((64, 96), 'F32'), target ((32, 96), 'F32')" in message
+    assert "'4.weight': checkpoint ((16, 64), 'F32'), target ((16, 32), 'F32')" in message
+    assert "'5.weight' is missing from the checkpoint" in message
+    assert_unchanged(target, before)
+
+
 def test_one_error_lists_every_way_the_target_differs(tmp_path):
     """Another quantization mode and other tensor shapes, in one error: the
     module that cannot be planned does not hide the tensors that differ."""
