@@ -252,3 +252,101 @@ def test_int8_weight_only_from_float32_compiles_without_autotuning_to_the_eager_
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*runs eagerly")
         assert torch.equal(fast(x), model(x))
+
+
+def mlp(width: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, 4)
+    ).eval()
+
+
+def recompile_limit(entries: int):
+    """Dynamo's recompile limit set to `entries` (`cache_size_limit` before torch 2.7)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(name, entries)
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_more_models_than_dynamos_recompile_limit_each_run_compiled():
+    """Dynamo stops compiling a code object after `recompile_limit` entries
+    and runs it eagerly, silently: every model compiled in a process once
+    went through one frame, and the ninth ran eagerly. Each compiled call now
+    has frames of its own (the limit lowered to 1 here to keep it short: three
+    models and one compiled again, as a notebook cell re-run)."""
+    x = torch.randn(3, 8)
+    models = [mlp(16 + 8 * seed, seed) for seed in range(3)]
+    apply_policy(models[0], "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(models[2], "int8")
+    calls = [compile_for_inference(model, autotune=False) for model in models]
+    calls.append(compile_for_inference(models[0], autotune=False))
+    with recompile_limit(1), torch.inference_mode():
+        for fast in calls:
+            before = compiled_graphs()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*runs eagerly")
+                got = fast(x)
+            assert compiled_graphs() == before + 1, fast
+            expected = fast.module(x)
+            assert got.dtype == expected.dtype
+            assert close(got.float(), expected.float()) < 1e-2, fast
+
+
+@pytest.mark.slow
+def test_a_call_dynamo_stops_compiling_warns_once_naming_the_model_and_the_reason():
+    """A model called in more variants than Dynamo's recompile limit: the
+    variants past it run eagerly, said once (torch says nothing)."""
+    model = mlp(16, 0)
+    fast = compile_for_inference(model, autotune=False)
+    first, second, third = torch.randn(3, 8), torch.randn(5, 8, 8), torch.randn(5, 2, 2, 8)
+    with recompile_limit(1), torch.inference_mode():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*runs eagerly")
+            fast(first)
+        reason = r"(recompile.limit|cache_size_limit)"
+        with pytest.warns(UserWarning, match=rf"(?i)Sequential's call, .*{reason}"):
+            got = fast(second)  # another rank: a variant past the limit
+        assert torch.equal(got, model(second))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*runs eagerly")
+            assert torch.equal(fast(third), model(third))
+
+
+@pytest.mark.slow
+def test_a_graph_break_in_a_forward_shared_by_layers_gives_each_layer_its_weights():
+    """A module's forward that breaks the graph is compiled by Dynamo as a
+    frame of its own, shared by every layer of its class: with Dynamo's guards
+    on modules dropped there (they were dropped everywhere), the second and
+    third layers ran the first one's frozen weights (a relative error of 1.6)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(16, 32)
+            self.outer = torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = torch.relu(self.inner(x))
+            torch._dynamo.graph_break()
+            return self.outer(hidden)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), Block()).eval()
+    apply_policy(model, "mixed_bfloat16")
+    fast = compile_for_inference(model, autotune=False)
+    x = torch.randn(3, 16)
+    before = compiled_graphs()
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a frame Dynamo could not resume in runs eagerly
+        for _ in range(2):
+            assert close(fast(x).float(), model(x).float()) < 1e-2
+    assert compiled_graphs() >= before + 3  # compiled, a graph per layer at least

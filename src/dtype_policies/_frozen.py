@@ -16,7 +16,6 @@ import contextlib
 import functools
 import itertools
 import operator
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -26,13 +25,15 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from dtype_policies._compiled_frames import (
+    EagerFrames,
+    isolated,
+    own_step,
+    skip_guards_on_the_models_modules,
+)
 from dtype_policies._core.listeners import add_write_listener
 from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies._inductor_repairs import repaired
-
-
-def _step(call: Any, *args: Any, **kwargs: Any) -> Any:
-    return call(*args, **kwargs)
 
 
 class ModelWatch:
@@ -220,8 +221,11 @@ def sibling_options() -> dict[str, Any]:
 
 # Dynamo's guards on the model's modules cost milliseconds per call
 # (SmolLM2-135M: 8.5 ms of 57 at 1 thread, measured): with frozen weights,
-# `ModelWatch` stands in for them (torch >= 2.8 lets them be dropped).
-_SKIP_MODULE_GUARDS = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+# `ModelWatch` stands in for them in the outermost frame (torch >= 2.8 lets
+# them be dropped, the same release as this helper).
+_GUARD_FILTERS = hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
+
+_EAGER_FRAMES = EagerFrames()
 
 
 @functools.cache
@@ -249,12 +253,16 @@ class FrozenCompiledCall:
 
     Frozen weights are constants of the graph, and Dynamo's guards do not see
     their values: each instance compiles its own copy of the call's code (so
-    its graphs are its own, never an earlier compilation's), and a call after
-    any parameter, buffer, policy, quantization or training mode changed runs
-    eagerly, with a warning naming `name`, until it is compiled again
-    (`ModelWatch`, read on every call in place of Dynamo's guards on the
-    model's modules). Calls with gradients enabled run eagerly: a frozen graph
-    has no backward (compiled: under `torch.no_grad()`, `torch.inference_mode()`).
+    its graphs are its own, never an earlier compilation's, and Dynamo's
+    recompile limit counts its entries alone: `_compiled_frames`), and a
+    call after any parameter, buffer, policy, quantization or training mode
+    changed runs eagerly, with a warning naming `name`, until it is compiled
+    again (`ModelWatch`, read on every call in place of Dynamo's guards on
+    the model's modules in the outermost frame). A frame Dynamo gives up on
+    during a call (its recompile limit, a graph break it cannot resume from)
+    runs eagerly with a warning, once per reason. Calls with gradients
+    enabled run eagerly: a frozen graph has no backward (compiled: under
+    `torch.no_grad()`, `torch.inference_mode()`).
     Each compiled call runs inside `call_context(model, kwargs, continuing)`
     (the caller's settings for the compiled step only).
 
@@ -298,16 +306,16 @@ class FrozenCompiledCall:
             "autotune": autotune,
             "cpp_wrapper": cpp_wrapper,
         }
-        fresh = types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
         options: Any = {}
-        if freeze_weights and _SKIP_MODULE_GUARDS is not None:
-            options["guard_filter_fn"] = _SKIP_MODULE_GUARDS
-        self.compiled = torch.compile(
-            functools.partial(fresh, model.__call__),
-            fullgraph=fullgraph,
-            dynamic=dynamic,
-            options=options or None,
+        if freeze_weights and _GUARD_FILTERS:
+            options["guard_filter_fn"] = skip_guards_on_the_models_modules
+        # torch.compile of a function of its own (of a `functools.partial`, it
+        # runs every compiled call through one frame of torch's): Dynamo's
+        # compiled entries and recompile limit are this model's alone.
+        step = torch.compile(
+            own_step(), fullgraph=fullgraph, dynamic=dynamic, options=options or None, **isolated()
         )
+        self.compiled = functools.partial(step, model.__call__)
         self.model_ref = weakref.ref(model)
         self.model_class = type(model)  # whose `__call__` the graph is traced from
         self.freeze_weights = freeze_weights
@@ -324,6 +332,7 @@ class FrozenCompiledCall:
             self.inductor_options.update(CPP_WRAPPER_OPTIONS)
         self.watch: ModelWatch | None = None
         self.given_up: str | None = None  # why the compiler gave up on this model
+        self.reported: set[str] = set()  # the reasons for eager frames told so far
 
     def __reduce__(self) -> tuple[Any, tuple]:
         # Compiled graphs cannot be copied: a copy (pickle, `torch.save`,
@@ -377,9 +386,10 @@ class FrozenCompiledCall:
             if self.call_context is None or model is None
             else self.call_context(model, kwargs, continuing)
         )
+        mark = _EAGER_FRAMES.mark()
         try:
             with config.patch(self.inductor_options), repaired(), context:
-                return self.compiled(*args, **kwargs)
+                result = self.compiled(*args, **kwargs)
         except _recompile_limit() as error:
             # raised while compiling, before the call ran: the eager call is its first run
             self.given_up = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -392,6 +402,23 @@ class FrozenCompiledCall:
                 stacklevel=2,
             )
             return self.eager(*args, **kwargs)
+        given_up = _EAGER_FRAMES.given_up_since(mark)
+        if given_up:
+            self.report_eager_frames(given_up)
+        return result
+
+    def report_eager_frames(self, reasons: list[str]) -> None:
+        """One warning per reason Dynamo gave up on a frame of this model's call."""
+        new = [reason for reason in dict.fromkeys(reasons) if reason not in self.reported]
+        if not new:
+            return
+        self.reported.update(new)
+        warnings.warn(
+            f"{self.name}: torch.compile could not compile part of "
+            f"{self.model_class.__name__}'s call, which runs eagerly ({'; '.join(new)}). "
+            'TORCH_LOGS="recompiles,graph_breaks" names the frames.',
+            stacklevel=3,
+        )
 
 
 def _compiled_again(

@@ -29,7 +29,13 @@ that runs `model` that way under `torch.no_grad()` or
 * staleness: the weights are read once. After changing weights, policies,
   quantization or the training mode, calls run eagerly (with a warning) until
   `compile_for_inference` is called again; calls with gradients enabled
-  always run eagerly (a frozen graph has no backward).
+  always run eagerly (a frozen graph has no backward);
+* many models: each returned callable has Dynamo frames and compiled entries
+  of its own, so any number of models (or the same one compiled again) in
+  one process each count against Dynamo's `recompile_limit` alone; where
+  Dynamo gives up on part of a call (that limit reached by one model's
+  variants, a graph break it cannot resume from), that part runs eagerly
+  with a warning naming the model and Dynamo's reason.
 
 The model itself is unchanged; the returned callable holds it weakly.
 
