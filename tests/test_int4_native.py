@@ -27,6 +27,9 @@ from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.quantization import Int4QuantizationConfig
 from dtype_policies.quantization.kernels import epilogues, int4_native
 from dtype_policies.quantization.kernels import int4 as int4_kernels
+from dtype_policies.quantization.schemes.base import WeightSpec
+from dtype_policies.quantization.schemes.int4 import Int4Scheme
+from dtype_policies.quantizers.math import unpack_int4
 from native_kernels import RUNS_HERE, needs_kernel, needs_vnni
 
 
@@ -47,10 +50,10 @@ def _plans(q, scale, zero, block):
     return native_plan, torch_plan
 
 
-def _reference(x, q, scale, zero, block):
-    """float64 product of the bfloat16-rounded activations with the kernel's
-    weights, and the bound of float32 summation-order differences."""
-    weight = int4_kernels.kernel_weight(q, scale, zero, block).double()
+def _reference(x, weight):
+    """float64 product of the bfloat16-rounded activations with a kernel's
+    (N, K) weight, and the bound of float32 summation-order differences."""
+    weight = weight.double()
     xb = x.bfloat16().double()
     return xb @ weight.t(), xb.abs() @ weight.abs().t()
 
@@ -69,22 +72,108 @@ def _reference(x, q, scale, zero, block):
     ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_native_kernel_computes_torchs_values(n, k, block, rows):
+def test_native_kernel_and_torchs_compute_their_weights(n, k, block, rows):
+    """The native kernel multiplies by `kernel_weight` (float32 scales and
+    offsets), torch's by the same formula with its bfloat16 ones."""
     q, scale, zero = _weights(n, k, block, seed=n * k + rows)
     native_plan, torch_plan = _plans(q, scale, zero, block)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     ours = int4_kernels._packed(x, native_plan, n, None, torch.float32)
     theirs = int4_kernels._packed(x, torch_plan, n, None, torch.float32)
-    reference, magnitude = _reference(x, q, scale, zero, block)
     assert ours.dtype == torch.float32 and ours.shape == (rows, n)
     # both round a float32 sum to bfloat16: within one bfloat16 step of the
     # exact value, plus float32 rounding of the sum
-    bound = 2.0**-8 * reference.abs() + 2.0**-20 * k * magnitude + 1e-30
-    assert ((ours.double() - reference).abs() <= bound).all()
-    assert ((theirs.double() - reference).abs() <= bound).all()
+    for y, weight in (
+        (ours, int4_kernels.kernel_weight(q, scale, zero, block)),
+        (theirs, int4_kernels.kernel_weight(q, scale, zero, block, bfloat16_pairs=True)),
+    ):
+        reference, magnitude = _reference(x, weight)
+        bound = 2.0**-8 * reference.abs() + 2.0**-20 * k * magnitude + 1e-30
+        assert ((y.double() - reference).abs() <= bound).all()
     # many rows: the weight decoded once per call, one float32 GEMM, same values
     decoded = int4_kernels._packed(x, native_plan, n, None, torch.float32, decoded=True)
+    reference, magnitude = _reference(x, int4_kernels.kernel_weight(q, scale, zero, block))
+    bound = 2.0**-8 * reference.abs() + 2.0**-20 * k * magnitude + 1e-30
     assert ((decoded.double() - reference).abs() <= bound).all()
+
+
+def _zero_column_and_far_groups(n: int, k: int, block: int):
+    """Quantized weights (the default grid, zero points not refined, so that
+    a weight of 0 in a group on both sides of 0 dequantizes to exactly 0) of
+    which the first half of the rows is trained-like with input column 5
+    exactly 0, and the second half lies around 100 with a spread of 0.01;
+    and their dequantized (N, K) float64 weight."""
+    generator = torch.Generator().manual_seed(k + block)
+    w = torch.randn(n, k, generator=generator) * 0.02
+    w[:, 5] = 0.0
+    w[n // 2 :] = 100 + 0.01 * torch.randn(n - n // 2, k, generator=generator)
+    spec = WeightSpec("w", "out_in", "linear", k, n, float_shape=(n, k))
+    config = Int4QuantizationConfig(block_size=block, refine_zero_points=False)
+    stored = Int4Scheme().quantize(w, spec, config)
+    q = unpack_int4(stored["w_int4"], k, axis=-1).to(torch.int32)
+    scale, zero = stored["w_scale"].t(), stored["w_zero"].t()  # (G, N)
+    group = torch.arange(k) // block
+    dequantized = (q.double() - zero.double()[group].t()) * scale.double()[group].t()
+    return q, scale, zero, dequantized
+
+
+@needs_kernel
+@pytest.mark.parametrize("w4a8", [False, True])
+@pytest.mark.parametrize("block", [32, 128])
+def test_kernels_keep_the_float32_scales_and_offsets(block, w4a8):
+    """Every path of this library's packings, and the traced product where
+    they run, multiply by Keras's `(q - zero) * scale` up to float32
+    rounding: a weight of exactly 0 contributes nothing however large its
+    input, and groups centred at 100 keep their own quantization error. (With
+    the offsets rounded to bfloat16 the zero column gave 1.6e-3 of its input
+    and the far groups moved by up to 0.5, 200x their quantization error.)"""
+    n, k = 16, 256
+    q, scale, zero, dequantized = _zero_column_and_far_groups(n, k, block)
+    assert (dequantized[: n // 2, 5] == 0).all()
+    activation_block_size = 32 if w4a8 else None
+    runtime = int4_kernels.Int4Runtime()
+    runtime.refresh(q, scale, zero, block, (q,), activation_block_size=activation_block_size,
+                    kernel="native_q8" if w4a8 else "native")  # fmt: skip
+    plan = runtime.plan
+    decoded_weight = int4_native.decode(
+        plan.packed, plan.scales_and_zeros, plan.layout.group, q8=w4a8
+    )
+    weight_error = (decoded_weight[:n, :k].double() - dequantized).abs()
+    # (the W4A8 layout adds u * s, u in [0, 15], and z - 8 s: float32 rounding of both)
+    assert (weight_error <= 2**-22 * (dequantized.abs() + 16 * scale.max())).all()
+
+    def product(x: torch.Tensor, path: str) -> torch.Tensor:
+        if path == "traced":
+            y = int4_kernels.int4_linear_traced(
+                x, q, scale, zero, block, None, torch.float32, None, None, activation_block_size
+            )
+        else:
+            y = int4_kernels.int4_linear(
+                x, q, scale, zero, block, None, torch.float32, runtime, path, None,
+                activation_block_size,
+            )  # fmt: skip
+        return y.double()
+
+    one_hot = torch.zeros(3, k)
+    one_hot[:, 5] = torch.tensor([1e4, -3.0, 1.0])
+    signs = (1 - 2 * (torch.arange(k) // block % 2)).float()  # +1, -1 by group
+    alternating = torch.stack([signs, -signs, 0.5 * signs])
+    xr = alternating.bfloat16().double()
+    if w4a8:
+        xr = epilogues.round_activation_blocks(alternating.bfloat16()).double()
+    far = dequantized[n // 2 :]
+    exact, magnitude = xr @ far.t(), xr.abs() @ far.abs().t()
+    paths = [path for path in int4_kernels.paths(runtime) if path != "dequantized"]
+    if not int4_kernels.torch_kernel_here(activation_block_size):
+        paths.append("traced")
+    for path in paths:
+        # the zero column: nothing, but float32 rounding of the offsets
+        zero_rows = product(one_hot, path)[:, : n // 2].abs()
+        assert (zero_rows <= 2**-22 * 1e4 * 16 * scale[:, : n // 2].max()).all(), (path, zero_rows)
+        # the far groups: their dequantized weights, the output rounded to bfloat16
+        error = (product(alternating, path)[:, n // 2 :] - exact).abs()
+        bound = 2**-8 * exact.abs() + (k + 2) * 2**-24 * magnitude
+        assert (error <= bound).all(), (path, error.max())
 
 
 @needs_kernel
@@ -139,7 +228,7 @@ def _runtime(plan):
 @needs_kernel
 def test_native_kernel_rejects_a_layout_it_cannot_read():
     packed = torch.zeros(4, 48, dtype=torch.uint8)  # Kp = 96: not a multiple of 64
-    pairs = torch.zeros(4, 3, 2, dtype=torch.bfloat16)
+    pairs = torch.zeros(4, 3, 2)
     with pytest.raises(RuntimeError, match=r"Kp=96, group=32"):
         int4_native.int4_mm(torch.zeros(1, 96, dtype=torch.bfloat16), packed, pairs, 32, 4)
 
@@ -233,7 +322,7 @@ def test_packing_is_ops_on_the_stored_tensors_only(pack):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     q, scale, zero = _weights(30, 96, 32, seed=5)  # N not a multiple of 8 (W4A8 pads it)
-    graph = make_fx(lambda q, s, z: pack(q, s, z, 32))(q, scale.bfloat16(), zero.bfloat16())
+    graph = make_fx(lambda q, s, z: pack(q, s, z, 32))(q, scale, zero)
     calls = [node for node in graph.graph.nodes if node.op == "call_function"]
     assert calls
     for node in calls:
@@ -471,7 +560,7 @@ def test_the_w4a8_vnni_copy_gives_the_avx2_values_bit_for_bit(rows, n, k, group,
     """vpdpbusd on the unsigned nibbles, 4 rows per weight load: the same
     integer sums, the same float operations in the same order."""
     q, scale, zero = _weights(n, k, group, seed)
-    packed, pairs = int4_native.pack_q8(q, scale.bfloat16(), zero.bfloat16(), group)
+    packed, pairs = int4_native.pack_q8(q, scale, zero, group)
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, k, generator=generator) * 4).bfloat16()
     if rows > 3:
@@ -561,7 +650,9 @@ def test_torch_packing_decodes_into_bfloat16_gemms_with_the_kernels_values(n, k,
         ).double()
 
     decoded, kernel = product("decoded_bf16"), product("packed")
-    weight = int4_kernels.kernel_weight(q, scale, zero, block, g_idx)  # (N, K) float32
+    weight = int4_kernels.kernel_weight(
+        q, scale, zero, block, g_idx, bfloat16_pairs=True
+    )  # (N, K) float32
     exact = x.double() @ weight.bfloat16().double().t()
     magnitude = x.double().abs() @ weight.double().abs().t()
     assert decoded.shape == (rows, n)

@@ -3,16 +3,18 @@
 //
 // Weight-only:
 //   y[m, n] = bf16( sum_k x[m, k] * (q[n, k] * s[n, g(k)] + z[n, g(k)]) )
-// with bfloat16 activations x, signed 4-bit q in [-8, 7], bfloat16 scales s and
-// offsets z per group of `group` inputs, float32 products and sums. These are the
-// values of torch's `_weight_int4pack_mm_for_cpu` for the same scales and offsets
-// (its `(u - 8) * s + z` with u = q + 8), up to the order of the float32 sums.
+// with bfloat16 activations x, signed 4-bit q in [-8, 7], float32 scales s and
+// offsets z per group of `group` inputs (z = -zero * s: a group's weights are
+// Keras's (q - zero) * s up to float32 rounding, however far from 0 the group
+// lies), float32 products and sums. torch's `_weight_int4pack_mm_for_cpu`
+// computes the same formula (its `(u - 8) * s + z` with u = q + 8) with its
+// scales and offsets rounded to bfloat16.
 //
 // Layout (built by int4_native.pack):
 //   packed [N, Kp / 2] bytes, Kp a multiple of 64: each 64 inputs of a row are 8
 //     little-endian 32-bit words, word j holding q[8 i + j] in bits 4 i .. 4 i + 3;
 //     one shift pair per i gives 8 consecutive inputs in the 8 lanes.
-//   sz [N, ceil(Kp / group), 2] bfloat16: (s, z) per row and group; group a power of
+//   sz [N, ceil(Kp / group), 2] float32: (s, z) per row and group; group a power of
 //     two, at least 32.
 // Inputs x [M, K] (K <= Kp; the rest reads as zeros), output y [M, N], both bfloat16.
 #include <immintrin.h>
@@ -74,25 +76,21 @@ inline void decode_half(int half, __m256i v, __m256 s, __m256 z, __m256 w[4]) {
 constexpr int64_t kRowsPerTile = 4;
 constexpr int64_t kColumnsPerBlock = 16;
 
-// The scale (s) and offset (z) of one group, broadcast: one 32-bit load of the
-// bfloat16 pair, its halves moved into float32 positions.
-inline void group_pair(const uint16_t* pair, __m256& s, __m256& z) {
-  uint32_t bits;
-  memcpy(&bits, pair, 4);
-  const __m256i both = _mm256_set1_epi32(static_cast<int>(bits));
-  s = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
-  z = _mm256_castsi256_ps(_mm256_and_si256(both, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+// The scale (s) and offset (z) of one group, broadcast.
+inline void group_pair(const float* pair, __m256& s, __m256& z) {
+  s = _mm256_broadcast_ss(pair);
+  z = _mm256_broadcast_ss(pair + 1);
 }
 
 // Rows [m0, m0 + rows) times columns [n0, n1): each 32 weights are decoded once
 // for the `rows` rows. `group_shift`: log2 of the 32-input halves per group.
 template <int rows>
-void tile(const float* xf, int64_t kp, const uint8_t* packed, const uint16_t* sz, int64_t groups,
+void tile(const float* xf, int64_t kp, const uint8_t* packed, const float* sz, int64_t groups,
           int group_shift, uint16_t* y, int64_t n_total, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t words = kp / 64;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = packed + n * (kp / 2);
-    const uint16_t* pairs = sz + n * groups * 2;
+    const float* pairs = sz + n * groups * 2;
     __m256 even[rows], odd[rows];
     for (int r = 0; r < rows; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     __m256 s = _mm256_setzero_ps(), z = _mm256_setzero_ps();
@@ -123,7 +121,7 @@ void tile(const float* xf, int64_t kp, const uint8_t* packed, const uint16_t* sz
 
 // One row times columns [n0, n1), two columns per pass: their sums are
 // independent chains, which one column alone leaves idle (decoding, one row).
-void row_two_columns(const float* xf, int64_t kp, const uint8_t* packed, const uint16_t* sz,
+void row_two_columns(const float* xf, int64_t kp, const uint8_t* packed, const float* sz,
                      int64_t groups, int group_shift, uint16_t* y, int64_t n_total, int64_t m0,
                      int64_t n0, int64_t n1) {
   const int64_t words = kp / 64;
@@ -132,8 +130,8 @@ void row_two_columns(const float* xf, int64_t kp, const uint8_t* packed, const u
   for (; n + 1 < n1; n += 2) {
     const uint8_t* row_a = packed + n * (kp / 2);
     const uint8_t* row_b = row_a + kp / 2;
-    const uint16_t* pairs_a = sz + n * groups * 2;
-    const uint16_t* pairs_b = pairs_a + groups * 2;
+    const float* pairs_a = sz + n * groups * 2;
+    const float* pairs_b = pairs_a + groups * 2;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
     __m256 sa = _mm256_setzero_ps(), za = _mm256_setzero_ps();
@@ -179,7 +177,7 @@ inline int log2_of(int64_t v) {
 }  // namespace
 
 extern "C" int dtype_policies_int4_mm_bf16(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed,
-                                           const uint16_t* sz, int64_t kp, int64_t group, uint16_t* y,
+                                           const float* sz, int64_t kp, int64_t group, uint16_t* y,
                                            int64_t n, int threads) {
   if (m <= 0 || n <= 0) return 0;
   if (kp % 64 != 0 || group < 32 || (group & (group - 1)) != 0 || k > kp) return 1;
@@ -225,7 +223,7 @@ extern "C" int dtype_policies_int4_mm_bf16(const uint16_t* x, int64_t m, int64_t
 //   packed [ceil(N / 8), Kp / 32, 4, 8, 4] bytes, Kp a multiple of 32: for
 //     column block c8, input block b, byte [j, c, t] holds u[8 c8 + c][32 b + 4 j + t]
 //     in its low nibble and u[8 c8 + c][32 b + 4 (j + 4) + t] in its high one;
-//   pairs [ceil(N / 8), G, 2, 8] bfloat16: the 8 columns' scales s, then offsets z,
+//   pairs [ceil(N / 8), G, 2, 8] float32: the 8 columns' scales s, then offsets z,
 //     per group; group a power of two, at least 32.
 
 namespace {
@@ -330,15 +328,9 @@ inline void prefetch_ahead(const uint8_t* w) {
   _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchDistance + 64), _MM_HINT_T0);
 }
 
-// 8 bfloat16 values as 8 floats.
-inline __m256 bf16x8(const uint16_t* v) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 // One row times the 8 columns of block c8: their 8 sums, in the lanes of one register.
 inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, const uint8_t* tile,
-                          const uint16_t* pairs, int64_t groups, int group_shift) {
+                          const float* pairs, int64_t groups, int group_shift) {
   const int64_t blocks = kp / 32;
   const int8_t* xq = in.q + row * kp;
   const float* d = in.d + row * blocks;
@@ -360,13 +352,13 @@ inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, cons
       sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(hi_inputs)));
     }
     const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
-    const __m256 s = bf16x8(pairs + 16 * (b >> group_shift));
+    const __m256 s = _mm256_loadu_ps(pairs + 16 * (b >> group_shift));
     acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_broadcast_ss(d + b)), acc);
   }
   const float* sums = in.sums + row * groups;
   const __m256 eight = _mm256_set1_ps(8.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256 s = bf16x8(pairs + 16 * g), z = bf16x8(pairs + 16 * g + 8);
+    const __m256 s = _mm256_loadu_ps(pairs + 16 * g), z = _mm256_loadu_ps(pairs + 16 * g + 8);
     acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), _mm256_broadcast_ss(sums + g), acc);
   }
   return acc;
@@ -381,7 +373,7 @@ inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, cons
 DTYPE_POLICIES_VNNI_BEGIN
 template <int rows>
 void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const uint8_t* tile,
-                      const uint16_t* pairs, int64_t groups, int group_shift, float (*out)[8]) {
+                      const float* pairs, int64_t groups, int group_shift, float (*out)[8]) {
   const int64_t blocks = kp / 32;
   const __m256i mask = _mm256_set1_epi8(0x0f);
   __m256 acc[rows];
@@ -404,7 +396,7 @@ void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const ui
         dot[r] = _mm256_dpbusd_epi32(dot[r], hi, _mm256_set1_epi32(hi_inputs));
       }
     }
-    const __m256 s = bf16x8(pairs + 16 * (b >> group_shift));
+    const __m256 s = _mm256_loadu_ps(pairs + 16 * (b >> group_shift));
     for (int r = 0; r < rows; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
                                _mm256_mul_ps(s, _mm256_broadcast_ss(in.d + (row + r) * blocks + b)),
@@ -412,7 +404,7 @@ void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const ui
   }
   const __m256 eight = _mm256_set1_ps(8.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256 s = bf16x8(pairs + 16 * g), z = bf16x8(pairs + 16 * g + 8);
+    const __m256 s = _mm256_loadu_ps(pairs + 16 * g), z = _mm256_loadu_ps(pairs + 16 * g + 8);
     const __m256 shift = _mm256_fnmadd_ps(eight, s, z);
     for (int r = 0; r < rows; ++r)
       acc[r] = _mm256_fmadd_ps(shift, _mm256_broadcast_ss(in.sums + (row + r) * groups + g), acc[r]);
@@ -423,7 +415,7 @@ DTYPE_POLICIES_VNNI_END
 
 // One row chunk (rows 1..4) of the VNNI copy: the columns' sums into out.
 void q8_rows_vnni(const RoundedInputs& in, int64_t row, int64_t rows, int64_t kp, const uint8_t* tile,
-                  const uint16_t* pairs, int64_t groups, int group_shift, float (*out)[8]) {
+                  const float* pairs, int64_t groups, int group_shift, float (*out)[8]) {
   switch (rows) {
     case 4: q8_columns8_vnni<4>(in, row, kp, tile, pairs, groups, group_shift, out); break;
     case 3: q8_columns8_vnni<3>(in, row, kp, tile, pairs, groups, group_shift, out); break;
@@ -433,7 +425,7 @@ void q8_rows_vnni(const RoundedInputs& in, int64_t row, int64_t rows, int64_t kp
 }
 
 // The body of dtype_policies_int4_mm_q8 (`vnni` false) and its VNNI copy.
-int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, const uint16_t* sz,
+int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, const float* sz,
                int64_t kp, int64_t group, uint16_t* y, int64_t n, int threads, bool vnni) {
   if (m <= 0 || n <= 0) return 0;
   if (kp % 32 != 0 || group < 32 || (group & (group - 1)) != 0 || k > kp) return 1;
@@ -462,7 +454,7 @@ int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, c
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t c8 = 0; c8 < column_blocks; ++c8) {
     const uint8_t* tile = packed + c8 * blocks * 128;
-    const uint16_t* pairs = sz + c8 * groups * 16;
+    const float* pairs = sz + c8 * groups * 16;
     const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
     if (vnni) {
       for (int64_t r = 0; r < m; r += 4) {
@@ -491,21 +483,21 @@ int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, c
 }  // namespace
 
 extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed,
-                                         const uint16_t* sz, int64_t kp, int64_t group, uint16_t* y,
+                                         const float* sz, int64_t kp, int64_t group, uint16_t* y,
                                          int64_t n, int threads) {
   return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, false);
 }
 
 // The same product on CPUs with AVX-512 VNNI (the caller checks).
 extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t* x, int64_t m, int64_t k,
-                                              const uint8_t* packed, const uint16_t* sz, int64_t kp,
+                                              const uint8_t* packed, const float* sz, int64_t kp,
                                               int64_t group, uint16_t* y, int64_t n, int threads) {
   return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, true);
 }
 
 // The float32 weight [N, Kp] of the same layout (`q * s + z` per weight), for
 // many rows, where one float32 GEMM on it costs far more than this pass.
-extern "C" int dtype_policies_int4_dequantize(const uint8_t* packed, const uint16_t* sz, int64_t kp,
+extern "C" int dtype_policies_int4_dequantize(const uint8_t* packed, const float* sz, int64_t kp,
                                               int64_t group, int64_t n, float* out, int threads) {
   if (n <= 0) return 0;
   if (kp % 64 != 0 || group < 32 || (group & (group - 1)) != 0) return 1;
@@ -513,11 +505,11 @@ extern "C" int dtype_policies_int4_dequantize(const uint8_t* packed, const uint1
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t row = 0; row < n; ++row) {
     const uint8_t* words = packed + row * (kp / 2);
-    const uint16_t* pairs = sz + row * groups * 2;
+    const float* pairs = sz + row * groups * 2;
     float* w = out + row * kp;
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 s = _mm256_set1_ps(bf16_to_float(pairs[2 * g]));
-      const __m256 z = _mm256_set1_ps(bf16_to_float(pairs[2 * g + 1]));
+      const __m256 s = _mm256_set1_ps(pairs[2 * g]);
+      const __m256 z = _mm256_set1_ps(pairs[2 * g + 1]);
       const int64_t h_end = (g + 1) * halves_per_group < halves ? (g + 1) * halves_per_group : halves;
       for (int64_t h = g * halves_per_group; h < h_end; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 32 * (h >> 1)));
@@ -531,7 +523,7 @@ extern "C" int dtype_policies_int4_dequantize(const uint8_t* packed, const uint1
 }
 
 // The float32 weight [N, Kp] of the W4A8 layout: `(u - 8) * s + z` per weight.
-extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t* packed, const uint16_t* sz, int64_t kp,
+extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t* packed, const float* sz, int64_t kp,
                                                  int64_t group, int64_t n, float* out, int threads) {
   if (n <= 0) return 0;
   if (kp % 32 != 0 || group < 32 || (group & (group - 1)) != 0) return 1;
@@ -540,13 +532,13 @@ extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t* packed, const ui
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t c8 = 0; c8 < column_blocks; ++c8) {
     const uint8_t* tile = packed + c8 * blocks * 128;
-    const uint16_t* pairs = sz + c8 * groups * 16;
+    const float* pairs = sz + c8 * groups * 16;
     const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
     for (int64_t c = 0; c < columns; ++c) {
       float* w = out + (8 * c8 + c) * kp;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t g = b >> group_shift;
-        const float s = bf16_to_float(pairs[16 * g + c]), offset = bf16_to_float(pairs[16 * g + 8 + c]) - 8.0f * s;
+        const float s = pairs[16 * g + c], offset = pairs[16 * g + 8 + c] - 8.0f * s;
         const uint8_t* bytes = tile + 128 * b;
         for (int j = 0; j < 4; ++j)
           for (int t = 0; t < 4; ++t) {

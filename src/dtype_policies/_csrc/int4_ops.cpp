@@ -9,8 +9,9 @@
 //   dtype_policies::int4_packed_decoded_mm(x, packed, pairs, group, block_n)  torch's
 //     packed int4 weight decoded chunk by chunk into bfloat16, each chunk one GEMM
 // x: (M, K) bfloat16; weight-only: packed (N, Kp / 2) uint8, pairs (N, G, 2)
-// bfloat16; W4A8: packed (ceil(N / 8), Kp * 4) uint8, pairs (ceil(N / 8), G, 16)
-// bfloat16 (int4_avx2.cpp has the layouts). The decoders write (N, Kp) float32
+// float32; W4A8: packed (ceil(N / 8), Kp * 4) uint8, pairs (ceil(N / 8), G, 16)
+// float32 (int4_avx2.cpp has the layouts); int4_packed_decoded_mm reads torch's
+// packing and its bfloat16 pairs. The decoders write (N, Kp) float32
 // (W4A8: out's rows give N).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,13 +24,13 @@
 #include <cstdint>
 
 extern "C" int dtype_policies_int4_mm_bf16(const uint16_t*, int64_t, int64_t, const uint8_t*,
-                                           const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int);
+                                           const float*, int64_t, int64_t, uint16_t*, int64_t, int);
 extern "C" int dtype_policies_int4_mm_q8(const uint16_t*, int64_t, int64_t, const uint8_t*,
-                                         const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int);
+                                         const float*, int64_t, int64_t, uint16_t*, int64_t, int);
 extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t*, int64_t, int64_t, const uint8_t*,
-                                              const uint16_t*, int64_t, int64_t, uint16_t*, int64_t,
+                                              const float*, int64_t, int64_t, uint16_t*, int64_t,
                                               int);
-extern "C" int dtype_policies_int4_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
+extern "C" int dtype_policies_int4_dequantize(const uint8_t*, const float*, int64_t, int64_t,
                                               int64_t, float*, int);
 extern "C" int dtype_policies_int4_torch_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                                                float*, float*);
@@ -37,7 +38,7 @@ extern "C" int dtype_policies_int4_decode_torch_packed(const uint8_t*, const flo
                                                        int64_t, int64_t, int64_t, int64_t, int64_t,
                                                        int64_t, int64_t, int64_t, uint16_t*,
                                                        int64_t);
-extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t*, const uint16_t*, int64_t, int64_t,
+extern "C" int dtype_policies_int4_q8_dequantize(const uint8_t*, const float*, int64_t, int64_t,
                                                  int64_t, float*, int);
 
 namespace {
@@ -67,16 +68,16 @@ int64_t checked_kp(const char* name, const at::Tensor& packed, const at::Tensor&
               name, ": expected Kp a multiple of ", multiple, ", a group that is a power of two ",
               "from 32, and a packed weight for n=", n, "; got Kp=", kp, ", group=", group,
               ", packed ", packed.sizes());
-  TORCH_CHECK(pairs.dim() == 3 && pairs.scalar_type() == at::kBFloat16 && pairs.is_contiguous() &&
+  TORCH_CHECK(pairs.dim() == 3 && pairs.scalar_type() == at::kFloat && pairs.is_contiguous() &&
                   pairs.size(0) == rows && pairs.size(1) == (kp + group - 1) / group &&
                   pairs.size(2) == per_group,
               name, ": pairs must be a contiguous (", rows, ", ", (kp + group - 1) / group, ", ",
-              per_group, ") bfloat16 tensor, got ", pairs.scalar_type(), " of shape ",
+              per_group, ") float32 tensor, got ", pairs.scalar_type(), " of shape ",
               pairs.sizes());
   return kp;
 }
 
-using Product = int (*)(const uint16_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,
+using Product = int (*)(const uint16_t*, int64_t, int64_t, const uint8_t*, const float*,
                         int64_t, int64_t, uint16_t*, int64_t, int);
 
 at::Tensor run_product(Product product, const char* name, bool q8, const at::Tensor& x_in,
@@ -91,7 +92,7 @@ at::Tensor run_product(Product product, const char* name, bool q8, const at::Ten
   at::Tensor y = at::empty({m, n}, x.options());
   const int status = product(reinterpret_cast<const uint16_t*>(x.data_ptr()), m, k,
                              packed.data_ptr<uint8_t>(),
-                             reinterpret_cast<const uint16_t*>(pairs.data_ptr()), kp, group,
+                             pairs.data_ptr<float>(), kp, group,
                              reinterpret_cast<uint16_t*>(y.data_ptr()), n, threads_for(n * kp));
   TORCH_CHECK(status == 0, name, " failed (status ", status, ": ",
               status == 2 ? "out of memory" : "rejected its arguments", ")");
@@ -114,7 +115,7 @@ at::Tensor int4_mm_q8_vnni(const at::Tensor& x, const at::Tensor& packed, const 
                      group, n);
 }
 
-using Decode = int (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int);
+using Decode = int (*)(const uint8_t*, const float*, int64_t, int64_t, int64_t, float*, int);
 
 void run_decode(Decode decode, const char* name, bool q8, const at::Tensor& packed,
                 const at::Tensor& pairs, int64_t group, const at::Tensor& out) {
@@ -124,8 +125,8 @@ void run_decode(Decode decode, const char* name, bool q8, const at::Tensor& pack
                   out.size(0) == n && out.size(1) == kp,
               name, ": out must be a contiguous float32 (", n, ", ", kp,
               ") tensor, got ", out.scalar_type(), " of shape ", out.sizes());
-  const int status = decode(packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(pairs.data_ptr()),
-                            kp, group, n, out.data_ptr<float>(), threads_for(n * kp));
+  const int status = decode(packed.data_ptr<uint8_t>(), pairs.data_ptr<float>(), kp, group, n,
+                            out.data_ptr<float>(), threads_for(n * kp));
   TORCH_CHECK(status == 0, name, " rejected its arguments (status ", status, ")");
 }
 

@@ -7,17 +7,19 @@ compute-bound there and Inductor has no AVX2 int4 template), from 128 rows its
 weight decoded per call into float32 GEMMs; elsewhere torch's, from 64 rows
 (32 for weights of 2^20 elements or more) its weight decoded per call into
 bfloat16 GEMMs where bfloat16 products are native (`decoded_min_rows`). The kernels compute the
-same values (below) from the same layout plan (`Int4Layout`); the bfloat16
+same formula (below) from the same layout plan (`Int4Layout`); the bfloat16
 GEMMs round each weight `q * s + z` to bfloat16 first (a relative 2**-9 per
 weight, below the output's own rounding to bfloat16 in a sum of many terms).
 
 On CPU every shape can run on torch's packed kernel
 `_weight_int4pack_mm_for_cpu`, with bfloat16 activations, scales and offsets
 whatever the compute dtype: its float32 and float16 variants are scalar code,
-50-100x slower (measured, torch 2.13, AVX2 and AVX-512). From a float32 or
-float16 source the activations and the outputs are rounded to bfloat16 around
-the kernel (a relative 2**-9, small against int4's own error); outputs come
-back in the compute dtype. The weight is laid out once (`Int4Layout`):
+50-100x slower (measured, torch 2.13, AVX2 and AVX-512). This library's
+kernels (`int4_native`) take float32 scales and offsets with bfloat16
+activations. From a float32 or float16 source the activations and the
+outputs are rounded to bfloat16 around the kernel (a relative 2**-9, small
+against int4's own error); outputs come back in the compute dtype. The weight
+is laid out once (`Int4Layout`):
 
 * the kernel's group (32, 64, 128 or 256 values along K sharing a scale and
   an offset) is the largest that divides both the block and K, so that a block
@@ -33,9 +35,15 @@ back in the compute dtype. The weight is laid out once (`Int4Layout`):
   the activations gathered into that order on each call (with the spread
   above, one scatter does both).
 
-Grouped weights are `(q - zero) * scale` along the input axis (the kernel
-computes `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
-may be any real value); per-channel weights are `q / scale`. Per-channel
+Grouped weights are `(q - zero) * scale` along the input axis (the kernels
+compute `(u - 8) * s + z` with `u = q + 8` and `z = -zero * s`, so `zero`
+may be any real value); per-channel weights are `q / scale`. With float32
+`s` and `z` (this library's kernels, and the plain ops of `kernel_weight`)
+that is Keras's weight up to float32 rounding: a weight of exactly 0 is 0
+but for the float32 rounding of its group's offset, and a group centred far
+from 0 keeps its own quantization error. torch's kernel rounds `s` and `z` to
+bfloat16: a relative 2**-9 of each group's offset, which exceeds int4's own
+error for groups far from 0. Per-channel
 weights of fewer than `DEQUANTIZED_MAX_ELEMENTS` elements at
 `DEQUANTIZED_MIN_ROWS` rows or more run as one GEMM on their integer values
 cast per call, scaled after, on CPUs with AMX and oneDNN's bfloat16 (faster
@@ -87,20 +95,36 @@ def kernel_weight(
     zero: torch.Tensor | None,
     block_size: int,
     g_idx: torch.Tensor | None = None,
+    bfloat16_pairs: bool = False,
 ) -> torch.Tensor:
-    """The float32 (N, K) weight the packed kernel multiplies by: `q * s + z`
-    with its bfloat16 scale `s` and offset `z = -zero * s` (per channel:
-    `q * (1 / scale)` rounded to bfloat16). Plain ops, for compilers and
-    tracers, so that they compute what the eager kernel computes."""
+    """The float32 (N, K) weight a kernel multiplies by: `q * s + z` with the
+    scale `s` and offset `z = -zero * s` (per channel: `q * (1 / scale)`), in
+    float32 as this library's kernels take them (Keras's `(q - zero) *
+    scale` up to float32 rounding), or with `bfloat16_pairs` as torch's kernel
+    takes them (`s` rounded to bfloat16, then `z` from it). Plain ops, for
+    compilers and tracers, so that they compute what the eager kernel
+    computes (`torch_kernel_here`)."""
     if block_size > 0:
         if g_idx is None:
             block = torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
         else:
             block = g_idx.long()
-        group_scale = bfloat16_rounded(scale.float())[block].t()  # (N, K)
-        offset = bfloat16_rounded(-zero.float()[block].t() * group_scale)
-        return q_nk.float() * group_scale + offset
-    return q_nk.float() * bfloat16_rounded(1.0 / scale.float())[:, None]
+        group_scale = scale.float()[block].t()  # (N, K)
+        if bfloat16_pairs:
+            group_scale = bfloat16_rounded(group_scale)
+            return q_nk.float() * group_scale + bfloat16_rounded(
+                -zero.float()[block].t() * group_scale
+            )
+        return q_nk.float() * group_scale - zero.float()[block].t() * group_scale
+    step = 1.0 / scale.float()
+    return q_nk.float() * (bfloat16_rounded(step) if bfloat16_pairs else step)[:, None]
+
+
+def torch_kernel_here(activation_block_size: int | None = None) -> bool:
+    """Whether this processor's eager products of an int4 weight run on
+    torch's kernel (`cpu_kernel`), whose scales and offsets are bfloat16:
+    the traced products then compute with those (`kernel_weight`)."""
+    return cpu_kernel(activation_block_size) == "packed"
 
 
 def int4_linear_traceable(
@@ -147,7 +171,8 @@ def int4_linear_traced(
     permutes the blocks, and the path for the rows); the packing is computed
     from the stored tensors. Of the decoded paths only torch's packing's
     (`decoded_bf16`, one operator) runs in a graph.
-    Otherwise plain ops on the kernel's float32 weight (`kernel_weight`),
+    Otherwise plain ops on the kernel's float32 weight (`kernel_weight`, with
+    torch's kernel's bfloat16 scales and offsets where that kernel runs),
     computing what the kernel computes.
     """
     plan = None if runtime is None or not freezing_weights() else runtime.plan
@@ -159,7 +184,8 @@ def int4_linear_traced(
             order = torch.argsort(g_idx.long(), stable=True)
         traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel)
         return _packed(x2, traced, plan.n, bias, out_dtype, decoded=path == "decoded_bf16")
-    weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)
+    bfloat16_pairs = torch_kernel_here(activation_block_size)
+    weight = kernel_weight(q_nk, scale, zero, block_size, g_idx, bfloat16_pairs)
     return int4_linear_traceable(x2, weight, bias, out_dtype, activation_block_size)
 
 
@@ -216,7 +242,9 @@ class Int4Packed:
     n: int
     positions: torch.Tensor | None  # set when activations are spread (or permuted and spread)
     order: torch.Tensor | None  # the inputs in kernel order, when g_idx permutes them
-    scales_and_zeros: torch.Tensor  # bfloat16 (padded_k / group, padded N, 2)
+    # (scale, offset) per kernel group: torch's packing bfloat16 (padded_k / group,
+    # padded N, 2); this library's float32, in `int4_native`'s layouts
+    scales_and_zeros: torch.Tensor
     permuted: bool = False  # g_idx permutes the inputs (folded into `order` or `positions`)
     # "packed": torch's layout and kernel; "native" / "native_q8": `int4_native`'s
     # weight-only / W4A8 layout and kernel
@@ -341,14 +369,12 @@ def _pack(
     if block_size > 0:
         # each block's scale repeated over the kernel groups of its (padded) block
         per_block = layout.stride // layout.group
-        group_scale = scale.float().repeat_interleave(per_block, dim=0)[:groups].bfloat16()
-        # The offset comes from the rounded scale, so that (u - 8) * s + z is
-        # exactly (q - zero) * s for the s the kernel uses (any real zero).
+        group_scale = scale.float().repeat_interleave(per_block, dim=0)[:groups]
         zeros = zero.float().repeat_interleave(per_block, dim=0)[:groups]
-        offset = (-zeros * group_scale.float()).bfloat16()
     else:
-        group_scale = (1.0 / scale.float())[None, :].expand(groups, n).bfloat16()
-        offset = torch.zeros_like(group_scale)
+        group_scale = (1.0 / scale.float())[None, :].expand(groups, n)
+        zeros = torch.zeros_like(group_scale)
+    offset = -zeros * group_scale  # float32: (u - 8) * s + z is (q - zero) * s
     if kernel == "native":
         packed, pair = int4_native.pack(unsigned - 8, group_scale, offset, layout.group)
     elif kernel == "native_q8":
@@ -357,7 +383,11 @@ def _pack(
         if padded_n != n:
             unsigned = F.pad(unsigned, (0, 0, 0, padded_n - n), value=8)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned.contiguous(), 1)
-        pair = torch.stack([group_scale, offset], dim=-1)
+        # torch's kernel takes bfloat16 scales and offsets; the offset comes
+        # from the rounded scale, so that (u - 8) * s + z departs from
+        # (q - zero) * s only by the offset's own rounding
+        scale_bf16 = group_scale.bfloat16()
+        pair = torch.stack([scale_bf16, (-zeros * scale_bf16.float()).bfloat16()], dim=-1)
         if padded_n != n:
             pair = F.pad(pair, (0, 0, 0, padded_n - n))
     permuted = order is not None

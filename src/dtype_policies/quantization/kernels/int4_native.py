@@ -5,9 +5,10 @@ On x86 CPUs with AVX2 but not AVX-512, torch's packed int4 kernel is
 compute-bound (slower than float32 from a few rows: docs/speed.md) and
 Inductor's int4 templates need AVX-512. The weight-only kernel decodes 8
 weights with two shifts and a conversion and reads each 32 weights once for up
-to 4 rows. It computes the same values as torch's kernel for the same
-bfloat16 scales and offsets: `q * s + z` per weight, bfloat16 activations,
-float32 sums, a bfloat16 output (up to the order of the float32 sums).
+to 4 rows. It computes torch's kernel's formula, `q * s + z` per weight,
+bfloat16 activations, float32 sums, a bfloat16 output, with float32 scales
+and offsets (torch's kernel takes them in bfloat16): each group's weights are
+Keras's `(q - zero) * scale` up to float32 rounding, wherever the group lies.
 
 The W4A8 kernel (`int4_mm_q8`, weights packed by `pack_q8`, 8 output
 columns interleaved) first rounds the activations to int8 in blocks of 32
@@ -35,11 +36,11 @@ path unused.
 >>> import torch
 >>> from dtype_policies.quantization.kernels import int4_native
 >>> q = torch.randint(-8, 8, (16, 64), dtype=torch.int32)
->>> scale = torch.full((1, 16), 0.5).bfloat16()
->>> offset = torch.zeros(1, 16).bfloat16()
+>>> scale = torch.full((1, 16), 0.5)
+>>> offset = torch.zeros(1, 16)
 >>> packed, pairs = int4_native.pack(q, scale, offset, group=64)
 >>> packed.shape, pairs.shape, pairs.dtype
-(torch.Size([16, 32]), torch.Size([16, 1, 2]), torch.bfloat16)
+(torch.Size([16, 32]), torch.Size([16, 1, 2]), torch.float32)
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ def pack(
     q_nk: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's weight (N, Kp / 2) uint8 and its (N, Kp / group, 2)
-    bfloat16 (scale, offset) pairs, from signed int4 values `q_nk` (N, K) in
-    [-8, 7] and bfloat16 `scale`, `offset` (K / group, N); `group` a power of
-    two from 32, dividing K. Inputs past K (to a multiple of 64) get zero weights."""
+    float32 (scale, offset) pairs, from signed int4 values `q_nk` (N, K) in
+    [-8, 7] and `scale`, `offset` (K / group, N); `group` a power of two from
+    32, dividing K. Inputs past K (to a multiple of 64) get zero weights."""
     n, k = q_nk.shape
     kp = padded_k(k)
     groups = -(-kp // group)
@@ -96,7 +97,7 @@ def pack_q8(
     q_nk: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The W4A8 kernel's weight (ceil(N / 8), Kp * 4) uint8 and its
-    (ceil(N / 8), Kp / group, 16) bfloat16 scales and offsets, from the same
+    (ceil(N / 8), Kp / group, 16) float32 scales and offsets, from the same
     arguments as `pack` (Kp: K rounded up to a multiple of 32). Output columns
     are interleaved by 8 (`_csrc/int4_avx2.cpp` has the byte order); padded
     columns and inputs get zero weights."""
@@ -108,15 +109,15 @@ def pack_q8(
     tiles = unsigned.view(n8, 8, kp // 32, 8, 4).permute(0, 2, 3, 1, 4)
     packed = (tiles[:, :, :4] | (tiles[:, :, 4:] << 4)).to(torch.uint8)
     groups = -(-kp // group)
-    pairs = torch.stack([scale, offset], dim=1)  # (G, 2, N)
+    pairs = torch.stack([scale.float(), offset.float()], dim=1)  # (G, 2, N)
     pairs = F.pad(pairs, (0, 8 * n8 - n, 0, 0, 0, groups - pairs.shape[0]))
     pairs = pairs.view(groups, 2, n8, 8).permute(2, 0, 1, 3).reshape(n8, groups, 16)
     return packed.reshape(n8, kp * 4).contiguous(), pairs.contiguous()
 
 
 def _pairs(scale: torch.Tensor, offset: torch.Tensor, groups: int) -> torch.Tensor:
-    """The (N, groups, 2) bfloat16 (scale, offset) pairs of (G, N) grids."""
-    pairs = torch.stack([scale, offset], dim=-1).transpose(0, 1)  # (N, G, 2)
+    """The (N, groups, 2) float32 (scale, offset) pairs of (G, N) grids."""
+    pairs = torch.stack([scale.float(), offset.float()], dim=-1).transpose(0, 1)  # (N, G, 2)
     if pairs.shape[1] != groups:
         pairs = F.pad(pairs, (0, 0, 0, groups - pairs.shape[1]))
     return pairs.contiguous()

@@ -415,7 +415,8 @@ class CalibratedIntScheme(Scheme):
         block = qw.config.block_size(qw.spec.in_features)
         q_nk = self.integer_values(module, qw)
         if needs_grad:
-            weight = int4_kernels.kernel_weight(q_nk, scale, zero, block, g_idx)
+            bfloat16_pairs = int4_kernels.torch_kernel_here()
+            weight = int4_kernels.kernel_weight(q_nk, scale, zero, block, g_idx, bfloat16_pairs)
             return int4_kernels.int4_linear_traceable(x2, weight, bias, compute)
         runtime = qw.runtime if isinstance(qw.runtime, int4_kernels.Int4Runtime) else None
         return int4_kernels.int4_linear_traced(
