@@ -37,9 +37,10 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,17 +94,38 @@ def _has_fma() -> bool:
 
 _lock = threading.Lock()
 _loaded: dict[str, Path | None] = {}
-_on_load: dict[str, list[Callable[[], None]]] = {}
+_pending_fakes: dict[str, dict[str, Callable[..., Any]]] = {}
+_registered_fakes: set[str] = set()
 
 
-def on_load(name: str, hook: Callable[[], None]) -> None:
-    """Runs `hook` once kernel `name`'s library is loaded (at once if it is):
-    Python-side registrations of its operators (fake kernels for compilers)."""
+def register_fakes(name: str, fakes: Mapping[str, Callable[..., Any]]) -> None:
+    """Gives the operators of kernel `name`'s library their fake (shape)
+    implementations for compilers, `{"dtype_policies::op": fake}`: registered
+    with torch once kernel `name`'s library is loaded (at once if it is), and
+    once per operator and process. A module that runs twice (imported under
+    a second name, reloaded) registers nothing twice: torch 2.6 refuses a
+    second fake of one operator.
+
+    >>> register_fakes("avx2", {})  # the libraries' modules register theirs on import
+    """
     with _lock:
         if _loaded.get(name) is None:
-            _on_load.setdefault(name, []).append(hook)
+            _pending_fakes.setdefault(name, {}).update(fakes)
             return
-    hook()
+        due = _unregistered(fakes)
+    _register(due)
+
+
+def _unregistered(fakes: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """The fakes of operators without one yet, marked registered (under `_lock`)."""
+    due = {operator: fake for operator, fake in fakes.items() if operator not in _registered_fakes}
+    _registered_fakes.update(due)
+    return due
+
+
+def _register(fakes: Mapping[str, Callable[..., Any]]) -> None:
+    for operator, fake in fakes.items():
+        torch.library.register_fake(operator, fake)
 
 
 def operator_suffix(cpu: Processor | None = None) -> str:
@@ -146,12 +168,13 @@ def library(name: str) -> Path | None:
     (no compiler, or the build failed: warned once)."""
     if name in _loaded:
         return _loaded[name]
+    due: dict[str, Callable[..., Any]] = {}
     with _lock:
         if name not in _loaded:
             _loaded[name] = _build_and_load(KERNELS[name])
-            hooks = _on_load.pop(name, []) if _loaded[name] is not None else []
-    for hook in hooks:
-        hook()
+            if _loaded[name] is not None:
+                due = _unregistered(_pending_fakes.pop(name, {}))
+    _register(due)
     return _loaded[name]
 
 

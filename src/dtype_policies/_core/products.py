@@ -187,14 +187,13 @@ def bf16_kernel(cpu: Processor) -> bool:
     return _kernel_built[0]
 
 
-def _register_kernel_fake() -> None:
-    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
+def _kernel_product_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
-    torch.library.register_fake("dtype_policies::bf16_mm_avx2", product)
 
-
-native.on_load(KERNEL, _register_kernel_fake)
+native.register_fakes(KERNEL, {"dtype_policies::bf16_mm_avx2": _kernel_product_fake})
 
 
 def onednn_gemv(dtype: torch.dtype, cpu: Processor) -> bool:

@@ -228,21 +228,17 @@ def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
     ]
 
 
-def _register_fakes() -> None:
-    """Shapes for compilers (the operator comes from the built library)."""
-
-    def attention(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-        causal: bool,
-    ) -> torch.Tensor:
-        batch, heads, queries, _ = query.shape  # the kernel's layout: (B, Lq, H, D) memory
-        return query.new_empty((batch, queries, heads, value.shape[-1])).transpose(1, 2)
-
-    torch.library.register_fake("dtype_policies::attention_bf16", attention)
+def _attention_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The operator's shape for compilers (it comes from the built library)."""
+    batch, heads, queries, _ = query.shape  # the kernel's layout: (B, Lq, H, D) memory
+    return query.new_empty((batch, queries, heads, value.shape[-1])).transpose(1, 2)
 
 
-native.on_load(KERNEL, _register_fakes)
+native.register_fakes(KERNEL, {"dtype_policies::attention_bf16": _attention_fake})

@@ -249,26 +249,31 @@ def _ops() -> Any:
     return torch.ops.dtype_policies
 
 
-def _register_fakes() -> None:
-    """Shapes for compilers (the operators come from the built library)."""
-
-    def product(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
-        return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
-
-    for name in ("int4_mm_avx2", "int4_mm_q8_avx2", "int4_mm_q8_vnni"):
-        torch.library.register_fake(f"dtype_policies::{name}", product)
-
-    def decode(packed: torch.Tensor, pairs: torch.Tensor, group: int, out: torch.Tensor) -> None:
-        return None
-
-    for name in ("int4_decode_avx2", "int4_decode_q8_avx2"):
-        torch.library.register_fake(f"dtype_policies::{name}", decode)
-
-    def packed_decoded(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int,
-                       block: int):  # fmt: skip
-        return x.new_empty((x.shape[0], pairs.shape[1]), dtype=torch.bfloat16)
-
-    torch.library.register_fake("dtype_policies::int4_packed_decoded_mm", packed_decoded)
+def _product_fake(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
+    return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
 
 
-native.on_load(KERNEL, _register_fakes)
+def _decode_fake(packed: torch.Tensor, pairs: torch.Tensor, group: int, out: torch.Tensor) -> None:
+    return None
+
+
+def _packed_decoded_fake(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int,
+                         block: int):  # fmt: skip
+    return x.new_empty((x.shape[0], pairs.shape[1]), dtype=torch.bfloat16)
+
+
+# shapes for compilers (the operators come from the built library)
+native.register_fakes(
+    KERNEL,
+    {
+        **{
+            f"dtype_policies::{name}": _product_fake
+            for name in ("int4_mm_avx2", "int4_mm_q8_avx2", "int4_mm_q8_vnni")
+        },
+        **{
+            f"dtype_policies::{name}": _decode_fake
+            for name in ("int4_decode_avx2", "int4_decode_q8_avx2")
+        },
+        "dtype_policies::int4_packed_decoded_mm": _packed_decoded_fake,
+    },
+)

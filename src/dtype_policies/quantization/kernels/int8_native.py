@@ -130,27 +130,31 @@ def _ops() -> Any:
     return torch.ops.dtype_policies
 
 
-def _register_fakes() -> None:
-    """Shapes for compilers (the operator comes from the built library)."""
-
-    def product(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        return xq.new_empty((xq.shape[0], n), dtype=torch.int32)
-
-    def blocked(
-        x: torch.Tensor,
-        packed: torch.Tensor,
-        column_step: torch.Tensor,
-        bias: torch.Tensor | None,
-        n: int,
-        bf16_out: bool,
-    ) -> torch.Tensor:
-        dtype = torch.bfloat16 if bf16_out else torch.float32
-        return x.new_empty((x.shape[0], n), dtype=dtype)
-
-    torch.library.register_fake("dtype_policies::int8_mm_avx2", product)
-    for suffix in ("avx2", "vnni"):
-        torch.library.register_fake(f"dtype_policies::int8_mm_q8_{suffix}", blocked)
-        torch.library.register_fake(f"dtype_policies::int8_mm_q8b_{suffix}", blocked)
+def _product_fake(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return xq.new_empty((xq.shape[0], n), dtype=torch.int32)
 
 
-native.on_load(KERNEL, _register_fakes)
+def _blocked_fake(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    column_step: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    bf16_out: bool,
+) -> torch.Tensor:
+    dtype = torch.bfloat16 if bf16_out else torch.float32
+    return x.new_empty((x.shape[0], n), dtype=dtype)
+
+
+# shapes for compilers (the operators come from the built library)
+native.register_fakes(
+    KERNEL,
+    {
+        "dtype_policies::int8_mm_avx2": _product_fake,
+        **{
+            f"dtype_policies::int8_mm_{kind}_{suffix}": _blocked_fake
+            for kind in ("q8", "q8b")
+            for suffix in ("avx2", "vnni")
+        },
+    },
+)
