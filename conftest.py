@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -35,3 +36,15 @@ def _reset_default_policy():
     torch.manual_seed(0)
     yield
     dtype_policies.set_dtype_policy("float32")
+
+
+@pytest.fixture(autouse=True)
+def _without_earlier_compiled_containers():
+    """torch compiles every `torch.nn` container it is given (`Sequential`,
+    ...) under one shared frame (`torch._dynamo.external_utils.wrap_inline`),
+    at most `cache_size_limit` (8) entries in a process: the earlier tests'
+    containers of other shapes would make a later full-graph compile fail.
+    Each test starts without them (Dynamo is not loaded for it)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.eval_frame.remove_from_cache(dynamo.external_utils.wrap_inline(len))

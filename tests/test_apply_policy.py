@@ -638,6 +638,23 @@ def test_a_policied_model_compiled_under_autocast_computes_as_eager():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("width", range(9))
+def test_each_test_compiles_its_containers_without_the_earlier_tests_ones(width):
+    """torch compiles every `Sequential` under one shared frame, at most 8
+    entries a process (conftest clears them before each test): nine
+    policied containers of nine shapes, one per test, each compile whole."""
+    from torch._dynamo import external_utils
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = nn.Sequential(nn.Linear(8 + width, 8)).eval()
+    apply_policy(model, "mixed_bfloat16")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert compiled(torch.randn(2, 8 + width)).dtype == torch.bfloat16
+    shared = external_utils.wrap_inline(len).__code__
+    assert len(_debug_get_cache_entry_list(shared)) == 1
+
+
 def test_autocast_applies_around_policied_modules_not_inside_them():
     torch.manual_seed(0)
     policied = nn.Linear(48, 48)
