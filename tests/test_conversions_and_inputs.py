@@ -294,6 +294,67 @@ def test_a_parametrization_computes_its_weight_in_the_variable_dtype(kind):
     assert losses[True] == pytest.approx(losses[False], rel=0.02)
 
 
+PARAMETRIZATIONS = {
+    "weight_norm": nn.utils.parametrizations.weight_norm,
+    "orthogonal": nn.utils.parametrizations.orthogonal,
+    "spectral_norm": nn.utils.parametrizations.spectral_norm,
+}
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("policy_first", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("parametrization", list(PARAMETRIZATIONS))
+def test_removing_a_parametrization_keeps_the_policy(parametrization, kind, policy_first, policy):
+    """torch's `remove_parametrizations` deletes the weight's property from
+    `type(module)` and gives the module `type(module).__bases__[0]`: the
+    policy's class sits under torch's, whichever came first."""
+    torch.manual_seed(0)
+    module = nn.Linear(16, 16) if kind == "linear" else nn.Conv1d(16, 16, 1)
+    if policy_first:
+        handle = apply_policy(module, policy)
+    PARAMETRIZATIONS[parametrization](module)
+    if not policy_first:
+        handle = apply_policy(module, policy)
+    module.eval()  # spectral_norm's power iteration stays put
+    own = nn.Linear if kind == "linear" else nn.Conv1d
+    assert issubclass(nn.utils.parametrize.type_before_parametrizations(module), own)
+    computed = module.weight.detach().clone()
+    assert computed.dtype == torch.float32  # read outside a call: the variable dtype
+    original = module.parametrizations.weight.original if parametrization == "orthogonal" else None
+
+    nn.utils.parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+
+    weight = module._parameters["weight"]
+    assert isinstance(weight, nn.Parameter) and weight.dtype == torch.float32
+    assert torch.equal(weight.detach(), computed)
+    if original is not None:  # torch keeps the parameter object (set_)
+        assert weight is original
+    assert module.dtype_policy.name == policy
+    x = torch.randn(4, 16) if kind == "linear" else torch.randn(4, 16, 3)
+    out = module(x)
+    assert out.dtype == (torch.bfloat16 if policy == "mixed_bfloat16" else torch.float32)
+    handle.remove()
+    assert type(module) is own
+    assert module(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("parametrization", ["weight_norm", "spectral_norm"])
+def test_a_parametrization_registered_after_the_policy_is_named_when_the_call_fails(
+    parametrization,
+):
+    """A convolution's forward does not cast a weight that a parametrization
+    registered after `apply_policy` computes as stored: the error says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(16, 16, 1), nn.ReLU())
+    apply_policy(model, "mixed_bfloat16")
+    PARAMETRIZATIONS[parametrization](model[0])
+    with pytest.raises(TypeError, match="'weight' was registered after apply_policy"):
+        model(torch.randn(4, 16, 3))
+    apply_policy(model, "mixed_bfloat16")
+    assert model(torch.randn(4, 16, 3)).dtype == torch.bfloat16
+
+
 def test_the_issue_spectral_norm_call():
     layer = nn.utils.spectral_norm(nn.Linear(16, 16))
     apply_policy(layer, "mixed_bfloat16")

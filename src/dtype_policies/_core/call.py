@@ -74,6 +74,8 @@ def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: di
     if restore is not None:
         return cast_floating(outputs, restore)
     if state.outputs is not None:
+        if state.outputs_in_calls and current_scope() is None:
+            return outputs
         return cast_floating(outputs, state.outputs)
     return outputs
 

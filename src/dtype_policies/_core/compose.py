@@ -32,7 +32,9 @@ class ComposedModule:
 
     def __reduce_ex__(self, protocol: int) -> Any:
         cls = type(self)
-        return (_rebuild, (cls._dp_original, cls._dp_mixins), self.__dict__.copy())
+        # `__getstate__` of a class stacked on top (torch's parametrized
+        # class refuses to pickle) has its say.
+        return (_rebuild, (cls._dp_original, cls._dp_mixins), self.__getstate__())
 
 
 _classes: dict[tuple, type] = {}
@@ -79,8 +81,26 @@ def _rebuild(original: type, mixins: tuple[type, ...]) -> torch.nn.Module:
 
 
 def original_class(module: torch.nn.Module) -> type[torch.nn.Module]:
-    """The module's own class, without this library's mixins."""
-    return original_of(type(module))
+    """The module's own class, without this library's mixins (and without
+    the class torch's `parametrize` puts on a parametrized module)."""
+    cls = type(module)
+    if not issubclass(cls, ComposedModule) and _parametrized_by_torch(module):
+        return cls.__bases__[0]
+    return original_of(cls)
+
+
+def _parametrized_by_torch(module: torch.nn.Module) -> bool:
+    """Whether `torch.nn.utils.parametrize` put its class on the module: it
+    derives `Parametrized<cls>` from the module's class, holding the
+    parametrized tensors' properties, and expects `__bases__[0]` to be the
+    class to restore when the last parametrization goes (`parametrize.
+    type_before_parametrizations`)."""
+    parametrizations = module.__dict__.get("_modules", {}).get("parametrizations")
+    return (
+        isinstance(parametrizations, torch.nn.ModuleDict)
+        and len(parametrizations) > 0
+        and len(type(module).__bases__) == 1
+    )
 
 
 def original_of(cls: type) -> type:
@@ -95,35 +115,43 @@ def mixins_of(module: torch.nn.Module) -> tuple[type, ...]:
 
 def set_mixins(module: torch.nn.Module, mixins: tuple[type, ...]) -> None:
     """Puts exactly `mixins` (ordered by their `_dp_order`) in front of the
-    module's own class, keeping a class that other code stacked on top of a
-    composed class (FSDP2's `fully_shard` makes `FSDP<cls>(FSDPModule, cls)`)."""
+    module's own class, keeping a class that other code stacked on top of it
+    on top: FSDP2's `fully_shard` makes `FSDP<cls>(FSDPModule, cls)`, torch's
+    `parametrize` makes `Parametrized<cls>(cls)` and removes it again by
+    `__bases__[0]`, before or after the mixins came."""
     ordered = tuple(sorted(set(mixins), key=lambda mixin: mixin._dp_order))
-    composed = composed_class(original_class(module), ordered)
+    original = original_class(module)
+    composed = composed_class(original, ordered)
     cls = type(module)
-    if issubclass(cls, ComposedModule) and "_dp_original" not in cls.__dict__:
-        composed = _restacked(cls, composed)
+    if issubclass(cls, ComposedModule):
+        if "_dp_original" not in cls.__dict__:
+            composed = _restacked(cls, original, composed)
+    elif cls is not original:  # torch's parametrized class on the module's own
+        composed = _restacked(cls, original, composed)
     module.__class__ = composed
 
 
 _restacked_classes: dict[tuple[type, type], type] = {}
 
 
-def _restacked(cls: type, composed: type) -> type:
-    """`cls`, a class derived from a composed class by other code, rebuilt on
-    `composed` instead (cached): its own namespace, the same other bases."""
+def _restacked(cls: type, original: type, composed: type) -> type:
+    """`cls`, a class derived by other code from `original` or from a composed
+    class of it, rebuilt on `composed` instead (cached): its own namespace,
+    the same other bases; `cls` itself when it already stands on `composed`."""
+    bases = tuple(_base_for(base, original, composed) for base in cls.__bases__)
+    if bases == cls.__bases__:
+        return cls
     key = (cls, composed)
     result = _restacked_classes.get(key)
     if result is None:
-        bases = tuple(
-            _base_for(base, composed) if issubclass(base, ComposedModule) else base
-            for base in cls.__bases__
-        )
         namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
         result = _restacked_classes[key] = type(cls.__name__, bases, namespace)
     return result
 
 
-def _base_for(base: type, composed: type) -> type:
-    if "_dp_original" in base.__dict__:
+def _base_for(base: type, original: type, composed: type) -> type:
+    if base is original or "_dp_original" in base.__dict__:
         return composed
-    return _restacked(base, composed)
+    if issubclass(base, ComposedModule):
+        return _restacked(base, original, composed)
+    return base

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
@@ -50,7 +51,9 @@ class ModuleOptions:
         outputs: The name of the dtype its floating outputs are handed back
             in (`None`: its compute dtype): the enclosing module's compute
             dtype, where the module computes in a narrower one, so that the
-            code around it computes as its own policy says.
+            code around it computes as its own policy says (a
+            parametrization's list: only inside a call, see
+            `CallState.outputs_in_calls`).
     """
 
     policy: DTypePolicy
@@ -79,7 +82,19 @@ class PolicyModule(ModuleMixin):
         call = None if state is None else state.call
         if call is None:  # built by the module's own code (a slice of a Sequential)
             return super().__call__(*args, **kwargs)
-        return run_call(call, super().__call__, args, kwargs)
+        try:
+            return run_call(call, super().__call__, args, kwargs)
+        except RuntimeError as error:
+            late = ", ".join(map(repr, parametrizations_after_policy(self)))
+            if late:
+                raise TypeError(
+                    f"{error}. This {original_class(self).__name__} computes in "
+                    f"{call.compute}, but the parametrization of {late} was registered "
+                    "after apply_policy() and computes it as stored, which the module's "
+                    "forward does not cast: register parametrizations before "
+                    "apply_policy(), or call apply_policy() again after registering them."
+                ) from error
+            raise
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
@@ -227,6 +242,16 @@ def install(
     push_application(module, token, options, bottom)
 
 
+def parametrizations_after_policy(module: torch.nn.Module) -> list[str]:
+    """The names of the module's tensors parametrized (`torch.nn.utils.
+    parametrize`) with no policy on their parametrization: registered after
+    `apply_policy`."""
+    parametrizations = module.__dict__["_modules"].get("parametrizations")
+    if not isinstance(parametrizations, torch.nn.ModuleDict):
+        return []
+    return [name for name, computation in parametrizations.items() if not is_policied(computation)]
+
+
 def top_options(module: torch.nn.Module) -> ModuleOptions | None:
     """The options in force on a torch module (`None` when it has none)."""
     state = state_of(module)
@@ -320,6 +345,7 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
         output_compute=options.norm,
         norm_dtype=stored_dtype,
         hand_back=None if options.outputs is None else getattr(torch, options.outputs),
+        hand_back_in_calls=isinstance(module, parametrize.ParametrizationList),
         casts_own_weights=quantization is not None or original_class(module) in FAST_LINEARS,
     )
 

@@ -21,6 +21,10 @@ class CallState:
         compute: The compute dtype, `None` when it is not floating.
         inputs: Floating call arguments are cast to this (`None`: no cast).
         outputs: Floating outputs are cast to this (`None`: as they come).
+        outputs_in_calls: `outputs` holds only inside another module's call
+            (a parametrization's weight, read by its module in the module's
+            compute dtype); read outside any call, the outputs come as they
+            are (the weight in its variable dtype, as a parameter reads then).
         island: A float32 island: outputs go back in the caller's dtype.
         half_inputs_ok: (islands) the module's CPU kernel takes half inputs
             with float32 weights and computes in float32 itself.
@@ -42,6 +46,7 @@ class CallState:
     compute: torch.dtype | None
     inputs: torch.dtype | None
     outputs: torch.dtype | None
+    outputs_in_calls: bool
     island: bool
     half_inputs_ok: bool
     autocast: bool
@@ -76,6 +81,7 @@ def derive_call_state(
     convert_arrays: bool = False,
     norm_dtype: torch.dtype | None = None,
     hand_back: torch.dtype | None = None,
+    hand_back_in_calls: bool = False,
 ) -> CallState:
     """The call state of a module under `policy` (see `CallState`).
 
@@ -89,7 +95,8 @@ def derive_call_state(
     (`.double()`, `.half()`, `.to(dtype)`) left it other than float32 and the
     compute dtype, no kernel combines the two: the layer computes in it.
     `hand_back`: floating outputs are cast to this dtype (the enclosing
-    module's, wider than the compute dtype).
+    module's, wider than the compute dtype); with `hand_back_in_calls`, only
+    inside another module's call (see `CallState.outputs_in_calls`).
     """
     compute = compute_dtype_of(policy)
     inputs = outputs = None
@@ -113,6 +120,7 @@ def derive_call_state(
         compute=compute,
         inputs=inputs,
         outputs=outputs,
+        outputs_in_calls=hand_back_in_calls and outputs is hand_back,
         island=island and compute is not None,
         half_inputs_ok=half_inputs_ok,
         autocast=autocast and compute is not None,
