@@ -216,3 +216,29 @@ def test_map_keys_matching_nothing_warn_by_name():
         warnings.simplefilter("error")
         apply_policy(model, DTypePolicyMap("float32", {"1.0": "bfloat16"}))  # dotted: matches
     assert model[1][0].dtype_policy.name == "bfloat16"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8 weight-only", "int4", "float8"])
+@pytest.mark.parametrize("width", [200, 255, 257, 512])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_a_quantized_linear_refuses_an_input_of_another_width(mode, width, rows):
+    """The kernels pad or cut an input to their packed width: an input of
+    another width than the layer's must be refused, as torch's float product
+    refuses it, not multiplied."""
+    torch.manual_seed(0)
+    from dtype_policies.quantization import Int8QuantizationConfig
+
+    layer = nn.Linear(256, 64)
+    apply_policy(layer, "mixed_bfloat16")
+    if mode == "int8 weight-only":
+        quantize(layer, "int8", Int8QuantizationConfig(activation_quantizer=None))
+    else:
+        quantize(layer, mode)
+    with torch.no_grad():
+        layer(torch.randn(2, 256))  # packed at the right width
+    with pytest.raises(
+        RuntimeError, match=rf"256 input features got an input of shape \({rows}, {width}\)"
+    ):
+        layer(torch.randn(rows, width))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="its last axis must be 256"):
+        layer(torch.randn(rows, width))

@@ -289,6 +289,13 @@ class QuantizedWeight:
         """`x @ W + bias` over `x`'s last axis (see `Scheme.forward`)."""
         if self.placeholder is not None:
             raise RuntimeError(self.placeholder)
+        in_features = self.spec.in_features  # 0: a general contraction (`spec.contract`)
+        if in_features and x.shape[-1] != in_features:
+            # as torch's float product refuses it (the kernels would pad or cut the input)
+            raise RuntimeError(
+                f"a {self.mode} layer with {in_features} input features got an input of "
+                f"shape {tuple(x.shape)}: its last axis must be {in_features}"
+            )
         return self.scheme.forward(module, self, x, bias, compute)
 
     def lookup(self, module: torch.nn.Module, ids: torch.Tensor, compute: torch.dtype):
