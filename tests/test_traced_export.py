@@ -165,3 +165,37 @@ def test_onnx_export_runs_on_onnxruntime(variant):
         with torch.no_grad():
             eager = model(x[:rows])
         assert _relative(torch.from_numpy(out), eager) <= 1e-6
+
+
+class _Exporting(torch.nn.Module):
+    """`x + 1` where `casting.exporting()` holds, `x - 1` elsewhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from dtype_policies._core.casting import exporting
+
+        return x + 1 if exporting() else x - 1
+
+
+TRACERS = {
+    "eager": (False, lambda m, x: m(x)),
+    "compile": (False, lambda m, x: torch.compile(m, backend="eager", fullgraph=True)(x)),
+    "compile_aot": (False, lambda m, x: torch.compile(m, backend="aot_eager", fullgraph=True)(x)),
+    "export": (True, lambda m, x: torch.export.export(m, (x,)).module()(x)),
+    "export_non_strict": (
+        True,
+        lambda m, x: torch.export.export(m, (x,), strict=False).module()(x),
+    ),
+    "jit_trace": (True, lambda m, x: torch.jit.trace(m, (x,), check_trace=False)(x)),
+    "fx": (True, lambda m, x: torch.fx.symbolic_trace(m)(x)),
+}
+
+
+@pytest.mark.parametrize("tracer", list(TRACERS))
+def test_exporting_holds_under_the_exporters_and_not_under_torch_compile(tracer):
+    """On every supported torch (2.6 has no `torch.compiler.is_exporting`):
+    `torch.compile` runs the library's own path (its kernels, its autograd
+    functions), the exporters the plain one."""
+    expected, trace = TRACERS[tracer]
+    torch._dynamo.reset()
+    out = trace(_Exporting(), torch.zeros(3))
+    assert out.tolist() == ([1.0] * 3 if expected else [-1.0] * 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,3 +30,31 @@ def fx_symbolic_tracing() -> bool:
     return (
         FX_TRACE is not None and FX_TRACE._is_fx_tracing_flag and not torch.compiler.is_compiling()
     )
+
+
+def _dynamo_traces_an_export() -> bool:
+    """Whether Dynamo traces for `torch.export` (strict) rather than for
+    `torch.compile`: Dynamo calls this function while it traces and takes
+    its result as a constant (it is marked below, as
+    `torch.compiler.assume_constant_result` marks one); false outside Dynamo."""
+    from torch._dynamo import symbolic_convert
+
+    translator = getattr(symbolic_convert.tls, "current_tx", None)
+    return translator is not None and bool(translator.export)
+
+
+# marked without importing Dynamo (importing this package does not load it)
+_dynamo_traces_an_export._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _exporting_before_2_7() -> bool:
+    """`torch.compiler.is_exporting()` for torch 2.6, which has none: while
+    Dynamo traces, its own export flag; elsewhere `is_compiling`'s flag,
+    which only `torch.export` sets while it runs a model's Python on fake
+    tensors (non-strict, and the ATen stage of a strict one): `torch.compile`
+    never runs the model's Python with it set, Dynamo reads it instead."""
+    return _dynamo_traces_an_export() or torch.compiler._is_compiling_flag
+
+
+is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", _exporting_before_2_7)
+"""Whether `torch.export` (strict or not) traces the running code."""

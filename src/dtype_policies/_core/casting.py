@@ -10,6 +10,7 @@ from dtype_policies._compat import (
     FX_TRACE,
     STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS,
     fx_symbolic_tracing,
+    is_exporting,
 )
 
 # `Tensor.bfloat16()` and friends skip `Tensor.to`'s argument parsing: about
@@ -45,11 +46,6 @@ def tracing() -> bool:
     return STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS and fake_tensor_mode_active()
 
 
-# torch < 2.7 has no export flag: every compile is then treated as an export
-# (plain ops, the eager values), the floor's safe side
-_is_exporting = getattr(torch.compiler, "is_exporting", torch.compiler.is_compiling)
-
-
 def exporting() -> bool:
     """Whether a tracer records the ops for a program that runs without this
     library (`torch.export` and `torch.onnx.export`, `torch.jit.trace`,
@@ -57,8 +53,10 @@ def exporting() -> bool:
     private operators, no dtype views, no Python autograd functions, no
     branch on a size) with the eager path's values, rounding included.
     `torch.compile` alone (not exporting) may call this library's kernels."""
-    if _is_exporting() or torch._C._get_tracing_state() is not None:
+    if is_exporting() or torch._C._get_tracing_state() is not None:
         return True
+    if torch.compiler.is_dynamo_compiling():  # `torch.compile`: Dynamo reads the code
+        return False
     if fx_symbolic_tracing():
         return True
     return STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS and fake_tensor_mode_active()
