@@ -347,9 +347,10 @@ def test_to_mixed_precision_policy():
         True,
     )
     mp = to_mixed_precision_policy(torch.float16, cast_forward_inputs=False)
+    # reduced in the dtype computed in: `None`, on torch 2.6 (which sets it) and later
     assert (mp.param_dtype, mp.reduce_dtype, mp.cast_forward_inputs) == (
         torch.float16,
-        torch.float16,
+        None,
         False,
     )
     with pytest.raises(ValueError, match="'int8_from_mixed_bfloat16' is a quantized policy"):

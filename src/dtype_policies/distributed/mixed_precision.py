@@ -16,12 +16,14 @@ def mixed_precision_policy(
     cast_forward_inputs: bool,
 ) -> Any:
     """FSDP2's `MixedPrecisionPolicy` (imported on first use: loading
-    `torch.distributed.fsdp` takes about a second)."""
+    `torch.distributed.fsdp` takes about a second), with `reduce_dtype` `None`
+    where it is `param_dtype` (the gradients' own dtype, reduced as they are):
+    torch 2.6 sets it so itself, later versions keep what they are given."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
         param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
+        reduce_dtype=None if reduce_dtype == param_dtype else reduce_dtype,
         output_dtype=None,
         cast_forward_inputs=cast_forward_inputs,
     )
@@ -44,9 +46,12 @@ def to_mixed_precision_policy(policy: Any, *, cast_forward_inputs: bool = True) 
     Parameters are all-gathered (and the forward and backward computed) in the
     policy's compute dtype, and gradients are reduced in its variable dtype, in
     which the sharded parameters stay: `"mixed_bfloat16"` gives
-    `param_dtype=torch.bfloat16, reduce_dtype=torch.float32`. `output_dtype`
-    is left unset. Quantized policies raise `ValueError`: FSDP2 does not
-    train quantized models.
+    `param_dtype=torch.bfloat16, reduce_dtype=torch.float32`; a policy
+    that computes in its variable dtype (`"float16"`) gives
+    `reduce_dtype=None` (the gradients are reduced in the dtype they are
+    computed in), on every torch version. `output_dtype` is left unset.
+    Quantized policies raise `ValueError`: FSDP2 does not train quantized
+    models.
 
     Use it with `torch.distributed.fsdp.fully_shard(module, mp_policy=...)`
     when sharding by hand; `dtype_policies.distributed.fully_shard` derives
