@@ -48,3 +48,19 @@ def _without_earlier_compiled_containers():
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.eval_frame.remove_from_cache(dynamo.external_utils.wrap_inline(len))
+
+
+# Doctests that run FSDP2 on CPU (gloo): skipped where this torch's FSDP2
+# cannot run there (torch 2.6), with the reason `fully_shard` itself gives.
+FSDP_ON_CPU_DOCTESTS = {"dtype_policies.distributed.fsdp.fully_shard"}
+
+
+def pytest_collection_modifyitems(config, items):
+    from dtype_policies.distributed.support import fsdp_refusal
+
+    refusal = fsdp_refusal("cpu")
+    if refusal is None:
+        return
+    for item in items:
+        if item.name in FSDP_ON_CPU_DOCTESTS:
+            item.add_marker(pytest.mark.skip(reason=refusal))

@@ -38,11 +38,16 @@ from dtype_policies.distributed import (
     shard_plan,
     to_mixed_precision_policy,
 )
+from dtype_policies.distributed.support import fsdp_refusal
 
 distributed = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="torch.distributed with gloo is not available",
 )
+fsdp_on_cpu = pytest.mark.skipif(
+    fsdp_refusal("cpu") is not None, reason=fsdp_refusal("cpu") or "FSDP2 runs on CPU"
+)
+"""FSDP2 itself runs on CPU here (torch 2.6's cannot: `fully_shard` says so)."""
 
 TIMEOUT = 180  # seconds for the whole 2-process run
 
@@ -132,6 +137,7 @@ def reference_initial():
 
 
 @distributed
+@fsdp_on_cpu
 def test_fsdp_training_matches_one_process(runs, reference):
     results = outcome(runs, "fsdp_training")
     for rank in (0, 1):
@@ -143,6 +149,7 @@ def test_fsdp_training_matches_one_process(runs, reference):
 
 
 @distributed
+@fsdp_on_cpu
 def test_fsdp_keeps_float32_shards_and_computes_each_block_in_its_dtype(runs):
     result = outcome(runs, "fsdp_training")[0]
     for name, (kind, dtype, grad_kind, grad_dtype) in result["sharded"].items():
@@ -174,6 +181,7 @@ def test_fsdp_keeps_float32_shards_and_computes_each_block_in_its_dtype(runs):
 
 
 @distributed
+@fsdp_on_cpu
 def test_fsdp_forward_is_bit_identical_to_one_process(runs):
     import _distributed_workers as workers
 
@@ -186,6 +194,7 @@ def test_fsdp_forward_is_bit_identical_to_one_process(runs):
 
 
 @distributed
+@fsdp_on_cpu
 def test_fsdp_float32_policy_matches_to_summation_order(runs, reference):
     results = outcome(runs, "fsdp_float32_training")
     single = reference["float32"]
@@ -196,6 +205,7 @@ def test_fsdp_float32_policy_matches_to_summation_order(runs, reference):
 
 
 @distributed
+@fsdp_on_cpu
 def test_fsdp_of_this_librarys_layers_matches_one_process(runs, reference):
     import _distributed_workers as workers
 
@@ -216,6 +226,7 @@ def test_fsdp_of_this_librarys_layers_matches_one_process(runs, reference):
 
 
 @distributed
+@fsdp_on_cpu
 def test_torch_fully_shard_after_apply_policy_keeps_float32_masters(runs, reference):
     """The issue's report: FSDP2's lazy init read the parameters through the
     policy (getting bfloat16 casts) and the kept casts outlived FSDP2's
@@ -243,6 +254,7 @@ def test_ddp_training_matches_one_process(runs, reference):
 
 
 @distributed
+@fsdp_on_cpu
 def test_fsdp_and_ddp_end_with_the_same_parameters(runs):
     """Both average the same per-rank bfloat16 gradients in float32."""
     fsdp = outcome(runs, "fsdp_training")[0]["state"]
@@ -252,7 +264,9 @@ def test_fsdp_and_ddp_end_with_the_same_parameters(runs):
 
 
 @distributed
-@pytest.mark.parametrize("name", ["fsdp_loss_scale", "ddp_loss_scale"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("fsdp_loss_scale", marks=fsdp_on_cpu), "ddp_loss_scale"]
+)
 def test_an_inf_on_one_rank_makes_every_rank_skip(runs, name):
     results = outcome(runs, name)
     for rank in (0, 1):
@@ -264,6 +278,7 @@ def test_an_inf_on_one_rank_makes_every_rank_skip(runs, name):
 
 
 @distributed
+@fsdp_on_cpu
 def test_a_save_from_fsdp_reloads_bit_exactly_in_one_process(runs):
     import _distributed_workers as workers
 
@@ -285,6 +300,7 @@ def test_a_save_from_fsdp_reloads_bit_exactly_in_one_process(runs):
 
 
 @distributed
+@fsdp_on_cpu
 def test_load_into_a_model_then_shard_it(runs):
     reference = outcome(runs, "fsdp_training")[0]
     results = outcome(runs, "load_then_shard")
@@ -306,6 +322,7 @@ def test_ranks_applying_different_policies_refuse_to_shard(runs):
 
 
 @distributed
+@fsdp_on_cpu
 def test_agreeing_ranks_pay_one_collective_at_setup(runs):
     for rank in (0, 1):
         counts = outcome(runs, "fsdp_setup_collectives")[rank]["counts"]
@@ -524,6 +541,7 @@ def _group_of_one(tmp_path):
 
 
 @distributed
+@fsdp_on_cpu
 def test_a_shard_over_an_earlier_application_replaces_it(tmp_path):
     model = _called_model()
     earlier = apply_policy(model, "mixed_bfloat16")
@@ -553,6 +571,7 @@ def _attention_model():
 
 
 @distributed
+@fsdp_on_cpu
 @pytest.mark.parametrize(
     "policy, units, attention",
     [
@@ -582,6 +601,30 @@ def test_a_module_its_parent_reads_stays_in_its_parents_unit(tmp_path, policy, u
 
 
 @distributed
+def test_a_torch_whose_fsdp2_cannot_run_on_cpu_is_refused_before_sharding(tmp_path, monkeypatch):
+    """torch 2.6's FSDP2 failed inside its first forward on CPU: `fully_shard`
+    says so (the torch version, what is needed) before it shards, the
+    model as it was."""
+
+    class StreamOfTorch26:  # torch 2.6's CPU stand-in: no record_event, no wait_event
+        def wait_stream(self, stream) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cpu, "Stream", StreamOfTorch26)
+    model = _called_model()
+    earlier = apply_policy(model, "mixed_bfloat16")
+    before = _policy_state(model)
+    refused = pytest.raises(RuntimeError, match=r"torch 2\.\d+.*FSDP2 cannot run on CPU")
+    with _group_of_one(tmp_path), refused as error:
+        fully_shard(model, "float32")
+    assert "record_event/wait_event" in str(error.value) and "torch>=2.7" in str(error.value)
+    after = _policy_state(model)
+    assert torch.equal(after[0], before[0]) and after[1] == before[1] and not earlier.removed
+    assert not any("FSDP" in type(m).__name__ for m in model.modules())
+
+
+@distributed
+@fsdp_on_cpu
 def test_loading_into_a_sharded_model_is_refused_before_changing_it(tmp_path):
     """The checkpoint's policies (another map) would go over FSDP2 units
     planned for the model's: refused, the sharded model left as it was."""

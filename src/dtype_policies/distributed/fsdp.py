@@ -11,6 +11,7 @@ import torch
 from dtype_policies.apply.apply import Float32Rule, tentative_application
 from dtype_policies.distributed.agreement import check_ranks_agree, describe_policies
 from dtype_policies.distributed.mixed_precision import mixed_precision_policy, quantized_error
+from dtype_policies.distributed.support import fsdp_refusal, sharding_device_type
 from dtype_policies.distributed.units import UnitRule, plan_units, refuse_quantized
 from dtype_policies.policies import get as get_policy
 
@@ -110,6 +111,9 @@ def fully_shard(
             a module of the model, is quantized (FSDP2 does not train
             quantized models; shard the float model, quantize afterwards).
         TypeError: `model` is not a module, or a bad policy or `units` entry.
+        RuntimeError: No process group and no `mesh`; or this torch's FSDP2
+            cannot run on the mesh's device (FSDP2 on CPU needs torch>=2.7:
+            `distributed.support.fsdp_refusal` says why).
 
     When it raises before the first shard, the model is as it was, the
     policies applied before the call (and their handles) included.
@@ -153,6 +157,9 @@ def fully_shard(
                 "first) and no `mesh` given."
             )
         check_ranks_agree(describe_policies(model, plan), mesh)
+        refusal = fsdp_refusal(sharding_device_type(mesh))
+        if refusal is not None:
+            raise RuntimeError(f"fully_shard(): {refusal}")
     for unit in plan:
         torch_fully_shard(
             unit.module,
