@@ -37,7 +37,12 @@ that runs `model` that way under `torch.no_grad()` or
   variants, a graph break it cannot resume from), that part runs eagerly
   with a warning naming the model and Dynamo's reason.
 
-The model itself is unchanged; the returned callable holds it weakly.
+The model itself is unchanged; the returned callable holds it. Graphs
+compiled with frozen weights keep those weights as constants in torch's
+compiled code, which torch does not free within the process even after the
+model and the callable are deleted (as plain `torch.compile` with freezing):
+a service that compiles again after each reload grows by about the weights'
+size each time.
 
 Cost: the first call of each shape compiles (tens of seconds for a 6-layer
 encoder on 2 cores); Inductor keeps compiled kernels in its cache
