@@ -11,7 +11,7 @@ the same mixins.
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -34,7 +34,8 @@ class ComposedModule:
         cls = type(self)
         # `__getstate__` of a class stacked on top (torch's parametrized
         # class refuses to pickle) has its say.
-        return (_rebuild, (cls._dp_original, cls._dp_mixins), self.__getstate__())
+        state = cast(Any, self).__getstate__()
+        return (_rebuild, (cls._dp_original, cls._dp_mixins), state)
 
 
 _classes: dict[tuple, type] = {}

@@ -667,9 +667,9 @@ def _state_fit(
         prefix = f"{plan.path}." if plan.path else ""
         if not plan.scheme.keeps_float_weight:
             expected.pop(prefix + plan.spec.weight, None)
-        for buffer, tensor in plan.tensors.items():
-            expected[prefix + buffer] = (tuple(tensor.shape), dtype_code(tensor.dtype))
-            stored.add(prefix + buffer)
+        for stored_name, tensor in plan.tensors.items():
+            expected[prefix + stored_name] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+            stored.add(prefix + stored_name)
     saved = dict(header)
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))
@@ -678,13 +678,13 @@ def _state_fit(
         record = manifest.quantized[name]
         prefix = f"{name}." if name else ""
         expected.pop(prefix + record.weight, None)
-        for buffer in record.stored:
-            expected.pop(prefix + buffer, None)
-            saved.pop(prefix + buffer, None)
+        for stored_name in record.stored:
+            expected.pop(prefix + stored_name, None)
+            saved.pop(prefix + stored_name, None)
         target = modules.get(name)
         quantized = None if target is None else attach.quantization_of(target)
-        for buffer in () if quantized is None else quantized.stored_names:
-            expected.pop(prefix + buffer, None)
+        for stored_name in () if quantized is None else quantized.stored_names:
+            expected.pop(prefix + stored_name, None)
     problems = [f"'{key}' is missing from the checkpoint" for key in expected if key not in saved]
     problems += unmatched
     problems += [

@@ -109,6 +109,7 @@ def kernel_weight(
             block = torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
         else:
             block = g_idx.long()
+        assert zero is not None  # grouped grids have zero points
         group_scale = scale.float()[block].t()  # (N, K)
         if bfloat16_pairs:
             group_scale = bfloat16_rounded(group_scale)
@@ -369,6 +370,7 @@ def _pack(
     if block_size > 0:
         # each block's scale repeated over the kernel groups of its (padded) block
         per_block = layout.stride // layout.group
+        assert zero is not None  # grouped grids have zero points
         group_scale = scale.float().repeat_interleave(per_block, dim=0)[:groups]
         zeros = zero.float().repeat_interleave(per_block, dim=0)[:groups]
     else:
