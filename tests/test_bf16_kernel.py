@@ -162,6 +162,62 @@ def test_gradients_take_the_rule_without_the_kernel(avx2_class):
     assert model.weight.grad is not None and model.weight.grad.abs().sum() > 0
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The number of calls of the kernel so far (a list of one count)."""
+    calls = [0]
+    kernel = torch.ops.dtype_policies.bf16_mm_avx2
+
+    def counted(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(torch.ops.dtype_policies, "bf16_mm_avx2", counted)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 2, products.KERNEL_ROWS])
+def test_forward_mode_and_torch_func_take_the_rule_without_the_kernel(
+    avx2_class, kernel_calls, rows
+):
+    """Forward mode and `torch.func` transforms set no `requires_grad`; the
+    kernel (no forward-mode formula, no batching rule) is left to the rule
+    there, with gradients enabled or not, and its tangents are the bfloat16
+    weight's. Plain calls without gradients keep the kernel."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(8)
+    model = nn.Linear(16, 4)
+    apply_policy(model, "mixed_bfloat16")
+    x, t = torch.randn(rows, 16), torch.randn(rows, 16)
+    weight = model.weight.detach().bfloat16().float()
+    expected = t.bfloat16().float() @ weight.t()
+
+    def f(inputs):
+        return model(inputs).float()
+
+    def forward_ad(grad_enabled):
+        with torch.set_grad_enabled(grad_enabled), fwAD.dual_level():
+            return fwAD.unpack_dual(model(fwAD.make_dual(x, t))).tangent.float()
+
+    values = x.bfloat16().float() @ weight.t() + model.bias.detach().bfloat16().float()
+    with torch.no_grad():
+        model(x)  # kept casts, as a warm inference model has them
+    assert kernel_calls[0] == 1
+    for grad_enabled in (True, False):
+        with torch.set_grad_enabled(grad_enabled):
+            _, tangent = torch.func.jvp(f, (x,), (t,))
+            torch.testing.assert_close(tangent, expected, atol=1e-2, rtol=8e-3)
+            jacobian = torch.func.jacfwd(f)(x[:1]).reshape(4, 16)
+            assert torch.equal(jacobian, weight)
+            per_row = torch.func.vmap(lambda row: model(row[None])[0])(x)
+            torch.testing.assert_close(per_row.float(), values, atol=1e-2, rtol=8e-3)
+        torch.testing.assert_close(forward_ad(grad_enabled), expected, atol=1e-2, rtol=8e-3)
+    with torch.inference_mode():
+        model(x)
+    assert kernel_calls[0] == 2
+
+
 def test_weights_updated_in_place_are_read_again(avx2_class):
     torch.manual_seed(6)
     model = nn.Linear(32, 16)

@@ -33,6 +33,7 @@ from dtype_policies._compiled_frames import (
 )
 from dtype_policies._core.listeners import add_write_listener
 from dtype_policies._core.module_state import STATE_KEY
+from dtype_policies._derivatives import transform_active
 from dtype_policies._inductor_repairs import repaired
 
 
@@ -261,8 +262,9 @@ class FrozenCompiledCall:
     the model's modules in the outermost frame). A frame Dynamo gives up on
     during a call (its recompile limit, a graph break it cannot resume from)
     runs eagerly with a warning, once per reason. Calls with gradients
-    enabled run eagerly: a frozen graph has no backward (compiled: under
-    `torch.no_grad()`, `torch.inference_mode()`).
+    enabled, forward mode or a `torch.func` transform run eagerly: a frozen
+    graph has no derivatives (compiled: under `torch.no_grad()`,
+    `torch.inference_mode()`).
     Each compiled call runs inside `call_context(model, kwargs, continuing)`
     (the caller's settings for the compiled step only).
 
@@ -363,7 +365,7 @@ class FrozenCompiledCall:
         session = None if self.session_of is None else self.session_of(kwargs)
         continuing = session is not None and session is self.session
         if self.freeze_weights and model is not None:
-            if torch.is_grad_enabled():  # a frozen graph has no backward
+            if torch.is_grad_enabled() or transform_active():  # a frozen graph has no derivatives
                 return self.eager(*args, **kwargs)
             if self.watch is None and type(model) is self.model_class:
                 self.watch = ModelWatch(model)

@@ -15,8 +15,6 @@ from dtype_policies._core.casting import (
     cast_inputs,
     cast_tensor,
     first_tensor,
-    functorch_wrapped,
-    tracing,
 )
 from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
 from dtype_policies._core.fx_calls import fx_proxy, record_module_call
@@ -24,6 +22,7 @@ from dtype_policies._core.scope import call_in_scope, current_scope, scope_for_c
 from dtype_policies._core.state import CallState
 from dtype_policies._core.torch_autocast import autocast_active, call_without_autocast
 from dtype_policies._core.weight_casts import WeightCasts, cast_weight
+from dtype_policies._derivatives import functorch_active
 
 
 def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -51,8 +50,8 @@ def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: di
                 state.half_inputs_ok
                 and first.dtype in HALF_DTYPES
                 and first.device.type == "cpu"
-                # those kernels have no vmap rule (a tracer sees no wrapped tensors)
-                and (tracing() or not functorch_wrapped(first))
+                # those kernels have no batching rule (they have derivatives)
+                and not functorch_active()
             ):
                 # torch's mixed-dtype norm kernels compute float32 statistics from
                 # half inputs and return half outputs: no extra passes needed.

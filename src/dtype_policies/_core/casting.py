@@ -12,6 +12,7 @@ from dtype_policies._compat import (
     fx_symbolic_tracing,
     is_exporting,
 )
+from dtype_policies._derivatives import transform_active
 
 # `Tensor.bfloat16()` and friends skip `Tensor.to`'s argument parsing: about
 # half a microsecond less per cast, which matters for small layers.
@@ -93,11 +94,13 @@ def bfloat16_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
-    """`rounded`'s values with `x`'s gradient (the identity through a
-    rounding), for graphs that record gradients; `rounded` itself otherwise.
-    (`x + (rounded - x)` is `rounded` exactly: the two are within a factor of
-    two of each other or the rounding is zero, so the difference is exact.)"""
-    if not x.requires_grad:
+    """`rounded`'s values with `x`'s derivative (the identity through a
+    rounding) wherever one can be asked for: a tensor that requires
+    gradients, forward mode, a `torch.func` transform (`transform_active`);
+    `rounded` itself otherwise. (`x + (rounded - x)` is `rounded` exactly:
+    the two are within a factor of two of each other or the rounding is zero,
+    so the difference is exact.)"""
+    if not x.requires_grad and not transform_active():
         return rounded
     return x + (rounded - x).detach()
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from dtype_policies import _native as native
 from dtype_policies._core.casting import exporting, tracing
 from dtype_policies._cpu import Processor, hardware_flags, processor
+from dtype_policies._derivatives import derivative_free
 
 KINDS = ("onednn_prepacked", "float32_products")
 
@@ -214,8 +215,9 @@ class LinearProduct:
     a graph-free `float32_products` weight multiplied by oneDNN at `FEW_ROWS`
     rows (`onednn_gemv`; oneDNN's product has no autograd). `kernel`: a
     `float32_products` bfloat16 weight multiplied up to `KERNEL_ROWS` rows on
-    this library's AVX2 kernel (`bf16_kernel`) when no gradient is needed (the
-    kernel has no autograd; with one, the rule above).
+    this library's AVX2 kernel (`bf16_kernel`) where no derivative can be
+    asked for (`_derivatives.derivative_free`: the kernel has no derivatives
+    and no batching rule; elsewhere, the rule above).
     """
 
     __slots__ = (
@@ -295,10 +297,7 @@ class LinearProduct:
             return False
         if bias is not None and bias.dtype not in (torch.bfloat16, torch.float32):
             return False
-        if not torch.is_grad_enabled():
-            return True
-        tensors = (x2, self.weight) if bias is None else (x2, self.weight, bias)
-        return not any(t.requires_grad for t in tensors)
+        return derivative_free(x2, self.weight, bias)
 
     def __repr__(self) -> str:
         return f"LinearProduct({self.kind}, {tuple(self.weight.shape)} {self.dtype})"

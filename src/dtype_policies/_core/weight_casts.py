@@ -18,8 +18,9 @@ Two kinds of cast, two lifetimes, both fixed by construction:
   training call) and whenever it switches mode (`train()`, `eval()`).
 
 Never kept: casts of inference tensors (no version counter), of tensor
-subclasses and functorch-wrapped tensors, and anything under `torch.compile`
-or `torch.jit.trace` (the compiler deduplicates casts itself).
+subclasses and functorch-wrapped tensors, anything under `torch.compile`
+or `torch.jit.trace` (the compiler deduplicates casts itself), and anything
+while forward mode or a `torch.func` transform is active.
 
 What a kept cast cannot see is stated once, in docs/apply_policy.md
 ("What a kept cast cannot see"); `clear_cast_caches(model)` covers it.
@@ -37,6 +38,7 @@ from dtype_policies._core.products import LinearProduct, linear_product, traced_
 from dtype_policies._core.scope import AutocastScope, current_scope
 from dtype_policies._core.tensor_identity import contents_key, tensor_key
 from dtype_policies._cpu import processor
+from dtype_policies._derivatives import transform_active
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
@@ -86,15 +88,17 @@ def can_keep(weight: torch.Tensor) -> bool:
 
 def _uses_store(store: WeightCasts | None) -> bool:
     """Whether this read may use `store`'s kept casts: a store that keeps
-    casts, no tracing, and gradients disabled. A read with gradients enabled
-    empties the store instead (its module runs in a training call)."""
+    casts, no tracing, gradients disabled and no forward mode or `torch.func`
+    transform (a kept cast holds no tangent, and the products kept with it
+    have no derivatives). A read with gradients enabled empties the store
+    instead (its module runs in a training call)."""
     if store is None or not store.enabled or tracing():
         return False
     if _grad_enabled():
         if store.pair is not None or store.entries:
             store.clear()
         return False
-    return True
+    return not transform_active()
 
 
 def keep_derived(

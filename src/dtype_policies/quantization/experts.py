@@ -54,6 +54,7 @@ import torch
 from dtype_policies._core.compose import ModuleMixin, mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import ensure_state, quantization_of, state_of
 from dtype_policies._core.policy_module import install
+from dtype_policies._derivatives import derivative_free
 
 _FLAGS = ("num_experts", "has_gate", "has_bias", "is_transposed")
 _WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
@@ -384,10 +385,7 @@ class ExpertLinearsForward(ModuleMixin):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         index, weights = _routing(args, kwargs)
-        needs_grad = torch.is_grad_enabled() and (
-            hidden_states.requires_grad or weights.requires_grad
-        )
-        if torch.compiler.is_compiling() and not needs_grad:
+        if torch.compiler.is_compiling() and derivative_free(hidden_states, weights):
             # the loop over the chosen experts depends on the routing's values:
             # one opaque operator in a compiled inference graph (fullgraph
             # included); with gradients, the graph breaks around the eager loop

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from dtype_policies import _attention_dispatch
 from dtype_policies import _native as native
+from dtype_policies._derivatives import derivative_free
 
 KERNEL = "attention_bf16"
 NAME = "dtype_policies_sdpa"
@@ -57,13 +58,14 @@ def applies(
     """Whether this library's kernel computes this call here: bfloat16 CPU
     tensors (B, H, L, D) with D a multiple of 16, key heads dividing the query
     heads (when they differ, with `enable_gqa`), no dropout, not both a mask
-    and `is_causal`, no gradient wanted, and the kernel built for this CPU."""
+    and `is_causal`, no derivative wanted (`derivative_free`), and the kernel
+    built for this CPU."""
     tensors = (query, key, value)
     if any(
         t.dtype is not torch.bfloat16 or t.device.type != "cpu" or t.dim() != 4 for t in tensors
     ):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not derivative_free(query, key, value, attn_mask):
         return False
     if dropout_p != 0.0 or (attn_mask is not None and is_causal):
         return False

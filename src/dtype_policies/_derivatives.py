@@ -1,0 +1,76 @@
+"""Whether anything may ask for a derivative of what a call computes: the one
+rule that decides whether an operator without derivatives may compute it.
+
+This library's native kernels (the AVX2 bfloat16 product, the int8 and int4
+products, bfloat16 attention), oneDNN's prepacked products and torch's
+quantized products have no derivative formula, no forward-mode formula and
+no batching rule. They run only where `derivative_free` holds; elsewhere a
+call takes plain ops (or a straight-through autograd function) with the same
+values. Three things can ask for derivatives, and each is seen here:
+
+* reverse mode: gradients enabled and a tensor that requires them;
+* forward mode (`torch.autograd.forward_ad`): a dual level entered, whether
+  gradients are enabled or not (`no_grad` does not stop tangents);
+* a `torch.func` transform (`grad`, `vjp`, `jvp`, `jacfwd`, `hessian`,
+  `vmap`): its wrapped tensors set no `requires_grad`, and its forward mode
+  and batching see only what the ops they run define.
+
+>>> import torch
+>>> derivative_free(torch.ones(2))
+True
+>>> derivative_free(torch.ones(2, requires_grad=True))
+False
+>>> torch.func.vmap(lambda x: torch.tensor(derivative_free(x)))(torch.ones(3)).tolist()
+[False, False, False]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as _forward_ad
+
+try:
+    from torch._C._functorch import peek_interpreter_stack as _functorch_interpreter
+except ImportError:  # pragma: no cover - older torch
+
+    def _functorch_interpreter() -> object | None:
+        return None
+
+
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+
+
+def forward_ad_active() -> bool:
+    """Whether a `torch.autograd.forward_ad.dual_level()` is entered."""
+    return _forward_ad._current_level >= 0
+
+
+def functorch_active() -> bool:
+    """Whether a `torch.func` transform runs (its interpreter stack is not
+    empty). Under `torch.compile`, never: Dynamo handles the transforms it
+    traces itself and sees no interpreter here."""
+    return _functorch_interpreter() is not None and not _is_compiling()
+
+
+def transform_active() -> bool:
+    """Whether forward mode or a `torch.func` transform may ask for
+    derivatives (or batch) whatever this call computes."""
+    # read on every product: written out rather than calling the two above
+    if _forward_ad._current_level >= 0:
+        return True
+    return _functorch_interpreter() is not None and not _is_compiling()
+
+
+def derivative_free(*tensors: torch.Tensor | None) -> bool:
+    """Whether nothing can ask for a derivative of a computation on `tensors`
+    (`None`s skipped): no reverse-mode graph is recorded for any of them and
+    no forward mode or `torch.func` transform is active. Only then may an
+    operator without derivatives compute it."""
+    if _grad_enabled():
+        for tensor in tensors:
+            if tensor is not None and tensor.requires_grad:
+                return False
+    if _forward_ad._current_level >= 0:
+        return False
+    return _functorch_interpreter() is None or _is_compiling()
