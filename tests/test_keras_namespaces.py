@@ -347,6 +347,25 @@ def test_fake_quant_values_and_gradients_as_keras(axis, num_bits, narrow_range):
         _close(mine, keras_value)
 
 
+@pytest.mark.parametrize("axis", [None, -1])
+def test_fake_quant_forward_mode_gives_the_backwards_derivatives(axis):
+    from dtype_policies import quantizers
+
+    torch.manual_seed(3)
+    x = torch.randn(6, 4) * 1.5
+    low = torch.tensor([-1.0, -0.5, -2.0, 0.1]) if axis is not None else torch.tensor(-1.1)
+    high = torch.tensor([1.0, 0.7, 2.0, 1.3]) if axis is not None else torch.tensor(0.9)
+
+    def fake_quant(x, low, high):
+        return quantizers.fake_quant_with_min_max_vars(x, low, high, 8, False, axis)
+
+    forward = torch.func.jacfwd(fake_quant, argnums=(0, 1, 2))(x, low, high)
+    reverse = torch.func.jacrev(fake_quant, argnums=(0, 1, 2))(x, low, high)
+    for by_tangents, by_gradients in zip(forward, reverse):
+        assert torch.equal(by_tangents, by_gradients)
+    assert all(jacobian.abs().sum() > 0 for jacobian in forward)
+
+
 def test_quantizer_base_class_is_keras():
     from dtype_policies import quantizers
 

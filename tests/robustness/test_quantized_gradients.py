@@ -1,11 +1,13 @@
 """Contract: through int8 (W8A8 and weight-only) and int4 layers, d(out)/d(input)
 is the straight-through gradient through the dequantized weight,
-`grad_x = grad_y @ W_deq` (cosine > 0.999). Bias gradients flow; the quantized
+`grad_x = grad_y @ W_deq` (cosine > 0.999), in forward mode too
+(`t_y = t_x @ W_deq.T`). Bias gradients flow; the quantized
 weight gets none; an embedding table gets none; an adapter trained in front of
 a frozen int8 layer learns."""
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
 
 from dtype_policies import apply_policy, quantize
@@ -23,6 +25,7 @@ from .helpers import (
     make_embedding,
     make_linear,
     quantize_with,
+    relative_error,
     snapshot,
 )
 
@@ -146,6 +149,43 @@ def test_input_gradient_is_the_straight_through_one(mode, policy):
     assert cosine > (0.999 if policy == "float32" else 0.99)
     assert linear.bias.grad is not None and linear.bias.grad.dtype == torch.float32
     assert all(not t.requires_grad for t in linear.buffers())
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("mode", ["int8", "int8_weight_only", "int4", "int4_per_channel"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_forward_mode_tangent_is_the_straight_through_one(mode, policy):
+    """`torch.func.jvp` and `torch.autograd.forward_ad` (with gradients off,
+    on, and a reverse graph recorded at once) give `t @ W_deq.T`: no tangent
+    through the activations' rounding, none lost in a kernel."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    apply_policy(linear, policy)
+    quantize(linear, *QUANTIZE_ARGS[mode])
+    x, t = torch.randn(4, 64), torch.randn(4, 64)
+    expected = t @ linear.weight.detach().float().t()  # reads as the dequantized weight
+    # the int4 kernel's bfloat16 weight under torch.func (plain ops), and
+    # bfloat16 tangents under mixed_bfloat16
+    tolerance = 1e-2
+
+    def forward_ad(x, grad_enabled):
+        with torch.set_grad_enabled(grad_enabled), fwAD.dual_level():
+            return fwAD.unpack_dual(linear(fwAD.make_dual(x, t))).tangent.float()
+
+    tangents = {
+        "func.jvp": torch.func.jvp(lambda a: linear(a).float(), (x,), (t,))[1],
+        "forward_ad": forward_ad(x, True),
+        "forward_ad, no_grad": forward_ad(x, False),
+        "forward_ad and backward": forward_ad(x.clone().requires_grad_(True), True),
+    }
+    for name, tangent in tangents.items():
+        assert relative_error(tangent, expected) < tolerance, name
+    bias, bias_tangent = linear.bias.detach(), torch.randn(32)
+    with fwAD.dual_level():
+        dual_bias = {"bias": fwAD.make_dual(bias, bias_tangent)}
+        out = torch.func.functional_call(linear, dual_bias, (x,))
+        tangent = fwAD.unpack_dual(out).tangent
+    assert relative_error(tangent, bias_tangent.expand(4, -1)) < tolerance
 
 
 @pytest.mark.usefixtures("quiet")

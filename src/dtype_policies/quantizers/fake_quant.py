@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from dtype_policies._derivatives import transform_active
+
 
 def _nudged_range(
     min_range: torch.Tensor, max_range: torch.Tensor, num_bits: int, narrow_range: bool
@@ -24,8 +26,10 @@ def _nudged_range(
 
 
 class _FakeQuant(torch.autograd.Function):
+    generate_vmap_rule = True  # its forward is plain ops (`torch.func.vmap`, `jacrev`)
+
     @staticmethod
-    def forward(ctx: Any, x, min_vals, max_vals, num_bits, narrow_range, axis):
+    def forward(x, min_vals, max_vals, num_bits, narrow_range, axis):  # type: ignore[override]
         nudged_min, nudged_max, scale, inverse_scale = _nudged_range(
             min_vals, max_vals, num_bits, narrow_range
         )
@@ -33,9 +37,16 @@ class _FakeQuant(torch.autograd.Function):
         clamped = torch.clamp(x.to(nudged_min.dtype), nudged_min, nudged_max)
         shifted = clamped - nudged_min
         result = torch.floor(shifted * inverse_scale - quant_zero + 0.5) * scale
-        ctx.save_for_backward(x, nudged_min, nudged_max)
-        ctx.axis, ctx.shapes = axis, (min_vals.shape, max_vals.shape)
         return result.to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
+        # a separate setup_context: what torch.func transforms require
+        x, min_vals, max_vals, num_bits, narrow_range, axis = inputs
+        nudged_min, nudged_max, _, _ = _nudged_range(min_vals, max_vals, num_bits, narrow_range)
+        ctx.save_for_backward(x, nudged_min, nudged_max)
+        ctx.save_for_forward(x, nudged_min, nudged_max)
+        ctx.axis, ctx.shapes = axis, (min_vals.shape, max_vals.shape)
 
     @staticmethod
     def backward(ctx: Any, upstream):
@@ -62,6 +73,28 @@ class _FakeQuant(torch.autograd.Function):
         )
 
 
+class _FakeQuantTangents(_FakeQuant):
+    """`_FakeQuant` with its forward-mode derivatives (Dynamo cannot trace an
+    autograd function that defines `jvp`: compiled graphs get `_FakeQuant`)."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent_x, tangent_min, tangent_max, *_: Any):
+        """The backward's derivatives in forward mode: `tangent_x` inside the
+        range, the bound's tangent at and beyond it."""
+        x, nudged_min, nudged_max = ctx.saved_tensors
+        tangent = torch.zeros_like(x)
+        if tangent_x is not None:
+            inside = (x >= nudged_min) & (x <= nudged_max)
+            tangent = torch.where(inside, tangent_x, tangent)
+        for bound_tangent, at_bound in (
+            (tangent_min, x <= nudged_min),
+            (tangent_max, x >= nudged_max),
+        ):
+            if bound_tangent is not None:  # broadcast as the bounds are in the forward
+                tangent = tangent + torch.where(at_bound, bound_tangent.to(x.dtype), 0)
+        return tangent
+
+
 def fake_quant_with_min_max_vars(
     inputs: torch.Tensor,
     min_vals: Any,
@@ -84,4 +117,5 @@ def fake_quant_with_min_max_vars(
     max_vals = torch.as_tensor(max_vals, dtype=torch.float32, device=inputs.device)
     if axis is not None:
         axis = axis % inputs.ndim
-    return _FakeQuant.apply(inputs, min_vals, max_vals, int(num_bits), narrow_range, axis)
+    function = _FakeQuantTangents if transform_active() else _FakeQuant
+    return function.apply(inputs, min_vals, max_vals, int(num_bits), narrow_range, axis)

@@ -25,6 +25,7 @@ import torch
 
 from dtype_policies._core.casting import functorch_wrapped, tracing
 from dtype_policies._core.checkpoints import foreign_module_buffers
+from dtype_policies._derivatives import derivative_free, functorch_active
 from dtype_policies._modes import stored_suffixes
 from dtype_policies.quantizers.config import QuantizationConfig
 
@@ -178,7 +179,9 @@ class Scheme(abc.ABC):
 
     @abc.abstractmethod
     def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
-        """The float32 (N, K) weight the stored tensors stand for."""
+        """The float32 (N, K) weight the stored tensors stand for, read from
+        `module._buffers` alone (a backward hands it the tensors its forward
+        read in a stand-in for the module)."""
 
     def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
         """The stored integer values as an (N, K) int8 matrix."""
@@ -209,18 +212,20 @@ class Scheme(abc.ABC):
         if x.dtype is not compute and x.is_floating_point():
             x = x.to(compute)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        needs_grad = torch.is_grad_enabled() and (
-            x2.requires_grad or (bias is not None and bias.requires_grad)
-        )
         if tracing():
+            needs_grad = torch.is_grad_enabled() and (
+                x2.requires_grad or (bias is not None and bias.requires_grad)
+            )
             y = self.traced_linear(module, qw, x2, bias, compute, needs_grad)
-        elif functorch_wrapped(x2) or (bias is not None and functorch_wrapped(bias)):
-            # functorch transforms (torch.func.grad, vmap, ...) need plain ops
-            y = self.traced_linear(module, qw, x2, bias, compute, needs_grad=True)
-        elif needs_grad:
-            y = _StraightThrough.apply(x2, bias, module, qw, compute)
-        else:
+        elif derivative_free(x2, bias):
             y = self.linear(module, qw, x2, bias, compute)
+        elif functorch_active():
+            # torch.func transforms (grad, jvp, vmap, ...) need plain ops: the
+            # kernels have no batching rule
+            y = self.traced_linear(module, qw, x2, bias, compute, needs_grad=True)
+        else:  # reverse mode, forward mode (`torch.autograd.forward_ad`), or both
+            stored = tuple(module._buffers.get(name) for name in qw.buffer_names)
+            y = _StraightThrough.apply(x2, bias, module, qw, compute, *stored)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def traced_linear(
@@ -409,26 +414,60 @@ class QuantizedWeight:
 
 
 class _StraightThrough(torch.autograd.Function):
-    """The quantized product forward; backward through the dequantized weight
-    (Keras's custom gradient): `grad_x = grad_y @ W`, `grad_bias = sum(grad_y)`."""
+    """The quantized product forward; its derivatives through the dequantized
+    weight (Keras's custom gradient): backward `grad_x = grad_y @ W`,
+    `grad_bias = sum(grad_y)`; forward mode `t_y = t_x @ W.T + t_bias`. `W`
+    is dequantized from the stored tensors the forward read (`stored`, the
+    module's buffers at that call: `torch.func.functional_call` swaps them in
+    for the call only), never from what the module holds later."""
 
     @staticmethod
-    def forward(x2, bias, module, qw, compute):  # type: ignore[override]
+    def forward(x2, bias, module, qw, compute, *stored):  # type: ignore[override]
         return qw.scheme.linear(module, qw, x2, bias, compute)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
-        _, _, ctx.module, ctx.qw, _ = inputs
+        _, _, _, ctx.qw, _, *stored = inputs
+        ctx.output_like = (output.shape, output.dtype)
+        ctx.save_for_backward(*stored)
+        ctx.save_for_forward(*stored)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = ctx.qw.scheme.dequantize(ctx.module, ctx.qw).to(grad.dtype)
-            grad_x = grad @ weight
+            grad_x = grad @ _dequantized(ctx).to(grad.dtype)
         if ctx.needs_input_grad[1]:
             grad_bias = grad.sum(0)
-        return grad_x, grad_bias, None, None, None
+        return (grad_x, grad_bias, None, None, None) + (None,) * len(ctx.saved_tensors)
+
+    @staticmethod
+    def jvp(ctx, tangent_x, tangent_bias, *_):  # type: ignore[override]
+        shape, dtype = ctx.output_like
+        if tangent_x is not None:
+            tangent = tangent_x.to(dtype) @ _dequantized(ctx).to(dtype).t()
+        else:
+            tangent = torch.zeros(shape, dtype=dtype, device=tangent_bias.device)
+        if tangent_bias is not None:
+            tangent = tangent + tangent_bias.to(dtype)
+        return tangent
+
+
+class _StoredTensors:
+    """The stored tensors one forward read, standing in for their module in
+    `Scheme.dequantize` (which reads a module's `_buffers` alone)."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+        self._buffers = buffers
+
+
+def _dequantized(ctx: Any) -> torch.Tensor:
+    """The float32 (N, K) weight of the stored tensors `ctx` saved."""
+    qw = ctx.qw
+    stored = _StoredTensors(dict(zip(qw.buffer_names, ctx.saved_tensors)))
+    return qw.scheme.dequantize(stored, qw)  # type: ignore[arg-type]
 
 
 def check_finite(weight: torch.Tensor, name: str) -> None:

@@ -42,9 +42,10 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._core.call import leaf_weights
-from dtype_policies._core.casting import exporting, functorch_wrapped, straight_through, tracing
+from dtype_policies._core.casting import exporting, straight_through, tracing
 from dtype_policies._core.listeners import add_step_skipped_listener
 from dtype_policies._core.module_state import state_of
+from dtype_policies._derivatives import derivative_free, functorch_active, transform_active
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
 from dtype_policies.quantization.kernels.float8 import float8_kernel, float8_linear
@@ -166,15 +167,9 @@ class Float8Scheme(Scheme):
 
 
 def _without_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a float8 call builds no autograd graph (so no scale update can
-    follow) and runs eagerly on plain tensors."""
-    if tracing() or any(functorch_wrapped(t) for t in (x, weight, bias) if t is not None):
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    return not (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    """Whether a float8 call runs eagerly where no derivative can be asked for
+    (so no scale update can follow), on the kept kernel."""
+    return not tracing() and derivative_free(x, weight, bias)
 
 
 def weight_only_kernel(spec: WeightSpec, kernel: torch.Tensor) -> torch.Tensor:
@@ -194,7 +189,7 @@ def _qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     autograd function), else `_QDQForward`."""
     if exporting():
         return straight_through(x, quantize_and_dequantize(x, scale, torch.float8_e4m3fn, x.dtype))
-    return _QDQForward.apply(x, scale)
+    return _qdq_forward(x, scale)
 
 
 _STATE_FORMATS = (
@@ -359,6 +354,37 @@ class _QDQGradient(torch.autograd.Function):
         return (qdq if ctx.needs_input_grad[0] else None), None, None, None, None
 
 
+class _QDQForwardTangents(_QDQForward):
+    """`_QDQForward` with its forward-mode derivative: straight through."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor | None, _scale: Any) -> torch.Tensor | None:
+        return tangent
+
+
+class _QDQGradientTangents(_QDQGradient):
+    """`_QDQGradient` with its forward-mode derivative: the identity (only
+    output gradients are quantized)."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor | None, *_: Any) -> torch.Tensor | None:
+        return None if tangent is None else tangent.view_as(tangent)
+
+
+def _qdq_forward(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`_QDQForward`; with its `jvp` where forward mode or a `torch.func`
+    transform runs (Dynamo cannot trace an autograd function that defines
+    one: compiled graphs get the function without it)."""
+    function = _QDQForwardTangents if transform_active() else _QDQForward
+    return function.apply(x, scale)
+
+
+def _qdq_gradient(y: torch.Tensor, scale: torch.Tensor, *args: Any) -> torch.Tensor:
+    """`_QDQGradient`, with its `jvp` where one can be asked for (see `_qdq_forward`)."""
+    function = _QDQGradientTangents if transform_active() else _QDQGradient
+    return function.apply(y, scale, *args)
+
+
 def float8_contract(
     module: torch.nn.Module,
     inputs: torch.Tensor,
@@ -382,12 +408,12 @@ def float8_contract(
             k_scale = cast(torch.Tensor, state["kernel_scale"])
         return contract(_qdq(inputs, x_scale), _qdq(kernel, k_scale))
     if dynamic:
-        x = _QDQForward.apply(inputs, compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX))
-        k = _QDQForward.apply(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
+        x = _qdq_forward(inputs, compute_float8_dynamic_scale(inputs, FLOAT8_E4M3_MAX))
+        k = _qdq_forward(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
         y = contract(x, k)
-        return _QDQGradient.apply(y, state["outputs_grad_scale"], None, True, None)
+        return _qdq_gradient(y, state["outputs_grad_scale"], None, True, None)
     step = anchor = None
-    functional = not tracing() and (functorch_wrapped(inputs) or functorch_wrapped(kernel))
+    functional = not tracing() and functorch_active()
     if training and torch.is_grad_enabled() and inputs.numel() > 0 and not functional:
         with torch.no_grad():
             maxima = {
@@ -397,10 +423,10 @@ def float8_contract(
         step = _CallMaxima(module, maxima)
         if not (inputs.requires_grad or kernel.requires_grad):
             anchor = _ANCHOR  # a frozen call's backward still records its step
-    x = _QDQForward.apply(inputs, state["inputs_scale"])
-    k = _QDQForward.apply(kernel, state["kernel_scale"])
+    x = _qdq_forward(inputs, state["inputs_scale"])
+    k = _qdq_forward(kernel, state["kernel_scale"])
     y = contract(x, k)
-    return _QDQGradient.apply(y, state["outputs_grad_scale"], step, False, anchor)
+    return _qdq_gradient(y, state["outputs_grad_scale"], step, False, anchor)
 
 
 _ANCHOR = torch.zeros((), requires_grad=True)
