@@ -33,7 +33,7 @@ try:
     from torch._C._functorch import peek_interpreter_stack as _functorch_interpreter
 except ImportError:  # pragma: no cover - older torch
 
-    def _functorch_interpreter() -> object | None:
+    def _functorch_interpreter() -> object | None:  # type: ignore[misc]
         return None
 
 

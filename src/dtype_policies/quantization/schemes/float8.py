@@ -371,7 +371,7 @@ class _QDQGradientTangents(_QDQGradient):
         return None if tangent is None else tangent.view_as(tangent)
 
 
-def _qdq_forward(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _qdq_forward(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """`_QDQForward`; with its `jvp` where forward mode or a `torch.func`
     transform runs (Dynamo cannot trace an autograd function that defines
     one: compiled graphs get the function without it)."""
@@ -379,7 +379,7 @@ def _qdq_forward(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return function.apply(x, scale)
 
 
-def _qdq_gradient(y: torch.Tensor, scale: torch.Tensor, *args: Any) -> torch.Tensor:
+def _qdq_gradient(y: torch.Tensor, scale: torch.Tensor | None, *args: Any) -> torch.Tensor:
     """`_QDQGradient`, with its `jvp` where one can be asked for (see `_qdq_forward`)."""
     function = _QDQGradientTangents if transform_active() else _QDQGradient
     return function.apply(y, scale, *args)
