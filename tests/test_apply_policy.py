@@ -277,6 +277,24 @@ def test_a_weight_already_in_the_compute_dtype_beside_a_float32_bias():
     assert linear.bias.dtype == torch.float32
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 8), (4, 5, 3, 8)])
+def test_a_weight_cast_in_the_call_or_stored_in_the_compute_dtype_gives_the_same_bits(shape):
+    # FSDP2 gathers parameters already in bfloat16; a single process casts them
+    # in the call. A strided input (attention's transposed output) once ran as
+    # a batched product in the first case only: other bits on AMX.
+    torch.manual_seed(0)
+    cast_in_call = nn.Linear(8, 6)
+    stored = copy.deepcopy(cast_in_call).bfloat16()
+    apply_policy(cast_in_call, "mixed_bfloat16")
+    apply_policy(stored, "mixed_bfloat16")
+    x = torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2).bfloat16()
+    assert not x.is_contiguous()
+    folded = F.linear(x.reshape(-1, 8), stored.weight, stored.bias).view(*shape[:-1], 6)
+    for train in (True, False):
+        cast_in_call.train(train), stored.train(train)
+        assert torch.equal(cast_in_call(x), folded) and torch.equal(stored(x), folded)
+
+
 def test_attention_projections_alone_in_bfloat16_run_in_a_float32_model():
     model = tiny_decoder("qwen3")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

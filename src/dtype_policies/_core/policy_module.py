@@ -176,13 +176,7 @@ class FastLinearForward(ModuleMixin):
             weight, bias, product = cast_pair(store, weight, bias, call.compute, pack=True)
             if product is not None:  # the path this CPU runs it by (`_core.products`)
                 return product(input, bias)
-            if input.dim() > 2:
-                # A kept cast does not require grad, and for such weights torch's
-                # matmul turns a strided 3-D input (the last position of a
-                # sequence) into a batched product that copies the whole weight:
-                # fold to 2-D here.
-                out = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
-                return out.view(*input.shape[:-1], out.shape[-1])
+            return half_linear(input, weight, bias)
         elif call is not None and call.compute in HALF_DTYPES:
             # Weights already in the compute dtype (sharded or half-precision
             # parameters) take the same product path as cast ones; a bias
@@ -192,7 +186,25 @@ class FastLinearForward(ModuleMixin):
             product = traced_product(weight) if tracing() else linear_product(weight, kept=False)
             if product is not None:
                 return product(input, bias)
+            return half_linear(input, weight, bias)
         return F.linear(input, weight, bias)
+
+
+def half_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` in a compute dtype, a 3-D or wider input folded to 2-D first.
+
+    Both half-precision branches of `FastLinearForward` end here, so a layer
+    gives the same bits whether its weight was cast in the call or arrived in
+    the compute dtype (FSDP2's gathered parameters). Unfolded, torch runs a
+    strided 3-D input (the last position of a sequence; attention's
+    transposed output) as a batched product: it copies the whole weight when
+    the weight does not require grad, and adds the bias after rounding the
+    product, where the folded `addmm` rounds once (the bits differ where
+    oneDNN runs bfloat16 on AMX)."""
+    if input.dim() <= 2:
+        return F.linear(input, weight, bias)
+    out = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
+    return out.view(*input.shape[:-1], out.shape[-1])
 
 
 FAST_LINEARS = (torch.nn.Linear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
