@@ -344,8 +344,10 @@ def test_kernel_and_float_paths_agree(rows, dtype, block_size):
     kernel = int8_kernels.int8_blocked_linear(x, runtime, bias, dtype)
     floating = int8_kernels.int8_blocked_linear(x, runtime, bias, dtype, "q8_float")
     assert kernel.dtype == floating.dtype == dtype
-    tolerance = 1e-5 if dtype is torch.float32 else 1e-2
-    torch.testing.assert_close(kernel, floating, rtol=tolerance, atol=tolerance)
+    # both sum in float32 and round to `dtype` once (bfloat16 products of the
+    # rounded activations were up to 1e-2 off where they are native)
+    tolerance = 1e-5 if dtype is torch.float32 else 2**-7  # one bfloat16 step
+    torch.testing.assert_close(kernel, floating, rtol=tolerance, atol=1e-5)
 
 
 @CONFIGS

@@ -390,13 +390,22 @@ def int8_blocked_linear(
         return _blocked_kernel(
             x2, runtime.native, column_step, bias, out_dtype, n, runtime.block_step
         )
-    rounded = epilogues.round_activation_blocks(x2)  # float32
-    dtype = product_dtype(x2.dtype, x2.device)
+    rounded = epilogues.round_activation_blocks(x2)  # float32 products: see `_plus_bias`
     if runtime.block_size is None:
-        y = _cast_in_chunks(rounded.to(dtype), q_nk)
+        y = _cast_in_chunks(rounded, q_nk)
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
-    y = _cast_in_chunks(rounded.to(dtype), q_nk, column_step, runtime.block_size)
+    y = _cast_in_chunks(rounded, q_nk, column_step, runtime.block_size)
     return _plus_bias(y, bias, out_dtype)
+
+
+# The per-block W8A8 products outside the kernel (`q8_float`, and the traced
+# path) run in float32 on every CPU class: the rounded activations (an int8
+# value times its block's float32 step) and the weights scaled per block are
+# not values of the compute dtype, and rounding them to bfloat16 for a
+# bfloat16 product moved the results 2**-9 off the kernel's exact integer sums,
+# which the next layer's activation rounding turned into whole steps (an
+# exported int8 MLP 8e-3 from eager where bfloat16 products are native, 0
+# elsewhere).
 
 
 def _plus_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -448,13 +457,11 @@ def int8_linear_traceable(
             )
         rounded = straight_through(
             x2.float(), epilogues.round_activation_blocks(x2, activation_block_size)
-        )
-        dtype = product_dtype(x2.dtype, x2.device)
+        )  # float32 products, as eager's (see `_plus_bias`)
         if block_size is not None:
             weight = q_nk.float() * expand_blocks(column_step, block_size, k)
-            y = F.linear(rounded.to(dtype), weight.to(dtype))
-            return _plus_bias(y, bias, out_dtype)
-        y = F.linear(rounded.to(dtype), q_nk.to(dtype))
+            return _plus_bias(F.linear(rounded, weight), bias, out_dtype)
+        y = F.linear(rounded, q_nk.float())
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     if weight_only:
         if frozen and _frozen_int8pack(x2, q_nk.shape[0]):
