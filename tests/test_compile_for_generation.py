@@ -312,7 +312,9 @@ def test_a_copy_compiles_its_own_decode_step_lazily(how):
     assert copied.generation_config.cache_implementation == "static"
     with torch.no_grad():
         copied.model.layers[0].mlp.up_proj.weight.mul_(2)
-        expected = copied(PROMPT).logits
+    # with gradients, as `out`: attention without them may run this library's
+    # kernel, whose sums differ from torch's in the last bit on some CPUs (AMX)
+    expected = copied(PROMPT).logits
     del model
     with torch.inference_mode():
         step.compiled = lambda *args, **kwargs: "compiled"  # not compiling here

@@ -7,7 +7,9 @@ torch's CPU flash kernel multiplies bfloat16 at float32 speed on these CPUs
 against 38.4 float32, 2 threads, Zen 4); this kernel's products are bfloat16
 dot products, with the same roundings as torch's (scores, softmax and sums in
 float32, the unnormalised probabilities in bfloat16 for the product with the
-values). Inference only: no gradient, no dropout.
+values), not the same bits: its sums run in another order than torch's kernel
+(on AMX, 1 step of bfloat16 in some outputs; as accurate against a float64
+reference). Inference only: no gradient, no dropout.
 
 Hugging Face models reach it through transformers' attention interface:
 `transformers_attention` is transformers' `"sdpa"` implementation on this
