@@ -190,7 +190,9 @@ class FastLinearForward(ModuleMixin):
         return F.linear(input, weight, bias)
 
 
-def half_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def half_linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """`F.linear` in a compute dtype, a 3-D or wider input folded to 2-D first.
 
     Both half-precision branches of `FastLinearForward` end here, so a layer
