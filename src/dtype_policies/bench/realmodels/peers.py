@@ -127,6 +127,7 @@ PEERS: list[Variant] = [
         note="PrototypeInt4WeightOnlyConfig",
     ),
     _peer("hqq int4/64", _hqq(4, 64), "hqq", "hqq", note="block linears"),
+    _peer("hqq int4/128", _hqq(4, 128), "hqq", "hqq", note="block linears"),
     _peer("hqq int8", _hqq(8, None), "hqq", "hqq", note="block linears, per channel"),
     _peer("quanto int8 weights", _quanto("qint8"), "optimum.quanto", "optimum-quanto"),
     _peer(
