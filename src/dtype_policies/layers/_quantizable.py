@@ -24,6 +24,7 @@ from dtype_policies.quantization.modules import (
     apply_keeping_stored_dtypes,
 )
 from dtype_policies.quantization.schemes import QuantizedWeight
+from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 from dtype_policies.quantizers.config import (
     QuantizationConfig,
     deserialize_config,
@@ -32,7 +33,7 @@ from dtype_policies.quantizers.config import (
 )
 
 
-class QuantizableLayer(Layer):
+class QuantizableLayer(QuantizedWeightGuard, Layer):
     """A layer with `quantize(mode, config=None, type_check=True)`.
 
     Subclasses register their weight's kind with `register_layer_kind`; their

@@ -24,13 +24,13 @@ import torch
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.checkpoints import check_checkpoint, loads_as_torch
-from dtype_policies._core.compose import ModuleMixin
 from dtype_policies._core.module_state import Token, ensure_state, quantization_of, state_of
 from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies._core.scope import current_scope
 from dtype_policies._modes import mode_record
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.schemes.base import QuantizedWeight
+from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 
 # The application `quantize()` puts at the bottom of a quantized module's
 # stack: its own float dtype, in force when no policy application is above it.
@@ -69,8 +69,9 @@ def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
     return leaf_weights(state_of(module).casts, bias, None, compute, weight_name=name)[0]
 
 
-class QuantizedForward(ModuleMixin):
-    """Shared by the quantized forwards: the weight attribute and loading."""
+class QuantizedForward(QuantizedWeightGuard):
+    """Shared by the quantized forwards: the weight attribute (read
+    dequantized; writes refused, see `weight_guard`) and loading."""
 
     _dp_order = 10
 
