@@ -29,11 +29,19 @@ is strict (torch passes `strict=True` to every module and applies the real
 
 The root of a model `quantize()` or a loader changed need not be policied
 itself: `guard_loading` gives it the same whole-tree check (a load pre-hook).
+
+torch calls every module's `_load_from_state_dict` in one `load_state_dict`,
+so `check_before_loading` checks a subtree once per call: a module whose
+enclosing module already checked it, in the same call (torch's `missing_keys`
+list, one per call) with the same tensors, is not checked again. A module
+that a pre-hook above it handed other tensors is checked again.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -56,6 +64,52 @@ class CheckpointError(ValueError):
     ...     print(type(e).__mro__[1].__name__)
     ValueError
     """
+
+
+@dataclass
+class _CheckedSubtree:
+    """One `check_checkpoint` run inside a `load_state_dict` call."""
+
+    load_call: list  # torch's `missing_keys` of the call: one list per call
+    prefix: str
+    entries: dict[str, int]  # key -> id of the value checked (alive through the call)
+
+    def covers(self, load_call: list, state_dict: dict, prefix: str) -> bool:
+        entries = self.entries
+        return (
+            load_call is self.load_call
+            and prefix.startswith(self.prefix)
+            and all(entries.get(key) == id(value) for key, value in state_dict.items())
+        )
+
+
+class _CheckedInThread(threading.local):
+    def __init__(self) -> None:
+        # the latest checks (a few: nested loads), newest last
+        self.subtrees: list[_CheckedSubtree] = []
+
+
+_checked = _CheckedInThread()
+_KEPT_CHECKS = 16
+
+
+def check_before_loading(
+    module: torch.nn.Module, state_dict: dict, prefix: str, args: tuple, kwargs: dict
+) -> None:
+    """`check_checkpoint` from a `_load_from_state_dict(state_dict, prefix,
+    *args, **kwargs)`, unless an enclosing module checked this subtree with
+    these tensors earlier in the same `load_state_dict` call."""
+    load_call = args[2] if len(args) > 2 else kwargs.get("missing_keys")
+    if not isinstance(load_call, list):  # called by other code: check every time
+        check_checkpoint(module, state_dict, prefix)
+        return
+    subtrees = _checked.subtrees
+    if any(checked.covers(load_call, state_dict, prefix) for checked in reversed(subtrees)):
+        return
+    check_checkpoint(module, state_dict, prefix)
+    entries = {key: id(value) for key, value in state_dict.items()}
+    subtrees.append(_CheckedSubtree(load_call, prefix, entries))
+    del subtrees[:-_KEPT_CHECKS]
 
 
 def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> None:
@@ -196,6 +250,6 @@ def guard_loading(root: torch.nn.Module) -> None:
 
 
 def _check_before_loading(
-    module: torch.nn.Module, state_dict: dict, prefix: str, *_: object
+    module: torch.nn.Module, state_dict: dict, prefix: str, *args: object
 ) -> None:
-    check_checkpoint(module, state_dict, prefix)
+    check_before_loading(module, state_dict, prefix, args, {})

@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import HALF_DTYPES, tracing
-from dtype_policies._core.checkpoints import check_checkpoint, loads_as_torch
+from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
 from dtype_policies._core.compose import ModuleMixin, mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import (
     STATE_KEY,
@@ -123,7 +123,7 @@ class PolicyModule(ModuleMixin):
 
     @loads_as_torch
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
+        check_before_loading(self, state_dict, prefix, args, kwargs)  # the whole subtree, once
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import first_tensor
-from dtype_policies._core.checkpoints import check_checkpoint, loads_as_torch
+from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
 from dtype_policies._core.module_state import STATE_KEY, ModuleState, Token, replace_top
 from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._paths import named_module_paths
@@ -311,7 +311,7 @@ class Layer(LayerWeights, torch.nn.Module):
 
     @loads_as_torch
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        check_checkpoint(self, state_dict, prefix)  # the whole subtree, before any of it loads
+        check_before_loading(self, state_dict, prefix, args, kwargs)  # the whole subtree, once
         self._adapt_checkpoint(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

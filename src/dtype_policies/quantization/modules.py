@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from dtype_policies._core.call import leaf_weights
-from dtype_policies._core.checkpoints import check_checkpoint, loads_as_torch
+from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
 from dtype_policies._core.module_state import Token, ensure_state, quantization_of, state_of
 from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies._core.scope import current_scope
@@ -88,7 +88,7 @@ class QuantizedForward(QuantizedWeightGuard):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         qw = quantization_of(self)
         if qw is not None:
-            check_checkpoint(self, state_dict, prefix)
+            check_before_loading(self, state_dict, prefix, args, kwargs)
             adapt_state_dict(self, qw, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
