@@ -230,6 +230,37 @@ _EAGER_FRAMES = EagerFrames()
 
 
 @functools.cache
+@functools.cache
+def cpu_cache_tag() -> str:
+    """The vector instructions Inductor generates code for on this CPU
+    (`pick_vec_isa`), or "" where it cannot tell.
+
+    Inductor's on-disk graph cache is not keyed on them: a cache filled on
+    one CPU and read on another with other instructions (a container image
+    with a warmed cache, a shared home directory) ran code generated for the
+    first, with wrong values (NaN and garbage, AVX-512 code read under AVX2:
+    torch's own, with or without this library). This library's compiled
+    calls add it to the key (`torch.compiler.config.cache_key_tag`)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        return f"cpu:{pick_vec_isa()}".replace(" ", "+")
+    except Exception:  # pragma: no cover - a torch without Inductor's CPU back end
+        return ""
+
+
+def keyed_on_this_cpu() -> AbstractContextManager[Any]:
+    """Within, Inductor's cache keys name this CPU's instructions (`cpu_cache_tag`)."""
+    compiler_config = getattr(torch.compiler, "config", None)
+    tag = cpu_cache_tag()
+    if not tag or not hasattr(compiler_config, "cache_key_tag"):
+        return contextlib.nullcontext()
+    user_tag = compiler_config.cache_key_tag
+    if tag in user_tag:
+        return contextlib.nullcontext()
+    return compiler_config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag)
+
+
 def _recompile_limit() -> tuple[type[BaseException], ...]:
     """Dynamo's "recompile limit hit" errors (read when one is raised, so that
     importing the package does not import Dynamo)."""
@@ -390,7 +421,7 @@ class FrozenCompiledCall:
         )
         mark = _EAGER_FRAMES.mark()
         try:
-            with config.patch(self.inductor_options), repaired(), context:
+            with config.patch(self.inductor_options), keyed_on_this_cpu(), repaired(), context:
                 result = self.compiled(*args, **kwargs)
         except _recompile_limit() as error:
             # raised while compiling, before the call ran: the eager call is its first run

@@ -46,7 +46,9 @@ size each time.
 
 Cost: the first call of each shape compiles (tens of seconds for a 6-layer
 encoder on 2 cores); Inductor keeps compiled kernels in its cache
-(`TORCHINDUCTOR_CACHE_DIR`) for the next process. Measured gains and limits:
+(`TORCHINDUCTOR_CACHE_DIR`) for the next process, keyed here on the CPU's
+vector instructions (`_frozen.cpu_cache_tag`: torch's own key is not, and a
+cache moved to another CPU gave wrong values). Measured gains and limits:
 docs/speed.md.
 
 >>> import torch
