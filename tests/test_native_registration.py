@@ -6,6 +6,7 @@ and each module of the package is imported once, under its own name."""
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,61 @@ def test_every_directory_of_python_modules_is_a_regular_package():
     second time, as top-level modules (their registrations run twice)."""
     directories = {path.parent for path in PACKAGE_ROOT.rglob("*.py")}
     assert sorted(str(d) for d in directories if not (d / "__init__.py").exists()) == []
+
+
+@pytest.fixture
+def tiny_kernel(tmp_path, monkeypatch):
+    """A kernel library of one empty C++ file, built into a cache of its own;
+    loads are recorded, not made (a broken file is never handed to dlopen)."""
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    (sources / "tiny.cpp").write_text("int dtype_policies_tiny() { return 1; }\n")
+    monkeypatch.setattr(native, "SOURCES", sources)
+    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path / "cache"))
+    loads: list[tuple[str, int]] = []
+
+    def load(path: str) -> None:
+        size = Path(path).stat().st_size
+        loads.append((path, size))
+        if getattr(load, "refuse", 0):
+            load.refuse -= 1
+            raise OSError(f"{path}: version `GLIBC_2.99' not found")
+
+    monkeypatch.setattr(torch.ops, "load_library", load)
+    kernel = native.KernelSource("tiny", ("tiny.cpp",), ("-O0",))
+    return kernel, loads, load
+
+
+def test_a_cached_library_that_is_not_whole_is_built_again(tiny_kernel):
+    kernel, loads, _ = tiny_kernel
+    target = native._build_and_load(kernel)
+    assert target is not None and native._intact(target)
+    size = target.stat().st_size
+    target.write_bytes(target.read_bytes()[:100])  # an interrupted copy of the cache
+    assert not native._intact(target)
+    assert native._build_and_load(kernel) == target
+    assert native._intact(target) and loads[-1] == (str(target), size)
+
+
+def test_a_cached_library_this_system_cannot_load_is_built_again_once(tiny_kernel):
+    kernel, loads, load = tiny_kernel
+    target = native._build_and_load(kernel)
+    load.refuse = 1  # built on another system into a shared cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to tell: built again and loaded
+        assert native._build_and_load(kernel) == target
+    assert [path for path, _ in loads] == [str(target)] * 3
+    load.refuse = 2  # a fresh build that cannot load either: warned, torch's kernels
+    with pytest.warns(RuntimeWarning, match="could not be built and loaded.*GLIBC_2.99"):
+        assert native._build_and_load(kernel) is None
+
+
+def test_the_cache_key_names_the_compiler_and_c_library_versions(tiny_kernel, monkeypatch):
+    kernel, _, _ = tiny_kernel
+    here = native._build_and_load(kernel)
+    assert native.toolchain().count("|") == 1
+    monkeypatch.setattr(native, "toolchain", lambda: "c++ (Debian 12.2.0) 12.2.0 | glibc 2.31")
+    elsewhere = native._build_and_load(kernel)
+    assert here is not None and elsewhere is not None and here != elsewhere

@@ -10,8 +10,10 @@ per process from the processor (`dtype_policies._cpu`) and whether the
 library could be built; elsewhere the callers keep torch's kernels. Nothing is
 tried per call. The build is one compiler call (15-30 s on 2 cores: torch's
 headers are most of it), keyed on the sources, the flags, the compiler and
-torch's version, and written by an atomic rename, so that processes sharing
-the cache directory never load a half-written library.
+its version, the C library's version and torch's, and written by an atomic
+rename with its digest recorded beside it: processes sharing the cache
+directory never load a half-written library, and a library that is not whole
+or that this system cannot load is built again.
 
 * `DTYPE_POLICIES_NATIVE_KERNELS=0` turns every native kernel off;
 * `DTYPE_POLICIES_KERNEL_CACHE` names the cache directory (default
@@ -30,6 +32,8 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -220,6 +224,63 @@ def sources_digest(directory: Path = SOURCES) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def toolchain() -> str:
+    """What a built library depends on beyond its sources and flags, for its
+    cache key: the compiler's version and the C library's. Without them a
+    cache shared between systems (a container's build in a mounted home
+    directory) handed one system a library built for the other, which it
+    could not load, under the same name, never rebuilt."""
+    compiler = _compiler()
+    version = ""
+    if compiler is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            version = subprocess.run(
+                [compiler, "--version"],
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                timeout=60,
+            ).stdout.partition("\n")[0]
+    libc = ""
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    return f"{version} | {libc}"
+
+
+def _digest_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(target: Path) -> bool:
+    """Whether `target` is whole, as this cache wrote it: its digest is the
+    one recorded beside it after the build (a truncated copy, from an
+    interrupted copy of the cache, crashed the process inside `dlopen`)."""
+    record = target.with_name(target.name + ".sha256")
+    try:
+        return record.read_text().strip() == _digest_of(target)
+    except OSError:
+        return False
+
+
+def _build(compiler: str, sources: list[Path], flags: tuple[str, ...], target: Path) -> None:
+    """Compiles into `target`, then records its digest, each by an atomic rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        built = Path(work) / target.name
+        subprocess.run(
+            [compiler, *(str(source) for source in sources), *flags, "-o", str(built)],
+            check=True,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        record = Path(work) / (target.name + ".sha256")
+        record.write_text(_digest_of(built))
+        os.replace(built, target)
+        os.replace(record, target.with_name(record.name))
+
+
 def _build_and_load(kernel: KernelSource) -> Path | None:
     compiler = _compiler()
     if compiler is None:
@@ -232,28 +293,26 @@ def _build_and_load(kernel: KernelSource) -> Path | None:
         return None
     sources = [SOURCES / name for name in kernel.sources]
     flags = (*kernel.flags, "-shared", "-fPIC", *_torch_flags())
-    key = " ".join((sources_digest(), compiler, *flags, torch.__version__))
+    key = " ".join((sources_digest(), compiler, toolchain(), *flags, torch.__version__))
     target = cache_dir() / f"{kernel.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as work:
-                built = Path(work) / target.name
-                subprocess.run(
-                    [compiler, *(str(source) for source in sources), *flags, "-o", str(built)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                    stdin=subprocess.DEVNULL,
-                )
-                os.replace(built, target)
-        torch.ops.load_library(str(target))
+        built_now = not _intact(target)
+        if built_now:
+            _build(compiler, sources, flags, target)
+        try:
+            torch.ops.load_library(str(target))
+        except (OSError, RuntimeError):
+            if built_now:
+                raise
+            # a cached library this system cannot load: built again, once
+            _build(compiler, sources, flags, target)
+            torch.ops.load_library(str(target))
         return target
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or str(error)
         warnings.warn(
-            f"dtype_policies: the native kernel {kernel.name!r} could not be built with "
-            f"{compiler} ({detail.strip()[:500]}); torch's kernels are used instead.",
+            f"dtype_policies: the native kernel {kernel.name!r} could not be built and loaded "
+            f"with {compiler} ({detail.strip()[:500]}); torch's kernels are used instead.",
             RuntimeWarning,
             stacklevel=3,
         )
