@@ -479,3 +479,19 @@ def test_a_refit_on_few_calibration_rows_does_not_fit_the_weights_to_them():
     # told nothing of the rows (and undamped): fitted to them
     unshrunk = held_out_error(gptq.refit_grid(w, q, scale, zero, g_idx, hessian, damping=0))
     assert unshrunk > 3 * rtn
+
+
+def test_a_refit_on_many_calibration_rows_is_the_plain_fit():
+    # a dense layer's 65,536 calibration rows: the shrinkage vanishes, and no
+    # damping is added to it (which cost SmolLM2 gptq/4/128 2% perplexity)
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    rows = torch.randn(4096, 256) * torch.linspace(0.01, 3.0, 256)  # quiet and loud inputs
+    scale, zero, maxq = gptq.refined_grid(w, bits=4, group_size=32)
+    g_idx = torch.arange(256) // 32
+    q = gptq.quantize_with_zero_point(w, scale[:, g_idx], zero[:, g_idx], maxq).to(torch.int32)
+    hessian = 2 * rows.T @ rows / len(rows)
+    plain = gptq.refit_grid(w, q, scale, zero, g_idx, hessian, damping=0)
+    many = gptq.refit_grid(w, q, scale, zero, g_idx, hessian, damping=0.01, samples=10**9)
+    for ours, theirs in zip(many, plain):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -455,20 +455,23 @@ def refit_grid(
 
     The error is measured on `H` shrunk towards `mean(diag H) * I` by the
     number of calibration rows `samples` behind it (weight `K / (samples +
-    K)`, a covariance estimate's shrinkage; none when not given) and damped
-    as GPTQ's loop damps it (`+ damping * mean(diag H) * I`): from few rows
-    (a rarely routed expert) `H` is singular, and the plain fit moves the
-    weights freely along the directions those rows never saw (a linear with
-    256 inputs calibrated on 12 rows: held-out error 6-9x round to
-    nearest's; with both: below round to nearest's).
+    K)`, a covariance estimate's shrinkage), or by `damping` when the rows
+    are not given: from few rows (a rarely routed expert) `H` is singular,
+    and the plain fit moves the weights freely along the directions those
+    rows never saw (a linear with 256 inputs calibrated on 12 rows: held-out
+    error 6-9x round to nearest's; shrunk: below round to nearest's). Not
+    both: the damping added to the shrinkage weighed the inputs quiet in
+    calibration up on a dense model (SmolLM2 gptq/4/128 28.54 against 27.95
+    shrunk alone: docs/quantization.md).
     """
     weights, levels, hessian = w_nk.float(), q.float(), _silent_inputs_as_typical(hessian)
     features = hessian.shape[0]
     typical = torch.diagonal(hessian).mean()
-    shrink = 0.0 if samples is None else features / (max(samples, 0) + features)
-    if shrink > 0 or damping > 0:
+    # the rows' shrinkage where their number is known, else the damping
+    shrink = damping if samples is None else features / (max(samples, 0) + features)
+    if shrink > 0:
         identity = torch.eye(features, dtype=hessian.dtype, device=hessian.device)
-        hessian = (1 - shrink) * hessian + (shrink + damping) * typical * identity
+        hessian = (1 - shrink) * hessian + shrink * typical * identity
     n, groups = weights.shape[0], scale.shape[1]
     member = torch.nn.functional.one_hot(g_idx.long(), groups).float()  # (K, G)
     weighted = weights @ hessian  # rows of W H
