@@ -253,7 +253,7 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
     """Within, Inductor's cache keys name this CPU's instructions (`cpu_cache_tag`)."""
     compiler_config = getattr(torch.compiler, "config", None)
     tag = cpu_cache_tag()
-    if not tag or not hasattr(compiler_config, "cache_key_tag"):
+    if not tag or compiler_config is None or not hasattr(compiler_config, "cache_key_tag"):
         return contextlib.nullcontext()
     user_tag = compiler_config.cache_key_tag
     if tag in user_tag:
