@@ -237,13 +237,12 @@ def test_a_copy_is_compiled_again_for_the_copied_model(how):
     assert not torch.equal(copied(x), model(x))
 
 
-def test_compiled_calls_key_inductors_cache_on_this_cpus_instructions(monkeypatch):
+def test_compiled_calls_key_inductors_cache_on_this_cpus_instructions():
     """Inductor's on-disk cache is not keyed on the CPU: a cache warmed on an
     AVX-512 machine gave NaN under AVX2. The compiled call adds the vector
     instructions to the key, beside the user's own tag, and only inside."""
     from dtype_policies._frozen import cpu_cache_tag
 
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-tag")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16))
     apply_policy(model, "mixed_bfloat16")
     fast = compile_for_inference(model, autotune=False)
@@ -251,11 +250,12 @@ def test_compiled_calls_key_inductors_cache_on_this_cpus_instructions(monkeypatc
     fast._call.compiled = lambda *args, **kwargs: seen.append(
         torch.compiler.config.cache_key_tag
     )  # not compiling here
-    with torch.inference_mode():
+    # (torch's config.patch: pytest's monkeypatch deletes a config entry at its undo)
+    with torch.compiler.config.patch(cache_key_tag="users-tag"), torch.inference_mode():
         fast(torch.randn(2, 8))
+        assert torch.compiler.config.cache_key_tag == "users-tag"
     assert cpu_cache_tag().startswith("cpu:") and " " not in cpu_cache_tag()
     assert seen == [f"users-tag|{cpu_cache_tag()}"]
-    assert torch.compiler.config.cache_key_tag == "users-tag"
 
 
 @pytest.mark.slow
