@@ -230,7 +230,6 @@ _EAGER_FRAMES = EagerFrames()
 
 
 @functools.cache
-@functools.cache
 def cpu_cache_tag() -> str:
     """The vector instructions Inductor generates code for on this CPU
     (`pick_vec_isa`), or "" where it cannot tell.
@@ -261,6 +260,7 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
     return compiler_config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag)
 
 
+@functools.cache
 def _recompile_limit() -> tuple[type[BaseException], ...]:
     """Dynamo's "recompile limit hit" errors (read when one is raised, so that
     importing the package does not import Dynamo)."""
