@@ -27,7 +27,13 @@ W8A8 with the activations rounded per block of 32 inputs
   any x86 CPU with AVX2 and FMA, VNNI or not; elsewhere the rounded
   activations times the int8 weight in floating point
   (`round_activation_blocks`, then the weight-only product's cast, per-block
-  steps applied chunk by chunk with it).
+  steps applied chunk by chunk with it). These products, and the traced
+  path's, run in float32 on every CPU class: the rounded activations (an
+  int8 value times its block's float32 step) and the weights scaled per
+  block are not bfloat16 values, and rounding them for a bfloat16 product
+  moved the results 2**-9 off the kernel's exact integer sums, which the
+  next layer's activation rounding turned into whole steps (an exported int8
+  MLP 8e-3 from eager where bfloat16 products are native, 0 elsewhere).
 Weight-only: `_weight_int8pack_mm` for bfloat16/float16 activations of a few
   rows on CPU (within the shapes it supports); float32 activations of fewer
   rows are rounded to bfloat16 for it (its float32 variant is scalar code),
@@ -390,22 +396,12 @@ def int8_blocked_linear(
         return _blocked_kernel(
             x2, runtime.native, column_step, bias, out_dtype, n, runtime.block_step
         )
-    rounded = epilogues.round_activation_blocks(x2)  # float32 products: see `_plus_bias`
+    rounded = epilogues.round_activation_blocks(x2)  # float32 products (module docstring)
     if runtime.block_size is None:
         y = _cast_in_chunks(rounded, q_nk)
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     y = _cast_in_chunks(rounded, q_nk, column_step, runtime.block_size)
     return _plus_bias(y, bias, out_dtype)
-
-
-# The per-block W8A8 products outside the kernel (`q8_float`, and the traced
-# path) run in float32 on every CPU class: the rounded activations (an int8
-# value times its block's float32 step) and the weights scaled per block are
-# not values of the compute dtype, and rounding them to bfloat16 for a
-# bfloat16 product moved the results 2**-9 off the kernel's exact integer sums,
-# which the next layer's activation rounding turned into whole steps (an
-# exported int8 MLP 8e-3 from eager where bfloat16 products are native, 0
-# elsewhere).
 
 
 def _plus_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -457,7 +453,7 @@ def int8_linear_traceable(
             )
         rounded = straight_through(
             x2.float(), epilogues.round_activation_blocks(x2, activation_block_size)
-        )  # float32 products, as eager's (see `_plus_bias`)
+        )  # float32 products, as eager's (module docstring)
         if block_size is not None:
             weight = q_nk.float() * expand_blocks(column_step, block_size, k)
             return _plus_bias(F.linear(rounded, weight), bias, out_dtype)
