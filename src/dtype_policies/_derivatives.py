@@ -41,11 +41,6 @@ _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 
 
-def forward_ad_active() -> bool:
-    """Whether a `torch.autograd.forward_ad.dual_level()` is entered."""
-    return _forward_ad._current_level >= 0
-
-
 def functorch_active() -> bool:
     """Whether a `torch.func` transform runs (its interpreter stack is not
     empty). Under `torch.compile`, never: Dynamo handles the transforms it
