@@ -144,6 +144,37 @@ def test_a_changed_model_runs_eagerly_until_compiled_again():
 
 
 @pytest.mark.slow
+def test_an_int4_llama_from_mixed_bfloat16_compiles_at_several_rows():
+    """On AVX-512 and AMX CPUs int4 runs torch's packed kernel, which needs a
+    contiguous input; Inductor let a fused RMSNorm write it column-major
+    (2 x 12 tokens) and the compiled call crashed ("expect A to be
+    contiguous")."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        vocab_size=256,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    apply_policy(model, "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int4")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    fast = compile_for_inference(model, autotune=False)
+    with torch.inference_mode():
+        eager = model(ids).logits
+        compiled = fast(ids).logits
+    assert compiled.dtype == eager.dtype == torch.bfloat16
+    error = (compiled.float() - eager.float()).norm() / eager.float().norm()
+    assert float(error) < 2e-2
+
+
+@pytest.mark.slow
 def test_a_decoder_with_int4_embedding_and_head_compiles_to_its_eager_logits():
     """Inductor (torch 2.13) fused an RMSNorm into the residual sum before it
     with a local buffer inside a tiled outer loop: every position but the

@@ -17,10 +17,12 @@ def prepare() -> None:
     call; a kernel that cannot be built is warned about once and left out."""
     from dtype_policies import _native as native
     from dtype_policies._cpu import processor
+    from dtype_policies.quantization.kernels import int4
 
     cpu = processor()
     for name in native.KERNELS:
         native.available(name, cpu)
+    int4.find_inductor_prims()
 
 
 def freezing_weights() -> bool:

@@ -53,8 +53,10 @@ Elsewhere (other devices): dequantize and multiply in the compute dtype.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +74,31 @@ from dtype_policies.quantizers.math import dequantize_grouped
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 _KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+# Inductor's `inductor_force_stride_order` prim, looked up by `kernels.prepare`
+# before a compiled call traces a product (importing Inductor's prims registers
+# it); `None` until then or without Inductor.
+_force_stride_order: Any = None
+
+
+def find_inductor_prims() -> None:
+    """Looks up Inductor's stride prim for `_row_major` (once; a no-op without Inductor)."""
+    global _force_stride_order
+    if _force_stride_order is None:
+        with contextlib.suppress(ImportError):
+            import torch._inductor.inductor_prims  # registers the prim
+        _force_stride_order = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """`x` contiguous, also in a graph Inductor compiles: its lowering of
+    torch's int4 product lets the producer choose the input's strides, and a
+    column-major buffer (after a fused RMSNorm, at 24 rows on an `amx` CPU)
+    crashed the kernel ("expect A to be contiguous")."""
+    x = x.contiguous()
+    if _force_stride_order is not None and torch.compiler.is_compiling():
+        x = _force_stride_order(x, x.stride())
+    return x
 
 
 def dequantize_int4(
@@ -631,7 +658,7 @@ def _packed(
         y = int4_native.int4_mm(xk, plan.packed, plan.scales_and_zeros, layout.group, n)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xk.contiguous(), plan.packed, layout.group, plan.scales_and_zeros
+            _row_major(xk), plan.packed, layout.group, plan.scales_and_zeros
         )
     if y.shape[1] != n:
         y = y[:, :n]
