@@ -280,6 +280,7 @@ def commit(plan: Plan) -> QuantizedWeight:
     if plan.expansion is not None:
         plan.expansion.attach()
     qw = QuantizedWeight(plan.scheme, spec, plan.config, plan.float_dtype)
+    qw.path = plan.path
     if not plan.scheme.keeps_float_weight:
         del module._parameters[spec.weight]
     for name, tensor in plan.tensors.items():

@@ -100,7 +100,7 @@ def _refuse(module: torch.nn.Module, qw: Any, action: str) -> None:
     else:
         reads = f"holds no float '{weight}': its forward computes from {stored} alone"
     raise TypeError(
-        f"Cannot change the weight of the {qw.mode}-quantized {_describe(module)}: {action} "
+        f"Cannot change the weight of the {qw.mode}-quantized {describe(module, qw)}: {action} "
         f"is refused, as this module {reads}. Nothing was changed. To give it other "
         f"weights, load them (`load_state_dict` with this mode's tensors or a float "
         f"'{weight}', which is quantized on loading); to prune or reparametrize it, do so "
@@ -108,7 +108,9 @@ def _refuse(module: torch.nn.Module, qw: Any, action: str) -> None:
     )
 
 
-def _describe(module: torch.nn.Module) -> str:
-    name = module.__dict__.get("_name") or module.__dict__.get("name")
+def describe(module: torch.nn.Module, qw: Any) -> str:
+    """The module's kind and its name (a layer's) or path (in the model
+    `quantize()` was given), for errors: "Linear 'encoder/layers/0/linear1'"."""
+    name = module.__dict__.get("_name") or module.__dict__.get("name") or qw.path
     kind = original_class(module).__name__
-    return f"{kind} '{name}'" if isinstance(name, str) else kind
+    return f"{kind} '{name}'" if isinstance(name, str) and name else kind

@@ -265,6 +265,7 @@ class QuantizedWeight:
         self.spec = spec
         self.config = config
         self.float_dtype = float_dtype  # the dtype of the float weight it replaced
+        self.path = ""  # the module's path in the model quantize() was given, for errors
         self.runtime = scheme.new_runtime()
         # Stored tensors that are placeholders until a checkpoint is loaded (a
         # layer built under a calibrated policy): a call then raises.
@@ -402,12 +403,15 @@ class QuantizedWeight:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("path", "")  # pickled by an earlier version
         self.runtime = self.scheme.new_runtime()
         if "buffer_names" not in state:  # pickled by an earlier version
             self.buffer_names = tuple(self.scheme.buffer_names(self.spec, self.config))
 
     def __deepcopy__(self, memo: dict) -> QuantizedWeight:
-        return QuantizedWeight(self.scheme, self.spec, self.config, self.float_dtype)
+        copied = QuantizedWeight(self.scheme, self.spec, self.config, self.float_dtype)
+        copied.path = self.path
+        return copied
 
     def __repr__(self) -> str:
         return f"QuantizedWeight(mode={self.mode!r}, weight={self.weight_name!r}, {self.config})"
