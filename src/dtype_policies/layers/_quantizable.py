@@ -24,6 +24,7 @@ from dtype_policies.quantization.modules import (
     apply_keeping_stored_dtypes,
 )
 from dtype_policies.quantization.schemes import QuantizedWeight
+from dtype_policies.quantization.weight_copy import read_weight
 from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 from dtype_policies.quantizers.config import (
     QuantizationConfig,
@@ -208,7 +209,8 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             and name == quantized.weight_name
             and not quantized.scheme.keeps_float_weight
         ):
-            return quantized.integer_values(self)  # Keras: the quantized integer values
+            values = quantized.integer_values(self)  # Keras: the quantized integer values
+            return read_weight(self, quantized, values, "the integer values of")
         if quantized is not None and name == "g_idx":  # Keras's name, without the weight's
             g_idx = self.__dict__["_buffers"].get(f"{quantized.weight_name}_g_idx")
             if g_idx is not None:

@@ -5,7 +5,8 @@ A quantized `nn.Linear` (or any registered linear kind) computes
 `x @ W + bias` with the quantized weight; a quantized `nn.Embedding` looks its
 rows up. Reading the quantized weight's attribute (`module.weight`) gives the
 dequantized float weight, so a parent module that reads `child.weight`
-directly keeps computing correctly (slowly).
+directly keeps computing correctly (slowly); writes to it raise
+(`weight_copy`).
 
 A quantized module computes in its own float dtype (the dtype of the weight it
 replaced) unless a policy application above says otherwise; `.to(dtype)`,
@@ -30,6 +31,7 @@ from dtype_policies._core.scope import current_scope
 from dtype_policies._modes import mode_record
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.schemes.base import QuantizedWeight
+from dtype_policies.quantization.weight_copy import read_weight
 from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 
 # The application `quantize()` puts at the bottom of a quantized module's
@@ -71,7 +73,8 @@ def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
 
 class QuantizedForward(QuantizedWeightGuard):
     """Shared by the quantized forwards: the weight attribute (read
-    dequantized; writes refused, see `weight_guard`) and loading."""
+    dequantized, a copy whose writes raise: `weight_copy`; assigning it
+    refused: `weight_guard`) and loading."""
 
     _dp_order = 10
 
@@ -81,7 +84,7 @@ class QuantizedForward(QuantizedWeightGuard):
             weight = qw.spec.from_nk(qw.scheme.dequantize(self, qw))
             scope = current_scope()
             dtype = scope.dtype if scope is not None and scope.dtype is not None else None
-            return weight.to(dtype or qw.float_dtype)
+            return read_weight(self, qw, weight.to(dtype or qw.float_dtype), "dequantized from")
         return super().__getattr__(name)
 
     @loads_as_torch

@@ -13,7 +13,8 @@ attribute writes (`__setattr__`, `__delattr__`, `register_parameter`,
 The library's own writes (quantizing, loading, removing float8) touch the
 module's `_parameters` and `_buffers` directly; a state-dict load with
 `assign=True` assigns the stored tensors and float8's float weight, which
-stay allowed.
+stay allowed. In-place writes to the weight as read (`weight.copy_(t)`,
+`weight.data = t`) are refused by the copy itself (`weight_copy`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,290 @@
+"""The weight a quantized module without a float weight gives when read
+(`module.weight` dequantized, `layer.kernel` the integer values) is a copy its
+forward never reads: every in-place write to it raises a `TypeError` naming
+the module and mode and leaves the stored tensors bit for bit as they were;
+every read behaves as a plain tensor's. float8 keeps a float weight, and
+writes to it still take effect."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtype_policies import layers, quantize, quantizers
+from dtype_policies.quantization.weight_copy import COPY_FLAGS, writes_first_argument
+
+MODES = {
+    "int8": lambda: None,
+    "int4": lambda: None,
+    "int4/32": lambda: quantizers.Int4QuantizationConfig(block_size=32),
+    "gptq/4/8": lambda: quantizers.GPTQConfig(
+        dataset=None, tokenizer=None, weight_bits=4, group_size=8
+    ),
+}
+KINDS = ("nn.Linear", "nn.Embedding", "layers.Dense", "layers.Embedding")
+DESCRIBED = {
+    "nn.Linear": "Linear",
+    "nn.Embedding": "Embedding",
+    "layers.Dense": "Dense 'dense",
+    "layers.Embedding": "Embedding 'embedding",
+}
+
+
+def _quantized(kind: str, mode: str) -> tuple[nn.Module, str, torch.Tensor]:
+    """A quantized module of `kind`, the name of its weight and an input."""
+    torch.manual_seed(0)
+    config = MODES[mode]()
+    mode_name = mode.split("/")[0]
+    if mode_name == "gptq" and kind != "layers.Dense":
+        pytest.skip("gptq without calibration data: Dense only (a torch module needs data)")
+    if kind == "nn.Linear":
+        module, name, x = nn.Linear(64, 16), "weight", torch.randn(3, 64)
+    elif kind == "nn.Embedding":
+        module, name, x = nn.Embedding(16, 64), "weight", torch.tensor([[0, 5, 15]])
+    elif kind == "layers.Dense":
+        module, name, x = layers.Dense(16), "kernel", torch.randn(3, 64)
+        module.build((None, 64))
+    else:
+        module, name, x = layers.Embedding(16, 64), "embeddings", torch.tensor([[0, 5, 15]])
+        module.build((None,))
+    if isinstance(module, layers.Layer):
+        with pytest.warns(UserWarning) if mode_name == "gptq" else _nothing():
+            module.quantize(mode_name, config=config)
+    else:
+        quantize(module, mode_name, config)
+    return module, name, x
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _random_like(w: torch.Tensor) -> torch.Tensor:
+    return torch.randint_like(w, -3, 3) if not w.is_floating_point() else torch.randn_like(w)
+
+
+WRITES: dict[str, Callable[[torch.Tensor], object]] = {
+    ".data =": lambda w: setattr(w, "data", _random_like(w)),
+    "zero_": lambda w: w.zero_(),
+    "mul_": lambda w: w.mul_(2),
+    "add_": lambda w: w.add_(_random_like(w)),
+    "copy_": lambda w: w.copy_(_random_like(w)),
+    "fill_": lambda w: w.fill_(1),
+    "w[0] = 0": lambda w: w.__setitem__(0, 0),
+    "nn.init": lambda w: nn.init.normal_(w) if w.is_floating_point() else nn.init.zeros_(w),
+    "out=": lambda w: torch.mul(w, 2, out=w),
+    "_foreach_mul_": lambda w: torch._foreach_mul_([w], 2),
+    ".data.mul_": lambda w: w.data.mul_(2),
+    ".detach().zero_": lambda w: w.detach().zero_(),
+    "view: w[0].zero_": lambda w: w[0].zero_(),
+    "view: w.t().copy_": lambda w: w.t().copy_(_random_like(w.t())),
+    "rows: for row in w": lambda w: [row.zero_() for row in w],
+}
+
+
+def _stored(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.flatten().contiguous().view(torch.uint8)
+
+
+def _assert_bit_identical(module: nn.Module, stored: dict[str, torch.Tensor]) -> None:
+    now = module.state_dict()
+    assert now.keys() == stored.keys()
+    for key, value in stored.items():
+        assert now[key].dtype == value.dtype, key
+        assert torch.equal(_bytes(now[key]), _bytes(value)), key
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_a_write_to_the_weight_copy_is_refused(
+    mode: str, kind: str, write: str, grad_mode: str
+) -> None:
+    module, name, x = _quantized(kind, mode)
+    expected = module(x)
+    stored = _stored(module)
+    context = torch.no_grad() if grad_mode == "no_grad" else torch.inference_mode()
+    described = DESCRIBED[kind]
+    with context:
+        weight = getattr(module, name)
+        with pytest.raises(
+            TypeError,
+            match=rf"{mode.split('/')[0]}-quantized {described}.*'{name}'.*Nothing was changed",
+        ):
+            WRITES[write](weight)
+    _assert_bit_identical(module, stored)
+    assert torch.equal(module(x), expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_augmented_assignments_to_the_weight_are_refused(kind: str) -> None:
+    module, name, _ = _quantized(kind, "int4")
+    stored = _stored(module)
+    with torch.no_grad(), pytest.raises(TypeError, match="Nothing was changed"):
+        exec(f"module.{name} += 1")  # the copy declines `+=`; the assignment is refused
+    with torch.no_grad(), pytest.raises(TypeError, match="'__setitem__'"):
+        exec(f"module.{name}[0] += 1")
+    _assert_bit_identical(module, stored)
+
+
+def test_the_error_names_the_module_path_and_what_works_instead() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
+    quantize(model, "int4")
+    with torch.no_grad(), pytest.raises(TypeError) as refused:
+        model[1][0].weight.zero_()
+    message = str(refused.value)
+    assert "int4-quantized Linear '1/0'" in message
+    assert "'zero_'" in message and "'weight_int4'" in message
+    assert "load_state_dict" in message and "before quantize()" in message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_reads_of_the_weight_copy_behave_as_a_plain_tensor(mode: str, kind: str) -> None:
+    module, name, _ = _quantized(kind, mode)
+    weight = getattr(module, name)
+    plain = weight.as_subclass(torch.Tensor).clone()
+    assert isinstance(weight, torch.Tensor)
+    assert repr(weight) == repr(plain)
+    for result in (weight + 0, weight * 1, weight.clone(), weight.sum(), torch.cat([weight])):
+        assert type(result) is torch.Tensor
+    assert torch.equal(weight, plain) and torch.equal(weight.clone(), plain)
+    assert torch.equal(getattr(module, name), plain)  # a new read, the same values
+    if weight.is_floating_point():
+        assert type(weight.float()) is type(weight)  # itself, as for a plain float32 tensor
+        h = torch.randn(3, weight.shape[-1])
+        assert torch.equal(F.linear(h, weight), F.linear(h, plain))
+    saved = io.BytesIO()
+    torch.save(weight, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, plain)
+    for copied in (pickle.loads(pickle.dumps(weight)), copy.deepcopy(weight)):
+        assert type(copied) is torch.Tensor and torch.equal(copied, plain)
+    assert all(type(v) is torch.Tensor for v in module.state_dict().values())
+    twin = copy.deepcopy(module)
+    assert torch.equal(getattr(twin, name), plain)
+    into = torch.empty_like(plain)
+    into.copy_(weight)  # a read of the copy into a plain tensor
+    into[0] = weight[1]
+    assert torch.equal(into[1:], plain[1:])
+
+
+def test_autograd_reads_the_weight_copy() -> None:
+    module, _, _ = _quantized("nn.Embedding", "int8")
+    h = torch.randn(2, 64, requires_grad=True)
+    logits = F.linear(h, module.weight)  # a tied LM head
+    assert type(logits) is torch.Tensor
+    logits.sum().backward()
+    assert torch.equal(h.grad, module.weight.as_subclass(torch.Tensor).sum(0).expand(2, 64))
+
+
+def test_a_parameter_made_from_the_copy_is_the_callers_own() -> None:
+    quantized, _, _ = _quantized("nn.Linear", "int8")
+    linear = nn.Linear(64, 16)
+    linear.weight = nn.Parameter(quantized.weight)  # dequantizing by hand
+    stored = _stored(quantized)
+    with torch.no_grad():
+        linear.weight.mul_(0)
+        linear.weight.data.add_(1)
+    assert torch.equal(linear.weight, torch.ones(16, 64))
+    _assert_bit_identical(quantized, stored)
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("kind", ["nn.Linear", "nn.Embedding", "layers.Dense"])
+def test_float8_writes_to_its_float_weight_take_effect(kind: str, write: str) -> None:
+    torch.manual_seed(0)
+    if kind == "nn.Linear":
+        module, name, x = nn.Linear(64, 16), "weight", torch.randn(3, 64)
+    elif kind == "nn.Embedding":
+        module, name, x = nn.Embedding(16, 64), "weight", torch.tensor([[0, 5, 15]])
+    else:
+        module, name, x = layers.Dense(16), "kernel", torch.randn(3, 64)
+        module.build((None, 64))
+    quantize(module, "float8")
+    before = module(x)
+    weight = getattr(module, name)
+    assert type(weight) is nn.Parameter
+    with torch.no_grad():
+        WRITES[write](weight)
+    assert not torch.equal(module(x), before)
+
+
+def test_every_op_whose_schema_writes_its_tensor_is_refused() -> None:
+    """The rule `WeightCopy` refuses by agrees with torch's own schemas: a
+    `Tensor` method is a write exactly when an overload of its aten op marks
+    its first (tensor) argument written, except the copy's own flags."""
+    disagree = []
+    for name in dir(torch.Tensor):
+        if name.startswith("__") and not (name.startswith("__i") or name == "__setitem__"):
+            continue  # operators reading their operands (`__add__`), Python's protocols
+        try:
+            packet = getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):
+            continue
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
+        writes = any(
+            s.arguments
+            and str(s.arguments[0].type) == "Tensor"  # not TorchScript's list `sort`
+            and s.arguments[0].alias_info is not None
+            and s.arguments[0].alias_info.is_write
+            for s in schemas
+        )
+        if writes != writes_first_argument(getattr(torch.Tensor, name)) and name not in COPY_FLAGS:
+            disagree.append(name)
+    assert disagree == []
+
+
+def test_a_compiled_forward_reads_the_weight_of_a_quantized_embedding() -> None:
+    class TiedHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(64, 32)
+            self.norm = nn.LayerNorm(32)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.norm(self.embed_tokens(ids)), self.embed_tokens.weight)
+
+    torch.manual_seed(0)
+    model = TiedHead()
+    quantize(model, "int8")
+    ids = torch.tensor([[1, 2, 3]])
+    eager = model(ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(ids), eager, atol=1e-6)
+    exported = torch.export.export(model, (ids,))
+    assert torch.allclose(exported.module()(ids), eager, atol=1e-6)
+
+
+def test_merging_peft_adapters_into_a_quantized_base_is_refused() -> None:
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))
+    tuned = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
+    )
+    quantize(tuned, "int4")
+    stored = _stored(tuned)
+    with pytest.raises(TypeError, match=r"int4-quantized Linear '.*0/base_layer'"):
+        tuned.merge_and_unload()  # it adds the adapters' product into `weight.data`
+    _assert_bit_identical(tuned, stored)
