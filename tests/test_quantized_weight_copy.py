@@ -109,6 +109,15 @@ def _assert_bit_identical(module: nn.Module, stored: dict[str, torch.Tensor]) ->
         assert torch.equal(_bytes(now[key]), _bytes(value)), key
 
 
+REBINDING = (".data =",)
+"""The writes that point the read tensor at other memory instead of writing it."""
+
+
+def _reads_a_view(mode: str, kind: str) -> bool:
+    """Keras's int8 `kernel`/`embeddings` are the stored integers themselves."""
+    return mode == "int8" and kind.startswith("layers.")
+
+
 @pytest.mark.parametrize("write", WRITES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
@@ -116,6 +125,8 @@ def _assert_bit_identical(module: nn.Module, stored: dict[str, torch.Tensor]) ->
 def test_a_write_to_the_weight_copy_is_refused(
     mode: str, kind: str, write: str, grad_mode: str
 ) -> None:
+    if _reads_a_view(mode, kind) and write not in REBINDING:
+        pytest.skip("a view of the stored integers: its writes reach the forward (tested below)")
     module, name, x = _quantized(kind, mode)
     expected = module(x)
     stored = _stored(module)
@@ -130,6 +141,24 @@ def test_a_write_to_the_weight_copy_is_refused(
             WRITES[write](weight)
     _assert_bit_identical(module, stored)
     assert torch.equal(module(x), expected)
+
+
+@pytest.mark.parametrize("write", [w for w in WRITES if w not in REBINDING])
+@pytest.mark.parametrize("kind", ["layers.Dense", "layers.Embedding"])
+def test_writes_to_a_keras_layers_int8_weight_reach_its_stored_integers(
+    kind: str, write: str
+) -> None:
+    module, name, x = _quantized(kind, "int8")
+    before = module(x)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        WRITES[write](getattr(module, name))
+    integers = module.state_dict()[f"{name}_int8"] if kind == "layers.Dense" else None
+    written = getattr(module, name)
+    assert type(written) is not torch.Tensor or integers is None or torch.equal(written, integers)
+    stored = next(v for k, v in module.state_dict().items() if v.dtype == torch.int8)
+    assert torch.equal(written.as_subclass(torch.Tensor), stored.view_as(written))
+    assert not torch.equal(module(x), before)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -3,7 +3,10 @@ float weight gives (int8, int4 and the calibrated modes that store them:
 `module.weight` of a torch module, dequantized; `layer.kernel` of a `Dense`,
 the integer values). It is computed from the stored tensors at each read and
 the forward never reads it, so a write to it would change nothing the model
-computes: its writes raise `TypeError`, before anything is written.
+computes: its writes raise `TypeError`, before anything is written. A read
+that is a view of a stored tensor (an int8 `Dense`'s `kernel`, as Keras's
+int8 variable) takes in-place writes, which the forward sees; only
+rebinding it (`t.data = ...`, `set_`) raises.
 
 A write is an op that writes its first argument (torch's in-place
 convention, a name ending in `_`: `zero_`, `copy_`, `add_`, `normal_` and
@@ -60,6 +63,7 @@ class CopyOf:
     attribute: str  # what was read: "weight", "kernel"
     stored: tuple[str, ...]  # the stored tensors the forward reads
     reads: str  # what a read gives: "dequantized from", "the integer values of"
+    view: bool = False  # a view of a stored tensor: writes through it reach the forward
 
 
 class WeightCopy(torch.Tensor):
@@ -74,7 +78,7 @@ class WeightCopy(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         written = written_copy(func, args, kwargs)
-        if written is not None:
+        if written is not None and (not written._dp_copy_of.view or rebinds(func)):
             raise TypeError(_refusal(written._dp_copy_of, _op_name(func)))
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
@@ -117,6 +121,15 @@ def writes_first_argument(func: Any) -> bool:
     if name in _WRITING_DUNDERS:
         return True
     return name.endswith("_") and not name.endswith("__") and name not in COPY_FLAGS
+
+
+def rebinds(func: Any) -> bool:
+    """Whether `func` points its first argument at other memory (`t.data =
+    ...`, `set_`) instead of writing the memory it has."""
+    name = getattr(func, "__name__", "")
+    if name == "__set__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) == "data"
+    return name == "set_"
 
 
 def written_copy(func: Any, args: Sequence[Any], kwargs: dict) -> WeightCopy | None:
@@ -178,6 +191,14 @@ def _op_name(func: Any) -> str:
 
 def _refusal(copy_of: CopyOf, op: str) -> str:
     stored = ", ".join(f"'{name}'" for name in copy_of.stored)
+    if copy_of.view:
+        return (
+            f"Cannot rebind the weight of the {copy_of.mode}-quantized {copy_of.module}: "
+            f"'{op}' on its '{copy_of.attribute}' ({copy_of.reads} {stored}, a view) is "
+            "refused, as it would point the view at other memory while the forward computes "
+            "from the stored tensors. Nothing was changed. Write the values in place "
+            f"(`{copy_of.attribute}.copy_(...)` under `torch.no_grad()`) or load them."
+        )
     return (
         f"Cannot write to the weight of the {copy_of.mode}-quantized {copy_of.module}: "
         f"'{op}' on its '{copy_of.attribute}' ({copy_of.reads} {stored}, made at each read) "
@@ -191,6 +212,16 @@ def _refusal(copy_of: CopyOf, op: str) -> str:
 def read_weight(module: torch.nn.Module, qw: Any, tensor: torch.Tensor, reads: str) -> torch.Tensor:
     """`tensor`, read as the weight of the quantized `module` (`qw`, its
     `QuantizedWeight`) from its stored tensors, as a `WeightCopy`; `reads`
-    says what it is of them ("dequantized from")."""
-    copy_of = CopyOf(describe(module, qw), qw.mode, qw.weight_name, qw.buffer_names, reads)
+    says what it is of them ("dequantized from"). A `tensor` that is a view
+    of a stored tensor (a `Dense`'s int8 `kernel`, Keras's int8 variable)
+    takes writes, which reach what the forward reads; only pointing it at
+    other memory (`.data = ...`) raises."""
+    if torch.compiler.is_compiling():
+        return tensor  # a compiled forward reads it; compilers do not trace the subclass
+    buffers = module.__dict__["_buffers"]
+    view = any(
+        buffers.get(name) is not None and _shares_memory(tensor, buffers[name])
+        for name in qw.buffer_names
+    )
+    copy_of = CopyOf(describe(module, qw), qw.mode, qw.weight_name, qw.buffer_names, reads, view)
     return guarded_copy(tensor, copy_of)
