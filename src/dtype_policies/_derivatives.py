@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover - older torch
 
 
 _grad_enabled = torch.is_grad_enabled
+# asked before the stack probe, which Dynamo on older torch (2.6) cannot trace
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -45,7 +46,7 @@ def functorch_active() -> bool:
     """Whether a `torch.func` transform runs (its interpreter stack is not
     empty). Under `torch.compile`, never: Dynamo handles the transforms it
     traces itself and sees no interpreter here."""
-    return _functorch_interpreter() is not None and not _is_compiling()
+    return not _is_compiling() and _functorch_interpreter() is not None
 
 
 def transform_active() -> bool:
@@ -54,7 +55,7 @@ def transform_active() -> bool:
     # read on every product: written out rather than calling the two above
     if _forward_ad._current_level >= 0:
         return True
-    return _functorch_interpreter() is not None and not _is_compiling()
+    return not _is_compiling() and _functorch_interpreter() is not None
 
 
 def derivative_free(*tensors: torch.Tensor | None) -> bool:
@@ -68,4 +69,4 @@ def derivative_free(*tensors: torch.Tensor | None) -> bool:
                 return False
     if _forward_ad._current_level >= 0:
         return False
-    return _functorch_interpreter() is None or _is_compiling()
+    return _is_compiling() or _functorch_interpreter() is None
