@@ -26,6 +26,10 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -33,6 +37,7 @@
 #include <string>
 #include <type_traits>
 
+#include "amx_target.h"
 #include "vnni_target.h"
 
 // int4_avx2.cpp: the W4A8 rounding of bfloat16 rows (blocks of 32, Q8_0's rule).
@@ -71,7 +76,10 @@ constexpr int64_t kParallelMinMacs = int64_t{1} << 17;
 // each block's 16 steps (read in step with the panel's weights), padded columns zeros.
 //
 // int8_mm_q8_vnni and int8_mm_q8b_vnni are the same products, arguments and
-// values, bit for bit, with vpdpbusd (AVX-512 VNNI) in place of the pair sums.
+// values, bit for bit, with vpdpbusd (AVX-512 VNNI) in place of the pair sums;
+// int8_mm_q8_amx and int8_mm_q8b_amx too, with AMX tiles (int8_amx.inc), where
+// the caller chooses them (an AMX CPU, enough rows): they run the VNNI copy
+// where the compiler had no AMX or Linux refuses the tiles.
 
 constexpr int64_t kBlock = 32, kBlockQuads = kBlock / 4;
 
@@ -168,6 +176,36 @@ inline __m256i dot4(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
 }  // namespace vnni
 DTYPE_POLICIES_VNNI_END
 
+#if DTYPE_POLICIES_HAS_AMX
+DTYPE_POLICIES_AMX_BEGIN
+namespace amx {
+constexpr bool kOffsetInputs = true;
+inline __m256i dot4(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
+  return _mm256_dpbusd_epi32(acc, unsigned_bytes, signed_bytes);
+}
+#include "int8_panels.inc"
+#include "int8_amx.inc"
+}  // namespace amx
+DTYPE_POLICIES_AMX_END
+#endif
+
+// Whether the AMX copy runs in this process: compiled, an AMX CPU (CPUID leaf 7:
+// AMX-TILE and AMX-INT8), and Linux grants the tile data (asked once).
+bool tiles_usable() {
+#if DTYPE_POLICIES_HAS_AMX && defined(__linux__)
+  static const bool usable = [] {
+    unsigned int eax = 7, ebx = 0, ecx = 0, edx = 0;
+    asm volatile("cpuid" : "+a"(eax), "=b"(ebx), "+c"(ecx), "=d"(edx));
+    const bool amx_int8 = (edx >> 24 & 1u) && (edx >> 25 & 1u);
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+    return amx_int8 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
 // Whether any of `count` bytes is -128 (the only input the kernel cannot take).
 bool contains_minus_128(const int8_t* x, int64_t count) {
   const __m256i minimum = _mm256_set1_epi8(-128);
@@ -221,13 +259,14 @@ at::Tensor int8_mm_avx2(const at::Tensor& xq_in, const at::Tensor& packed, int64
   return y;
 }
 
+enum class Copy { avx2, vnni, amx };  // which copy of the loops an operator runs
+
 // The shared body of int8_mm_q8_* (`block_step` undefined: `column_step` per
-// column) and int8_mm_q8b_* (`block_step` per block and column); `use_vnni`
-// for the `_vnni` operators.
+// column) and int8_mm_q8b_* (`block_step` per block and column).
 at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor& packed,
                       const at::Tensor& column_step, const at::Tensor& block_step,
                       const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out,
-                      bool use_vnni) {
+                      Copy copy) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, name,
               ": x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(), " of shape ",
               x_in.sizes());
@@ -257,10 +296,18 @@ at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor
   at::Tensor y = at::empty({m, n}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m == 0) return y;
   const at::Tensor x = x_in.contiguous();
-  at::Tensor scratch = at::empty({m * blocks + m * kq / 4 + m}, x.options().dtype(at::kFloat));
+  const bool tiles = copy == Copy::amx && tiles_usable();
+  if (copy == Copy::amx && !tiles) copy = Copy::vnni;  // the same values
+  // the AMX copy reads whole tiles of 16 rows: rows and steps zero-padded
+  const int64_t mp = tiles ? (m + 15) / 16 * 16 : m;
+  at::Tensor scratch = at::empty({mp * blocks + mp * kq / 4 + mp}, x.options().dtype(at::kFloat));
   float* d = scratch.data_ptr<float>();
-  int8_t* q = reinterpret_cast<int8_t*>(d + m * blocks);
-  char* finite = reinterpret_cast<char*>(q + m * kq);
+  int8_t* q = reinterpret_cast<int8_t*>(d + mp * blocks);
+  char* finite = reinterpret_cast<char*>(q + mp * kq);
+  if (mp > m) {
+    std::memset(d + m * blocks, 0, static_cast<size_t>((mp - m) * blocks) * sizeof(float));
+    std::memset(q + m * kq, 0, static_cast<size_t>((mp - m) * kq));
+  }
   const at::Tensor steps = weight_blocks ? block_step : column_step.contiguous();
   const at::Tensor shifts = has_bias ? bias->contiguous() : at::Tensor();
   const float* step = steps.data_ptr<float>();
@@ -283,48 +330,56 @@ at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor
                              tail_step, tail_shift};
   char* out = static_cast<char*>(y.data_ptr());
   const int64_t chunk_rows = packed.numel() > kLargeWeightBytes ? kLargeWeightChunk : kSmallWeightChunk;
-  if (use_vnni) {
+  if (copy == Copy::vnni) {
     for (int64_t i = 0; i < m * kq; ++i) q[i] = static_cast<int8_t>(q[i] ^ 0x80);  // xq + 128, unsigned
     vnni::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads);
-  }
-  else
+  } else if (copy == Copy::amx) {
+#if DTYPE_POLICIES_HAS_AMX
+    amx::tiled_product(in, m, weight, out, bf16_out, threads);
+#endif
+  } else {
     madd::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads);
+  }
   for (int64_t r = 0; r < m; ++r)
     if (!finite[r]) y.select(0, r).fill_(std::numeric_limits<float>::quiet_NaN());
   return y;
 }
 
-template <bool use_vnni>
+constexpr const char* kCopyNames[] = {"avx2", "vnni", "amx"};
+
+template <Copy copy>
 at::Tensor int8_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& column_step,
                       const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out) {
-  return q8_product(use_vnni ? "int8_mm_q8_vnni" : "int8_mm_q8_avx2", x, packed, column_step,
-                    at::Tensor(), bias, n, bf16_out, use_vnni);
+  const std::string name = std::string("int8_mm_q8_") + kCopyNames[static_cast<int>(copy)];
+  return q8_product(name.c_str(), x, packed, column_step, at::Tensor(), bias, n, bf16_out, copy);
 }
 
-template <bool use_vnni>
+template <Copy copy>
 at::Tensor int8_mm_q8b(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& block_step,
                        const std::optional<at::Tensor>& bias, int64_t n, bool bf16_out) {
-  const char* name = use_vnni ? "int8_mm_q8b_vnni" : "int8_mm_q8b_avx2";
+  const std::string name = std::string("int8_mm_q8b_") + kCopyNames[static_cast<int>(copy)];
   TORCH_CHECK(block_step.defined(), name, ": block_step is undefined");
-  return q8_product(name, x, packed, at::Tensor(), block_step, bias, n, bf16_out, use_vnni);
+  return q8_product(name.c_str(), x, packed, at::Tensor(), block_step, bias, n, bf16_out, copy);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int8_mm_avx2(Tensor xq, Tensor packed, int n) -> Tensor");
-  for (const char* name : {"int8_mm_q8_avx2", "int8_mm_q8_vnni"})
+  for (const char* name : {"int8_mm_q8_avx2", "int8_mm_q8_vnni", "int8_mm_q8_amx"})
     m.def((std::string(name) + "(Tensor x, Tensor packed, Tensor column_step, Tensor? bias, "
                                "int n, bool bf16_out) -> Tensor").c_str());
-  for (const char* name : {"int8_mm_q8b_avx2", "int8_mm_q8b_vnni"})
+  for (const char* name : {"int8_mm_q8b_avx2", "int8_mm_q8b_vnni", "int8_mm_q8b_amx"})
     m.def((std::string(name) + "(Tensor x, Tensor packed, Tensor block_step, Tensor? bias, "
                                "int n, bool bf16_out) -> Tensor").c_str());
 }
 
 TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int8_mm_avx2", &int8_mm_avx2);
-  m.impl("int8_mm_q8_avx2", &int8_mm_q8<false>);
-  m.impl("int8_mm_q8_vnni", &int8_mm_q8<true>);
-  m.impl("int8_mm_q8b_avx2", &int8_mm_q8b<false>);
-  m.impl("int8_mm_q8b_vnni", &int8_mm_q8b<true>);
+  m.impl("int8_mm_q8_avx2", &int8_mm_q8<Copy::avx2>);
+  m.impl("int8_mm_q8_vnni", &int8_mm_q8<Copy::vnni>);
+  m.impl("int8_mm_q8_amx", &int8_mm_q8<Copy::amx>);
+  m.impl("int8_mm_q8b_avx2", &int8_mm_q8b<Copy::avx2>);
+  m.impl("int8_mm_q8b_vnni", &int8_mm_q8b<Copy::vnni>);
+  m.impl("int8_mm_q8b_amx", &int8_mm_q8b<Copy::amx>);
 }
