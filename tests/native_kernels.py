@@ -22,8 +22,12 @@ RUNS_HERE = (
 VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
 """The kernels' AVX-512 VNNI copies run here too."""
 
+AMX_HERE = VNNI_HERE and {"amx_tile", "amx_int8"} <= _cpu.hardware_flags()
+"""The int8 kernel's AMX copy runs on tiles here (elsewhere it runs the VNNI copy)."""
+
 needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="needs x86 AVX2+FMA and a C++ compiler")
 needs_vnni = pytest.mark.skipif(not VNNI_HERE, reason="needs a CPU with AVX-512 VNNI")
+needs_amx = pytest.mark.skipif(not AMX_HERE, reason="needs a CPU with AMX (tiles and int8)")
 
 
 def on_one_and_several_threads(call):

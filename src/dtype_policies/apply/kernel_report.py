@@ -25,7 +25,7 @@ from dtype_policies._core.policy_module import FAST_LINEARS
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.layers.dense import Dense
 from dtype_policies.quantization.attach import quantization_of
-from dtype_policies.quantization.kernels import int4, int8
+from dtype_policies.quantization.kernels import int4, int8, int8_native
 from dtype_policies.quantization.schemes.base import QuantizedWeight
 
 
@@ -67,9 +67,12 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         weight_block = getattr(config, "block_size", None)
         weights = "" if weight_block is None else f", weight steps per {weight_block}"
         if device is not None and int8.blocked_kernel_applies(device):
+            amx = ""
+            if int8_native.blocked_suffix(int8_native.AMX_MIN_ROWS, cpu) == "amx":
+                amx = f", its AMX copy from {int8_native.AMX_MIN_ROWS} rows"
             return (
-                f"int8 {_instructions(cpu)} kernel, inputs rounded to int8 per {blocks}{weights} "
-                "(this library's)"
+                f"int8 {_instructions(cpu)} kernel{amx}, inputs rounded to int8 per {blocks}"
+                f"{weights} (this library's)"
             )
         return (
             f"inputs rounded to int8 per {blocks}, times the int8 weight in floating point"

@@ -42,9 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import _native as native
+from dtype_policies._cpu import Processor, processor
 
 KERNEL = "avx2"
 PANEL = 16  # output columns per panel of the packed weight
+# From this many rows the blocked products run their AMX copy on AMX CPUs
+# (`benchmarks/amx_int8.py`); below, the VNNI copy is faster.
+AMX_MIN_ROWS = 16
 
 
 def available() -> bool:
@@ -87,7 +91,7 @@ def int8_mm_q8(
     block in integers, each block's sum scaled by its step in float32; then
     `* column_step + bias` ((n,) float32): (M, n) float32, or bfloat16 with
     `bf16_out`. A row holding a NaN or an infinity gives NaN."""
-    return getattr(_ops(), f"int8_mm_q8_{native.operator_suffix()}")(
+    return getattr(_ops(), f"int8_mm_q8_{blocked_suffix(x.shape[0])}")(
         x, packed, column_step, bias, n, bf16_out
     )
 
@@ -117,9 +121,28 @@ def int8_mm_q8b(
     """`int8_mm_q8` for a weight with a step per block of inputs and column
     (`pack_block_steps`): `y[m, c] = sum_b d[m, b] * block_step[b, c] *
     (xq[m, b] . w[c, b]) + bias[c]`."""
-    return getattr(_ops(), f"int8_mm_q8b_{native.operator_suffix()}")(
+    return getattr(_ops(), f"int8_mm_q8b_{blocked_suffix(x.shape[0])}")(
         x, packed, block_step, bias, n, bf16_out
     )
+
+
+def blocked_suffix(rows: Any, cpu: Processor | None = None) -> str:
+    """Which copy of `int8_mm_q8` and `int8_mm_q8b` runs `rows` rows on `cpu`
+    (default this one): `"amx"` on AMX CPUs from `AMX_MIN_ROWS` rows, else
+    `native.operator_suffix`'s. In a compiled graph with a dynamic number of
+    rows the comparison is a guard on it, as the other row-dependent choices.
+
+    >>> from dataclasses import replace
+    >>> amx = replace(processor(), features=frozenset({"avx2", "avx512", "avx512_vnni", "amx"}))
+    >>> blocked_suffix(128, amx), blocked_suffix(1, amx)
+    ('amx', 'vnni')
+    >>> blocked_suffix(128, replace(amx, features=frozenset({"avx2", "avx512", "avx512_vnni"})))
+    'vnni'
+    """
+    cpu = processor() if cpu is None else cpu
+    if "amx" in cpu.features and rows >= AMX_MIN_ROWS:
+        return "amx"
+    return native.operator_suffix(cpu)
 
 
 def _ops() -> Any:
@@ -154,7 +177,7 @@ native.register_fakes(
         **{
             f"dtype_policies::int8_mm_{kind}_{suffix}": _blocked_fake
             for kind in ("q8", "q8b")
-            for suffix in ("avx2", "vnni")
+            for suffix in ("avx2", "vnni", "amx")
         },
     },
 )

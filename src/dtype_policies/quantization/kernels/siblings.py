@@ -67,9 +67,11 @@ MERGEABLE: dict[str, Mergeable] = {
     # (x, packed, block_step, bias?, n, bf16_out)
     "int8_mm_q8b_avx2": Mergeable(16, (1, 2), (3,), 4),
     "int8_mm_q8b_vnni": Mergeable(16, (1, 2), (3,), 4),
+    "int8_mm_q8b_amx": Mergeable(16, (1, 2), (3,), 4),
     # (x, packed, column_step, bias?, n, bf16_out)
     "int8_mm_q8_avx2": Mergeable(16, (1,), (2, 3), 4),
     "int8_mm_q8_vnni": Mergeable(16, (1,), (2, 3), 4),
+    "int8_mm_q8_amx": Mergeable(16, (1,), (2, 3), 4),
     # (x, packed, pairs, group, n)
     "int4_mm_avx2": Mergeable(1, (1, 2), (), 4),
     "int4_mm_q8_avx2": Mergeable(8, (1, 2), (), 4),
