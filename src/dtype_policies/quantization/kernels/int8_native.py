@@ -22,7 +22,13 @@ of inputs too (`block_size=32`, the default int8: llama.cpp's Q8_0 x Q8_0),
 the steps laid out by `pack_block_steps`. On CPUs with AVX-512 VNNI both run
 as their `_vnni` twins (`int8_mm_q8_vnni`, `int8_mm_q8b_vnni`: one `vpdpbusd`
 where AVX2 needs three instructions; the same values bit for bit), chosen from
-the processor's features (`native.operator_suffix`).
+the processor's features (`native.operator_suffix`). On AMX CPUs, from
+`AMX_MIN_ROWS` rows, they run as their `_amx` twins (`int8_mm_q8_amx`,
+`int8_mm_q8b_amx`, `_csrc/int8_amx.inc`: one `tdpbssd` per 16 rows x 16
+columns x block of 32 inputs, on the same packed weight, then the VNNI copy's
+per-block epilogue; the same values bit for bit, 2.1-3.3x the VNNI copy from
+32 rows, about 0.5x a bfloat16 GEMM from 128; `blocked_suffix`,
+`benchmarks/amx_int8.py`).
 
 >>> import torch
 >>> from dtype_policies.quantization.kernels import int8_native
@@ -47,8 +53,9 @@ from dtype_policies._cpu import Processor, processor
 KERNEL = "avx2"
 PANEL = 16  # output columns per panel of the packed weight
 # From this many rows the blocked products run their AMX copy on AMX CPUs
-# (`benchmarks/amx_int8.py`); below, the VNNI copy is faster.
-AMX_MIN_ROWS = 16
+# (1.4-1.8x the VNNI copy at 8 rows on 1 thread, 1.1-1.9x on 2; 0.5-0.9x at
+# 1-4 rows: `benchmarks/amx_int8.py`).
+AMX_MIN_ROWS = 8
 
 
 def available() -> bool:
