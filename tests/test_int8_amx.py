@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from dtype_policies import _cpu
+from dtype_policies import _native as native
 from dtype_policies.quantization.kernels import int8_native
-from native_kernels import needs_amx, on_one_and_several_threads
+from native_kernels import AMX_HERE, needs_amx, needs_kernel, on_one_and_several_threads
 
 ROWS = (1, 5, 31, 33, 100, 257)
 
@@ -126,18 +127,48 @@ def test_the_amx_copy_is_chosen_from_enough_rows_on_amx_only():
     for smaller in ("avx2", "avx2_vnni", "avx512"):
         emulated = replace(_cpu.processor(), features=_cpu.CPU_CLASSES[smaller])
         assert int8_native.blocked_suffix(many, emulated) == "avx2"
-    with _cpu.emulate("avx512_bf16"):
-        assert int8_native.blocked_suffix(many) == "vnni"
+    with _cpu.emulate("avx512_bf16"):  # or less, where the process runs capped
+        assert int8_native.blocked_suffix(many) == native.operator_suffix() != "amx"
 
 
-@needs_amx
-def test_the_layers_call_the_amx_copy_at_many_rows_here():
-    """Eager calls through `int8_native.int8_mm_q8b` on this AMX machine."""
+@needs_kernel
+def test_eager_calls_run_the_copy_of_the_class_by_rows():
+    """`int8_native.int8_mm_q8b` here: the AMX copy at many rows where the
+    (possibly emulated) class has AMX, else the class's copy, as at 1 row."""
     operands = _operands(int8_native.AMX_MIN_ROWS, 48, 64, seed=3, nan_row=False)
     x, packed, block_step, _, bias = operands
     with torch.profiler.profile() as profile:
         int8_native.int8_mm_q8b(x, packed, block_step, bias, 48, True)
         int8_native.int8_mm_q8b(x[:1], packed, block_step, bias, 48, True)
     names = [event.name for event in profile.events()]
-    assert "dtype_policies::int8_mm_q8b_amx" in names
-    assert "dtype_policies::int8_mm_q8b_vnni" in names
+    few = native.operator_suffix()
+    many = "amx" if "amx" in _cpu.processor().features else few
+    assert f"dtype_policies::int8_mm_q8b_{many}" in names
+    assert f"dtype_policies::int8_mm_q8b_{few}" in names
+    assert many != "amx" or AMX_HERE  # the class never has AMX the machine lacks
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_a_frozen_compiled_graph_runs_the_copy_eager_runs_by_rows():
+    """Compiled at many rows then at one (a guard on the rows, as the other
+    row-dependent choices): each graph calls the copy the eager call runs,
+    with the eager values bit for bit."""
+    import torch.nn as nn
+    from torch._inductor.utils import run_and_get_code
+
+    from dtype_policies import apply_policy, compile_for_inference, quantize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 40)).eval()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        compiled_model = compile_for_inference(model, autotune=False)
+        for rows in (4 * int8_native.AMX_MIN_ROWS, 1):
+            x = torch.randn(rows, 96)
+            eager = model(x)
+            compiled, codes = run_and_get_code(compiled_model, x)
+            assert any(f"int8_mm_q8b_{int8_native.blocked_suffix(rows)}" in c for c in codes)
+            assert torch.equal(compiled, eager)
