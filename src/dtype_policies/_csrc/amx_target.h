@@ -6,11 +6,13 @@
 // the `_amx` operators then run the VNNI copy (the same values).
 #pragma once
 
+#ifndef DTYPE_POLICIES_HAS_AMX  // -DDTYPE_POLICIES_HAS_AMX=0 builds without it
 #if (defined(__clang__) && __clang_major__ >= 12) || \
     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define DTYPE_POLICIES_HAS_AMX 1
 #else
 #define DTYPE_POLICIES_HAS_AMX 0
+#endif
 #endif
 
 #if defined(__clang__)
