@@ -18,7 +18,10 @@ from dtype_policies.quantization.kernels import attention
 
 _PROBE = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
 KERNEL_HERE = attention.applies(_PROBE, _PROBE, _PROBE)
-needs_kernel = pytest.mark.skipif(not KERNEL_HERE, reason="needs AVX-512 bfloat16 and a compiler")
+needs_kernel = pytest.mark.skipif(
+    not KERNEL_HERE,
+    reason="needs AVX-512 bfloat16 without AMX (there torch's kernel is faster) and a compiler",
+)
 
 
 def _draw(generator, *shape):

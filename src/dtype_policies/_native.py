@@ -69,7 +69,9 @@ class KernelSource:
         if self.name == "avx2":  # AVX2 and FMA (the callers choose per class)
             return x86 and "avx2" in cpu.features and _has_fma()
         if self.name == "attention_bf16":  # vdpbf16ps
-            return x86 and "avx512_bf16" in cpu.features
+            # With AMX, torch's flash kernel multiplies bfloat16 on its tiles:
+            # 1.3-2.9x this kernel at every shape measured (docs/speed.md).
+            return x86 and "avx512_bf16" in cpu.features and "amx" not in cpu.features
         return False
 
 
