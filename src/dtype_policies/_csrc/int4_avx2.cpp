@@ -25,6 +25,13 @@
 
 #include "vnni_target.h"
 
+// int8_avx2.cpp: the W4A8 product on AMX tiles (int4_amx.inc); 1 where the tiles
+// do not run.
+extern "C" int dtype_policies_int4_mm_q8_tiles(const int8_t* q, const float* d, const float* sums,
+                                               int64_t m, int64_t kp, const uint8_t* packed,
+                                               const float* pairs, int64_t groups, int group_shift,
+                                               uint16_t* y, int64_t n, int threads);
+
 namespace {
 
 inline float bf16_to_float(uint16_t v) {
@@ -424,23 +431,30 @@ void q8_rows_vnni(const RoundedInputs& in, int64_t row, int64_t rows, int64_t kp
   }
 }
 
-// The body of dtype_policies_int4_mm_q8 (`vnni` false) and its VNNI copy.
+enum class Q8Copy { avx2, vnni, amx };
+
+// The body of dtype_policies_int4_mm_q8 and its VNNI and AMX copies.
 int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, const float* sz,
-               int64_t kp, int64_t group, uint16_t* y, int64_t n, int threads, bool vnni) {
+               int64_t kp, int64_t group, uint16_t* y, int64_t n, int threads, Q8Copy copy) {
   if (m <= 0 || n <= 0) return 0;
   if (kp % 32 != 0 || group < 32 || (group & (group - 1)) != 0 || k > kp) return 1;
   const int64_t groups = (kp + group - 1) / group;
   const int group_shift = log2_of(group / 32);
   const int64_t blocks = kp / 32, column_blocks = (n + 7) / 8;
-  void* memory = malloc(static_cast<size_t>(m * kp) + static_cast<size_t>(m * (blocks + groups)) * sizeof(float) +
+  // the AMX copy reads whole tiles of 16 rows: rows and steps zero-padded
+  const int64_t mp = copy == Q8Copy::amx ? (m + 15) / 16 * 16 : m;
+  void* memory = malloc(static_cast<size_t>(mp * kp) + static_cast<size_t>(mp * blocks + m * groups) * sizeof(float) +
                         static_cast<size_t>(m));
   if (memory == nullptr) return 2;
   RoundedInputs in;
   in.d = static_cast<float*>(memory);
-  in.sums = in.d + m * blocks;
+  in.sums = in.d + mp * blocks;
   in.q = reinterpret_cast<int8_t*>(in.sums + m * groups);
-  char* finite = reinterpret_cast<char*>(in.q + m * kp);
-  bool all_finite = true;
+  char* finite = reinterpret_cast<char*>(in.q + mp * kp);
+  memset(in.q + m * kp, 0, static_cast<size_t>((mp - m) * kp));
+  for (int64_t i = m * blocks; i < mp * blocks; ++i) in.d[i] = 0.0f;
+  // rows are rounded independently: in parallel from 64 rows, the same values
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m >= 64)
   for (int64_t r = 0; r < m; ++r) {
     finite[r] = round_row(x + r * k, k, kp, groups, group_shift, in.q + r * kp, in.d + r * blocks,
                           in.sums + r * groups);
@@ -448,28 +462,40 @@ int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, c
       memset(in.q + r * kp, 0, static_cast<size_t>(kp));
       for (int64_t b = 0; b < blocks; ++b) in.d[r * blocks + b] = 0.0f;
       for (int64_t g = 0; g < groups; ++g) in.sums[r * groups + g] = 0.0f;
-      all_finite = false;
     }
   }
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t c8 = 0; c8 < column_blocks; ++c8) {
-    const uint8_t* tile = packed + c8 * blocks * 128;
-    const float* pairs = sz + c8 * groups * 16;
-    const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
-    if (vnni) {
-      for (int64_t r = 0; r < m; r += 4) {
-        const int64_t rows = m - r < 4 ? m - r : 4;
-        alignas(32) float out[4][8];
-        q8_rows_vnni(in, r, rows, kp, tile, pairs, groups, group_shift, out);
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t c = 0; c < columns; ++c) y[(r + i) * n + 8 * c8 + c] = float_to_bf16(out[i][c]);
-      }
-      continue;
+  bool all_finite = true;
+  for (int64_t r = 0; r < m; ++r) all_finite = all_finite && finite[r];
+  if (copy == Q8Copy::amx) {
+    const int status = dtype_policies_int4_mm_q8_tiles(in.q, in.d, in.sums, m, kp, packed, sz, groups,
+                                                       group_shift, y, n, threads);
+    if (status == 2) {
+      free(memory);
+      return 2;
     }
-    for (int64_t r = 0; r < m; ++r) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, q8_columns8(in, r, kp, tile, pairs, groups, group_shift));
-      for (int64_t c = 0; c < columns; ++c) y[r * n + 8 * c8 + c] = float_to_bf16(out[c]);
+    copy = status == 0 ? Q8Copy::amx : Q8Copy::vnni;  // no tiles here: the same values
+  }
+  if (copy != Q8Copy::amx) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t c8 = 0; c8 < column_blocks; ++c8) {
+      const uint8_t* tile = packed + c8 * blocks * 128;
+      const float* pairs = sz + c8 * groups * 16;
+      const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
+      if (copy == Q8Copy::vnni) {
+        for (int64_t r = 0; r < m; r += 4) {
+          const int64_t rows = m - r < 4 ? m - r : 4;
+          alignas(32) float out[4][8];
+          q8_rows_vnni(in, r, rows, kp, tile, pairs, groups, group_shift, out);
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t c = 0; c < columns; ++c) y[(r + i) * n + 8 * c8 + c] = float_to_bf16(out[i][c]);
+        }
+        continue;
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        alignas(32) float out[8];
+        _mm256_store_ps(out, q8_columns8(in, r, kp, tile, pairs, groups, group_shift));
+        for (int64_t c = 0; c < columns; ++c) y[r * n + 8 * c8 + c] = float_to_bf16(out[c]);
+      }
     }
   }
   if (!all_finite)
@@ -485,14 +511,22 @@ int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, c
 extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed,
                                          const float* sz, int64_t kp, int64_t group, uint16_t* y,
                                          int64_t n, int threads) {
-  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, false);
+  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, Q8Copy::avx2);
 }
 
 // The same product on CPUs with AVX-512 VNNI (the caller checks).
 extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t* x, int64_t m, int64_t k,
                                               const uint8_t* packed, const float* sz, int64_t kp,
                                               int64_t group, uint16_t* y, int64_t n, int threads) {
-  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, true);
+  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, Q8Copy::vnni);
+}
+
+// The same product on AMX tiles (int4_amx.inc, the caller checks for AVX-512
+// VNNI); the VNNI copy where the tiles do not run.
+extern "C" int dtype_policies_int4_mm_q8_amx(const uint16_t* x, int64_t m, int64_t k,
+                                             const uint8_t* packed, const float* sz, int64_t kp,
+                                             int64_t group, uint16_t* y, int64_t n, int threads) {
+  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, Q8Copy::amx);
 }
 
 // The float32 weight [N, Kp] of the same layout (`q * s + z` per weight), for

@@ -4,6 +4,8 @@
 //   dtype_policies::int4_mm_avx2(x, packed, pairs, group, n)     weight-only
 //   dtype_policies::int4_mm_q8_avx2(x, packed, pairs, group, n)  W4A8, blocks of 32
 //   dtype_policies::int4_mm_q8_vnni(...)  the same values, for CPUs with AVX-512 VNNI
+//   dtype_policies::int4_mm_q8_amx(...)   the same values on AMX tiles (the VNNI copy
+//     where the tiles do not run), for AMX CPUs at enough rows
 //   dtype_policies::int4_decode_avx2(packed, pairs, group, out)  float32 weight into out
 //   dtype_policies::int4_decode_q8_avx2(packed, pairs, group, out)  the same, W4A8 layout
 //   dtype_policies::int4_packed_decoded_mm(x, packed, pairs, group, block_n)  torch's
@@ -30,6 +32,9 @@ extern "C" int dtype_policies_int4_mm_q8(const uint16_t*, int64_t, int64_t, cons
 extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t*, int64_t, int64_t, const uint8_t*,
                                               const float*, int64_t, int64_t, uint16_t*, int64_t,
                                               int);
+extern "C" int dtype_policies_int4_mm_q8_amx(const uint16_t*, int64_t, int64_t, const uint8_t*,
+                                             const float*, int64_t, int64_t, uint16_t*, int64_t,
+                                             int);
 extern "C" int dtype_policies_int4_dequantize(const uint8_t*, const float*, int64_t, int64_t,
                                               int64_t, float*, int);
 extern "C" int dtype_policies_int4_torch_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
@@ -112,6 +117,12 @@ at::Tensor int4_mm_q8_avx2(const at::Tensor& x, const at::Tensor& packed, const 
 at::Tensor int4_mm_q8_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
                            int64_t group, int64_t n) {
   return run_product(dtype_policies_int4_mm_q8_vnni, "int4_mm_q8_vnni", true, x, packed, pairs,
+                     group, n);
+}
+
+at::Tensor int4_mm_q8_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                          int64_t group, int64_t n) {
+  return run_product(dtype_policies_int4_mm_q8_amx, "int4_mm_q8_amx", true, x, packed, pairs,
                      group, n);
 }
 
@@ -210,6 +221,7 @@ TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int4_mm_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_mm_q8_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_mm_q8_vnni(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
+  m.def("int4_mm_q8_amx(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_decode_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
   m.def("int4_decode_q8_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
   m.def(
@@ -221,6 +233,7 @@ TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int4_mm_avx2", &int4_mm_avx2);
   m.impl("int4_mm_q8_avx2", &int4_mm_q8_avx2);
   m.impl("int4_mm_q8_vnni", &int4_mm_q8_vnni);
+  m.impl("int4_mm_q8_amx", &int4_mm_q8_amx);
   m.impl("int4_decode_avx2", &int4_decode_avx2);
   m.impl("int4_decode_q8_avx2", &int4_decode_q8_avx2);
   m.impl("int4_packed_decoded_mm", &int4_packed_decoded_mm);

@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <sys/syscall.h>
@@ -31,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -185,6 +187,7 @@ inline __m256i dot4(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
 }
 #include "int8_panels.inc"
 #include "int8_amx.inc"
+#include "int4_amx.inc"
 }  // namespace amx
 DTYPE_POLICIES_AMX_END
 #endif
@@ -363,6 +366,25 @@ at::Tensor int8_mm_q8b(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 }  // namespace
+
+// The W4A8 product of int4_avx2.cpp on AMX tiles (int4_amx.inc), on its rounded
+// rows (q, d zero-padded to a multiple of 16 rows; sums per group): 0 when done,
+// 1 where the tiles do not run (not compiled, not an AMX CPU, refused by Linux:
+// the caller runs the VNNI copy), 2 out of memory.
+extern "C" int dtype_policies_int4_mm_q8_tiles(const int8_t* q, const float* d, const float* sums,
+                                               int64_t m, int64_t kp, const uint8_t* packed,
+                                               const float* pairs, int64_t groups, int group_shift,
+                                               uint16_t* y, int64_t n, int threads) {
+  if (!tiles_usable()) return 1;
+#if DTYPE_POLICIES_HAS_AMX
+  const amx::Q8Operands operands{q, d, sums, m, kp, groups, group_shift, packed, pairs, n, y};
+  return amx::w4a8_tiled_product(operands, threads) ? 0 : 2;
+#else
+  (void)q, (void)d, (void)sums, (void)m, (void)kp, (void)packed, (void)pairs, (void)groups;
+  (void)group_shift, (void)y, (void)n, (void)threads;
+  return 1;
+#endif
+}
 
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int8_mm_avx2(Tensor xq, Tensor packed, int n) -> Tensor");

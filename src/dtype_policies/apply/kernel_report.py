@@ -25,7 +25,7 @@ from dtype_policies._core.policy_module import FAST_LINEARS
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.layers.dense import Dense
 from dtype_policies.quantization.attach import quantization_of
-from dtype_policies.quantization.kernels import int4, int8, int8_native
+from dtype_policies.quantization.kernels import int4, int4_native, int8, int8_native
 from dtype_policies.quantization.schemes.base import QuantizedWeight
 
 
@@ -124,6 +124,8 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         if blocks is not None:
             kernel = f"int4 {_instructions(cpu)} W4A8 kernel (this library's)"
             inputs = f"inputs rounded to int8 per {blocks}, integer products"
+            if int4_native.q8_suffix(int4_native.Q8_AMX_MIN_ROWS, cpu) == "amx":
+                inputs += f", its AMX copy from {int4_native.Q8_AMX_MIN_ROWS} rows"
         else:
             kernel = "int4 AVX2 kernel (this library's)" if own_kernel else "int4 packed kernel"
             inputs = "bfloat16 activations"

@@ -473,8 +473,8 @@ KERNELS = {
     "bfloat16 GEMMs",
     "native": "this library's AVX2 int4 kernel, bfloat16 activations",
     "decoded": "the AVX2 kernel's weight decoded per call in cache-sized chunks, float32 GEMMs",
-    "native_q8": "this library's W4A8 kernel (AVX2, or its VNNI copy), activations rounded to "
-    "int8 per 32 inputs",
+    "native_q8": "this library's W4A8 kernel (AVX2, or its VNNI copy, or its AMX copy at many "
+    "rows), activations rounded to int8 per 32 inputs",
     "decoded_q8": "the W4A8 kernel's weight decoded per call in chunks, float32 GEMMs on the "
     "rounded activations",
 }

@@ -16,7 +16,13 @@ inputs (`epilogues.round_activation_blocks`), then multiplies 4 inputs by 8
 columns per instruction in integers (no saturation without VNNI: the weights
 are unsigned nibbles), the 8 columns' sums in the lanes of one register; it
 computes the weight-only product of the rounded activations. It runs on every
-x86 CPU with AVX2.
+x86 CPU with AVX2; on CPUs with AVX-512 VNNI as its copy `int4_mm_q8_vnni`
+(`vpdpbusd`, 4 rows per weight load), and on AMX CPUs from `Q8_AMX_MIN_ROWS`
+rows as `int4_mm_q8_amx` (`_csrc/int4_amx.inc`: the nibbles expanded per call,
+a group of 4 panels of 16 columns at a time per thread, into int8 tiles, one
+`tdpbssd` per 16 rows x 16 columns x block of 32 inputs on the int8 kernel's
+AMX tile loop, then the same float epilogue in the same order), all three the
+same values bit for bit (`q8_suffix`, `benchmarks/amx_int8.py --w4a8`).
 
 `pack` and `pack_q8` lay out a weight (from the same padded, spread values as
 torch's layout, `int4.Int4Layout`) with plain tensor ops, so that a frozen
@@ -51,9 +57,12 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import _native as native
-from dtype_policies._cpu import processor
+from dtype_policies._cpu import Processor, processor
 
 KERNEL = "avx2"
+# From this many rows the W4A8 product runs its AMX copy on AMX CPUs
+# (`benchmarks/amx_int8.py --w4a8`).
+Q8_AMX_MIN_ROWS = 16
 
 
 def available() -> bool:
@@ -134,10 +143,29 @@ def int4_mm_q8(
     x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int
 ) -> torch.Tensor:
     """`x` (M, K) bfloat16, rounded to int8 in blocks of 32 inputs, times the
-    weight packed by `pack_q8`: (M, n) bfloat16. On CPUs with AVX-512 VNNI,
-    its copy `int4_mm_q8_vnni` (the same values bit for bit; 4 rows per
-    weight load)."""
-    return getattr(_ops(), f"int4_mm_q8_{native.operator_suffix()}")(x, packed, pairs, group, n)
+    weight packed by `pack_q8`: (M, n) bfloat16. The copy of the operator
+    `q8_suffix` names for the rows (the same values bit for bit)."""
+    return getattr(_ops(), f"int4_mm_q8_{q8_suffix(x.shape[0])}")(x, packed, pairs, group, n)
+
+
+def q8_suffix(rows: Any, cpu: Processor | None = None) -> str:
+    """Which copy of the W4A8 operator runs `rows` rows on `cpu` (default
+    this one): `"amx"` on AMX CPUs from `Q8_AMX_MIN_ROWS` rows, else
+    `native.operator_suffix`'s (`"vnni"` with AVX-512 VNNI, else `"avx2"`).
+    In a compiled graph with a dynamic number of rows the comparison is a
+    guard on it.
+
+    >>> from dataclasses import replace
+    >>> amx = replace(processor(), features=frozenset({"avx2", "avx512", "avx512_vnni", "amx"}))
+    >>> q8_suffix(128, amx), q8_suffix(1, amx)
+    ('amx', 'vnni')
+    >>> q8_suffix(128, replace(amx, features=frozenset({"avx2"})))
+    'avx2'
+    """
+    cpu = processor() if cpu is None else cpu
+    if "amx" in cpu.features and rows >= Q8_AMX_MIN_ROWS:
+        return "amx"
+    return native.operator_suffix(cpu)
 
 
 def decode(
@@ -268,7 +296,7 @@ native.register_fakes(
     {
         **{
             f"dtype_policies::{name}": _product_fake
-            for name in ("int4_mm_avx2", "int4_mm_q8_avx2", "int4_mm_q8_vnni")
+            for name in ("int4_mm_avx2", "int4_mm_q8_avx2", "int4_mm_q8_vnni", "int4_mm_q8_amx")
         },
         **{
             f"dtype_policies::{name}": _decode_fake

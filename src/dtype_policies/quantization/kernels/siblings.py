@@ -76,6 +76,7 @@ MERGEABLE: dict[str, Mergeable] = {
     "int4_mm_avx2": Mergeable(1, (1, 2), (), 4),
     "int4_mm_q8_avx2": Mergeable(8, (1, 2), (), 4),
     "int4_mm_q8_vnni": Mergeable(8, (1, 2), (), 4),
+    "int4_mm_q8_amx": Mergeable(8, (1, 2), (), 4),
     # (x, weight, bias?): a plain (N, K) bfloat16 weight (`_core.products`)
     "bf16_mm_avx2": Mergeable(1, (1,), (2,), None),
 }
