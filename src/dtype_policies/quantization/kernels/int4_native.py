@@ -23,8 +23,8 @@ a group of 4 panels of 16 columns at a time per thread, into int8 tiles, one
 `tdpbssd` per 16 rows x 16 columns x block of 32 inputs on the int8 kernel's
 AMX tile loop, then the same float epilogue in the same order), all three the
 same values bit for bit (`q8_suffix`, `benchmarks/amx_int8.py --w4a8`: the
-AMX copy 1.2-1.7x the VNNI copy at 32 rows, 1.4-1.9x at 128-512, still
-0.2-0.6x a bfloat16 GEMM there, bound by the per-block float epilogue the
+AMX copy 1.2-1.8x the VNNI copy at 32 rows, 1.6-2.1x at 128-512, still
+0.3-0.55x a bfloat16 GEMM there, bound by the per-block float epilogue the
 values require, as the int8 AMX copy).
 
 `pack` and `pack_q8` lay out a weight (from the same padded, spread values as
@@ -63,9 +63,9 @@ from dtype_policies import _native as native
 from dtype_policies._cpu import Processor, processor
 
 KERNEL = "avx2"
-# From this many rows the W4A8 product runs its AMX copy on AMX CPUs: 1.0-1.4x
-# its VNNI copy at 16 rows, 1.2-1.7x at 32, 1.4-1.9x at 128-512; 0.6-0.9x at 8
-# (1 and 2 threads, 4 shapes: `benchmarks/amx_int8.py --w4a8`, docs/speed.md).
+# From this many rows the W4A8 product runs its AMX copy on AMX CPUs: 1.1-1.6x
+# its VNNI copy at 16 rows, 1.2-2.0x at 32, 1.6-2.5x at 128-512; 0.7-0.96x at
+# 8 (1 and 2 threads, 4 shapes: `benchmarks/amx_int8.py --w4a8`, docs/speed.md).
 Q8_AMX_MIN_ROWS = 16
 
 
