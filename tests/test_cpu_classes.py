@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import dtype_policies
-from dtype_policies import _cpu, apply_policy, quantize
+from dtype_policies import _compat, _cpu, apply_policy, quantize
 from dtype_policies._core import products
 from dtype_policies._core.module_state import STATE_KEY
 from dtype_policies.quantization import Int4QuantizationConfig, Int8QuantizationConfig
@@ -122,12 +122,38 @@ def test_int8_products_are_exact_on_every_class(cpu_class, rows, data, n, k):
         assert path == ("onednn_split" if large and X86 else "float")
     else:
         assert path in (("onednn", "onednn_s8", "int_mm") if large else ("int_mm",))
-        assert (path == "onednn_s8") == (large and cpu_class.amx and rows >= 16)
+        signed = int8_kernels.signed_onednn_applies(cpu_class)
+        assert (path == "onednn_s8") == (large and signed and rows >= 16)
     for path in runtime.w8a8_paths():  # every exact path the library has here
         forced = int8_kernels.int8_linear(x, runtime, None, torch.float32, path)
         torch.testing.assert_close(forced, reference, atol=1e-5, rtol=1e-6)
     bf16 = int8_kernels.int8_linear(x.bfloat16(), runtime, None, torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and bf16.shape == (rows, n)
+
+
+@pytest.mark.skipif("amx" not in CLASSES, reason="oneDNN's int8 paths by AMX need an AMX CPU")
+@pytest.mark.parametrize("takes_int8", [True, False])
+def test_int8_activations_go_to_onednn_only_where_torch_takes_them(monkeypatch, takes_int8):
+    """torch 2.6's `qlinear_pointwise` refuses int8 activations: there AMX
+    keeps uint8 ones at every row count (`_compat`)."""
+    if takes_int8 and not _compat.ONEDNN_QLINEAR_TAKES_INT8_ACTIVATIONS:
+        pytest.skip(f"torch {torch.__version__}'s qlinear_pointwise refuses int8 activations")
+    monkeypatch.setattr(int8_kernels, "ONEDNN_QLINEAR_TAKES_INT8_ACTIVATIONS", takes_int8)
+    torch.manual_seed(0)
+    q, scale = abs_max_quantize(torch.randn(512, 520) * 0.05, axis=1)
+    x = torch.randn(40, 520)
+    with _cpu.emulate("amx"):
+        runtime = int8_kernels.Int8Runtime()
+        runtime.refresh(q, scale[:, 0], lambda data: data, True)
+        out = int8_kernels.int8_linear(x, runtime, None, torch.float32)
+    assert ("onednn_s8" in runtime.w8a8_paths()) == takes_int8
+    assert runtime.w8a8_path(40) == ("onednn_s8" if takes_int8 else "onednn")
+    assert runtime.w8a8_path(1) == "onednn"
+    xq, xs = abs_max_quantize(x, axis=-1)
+    torch.testing.assert_close(out, _exact_int8(xq, q) / (xs * scale[:, 0]), atol=1e-5, rtol=1e-6)
+    if not takes_int8:
+        with pytest.raises(ValueError, match="'onednn_s8' does not run"):
+            int8_kernels.int8_linear(x, runtime, None, torch.float32, "onednn_s8")
 
 
 def test_exact_float_product_switches_to_float64_beyond_float32_integers():
@@ -284,7 +310,7 @@ _AVX2_SCRIPT = """
 import warnings
 import torch, torch.nn as nn
 import dtype_policies
-from dtype_policies import _cpu, apply_policy, quantize
+from dtype_policies import _compat, _cpu, apply_policy, quantize
 from dtype_policies.quantization.kernels import int8 as k
 from dtype_policies.quantizers import abs_max_quantize
 info = _cpu.processor()

@@ -15,6 +15,11 @@ TORCH_VERSION: tuple[int, int] = (_MAJOR, _MINOR)
 # `torch.compiler.is_compiling()` false (measured on 2.6).
 STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS = TORCH_VERSION < (2, 13)
 
+# oneDNN's `qlinear_pointwise` takes int8 activations on 2.13 (the oldest
+# version measured with them); 2.6's refuses them ("data type of input should
+# be uint8"). The versions between are not measured: they keep uint8 ones.
+ONEDNN_QLINEAR_TAKES_INT8_ACTIVATIONS = TORCH_VERSION >= (2, 13)
+
 
 FX_TRACE: Any
 try:  # the flag `torch.fx.symbolic_trace` (and `make_fx`) sets while it traces

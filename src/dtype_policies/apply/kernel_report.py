@@ -108,8 +108,10 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         if on_cpu and int8.onednn_int8_applies(device, cpu) and large:
             if not exact:
                 return "oneDNN u8 x s8 on sign-split activations (exact without VNNI)"
-            if cpu.amx:
+            if int8.signed_onednn_applies(cpu):
                 return f"oneDNN u8 x s8 (AMX), s8 x s8 from {int8.ONEDNN_S8_MIN_ROWS} rows"
+            if cpu.amx:
+                return "oneDNN u8 x s8 (AMX)"
             return f"oneDNN u8 x s8 (VNNI) from {int8.ONEDNN_MIN_ROWS} rows, torch._int_mm below"
         return "torch._int_mm" if exact else "exact float products (no VNNI)"
     if qw.mode == "int4":

@@ -6,7 +6,9 @@ integer accumulation on every CPU class (`Int8Runtime.w8a8_path`):
   * weights of `ONEDNN_MIN_ELEMENTS` or more, x86: oneDNN's
     `qlinear_pointwise` on a prepacked weight. With AMX: uint8 activations
     (q + 128, zero point 128) below `ONEDNN_S8_MIN_ROWS` rows, int8 ones
-    (no zero point) from there; with VNNI: uint8 from `ONEDNN_MIN_ROWS` rows,
+    (no zero point) from there where torch's oneDNN op takes them
+    (`signed_onednn_applies`; else uint8 at every row count); with VNNI:
+    uint8 from `ONEDNN_MIN_ROWS` rows,
     `torch._int_mm` below. Without VNNI (AVX2, AVX-512 before Cascade Lake),
     x86 int8 kernels add adjacent u8 x s8 products in saturating 16-bit sums:
     this library's AVX2 s8 x s8 kernel (`int8_native`: each weight's sign
@@ -51,6 +53,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._compat import ONEDNN_QLINEAR_TAKES_INT8_ACTIVATIONS
 from dtype_policies._core.casting import bfloat16_rounded, exporting, straight_through
 from dtype_policies._core.products import native_half_products, product_dtype
 from dtype_policies._cpu import Processor, processor
@@ -113,6 +116,12 @@ def onednn_int8_applies(device: torch.device, cpu: Processor) -> bool:
     )
 
 
+def signed_onednn_applies(cpu: Processor) -> bool:
+    """Whether oneDNN's int8 linear runs on int8 activations (`onednn_s8`):
+    with AMX, on a torch whose `qlinear_pointwise` takes them."""
+    return cpu.amx and ONEDNN_QLINEAR_TAKES_INT8_ACTIVATIONS
+
+
 class Int8Runtime:
     """Derived data of one int8 weight (the contiguous (N, K) matrix, the
     oneDNN prepacked weight, the float32 column steps) and its product
@@ -132,6 +141,7 @@ class Int8Runtime:
         "ones",
         "packed",
         "q_nk",
+        "signed",
         "zero_point",
     )
 
@@ -147,6 +157,7 @@ class Int8Runtime:
         self.ones: torch.Tensor | None = None
         self.exact = True
         self.amx = False
+        self.signed = False  # oneDNN on int8 activations from `ONEDNN_S8_MIN_ROWS` rows
         self.large = False
 
     @property
@@ -205,6 +216,7 @@ class Int8Runtime:
             ones,
         )
         self.exact, self.amx, self.large, self.packed = exact, cpu.amx, large, packed
+        self.signed = signed_onednn_applies(cpu)
         self.native, self.block_step, self.block_size = native, block_step, block_size
         self._key = key
 
@@ -213,7 +225,7 @@ class Int8Runtime:
         paths = [] if self.native is None else ["native"]
         if self.packed is not None:
             paths += ["onednn", "onednn_split"] if self.exact else ["onednn_split"]
-            if self.amx:
+            if self.signed:
                 paths.append("onednn_s8")
         if self.exact:
             paths.append("int_mm")
@@ -224,16 +236,17 @@ class Int8Runtime:
         library's AVX2 kernel where it is built (any rows, any size: 1.2-2.3x
         float32's product at 32-4096 rows, measured on AMD Zen 3); else oneDNN
         for large weights (with AMX at any rows, signed from
-        `ONEDNN_S8_MIN_ROWS`; with VNNI from `ONEDNN_MIN_ROWS`; on split
-        activations without VNNI); `torch._int_mm` for the rest where products
-        are exact, exact float products where they are not."""
+        `ONEDNN_S8_MIN_ROWS` where `signed_onednn_applies`; with VNNI from
+        `ONEDNN_MIN_ROWS`; on split activations without VNNI); `torch._int_mm`
+        for the rest where products are exact, exact float products where
+        they are not."""
         if self.native is not None:
             return "native"
         if self.packed is not None and self.large:
             if not self.exact:
                 return "onednn_split"
             if self.amx:
-                return "onednn_s8" if rows >= ONEDNN_S8_MIN_ROWS else "onednn"
+                return "onednn_s8" if self.signed and rows >= ONEDNN_S8_MIN_ROWS else "onednn"
             if rows >= ONEDNN_MIN_ROWS:
                 return "onednn"
         return "int_mm" if self.exact else "float"
@@ -352,6 +365,11 @@ def int8_linear(
     """W8A8 dynamic on a 2-D `x2` (M, K), with the runtime refreshed, by
     `path` (default: the runtime's choice for M rows; one of its
     `w8a8_paths()`)."""
+    if path is not None and path not in runtime.w8a8_paths():
+        raise ValueError(
+            f"W8A8 path {path!r} does not run for this weight here; "
+            f"expected one of {runtime.w8a8_paths()}"
+        )
     m = x2.shape[0]
     if m == 0:
         return x2.new_zeros((0, runtime.q_nk.shape[0]), dtype=out_dtype)
