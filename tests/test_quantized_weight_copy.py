@@ -283,6 +283,32 @@ def test_every_op_whose_schema_writes_its_tensor_is_refused() -> None:
     assert disagree == []
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_weight_of_tensors_transformers_loaded_is_left_by_its_initialization(
+    mode: str,
+) -> None:
+    """`from_pretrained` marks the tensors it loaded `_is_hf_initialized` and
+    then initializes the rest through the model's `_init_weights`, which reads
+    weights as `module.weight` (GPT-2's `c_proj`, from its parent too): the
+    weight read from loaded stored tensors carries the mark, so that
+    transformers' `init` functions leave it; unmarked, a write still raises."""
+    init = pytest.importorskip("transformers.initialization")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    quantize(linear, mode)
+    stored = _stored(linear)
+    with pytest.raises(TypeError, match=f"{mode}-quantized Linear"):
+        init.normal_(linear.weight)
+    for buffer in linear.buffers():  # as transformers marks what it loaded
+        buffer._is_hf_initialized = True
+    assert linear.weight._is_hf_initialized is True
+    init.normal_(linear.weight)
+    init.zeros_(linear.weight)
+    _assert_bit_identical(linear, stored)
+    with torch.no_grad(), pytest.raises(TypeError):  # torch's own still raise
+        nn.init.normal_(linear.weight)
+
+
 def test_a_compiled_forward_reads_the_weight_of_a_quantized_embedding() -> None:
     class TiedHead(nn.Module):
         def __init__(self) -> None:

@@ -47,6 +47,10 @@ _WRITING_DUNDERS = frozenset(f"__i{op}__" for op in (*_IN_PLACE_OPERATORS, *_IN_
     "__setitem__"
 }
 _WRITTEN_ATTRIBUTES = frozenset({"data", "real", "imag"})  # `t.<name> = ...` writes its values
+_LOADED_FLAG = "_is_hf_initialized"
+"""transformers' mark on the tensors `from_pretrained` loaded, which its
+weight initialization (`init.normal_(module.weight)`, also from a parent's
+`_init_weights`) leaves alone: a weight made from loaded tensors is loaded."""
 COPY_FLAGS = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream"})
 """Ops whose schemas write their tensor but which change only the copy's own
 autograd flags or where its memory lives: they stay allowed
@@ -219,9 +223,10 @@ def read_weight(module: torch.nn.Module, qw: Any, tensor: torch.Tensor, reads: s
     if torch.compiler.is_compiling():
         return tensor  # a compiled forward reads it; compilers do not trace the subclass
     buffers = module.__dict__["_buffers"]
-    view = any(
-        buffers.get(name) is not None and _shares_memory(tensor, buffers[name])
-        for name in qw.buffer_names
-    )
+    stored = [buffers[name] for name in qw.buffer_names if buffers.get(name) is not None]
+    view = any(_shares_memory(tensor, buffer) for buffer in stored)
     copy_of = CopyOf(describe(module, qw), qw.mode, qw.weight_name, qw.buffer_names, reads, view)
-    return guarded_copy(tensor, copy_of)
+    guarded = guarded_copy(tensor, copy_of)
+    if stored and all(getattr(buffer, _LOADED_FLAG, False) for buffer in stored):
+        setattr(guarded, _LOADED_FLAG, True)
+    return guarded
