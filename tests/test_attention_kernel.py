@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dtype_policies import _cpu
 from dtype_policies._attention_dispatch import SELECTION
+from dtype_policies._compat import TORCH_VERSION
 from dtype_policies.quantization.kernels import attention
 
 _PROBE = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
@@ -257,6 +258,14 @@ def test_apply_policy_makes_eager_calls_attend_on_the_kernel(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.xfail(
+    TORCH_VERSION <= (2, 6),
+    raises=torch._dynamo.exc.Unsupported,
+    strict=True,
+    reason="torch 2.6's Dynamo cannot trace `name in func.__code__.co_varnames` "
+    "(transformers' merge_with_config_defaults around LlamaModel.forward): "
+    "torch.compile(fullgraph=True) of the plain transformers model fails the same way",
+)
 def test_a_traced_call_keeps_the_models_attention():
     from dtype_policies import apply_policy
 
