@@ -5,7 +5,6 @@ shapes, and chosen on AMX CPUs from `Q8_AMX_MIN_ROWS` rows only."""
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import pytest
 import torch
@@ -114,21 +113,7 @@ def test_the_amx_operator_refuses_what_the_others_refuse():
         torch.ops.dtype_policies.int4_mm_q8_amx(x, packed, pairs[:, :1], group, 24)
 
 
-def test_the_amx_copy_is_chosen_from_enough_rows_on_amx_only():
-    many, few = 4 * int4_native.Q8_AMX_MIN_ROWS, int4_native.Q8_AMX_MIN_ROWS - 1
-    amx = replace(_cpu.processor(), features=_cpu.CPU_CLASSES["amx"])
-    assert int4_native.q8_suffix(many, amx) == "amx"
-    assert int4_native.q8_suffix(int4_native.Q8_AMX_MIN_ROWS, amx) == "amx"
-    assert int4_native.q8_suffix(few, amx) == "vnni"
-    assert int4_native.q8_suffix(1, amx) == "vnni"
-    for smaller in ("avx512_bf16", "avx512_vnni"):
-        emulated = replace(_cpu.processor(), features=_cpu.CPU_CLASSES[smaller])
-        assert int4_native.q8_suffix(many, emulated) == "vnni"
-    for smaller in ("avx2", "avx2_vnni", "avx512"):
-        emulated = replace(_cpu.processor(), features=_cpu.CPU_CLASSES[smaller])
-        assert int4_native.q8_suffix(many, emulated) == "avx2"
-    with _cpu.emulate("avx512_bf16"):  # or less, where the process runs capped
-        assert int4_native.q8_suffix(many) == native.operator_suffix() != "amx"
+# Which copy runs by rows: tests/test_int8_amx.py, for both choosers.
 
 
 @needs_kernel
@@ -150,28 +135,4 @@ def test_eager_calls_run_the_copy_of_the_class_by_rows():
     _assert_same_bits(y_many[:1], y_one)
 
 
-@pytest.mark.slow
-@needs_kernel
-def test_a_frozen_compiled_graph_runs_the_copy_eager_runs_by_rows():
-    """Compiled at many rows then at one (a guard on the rows): each graph
-    calls the W4A8 copy the eager call runs, with the eager values bit for bit
-    (one layer: around a GELU, compiled and eager bfloat16 differ anyway)."""
-    import torch.nn as nn
-    from torch._inductor.utils import run_and_get_code
-
-    from dtype_policies import apply_policy, compile_for_inference, quantize
-    from dtype_policies.quantization import Int4QuantizationConfig
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 40)).eval()
-    apply_policy(model, "mixed_bfloat16")
-    quantize(model, "int4", Int4QuantizationConfig(block_size=32, activation_block_size=32))
-    with torch.inference_mode():
-        torch._dynamo.reset()
-        compiled_model = compile_for_inference(model, autotune=False)
-        for rows in (4 * int4_native.Q8_AMX_MIN_ROWS, 1):
-            x = torch.randn(rows, 96)
-            eager = model(x)
-            compiled, codes = run_and_get_code(compiled_model, x)
-            assert any(f"int4_mm_q8_{int4_native.q8_suffix(rows)}" in c for c in codes)
-            assert torch.equal(compiled, eager)
+# Compiled graphs by rows: tests/test_int8_amx.py, for int8 and W4A8.

@@ -12,7 +12,7 @@ import torch
 
 from dtype_policies import _cpu
 from dtype_policies import _native as native
-from dtype_policies.quantization.kernels import int8_native
+from dtype_policies.quantization.kernels import int4_native, int8_native
 from native_kernels import AMX_HERE, needs_amx, needs_kernel, on_one_and_several_threads
 
 ROWS = (1, 5, 31, 33, 100, 257)
@@ -114,21 +114,29 @@ def test_the_amx_copies_refuse_what_the_vnni_copies_refuse():
         torch.ops.dtype_policies.int8_mm_q8_amx(x[:, :60], packed, block_step, None, 24, False)
 
 
-def test_the_amx_copy_is_chosen_from_enough_rows_on_amx_only():
-    many, few = 4 * int8_native.AMX_MIN_ROWS, int8_native.AMX_MIN_ROWS - 1
+@pytest.mark.parametrize(
+    "choose, least",
+    [
+        (int8_native.blocked_suffix, int8_native.AMX_MIN_ROWS),
+        (int4_native.q8_suffix, int4_native.Q8_AMX_MIN_ROWS),
+    ],
+    ids=["int8 blocked", "int4 W4A8"],
+)
+def test_the_amx_copy_is_chosen_from_enough_rows_on_amx_only(choose, least):
+    many = 4 * least
     amx = replace(_cpu.processor(), features=_cpu.CPU_CLASSES["amx"])
-    assert int8_native.blocked_suffix(many, amx) == "amx"
-    assert int8_native.blocked_suffix(int8_native.AMX_MIN_ROWS, amx) == "amx"
-    assert int8_native.blocked_suffix(few, amx) == "vnni"
-    assert int8_native.blocked_suffix(1, amx) == "vnni"
+    assert choose(many, amx) == "amx"
+    assert choose(least, amx) == "amx"
+    assert choose(least - 1, amx) == "vnni"
+    assert choose(1, amx) == "vnni"
     for smaller in ("avx512_bf16", "avx512_vnni"):
         emulated = replace(_cpu.processor(), features=_cpu.CPU_CLASSES[smaller])
-        assert int8_native.blocked_suffix(many, emulated) == "vnni"
+        assert choose(many, emulated) == "vnni"
     for smaller in ("avx2", "avx2_vnni", "avx512"):
         emulated = replace(_cpu.processor(), features=_cpu.CPU_CLASSES[smaller])
-        assert int8_native.blocked_suffix(many, emulated) == "avx2"
+        assert choose(many, emulated) == "avx2"
     with _cpu.emulate("avx512_bf16"):  # or less, where the process runs capped
-        assert int8_native.blocked_suffix(many) == native.operator_suffix() != "amx"
+        assert choose(many) == native.operator_suffix() != "amx"
 
 
 @needs_kernel
@@ -150,25 +158,36 @@ def test_eager_calls_run_the_copy_of_the_class_by_rows():
 
 @pytest.mark.slow
 @needs_kernel
-def test_a_frozen_compiled_graph_runs_the_copy_eager_runs_by_rows():
+@pytest.mark.parametrize("mode", ["int8", pytest.param("int4 W4A8", marks=pytest.mark.slow)])
+def test_a_frozen_compiled_graph_runs_the_copy_eager_runs_by_rows(mode):
     """Compiled at many rows then at one (a guard on the rows, as the other
     row-dependent choices): each graph calls the copy the eager call runs,
-    with the eager values bit for bit."""
+    with the eager values bit for bit (W4A8: one layer, as around a GELU
+    compiled and eager bfloat16 differ anyway)."""
     import torch.nn as nn
     from torch._inductor.utils import run_and_get_code
 
     from dtype_policies import apply_policy, compile_for_inference, quantize
+    from dtype_policies.quantization import Int4QuantizationConfig
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 40)).eval()
+    if mode == "int8":
+        model = nn.Sequential(nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 40)).eval()
+        config, least = None, int8_native.AMX_MIN_ROWS
+        operator = lambda rows: f"int8_mm_q8b_{int8_native.blocked_suffix(rows)}"  # noqa: E731
+    else:
+        model = nn.Sequential(nn.Linear(96, 40)).eval()
+        config = Int4QuantizationConfig(block_size=32, activation_block_size=32)
+        least = int4_native.Q8_AMX_MIN_ROWS
+        operator = lambda rows: f"int4_mm_q8_{int4_native.q8_suffix(rows)}"  # noqa: E731
     apply_policy(model, "mixed_bfloat16")
-    quantize(model, "int8")
+    quantize(model, mode.split()[0], config)
     with torch.inference_mode():
         torch._dynamo.reset()
         compiled_model = compile_for_inference(model, autotune=False)
-        for rows in (4 * int8_native.AMX_MIN_ROWS, 1):
+        for rows in (4 * least, 1):
             x = torch.randn(rows, 96)
             eager = model(x)
             compiled, codes = run_and_get_code(compiled_model, x)
-            assert any(f"int8_mm_q8b_{int8_native.blocked_suffix(rows)}" in c for c in codes)
+            assert any(operator(rows) in c for c in codes)
             assert torch.equal(compiled, eager)
