@@ -310,7 +310,7 @@ _AVX2_SCRIPT = """
 import warnings
 import torch, torch.nn as nn
 import dtype_policies
-from dtype_policies import _compat, _cpu, apply_policy, quantize
+from dtype_policies import _cpu, apply_policy, quantize
 from dtype_policies.quantization.kernels import int8 as k
 from dtype_policies.quantizers import abs_max_quantize
 info = _cpu.processor()
