@@ -390,8 +390,8 @@ def test_calibration_keeps_no_casts_of_the_experts_weights(monkeypatch):
     planned = calibration._plan_block
     kept = []
 
-    def observed(block, calls, group, config):
-        plans = planned(block, calls, group, config)
+    def observed(block, calls, group, config, limit):
+        plans = planned(block, calls, group, config, limit)
         for path, checked in group:
             if "/experts/" in path:
                 casts = state_of(checked.module).casts

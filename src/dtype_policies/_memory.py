@@ -15,6 +15,7 @@ it is a no-op.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from typing import Any
 
@@ -40,3 +41,50 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def _page_size() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 4096
+
+
+_PAGE_SIZE = _page_size()
+
+
+def _resident_bytes() -> int | None:
+    """The process's resident set size (Linux `/proc/self/statm`), else None."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class FreedMemoryLimit:
+    """Releases the C heap's free pages whenever the process has grown by more
+    than `slack` bytes since the last release: called between the steps of a
+    long run (calibration calls a block once per batch), it bounds what the
+    allocator keeps of freed temporaries to about `slack`, at the price of one
+    read of `/proc/self/statm` per step and a trim only when memory grew.
+
+    >>> limit = FreedMemoryLimit(slack=64 * 2**20)
+    >>> limit()  # safe anywhere, at any time
+    """
+
+    def __init__(self, slack: int = 64 * 2**20) -> None:
+        self.slack = slack
+        self._floor = _resident_bytes()
+
+    def __call__(self) -> None:
+        resident = _resident_bytes()
+        if resident is None or self._floor is None:
+            return
+        if resident - self._floor > self.slack:
+            release_freed_memory()
+            resident = _resident_bytes()
+            if resident is not None:
+                self._floor = resident
+        elif resident < self._floor:
+            self._floor = resident

@@ -94,9 +94,14 @@ def first_output(output: Any) -> Any:
     return output[0]
 
 
-def blocks_chain(blocks: list[torch.nn.Module], run_model: Callable[[], Any]) -> tuple[bool, str]:
+def blocks_chain(
+    blocks: list[torch.nn.Module],
+    run_model: Callable[[], Any],
+    after_block: Callable[[], None] = lambda: None,
+) -> tuple[bool, str]:
     """Whether running the model (`run_model()`) calls each block once, in
     order, each on the previous block's first output; and if not, why.
+    `after_block()` is called as each block returns.
 
     Each block's input is compared with the previous block's output as it
     arrives, so that only one block's output is held, not the model's."""
@@ -111,6 +116,7 @@ def blocks_chain(blocks: list[torch.nn.Module], run_model: Callable[[], Any]) ->
                 unchained.append(index)
             order.append(index)
             previous[0] = first_output(output)
+            after_block()
             if index == len(blocks) - 1:
                 raise _LastBlockDone  # what follows the blocks (an LM head) need not run
 
