@@ -541,14 +541,6 @@ def test_checkpoint_that_does_not_match_its_config_raises(tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "renamed")
 
 
-def test_loading_into_another_architecture_names_both(tmp_path):
-    model = gpt2()
-    quantize(model, "int8")
-    model.save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match=r"saved from GPT2LMHeadModel, loaded into GPT2Model"):
-        transformers.AutoModel.from_pretrained(tmp_path)
-
-
 def test_config_on_a_float_checkpoint_is_refused(tmp_path):
     model = llama()
     model.save_pretrained(tmp_path)  # a float checkpoint
@@ -702,3 +694,105 @@ def test_an_int8_model_loads_in_float16_as_it_converts(policy, tmp_path):
     with torch.no_grad():
         logits = loaded(ids).logits
     assert logits.dtype == expected.dtype and torch.equal(logits, expected)
+
+
+def _encoder_outputs(encoder, ids=IDS):
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        return encoder(ids, attention_mask=mask).last_hidden_state
+
+
+def _assert_same_encoder(loaded, saved):
+    """`loaded` (a base model) holds `saved`'s tensors, policies and outputs
+    (and a pooler where `saved`, a masked LM's encoder, has none)."""
+    expected, state = saved.state_dict(), loaded.state_dict()
+    assert {k for k in state if not k.startswith("pooler.")} == set(expected)
+    for key, tensor in expected.items():
+        assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), key
+    pooler = {k: v for k, v in policies(loaded).items() if k.startswith("pooler")}
+    assert {**policies(saved), **pooler} == policies(loaded)
+    assert torch.equal(_encoder_outputs(loaded), _encoder_outputs(saved))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_task_checkpoint_loads_into_its_base_model_and_another_head(mode, tmp_path):
+    """As transformers loads a float `BertForMaskedLM` checkpoint into
+    `BertModel` (the `bert.` prefix dropped, the head's tensors unused) or
+    `BertForSequenceClassification` (its classifier initialized)."""
+    torch.manual_seed(0)
+    model = bert()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, mode)
+    assert getattr(model.bert.encoder.layer[0].output.dense, f"weight_{mode}").dtype == torch.int8
+    model.save_pretrained(tmp_path)
+
+    base = transformers.BertModel.from_pretrained(tmp_path)
+    _assert_same_encoder(base, model.bert)
+    assert base.config.quantization_config.manifest["quantized"].keys() == {
+        name.removeprefix("bert.")
+        for name in huggingface.describe(model, "").quantized
+        if name.startswith("bert.")
+    }
+
+    classifier = transformers.BertForSequenceClassification.from_pretrained(tmp_path)
+    _assert_same_encoder(classifier.bert, model.bert)
+    assert classifier.classifier.weight.dtype == torch.float32
+    assert torch.isfinite(classifier.classifier.weight).all()
+    with torch.no_grad():
+        logits = classifier(IDS).logits
+    assert logits.shape == (2, 2) and torch.isfinite(logits).all()
+
+
+def test_base_checkpoint_loads_into_a_task_model(tmp_path):
+    torch.manual_seed(0)
+    encoder = bert().bert
+    apply_policy(encoder, "mixed_bfloat16")
+    quantize(encoder, "int8")
+    encoder.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"cls\.predictions\.decoder\.weight.* cannot be tied"):
+        loaded = transformers.BertForMaskedLM.from_pretrained(tmp_path)
+    _assert_same_encoder(loaded.bert, encoder)
+    # the head the checkpoint does not have computes as the base around it
+    assert policies(loaded)["cls.predictions.transform.dense"] == "mixed_bfloat16"
+    assert policies(loaded)["cls.predictions.transform.LayerNorm"] == "float32"
+    assert policies(loaded)[""] == "mixed_bfloat16"
+    assert loaded.cls.predictions.transform.dense.weight.dtype == torch.float32
+    with torch.no_grad():
+        logits = loaded(IDS).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    resaved = tmp_path / "again"
+    loaded.save_pretrained(resaved)
+    again = transformers.BertForMaskedLM.from_pretrained(resaved)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, logits)
+
+
+def test_gpt2_lm_checkpoint_loads_into_gpt2_model(tmp_path):
+    torch.manual_seed(0)
+    model = gpt2()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModel.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "GPT2Model"
+    expected, state = model.transformer.state_dict(), loaded.state_dict()
+    assert sorted(state) == sorted(expected)
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    with torch.no_grad():
+        hidden = loaded(IDS).last_hidden_state
+        assert torch.equal(hidden, model.transformer(IDS).last_hidden_state)
+
+
+def test_a_base_model_path_the_target_lacks_still_raises(tmp_path):
+    torch.manual_seed(0)
+    model = bert()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path)
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+    quantized = config["quantization_config"]["manifest"]["quantized"]
+    moved = quantized.pop("bert.encoder.layer.1.output.dense")
+    quantized["bert.encoder.layer.7.output.dense"] = moved
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"'encoder\.layer\.7\.output\.dense': no such"):
+        transformers.BertModel.from_pretrained(tmp_path)

@@ -399,6 +399,33 @@ def _plan_application(
     return steps, plans, {step.path or "(root)": why for step, why in declined}
 
 
+def steps_under(
+    module: torch.nn.Module,
+    policy: DTypePolicy,
+    path: str,
+    *,
+    cast_buffers: bool = True,
+    weight_cache: bool = True,
+) -> list[Step]:
+    """The steps `apply_policy(module, policy)` would plan (float32 islands
+    included), with `path` (`/`-joined, `module`'s path in the model the
+    steps are committed on) before their paths. A quantized policy gives its
+    float source: nothing is quantized. Changes nothing.
+
+    >>> import torch
+    >>> head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> [(s.path, s.policy.name) for s in steps_under(head, DTypePolicy("mixed_bfloat16"), "head")]
+    [('head', 'mixed_bfloat16'), ('head/0', 'mixed_bfloat16'), ('head/1', 'float32')]
+    """
+    if policy.quantization_mode is not None:
+        policy = get_policy(policy.source_name)
+    rules = (*DEFAULT_FLOAT32_MODULES, "Norm")
+    steps, _ = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
+    for step in steps:
+        step.path = f"{path}/{step.path}" if path and step.path else step.path or path
+    return steps
+
+
 def commit_application(
     module: torch.nn.Module, steps: list[Step], plans: list[attach.Plan], *, replace: bool = True
 ) -> PolicyHandle:

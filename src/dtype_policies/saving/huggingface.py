@@ -91,7 +91,7 @@ from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.policy_module import is_policied, refresh
 from dtype_policies._core.slots import non_persistent_buffer_names, replace_buffer
 from dtype_policies._version import __version__
-from dtype_policies.apply.apply import commit_application
+from dtype_policies.apply.apply import commit_application, steps_under
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.schemes import scheme_for
 from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest, tensor_headers
@@ -188,10 +188,18 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         saved_as = list(getattr(model.config, "architectures", None) or ())
         if saved_as and type(model).__name__ not in saved_as:
             source += f" (saved from {saved_as[0]}, loaded into {type(model).__name__})"
+        saved = manifest
+        rename = _target_names(model, manifest, saved_as)
+        if rename is not None:
+            manifest = manifest.renamed(rename)
         steps, plans, expansions = plan_from_manifest(model, manifest, _empty_on_meta, source)
+        if rename is not None:
+            steps += _steps_for_undescribed(model, manifest, model.base_model_prefix)
         header = _read_headers(kwargs.get("checkpoint_files"))
         if header is not None:
             header = _as_model_keys(model, header)
+            if rename is not None:
+                header = {new: v for k, v in header.items() if (new := rename(k)) is not None}
             _check_headers(model, manifest, plans, header)
         tied = _tied_keys(model)
         for expansion in expansions.values():
@@ -212,9 +220,24 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         self._stored = [
             f"{plan.path}.{name}" if plan.path else name for plan in plans for name in plan.tensors
         ]
-        _untie_quantized(model, manifest)
+        untied = _untie_quantized(model, manifest)
+        gone = _integer_weights(manifest)
+        fresh = [t for t, _ in untied if header is not None and t not in header and t not in gone]
+        if fresh:
+            sources = [source for target, source in untied if target in fresh]
+            warnings.warn(
+                f"from_pretrained: {fresh[:3]} cannot be tied to {sources[:3]}, stored as "
+                "integers in the checkpoint; transformers initializes it instead (train it, "
+                "or load the float checkpoint and quantize the model you load).",
+                UserWarning,
+                stacklevel=2,
+            )
         self._deferred_ties = _defer_ties_reading_aliases(model, manifest)
-        sentinels = [_sentinel_key(name, record) for name, record in _integer_records(manifest)]
+        sentinels = [
+            _sentinel_key(name, record)
+            for written in (saved, manifest)  # as the checkpoint names them, and the model
+            for name, record in _integer_records(written)
+        ]
         _ignore_keys(model, "_keys_to_ignore_on_load_unexpected", sentinels)
         _ignore_keys(
             model, "_keys_to_ignore_on_load_missing", [*self._aliases, *self._deferred_ties]
@@ -422,6 +445,83 @@ def _read_headers(files: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
     return header
 
 
+def _target_names(model: Any, manifest: Manifest, saved_as: list[str]) -> Any:
+    """How the manifest's paths name the modules of a model of another class
+    than the one saved, as transformers maps the checkpoint's keys: a
+    checkpoint of a task model (`BertForMaskedLM`, its base model under
+    `base_model_prefix`, `bert`) loads into the base model (`BertModel`:
+    the prefix is dropped) or another task model (`BertForSequenceClassification`),
+    and a base model's into a task model (the prefix is added). The saved
+    model's head (the paths outside its base model that the target does not
+    have) leaves with its entries, as transformers leaves its tensors unused;
+    the target's own head is not in the checkpoint and is initialized by
+    transformers. A path inside the base model that the target does not have
+    still fails to fit (a CheckpointError names it). `None` when the classes
+    are the same, or the model has no base model prefix: every path must fit."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix or not saved_as or type(model).__name__ in saved_as:
+        return None
+    modules = {name for name, _ in model.named_modules()}
+    inside = f"{prefix}."
+    has_base = prefix in modules
+    saved_with_base = any(p == prefix or p.startswith(inside) for p in manifest.classes)
+    if has_base and not saved_with_base:  # saved from the base model
+        return lambda name: f"{inside}{name}" if name else prefix
+    if not has_base and saved_with_base:  # loaded into the base model
+
+        def strip(name: str) -> str | None:
+            if name == prefix:
+                return ""
+            return name[len(inside) :] if name.startswith(inside) else None
+
+        return strip
+
+    def keep(name: str) -> str | None:  # task model to task model (a name: a path or a key)
+        owner = name.rpartition(".")[0]
+        owned = name in modules or (owner != "" and owner in modules)
+        return name if name == prefix or name.startswith(inside) or owned else None
+
+    return keep
+
+
+def _steps_for_undescribed(model: Any, manifest: Manifest, prefix: str) -> list:
+    """Policies for the modules of a target of another class that the
+    checkpoint does not describe (a head the saved model did not have, a
+    task model's root): the policy of the nearest ancestor it describes (the
+    base model's, for a root), as `apply_policy` gives it (normalization
+    layers in float32; a quantized policy's float source), so that they take
+    the outputs of the modules around them; none where it saved none."""
+    modules = dict(model.named_modules())
+    described = {id(modules[path]) for path in manifest.classes if path in modules}
+    fallback = manifest.modules.get("") or manifest.modules.get(prefix)
+    steps = []
+    for name, module in modules.items():
+        if id(module) in described:
+            continue
+        parent = name.rpartition(".")[0]
+        if name and id(modules[parent]) not in described:
+            continue  # planned with the subtree it is in
+        record = fallback
+        while name:
+            if parent in manifest.modules:
+                record = manifest.modules[parent]
+                break
+            if not parent:
+                break
+            parent = parent.rpartition(".")[0]
+        if record is None:
+            continue
+        planned = steps_under(
+            module,
+            record.options().policy,
+            name.replace(".", "/"),
+            cast_buffers=record.cast_buffers,
+            weight_cache=record.weight_cache,
+        )
+        steps += [step for step in planned if id(step.module) not in described]
+    return steps
+
+
 def _as_model_keys(model: Any, header: dict) -> dict:
     """The checkpoint's keys as the model names them: `save_pretrained` writes
     some models' tensors under their legacy names (GPT-NeoX's `embed_out`,
@@ -521,17 +621,24 @@ def _tied_keys(model: Any) -> dict[str, str]:
     return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def _untie_quantized(model: Any, manifest: Manifest) -> None:
+def _untie_quantized(model: Any, manifest: Manifest) -> list[tuple[str, str]]:
     """transformers ties `lm_head.weight` to the embedding's weight by name; a
     weight stored as integers has no such parameter, so such pairs leave its
-    mapping (the stored tensors are shared again after loading)."""
-    gone = {_sentinel_key(name, record) for name, record in _integer_records(manifest)}
+    mapping (the stored tensors are shared again after loading). Returns the
+    pairs taken out."""
+    gone = _integer_weights(manifest)
     tied = getattr(model, "all_tied_weights_keys", None)
     if not tied:
-        return
-    for target, source in list(tied.items()):
-        if target in gone or source in gone:
-            del tied[target]
+        return []
+    untied = [(t, s) for t, s in tied.items() if t in gone or s in gone]
+    for target, _ in untied:
+        del tied[target]
+    return untied
+
+
+def _integer_weights(manifest: Manifest) -> set[str]:
+    """The float weight names of the weights stored as integers."""
+    return {_sentinel_key(name, record) for name, record in _integer_records(manifest)}
 
 
 def _defer_ties_reading_aliases(model: Any, manifest: Manifest) -> dict[str, str]:

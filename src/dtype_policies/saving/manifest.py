@@ -10,7 +10,8 @@ keys use.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -109,6 +110,45 @@ class Manifest:
     def to_json(self, indent: int | None = None) -> str:
         data = {"format": FORMAT_NAME, **asdict(self)}
         return json.dumps(data, indent=indent, sort_keys=True)
+
+    def renamed(self, rename: Callable[[str], str | None]) -> Manifest:
+        """This manifest with every module path and tensor key (dotted names,
+        `""` for the root) passed through `rename`; a name it maps to `None`
+        leaves with its entry. An alias whose tensor's owner left while the
+        alias stays cannot be renamed: a CheckpointError names it.
+
+        >>> manifest = Manifest("0", classes={"": "Outer", "inner": "Inner", "head": "Head"})
+        >>> def inside(path):
+        ...     return path.removeprefix("inner").lstrip(".") if path.startswith("inner") else None
+        >>> manifest.renamed(inside).classes
+        {'': 'Inner'}
+        """
+
+        def keyed(values: dict[str, Any]) -> dict[str, Any]:
+            return {new: v for k, v in values.items() if (new := rename(k)) is not None}
+
+        aliases = {}
+        for alias, key in self.aliases.items():
+            new_alias, new_key = rename(alias), rename(key)
+            if new_alias is None:
+                continue
+            if new_key is None:
+                raise CheckpointError(
+                    f"'{alias}' shares the stored tensor '{key}', which belongs to a module the "
+                    "target does not have: the checkpoint holds it only under that name."
+                )
+            aliases[new_alias] = new_key
+        return replace(
+            self,
+            modules=keyed(self.modules),
+            layers=keyed(self.layers),
+            quantized=keyed(self.quantized),
+            aliases=aliases,
+            non_persistent=[n for k in self.non_persistent if (n := rename(k)) is not None],
+            classes=keyed(self.classes),
+            experts=[n for k in self.experts if (n := rename(k)) is not None],
+            layer_maps=keyed(self.layer_maps),
+        )
 
     @classmethod
     def from_json(cls, text: str, source: str = "the checkpoint") -> Manifest:
