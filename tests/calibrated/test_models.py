@@ -610,3 +610,26 @@ def test_calibration_keeps_no_casts_and_inference_keeps_them_again(mode):
     with torch.no_grad():
         model(EVAL, use_cache=False)
     assert kept_casts(model.lm_head) > 0  # not quantized: its casts are kept again
+
+
+def test_calibration_data_fed_straight_to_the_first_block_is_not_written():
+    """Each block's outputs go into its inputs' tensors from the second block
+    on; the first block's inputs can be the caller's own tensors (a stack
+    whose first block takes the model's input), which stay as they were."""
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Residual(), Residual(), Residual()).eval()
+    data = [torch.randn(8, 16) for _ in range(3)]
+    copies = [tensor.clone() for tensor in data]
+    config = GPTQConfig(data, None, group_size=16, quantization_layer_structure=list(model))
+    report = quantize(model, config=config, progress=False)
+    assert len(report.quantized) == 6
+    assert all(torch.equal(a, b) for a, b in zip(data, copies))
