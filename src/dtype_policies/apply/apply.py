@@ -32,6 +32,7 @@ from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.layers.layer import Layer, LayerApplication
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.policies import get as get_policy
+from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization import attach, experts
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
@@ -416,9 +417,11 @@ def steps_under(
     >>> head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     >>> [(s.path, s.policy.name) for s in steps_under(head, DTypePolicy("mixed_bfloat16"), "head")]
     [('head', 'mixed_bfloat16'), ('head/0', 'mixed_bfloat16'), ('head/1', 'float32')]
+    >>> [s.policy.name for s in steps_under(head, get_policy("int8_from_mixed_bfloat16"), "")]
+    ['mixed_bfloat16', 'mixed_bfloat16', 'float32']
     """
-    if policy.quantization_mode is not None:
-        policy = get_policy(policy.source_name)
+    if isinstance(policy, QuantizedDTypePolicy):
+        policy = policy.source_policy
     rules = (*DEFAULT_FLOAT32_MODULES, "Norm")
     steps, _ = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
     for step in steps:
