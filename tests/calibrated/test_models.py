@@ -101,9 +101,11 @@ def test_a_hugging_face_decoder_calibrates_block_by_block(mode):
     quantized = [path for path, *_ in report.quantized]
     assert len(quantized) == 3 * 7 and all(p.startswith("model/layers/") for p in quantized)
     assert report.skipped_by_reason("outside quantization structure") == ["lm_head"]
-    # one chain check (one batch), then per block: statistics, and next inputs but the last
-    batches = 1  # 6 windows in one batch of 8
-    assert calls == {0: 1 + 2 * batches, 1: 1 + 2 * batches, 2: 1 + batches}
+    # one chain check (one batch), then per block: statistics (one whole call,
+    # the later ones stopped after the last target), and next inputs but the last
+    batches = 2  # 6 windows in batches of 4
+    assert config.calibration_batch_size == 4
+    assert calls == {0: 1 + 1 + batches, 1: 1 + 1 + batches, 2: 1 + 1}
     # six short windows are too few for quality (the comparison with round to
     # nearest below uses more): here only that the result is not broken
     assert error(model, reference) < 0.2 * float(reference.var())

@@ -125,7 +125,12 @@ def test_later_calls_stop_after_the_last_target_and_store_the_same_integers(mode
 
     def config():  # 3 batches of 8 windows
         return config_class(
-            token_data(), None, num_samples=24, sequence_length=LENGTH, group_size=32
+            token_data(),
+            None,
+            num_samples=24,
+            sequence_length=LENGTH,
+            group_size=32,
+            calibration_batch_size=8,
         )
 
     results, down_calls = [], []

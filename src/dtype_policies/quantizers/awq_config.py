@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig, _structure_config, as_int
+from dtype_policies.quantizers.gptq_config import (
+    DEFAULT_CALIBRATION_BATCH_SIZE,
+    TokenCalibrationConfig,
+    _structure_config,
+    as_int,
+)
 
 AWQ_OBJECTIVES = ("output", "weight")
 
@@ -80,7 +85,7 @@ class AWQConfig(TokenCalibrationConfig):
         num_grid_points: int = 20,
         quantization_layer_structure: Any = None,
         objective: str = "output",
-        calibration_batch_size: int = 8,
+        calibration_batch_size: int = DEFAULT_CALIBRATION_BATCH_SIZE,
         grid: str = "refined",
     ) -> None:
         if weight_bits != 4 or isinstance(weight_bits, bool):
