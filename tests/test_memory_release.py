@@ -9,11 +9,6 @@ from dtype_policies import _memory
 from dtype_policies._memory import FreedMemoryLimit, _malloc_trim, release_freed_memory
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or _malloc_trim() is None, reason="glibc only"
 )
@@ -23,9 +18,9 @@ def test_freed_heap_pages_go_back_to_the_system():
     tensors = [torch.ones(16384) for _ in range(3200)]  # 200 MiB, touched
     kept = tensors[::16]  # pins the heap's extent
     del tensors
-    before = resident_bytes()
+    before = _memory._resident_bytes()
     release_freed_memory()
-    after = resident_bytes()
+    after = _memory._resident_bytes()
     assert before - after > 100 * 2**20, (before, after)
     assert all(float(t.sum()) == 16384.0 for t in kept)  # what is alive is untouched
 
@@ -77,7 +72,7 @@ def test_limit_gives_back_freed_heap_pages():
     tensors = [torch.ones(16384) for _ in range(3200)]  # 200 MiB on the heap, touched
     kept = tensors[::16]
     del tensors
-    before = resident_bytes()
+    before = _memory._resident_bytes()
     limit()
-    assert before - resident_bytes() > 100 * MB
+    assert before - _memory._resident_bytes() > 100 * MB
     assert all(float(t.sum()) == 16384.0 for t in kept)

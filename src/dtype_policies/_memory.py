@@ -43,22 +43,12 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-def _page_size() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return 4096
-
-
-_PAGE_SIZE = _page_size()
-
-
 def _resident_bytes() -> int | None:
     """The process's resident set size (Linux `/proc/self/statm`), else None."""
     try:
         with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 

@@ -13,12 +13,10 @@ from dtype_policies._core.module_rules import matches_any
 from dtype_policies._core.slots import own_parameters
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.batches import Batch, floating_tensors
-from dtype_policies.apply.apply import DEFAULT_FLOAT32_MODULES
+from dtype_policies.apply.apply import DEFAULT_FLOAT32_RULES
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.experts import expert_routers
 from dtype_policies.quantization.kinds import read_by_parent
-
-ISLAND_RULES = (*DEFAULT_FLOAT32_MODULES, "Norm")  # apply_policy's default float32 modules
 
 
 @dataclass
@@ -75,7 +73,7 @@ def find_units(model: torch.nn.Module) -> tuple[list[Unit], list[Skipped]]:
         name = type(module).__name__
         if quantization_of(module) is not None:
             skipped.append(Skipped(path, name, "already quantized"))
-        elif matches_any(path, module, ISLAND_RULES):
+        elif matches_any(path, module, DEFAULT_FLOAT32_RULES):
             skipped.append(Skipped(path, name, "normalization layer (float32 island)"))
         elif (reason := read_by_parent(path, module, modules)) is not None:
             skipped.append(Skipped(path, name, reason))

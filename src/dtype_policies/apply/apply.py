@@ -50,6 +50,9 @@ DEFAULT_FLOAT32_MODULES: tuple[type[torch.nn.Module], ...] = (
 """Normalization layers kept in float32 by default. Any module whose class name
 ends with "Norm" (Hugging Face's `LlamaRMSNorm`, `T5LayerNorm`, ...) counts too."""
 
+DEFAULT_FLOAT32_RULES: tuple[Any, ...] = (*DEFAULT_FLOAT32_MODULES, "Norm")
+"""`apply_policy`'s default `float32_modules`: those classes and the "Norm" suffix."""
+
 # Norm kernels that accept half inputs with float32 weights on CPU and compute
 # their statistics in float32 (so the upcast pass can be skipped).
 _HALF_INPUT_NORMS = (
@@ -65,7 +68,7 @@ Float32Rule = ModuleRule
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
-    return matches_any("", module, (*DEFAULT_FLOAT32_MODULES, "Norm"))
+    return matches_any("", module, DEFAULT_FLOAT32_RULES)
 
 
 @dataclass
@@ -365,7 +368,7 @@ def _plan_application(
     except (TypeError, ValueError) as e:
         raise type(e)(f"apply_policy(): invalid policy {policy!r}: {e}") from None
     rules = (
-        (*DEFAULT_FLOAT32_MODULES, "Norm")
+        DEFAULT_FLOAT32_RULES
         if float32_modules is None
         else module_rules(float32_modules, "apply_policy(): float32_modules")
     )
@@ -422,8 +425,7 @@ def steps_under(
     """
     if isinstance(policy, QuantizedDTypePolicy):
         policy = policy.source_policy
-    rules = (*DEFAULT_FLOAT32_MODULES, "Norm")
-    steps, _ = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
+    steps, _ = _plan_policies(module, policy, DEFAULT_FLOAT32_RULES, cast_buffers, weight_cache)
     for step in steps:
         step.path = f"{path}/{step.path}" if path and step.path else step.path or path
     return steps

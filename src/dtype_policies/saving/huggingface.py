@@ -220,8 +220,8 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         self._stored = [
             f"{plan.path}.{name}" if plan.path else name for plan in plans for name in plan.tensors
         ]
-        untied = _untie_quantized(model, manifest)
         gone = _integer_weights(manifest)
+        untied = _untie_quantized(model, gone)
         fresh = [t for t, _ in untied if header is not None and t not in header and t not in gone]
         if fresh:
             sources = [source for target, source in untied if target in fresh]
@@ -501,14 +501,13 @@ def _steps_for_undescribed(model: Any, manifest: Manifest, prefix: str) -> list:
         parent = name.rpartition(".")[0]
         if name and id(modules[parent]) not in described:
             continue  # planned with the subtree it is in
-        record = fallback
-        while name:
-            if parent in manifest.modules:
-                record = manifest.modules[parent]
-                break
-            if not parent:
-                break
-            parent = parent.rpartition(".")[0]
+        record = fallback  # a task model's root
+        if name:
+            ancestors = [parent]  # the nearest first, the root last
+            while ancestors[-1]:
+                ancestors.append(ancestors[-1].rpartition(".")[0])
+            recorded = (manifest.modules[p] for p in ancestors if p in manifest.modules)
+            record = next(recorded, fallback)
         if record is None:
             continue
         planned = steps_under(
@@ -621,12 +620,11 @@ def _tied_keys(model: Any) -> dict[str, str]:
     return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def _untie_quantized(model: Any, manifest: Manifest) -> list[tuple[str, str]]:
+def _untie_quantized(model: Any, gone: set[str]) -> list[tuple[str, str]]:
     """transformers ties `lm_head.weight` to the embedding's weight by name; a
-    weight stored as integers has no such parameter, so such pairs leave its
-    mapping (the stored tensors are shared again after loading). Returns the
-    pairs taken out."""
-    gone = _integer_weights(manifest)
+    weight stored as integers (its name in `gone`) has no such parameter, so
+    such pairs leave its mapping (the stored tensors are shared again after
+    loading). Returns the pairs taken out."""
     tied = getattr(model, "all_tied_weights_keys", None)
     if not tied:
         return []
