@@ -242,3 +242,23 @@ def test_a_quantized_linear_refuses_an_input_of_another_width(mode, width, rows)
         layer(torch.randn(rows, width))
     with torch.no_grad(), pytest.raises(RuntimeError, match="its last axis must be 256"):
         layer(torch.randn(rows, width))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8 weight-only", "int4", "float8"])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.int64, torch.uint8])
+def test_a_quantized_linear_refuses_a_non_floating_input(mode, dtype):
+    """torch's float product refuses integer, boolean and complex inputs; the
+    kernels would convert them (a complex input losing its imaginary part)."""
+    torch.manual_seed(0)
+    from dtype_policies.quantization import Int8QuantizationConfig
+
+    layer = nn.Linear(64, 16)
+    if mode == "int8 weight-only":
+        quantize(layer, "int8", Int8QuantizationConfig(activation_quantizer=None))
+    else:
+        quantize(layer, mode)
+    before = snapshot(layer)
+    x = torch.ones(3, 64).to(dtype)
+    with pytest.raises(TypeError, match=rf"floating-point inputs; got an input of dtype {dtype}"):
+        layer(x)
+    assert_unchanged(layer, before)

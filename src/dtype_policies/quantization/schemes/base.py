@@ -295,6 +295,14 @@ class QuantizedWeight:
         """`x @ W + bias` over `x`'s last axis (see `Scheme.forward`)."""
         if self.placeholder is not None:
             raise RuntimeError(self.placeholder)
+        if not x.is_floating_point():
+            # torch's float product refuses them too; the kernels would convert
+            # integers and drop a complex input's imaginary part
+            raise TypeError(
+                f"a layer quantized in mode {self.mode!r} computes on floating-point inputs; "
+                f"got an input of "
+                f"dtype {x.dtype} and shape {tuple(x.shape)}"
+            )
         in_features = self.spec.in_features  # 0: a general contraction (`spec.contract`)
         if in_features and x.shape[-1] != in_features:
             # as torch's float product refuses it (the kernels would pad or cut the input)
@@ -443,7 +451,9 @@ class _StraightThrough(torch.autograd.Function):
             grad_x = grad @ _dequantized(ctx).to(grad.dtype)
         if ctx.needs_input_grad[1]:
             grad_bias = grad.sum(0)
-        return (grad_x, grad_bias, None, None, None) + (None,) * len(ctx.saved_tensors)
+        # one `None` per stored tensor, counted without unpacking them again:
+        # non-reentrant activation checkpointing allows a single unpack
+        return (grad_x, grad_bias, None, None, None) + (None,) * len(ctx.qw.buffer_names)
 
     @staticmethod
     def jvp(ctx, tangent_x, tangent_bias, *_):  # type: ignore[override]
