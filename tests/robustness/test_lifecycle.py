@@ -6,6 +6,7 @@ quantized models, and buffers a forward updates in place."""
 import copy
 import io
 import pickle
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -115,6 +116,40 @@ def test_remove_after_float8_is_exact_and_int8_warns():
     with pytest.warns(UserWarning, match="stay quantized"):
         handle.remove()
     assert model[0].weight_int8.dtype == torch.int8
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize(
+    "policy", ["float8_from_float32", "float8_from_mixed_bfloat16", "int8_from_mixed_bfloat16"]
+)
+def test_applying_a_quantized_policy_again_keeps_the_quantization(policy):
+    """The second application replaces the first: float8 (which the first's
+    removal would undo, keeping the float weight) and int8 pass to it."""
+    model = mlp()
+    x = torch.randn(3, 32)
+    first = apply_policy(model, policy)
+    expected = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "stay quantized" from the replaced one
+        second = apply_policy(model, policy)
+    assert first.removed and not second.removed
+    assert second.quantized_paths == first.quantized_paths == ["0", "2"]
+    assert model[0].dtype_policy.name == policy
+    assert torch.equal(model(x), expected)
+    if policy.startswith("float8"):
+        second.remove()  # and the second undoes it exactly
+        assert type(model[0]) is nn.Linear and list(model[0].state_dict()) == ["weight", "bias"]
+
+
+def test_a_policy_map_applied_again_keeps_its_float8_entry():
+    model = mlp()
+    policies = DTypePolicyMap("float32", {"0": "float8_from_float32"})
+    apply_policy(model, policies)
+    expected = model(torch.ones(2, 32))
+    handle = apply_policy(model, policies)
+    assert handle.quantized_paths == ["0"]
+    assert any(name.endswith("amax_history") for name in model[0].state_dict())
+    assert torch.equal(model(torch.ones(2, 32)), expected)
 
 
 # ---------------------------------------------------------------- slicing

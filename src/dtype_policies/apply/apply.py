@@ -158,6 +158,37 @@ class PolicyHandle:
                 stacklevel=stacklevel,
             )
 
+    def _hand_over(self, successor: PolicyHandle, steps: list[Step]) -> None:
+        """Passes to `successor` the modules this application quantized that
+        `successor`'s steps quantize in the same mode and settings (with the
+        mixture-of-experts expansions they belong to): the successor planned
+        nothing for them, being quantized already, and this application's
+        removal would undo float8 (which keeps its float weight) and warn
+        that int8 and int4 stay quantized."""
+        wanted = {
+            id(step.module): step for step in steps if step.policy.quantization_mode is not None
+        }
+        kept: list[tuple[str, torch.nn.Module]] = []
+        for path, module in self._quantized:
+            step = wanted.get(id(module))
+            quantized = attach.quantization_of(module)
+            if (
+                step is None
+                or quantized is None
+                or (_quantized_conflict(step.path, module, step.policy) is not None)
+            ):
+                kept.append((path, module))
+                continue
+            successor._quantized.append((step.path, module))
+            successor.quantized_paths.append(step.path or "(root)")
+        passed = {id(module) for _, module in successor._quantized}
+        self._quantized = kept
+        for expansion in list(self._expansions):
+            if any(id(linear) in passed for linear in expansion.all_linears()):
+                self._expansions.remove(expansion)
+                if expansion not in successor._expansions:
+                    successor._expansions.append(expansion)
+
     def __enter__(self) -> PolicyHandle:
         return self
 
@@ -345,6 +376,7 @@ def tentative_application(
         model_changed(module)
         raise
     if previous is not None:
+        previous._hand_over(handle, steps)
         previous._remove(stacklevel=5)
         model_changed(module)
 
@@ -438,9 +470,10 @@ def commit_application(
     (replacing an earlier one on the same module; with `replace=False`, over
     it, which its caller removes). Cannot fail."""
     previous = getattr(state_of(module), "handle", None)
-    if replace and previous is not None and not previous.removed:
-        previous._remove(stacklevel=4)
     handle = PolicyHandle(module)
+    if replace and previous is not None and not previous.removed:
+        previous._hand_over(handle, steps)
+        previous._remove(stacklevel=4)
     for step in steps:
         handle.policies[step.path] = step.policy
         if step.island:
