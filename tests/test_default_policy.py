@@ -84,6 +84,28 @@ def test_scope_restores_after_exception():
     assert dtype_policies.dtype_policy().name == "float32"
 
 
+def test_scopes_exiting_out_of_order_leave_the_later_scope_in_force():
+    """A generator suspended inside a scope finishes inside one its caller
+    opened later: the caller's stays in force, and every exit leaves the
+    default as it was before the scopes."""
+
+    def generator():
+        with dtype_policies.policy_scope("bfloat16"):
+            yield dtype_policies.dtype_policy().name
+            yield dtype_policies.dtype_policy().name
+
+    steps = generator()
+    assert next(steps) == "bfloat16"
+    with dtype_policies.policy_scope("float16"):
+        assert dtype_policies.dtype_policy().name == "float16"  # the innermost opened
+        next(steps)
+        assert next(steps, None) is None  # the generator's scope exits here
+        assert dtype_policies.dtype_policy().name == "float16"
+    assert dtype_policies.dtype_policy().name == "float32"
+    dtype_policies.set_dtype_policy("float64")
+    assert dtype_policies.dtype_policy().name == "float64"
+
+
 def test_scope_rejects_bad_values_without_entering():
     with (
         pytest.raises(ValueError, match="Invalid `policy` argument"),

@@ -59,7 +59,9 @@ def policy_scope(policy: DTypePolicy | str | torch.dtype) -> Iterator[DTypePolic
     """Overrides the default policy inside a `with` block.
 
     The override holds for the current thread or asyncio task only, nests, and
-    is undone on exit, also when the block raises.
+    is undone on exit, also when the block raises, and also when scopes exit
+    out of order (a generator suspended inside a scope that finishes inside
+    one its caller opened later: the caller's stays in force).
 
     >>> import dtype_policies
     >>> with dtype_policies.policy_scope("mixed_bfloat16") as policy:
@@ -69,8 +71,8 @@ def policy_scope(policy: DTypePolicy | str | torch.dtype) -> Iterator[DTypePolic
     'float32'
     """
     resolved = _to_policy(policy)
-    token = _default_state.scoped_default.set(resolved)
+    marker = _default_state.enter_scope(resolved)
     try:
         yield resolved
     finally:
-        _default_state.scoped_default.reset(token)
+        _default_state.exit_scope(marker)

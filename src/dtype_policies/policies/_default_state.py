@@ -8,12 +8,29 @@ import contextvars
 from typing import Any
 
 process_default: Any = None  # a DTypePolicy, or None for float32
-scoped_default: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "dtype_policies_scoped_default", default=None
+# The open scopes of this thread or asyncio task, innermost last, each
+# `(its own marker, its policy)`. Each scope removes its own entry on exit,
+# wherever it sits by then: a generator suspended inside a scope can finish
+# inside a scope its caller opened later, which must stay in force.
+scopes: contextvars.ContextVar[tuple[tuple[object, Any], ...]] = contextvars.ContextVar(
+    "dtype_policies_scopes", default=()
 )
 
 
 def current() -> Any:
     """The default policy in force, or `None` (meaning float32)."""
-    scoped = scoped_default.get()
-    return scoped if scoped is not None else process_default
+    open_scopes = scopes.get()
+    return open_scopes[-1][1] if open_scopes else process_default
+
+
+def enter_scope(policy: Any) -> object:
+    """Opens a scope of `policy`; returns the marker `exit_scope` takes."""
+    marker = object()
+    scopes.set((*scopes.get(), (marker, policy)))
+    return marker
+
+
+def exit_scope(marker: object) -> None:
+    """Closes the scope `enter_scope` returned `marker` for, leaving any
+    scope opened after it in force."""
+    scopes.set(tuple(scope for scope in scopes.get() if scope[0] is not marker))
