@@ -796,3 +796,71 @@ def test_a_base_model_path_the_target_lacks_still_raises(tmp_path):
     config_file.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"'encoder\.layer\.7\.output\.dense': no such"):
         transformers.BertModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("target", ["BertForTokenClassification", "BertModel"])
+def test_a_saved_pooler_leaves_when_the_target_is_built_without_one(target, tmp_path):
+    """`BertModel` (and a sequence classifier) keep a pooler that token
+    classification and question answering are built without
+    (`add_pooling_layer=False`): transformers leaves its tensors unused, and
+    so does the library its entries, whatever the two classes."""
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(bert().config).eval()
+    apply_policy(encoder, "mixed_bfloat16")
+    quantize(encoder, "int8")
+    assert encoder.pooler.dense.weight_int8.dtype == torch.int8
+    encoder.save_pretrained(tmp_path)
+    cls = getattr(transformers, target)
+    loaded = cls.from_pretrained(
+        tmp_path, **({"add_pooling_layer": False} if cls is transformers.BertModel else {})
+    )
+    base = loaded if cls is transformers.BertModel else loaded.bert
+    assert base.pooler is None
+    expected = {k: v for k, v in encoder.state_dict().items() if not k.startswith("pooler.")}
+    state = base.state_dict()
+    assert set(state) == set(expected)
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    assert torch.equal(_encoder_outputs(base), _encoder_outputs(encoder))
+
+
+def test_a_checkpoint_whose_base_model_has_another_name_raises(tmp_path):
+    """Llama's question-answering class keeps its base model under
+    `transformer`, its other classes under `model`: none of the saved paths
+    fits, which must not load as an unquantized, uninitialized model."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForQuestionAnswering(llama().config).eval()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(
+        CheckpointError, match=r"none of the checkpoint's \d+ modules .*'transformer'"
+    ):
+        transformers.LlamaModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("target", ["BertForSequenceClassification", "BertForTokenClassification"])
+def test_a_quantized_head_of_another_size_is_initialized_by_transformers(target, tmp_path):
+    """`from_pretrained(..., num_labels=5, ignore_mismatched_sizes=True)`, the
+    usual way to give a classifier new labels: the saved int8 classifier of
+    2 labels leaves with a warning naming it; transformers initializes the
+    new one, which computes with the policy around it; the encoder is the
+    saved one."""
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(bert().config).eval()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    assert model.classifier.weight_int8.shape[0] == 2
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"'classifier' \(int8, saved \(2, 64\), now \(5, 64\)\)"):
+        loaded = getattr(transformers, target).from_pretrained(
+            tmp_path, num_labels=5, ignore_mismatched_sizes=True
+        )
+    assert loaded.classifier.weight.shape == (5, 64)
+    assert loaded.classifier.weight.dtype == torch.float32
+    assert policies(loaded)["classifier"] == "mixed_bfloat16"
+    with torch.no_grad():
+        logits = loaded(IDS).logits
+    assert logits.shape[-1] == 5 and logits.dtype == torch.bfloat16
+    assert torch.isfinite(logits).all()
+    saved = {k: v for k, v in model.bert.state_dict().items() if not k.startswith("pooler.")}
+    state = loaded.bert.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())

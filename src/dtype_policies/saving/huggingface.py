@@ -446,42 +446,104 @@ def _read_headers(files: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
 
 
 def _target_names(model: Any, manifest: Manifest, saved_as: list[str]) -> Any:
-    """How the manifest's paths name the modules of a model of another class
-    than the one saved, as transformers maps the checkpoint's keys: a
-    checkpoint of a task model (`BertForMaskedLM`, its base model under
-    `base_model_prefix`, `bert`) loads into the base model (`BertModel`:
-    the prefix is dropped) or another task model (`BertForSequenceClassification`),
-    and a base model's into a task model (the prefix is added). The saved
-    model's head (the paths outside its base model that the target does not
-    have) leaves with its entries, as transformers leaves its tensors unused;
-    the target's own head is not in the checkpoint and is initialized by
-    transformers. A path inside the base model that the target does not have
-    still fails to fit (a CheckpointError names it). `None` when the classes
-    are the same, or the model has no base model prefix: every path must fit."""
+    """How the manifest's paths name the modules of the target, as
+    transformers maps the checkpoint's keys: a checkpoint of a task model
+    (`BertForMaskedLM`, its base model under `base_model_prefix`, `bert`)
+    loads into the base model (`BertModel`: the prefix is dropped) or another
+    task model (`BertForSequenceClassification`), and a base model's into a
+    task model (the prefix is added). The saved model's head (the paths
+    outside its base model that the target does not have) leaves with its
+    entries, as transformers leaves its tensors unused; the target's own head
+    is not in the checkpoint and is initialized by transformers. So does a
+    whole part of the base model the target was built without (a pooler:
+    `add_pooling_layer=False`), for any class. Any other path inside the
+    base model that the target does not have still fails to fit (a
+    CheckpointError names it), and so does a checkpoint none of whose
+    modules has a counterpart in the target. `None` when the model has no
+    base model prefix: every path must fit."""
     prefix = getattr(model, "base_model_prefix", "") or ""
-    if not prefix or not saved_as or type(model).__name__ in saved_as:
+    if not prefix:
         return None
     modules = {name for name, _ in model.named_modules()}
     inside = f"{prefix}."
     has_base = prefix in modules
     saved_with_base = any(p == prefix or p.startswith(inside) for p in manifest.classes)
-    if has_base and not saved_with_base:  # saved from the base model
-        return lambda name: f"{inside}{name}" if name else prefix
-    if not has_base and saved_with_base:  # loaded into the base model
+    same_class = not saved_as or type(model).__name__ in saved_as
 
-        def strip(name: str) -> str | None:
-            if name == prefix:
-                return ""
-            return name[len(inside) :] if name.startswith(inside) else None
-
-        return strip
-
-    def keep(name: str) -> str | None:  # task model to task model (a name: a path or a key)
+    def kept(name: str) -> str | None:  # the same class, or task model to task model
         owner = name.rpartition(".")[0]
         owned = name in modules or (owner != "" and owner in modules)
-        return name if name == prefix or name.startswith(inside) or owned else None
+        return name if same_class or name == prefix or name.startswith(inside) or owned else None
 
-    return keep
+    def prefixed(name: str) -> str | None:  # saved from the base model
+        return f"{inside}{name}" if name else prefix
+
+    def stripped(name: str) -> str | None:  # loaded into the base model
+        if name == prefix:
+            return ""
+        return name[len(inside) :] if name.startswith(inside) else None
+
+    rename = kept
+    if not same_class and has_base and not saved_with_base:
+        rename = prefixed
+    elif not same_class and not has_base and saved_with_base:
+        rename = stripped
+    base = prefix if has_base else ""
+    resized = _resized_heads(model, manifest, rename, inside) if has_base else {}
+
+    def target_name(name: str) -> str | None:  # a module path or a tensor key
+        new = rename(name)
+        if new is not None and any(new == r or new.startswith(f"{r}.") for r in resized):
+            return None  # initialized by transformers, as a new head
+        if new is None or new in modules:
+            return new
+        ancestor = new
+        while ancestor and ancestor not in modules:
+            ancestor = ancestor.rpartition(".")[0]
+        # a whole part of the base model the target lacks, as transformers
+        # leaves its tensors unused
+        return None if ancestor == base and (not base or new.startswith(inside)) else new
+
+    saved_paths = [path for path in manifest.classes if path]
+    if saved_paths and all(target_name(path) is None for path in saved_paths):
+        raise CheckpointError(
+            f"none of the checkpoint's {len(saved_paths)} modules (saved from "
+            f"{saved_as[0] if saved_as else 'another class'}, its paths starting "
+            f"{sorted({p.split('.')[0] for p in saved_paths})[:3]}) has a counterpart in "
+            f"{type(model).__name__} (base_model_prefix '{prefix}'): the saved class keeps its "
+            "base model under another name, and transformers would load none of its weights."
+        )
+    return target_name
+
+
+def _resized_heads(model: Any, manifest: Manifest, rename: Any, inside: str) -> dict[str, str]:
+    """`{path: why}` of the target's head modules (outside its base model)
+    whose quantized weight was saved with another
+    shape (a classifier of another `num_labels`): their saved entries leave,
+    transformers initializes them (as `ignore_mismatched_sizes=True` does
+    for a float checkpoint; transformers does not tell a quantizer whether
+    it was passed), with a warning naming them."""
+    modules = dict(model.named_modules())
+    resized = {}
+    for path, record in manifest.quantized.items():
+        new = rename(path)
+        if new is None or new.startswith(inside) or new not in modules:
+            continue
+        weight = getattr(modules[new], record.weight, None)
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+        if shape is not None and shape != tuple(record.float_shape):
+            saved = tuple(record.float_shape)
+            resized[new] = f"'{new}' ({record.mode}, saved {saved}, now {shape})"
+    if resized:
+        warnings.warn(
+            f"The checkpoint's head {', '.join(resized.values())} has another shape in the "
+            "target: its saved tensors are left out and transformers initializes it (as "
+            "ignore_mismatched_sizes=True does); it computes with the policy of the modules "
+            "around it, unquantized.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return resized
 
 
 def _steps_for_undescribed(model: Any, manifest: Manifest, prefix: str) -> list:
