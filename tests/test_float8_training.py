@@ -77,6 +77,39 @@ def test_a_step_the_loss_scaler_skips_leaves_the_scales_as_they_were():
     assert torch.equal(layer.inputs_amax_history[1:], expected)
 
 
+def test_a_skipped_step_undoes_only_its_own_optimizers_models():
+    """Two models, two optimizers (a GAN, a teacher and a student): a loss
+    scaler skipping one model's step restores that model's scales, not the
+    other's, whose optimizer stepped (before or after) and applied them."""
+    first, second = _dense("mixed_float16"), _dense("mixed_float16", units=3)
+    skipping = LossScaleOptimizer(torch.optim.SGD(first.parameters(), lr=1e-3))
+    stepping = torch.optim.SGD(second.parameters(), lr=1e-3)
+    first_before, second_before = _state(first), _state(second)
+    spike = torch.randn(4, 8)
+    spike[0, 0] = float("inf")
+    skipping.scale_loss(first(spike).float().sum()).backward()
+    second(torch.full((4, 8), 2.0)).float().sum().backward()
+    stepping.step()  # between the first model's backward and its skipped step
+    skipping.step()
+    assert skipping.last_step_skipped
+    for name, value in _state(first).items():
+        assert torch.equal(value, first_before[name]), name
+    assert second.inputs_amax_history[0].item() == 2.0
+    assert not torch.equal(second.inputs_amax_history, second_before["inputs_amax_history"])
+
+    second_recorded = _state(second)  # the other order: the skip comes first
+    skipping.zero_grad()
+    skipping.scale_loss(first(spike).float().sum()).backward()
+    second(torch.full((4, 8), 5.0)).float().sum().backward()
+    skipping.step()
+    assert skipping.last_step_skipped
+    assert second.inputs_amax_history[0].item() == 5.0
+    assert not torch.equal(second.inputs_amax_history, second_recorded["inputs_amax_history"])
+    stepping.step()
+    for name, value in _state(first).items():
+        assert torch.equal(value, first_before[name]), name
+
+
 def test_a_non_finite_maximum_never_enters_a_history():
     layer = _dense()
     layer(torch.full((2, 8), 2.0)).sum().backward()

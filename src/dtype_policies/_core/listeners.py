@@ -81,16 +81,17 @@ def weights_written(module: Any) -> None:
 _step_skipped_listeners: list[Callable[[], None]] = []
 
 
-def add_step_skipped_listener(callback: Callable[[], None]) -> None:
-    """Calls `callback()` whenever a loss scaler skips an optimizer step
-    (`step_skipped`): state a backward pass wrote for that step is undone."""
+def add_step_skipped_listener(callback: Callable[[Any], None]) -> None:
+    """Calls `callback(optimizer)` whenever a loss scaler skips a step of the
+    torch `optimizer` it wraps (`step_skipped`): state a backward pass wrote
+    for that step is undone."""
     if not callable(callback):
         raise TypeError(f"add_step_skipped_listener() expects a callable. Received: {callback!r}")
     if callback not in _step_skipped_listeners:
         _step_skipped_listeners.append(callback)
 
 
-def step_skipped() -> None:
-    """Tells the listeners that a loss scaler skipped an optimizer step."""
+def step_skipped(optimizer: Any) -> None:
+    """Tells the listeners that a loss scaler skipped a step of `optimizer`."""
     for callback in tuple(_step_skipped_listeners):
-        callback()
+        callback(optimizer)

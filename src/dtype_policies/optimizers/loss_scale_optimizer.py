@@ -361,7 +361,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if not finite:
             self._step_counter = 0
             self._set_scale(self._scale / 2.0)
-            step_skipped()  # float8 scale updates of the skipped step are undone
+            step_skipped(self._inner)  # float8 scale updates of the skipped step are undone
             return None
         self._inner.step()
         self._iterations += 1

@@ -217,9 +217,10 @@ _pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = 
 )
 """Per module, the largest absolute maxima its calls of the running backward
 pass have shown, until the pass is over (`_commit`)."""
-_undo: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-"""Per state buffer (by id), its value before the first commit since the last
-optimizer step: what a skipped step restores."""
+_undo: dict[int, tuple[weakref.ref, torch.Tensor, weakref.ref]] = {}
+"""Per state buffer (by id): the buffer, its value before the first commit
+since the last step of an optimizer of its module (what a skipped step
+restores), and its module."""
 
 
 def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
@@ -267,25 +268,53 @@ def _commit(module: torch.nn.Module) -> None:
                 history = module.get_buffer(f"{name}_amax_history")
                 for tensor in (scale, history):
                     if id(tensor) not in _undo:
-                        _undo[id(tensor)] = (weakref.ref(tensor), tensor.detach().clone())
+                        old = tensor.detach().clone()
+                        _undo[id(tensor)] = (weakref.ref(tensor), old, weakref.ref(module))
                 scale.copy_(compute_float8_scale(history.max(), scale, fmt_max))
                 history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
 
 
-def _forget_undo(*_: Any) -> None:
-    """An optimizer stepped: the steps recorded so far stand."""
-    if _undo:
-        with _lock:
-            _undo.clear()
+def _steps_for(module: torch.nn.Module | None, optimized: set[int]) -> bool:
+    """Whether a step of an optimizer of the parameters `optimized` (ids)
+    is `module`'s: it holds one of them, or none of its own parameters
+    trains (a frozen float8 base under an adapter), so that the optimizer
+    stepping after its backward pass is its step."""
+    if module is None:
+        return True
+    own = list(module.parameters(recurse=False))
+    if any(id(p) in optimized for p in own):
+        return True
+    return not any(p.requires_grad for p in own)
 
 
-def _undo_since_last_step() -> None:
-    """A loss scaler skipped the step: the state goes back to what it was
-    before the backward passes since the last optimizer step."""
+def _optimized(optimizer: Any) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _forget_undo(optimizer: Any, *_: Any) -> None:
+    """`optimizer` stepped: the steps recorded so far for its modules stand."""
+    if not _undo:
+        return
+    optimized = _optimized(optimizer)
     with _lock:
-        restores = [(ref(), old) for ref, old in _undo.values()]
-        _undo.clear()
-        _pending.clear()
+        for key, (_, _, module) in list(_undo.items()):
+            if _steps_for(module(), optimized):
+                del _undo[key]
+
+
+def _undo_since_last_step(optimizer: Any) -> None:
+    """A loss scaler skipped a step of `optimizer`: its modules' state goes
+    back to what it was before the backward passes since their last step;
+    other models' (another optimizer's) stays."""
+    optimized = _optimized(optimizer)
+    with _lock:
+        restores = []
+        for key, (ref, old, module) in list(_undo.items()):
+            if _steps_for(owner := module(), optimized):
+                restores.append((ref(), old))
+                del _undo[key]
+                if owner is not None:
+                    _pending.pop(owner, None)
         with torch.no_grad():
             for tensor, old in restores:
                 if tensor is not None:
