@@ -8,7 +8,7 @@ import torch
 
 
 def join(parent: str, child: str) -> str:
-    return f"{parent}/{child}" if parent else child
+    return f"{parent}/{child}" if parent and child else parent or child
 
 
 def named_module_paths(

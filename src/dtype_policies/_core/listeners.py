@@ -78,7 +78,7 @@ def weights_written(module: Any) -> None:
         callback(module)
 
 
-_step_skipped_listeners: list[Callable[[], None]] = []
+_step_skipped_listeners: list[Callable[[Any], None]] = []
 
 
 def add_step_skipped_listener(callback: Callable[[Any], None]) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,28 @@ def _is_norm(module: torch.nn.Module) -> bool:
     return matches_any("", module, DEFAULT_FLOAT32_RULES)
 
 
+@dataclass(frozen=True)
+class Planning:
+    """What an application was planned from, for the modules registered
+    under its model later (`apply.joining`)."""
+
+    policy: DTypePolicy
+    rules: tuple
+    cast_buffers: bool
+    weight_cache: bool
+
+
+_live_handles: weakref.WeakValueDictionary[object, PolicyHandle] = weakref.WeakValueDictionary()
+"""The applications by token, while something holds their handle (the
+module a handle is in force on does)."""
+
+
+def live_handle(token: object) -> PolicyHandle | None:
+    """The application of `token`, if it is still in force."""
+    handle = _live_handles.get(token)
+    return None if handle is None or handle.removed else handle
+
+
 @dataclass
 class PolicyHandle:
     """What `apply_policy` returns: the per-module policies, and `remove()`.
@@ -105,7 +128,28 @@ class PolicyHandle:
     _expansions: list[experts.ExpertsExpansion] = field(default_factory=list, repr=False)
     _hooks: list[Any] = field(default_factory=list, repr=False)
     _token: object = field(default_factory=object, repr=False)
+    # how modules registered under the model later are planned (`joining`):
+    # the policy (a map is read at their paths) and apply_policy's options
+    _planning: Planning | None = field(default=None, repr=False)
+    _paths: dict[int, str] = field(default_factory=dict, repr=False)  # id(module) -> path
     removed: bool = False
+
+    def __post_init__(self) -> None:
+        _live_handles[self._token] = self
+
+    def _install(self, steps: list[Step]) -> None:
+        """Puts the steps' policies in force as part of this application."""
+        for step in steps:
+            self.policies[step.path] = step.policy
+            if step.island:
+                self.float32_paths.append(step.path)
+            if step.options is None:
+                entry = LayerApplication(step.policy, step.path or step.module.name)
+                push_application(step.module, self._token, entry)
+            else:
+                policy_module.install(step.module, self._token, step.options)
+            self._modules.append(step.module)
+            self._paths.setdefault(id(step.module), step.path)
 
     def remove(self) -> None:
         """Undoes this application: every module computes as before it.
@@ -323,10 +367,10 @@ def apply_policy(
     >>> model(torch.randn(2, 8)).dtype
     torch.float32
     """
-    steps, plans, unquantized = _plan_application(
+    steps, plans, unquantized, planning = _plan_application(
         module, policy, float32_modules, cast_buffers, weight_cache, stacklevel=3
     )
-    handle = commit_application(module, steps, plans)
+    handle = commit_application(module, steps, plans, planning=planning)
     handle.unquantized = unquantized
     return handle
 
@@ -359,13 +403,13 @@ def tentative_application(
     >>> model.dtype_policy.name, earlier.removed
     ('mixed_bfloat16', False)
     """
-    steps, plans, unquantized = _plan_application(
+    steps, plans, unquantized, planning = _plan_application(
         module, policy, float32_modules, True, True, stacklevel=5
     )
     previous = getattr(state_of(module), "handle", None)
     if previous is not None and previous.removed:
         previous = None
-    handle = commit_application(module, steps, plans, replace=False)
+    handle = commit_application(module, steps, plans, replace=False, planning=planning)
     handle.unquantized = unquantized
     try:
         yield handle
@@ -388,9 +432,10 @@ def _plan_application(
     cast_buffers: bool,
     weight_cache: bool,
     stacklevel: int,
-) -> tuple[list[Step], list[attach.Plan], dict[str, str]]:
-    """`apply_policy`'s steps, quantization plans, and `{path: why}` of the
-    modules its quantized policy leaves float; changes nothing."""
+) -> tuple[list[Step], list[attach.Plan], dict[str, str], Planning]:
+    """`apply_policy`'s steps, quantization plans, `{path: why}` of the
+    modules its quantized policy leaves float, and what it was planned
+    from; changes nothing."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"apply_policy() expects a torch.nn.Module. Received: {type(module).__name__}"
@@ -432,7 +477,8 @@ def _plan_application(
                     UserWarning,
                     stacklevel=stacklevel,
                 )
-    return steps, plans, {step.path or "(root)": why for step, why in declined}
+    unquantized = {step.path or "(root)": why for step, why in declined}
+    return steps, plans, unquantized, Planning(policy, rules, cast_buffers, weight_cache)
 
 
 def steps_under(
@@ -440,13 +486,16 @@ def steps_under(
     policy: DTypePolicy,
     path: str,
     *,
+    rules: tuple = DEFAULT_FLOAT32_RULES,
     cast_buffers: bool = True,
     weight_cache: bool = True,
+    enclosing: torch.dtype | None = None,
 ) -> list[Step]:
     """The steps `apply_policy(module, policy)` would plan (float32 islands
-    included), with `path` (`/`-joined, `module`'s path in the model the
-    steps are committed on) before their paths. A quantized policy gives its
-    float source: nothing is quantized. Changes nothing.
+    included) for `module` at `path` (`/`-joined, its path in the model the
+    steps are committed on: a `DTypePolicyMap` is read at the full paths),
+    its outputs going back in `enclosing` where given. A quantized policy
+    gives its float source: nothing is quantized. Changes nothing.
 
     >>> import torch
     >>> head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
@@ -455,35 +504,37 @@ def steps_under(
     >>> [s.policy.name for s in steps_under(head, get_policy("int8_from_mixed_bfloat16"), "")]
     ['mixed_bfloat16', 'mixed_bfloat16', 'float32']
     """
-    if isinstance(policy, QuantizedDTypePolicy):
-        policy = policy.source_policy
-    steps, _ = _plan_policies(module, policy, DEFAULT_FLOAT32_RULES, cast_buffers, weight_cache)
-    for step in steps:
-        step.path = f"{path}/{step.path}" if path and step.path else step.path or path
+    steps, _ = _plan_policies(
+        module,
+        policy,
+        rules,
+        cast_buffers,
+        weight_cache,
+        root_path=path,
+        enclosing_root=enclosing,
+        float_sources=True,
+    )
     return steps
 
 
 def commit_application(
-    module: torch.nn.Module, steps: list[Step], plans: list[attach.Plan], *, replace: bool = True
+    module: torch.nn.Module,
+    steps: list[Step],
+    plans: list[attach.Plan],
+    *,
+    replace: bool = True,
+    planning: Planning | None = None,
 ) -> PolicyHandle:
     """Applies planned steps and quantizations to `module` as one application
     (replacing an earlier one on the same module; with `replace=False`, over
-    it, which its caller removes). Cannot fail."""
+    it, which its caller removes), planned from `planning` where there is one
+    (modules registered later are planned from it). Cannot fail."""
     previous = getattr(state_of(module), "handle", None)
-    handle = PolicyHandle(module)
+    handle = PolicyHandle(module, _planning=planning)
     if replace and previous is not None and not previous.removed:
         previous._hand_over(handle, steps)
         previous._remove(stacklevel=4)
-    for step in steps:
-        handle.policies[step.path] = step.policy
-        if step.island:
-            handle.float32_paths.append(step.path)
-        if step.options is None:
-            entry = LayerApplication(step.policy, step.path or step.module.name)
-            push_application(step.module, handle._token, entry)
-        else:
-            policy_module.install(step.module, handle._token, step.options)
-        handle._modules.append(step.module)
+    handle._install(steps)
     for plan in plans:
         attach.commit(plan)
         handle._quantized.append((plan.path, plan.module))
@@ -503,9 +554,19 @@ def _plan_policies(
     rules: tuple,
     cast_buffers: bool,
     weight_cache: bool,
+    *,
+    root_path: str | None = None,
+    enclosing_root: torch.dtype | None = None,
+    float_sources: bool = False,
 ) -> tuple[list[Step], set[str]]:
+    """The steps of `module`'s tree, its paths under `root_path` (by default
+    the root's own: a named layer's), and the map keys used; the root's
+    outputs go back in `enclosing_root` where given (the module it is part
+    of computes in it); `float_sources`: a quantized policy gives its float
+    source (the module is not quantized)."""
     steps, used_keys, conflicts = [], set(), []
-    root_path = root_path_of(module)
+    if root_path is None:
+        root_path = root_path_of(module)
     computes: dict[str, torch.dtype | None] = {}  # each path's compute dtype
     weight_computations: list[str] = []  # the paths of parametrizations' lists
     for path, submodule in named_module_paths(module, root_path):
@@ -520,6 +581,8 @@ def _plan_policies(
             if explicit:
                 used_keys.add(key)
             resolved = policy[path]
+        if float_sources and isinstance(resolved, QuantizedDTypePolicy):
+            resolved = resolved.source_policy
         if resolved.quantization_mode is None and not is_float_dtype(resolved.compute_dtype):
             raise ValueError(
                 f"apply_policy(): the policy '{resolved.name}' for '{path or '(root)'}' "
@@ -547,6 +610,8 @@ def _plan_policies(
         else:  # what the code around the model computes in: the map's default
             around = policy.default_policy if isinstance(policy, DTypePolicyMap) else None
             enclosing = compute_dtype_of(around) if explicit and around is not None else None
+            if enclosing_root is not None:
+                enclosing = enclosing_root
         options = None
         if not isinstance(submodule, Layer):
             options = policy_module.ModuleOptions(

@@ -297,8 +297,8 @@ def _forget_undo(optimizer: Any, *_: Any) -> None:
         return
     optimized = _optimized(optimizer)
     with _lock:
-        for key, (_, _, module) in list(_undo.items()):
-            if _steps_for(module(), optimized):
+        for key, record in list(_undo.items()):
+            if _steps_for(record[2](), optimized):
                 del _undo[key]
 
 

@@ -1,0 +1,154 @@
+"""Modules registered under a policied model after `apply_policy` (a new head,
+a block appended, a resized embedding) join the applications in force on
+their parent, as if the policy were applied again; modules that carry a
+policy or quantization of their own are left as they are."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize, saving
+
+X = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_a_new_head_computes_with_the_policy_and_leaves_with_remove():
+    model = _model()
+    handle = apply_policy(model, "mixed_bfloat16")
+    model[2] = nn.Linear(16, 3)
+    out = model(X)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 3)
+    assert model[2].dtype_policy.name == "mixed_bfloat16"
+    assert model[2].weight.dtype == torch.float32  # float32 masters
+    assert handle.policies["2"].name == "mixed_bfloat16"
+    out.float().sum().backward()
+    assert model[2].weight.grad.dtype == torch.float32
+    handle.remove()
+    assert type(model[2]) is nn.Linear and model(X).dtype == torch.float32
+
+
+def test_the_same_values_as_applying_the_policy_again():
+    model = _model()
+    apply_policy(model, "mixed_bfloat16")
+    torch.manual_seed(1)
+    model.append(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2)))
+    joined = model(X)
+    assert model[3][0].dtype_policy.name == "float32"  # the norm an island
+    apply_policy(model, "mixed_bfloat16")
+    assert torch.equal(model(X), joined)
+
+
+def test_a_policy_map_is_read_at_the_new_modules_path():
+    model = _model()
+    handle = apply_policy(
+        model, DTypePolicyMap("mixed_bfloat16", {"2": "float32", "3": "int8_from_float32"})
+    )
+    model[2] = nn.Linear(16, 4)
+    model.append(nn.Linear(4, 4))
+    assert model[2].dtype_policy.name == "float32"
+    # a quantized entry gives its float source: a new module is not quantized
+    assert model[3].dtype_policy.name == "float32"
+    assert "weight_int8" not in model[3].state_dict()
+    assert handle.policies["3"].name == "float32"
+    assert model(X).dtype == torch.float32
+
+
+def test_nested_applications_the_latest_wins_on_the_new_module():
+    model = nn.Sequential(_model())
+    apply_policy(model, "mixed_bfloat16")
+    inner = apply_policy(model[0], "float16")
+    model[0][2] = nn.Linear(16, 2)
+    assert model[0][2].dtype_policy.name == "float16"
+    assert model(X).dtype == torch.float16
+    inner.remove()  # the outer application is in force on it again
+    assert model[0][2].dtype_policy.name == "mixed_bfloat16"
+    assert model(X).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["policied", "quantized", "layer", "wrapping"])
+def test_a_module_with_a_policy_of_its_own_is_left_as_it_is(kind):
+    model = _model()
+    apply_policy(model, "mixed_bfloat16")
+    torch.manual_seed(2)
+    if kind == "policied":
+        child = nn.Linear(16, 4)
+        apply_policy(child, "float16")
+        expected = "float16"
+    elif kind == "quantized":
+        child = nn.Linear(16, 4)
+        quantize(child, "int8")
+        expected = "int8_from_float32"
+    elif kind == "layer":
+        child = layers.Dense(4, dtype="float32")
+        child.build((None, 16))
+        expected = "float32"
+    else:  # an adapter around the model's own policied linear, as peft wraps it
+        child = nn.ModuleDict({"base_layer": model[2], "lora_A": nn.Linear(16, 2)})
+        expected = None
+    model[2] = child
+    if expected is not None:
+        assert child.dtype_policy.name == expected
+    else:
+        assert child["base_layer"].dtype_policy.name == "mixed_bfloat16"
+        assert not hasattr(child["lora_A"], "dtype_policy")
+
+
+def test_a_planning_error_leaves_the_registration_undone():
+    """Two keys matching the new module's path (and no path before it): the
+    error apply_policy would raise there, from the assignment, which does
+    not happen."""
+    model = _model()
+    old_head = model[2]
+    policies = DTypePolicyMap("mixed_bfloat16", {"^[3]$": "float32", "[3]": "float16"})
+    apply_policy(model, policies)
+    with pytest.raises(ValueError, match="'3'"):
+        model.append(nn.Linear(4, 4))
+    assert len(model) == 3 and model[2] is old_head
+    assert model(X).dtype == torch.bfloat16
+
+
+def test_a_parametrization_registered_later_is_not_planned():
+    model = _model()
+    apply_policy(model, "mixed_bfloat16")
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    assert not hasattr(model[0].parametrizations, "dtype_policy")
+
+
+def test_the_new_head_is_saved_with_its_policy(tmp_path):
+    model = _model()
+    apply_policy(model, "mixed_bfloat16")
+    model[2] = nn.Linear(16, 3)
+    saving.save(model, tmp_path / "model.safetensors")
+    target = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    saving.load(target, tmp_path / "model.safetensors")
+    assert target[2].dtype_policy.name == "mixed_bfloat16"
+    assert torch.equal(target(X), model(X))
+
+
+def test_a_transformers_head_replaced_and_embeddings_resized():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    apply_policy(model, "mixed_bfloat16")
+    model.classifier = nn.Linear(32, 5)
+    model.resize_token_embeddings(80)
+    ids = torch.tensor([[3, 70, 79, 5]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, 5) and logits.dtype == torch.bfloat16
+    assert torch.isfinite(logits).all()
+    assert model.bert.embeddings.word_embeddings.dtype_policy.name == "mixed_bfloat16"
+    assert model.classifier.dtype_policy.name == "mixed_bfloat16"
