@@ -16,6 +16,7 @@ from dtype_policies import (
     QuantizedFloat8DTypePolicy,
     deserialize,
     get,
+    policy_scope,
     serialize,
 )
 
@@ -125,10 +126,26 @@ def test_keras2_policy_class_name_accepted():
     )
 
 
+def test_a_config_without_its_config_gives_the_class_defaults_as_keras_reads_it():
+    assert deserialize({"class_name": "DTypePolicy"}) == DTypePolicy()
+    with policy_scope("mixed_bfloat16"):
+        assert deserialize({"class_name": "DTypePolicy"}).name == "mixed_bfloat16"
+    with pytest.raises(TypeError, match="Cannot rebuild QuantizedDTypePolicy"):
+        deserialize({"class_name": "QuantizedDTypePolicy"})  # it needs its mode
+
+
+@pytest.mark.parametrize(
+    ("python_type", "name"),
+    [(bool, "bool"), (int, "int32"), (float, "float32"), (complex, "complex64")],
+)
+def test_get_of_a_python_type_as_keras(python_type, name):
+    assert get(python_type).name == name
+
+
 def test_deserialize_errors():
     with pytest.raises(TypeError, match="expects a dict"):
         deserialize("float32")
-    with pytest.raises(ValueError, match="'class_name' and 'config'"):
+    with pytest.raises(ValueError, match="needs the key 'class_name'"):
         deserialize({"config": {"name": "float32"}})
     with pytest.raises(ValueError, match="Unknown dtype policy class 'Nope'"):
         deserialize({"class_name": "Nope", "config": {}})

@@ -34,7 +34,14 @@ ALLOWED_DTYPES = frozenset(
 # Floating dtypes a layer can compute in (and so a quantized policy can start from).
 COMPUTE_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
-_PYTHON_DTYPES = {bool: "bool", int: "int32", float: "float32", str: "string", "int": "int32"}
+_PYTHON_DTYPES = {
+    bool: "bool",
+    int: "int32",
+    float: "float32",
+    complex: "complex64",
+    str: "string",
+    "int": "int32",
+}
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in ALLOWED_DTYPES if name != "string"}
 _NAMES_BY_TORCH_DTYPE = {dtype: name for name, dtype in _TORCH_DTYPES.items()}

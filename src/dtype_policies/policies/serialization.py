@@ -91,10 +91,9 @@ def deserialize(
         raise TypeError(
             f"deserialize() expects a dict. Received: {config!r} of type {type(config)}"
         )
-    if "class_name" not in config or "config" not in config:
+    if "class_name" not in config:
         raise ValueError(
-            "A serialized dtype policy needs the keys 'class_name' and 'config'. "
-            f"Received: {config!r}"
+            f"A serialized dtype policy needs the key 'class_name'. Received: {config!r}"
         )
     class_name = config["class_name"]
     cls = (custom_objects or {}).get(class_name) or POLICY_CLASSES.get(class_name)
@@ -108,7 +107,7 @@ def deserialize(
             f"Unknown dtype policy class '{class_name}'. Expected one of "
             f"{sorted(POLICY_CLASSES)} or a class given in `custom_objects`."
         )
-    inner = config["config"]
+    inner = config.get("config", {})  # none: the class's defaults, as Keras reads it
     if not isinstance(inner, dict):
         raise TypeError(f"The 'config' of a serialized policy must be a dict. Received: {inner!r}")
     if getattr(cls, "is_map", False):
