@@ -10,12 +10,14 @@ import pickle
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 from dtype_policies import apply_policy, layers, quantize, saving, summary
 from dtype_policies._core.module_state import STATE_KEY
+from dtype_policies.quantization import calibration
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.report import SKIP_OUTSIDE_STRUCTURE
@@ -295,6 +297,14 @@ def test_blocks_chain_says_why_blocks_do_not_chain():
     assert blocks_chain(blocks, lambda: after(blocks[2](blocks[1](blocks[0](x)))))[0]
     assert ran == []  # what follows the last block is not run
 
+    def looped():  # the same blocks twice over (weights shared across depth)
+        h = x
+        for _ in range(2):
+            h = blocks[2](blocks[1](blocks[0](h)))
+        return after(h)
+
+    assert blocks_chain(blocks, looped) == (False, "the blocks ran in the order [0, 1, 2, 0]")
+
 
 def test_a_structure_the_user_passes():
     model = llama()
@@ -369,6 +379,13 @@ def snapshot(model):
         {k: v.clone() for k, v in model.state_dict().items()},
         [type(m) for m in model.modules()],
     )
+
+
+def assert_same(model, before):
+    tensors, classes = before
+    after = model.state_dict()
+    assert list(after) == list(tensors) and all(torch.equal(after[k], tensors[k]) for k in tensors)
+    assert [type(m) for m in model.modules()] == classes
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
@@ -521,6 +538,90 @@ def test_a_tokenizers_output_calibrates_without_its_padding():
         token_windows([{"ids": ids}], None, num_samples=2, sequence_length=16)
     with pytest.raises(ValueError, match=r"attention_mask has 64 entries for 192 input_ids"):
         token_windows([{"input_ids": ids, "attention_mask": mask[0]}], None, 2, 16)
+
+
+def test_a_tokenizers_unpadded_output_and_a_float_mask_are_read_as_ids():
+    """`tokenizer(texts)` without padding gives rows of different lengths;
+    a float mask (`(ids != 0).float()`) is still a mask: the ids are
+    windowed, the masked positions left out."""
+    ids = token_data()[0]
+    rows = [ids[:50].tolist(), ids[50:130].tolist(), ids[130:150].tolist()]
+    ragged = transformers.BatchEncoding(
+        {"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]}
+    )
+    stream = ids[:150]
+    windows = token_windows([ragged], None, num_samples=2, sequence_length=64)
+    assert torch.equal(windows[0], stream[:64])
+    assert torch.equal(token_windows(rows, None, 2, 64), windows)  # a list of rows
+    padded = ids[:128].reshape(2, 64).clone()
+    float_mask = torch.ones(2, 64)
+    float_mask[1, 40:] = 0.0
+    windows = token_windows([{"input_ids": padded, "attention_mask": float_mask}], None, 1, 104)
+    assert torch.equal(windows[0], torch.cat([padded[0], padded[1, :40]]))
+
+
+def test_an_array_of_texts_is_read_text_by_text():
+    texts = np.array(["abcd", "ghij"])
+    windows = token_windows(texts, lambda text: [ord(c) for c in text], 2, 4)
+    assert windows.tolist() == [[97, 98, 99, 100], [99, 100, 103, 104]]
+    assert torch.equal(
+        windows, token_windows(["abcd", "ghij"], lambda t: [ord(c) for c in t], 2, 4)
+    )
+
+
+def test_a_structure_given_as_a_generator_is_read_once_and_kept():
+    model = llama(layers_count=2)
+    config = GPTQConfig(
+        token_data(),
+        None,
+        num_samples=4,
+        sequence_length=32,
+        group_size=32,
+        quantization_layer_structure=(f"model.layers.{i}" for i in range(2)),
+    )
+    assert config.get_config()["quantization_layer_structure"] == [
+        "model.layers.0",
+        "model.layers.1",
+    ]
+    quiet_quantize(model, config)
+    assert quantization_of(model.model.layers[1].mlp.down_proj) is not None
+    with pytest.raises(ValueError, match=r"\['sequential_blocks'\] must hold the blocks"):
+        GPTQConfig(token_data(), None, quantization_layer_structure={"sequential_blocks": None})
+
+
+def test_windows_longer_than_the_models_positions_are_named():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    before = snapshot(model)
+    data = GPTQConfig(token_data(), None, num_samples=2, sequence_length=48, group_size=32)
+    with pytest.raises(
+        ValueError, match=r"windows of 48 tokens .*'n_positions': 32.*sequence_length"
+    ):
+        quiet_quantize(model, data)
+    assert_same(model, before)
+
+
+def test_one_model_calibrated_by_two_calls_at_once_is_refused():
+    model = llama(layers_count=1)
+    config = GPTQConfig(token_data(), None, num_samples=4, sequence_length=32, group_size=32)
+    with calibration._calibrating(model):  # another call's calibration in progress
+        before = snapshot(model)
+        with pytest.raises(RuntimeError, match="being calibrated by another quantize"):
+            quiet_quantize(model, config)
+        assert_same(model, before)
+    quiet_quantize(model, config)  # once it is over
+    assert quantization_of(model.model.layers[0].mlp.down_proj) is not None
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        quantize(llama(layers_count=1), config=config, progress="yes")
 
 
 def test_a_short_dataset_is_repeated_with_a_warning_naming_its_size():

@@ -219,6 +219,8 @@ def quantize(
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module. Received: {type(model).__name__}")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"quantize(): progress must be True, False or None. Received: {progress!r}")
     config = validate_and_resolve_config(mode, config)
     mode = config.mode
     calibrated = mode_record(mode).calibrated

@@ -54,7 +54,9 @@ is a terminal, or as `progress` says (`quantization.progress`).
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,7 +193,29 @@ def _assign(
 
 def _run(model: torch.nn.Module, batch: Any) -> Any:
     args, kwargs = _as_call(batch)
-    return model(*args, **kwargs)
+    try:
+        return model(*args, **kwargs)
+    except IndexError as error:  # an embedding lookup past its table
+        raise _model_refused_windows(model, batch, error) from error
+
+
+def _model_refused_windows(model: torch.nn.Module, batch: Any, error: Exception) -> ValueError:
+    """The error of a model whose first run on the calibration windows
+    failed on an index: most likely windows longer than its positions."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    length = f"{ids.shape[-1]} tokens" if isinstance(ids, torch.Tensor) else "its windows"
+    config = getattr(model, "config", None)
+    limits = {
+        name: value
+        for name in ("n_positions", "max_position_embeddings")
+        if isinstance(value := getattr(config, name, None), int)
+    }
+    named = f" (its config: {limits})" if limits else ""
+    return ValueError(
+        f"The model failed on the calibration windows of {length} with "
+        f"{type(error).__name__}: {error}. A model with a table of positions takes at "
+        f"most that many tokens{named}: lower `sequence_length`."
+    )
 
 
 def _plan_block(
@@ -378,6 +402,8 @@ def _first_block_calls(
                 model(*args, **kwargs)
             except _Captured:
                 continue
+            except IndexError as error:
+                raise _model_refused_windows(model, batch, error) from error
             raise ValueError(
                 f"The model's forward never reached the first block of the quantization "
                 f"structure ({type(first).__name__}): check `quantization_layer_structure`."
@@ -515,6 +541,10 @@ def _record_order(called: list[int], group: list[tuple[str, Checked]], order: li
         order.append(list(called))
 
 
+_lock = threading.Lock()
+_being_calibrated: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
 @contextlib.contextmanager
 def _calibrating(model: torch.nn.Module) -> Iterator[None]:
     """Eval mode, no gradients and no kept casts while calibrating (each block
@@ -522,6 +552,14 @@ def _calibrating(model: torch.nn.Module) -> Iterator[None]:
     second copy of the model), a transformers model's bfloat16 attention on
     this library's kernel (`kernels.attention.selected`); every module's mode
     restored."""
+    with _lock:
+        if model in _being_calibrated:
+            raise RuntimeError(
+                f"The {type(model).__name__} is being calibrated by another quantize() call "
+                "(another thread): calibrate one model once at a time; its forward hooks "
+                "would see each other's runs."
+            )
+        _being_calibrated.add(model)
     modes = [(module, module.training) for module in model.modules()]
     try:
         model.eval()
@@ -530,6 +568,8 @@ def _calibrating(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
+        with _lock:
+            _being_calibrated.discard(model)
 
 
 def _blocks(model: torch.nn.Module, structure: Any) -> list[tuple[str, Any]]:

@@ -25,10 +25,12 @@ input equals the previous block's first output (`blocks_chain`). Otherwise
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
@@ -104,10 +106,28 @@ def blocks_chain(
     `after_block()` is called as each block returns.
 
     Each block's input is compared with the previous block's output as it
-    arrives, so that only one block's output is held, not the model's."""
+    arrives, so that only one block's output is held, not the model's. The
+    run stops at the first module called after the last block (what follows
+    the blocks, an LM head, need not run), which must not be a block again
+    (a model looping over its blocks)."""
     order: list[int] = []
     previous: list[Any] = [None]
     unchained: list[int] = []  # the first block whose input is not the previous output
+    thread = threading.get_ident()
+    block_ids = {id(block) for block in blocks}
+    after_last: list[Any] = []  # the global hook that stops the run after the last block
+
+    def stop(module: torch.nn.Module, args: tuple) -> None:
+        if threading.get_ident() == thread and id(module) not in block_ids:
+            raise _LastBlockDone
+
+    def again(index: int):
+        def pre_hook(module: torch.nn.Module, args: tuple) -> None:
+            if after_last:  # a block called after the last one
+                order.append(index)
+                raise _LastBlockDone
+
+        return pre_hook
 
     def record(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -117,20 +137,21 @@ def blocks_chain(
             order.append(index)
             previous[0] = first_output(output)
             after_block()
-            if index == len(blocks) - 1:
-                raise _LastBlockDone  # what follows the blocks (an LM head) need not run
+            if index == len(blocks) - 1 and not after_last:
+                after_last.append(register_module_forward_pre_hook(stop))
 
         return hook
 
     handles = []
     try:
         for index, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(again(index)))
             handles.append(block.register_forward_hook(record(index), with_kwargs=True))
         run_model()
     except _LastBlockDone:
         pass
     finally:
-        for handle in handles:
+        for handle in (*handles, *after_last):
             handle.remove()
         previous.clear()
     if order != list(range(len(blocks))):

@@ -56,8 +56,8 @@ def _is_model_input(item: Any) -> bool:
         return item.is_floating_point()
     if isinstance(item, np.ndarray):
         return np.issubdtype(item.dtype, np.floating)
-    if isinstance(item, Mapping):
-        return any(_is_model_input(v) for v in item.values())
+    if isinstance(item, Mapping):  # a tokenizer's output whatever its mask's dtype
+        return "input_ids" not in item and any(_is_model_input(v) for v in item.values())
     if isinstance(item, tuple):
         return any(_is_model_input(v) for v in item)
     return False
@@ -72,7 +72,9 @@ def _items(dataset: Any) -> list[Any]:
             f"or a NumPy array). Got type: {type(dataset).__name__}. Please pass the loaded "
             "dataset directly."
         )
-    if isinstance(dataset, (Mapping, torch.Tensor, np.ndarray)):
+    if isinstance(dataset, np.ndarray) and dataset.dtype.kind in "USO":
+        dataset = dataset.reshape(-1).tolist()  # texts
+    elif isinstance(dataset, (Mapping, torch.Tensor, np.ndarray)):
         return [dataset]  # one batch of inputs, or one stream of ids
     items = list(dataset)
     if not items:
@@ -111,9 +113,24 @@ def tokenize(tokenizer: Any, text: str) -> np.ndarray:
     return _as_ids(ids)
 
 
+def _rows(value: Any) -> list[Any] | None:
+    """The rows of a list or tuple of sequences (a tokenizer's unpadded
+    `input_ids` have rows of different lengths), else None."""
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(row, (list, tuple, np.ndarray, torch.Tensor)) for row in value)
+    ):
+        return list(value)
+    return None
+
+
 def _as_ids(value: Any) -> np.ndarray:
     if isinstance(value, Mapping):
         return _encoding_ids(value)
+    rows = _rows(value)
+    if rows is not None:
+        return np.concatenate([_as_ids(row) for row in rows])
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
@@ -143,6 +160,14 @@ def _encoding_ids(encoding: Mapping) -> np.ndarray:
     mask = encoding.get("attention_mask")
     if mask is None:
         return ids
+    id_rows, mask_rows = _rows(encoding["input_ids"]), _rows(mask)
+    if id_rows is not None and mask_rows is not None and len(id_rows) == len(mask_rows):
+        return np.concatenate(
+            [
+                _encoding_ids({"input_ids": i, "attention_mask": m})
+                for i, m in zip(id_rows, mask_rows)
+            ]
+        )
     if isinstance(mask, torch.Tensor):
         mask = mask.detach().cpu().numpy()
     mask = np.asarray(mask)

@@ -37,32 +37,42 @@ def as_bool(name: str, value: Any) -> bool:
 
 
 def checked_structure(structure: Any) -> Any:
-    """`quantization_layer_structure` as given, once checked to be one of the
-    forms calibration reads: None, a sequence of submodules or their paths
-    (a `ModuleList` or `Sequential` too), or Keras's dict of them."""
+    """`quantization_layer_structure` once checked to be one of the forms
+    calibration reads: None, a sequence of submodules or their paths (a
+    `ModuleList` or `Sequential` too), or Keras's dict of them; its entries
+    as lists (a generator is read once)."""
     if structure is None:
         return None
     if isinstance(structure, dict):
+        if structure.get("sequential_blocks") is None:
+            raise ValueError(
+                "quantization_layer_structure['sequential_blocks'] must hold the blocks "
+                f"(submodules or their paths). Received: {structure!r}"
+            )
+        checked = dict(structure)
         for key in ("sequential_blocks", "pre_block_layers"):
-            if key in structure and structure[key] is not None:
-                _check_entries(f"quantization_layer_structure[{key!r}]", structure[key])
-        return structure
-    _check_entries("quantization_layer_structure", structure)
-    return structure
+            if checked.get(key) is not None:
+                checked[key] = _check_entries(
+                    f"quantization_layer_structure[{key!r}]", checked[key]
+                )
+        return checked
+    return _check_entries("quantization_layer_structure", structure)
 
 
-def _check_entries(name: str, entries: Any) -> None:
+def _check_entries(name: str, entries: Any) -> list[Any]:
     if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
         raise ValueError(
             f"{name} must be a sequence of submodules or their paths (a list, even of "
             f"one block), or Keras's dict of them. Received: {entries!r}"
         )
+    entries = list(entries)
     for entry in entries:
         if not isinstance(entry, (str, torch.nn.Module)):
             raise ValueError(
                 f"{name} holds {entry!r} ({type(entry).__name__}); its entries are "
                 "submodules of the model or their paths."
             )
+    return entries
 
 
 def _structure_config(structure: Any) -> Any:
