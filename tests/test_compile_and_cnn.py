@@ -109,6 +109,33 @@ def test_compiled_quantized_mlp_has_no_graph_breaks_and_matches_eager(mode):
 
 
 @pytest.mark.slow
+def test_a_compiled_model_of_its_own_class_runs_after_the_policy_is_removed():
+    """torch.compile keeps the module's `__call__` as it was at compile time
+    (the policy's, of the composed class); after `remove()` the module's
+    class is its own again and that call must run it as such (it raised
+    'super(type, obj): obj must be an instance or subtype of type')."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.body(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    handle = apply_policy(model, "mixed_bfloat16")
+    compiled = torch.compile(model)
+    x = torch.randn(4, 16)
+    assert compiled(x).dtype == torch.bfloat16
+    handle.remove()
+    out = compiled(x)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, model(x))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_float32_quantized_products_round_as_eager_ones(mode):
     """The CPU products round their inputs (and int4 its output) to

@@ -394,3 +394,27 @@ def test_array_inputs_become_tensors_in_the_compute_dtype(kind):
 def test_the_issue_numpy_call():
     out = layers.Dense(3, dtype="mixed_bfloat16")(np.ones((2, 5)))
     assert out.dtype == torch.bfloat16 and out.shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_a_linears_bias_or_weight_parametrized_after_the_policy(name):
+    """A parametrization registered after apply_policy computes the tensor
+    in every call (the bias too: the linear's own forward read only the
+    registered one and raised KeyError)."""
+
+    class Doubled(nn.Module):
+        def forward(self, tensor):
+            return tensor * 2.0
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8))
+    reference = copy.deepcopy(model[0])
+    apply_policy(model, "mixed_bfloat16")
+    torch.nn.utils.parametrize.register_parametrization(model[0], name, Doubled())
+    x = torch.randn(2, 8)
+    out = model(x)
+    weight = reference.weight * (2.0 if name == "weight" else 1.0)
+    bias = reference.bias * (2.0 if name == "bias" else 1.0)
+    expected = F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert _relative_error(out, expected) < 0.01

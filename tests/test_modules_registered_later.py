@@ -3,6 +3,10 @@ a block appended, a resized embedding) join the applications in force on
 their parent, as if the policy were applied again; modules that carry a
 policy or quantization of their own are left as they are."""
 
+import copy
+import gc
+import pickle
+
 import pytest
 import torch
 import torch.nn as nn
@@ -152,3 +156,68 @@ def test_a_transformers_head_replaced_and_embeddings_resized():
     assert torch.isfinite(logits).all()
     assert model.bert.embeddings.word_embeddings.dtype_policy.name == "mixed_bfloat16"
     assert model.classifier.dtype_policy.name == "mixed_bfloat16"
+
+
+def test_a_copy_and_a_pickle_of_the_model_take_new_modules_in_too():
+    model = _model()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"2": "float16"}))
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        copied[2] = nn.Linear(16, 3)
+        assert copied[2].dtype_policy.name == "float16"  # the map, read at its path
+        assert copied(X).dtype == torch.float16
+    assert model[2].out_features == 4  # the original is untouched
+
+
+def test_a_submodule_kept_after_its_model_takes_its_own_policy_in():
+    def backbone():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8)))
+        apply_policy(model, "mixed_bfloat16")
+        return model[1]  # the model and its handle go
+
+    encoder = backbone()
+    gc.collect()
+    encoder.append(nn.Linear(8, 2))
+    assert encoder[1].dtype_policy.name == "mixed_bfloat16"
+    assert encoder(X).dtype == torch.bfloat16
+
+
+def test_a_loaded_model_gives_a_new_module_its_parents_policy(tmp_path):
+    model = _model()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"0": "float16"}))
+    saving.save(model, tmp_path / "model.safetensors")
+    loaded = _model()
+    saving.load(loaded, tmp_path / "model.safetensors")
+    loaded[0].extra = nn.Linear(8, 8)  # the map is not saved: its parent's policy
+    loaded.append(nn.Linear(4, 4))
+    assert loaded[0].extra.dtype_policy.name == "float16"
+    assert loaded[3].dtype_policy.name == "mixed_bfloat16"
+    assert loaded(X).dtype == torch.bfloat16
+
+
+def test_paths_are_read_when_the_module_registers_not_when_the_policy_was_applied():
+    model = nn.Sequential(nn.Identity(), nn.Sequential(nn.Linear(8, 8)))
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"0/x": "float16"}))
+    del model[0]  # the Sequential renumbers: the inner one is at '0' now
+    model[0].x = nn.Linear(8, 8)
+    assert model[0].x.dtype_policy.name == "float16"
+
+
+def test_a_replaced_module_leaves_the_application_unless_still_in_the_model():
+    model = _model()
+    handle = apply_policy(model, "mixed_bfloat16")
+    old_head = model[2]
+    model[2] = nn.LayerNorm(16)
+    assert not hasattr(old_head, "dtype_policy")  # out of the model: out of the application
+    assert old_head(torch.randn(2, 16)).dtype == torch.float32
+    assert handle.float32_paths == ["2"] and handle.policies["2"].name == "float32"
+    model[2] = nn.LayerNorm(16)
+    assert handle.float32_paths == ["2"]
+    assert all(m is not old_head for m in handle._modules)
+    shared = model[0]
+    model.append(shared)  # the same module in two places
+    model[3] = nn.Linear(16, 16)
+    assert shared.dtype_policy.name == "mixed_bfloat16"  # still in the model at '0'
+    old_head2 = model[2]
+    model[2] = old_head  # a module that left joins again
+    assert old_head.dtype_policy.name == "mixed_bfloat16"
+    assert not hasattr(old_head2, "dtype_policy")

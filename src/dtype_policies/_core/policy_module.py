@@ -78,6 +78,10 @@ class PolicyModule(ModuleMixin):
         return self.__dict__[STATE_KEY].call.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self, PolicyModule):
+            # a bound method taken before the policy was removed (torch.compile
+            # keeps the module's `__call__`): the module's class is its own again
+            return type(self).__call__(self, *args, **kwargs)
         state = self.__dict__.get(STATE_KEY)
         call = None if state is None else state.call
         if call is None:  # built by the module's own code (a slice of a Sequential)
@@ -166,12 +170,14 @@ class FastLinearForward(ModuleMixin):
         state = d.get(STATE_KEY)
         call = None if state is None else state.call
         parameters = d["_parameters"]
-        weight, bias = parameters.get("weight"), parameters["bias"]
+        weight, bias = parameters.get("weight"), parameters.get("bias")
         store = None if state is None else state.casts
         if weight is None:
             # Not a registered parameter: a tensor that a hook or parametrization
             # computes in every call (`spectral_norm`, `weight_norm`). Cast per call.
             weight, store = self.weight, None
+        if "bias" not in parameters:  # the same, of the bias (None: a Linear without one)
+            bias, store = self.bias, None
         if call is not None and call.autocast and weight.dtype is not call.compute:
             weight, bias, product = cast_pair(store, weight, bias, call.compute, pack=True)
             if product is not None:  # the path this CPU runs it by (`_core.products`)

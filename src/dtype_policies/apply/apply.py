@@ -131,25 +131,46 @@ class PolicyHandle:
     # how modules registered under the model later are planned (`joining`):
     # the policy (a map is read at their paths) and apply_policy's options
     _planning: Planning | None = field(default=None, repr=False)
-    _paths: dict[int, str] = field(default_factory=dict, repr=False)  # id(module) -> path
     removed: bool = False
 
     def __post_init__(self) -> None:
         _live_handles[self._token] = self
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copied or unpickled model's application (its own token) is in
+        # force on the copy: modules registered there later join it too
+        self.__dict__.update(state)
+        _live_handles[self._token] = self
+
     def _install(self, steps: list[Step]) -> None:
         """Puts the steps' policies in force as part of this application."""
+        install_steps(self._token, steps)
         for step in steps:
             self.policies[step.path] = step.policy
             if step.island:
                 self.float32_paths.append(step.path)
-            if step.options is None:
-                entry = LayerApplication(step.policy, step.path or step.module.name)
-                push_application(step.module, self._token, entry)
-            else:
-                policy_module.install(step.module, self._token, step.options)
             self._modules.append(step.module)
-            self._paths.setdefault(id(step.module), step.path)
+
+    def path_of(self, module: torch.nn.Module) -> str | None:
+        """`module`'s path in the model now, if it is in it."""
+        for path, submodule in named_module_paths(self.module, root_path_of(self.module)):
+            if submodule is module:
+                return path
+        return None
+
+    def _leave(self, modules: list[torch.nn.Module], path: str) -> None:
+        """Takes `modules` (replaced out of the model at `path`) out of this
+        application, and the entries of `path` and below off its records."""
+        for module in modules:
+            pop_application(module, self._token)
+        gone = {id(module) for module in modules}
+        self._modules = [module for module in self._modules if id(module) not in gone]
+
+        def stays(entry: str) -> bool:
+            return not (entry == path or entry.startswith(f"{path}/"))
+
+        self.policies = {k: v for k, v in self.policies.items() if stays(k)}
+        self.float32_paths = [entry for entry in self.float32_paths if stays(entry)]
 
     def remove(self) -> None:
         """Undoes this application: every module computes as before it.
@@ -546,6 +567,17 @@ def commit_application(
     ensure_state(module).handle = handle
     model_changed(module)
     return handle
+
+
+def install_steps(token: object, steps: list[Step]) -> None:
+    """Puts the steps' policies in force on their modules as the application
+    `token` (cannot fail)."""
+    for step in steps:
+        if step.options is None:
+            entry = LayerApplication(step.policy, step.path or step.module.name)
+            push_application(step.module, token, entry)
+        else:
+            policy_module.install(step.module, token, step.options)
 
 
 def _plan_policies(

@@ -1,23 +1,31 @@
 """Modules registered under a policied model after `apply_policy` join the
-applications in force on their parent.
+applications in force on their parent; modules replaced out of it leave.
 
 Replacing a classification head for fine-tuning (`model.classifier =
 nn.Linear(...)`), appending a block to a `ModuleList`, or transformers'
 `resize_token_embeddings` registers a new module under a model whose modules
 compute in bfloat16: without a policy, a float32 `nn.Linear` there fails on
-the bfloat16 outputs around it. So a module registered under a module an
-application planned (torch's module-registration hook, for every route:
-attribute assignment, `add_module`, `ModuleList.append`, ...) gets the
-policies that application would have given it at its path, as if applied
-again: a `DTypePolicyMap` read at its path, normalization layers in float32,
-its outputs handed back as the modules around it expect. A quantized
-policy gives its float source: a new module is not quantized (quantize it
-with `quantize()`). `handle.remove()` undoes it with the rest.
+the bfloat16 outputs around it. So a module registered under a module with
+an application in force (torch's module-registration hook: attribute
+assignment, `add_module`, `ModuleList.append`, item assignment, ...) gets
+the policies that application would have given it at its path, as if
+applied again: a `DTypePolicyMap` read at its path, normalization layers in
+float32 (the `float32_modules` apply_policy was given), its outputs handed
+back as the modules around it expect. A quantized policy gives its float
+source: a new module is not quantized (quantize it with `quantize()`).
+`handle.remove()` undoes it with the rest. Where the application is not
+known (a model restored by `saving.load` or `from_pretrained`, whose map and
+rules are not saved; a submodule kept after its model was dropped) the new
+module takes its parent's policy, with the default float32 rules. The
+module a registration replaces leaves the application (its policy is taken
+off, unless it is still part of the model elsewhere).
 
 Left as they are: a module that carries a policy or quantization of its own
 anywhere in its tree (a `Layer`, a policied or quantized module moved from
-elsewhere, peft's adapter wrapping a policied linear), and torch's
-parametrization containers, which keep their documented behaviour.
+elsewhere, peft's adapter wrapping a policied linear), torch's
+parametrization containers, and what torch writes into a container without
+registering it (`Sequential.insert`, `ModuleList.insert`: apply the policy
+again after them).
 
 >>> import torch
 >>> from dtype_policies import apply_policy
@@ -37,7 +45,7 @@ import torch
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import state_of
 from dtype_policies._core.state import compute_dtype_of
-from dtype_policies.apply.apply import DEFAULT_FLOAT32_RULES, live_handle, steps_under
+from dtype_policies.apply.apply import PolicyHandle, install_steps, live_handle, steps_under
 from dtype_policies.layers.layer import Layer
 
 _PARAMETRIZATIONS = "parametrizations"  # torch.nn.utils.parametrize's container
@@ -55,41 +63,89 @@ def _carries_its_own(module: torch.nn.Module) -> bool:
 
 
 def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
-    """Torch's module-registration hook: plans `child`'s policies under each
-    application in force on `parent`, then puts them all in force (a
-    planning error leaves the registration undone and the model as it was)."""
+    """Torch's module-registration hook: plans, under each application in
+    force on `parent`, `child`'s policies and the leaving of the module it
+    replaces; then commits them all (a planning error leaves the
+    registration undone and the model as it was)."""
     if not isinstance(child, torch.nn.Module) or name == _PARAMETRIZATIONS:
         return None
     state = state_of(parent)
-    if state is None or not state.applications or _carries_its_own(child):
+    if state is None or not state.applications:
         return None
+    replaced = parent._modules.get(name)
+    joins = not _carries_its_own(child)
     planned = []
-    for token, _ in state.applications:  # the bottom one first: the top one wins
+    for token, entry in state.applications:  # the bottom one first: the top one wins
         handle = live_handle(token)
-        parent_path = None if handle is None else handle._paths.get(id(parent))
-        if handle is None or parent_path is None:
-            continue
+        parent_path = None if handle is None else handle.path_of(parent)
+        leaving: list[torch.nn.Module] = []
+        if handle is not None and parent_path is not None and replaced not in (None, child):
+            reachable = _reachable_after(handle.module, parent, name, child)
+            leaving = [m for m in replaced.modules() if id(m) not in reachable]
+        steps = _steps(child, name, entry, handle, parent_path) if joins else []
+        planned.append((token, handle, parent_path, leaving, steps))
+    for token, handle, parent_path, leaving, steps in planned:
         path = f"{parent_path}/{name}" if parent_path else name
-        around = handle.policies.get(parent_path)
-        planning = handle._planning
-        policy = planning.policy if planning is not None else around
-        if policy is None:
-            continue
-        steps = steps_under(
-            child,
-            policy,
-            path,
-            rules=planning.rules if planning is not None else DEFAULT_FLOAT32_RULES,
-            cast_buffers=planning.cast_buffers if planning is not None else True,
-            weight_cache=planning.weight_cache if planning is not None else True,
-            enclosing=compute_dtype_of(around) if around is not None else None,
-        )
-        planned.append((handle, steps))
-    for handle, steps in planned:
-        handle._install(steps)
-    for handle, _ in planned:
+        if handle is not None and parent_path is not None:
+            if replaced is not None:
+                handle._leave(leaving, path)
+            handle._install(steps)
+        else:
+            install_steps(token, steps)
+    for handle in {
+        id(h): h for _, h, p, _, _ in planned if h is not None and p is not None
+    }.values():
         model_changed(handle.module)
     return None
+
+
+def _steps(
+    child: torch.nn.Module,
+    name: str,
+    entry: Any,
+    handle: PolicyHandle | None,
+    parent_path: str | None,
+) -> list:
+    """`child`'s steps under one application: by what it was planned from,
+    at the child's path, where the application and the parent's place in
+    its model are known; else by the parent's policy."""
+    parent_policy = getattr(entry, "policy", None)
+    if parent_policy is None:
+        return []
+    enclosing = compute_dtype_of(parent_policy)
+    planning = handle._planning if handle is not None else None
+    if planning is None or parent_path is None:
+        path = f"{parent_path}/{name}" if parent_path else name
+        return steps_under(child, parent_policy, path, enclosing=enclosing)
+    return steps_under(
+        child,
+        planning.policy,
+        f"{parent_path}/{name}" if parent_path else name,
+        rules=planning.rules,
+        cast_buffers=planning.cast_buffers,
+        weight_cache=planning.weight_cache,
+        enclosing=enclosing,
+    )
+
+
+def _reachable_after(
+    root: torch.nn.Module, parent: torch.nn.Module, name: str, child: torch.nn.Module
+) -> set[int]:
+    """The ids of the modules reachable from `root` once `parent`'s `name`
+    is `child`."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for key, submodule in module._modules.items():
+            if module is parent and key == name:
+                submodule = child
+            if submodule is not None:
+                stack.append(submodule)
+    return seen
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_joining)
