@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dtype_policies import apply_policy, layers
+from dtype_policies import apply_policy, layers, quantize
 
 from .helpers import quantize_with
 
@@ -159,3 +159,78 @@ def test_training_thread_keeps_its_gradients_while_another_evaluates():
 
     together, alone = train(True), train(False)
     assert all(torch.equal(a, b) for ga, gb in zip(together, alone) for a, b in zip(ga, gb))
+
+
+def _int4_models():
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+        quantize(model, "int4")
+        return model
+
+    return build(0), build(1).state_dict()
+
+
+def test_a_write_while_the_packed_int4_weight_is_rebuilt_is_seen_by_the_next_call(monkeypatch):
+    """Another thread's write lands after a call read the integer values
+    and before it filed the packed weight: the packed weight must be filed
+    under the key taken before the read, so that the next call rebuilds it
+    (filed under the new key, it served the old values for good)."""
+    from dtype_policies.quantization.schemes.int4 import Int4Scheme
+
+    model, other = _int4_models()
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(x)
+        model.load_state_dict(other)  # the next call rebuilds
+    read = Int4Scheme.integer_values
+    armed = [True]
+
+    def integer_values(self, module, qw):
+        values = read(self, module, qw)
+        if armed[0]:
+            armed[0] = False
+            model.load_state_dict(own)  # "the other thread" writes now
+        return values
+
+    monkeypatch.setattr(Int4Scheme, "integer_values", integer_values)
+    with torch.no_grad():
+        model(x)  # overlapped the write: any result
+    monkeypatch.setattr(Int4Scheme, "integer_values", read)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_clearing_the_caches_during_a_call_leaves_the_call_consistent(mode, monkeypatch):
+    """`clear_cast_caches` (from another thread) replaces a quantized weight's
+    runtime: a call in progress keeps the runtime it started with (it read
+    the new, empty one half-way and failed)."""
+    from dtype_policies import clear_cast_caches
+    from dtype_policies.quantization.kernels import int4 as int4_kernels
+    from dtype_policies.quantization.kernels import int8 as int8_kernels
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    quantize(model, mode)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+    if mode == "int4":  # between the plan's refresh and the kernel's call
+        owner, name = int4_kernels, "int4_path"
+    else:  # between the runtime's refresh and its use
+        owner, name = int8_kernels.Int8Runtime, "refresh"
+    original = getattr(owner, name)
+
+    def cleared_meanwhile(*args, **kwargs):
+        result = original(*args, **kwargs)
+        clear_cast_caches(model)
+        return result
+
+    monkeypatch.setattr(owner, name, cleared_meanwhile)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    monkeypatch.setattr(owner, name, original)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)

@@ -317,8 +317,17 @@ class Int4Runtime:
     def needs_refresh(self, stored: tuple[torch.Tensor, ...]) -> bool:
         """Whether the `stored` tensors (the module's own buffers, never views
         made per call) or the processor changed since the last `refresh`."""
+        return self.stale_key(stored) is not None
+
+    def stale_key(self, stored: tuple[torch.Tensor, ...]) -> tuple | None:
+        """The key of the `stored` tensors on this processor when the packed
+        data is not theirs, else None. Taken before their values are read
+        and given to `refresh`: a write in between then makes the next call
+        refresh again, where a key taken after the read would file the old
+        values under the new key."""
+        key = (*tensor_key(*stored), processor())
         state = self._state
-        return state is None or state[0] != (*tensor_key(*stored), processor())
+        return None if state is not None and state[0] == key else key
 
     def refresh(
         self,
@@ -330,6 +339,7 @@ class Int4Runtime:
         g_idx: torch.Tensor | None = None,
         kernel: str | None = None,
         activation_block_size: int | None = None,
+        key: tuple | None = None,
     ) -> None:
         """Rebuilds the packed data from the (N, K) int values `q_nk` of the
         `stored` tensors, input `k` in group `g_idx[k]` (`None`: `k //
@@ -337,8 +347,9 @@ class Int4Runtime:
         block_size` runs on the dequantized path (no plan), as does W4A8
         (`activation_block_size`) where its kernel does not run or `g_idx`
         permutes the inputs. `kernel` (a key of `KERNELS`) overrides this
-        processor's choice (`cpu_kernel`), for comparisons."""
-        key = (*tensor_key(*stored), processor())
+        processor's choice (`cpu_kernel`), for comparisons; `key`: the
+        `stale_key` taken before `q_nk` was read."""
+        key = (*tensor_key(*stored), processor()) if key is None else key
         plan = None
         on_cpu = scale.device.type == "cpu"
         kernel = (kernel or cpu_kernel(activation_block_size)) if on_cpu else None

@@ -371,24 +371,26 @@ class CalibratedIntScheme(Scheme):
         """As round-to-nearest int4: the same runtime, kernel and paths."""
         _, scale, zero, g_idx, *_ = self._stored(module, qw)
         block = qw.config.block_size(qw.spec.in_features)
-        if not isinstance(qw.runtime, int4_kernels.Int4Runtime):
-            qw.runtime = int4_kernels.Int4Runtime()
+        runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
+        if not isinstance(runtime, int4_kernels.Int4Runtime):
+            runtime = qw.runtime = int4_kernels.Int4Runtime()
         stored = self._key_tensors(module, qw)
         q_nk = None
-        if qw.runtime.needs_refresh(stored):
+        if (key := runtime.stale_key(stored)) is not None:
             q_nk = self.integer_values(module, qw)
-            qw.runtime.refresh(q_nk, scale, zero, block, stored, g_idx)
-        path = int4_kernels.int4_path(qw.runtime, x2.shape[0], block)
+            runtime.refresh(q_nk, scale, zero, block, stored, g_idx, key=key)
+        path = int4_kernels.int4_path(runtime, x2.shape[0], block)
         if path not in int4_kernels.KERNELS and q_nk is None:
             q_nk = self.integer_values(module, qw)
         return int4_kernels.int4_linear(
-            x2, q_nk, scale, zero, block, bias, compute, qw.runtime, path, g_idx
+            x2, q_nk, scale, zero, block, bias, compute, runtime, path, g_idx
         )
 
     def _int8_linear(self, module, qw, x2, bias, compute):
-        if not isinstance(qw.runtime, _Int8Runtime):
-            qw.runtime = _Int8Runtime()
-        state = qw.runtime.current(self, module, qw)
+        runtime = qw.runtime
+        if not isinstance(runtime, _Int8Runtime):
+            runtime = qw.runtime = _Int8Runtime()
+        state = runtime.current(self, module, qw)
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)
         if state.zero_step is not None:  # per channel: int8 weight-only, then the zero points

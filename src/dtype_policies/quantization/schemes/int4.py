@@ -148,14 +148,15 @@ class Int4Scheme(Scheme):
         if qw.config.activation_quantizer is not None:
             return self._per_row_quantized_linear(module, qw, x2, bias, compute)
         _, scale, zero = self._stored(module, qw)
-        if qw.runtime is None:
-            qw.runtime = self.new_runtime()
+        runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
+        if runtime is None:
+            runtime = qw.runtime = self.new_runtime()
         stored = self._key_tensors(module, qw)
         q_nk = g_idx = None
-        if qw.runtime.needs_refresh(stored):
+        if (key := runtime.stale_key(stored)) is not None:
             q_nk = self.integer_values(module, qw)
             g_idx = self._g_idx(module, qw)
-            qw.runtime.refresh(
+            runtime.refresh(
                 q_nk,
                 scale,
                 zero,
@@ -163,8 +164,9 @@ class Int4Scheme(Scheme):
                 stored,
                 g_idx,
                 activation_block_size=qw.config.activation_block_size,
+                key=key,
             )
-        path = kernels.int4_path(qw.runtime, x2.shape[0], qw.config.group_size)
+        path = kernels.int4_path(runtime, x2.shape[0], qw.config.group_size)
         if path not in kernels.KERNELS:
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
             g_idx = self._g_idx(module, qw)
@@ -176,7 +178,7 @@ class Int4Scheme(Scheme):
             qw.config.group_size,
             bias,
             compute,
-            qw.runtime,
+            runtime,
             path,
             g_idx,
             qw.config.activation_block_size,

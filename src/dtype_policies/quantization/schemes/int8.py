@@ -93,10 +93,11 @@ class Int8Scheme(Scheme):
         self, module: torch.nn.Module, qw: QuantizedWeight, prepack: bool, blocked: bool = False
     ):
         data, scale = self._stored(module, qw)
-        if qw.runtime is None:
-            qw.runtime = self.new_runtime()
-        qw.runtime.refresh(data, scale, qw.spec.nk, prepack, blocked, _block_size(qw))
-        return qw.runtime
+        runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
+        if runtime is None:
+            runtime = qw.runtime = self.new_runtime()
+        runtime.refresh(data, scale, qw.spec.nk, prepack, blocked, _block_size(qw))
+        return runtime
 
     def linear(self, module, qw, x2, bias, compute):
         if bias is not None and bias.dtype != compute:
