@@ -559,3 +559,26 @@ def test_checkpoint_contexts_recompute_in_the_forwards_scopes():
         grads.append([p.grad for p in model.parameters()])
     for plain, checkpointed in zip(*grads):
         assert torch.equal(plain, checkpointed)
+
+
+@pytest.mark.parametrize("update", ["adam_fused", "sgd_fused"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_a_fused_step_between_two_inference_calls_is_seen(kind, update):
+    """A fused step writes the parameters without moving their version
+    counters (Adam's); the library's step hook moves them, so the cast the
+    first inference call kept is not reused by the second."""
+    pair = Pair(kind)
+    step_fn = _updater(update, pair)
+    x_val, _ = _data(99)
+    x, y = _data(0)
+    pair.zero_grad()
+    pair.backward(x, y)
+    with torch.no_grad():
+        pair.forward(x_val)  # keeps its casts
+    versions = [p._version for p in pair.params]
+    step_fn()
+    pair.assert_same_weights()
+    assert all(p._version > v for p, v in zip(pair.params, versions))
+    with torch.no_grad():
+        out, expected = pair.forward(x_val)
+    assert torch.equal(out, expected)

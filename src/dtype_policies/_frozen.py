@@ -23,7 +23,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._compiled_frames import (
     EagerFrames,
@@ -104,8 +103,8 @@ class ModelWatch:
         self.quantizations = list(map(_get_quantization, self.stateful))
         self.children_now = [module._modules for module in self.modules]
         self.children = [dict(children) for children in self.children_now]
-        # Writes torch's version counters miss: fused optimizer steps (seen by a
-        # step hook on every optimizer) and `clear_cast_caches` after `p.data` writes.
+        # Writes torch's version counters miss: `clear_cast_caches` after `p.data`
+        # writes (fused optimizer steps move them: `_core.tensor_identity`).
         self.written = False
         _watch_writes(self)
 
@@ -136,12 +135,12 @@ class ModelWatch:
 # id(tensor) -> (a weak reference to it, the watches reading it): told of
 # writes their version checks miss. Keyed by id: tensors compare elementwise.
 _watches_of: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
-_step_hook: list[Any] = []
+_listening: list[bool] = []
 
 
 def _watch_writes(watch: ModelWatch) -> None:
-    if not _step_hook:
-        _step_hook.append(register_optimizer_step_post_hook(_after_step))
+    if not _listening:
+        _listening.append(True)
         add_write_listener(_after_write)
     for tensor in watch.tensors:
         entry = _watches_of.get(id(tensor))
@@ -163,13 +162,6 @@ def _mark_written(tensors: Any) -> None:
         if entry is not None and entry[0]() is tensor:
             for watch in entry[1]:
                 watch.written = True
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Every optimizer's step: a fused step moves no version counter."""
-    if len(_watches_of):
-        for group in optimizer.param_groups:
-            _mark_written(group["params"])
 
 
 def _after_write(model: torch.nn.Module) -> None:

@@ -19,8 +19,11 @@ False
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def storage_ref(tensor: torch.Tensor) -> weakref.ref | None:
@@ -48,3 +51,18 @@ def tensor_key(*tensors: torch.Tensor) -> tuple:
     """A key that changes whenever any of `tensors` is replaced or written
     through torch: each one's identity and `contents_key`."""
     return tuple(part for t in tensors for part in (id(t), *contents_key(t)))
+
+
+def _count_fused_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A fused optimizer step (`Adam(fused=True)`) writes its parameters
+    without moving their version counters, unlike every other step: moved
+    here, so that what is kept from a parameter (casts, packed layouts,
+    compiled graphs' watches) sees the step as it sees any other write."""
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            for parameter in group["params"]:
+                if not parameter.is_inference():
+                    increment_version(parameter)
+
+
+register_optimizer_step_post_hook(_count_fused_steps)
