@@ -152,6 +152,7 @@ BAD_INPUTS = [
     (("inspect", "cli_models:broken"), "factory exploded"),
     (("inspect", "not-a-target"), "neither 'package.module:factory' nor a checkpoint"),
     (("inspect", "cli_models:mlp", "--policy", "mixed_float15"), "mixed_float15"),
+    (("inspect", "cli_models:mlp", "--policy", ""), "invalid policy ''"),  # was no policy
     (("inspect", "missing.safetensors"), "missing.safetensors"),
     (("bench", "--threads", "0"), "--threads must be a positive integer (got 0)"),  # was ignored
 ]

@@ -50,14 +50,14 @@ def quantize_choices() -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     if is_checkpoint(args.target):
-        if args.policy or args.policy_map or args.quantize:
+        if args.policy is not None or args.policy_map is not None or args.quantize:
             raise CLIError("--policy, --policy-map and --quantize apply to a factory TARGET only")
         rows = _checkpoint_rows(args.target)
         totals = (sum(r["parameters"] for r in rows), sum(r["bytes"] for r in rows))
     else:
         model = build_model(args.target)
-        if args.policy or args.policy_map:
-            policy = load_policy(args.policy_map) if args.policy_map else args.policy
+        if args.policy is not None or args.policy_map is not None:
+            policy = load_policy(args.policy_map) if args.policy_map is not None else args.policy
             apply_policy(model, policy)
         if args.quantize:
             quantize(model, args.quantize)
