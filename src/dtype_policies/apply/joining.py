@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.module_state import state_of
+from dtype_policies._core.module_state import Token, state_of
 from dtype_policies._core.state import compute_dtype_of
 from dtype_policies.apply.apply import PolicyHandle, install_steps, live_handle, steps_under
 from dtype_policies.layers.layer import Layer
@@ -76,6 +76,8 @@ def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
     joins = not _carries_its_own(child)
     planned = []
     for token, entry in state.applications:  # the bottom one first: the top one wins
+        if isinstance(token, Token):
+            continue  # a layer's own policy, quantize()'s own entry: not applications
         handle = live_handle(token)
         parent_path = None if handle is None else handle.path_of(parent)
         leaving: list[torch.nn.Module] = []
