@@ -219,6 +219,32 @@ def test_a_loaded_layer_keeps_its_path(tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_a_module_registered_under_two_names_round_trips(mode, device, tmp_path):
+    """`Sequential(lin, ReLU(), lin)`: the state dict has the module's keys
+    under both names; quantized, the load expected the float weight under
+    the second name and refused every such checkpoint."""
+
+    def build():
+        torch.manual_seed(0)
+        shared = nn.Linear(16, 16)
+        return nn.Sequential(shared, nn.ReLU(), shared)
+
+    model = build()
+    apply_policy(model, "mixed_bfloat16")
+    if mode is not None:
+        quantize(model, mode)
+    x = torch.randn(3, 16)
+    expected = model(x)
+    saving.save(model, tmp_path / "model")
+    with torch.device(device):
+        target = build()
+    saving.load(target, tmp_path / "model")
+    assert target[0] is target[2]
+    assert torch.equal(target(x), expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("policy", [None, "mixed_bfloat16", "float8"])
 def test_an_untied_checkpoint_is_refused_by_a_tied_target(tmp_path, device, policy):
     class LM(nn.Module):
@@ -649,6 +675,25 @@ def test_policy_files_round_trip(tmp_path):
     (tmp_path / "alien.json").write_text('{"format": "dtype_policies.policy", "format_version": 7}')
     with pytest.raises(ValueError, match="version 7"):
         saving.load_policy(tmp_path / "alien.json")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"format": "dtype_policies.policy", "format_version": true}', "version True"),
+        ("[" * 100_000, "not a JSON policy file"),  # nested too deeply for the parser
+        (
+            '{"class_name": "DTypePolicyMap", "config": {"policy_map": [1]}}',
+            "`policy_map` must be a dict",
+        ),
+    ],
+)
+def test_malformed_policy_files_raise_a_value_error_naming_the_file(text, message, tmp_path):
+    path = tmp_path / "malformed.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as raised:
+        saving.load_policy(path)
+    assert "malformed.json" in str(raised.value)
 
 
 def test_manifest_is_reviewable_json(tmp_path):

@@ -228,6 +228,11 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
         if isinstance(default, dict):
             default = deserialize(default, custom_objects)
         entries = config.pop("policy_map", None) or {}
+        if not isinstance(entries, dict):
+            raise TypeError(
+                "A DTypePolicyMap config's `policy_map` must be a dict of paths to policies. "
+                f"Received: {entries!r} of type {type(entries).__name__}"
+            )
         entries = {
             key: deserialize(value, custom_objects) if isinstance(value, dict) else value
             for key, value in entries.items()

@@ -638,7 +638,11 @@ def _state_fit(
     for key, tensor in module.state_dict(keep_vars=True).items():
         expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     stored: set[str] = set()  # quantized modules' stored tensors: the file's dtypes
-    for name, submodule in module.named_modules():
+    # every name of each module: a module registered twice has its keys under both
+    names_of: dict[int, list[str]] = {}
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(submodule), []).append(name)
+    for name, submodule in module.named_modules(remove_duplicate=False):
         quantized = attach.quantization_of(submodule)
         if quantized is not None:
             prefix = f"{name}." if name else ""
@@ -664,12 +668,13 @@ def _state_fit(
             for key, tensor in linear.state_dict(keep_vars=True).items():
                 expected[f"{path}.{key}"] = (tuple(tensor.shape), dtype_code(tensor.dtype))
     for plan in plans:
-        prefix = f"{plan.path}." if plan.path else ""
-        if not plan.scheme.keeps_float_weight:
-            expected.pop(prefix + plan.spec.weight, None)
-        for stored_name, tensor in plan.tensors.items():
-            expected[prefix + stored_name] = (tuple(tensor.shape), dtype_code(tensor.dtype))
-            stored.add(prefix + stored_name)
+        for name in names_of.get(id(plan.module), [plan.path]):
+            prefix = f"{name}." if name else ""
+            if not plan.scheme.keeps_float_weight:
+                expected.pop(prefix + plan.spec.weight, None)
+            for stored_name, tensor in plan.tensors.items():
+                expected[prefix + stored_name] = (tuple(tensor.shape), dtype_code(tensor.dtype))
+                stored.add(prefix + stored_name)
     saved = dict(header)
     for alias, key in manifest.aliases.items():
         saved[alias] = header.get(key, ("?", "?"))

@@ -154,14 +154,19 @@ class Manifest:
     def from_json(cls, text: str, source: str = "the checkpoint") -> Manifest:
         try:
             data = json.loads(text)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise CheckpointError(
                 f"{source}: the dtype_policies manifest is not JSON ({e})."
             ) from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{source} is not a dtype_policies checkpoint (no manifest).")
         version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if (
+            not isinstance(version, int)
+            or isinstance(version, bool)
+            or version > FORMAT_VERSION
+            or version < 1
+        ):
             raise CheckpointError(
                 f"{source} has format version {version!r}; this dtype_policies reads versions "
                 f"1 to {FORMAT_VERSION}. Upgrade dtype_policies to read it."

@@ -60,11 +60,15 @@ def load_policy(path: str | os.PathLike) -> DTypePolicy:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply
         raise ValueError(f"'{path}' is not a JSON policy file: {e}") from None
     if isinstance(data, dict) and data.get("format") == POLICY_FILE_FORMAT:
         version = data.get("format_version")
-        if not isinstance(version, int) or not 1 <= version <= POLICY_FILE_VERSION:
+        if (
+            not isinstance(version, int)
+            or isinstance(version, bool)
+            or not 1 <= version <= POLICY_FILE_VERSION
+        ):
             raise ValueError(
                 f"'{path}' has policy file version {version!r}; this dtype_policies reads "
                 f"versions 1 to {POLICY_FILE_VERSION}."
