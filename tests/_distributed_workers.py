@@ -308,6 +308,46 @@ def mismatched_policies(rank: int, tmp: str) -> dict:
     }
 
 
+def _raised(call) -> str | None:
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def refused_on_one_rank(rank: int, tmp: str) -> dict:
+    """A quantized policy only rank 0 is given: refused on every rank (the
+    other waited in the agreement's collective until the timeout)."""
+    policy = "int8_from_mixed_bfloat16" if rank == 0 else POLICY
+    return {"raised": _raised(lambda: dp_distributed.fully_shard(make_model(), policy))}
+
+
+def unwritable_save_on_rank_zero(rank: int, tmp: str) -> dict:
+    """A sharded save rank 0 cannot write: every rank raises (the others
+    waited for the file until the timeout)."""
+    model = make_model()
+    dp_distributed.fully_shard(model, POLICY)
+    blocker = os.path.join(tmp, "a-file")
+    if rank == 0:
+        open(blocker, "w").close()
+    dist.barrier()
+    return {"raised": _raised(lambda: saving.save(model, os.path.join(blocker, "checkpoint")))}
+
+
+def step_without_gradients_on_one_rank(rank: int, tmp: str) -> dict:
+    """Rank 1 had an empty micro-batch (no backward), rank 0 overflowed:
+    both skip (rank 1 stepped alone and left rank 0 in the collective)."""
+    model = make_model()
+    apply_policy(model, "mixed_float16")
+    optimizer = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    if rank == 0:
+        for parameter in model.parameters():
+            parameter.grad = torch.full_like(parameter, float("inf"))
+    optimizer.step()
+    return {"skipped": optimizer.last_step_skipped, "scale": float(optimizer.dynamic_scale)}
+
+
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_object", "all_gather", "all_reduce")
 
 
@@ -345,6 +385,9 @@ SCENARIOS = (
     load_then_shard,
     mismatched_policies,
     fsdp_setup_collectives,
+    refused_on_one_rank,
+    unwritable_save_on_rank_zero,
+    step_without_gradients_on_one_rank,
 )
 
 

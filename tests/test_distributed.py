@@ -329,6 +329,31 @@ def test_agreeing_ranks_pay_one_collective_at_setup(runs):
         assert sum(counts.values()) == 1 and counts["all_gather_into_tensor"] == 1, counts
 
 
+@distributed
+def test_what_one_rank_refuses_every_rank_raises(runs):
+    for rank in (0, 1):
+        raised = outcome(runs, "refused_on_one_rank")[rank]["raised"]
+        assert raised is not None and raised.startswith("PolicyMismatchError"), (rank, raised)
+        assert "int8_from_mixed_bfloat16" in raised
+
+
+@distributed
+@fsdp_on_cpu
+def test_a_save_rank_zero_cannot_write_raises_on_every_rank(runs):
+    for rank in (0, 1):
+        raised = outcome(runs, "unwritable_save_on_rank_zero")[rank]["raised"]
+        assert raised is not None and "rank 0 could not write" in raised, (rank, raised)
+        assert "NotADirectoryError" in raised
+
+
+@distributed
+def test_a_rank_without_gradients_joins_the_loss_scale_agreement(runs):
+    results = outcome(runs, "step_without_gradients_on_one_rank")
+    for rank in (0, 1):
+        assert results[rank]["skipped"] is True, rank
+    assert results[0]["scale"] == results[1]["scale"]
+
+
 # ------------------------------------------------------------ one process
 
 
@@ -415,12 +440,38 @@ def test_a_units_rule_that_matches_nothing_warns_naming_it():
         shard_plan(model, units=[nn.Sequential])  # every rule matches: quiet
 
 
-def test_shard_plan_refuses_ties_across_units():
+def test_shard_plan_holds_a_tied_parameter_in_the_unit_enclosing_its_modules():
     model = _model()
     model[3].weight = model[1][0].weight  # tied across two blocks
     apply_policy(model, "mixed_bfloat16")
-    with pytest.raises(ValueError, match=r"'3.weight' is tied to '1.0.weight'"):
-        shard_plan(model)
+    plan = {unit.name: (unit.param_dtype, unit.reason) for unit in shard_plan(model)}
+    # the two blocks are no units of their own; the model's holds the tie, as stored
+    assert plan == {
+        "0": (None, "block"),
+        "1.1": (None, "block"),
+        "2": (torch.bfloat16, "block"),
+        "2.2": (None, "reads as stored"),
+        "": (None, "as stored: '3.weight' is tied to '1.0.weight'"),
+    }
+
+
+def test_a_tied_embedding_and_lm_head_of_other_dtypes_are_one_unit():
+    """The embedding reads its table as stored, the head in bfloat16: no
+    `units=` could keep them together before (it raised)."""
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(37, 12)
+            self.body = nn.Linear(12, 12)
+            self.head = nn.Linear(12, 37, bias=False)
+            self.head.weight = self.embed.weight
+
+    for units in (None, [nn.Linear], [nn.Embedding, nn.Linear]):
+        model = TiedLM()
+        apply_policy(model, "mixed_bfloat16")
+        plan = {unit.name: unit.param_dtype for unit in shard_plan(model, units=units)}
+        assert plan[""] is None and "embed" not in plan and "head" not in plan, (units, plan)
 
 
 class FSDPModule:
@@ -460,13 +511,10 @@ def test_fully_shard_refuses_quantized_policies_before_changing_the_model(policy
     assert set(state) == set(before) and all(torch.equal(state[k], before[k]) for k in state)
 
 
-@pytest.mark.parametrize(
-    "units, message",
-    [(None, r"'3.weight' is tied to '1.0.weight'"), ([42], r"Received: 42")],
-)
+@pytest.mark.parametrize("units, message", [([42], r"Received: 42")])
 def test_a_plan_refused_after_the_policy_leaves_the_model_as_it_was(units, message):
-    """The plan is made from the applied policies; when it is refused (ties
-    across units, a bad `units` entry) the policy is removed again."""
+    """The plan is made from the applied policies; when it is refused (a bad
+    `units` entry) the policy is removed again."""
     model = _model()
     model[3].weight = model[1][0].weight  # tied across two blocks
     classes = [type(m) for m in model.modules()]
@@ -508,10 +556,7 @@ def _called_model():
     )
 
 
-@pytest.mark.parametrize(
-    "units, error",
-    [(None, ValueError), ([42], TypeError)],  # a tie across units; a bad `units` entry
-)
+@pytest.mark.parametrize("units, error", [([42], TypeError)])  # a bad `units` entry
 def test_a_refused_plan_keeps_the_application_made_before(units, error):
     """fully_shard(model, policy) over a model policied before: when the plan
     is refused, the earlier application is in force again, as it was."""
@@ -551,6 +596,42 @@ def test_a_shard_over_an_earlier_application_replaces_it(tmp_path):
         assert {len(state_of(m).applications) for m in model.modules()} == {1}
         assert model[2][0].dtype_policy.name == "float32"
         assert model(torch.randint(0, 10, (2, 3))).dtype == torch.float32
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(37, 12)
+        self.body = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 37, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.embed(ids)))
+
+
+@distributed
+@fsdp_on_cpu
+def test_a_sharded_tied_lm_trains_as_in_one_process(tmp_path):
+    ids = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        loss = torch.nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            return model(ids).float()
+
+    single = _TiedLM()
+    apply_policy(single, "mixed_bfloat16")
+    expected = step(single)
+    with _group_of_one(tmp_path):
+        model = fully_shard(_TiedLM(), "mixed_bfloat16")
+        assert model.head.weight is model.embed.weight
+        output = step(model)
+    assert torch.equal(output, expected)
 
 
 class _AttentionBlock(nn.Module):

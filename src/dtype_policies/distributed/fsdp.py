@@ -141,22 +141,33 @@ def fully_shard(
             f"float32 modules included). Received: float32_modules={float32_modules!r}. Pass "
             "the policy with it, or apply_policy(model, policy, float32_modules=...) first."
         )
-    if policy_or_map is not None:
-        _refuse_quantized_policies(policy_or_map)
-    refuse_quantized(model, "fully_shard()")
-    applied = (
-        contextlib.nullcontext()
-        if policy_or_map is None
-        else tentative_application(model, policy_or_map, float32_modules=float32_modules)
-    )
-    with applied:  # an error inside leaves the policies as they were before the call
-        plan = plan_units(model, units, stacklevel=4)
+    # What one rank refuses, every rank must hear of: each rank's checks run
+    # to the agreement's exchange, which then raises on every rank.
+    problem: Exception | None = None
+    with contextlib.ExitStack() as applied:  # an error leaves the policies as they were
+        try:
+            if policy_or_map is not None:
+                _refuse_quantized_policies(policy_or_map)
+            refuse_quantized(model, "fully_shard()")
+            if policy_or_map is not None:
+                applied.enter_context(
+                    tentative_application(model, policy_or_map, float32_modules=float32_modules)
+                )
+            plan = plan_units(model, units, stacklevel=4)
+            description = describe_policies(model, plan)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            problem = error
+            description = {"(refused on this rank)": f"{type(error).__name__}: {error}"}
         if mesh is None and not torch.distributed.is_initialized():
+            if problem is not None:
+                raise problem
             raise RuntimeError(
                 "fully_shard(): no process group (call torch.distributed.init_process_group "
                 "first) and no `mesh` given."
             )
-        check_ranks_agree(describe_policies(model, plan), mesh)
+        check_ranks_agree(description, mesh)
+        if problem is not None:
+            raise problem
         refusal = fsdp_refusal(sharding_device_type(mesh))
         if refusal is not None:
             raise RuntimeError(f"fully_shard(): {refusal}")

@@ -254,14 +254,52 @@ def plan_units(
         blocks = _default_blocks(model, folded)
     else:
         blocks = _named_blocks(model, module_rules(units, "units"), folded, stacklevel)
-    block_ids = {id(module) for _, module in blocks}
+    # A parameter tied between modules that would fall in different units (a
+    # tied embedding and LM head, which read it in different dtypes): the
+    # innermost unit enclosing both holds it, gathered as stored (each
+    # module's policy casts it in its forward, as in one process), and the
+    # blocks in between are no units of their own.
+    as_stored: dict[str, str] = {}
+    dissolved: set[str] = set()
+    for _ in range(2 * len(blocks) + 2):  # each round dissolves a block or forces a unit
+        kept = [(name, block) for name, block in blocks if name not in dissolved]
+        block_ids = {id(module) for _, module in kept}
+        try:
+            return _walk_units(model, kept, block_ids, folded, as_stored)
+        except _TiedAcrossUnits as tie:
+            inner = {tie.first, tie.second} & {name for name, _ in kept} - {tie.common}
+            if tie.common in as_stored and not inner:
+                raise ValueError(tie.message) from None
+            dissolved |= inner
+            as_stored[tie.common] = tie.why
+    raise ValueError("fully_shard(): the tied parameters could not be placed in one unit")
+
+
+class _TiedAcrossUnits(Exception):
+    def __init__(self, message: str, first: str, second: str, common: str, why: str) -> None:
+        super().__init__(message)
+        self.message, self.first, self.second = message, first, second
+        self.common, self.why = common, why
+
+
+def _walk_units(
+    model: torch.nn.Module,
+    blocks: list[tuple[str, torch.nn.Module]],
+    block_ids: set[int],
+    folded: set[int],
+    as_stored: dict[str, str],
+) -> list[ShardUnit]:
     plan: list[tuple[int, ShardUnit]] = []  # (depth, unit)
     owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (unit name, parameter name)
+    unit_names: set[str] = set()
 
     def add(name: str, module: torch.nn.Module, dtype: torch.dtype | None, reason: str):
+        if name in as_stored:
+            dtype, reason = None, as_stored[name]
         reduce = _stored_dtype(module) if dtype is not None else None
         unit = ShardUnit(name, module, dtype, reduce, reason)
         plan.append((name.count(".") + (1 if name else 0), unit))
+        unit_names.add(name)
         return unit
 
     def walk(name: str, module: torch.nn.Module, unit: ShardUnit) -> None:
@@ -275,11 +313,15 @@ def plan_units(
             full = f"{name}.{parameter_name}" if name else parameter_name
             previous = owner.setdefault(id(parameter), (unit.name, full))
             if previous[0] != unit.name:
-                raise ValueError(
+                common = _common_unit(previous[0], unit.name, unit_names)
+                raise _TiedAcrossUnits(
                     f"fully_shard(): the parameter '{full}' is tied to '{previous[1]}', which "
                     f"falls in another FSDP unit ('{previous[0] or '(model)'}' and "
-                    f"'{unit.name or '(model)'}'). Choose `units` that put both modules in "
-                    "one unit."
+                    f"'{unit.name or '(model)'}').",
+                    previous[0],
+                    unit.name,
+                    common,
+                    f"as stored: '{full}' is tied to '{previous[1]}'",
                 )
         for child_name, child in module.named_children():
             child_full = f"{name}.{child_name}" if name else child_name
@@ -292,6 +334,18 @@ def plan_units(
     walk("", model, add("", model, _block_dtype(model, folded), "root"))
     plan.sort(key=lambda entry: -entry[0])  # stable: innermost first, the model last
     return [unit for _, unit in plan]
+
+
+def _common_unit(first: str, second: str, unit_names: set[str]) -> str:
+    """The innermost unit enclosing both units `first` and `second` (names
+    are dotted module paths; the model, `""`, encloses every unit)."""
+
+    def enclosing(name: str) -> list[str]:
+        parts = name.split(".") if name else []
+        return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+    seconds = set(enclosing(second))
+    return next((name for name in enclosing(first) if name in seconds and name in unit_names), "")
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

@@ -352,10 +352,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if found_infs is None:
             found_infs = self._unscale_grads()
         self._found_inf = None
-        if not found_infs:  # no gradient at all: the inner step (a no-op) runs, nothing counts
+        if not found_infs and _sync_group(self._process_group) is None:
+            # no gradient at all: the inner step (a no-op) runs, nothing counts
             self._last_step_skipped = False
             self._inner.step()
             return None
+        # across ranks a rank without gradients (an empty micro-batch) still
+        # joins the agreement, or the others would wait for it
         finite = self._all_finite(found_infs)
         self._last_step_skipped = not finite
         if not finite:

@@ -96,15 +96,29 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     file = model_file(path)
     manifest = describe(module, __version__)
     tensors, sharded = _collect_tensors(module, manifest)
-    if not sharded or _rank() == 0:
-        metadata = {METADATA_KEY: manifest.to_json()}
-        write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
-        if file.name == MODEL_FILE and file.parent == Path(path):
-            text = manifest.to_json(indent=2) + "\n"
-            write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
-    if sharded:
-        torch.distributed.barrier()  # the file exists on return, on every rank
+    if not sharded:
+        _write(file, path, tensors, manifest)
+        return file
+    failure: list[Any] = [None]
+    cause = None
+    if _rank() == 0:
+        try:
+            _write(file, path, tensors, manifest)
+        except Exception as error:  # every rank raises it, none waits for the file
+            cause, failure[0] = error, f"{type(error).__name__}: {error}"
+    # the file exists on return, on every rank; or every rank raises
+    torch.distributed.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointError(f"save(): rank 0 could not write '{file}': {failure[0]}") from cause
     return file
+
+
+def _write(file: Path, path: str | os.PathLike, tensors: dict, manifest: Manifest) -> None:
+    metadata = {METADATA_KEY: manifest.to_json()}
+    write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+    if file.name == MODEL_FILE and file.parent == Path(path):
+        text = manifest.to_json(indent=2) + "\n"
+        write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
 
 
 def _rank() -> int:
