@@ -286,7 +286,7 @@ def _walk_units(
     model: torch.nn.Module,
     blocks: list[tuple[str, torch.nn.Module]],
     block_ids: set[int],
-    folded: set[int],
+    folded: Mapping[int, str],
     as_stored: dict[str, str],
 ) -> list[ShardUnit]:
     plan: list[tuple[int, ShardUnit]] = []  # (depth, unit)
