@@ -12,7 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from dtype_policies import apply_policy, quantize, saving
+from dtype_policies import DTypePolicyMap, apply_policy, quantize, saving
+from dtype_policies.apply import model_totals
 from dtype_policies.cli import main
 
 FACTORY = textwrap.dedent(
@@ -143,6 +144,43 @@ def test_inspect_a_checkpoint(tmp_path):
     assert rows["0"]["policy"] == "int4/128_from_mixed_bfloat16"
     assert rows["0"]["parameters"] == 32 * 64 + 64 and rows["0"]["class_name"] == "Linear"
     assert rows["1"]["policy"] == "float32" and rows["2"]["variable_dtype"] == "float32"
+
+
+class _TiedWithStatistics(torch.nn.Module):
+    """A table tied to its head, a norm with running statistics, a block
+    given a quantized policy it has no weight of its own for."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+def test_inspect_a_checkpoint_counts_parameters_as_summary_does(tmp_path):
+    """Not the norm's running statistics (buffers), a quantized tied table
+    once, and each module's policy as it computes by (a container given a
+    quantized policy computes with its float source)."""
+    torch.manual_seed(0)
+    model = _TiedWithStatistics()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"block": "int8_from_mixed_bfloat16"}))
+    quantize(model, "int8")
+    saving.save(model, tmp_path / "ckpt")
+    result = cli("inspect", str(tmp_path / "ckpt"), "--json")
+    assert result.returncode == 0, result.stderr
+    listed = json.loads(result.stdout)
+    floats = sum(p.numel() for p in _TiedWithStatistics().parameters())
+    assert listed["total_parameters"] == model_totals(model)[0] == floats
+    rows = {row["path"]: row for row in listed["modules"]}
+    assert rows["block/1"]["parameters"] == 32  # weight and bias, not its statistics
+    live = {path.replace(".", "/") or "(root)": m for path, m in model.named_modules()}
+    for path, row in rows.items():
+        if hasattr(live[path], "dtype_policy"):
+            assert row["policy"] == live[path].dtype_policy.name, path
 
 
 BAD_INPUTS = [

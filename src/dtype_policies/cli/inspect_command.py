@@ -14,7 +14,7 @@ from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.apply.summary import COLUMNS, label_of
 from dtype_policies.cli import output
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
-from dtype_policies.policies import deserialize, policy_for_config
+from dtype_policies.policies import QuantizedDTypePolicy, deserialize, policy_for_config
 from dtype_policies.quantization import quantize
 from dtype_policies.saving import load_policy
 from dtype_policies.saving.checkpoint import dtype_of_code, model_file, read_header
@@ -99,6 +99,7 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
     if not file.is_file():
         raise CLIError(f"no checkpoint at '{file}'")
     manifest, header = read_header(file)
+    buffers = set(manifest.buffers or ())  # none known in checkpoints before 2026-12-03
     names = set(manifest.classes) | set(manifest.modules) | set(manifest.layers)
     rows = []
     for name in sorted(names | set(manifest.quantized), key=lambda n: (n != "", n)):
@@ -114,14 +115,24 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
             policy = deserialize(manifest.layers[name])
         quantized = manifest.quantized.get(name)
         stored = set(quantized.stored) if quantized is not None else set()
+        prefix = f"{name}." if name else ""
         parameters = sum(
-            math.prod(shape) for tensor, (shape, code) in own.items() if tensor not in stored
+            math.prod(shape)
+            for tensor, (shape, code) in own.items()
+            if tensor not in stored and prefix + tensor not in buffers
         )
-        if quantized is not None:
-            if policy is not None and policy.quantization_mode is None:
-                policy = policy_for_config(quantized.quantization_config, policy.name)
-            if not mode_record(quantized.mode).keeps_float_weight:
-                parameters += math.prod(quantized.float_shape)
+        if quantized is not None:  # the policy it computes by, as `summary` shows it
+            source = (
+                policy.source_policy.name
+                if isinstance(policy, QuantizedDTypePolicy)
+                else (policy.name if policy is not None else quantized.float_dtype)
+            )
+            policy = policy_for_config(quantized.quantization_config, source)
+            shared = any(prefix + tensor in manifest.aliases for tensor in quantized.stored)
+            if not mode_record(quantized.mode).keeps_float_weight and not shared:
+                parameters += math.prod(quantized.float_shape)  # a tied table: once
+        elif isinstance(policy, QuantizedDTypePolicy):
+            policy = policy.source_policy  # a module its quantized policy left float
         rows.append(
             {
                 "path": name.replace(".", "/") or "(root)",

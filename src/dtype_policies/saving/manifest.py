@@ -97,6 +97,10 @@ class Manifest:
     quantized: dict[str, QuantizedRecord] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     non_persistent: list[str] = field(default_factory=list)
+    # the persistent buffers besides quantized modules' stored tensors (a
+    # norm's running statistics): what is not a parameter, for `inspect`;
+    # None in checkpoints written before 2026-12-03
+    buffers: list[str] | None = None
     classes: dict[str, str] = field(default_factory=dict)
     # mixture-of-experts modules computing with one linear per expert
     # (`quantization.experts`): expanded again before loading
@@ -145,6 +149,9 @@ class Manifest:
             quantized=keyed(self.quantized),
             aliases=aliases,
             non_persistent=[n for k in self.non_persistent if (n := rename(k)) is not None],
+            buffers=None
+            if self.buffers is None
+            else [n for k in self.buffers if (n := rename(k)) is not None],
             classes=keyed(self.classes),
             experts=[n for k in self.experts if (n := rename(k)) is not None],
             layer_maps=keyed(self.layer_maps),
@@ -179,6 +186,7 @@ class Manifest:
                 quantized={k: QuantizedRecord(**v) for k, v in data["quantized"].items()},
                 aliases={str(k): str(v) for k, v in data["aliases"].items()},
                 non_persistent=[str(k) for k in data["non_persistent"]],
+                buffers=None if data.get("buffers") is None else [str(k) for k in data["buffers"]],
                 classes={str(k): str(v) for k, v in data.get("classes", {}).items()},
                 experts=[str(k) for k in data.get("experts", [])],
                 policy_maps=[dict(m) for m in data.get("policy_maps", [])],
@@ -191,7 +199,8 @@ class Manifest:
 
 def describe(module: torch.nn.Module, library_version: str) -> Manifest:
     """The manifest of `module` as it is now."""
-    manifest = Manifest(library_version=library_version)
+    buffers: list[str] = []
+    manifest = Manifest(library_version=library_version, buffers=buffers)
     map_indices: dict[int, int] = {}  # id of a map -> its index in `policy_maps`
     for name, submodule in module.named_modules():
         manifest.classes[name] = class_name(submodule)
@@ -226,6 +235,14 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
             )
         for buffer_name in non_persistent_buffer_names(submodule):
             manifest.non_persistent.append(_join(name, buffer_name))
+        stored = set() if quantized is None else quantized.stored_names
+        for buffer_name, buffer in submodule._buffers.items():
+            if (
+                buffer is not None
+                and buffer_name not in submodule._non_persistent_buffers_set
+                and buffer_name not in stored
+            ):
+                buffers.append(_join(name, buffer_name))
     return manifest
 
 
