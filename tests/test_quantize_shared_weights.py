@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtype_policies import apply_policy, quantize
+from dtype_policies import DTypePolicyMap, apply_policy, quantize
 from dtype_policies.quantization.kinds import SCALED_EMBEDDING, kind_of
 
 
@@ -128,3 +128,43 @@ def test_apply_policy_with_a_quantized_policy_stores_a_tied_table_once(policy):
     with torch.no_grad():
         error = (model(IDS).float() - reference(IDS).float()).norm() / reference(IDS).float().norm()
     assert error < (0.05 if policy.startswith("int8") else 0.2)  # random weights, int4/32
+
+
+@pytest.mark.parametrize("kept", ["embed", "head"])
+def test_a_tied_weight_filtered_out_on_one_side_stays_float_on_both(kept):
+    """Quantizing only one of two modules sharing a table stored a quantized
+    copy beside the float table (more memory, and the two sides untied)."""
+    torch.manual_seed(0)
+    model = TiedLM(nn.Embedding(256, 64))
+    other = "head" if kept == "embed" else "embed"
+    report = quantize(model, "int8", filters=f"^(body|{other})$")
+    assert [path for path, *_ in report.quantized] == ["body"]
+    assert dict(report.skipped)[other] == (
+        f"filtered out: its weight is shared with '{kept}', which keeps it in floating point"
+    )
+    assert model.head.weight is model.embed.weight and not hasattr(model.head, "weight_int8")
+
+
+@pytest.mark.parametrize("kept", ["embed", "head"])
+def test_a_policy_map_quantizing_one_side_of_a_tied_weight(kept):
+    torch.manual_seed(0)
+    model = TiedLM(nn.Embedding(256, 64))
+    other = "head" if kept == "embed" else "embed"
+    handle = apply_policy(model, DTypePolicyMap("float32", {other: "int8_from_float32"}))
+    assert handle.quantized_paths == []
+    assert handle.unquantized == {
+        other: f"its weight is shared with '{kept}', which keeps it in floating point"
+    }
+    assert model.head.weight is model.embed.weight
+    assert model.head.dtype_policy.name == "float32"  # the policy's float source
+
+
+def test_a_policy_map_quantizing_a_tied_weight_in_two_modes_raises_and_changes_nothing():
+    torch.manual_seed(0)
+    model = TiedLM(nn.Embedding(256, 64))
+    policies = DTypePolicyMap(
+        "float32", {"embed": "int4_from_float32", "head": "int8_from_float32"}
+    )
+    with pytest.raises(ValueError, match=r"'head' and 'embed' share one weight"):
+        apply_policy(model, policies)
+    assert model.head.weight is model.embed.weight and not hasattr(model.head, "dtype_policy")

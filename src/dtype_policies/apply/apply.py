@@ -751,7 +751,51 @@ def _plan_quantization(
             plans.append(module_plan)
         elif why is not None:
             declined.append((step, why))
+    plans, shared_float = _stored_once(steps, plans)
+    declined += shared_float
     return plans, expert_steps, declined
+
+
+def _stored_once(
+    steps: list[Step], plans: list[attach.Plan]
+) -> tuple[list[attach.Plan], list[tuple[Step, str]]]:
+    """A weight shared by modules (a tied embedding and LM head) is stored
+    quantized in all of them, in one mode, or in none, as `quantize()`
+    stores it: a module whose policy keeps it in floating point keeps the
+    whole table, and another's quantized copy would only add to it (that
+    module computes with its policy's float source instead; float8 keeps
+    its float weight and adds no copy). Two modes for one weight raise."""
+    step_of = {id(step.module): step for step in steps}
+    planned = {id(plan.module) for plan in plans}
+    kept_float: dict[int, str] = {}  # id(parameter) -> the path of a module keeping it float
+    for step in steps:
+        if id(step.module) in planned or attach.quantization_of(step.module) is not None:
+            continue
+        for parameter in step.module._parameters.values():
+            if parameter is not None:
+                kept_float.setdefault(id(parameter), step.path or "(root)")
+    modes: dict[int, attach.Plan] = {}
+    kept, declined = [], []
+    for plan in plans:
+        weight = plan.module._parameters.get(plan.spec.weight)
+        if weight is None or plan.scheme.keeps_float_weight:
+            kept.append(plan)
+            continue
+        first = modes.setdefault(id(weight), plan)
+        if first.config != plan.config:
+            raise ValueError(
+                f"apply_policy(): '{plan.path or '(root)'}' and '{first.path or '(root)'}' "
+                f"share one weight, which cannot be stored in two modes ({plan.config} and "
+                f"{first.config}): give both modules one quantized policy, or a float one "
+                "to either."
+            )
+        holder = kept_float.get(id(weight))
+        if holder is None:
+            kept.append(plan)
+        elif id(plan.module) in step_of:
+            why = f"its weight is shared with '{holder}', which keeps it in floating point"
+            declined.append((step_of[id(plan.module)], why))
+    return kept, declined
 
 
 def _plan_one(

@@ -233,13 +233,13 @@ def quantize(
     checked = []
     quantizable: list[str] = []
     planned_weights: dict[int, Any] = {}
-    # weights that stay float: one module holding each, and whether the mode
-    # leaves it float by its scope (quietly) rather than for want of support
-    left_float: dict[int, tuple[str, bool]] = {}
+    # weights that stay float: one module holding each, and the kind of reason
+    # (out of the mode's scope, filtered out, for want of support)
+    left_float: dict[int, tuple[str, str]] = {}
 
-    def leave_float(label: str, module: torch.nn.Module, in_scope: bool = True) -> None:
+    def leave_float(label: str, module: torch.nn.Module, reason: str = SKIP_NO_SUPPORT) -> None:
         for parameter in _own_parameters(module):
-            left_float.setdefault(id(parameter), (label, in_scope))
+            left_float.setdefault(id(parameter), (label, reason))
 
     def unsupported(label: str, module: torch.nn.Module, why: str) -> None:
         report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {why}"))
@@ -264,12 +264,12 @@ def quantize(
         kind = kind_of(module)
         if id(module) in routers:
             report.skipped.append((label, f"{SKIP_ROUTER}: {ROUTER_DETAIL}"))
-            leave_float(label, module, in_scope=False)
+            leave_float(label, module, SKIP_NOT_IN_MODE)
             continue
         if id(module) in adapters:
             if owns_matrix(module):
                 report.skipped.append((label, f"{SKIP_ADAPTER}: {_ADAPTER_DETAIL}"))
-            leave_float(label, module, in_scope=False)
+            leave_float(label, module, SKIP_NOT_IN_MODE)
             continue
         if kind is None:
             if not owns_matrix(module):
@@ -281,6 +281,7 @@ def quantize(
                 )
             else:
                 report.skipped.append((label, SKIP_FILTERED))
+                leave_float(label, module, SKIP_FILTERED)
             continue
         quantizable.append(label)
         existing = quantization_of(module)
@@ -291,6 +292,7 @@ def quantize(
             continue
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))
+            leave_float(label, module, SKIP_FILTERED)
             continue
         not_ready = _not_ready(module)
         if not_ready is not None:
@@ -301,7 +303,7 @@ def quantize(
         if not kind.supports(module_config.mode):  # the mode's scope, as Keras's
             modes = ", ".join(kind.modes)
             report.skipped.append((label, f"{SKIP_NOT_IN_MODE}: {kind.role} weights take {modes}"))
-            leave_float(label, module, in_scope=False)
+            leave_float(label, module, SKIP_NOT_IN_MODE)
             continue
         try:
             found = check(
@@ -388,17 +390,16 @@ def _with_expert_linears(modules: dict[str, torch.nn.Module], expansions: list) 
 def _not_kept_float_elsewhere(
     path: str,
     weight: torch.Tensor | None,
-    left_float: dict[int, tuple[str, bool]],
+    left_float: dict[int, tuple[str, str]],
     report: QuantizationReport,
 ) -> bool:
     """Whether no module keeps `weight` float; if one does, the module at
     `path` is reported skipped, for the holder's kind of reason (out of the
-    mode's scope quietly, else for want of support)."""
+    mode's scope, filtered out, for want of support)."""
     found = left_float.get(id(weight))
     if found is None:
         return True
-    holder, in_scope = found
-    reason = SKIP_NO_SUPPORT if in_scope else SKIP_NOT_IN_MODE
+    holder, reason = found
     report.skipped.append(
         (
             path or "(root)",

@@ -233,15 +233,12 @@ def describe(module: torch.nn.Module, library_version: str) -> Manifest:
                 float_dtype=str(quantized.float_dtype).removeprefix("torch."),
                 stored=sorted(quantized.stored_names),
             )
-        for buffer_name in non_persistent_buffer_names(submodule):
+        not_saved = non_persistent_buffer_names(submodule)
+        for buffer_name in not_saved:
             manifest.non_persistent.append(_join(name, buffer_name))
         stored = set() if quantized is None else quantized.stored_names
-        for buffer_name, buffer in submodule._buffers.items():
-            if (
-                buffer is not None
-                and buffer_name not in submodule._non_persistent_buffers_set
-                and buffer_name not in stored
-            ):
+        for buffer_name, _ in submodule.named_buffers(recurse=False):
+            if buffer_name not in not_saved and buffer_name not in stored:
                 buffers.append(_join(name, buffer_name))
     return manifest
 
