@@ -103,9 +103,28 @@ def test_compiled_quantized_mlp_has_no_graph_breaks_and_matches_eager(mode):
         with torch.no_grad():
             eager, ours = model(x), compiled(x)
         assert ours.dtype == eager.dtype == torch.bfloat16
-        # Inductor does not round fused intermediates to bfloat16, which moves
-        # some float8 roundings: compiled float8 differs within its own noise.
-        assert relative_error(ours, eager) < (0.08 if mode == "float8" else 0.03)
+        # Inductor does not round fused intermediates to bfloat16; float8's
+        # roundings around its own are written out, so it is within bfloat16's
+        # noise too (it was 1-5% off, float8's own error)
+        assert relative_error(ours, eager) < 0.03
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic", "weight_only"])
+def test_a_compiled_float8_layer_rounds_as_the_eager_one(scaling):
+    """The bfloat16 roundings around float8's are written out under compile:
+    a layer was 1-2% off eager (float8's own error), now bfloat16 noise."""
+    from dtype_policies.quantization import Float8QuantizationConfig
+
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 8)
+    apply_policy(layer, "mixed_bfloat16")
+    quantize(layer, "float8", Float8QuantizationConfig(scaling=scaling))
+    layer.eval()
+    compiled = torch.compile(layer)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        assert relative_error(compiled(x), layer(x)) < 0.006
 
 
 @pytest.mark.slow
