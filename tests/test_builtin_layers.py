@@ -200,6 +200,23 @@ def test_mha_matches_reference_in_float32_both_paths():
     assert tuple(fused.shape) == (3, 5, 8)
 
 
+def test_mha_a_query_with_no_key_left_attends_to_nothing_on_both_paths():
+    """As Keras's masked softmax: a fully masked row's probabilities are 0
+    (the scores path gave a uniform row, the fused path zeros)."""
+    torch.manual_seed(0)
+    mha = layers.MultiHeadAttention(num_heads=2, key_dim=4)
+    query, value = torch.randn(1, 3, 8), torch.randn(1, 5, 8)
+    mask = torch.ones(1, 3, 5, dtype=torch.bool)
+    mask[0, 1] = False
+    explicit, scores = mha(query, value, attention_mask=mask, return_attention_scores=True)
+    fused = mha(query, value, attention_mask=mask)
+    assert torch.equal(scores[0, :, 1], torch.zeros(2, 5))
+    torch.testing.assert_close(scores[0, :, 0].sum(-1), torch.ones(2))
+    torch.testing.assert_close(explicit, fused, atol=1e-5, rtol=1e-4)
+    bias = mha.attention_output.bias.detach()
+    torch.testing.assert_close(explicit[0, 1], bias.expand_as(explicit[0, 1]))
+
+
 def test_mha_causal_mask_and_mixed_precision():
     mha = layers.MultiHeadAttention(num_heads=2, key_dim=8, dtype="mixed_bfloat16")
     x = torch.randn(2, 6, 16)

@@ -213,7 +213,10 @@ class MultiHeadAttention(Layer):
             scores = scores.float()
             if mask is not None:
                 scores = scores.masked_fill(~mask, _MASK_VALUE)
-            probabilities = torch.softmax(scores, dim=-1).to(q.dtype)
+            probabilities = torch.softmax(scores, dim=-1)
+            if mask is not None:  # a query no key is left to: all zeros, as Keras's
+                probabilities = probabilities.masked_fill(~mask, 0.0)
+            probabilities = probabilities.to(q.dtype)
             attended = torch.matmul(self.dropout_layer(probabilities, training=training), v)
         else:
             # The fused CPU/GPU kernel accumulates its softmax in float32.
