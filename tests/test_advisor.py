@@ -110,6 +110,23 @@ def test_fragile_layer_stays_precise_the_rest_is_quantized():
     assert relative_error(torch.ones(3), torch.ones(3)) == 0.0
 
 
+def test_the_order_of_the_candidates_does_not_change_the_advice():
+    """int4/32 listed before int8 had int8 (dearer in bytes) dropped from
+    every group's ladder: a group whose int4 missed the budget stayed
+    float32 where int8 met it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+    ).eval()
+    x = torch.randn(4, 32)
+    advices = [
+        advise(model, x, max_error=0.02, candidates=order, objective="memory", **FAST)
+        for order in (("int8",), ("int8", "int4/32"), ("int4/32", "int8"))
+    ]
+    assert choices(advices[0]) == choices(advices[1]) == choices(advices[2])
+    assert advices[1].model_bytes["chosen"] == advices[0].model_bytes["chosen"]
+
+
 def test_a_tighter_budget_never_quantizes_more():
     model = fragile_mlp()
     x = outlier_inputs()

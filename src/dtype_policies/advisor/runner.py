@@ -89,8 +89,9 @@ def advise(
         max_error: The budget: the relative Frobenius error of all floating
             outputs against the model as given (see
             `dtype_policies.advisor.errors`), or of `metric`.
-        candidates: From the most to the least aggressive: `"int4"` (int4/128),
-            `"int4/64"`, `"int8"`, `"float8"` (quantized from mixed_bfloat16),
+        candidates: In any order (each group's options are ranked by their
+            measured cost and error): `"int4"` (int4/128), `"int4/64"`,
+            `"int8"`, `"float8"` (quantized from mixed_bfloat16),
             `"mixed_bfloat16"`, `"bfloat16"`, or full policy names
             (`"int4/-1_from_mixed_bfloat16"`). float32 is always allowed.
         objective: `"latency"` (measured microseconds per forward) or

@@ -54,12 +54,15 @@ class Step:
 
 
 def ladder(options: list[Option], min_gain: float = 0.0) -> list[Option]:
-    """The rungs of one group: float32 first, then options of increasing rank
-    and error and decreasing cost on the lower convex hull of (e^2, cost).
+    """The rungs of one group: float32 first, then options of decreasing
+    cost and increasing error on the lower convex hull of (e^2, cost),
+    whatever order the candidates were given in (int4/32 before int8 had
+    int8, dearer than int4, dropped: a group whose int4 missed the budget
+    stayed float32 where int8 met it).
 
     `min_gain`: a rung must cost less than `(1 - min_gain)` times the one
     below it (timings are noisy; bytes are not)."""
-    ordered = sorted(options, key=lambda o: o.rank)
+    ordered = sorted(options, key=lambda o: (o.rank != 0, -o.cost, o.error, o.rank))
     if not ordered or ordered[0].rank != 0:
         raise ValueError("a group's options must include float32 (rank 0)")
     rungs = [ordered[0]]
