@@ -614,3 +614,22 @@ def test_variance_scaling_fans_from_the_given_axes():
     assert float(values.abs().max()) <= limit and float(values.abs().max()) > 0.9 * limit
     with pytest.raises(ValueError, match=r"do not fit a weight of shape \(4, 64\)"):
         initializers.VarianceScaling(input_axes=[2], output_axes=[0])((4, 64))
+
+
+def test_weights_kept_in_a_list_are_read_as_stored_and_a_warning_says_so():
+    class ListedBias(Layer):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 4), name="kernel")
+            bias = self.add_weight(shape=(4,), initializer="zeros", name="bias")
+            self.biases = [bias]
+
+        def call(self, x):
+            return x @ self.kernel + self.bias
+
+    layer = ListedBias(dtype="mixed_bfloat16")
+    with pytest.warns(UserWarning, match=r"ListedBias.biases holds weights of the layer in a list"):
+        y = layer(torch.randn(2, 3))
+    assert y.dtype == torch.bfloat16  # read by name: cast
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.names = ["kernel", "bias"]  # no weights in it: quiet

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -46,6 +47,22 @@ class LayerApplication:
 
 LAYER_OWN = Token("LAYER_OWN")
 """The token of a layer's own policy, the bottom of its application stack."""
+
+
+def _warn_if_holding_weights(layer: torch.nn.Module, name: str, value: Any) -> None:
+    """Weights kept in a container attribute are read as stored inside
+    `call` (only attribute reads cast them): said once, when assigned."""
+    items = value.values() if isinstance(value, dict) else value
+    own = {id(p) for p in layer.__dict__.get("_parameters", {}).values() if p is not None}
+    if own and any(id(item) in own for item in items):
+        warnings.warn(
+            f"{type(layer).__name__}.{name} holds weights of the layer in a "
+            f"{type(value).__name__}: inside `call` they are read as stored, not in the "
+            "compute dtype (only `self.<name>` reads cast). Read them by name instead: "
+            "`getattr(self, name)`.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class Layer(LayerWeights, torch.nn.Module):
@@ -291,6 +308,11 @@ class Layer(LayerWeights, torch.nn.Module):
             self._finish_build()
 
     # ------------------------------------------------------------------ weights
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, (list, tuple, dict)) and not isinstance(value, torch.nn.Module):
+            _warn_if_holding_weights(self, name, value)
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: parameters, buffers, submodules.
