@@ -127,6 +127,13 @@ def test_the_order_of_the_candidates_does_not_change_the_advice():
     assert advices[1].model_bytes["chosen"] == advices[0].model_bytes["chosen"]
 
 
+def test_a_candidate_may_be_a_torch_dtype():
+    from dtype_policies.advisor.candidates import parse_candidates
+
+    labels = [c.label for c in parse_candidates((torch.bfloat16, "int8"))]
+    assert labels == ["float32", "int8", "bfloat16"]
+
+
 def test_a_tighter_budget_never_quantizes_more():
     model = fragile_mlp()
     x = outlier_inputs()

@@ -409,3 +409,40 @@ def test_compile_fullgraph_sequential_of_dense_matches_eager():
     torch.testing.assert_close(out.float(), eager.float(), atol=0.02, rtol=0.02)
     out.float().sum().backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("layer", "inputs", "expected"),
+    [
+        (lambda: layers.Dense(4), [(None, 7, 3)], (None, 7, 4)),
+        (
+            lambda: layers.EinsumDense("abc,cde->abde", (None, 2, 5), bias_axes="de"),
+            [(None, 6, 3)],
+            (None, 6, 2, 5),
+        ),
+        (lambda: layers.Embedding(10, 4), [(None, 7)], (None, 7, 4)),
+        (lambda: layers.MultiHeadAttention(2, 4), [(None, 5, 8), (None, 7, 6)], (None, 5, 8)),
+        (
+            lambda: layers.MultiHeadAttention(2, 4, output_shape=3),
+            [(None, 5, 8), (None, 7, 6)],
+            (None, 5, 3),
+        ),
+        (lambda: layers.LayerNormalization(), [(None, 7, 3)], (None, 7, 3)),
+        (lambda: layers.Dropout(0.5), [(None, 3)], (None, 3)),
+        (lambda: layers.Activation("relu"), [(None, 3)], (None, 3)),
+    ],
+)
+def test_compute_output_shape_as_keras_and_as_the_call(layer, inputs, expected):
+    assert layer().compute_output_shape(*inputs) == expected
+    concrete = [tuple(2 if d is None else d for d in shape) for shape in inputs]
+    tensors = [
+        torch.randint(0, 10, shape) if isinstance(layer(), layers.Embedding) else torch.randn(shape)
+        for shape in concrete
+    ]
+    built = layer()
+    assert tuple(built(*tensors).shape) == built.compute_output_shape(*concrete)
+
+
+def test_dense_refuses_an_input_of_one_axis_as_keras():
+    with pytest.raises(ValueError, match="expected min_ndim=2, found ndim=1"):
+        layers.Dense(4)(torch.ones(5))

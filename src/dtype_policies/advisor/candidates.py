@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies.policies import DTypePolicy, Int4DTypePolicy, QuantizedDTypePolicy, get
 
@@ -65,10 +67,12 @@ def parse_candidate(spec: object) -> DTypePolicy:
             raise ValueError(f"advise(): unknown candidate {spec!r}: {e}") from None
     elif isinstance(spec, DTypePolicy):
         policy = spec
+    elif isinstance(spec, torch.dtype):  # as wherever a policy name is taken
+        policy = get(spec)
     else:
         raise ValueError(
             f"advise(): unknown candidate {spec!r}: expected a policy name such as 'int8' or "
-            "'mixed_bfloat16', or a DTypePolicy."
+            "'mixed_bfloat16', a torch dtype, or a DTypePolicy."
         )
     if policy.is_map:
         raise ValueError(f"advise(): candidate {spec!r} is a DTypePolicyMap, not one policy.")

@@ -139,6 +139,16 @@ class MultiHeadAttention(Layer):
             name=name,
         )
 
+    def compute_output_shape(
+        self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None
+    ) -> tuple:
+        """The output shape for these inputs, as Keras's.
+
+        >>> MultiHeadAttention(2, 4).compute_output_shape((None, 5, 8), (None, 7, 6))
+        (None, 5, 8)
+        """
+        return (*tuple(query_shape)[:-1], self._output_shape or query_shape[-1])
+
     def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
         key_shape = value_shape if key_shape is None else key_shape
         for label, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):

@@ -47,6 +47,14 @@ class Dropout(Layer):
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
 
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        """The output shape for `input_shape`: the same, as Keras's.
+
+        >>> Dropout(0.5).compute_output_shape((None, 3))
+        (None, 3)
+        """
+        return tuple(input_shape)
+
     def call(self, inputs: torch.Tensor, training: bool | None = None) -> torch.Tensor:
         if training is None:
             training = self.training
@@ -89,6 +97,14 @@ class Activation(Layer):
     def __init__(self, activation: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.activation = activations.get(activation)
+
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        """The output shape for `input_shape`: the same, as Keras's.
+
+        >>> Activation("relu").compute_output_shape((None, 3))
+        (None, 3)
+        """
+        return tuple(input_shape)
 
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.activation(inputs)

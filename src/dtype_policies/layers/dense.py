@@ -88,7 +88,21 @@ class Dense(QuantizableLayer):
         # which keeps small layers cheap; a subclass's `call` gets the scope.
         return type(self).call is Dense.call
 
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        """The output shape for `input_shape`, as Keras's.
+
+        >>> Dense(4).compute_output_shape((None, 7, 3))
+        (None, 7, 4)
+        """
+        return (*tuple(input_shape)[:-1], self.units)
+
     def build(self, input_shape: tuple[int, ...]) -> None:
+        if input_shape is not None and len(input_shape) < 2:  # Keras's input spec
+            raise ValueError(
+                f'Input 0 of layer "{self.name}" is incompatible with the layer: expected '
+                f"min_ndim=2, found ndim={len(input_shape)}. Full shape received: "
+                f"{tuple(input_shape)}"
+            )
         if not input_shape or input_shape[-1] is None:
             raise ValueError(
                 f"Dense layer '{self.name}' needs inputs with a known last axis. "

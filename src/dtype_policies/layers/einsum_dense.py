@@ -216,6 +216,14 @@ class EinsumDense(QuantizableLayer):
         )
         self.full_output_shape: tuple | None = None
 
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        """The output shape for `input_shape`, as Keras's.
+
+        >>> EinsumDense("ab,bc->ac", output_shape=5).compute_output_shape((None, 3))
+        (None, 5)
+        """
+        return tuple(self.spec.shapes(tuple(input_shape), self.partial_output_shape, None)[2])
+
     def build(self, input_shape: tuple[int, ...]) -> None:
         kernel_shape, bias_shape, full = self.spec.shapes(
             tuple(input_shape), self.partial_output_shape, self.bias_axes

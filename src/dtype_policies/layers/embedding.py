@@ -54,6 +54,14 @@ class Embedding(QuantizableLayer):
         self.embeddings_constraint = constraints.get(embeddings_constraint)
         self.mask_zero = bool(mask_zero)
 
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        """The output shape for `input_shape`, as Keras's.
+
+        >>> Embedding(10, 4).compute_output_shape((None, 7))
+        (None, 7, 4)
+        """
+        return (*tuple(input_shape), self.output_dim)
+
     def build(self, input_shape: Any = None) -> None:
         self.embeddings = self.add_weight(
             shape=(self.input_dim, self.output_dim),

@@ -104,6 +104,14 @@ class LayerNormalization(Layer):
         else:
             self.register_parameter("beta", None)
 
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        """The output shape for `input_shape`: the same, as Keras's.
+
+        >>> LayerNormalization().compute_output_shape((None, 3))
+        (None, 3)
+        """
+        return tuple(input_shape)
+
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
         compute = self._compute_torch_dtype
         if (
