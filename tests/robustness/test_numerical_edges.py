@@ -236,3 +236,62 @@ def test_small_weight_only_int8_shapes_never_crash():
                 x.bfloat16().float(), linear.weight.float(), linear.bias
             )
             assert ((out.float() - reference).norm() / reference.norm()) < 0.02
+
+
+class _MaskedScores(nn.Module):
+    """Scores plus an additive mask, softmax in float32: a transformers
+    eager attention's arithmetic."""
+
+    def forward(self, scores, attention_mask=None):
+        return torch.softmax((scores + attention_mask).float(), dim=-1)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_an_additive_mask_of_float32_minima_stays_finite_in_a_narrower_dtype(policy):
+    """`finfo(float32).min` rounds to -inf in bfloat16 (float16 far before):
+    a query whose every key is masked became NaN, and a static cache carried
+    it into every later token (transformers' eager attention under
+    compile_for_generation)."""
+    module = _MaskedScores()
+    apply_policy(module, policy)
+    scores = torch.randn(2, 5)
+    mask = torch.zeros(2, 5)
+    mask[1] = torch.finfo(torch.float32).min  # a padding query: every key masked
+    probabilities = module(scores, attention_mask=mask)
+    assert torch.isfinite(probabilities).all()
+    torch.testing.assert_close(probabilities.sum(-1), torch.ones(2))
+
+
+def test_left_padded_generation_with_a_static_cache_under_mixed_bfloat16():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    apply_policy(model, "mixed_bfloat16")
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    outputs = {}
+    for cache in (None, "static"):
+        with torch.no_grad():
+            generated = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=4,
+                do_sample=False,
+                cache_implementation=cache,
+                return_dict_in_generate=True,
+                output_scores=True,
+            )
+        assert not any(score.isnan().any() for score in generated.scores), cache
+        outputs[cache] = generated.sequences
+    assert torch.equal(outputs[None], outputs["static"])

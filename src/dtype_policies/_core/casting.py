@@ -159,8 +159,35 @@ def cast_inputs(args: tuple, kwargs: dict[str, Any], dtype: torch.dtype | None) 
             return (cast_tensor(x, dtype),), kwargs
         return args, kwargs
     return tuple(cast_floating(arg, dtype) for arg in args), {
-        key: cast_floating(value, dtype) for key, value in kwargs.items()
+        key: _saturated(value, dtype) if key in ADDITIVE_MASKS else cast_floating(value, dtype)
+        for key, value in kwargs.items()
     }
+
+
+ADDITIVE_MASKS = frozenset(
+    {"attention_mask", "attn_mask", "causal_mask", "encoder_attention_mask", "mask"}
+)
+"""Keyword arguments that carry additive attention masks: a float32 mask's
+`finfo(float32).min` rounds to -inf in bfloat16 (and much less to it in
+float16), and a query whose every key is masked then becomes NaN in the
+softmax, which spreads through the cache (`_saturated`)."""
+
+
+def _saturated(value: Any, dtype: torch.dtype | None) -> Any:
+    """`cast_floating(value, dtype)`, a floating tensor clamped to the
+    narrower dtype's finite range first: its most negative value stays the
+    most negative finite one."""
+    if (
+        isinstance(value, torch.Tensor)
+        and dtype is not None
+        and value.dtype != dtype
+        and value.is_floating_point()
+        and dtype.is_floating_point
+        and torch.finfo(dtype).max < torch.finfo(value.dtype).max
+    ):
+        info = torch.finfo(dtype)
+        return cast_tensor(value.clamp(info.min, info.max), dtype)
+    return cast_floating(value, dtype)
 
 
 def first_tensor(value: Any, floating: bool = False) -> torch.Tensor | None:
