@@ -167,6 +167,24 @@ def test_onnx_export_runs_on_onnxruntime(variant):
         assert _relative(torch.from_numpy(out), eager) <= 1e-6
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_onnx_export_of_a_quantized_embedding_runs_on_onnxruntime(mode):
+    """The int4 table's unpacking shifted int16 values, which the exporter
+    writes as an int16 `Where` ONNX Runtime's CPU provider does not have."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.Linear(32, 8))
+    quantize(model, mode)
+    ids = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(2))
+    program = torch.onnx.export(model, (ids,), dynamo=True, verbose=False)
+    session = ort.InferenceSession(program.model_proto.SerializeToString())
+    out = session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0]
+    with torch.no_grad():
+        assert _relative(torch.from_numpy(out), model(ids)) <= 1e-6
+
+
 class _Exporting(torch.nn.Module):
     """`x + 1` where `casting.exporting()` holds, `x - 1` elsewhere."""
 

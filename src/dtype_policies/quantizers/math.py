@@ -265,7 +265,9 @@ def unpack_int4(
         raise ValueError(f"Expected an int8 or uint8 packed tensor, got {packed.dtype}")
     if dtype not in ("int8", "uint8", torch.int8, torch.uint8):
         raise ValueError(f"Expected dtype to be 'int8' or 'uint8', but got '{dtype}'.")
-    moved = packed.movedim(axis, 0).to(torch.int16) & 0xFF  # the bytes, unsigned
+    # the bytes, unsigned, in int32: ONNX Runtime's CPU provider has no int16
+    # `Where`, which an exported int16 shift becomes
+    moved = packed.movedim(axis, 0).to(torch.int32) & 0xFF
     low = moved & 0xF
     high = (moved >> 4) & 0xF
     nibbles = torch.stack([low, high], dim=1).reshape(2 * moved.shape[0], *moved.shape[1:])
