@@ -100,10 +100,13 @@ def test_the_cpp_wrapper_runs_this_librarys_operators_with_eager_values():
     assert close(got, expected) < 2e-2
 
 
-def test_a_model_the_compiler_gives_up_on_runs_eagerly_with_one_warning():
+def test_a_model_the_compiler_gives_up_on_runs_eagerly_with_two_warnings():
     """Dynamo stops a fullgraph call that recompiles at every step (Gemma2's
-    sliding-window cache in `generate`): the call runs eagerly, from then on."""
+    sliding-window cache in `generate`): the calls run eagerly; after a few in
+    a row, from then on, without asking Dynamo again."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from dtype_policies._frozen import GIVE_UP_AFTER_LIMIT_HITS
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     fast = compile_for_inference(model)
@@ -116,13 +119,41 @@ def test_a_model_the_compiler_gives_up_on_runs_eagerly_with_one_warning():
     fast._call.compiled = gives_up
     x = torch.randn(3, 8)
     with torch.no_grad():
-        with pytest.warns(UserWarning, match="gave up .*recompile_limit reached.* runs eagerly"):
+        with pytest.warns(UserWarning, match="met its recompile limit .* the call runs eagerly"):
             first = fast(x)
+        for _ in range(GIVE_UP_AFTER_LIMIT_HITS - 2):
+            fast(x)
+        with pytest.warns(UserWarning, match="gave up .*recompile_limit reached.* runs eagerly"):
+            fast(x)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            second = fast(x)
-        assert torch.equal(first, model(x)) and torch.equal(second, model(x))
-    assert len(attempts) == 1
+            last = fast(x)
+        assert torch.equal(first, model(x)) and torch.equal(last, model(x))
+    assert len(attempts) == GIVE_UP_AFTER_LIMIT_HITS
+
+
+def test_a_call_meeting_the_recompile_limit_leaves_the_compiled_shapes_compiled():
+    """A ninth batch size met Dynamo's limit: that call ran eagerly, and so
+    did every later call, the compiled batch sizes too."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    fast = compile_for_inference(model)
+    compiled_calls = []
+
+    def compiled(x):
+        if x.shape[0] == 9:
+            raise FailOnRecompileLimitHit("recompile_limit reached: size mismatch at index 0")
+        compiled_calls.append(x.shape[0])
+        return model(x)
+
+    fast._call.compiled = compiled
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (1, 9, 1, 9, 2):
+            assert torch.equal(fast(torch.ones(rows, 8)), model(torch.ones(rows, 8)))
+    assert compiled_calls == [1, 1, 2]
+    assert [str(w.message).count("size mismatch at index 0") for w in caught] == [1]
 
 
 @pytest.mark.slow

@@ -252,6 +252,14 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
     return compiler_config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag)
 
 
+GIVE_UP_AFTER_LIMIT_HITS = 3
+"""Calls in a row meeting Dynamo's recompile limit (no compiled call between
+them) after which a compiled call runs eagerly for good: a call whose
+Python state changes at every step (Gemma2's sliding-window cache) meets it
+at every step; a new batch size once, the shapes compiled before still run
+compiled."""
+
+
 @functools.cache
 def _recompile_limit() -> tuple[type[BaseException], ...]:
     """Dynamo's "recompile limit hit" errors (read when one is raised, so that
@@ -358,6 +366,7 @@ class FrozenCompiledCall:
         self.watch: ModelWatch | None = None
         self.given_up: str | None = None  # why the compiler gave up on this model
         self.reported: set[str] = set()  # the reasons for eager frames told so far
+        self.limit_hits = 0  # calls in a row that met Dynamo's recompile limit
 
     def __reduce__(self) -> tuple[Any, tuple]:
         # Compiled graphs cannot be copied: a copy (pickle, `torch.save`,
@@ -417,16 +426,30 @@ class FrozenCompiledCall:
                 result = self.compiled(*args, **kwargs)
         except _recompile_limit() as error:
             # raised while compiling, before the call ran: the eager call is its first run
-            self.given_up = str(error).splitlines()[0] if str(error) else type(error).__name__
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             self.session = None
-            warnings.warn(
-                f"{self.name}: torch.compile recompiled this model's call at every step and "
-                f"gave up ({type(error).__name__}: {self.given_up}); it runs eagerly from now "
-                "on. transformers' own compiled generate stops the same way on models whose "
-                "cache changes its Python state at every step (sliding-window layers).",
-                stacklevel=2,
-            )
+            self.limit_hits += 1
+            if self.limit_hits >= GIVE_UP_AFTER_LIMIT_HITS:
+                self.given_up = reason
+                warnings.warn(
+                    f"{self.name}: torch.compile recompiled this model's call at every step "
+                    f"and gave up ({type(error).__name__}: {reason}); it runs eagerly from "
+                    "now on. transformers' own compiled generate stops the same way on "
+                    "models whose cache changes its Python state at every step "
+                    "(sliding-window layers).",
+                    stacklevel=2,
+                )
+            elif reason not in self.reported:
+                self.reported.add(reason)
+                warnings.warn(
+                    f"{self.name}: torch.compile met its recompile limit on this call "
+                    f"({type(error).__name__}: {reason}); the call runs eagerly, calls of the "
+                    "shapes compiled before stay compiled. Each new batch size or mode "
+                    "compiles a graph of its own: reuse a few.",
+                    stacklevel=2,
+                )
             return self.eager(*args, **kwargs)
+        self.limit_hits = 0
         given_up = _EAGER_FRAMES.given_up_since(mark)
         if given_up:
             self.report_eager_frames(given_up)
