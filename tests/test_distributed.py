@@ -455,6 +455,30 @@ def test_shard_plan_holds_a_tied_parameter_in_the_unit_enclosing_its_modules():
     }
 
 
+def test_a_tied_table_inside_a_block_of_a_transformers_lm_is_held_by_the_model():
+    """The embedding inside the `model` block, the head beside it (a tied
+    Llama): the block is no unit of its own and the model's unit holds the
+    table, as stored; units given per decoder layer keep theirs."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    apply_policy(model, "mixed_bfloat16")
+    plan = {unit.name: unit.param_dtype for unit in shard_plan(model)}
+    assert plan == {"": None}
+    plan = {unit.name: unit.param_dtype for unit in shard_plan(model, units=["LlamaDecoderLayer"])}
+    assert plan["model.layers.0"] == plan["model.layers.1"] == torch.bfloat16
+    assert plan[""] is None and "model.embed_tokens" not in plan
+
+
 def test_a_tied_embedding_and_lm_head_of_other_dtypes_are_one_unit():
     """The embedding reads its table as stored, the head in bfloat16: no
     `units=` could keep them together before (it raised)."""

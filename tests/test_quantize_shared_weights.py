@@ -168,3 +168,20 @@ def test_a_policy_map_quantizing_a_tied_weight_in_two_modes_raises_and_changes_n
     with pytest.raises(ValueError, match=r"'head' and 'embed' share one weight"):
         apply_policy(model, policies)
     assert model.head.weight is model.embed.weight and not hasattr(model.head, "dtype_policy")
+
+
+def test_float8_on_one_side_of_a_tied_weight_keeps_the_other_float():
+    """float8 keeps its float weight: its tied partner's int8 copy would be a
+    second table, untied from it in training."""
+    torch.manual_seed(0)
+    model = TiedLM(nn.Embedding(256, 64))
+    policies = DTypePolicyMap(
+        "mixed_bfloat16",
+        {"head": "float8_from_mixed_bfloat16", "embed": "int8_from_mixed_bfloat16"},
+    )
+    handle = apply_policy(model, policies)
+    assert handle.quantized_paths == ["head"]
+    assert handle.unquantized == {
+        "embed": "its weight is shared with 'head', which keeps it in floating point"
+    }
+    assert model.head.weight is model.embed.weight

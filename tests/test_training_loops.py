@@ -582,3 +582,21 @@ def test_a_fused_step_between_two_inference_calls_is_seen(kind, update):
     with torch.no_grad():
         out, expected = pair.forward(x_val)
     assert torch.equal(out, expected)
+
+
+def test_a_fused_step_leaves_a_frozen_parameters_graph_valid():
+    """Only what the fused kernels write (parameters with a gradient) moves:
+    a frozen weight in the optimizer keeps a retained graph usable, as in
+    plain torch."""
+    torch.manual_seed(0)
+    frozen, trained = nn.Linear(4, 4), nn.Linear(4, 4)
+    frozen.weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW([*frozen.parameters(), *trained.parameters()], fused=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    kept = frozen(x)
+    trained(kept.detach()).sum().backward()
+    versions = (frozen.weight._version, trained.weight._version)
+    optimizer.step()
+    assert frozen.weight._version == versions[0] and trained.weight._version > versions[1]
+    (grad,) = torch.autograd.grad(kept.sum(), x)  # the graph reading frozen.weight
+    assert torch.isfinite(grad).all()

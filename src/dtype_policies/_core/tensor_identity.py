@@ -61,7 +61,9 @@ def _count_fused_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     for group in optimizer.param_groups:
         if group.get("fused"):
             for parameter in group["params"]:
-                if not parameter.is_inference():
+                # what the step wrote: a parameter without a gradient is skipped
+                # by the fused kernels, and a frozen one's graph stays valid
+                if parameter.grad is not None and not parameter.is_inference():
                     increment_version(parameter)
 
 

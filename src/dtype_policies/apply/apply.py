@@ -766,7 +766,8 @@ def _stored_once(
     module computes with its policy's float source instead; float8 keeps
     its float weight and adds no copy). Two modes for one weight raise."""
     step_of = {id(step.module): step for step in steps}
-    planned = {id(plan.module) for plan in plans}
+    # float8 keeps its float weight: like a float module, it keeps the table
+    planned = {id(plan.module) for plan in plans if not plan.scheme.keeps_float_weight}
     kept_float: dict[int, str] = {}  # id(parameter) -> the path of a module keeping it float
     for step in steps:
         if id(step.module) in planned or attach.quantization_of(step.module) is not None:

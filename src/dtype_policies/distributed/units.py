@@ -267,10 +267,17 @@ def plan_units(
         try:
             return _walk_units(model, kept, block_ids, folded, as_stored)
         except _TiedAcrossUnits as tie:
-            inner = {tie.first, tie.second} & {name for name, _ in kept} - {tie.common}
-            if tie.common in as_stored and not inner:
+            # the blocks below the common unit holding either module
+            between = {
+                name
+                for name, _ in kept
+                if name != tie.common
+                and _encloses(tie.common, name)
+                and (_encloses(name, tie.first) or _encloses(name, tie.second))
+            }
+            if tie.common in as_stored and not between:
                 raise ValueError(tie.message) from None
-            dissolved |= inner
+            dissolved |= between
             as_stored[tie.common] = tie.why
     raise ValueError("fully_shard(): the tied parameters could not be placed in one unit")
 
@@ -334,6 +341,11 @@ def _walk_units(
     walk("", model, add("", model, _block_dtype(model, folded), "root"))
     plan.sort(key=lambda entry: -entry[0])  # stable: innermost first, the model last
     return [unit for _, unit in plan]
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    """Whether the module path `outer` (dotted; `""` the model) holds `inner`."""
+    return outer == "" or inner == outer or inner.startswith(f"{outer}.")
 
 
 def _common_unit(first: str, second: str, unit_names: set[str]) -> str:
