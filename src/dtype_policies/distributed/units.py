@@ -229,7 +229,10 @@ def shard_plan(
     own, all-gathered as stored. A module whose parent reads its parameters
     without calling it (`nn.MultiheadAttention.out_proj`) is never a unit:
     its parameters count as its parent's. The model is the last unit, for the
-    parameters no block holds. A `units` rule that matches no module (with
+    parameters no block holds. A parameter tied between modules that would
+    fall in two units (a tied embedding and LM head) is held by the
+    innermost unit enclosing both, gathered as stored, the blocks between
+    dissolved into it. A `units` rule that matches no module (with
     parameters and a forward) warns, naming it. A model with quantized
     modules raises `ValueError` (FSDP2 does not train them).
 
