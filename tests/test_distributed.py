@@ -39,6 +39,7 @@ from dtype_policies.distributed import (
     to_mixed_precision_policy,
 )
 from dtype_policies.distributed.support import fsdp_refusal
+from tiny_models import tiny_decoder
 
 distributed = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -459,17 +460,7 @@ def test_a_tied_table_inside_a_block_of_a_transformers_lm_is_held_by_the_model()
     """The embedding inside the `model` block, the head beside it (a tied
     Llama): the block is no unit of its own and the model's unit holds the
     table, as stored; units given per decoder layer keep theirs."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_decoder(tie=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     apply_policy(model, "mixed_bfloat16")
     plan = {unit.name: unit.param_dtype for unit in shard_plan(model)}

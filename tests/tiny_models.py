@@ -4,10 +4,13 @@ import pytest
 import torch
 
 
-def tiny_decoder(family: str = "llama", layers: int = 2, tie: bool = False) -> torch.nn.Module:
+def tiny_decoder(
+    family: str = "llama", layers: int = 2, tie: bool = False, **config: object
+) -> torch.nn.Module:
     """A causal LM of `family` ("llama"; "qwen3", with float32 q/k norms;
     "qwen3_moe", 4 experts of width 96 choosing 2), 64 wide, 4 heads over 2
-    key-value heads, vocabulary 128, eval mode, seed 0."""
+    key-value heads, vocabulary 128, eval mode, seed 0; `config`: other
+    settings of its config (`attn_implementation="eager"`)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     widths = dict(
@@ -19,6 +22,7 @@ def tiny_decoder(family: str = "llama", layers: int = 2, tie: bool = False) -> t
         num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=tie,
+        **config,
     )
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**widths)).eval()

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from dtype_policies import apply_policy, quantize
 from dtype_policies.quantization import Int8QuantizationConfig
+from tiny_models import tiny_decoder
 
 from .helpers import (
     EMBEDDING_KINDS,
@@ -263,18 +264,7 @@ def test_an_additive_mask_of_float32_minima_stays_finite_in_a_narrower_dtype(pol
 
 
 def test_left_padded_generation_with_a_static_cache_under_mixed_bfloat16():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        attn_implementation="eager",
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_decoder(attn_implementation="eager")
     model.generation_config.pad_token_id = 0
     apply_policy(model, "mixed_bfloat16")
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))

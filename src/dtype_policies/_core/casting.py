@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -177,17 +178,20 @@ def _saturated(value: Any, dtype: torch.dtype | None) -> Any:
     """`cast_floating(value, dtype)`, a floating tensor clamped to the
     narrower dtype's finite range first: its most negative value stays the
     most negative finite one."""
-    if (
-        isinstance(value, torch.Tensor)
-        and dtype is not None
-        and value.dtype != dtype
-        and value.is_floating_point()
-        and dtype.is_floating_point
-        and torch.finfo(dtype).max < torch.finfo(value.dtype).max
-    ):
-        info = torch.finfo(dtype)
-        return cast_tensor(value.clamp(info.min, info.max), dtype)
+    if isinstance(value, torch.Tensor) and dtype is not None and value.dtype != dtype:
+        limits = _narrower_range(value.dtype, dtype)
+        if limits is not None:
+            return cast_tensor(value.clamp(*limits), dtype)
     return cast_floating(value, dtype)
+
+
+@functools.cache
+def _narrower_range(source: torch.dtype, target: torch.dtype) -> tuple[float, float] | None:
+    """`target`'s finite range where it is narrower than floating `source`'s."""
+    if not (source.is_floating_point and target.is_floating_point):
+        return None
+    info = torch.finfo(target)
+    return (info.min, info.max) if info.max < torch.finfo(source).max else None
 
 
 def first_tensor(value: Any, floating: bool = False) -> torch.Tensor | None:

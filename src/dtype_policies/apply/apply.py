@@ -37,7 +37,7 @@ from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization import attach, experts
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
-from dtype_policies.quantization.report import ROUTER_DETAIL
+from dtype_policies.quantization.report import ROUTER_DETAIL, shared_float_detail
 
 _FLOAT32 = DTypePolicy("float32")
 
@@ -794,8 +794,7 @@ def _stored_once(
         if holder is None:
             kept.append(plan)
         elif id(plan.module) in step_of:
-            why = f"its weight is shared with '{holder}', which keeps it in floating point"
-            declined.append((step_of[id(plan.module)], why))
+            declined.append((step_of[id(plan.module)], shared_float_detail(holder)))
     return kept, declined
 
 

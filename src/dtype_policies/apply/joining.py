@@ -45,7 +45,14 @@ import torch
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import Token, state_of
 from dtype_policies._core.state import compute_dtype_of
-from dtype_policies.apply.apply import PolicyHandle, install_steps, live_handle, steps_under
+from dtype_policies.apply.apply import (
+    DEFAULT_FLOAT32_RULES,
+    Planning,
+    PolicyHandle,
+    install_steps,
+    live_handle,
+    steps_under,
+)
 from dtype_policies.layers.layer import Layer
 
 _PARAMETRIZATIONS = "parametrizations"  # torch.nn.utils.parametrize's container
@@ -80,53 +87,44 @@ def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
             continue  # a layer's own policy, quantize()'s own entry: not applications
         handle = live_handle(token)
         parent_path = None if handle is None else handle.path_of(parent)
-        leaving: list[torch.nn.Module] = []
-        if handle is not None and parent_path is not None and replaced not in (None, child):
-            reachable = _reachable_after(handle.module, parent, name, child)
-            leaving = [m for m in replaced.modules() if id(m) not in reachable]
-        steps = _steps(child, name, entry, handle, parent_path) if joins else []
-        planned.append((token, handle, parent_path, leaving, steps))
-    for token, handle, parent_path, leaving, steps in planned:
+        known = handle if parent_path is not None else None  # the parent's place is known
         path = f"{parent_path}/{name}" if parent_path else name
-        if handle is not None and parent_path is not None:
-            if replaced is not None:
-                handle._leave(leaving, path)
-            handle._install(steps)
-        else:
+        leaving: list[torch.nn.Module] = []
+        if known is not None and replaced not in (None, child):
+            reachable = _reachable_after(known.module, parent, name, child)
+            leaving = [m for m in replaced.modules() if id(m) not in reachable]
+        steps = _steps(child, path, entry, known) if joins else []
+        planned.append((token, known, path, leaving, steps))
+    for token, known, path, leaving, steps in planned:
+        if known is None:
             install_steps(token, steps)
-    for handle in {
-        id(h): h for _, h, p, _, _ in planned if h is not None and p is not None
-    }.values():
+            continue
+        if replaced is not None:
+            known._leave(leaving, path)
+        known._install(steps)
+    for handle in {id(k): k for _, k, *_ in planned if k is not None}.values():
         model_changed(handle.module)
     return None
 
 
-def _steps(
-    child: torch.nn.Module,
-    name: str,
-    entry: Any,
-    handle: PolicyHandle | None,
-    parent_path: str | None,
-) -> list:
-    """`child`'s steps under one application: by what it was planned from,
-    at the child's path, where the application and the parent's place in
-    its model are known; else by the parent's policy."""
+def _steps(child: torch.nn.Module, path: str, entry: Any, known: PolicyHandle | None) -> list:
+    """`child`'s steps at `path` under one application: by what the
+    application was planned from where it and the parent's place in its
+    model are known (`known`); else by the parent's policy."""
     parent_policy = getattr(entry, "policy", None)
     if parent_policy is None:
         return []
-    enclosing = compute_dtype_of(parent_policy)
-    planning = handle._planning if handle is not None else None
-    if planning is None or parent_path is None:
-        path = f"{parent_path}/{name}" if parent_path else name
-        return steps_under(child, parent_policy, path, enclosing=enclosing)
+    planning = None if known is None else known._planning
+    if planning is None:
+        planning = Planning(parent_policy, DEFAULT_FLOAT32_RULES, True, True)
     return steps_under(
         child,
         planning.policy,
-        f"{parent_path}/{name}" if parent_path else name,
+        path,
         rules=planning.rules,
         cast_buffers=planning.cast_buffers,
         weight_cache=planning.weight_cache,
-        enclosing=enclosing,
+        enclosing=compute_dtype_of(parent_policy),
     )
 
 

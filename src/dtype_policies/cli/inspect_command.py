@@ -122,11 +122,9 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
             if tensor not in stored and prefix + tensor not in buffers
         )
         if quantized is not None:  # the policy it computes by, as `summary` shows it
-            source = (
-                policy.source_policy.name
-                if isinstance(policy, QuantizedDTypePolicy)
-                else (policy.name if policy is not None else quantized.float_dtype)
-            )
+            if isinstance(policy, QuantizedDTypePolicy):
+                policy = policy.source_policy
+            source = quantized.float_dtype if policy is None else policy.name
             policy = policy_for_config(quantized.quantization_config, source)
             shared = any(prefix + tensor in manifest.aliases for tensor in quantized.stored)
             if not mode_record(quantized.mode).keeps_float_weight and not shared:

@@ -35,6 +35,7 @@ from dtype_policies.quantization.report import (
     SKIP_OUTSIDE_STRUCTURE,
     SKIP_ROUTER,
     QuantizationReport,
+    shared_float_detail,
 )
 from dtype_policies.quantizers.config import validate_and_resolve_config
 
@@ -400,12 +401,7 @@ def _not_kept_float_elsewhere(
     if found is None:
         return True
     holder, reason = found
-    report.skipped.append(
-        (
-            path or "(root)",
-            f"{reason}: its weight is shared with {holder!r}, which keeps it in floating point",
-        )
-    )
+    report.skipped.append((path or "(root)", f"{reason}: {shared_float_detail(holder)}"))
     return False
 
 

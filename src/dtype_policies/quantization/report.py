@@ -16,6 +16,12 @@ SKIP_ADAPTER = "adapter"  # a PEFT adapter (LoRA's A and B): trained on the quan
 ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
 
 
+def shared_float_detail(holder: str) -> str:
+    """Why a module is left float: its weight is shared with `holder`, which
+    keeps it float (a weight is stored quantized in all its modules or none)."""
+    return f"its weight is shared with {holder!r}, which keeps it in floating point"
+
+
 @dataclass
 class QuantizationReport:
     """The quantized modules `(path, mode, policy name)` and the skipped ones

@@ -464,7 +464,8 @@ def _target_names(model: Any, manifest: Manifest, saved_as: list[str]) -> Any:
     prefix = getattr(model, "base_model_prefix", "") or ""
     if not prefix:
         return None
-    modules = {name for name, _ in model.named_modules()}
+    named = dict(model.named_modules())
+    modules = set(named)
     inside = f"{prefix}."
     has_base = prefix in modules
     saved_with_base = any(p == prefix or p.startswith(inside) for p in manifest.classes)
@@ -489,7 +490,7 @@ def _target_names(model: Any, manifest: Manifest, saved_as: list[str]) -> Any:
     elif not same_class and not has_base and saved_with_base:
         rename = stripped
     base = prefix if has_base else ""
-    resized = _resized_heads(model, manifest, rename, inside) if has_base else {}
+    resized = _resized_heads(named, manifest, rename, inside) if has_base else {}
 
     def target_name(name: str) -> str | None:  # a module path or a tensor key
         new = rename(name)
@@ -516,14 +517,15 @@ def _target_names(model: Any, manifest: Manifest, saved_as: list[str]) -> Any:
     return target_name
 
 
-def _resized_heads(model: Any, manifest: Manifest, rename: Any, inside: str) -> dict[str, str]:
+def _resized_heads(
+    modules: dict[str, torch.nn.Module], manifest: Manifest, rename: Any, inside: str
+) -> dict[str, str]:
     """`{path: why}` of the target's head modules (outside its base model)
     whose quantized weight was saved with another
     shape (a classifier of another `num_labels`): their saved entries leave,
     transformers initializes them (as `ignore_mismatched_sizes=True` does
     for a float checkpoint; transformers does not tell a quantizer whether
     it was passed), with a warning naming them."""
-    modules = dict(model.named_modules())
     resized = {}
     for path, record in manifest.quantized.items():
         new = rename(path)
