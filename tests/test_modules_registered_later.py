@@ -221,20 +221,3 @@ def test_a_replaced_module_leaves_the_application_unless_still_in_the_model():
     model[2] = old_head  # a module that left joins again
     assert old_head.dtype_policy.name == "mixed_bfloat16"
     assert not hasattr(old_head2, "dtype_policy")
-
-
-def test_a_layers_own_policy_is_not_an_application_its_torch_children_join():
-    """A torch module made inside one of this library's layers is the
-    layer's own business (its policy is the layer's, not an application)."""
-
-    class Custom(layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.proj = nn.Linear(8, 8)
-
-        def call(self, x):
-            return self.proj(x.float())
-
-    layer = Custom(dtype="mixed_bfloat16")
-    assert not hasattr(layer.proj, "dtype_policy")
-    assert layer(X).dtype == torch.float32

@@ -20,6 +20,12 @@ module takes its parent's policy, with the default float32 rules. The
 module a registration replaces leaves the application (its policy is taken
 off, unless it is still part of the model elsewhere).
 
+A torch module registered under one of this library's layers (an
+`nn.Linear` made in a custom `Layer`'s `__init__` or `build`) computes with
+the layer's policy in the same way (a map read at `<layer path>/<name>`,
+norms in float32, outputs back in the layer's compute dtype), under any
+application over the layer; under a float32 layer it is left as it is.
+
 Left as they are: a module that carries a policy or quantization of its own
 anywhere in its tree (a `Layer`, a policied or quantized module moved from
 elsewhere, peft's adapter wrapping a policied linear), torch's
@@ -43,7 +49,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.module_state import Token, state_of
+from dtype_policies._core.module_state import Token, pop_application, state_of
 from dtype_policies._core.state import compute_dtype_of
 from dtype_policies.apply.apply import (
     DEFAULT_FLOAT32_RULES,
@@ -53,9 +59,13 @@ from dtype_policies.apply.apply import (
     live_handle,
     steps_under,
 )
-from dtype_policies.layers.layer import Layer
+from dtype_policies.layers.layer import LAYER_OWN, Layer
 
 _PARAMETRIZATIONS = "parametrizations"  # torch.nn.utils.parametrize's container
+
+IN_LAYER = Token("IN_LAYER")
+"""The token of the policy a torch module registered under a `Layer` takes
+from the layer (the bottom of its stack: an `apply_policy` goes on top)."""
 
 
 def _carries_its_own(module: torch.nn.Module) -> bool:
@@ -81,15 +91,21 @@ def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
         return None
     replaced = parent._modules.get(name)
     joins = not _carries_its_own(child)
-    planned = []
+    planned: list[tuple[object, PolicyHandle | None, str, list[torch.nn.Module], list]] = []
     for token, entry in state.applications:  # the bottom one first: the top one wins
+        if token is LAYER_OWN and isinstance(parent, Layer):
+            steps = _steps_in_layer(parent, name, child) if joins else []
+            planned.append(
+                (IN_LAYER, None, name, _leaving_layer(parent, name, child, replaced), steps)
+            )
+            continue
         if isinstance(token, Token):
-            continue  # a layer's own policy, quantize()'s own entry: not applications
+            continue  # quantize()'s own entry: not an application
         handle = live_handle(token)
         parent_path = None if handle is None else handle.path_of(parent)
         known = handle if parent_path is not None else None  # the parent's place is known
         path = f"{parent_path}/{name}" if parent_path else name
-        leaving: list[torch.nn.Module] = []
+        leaving = []
         if known is not None and replaced not in (None, child):
             reachable = _reachable_after(known.module, parent, name, child)
             leaving = [m for m in replaced.modules() if id(m) not in reachable]
@@ -97,6 +113,8 @@ def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
         planned.append((token, known, path, leaving, steps))
     for token, known, path, leaving, steps in planned:
         if known is None:
+            for module in leaving:
+                pop_application(module, token)
             install_steps(token, steps)
             continue
         if replaced is not None:
@@ -126,6 +144,33 @@ def _steps(child: torch.nn.Module, path: str, entry: Any, known: PolicyHandle | 
         weight_cache=planning.weight_cache,
         enclosing=compute_dtype_of(parent_policy),
     )
+
+
+def _steps_in_layer(layer: Layer, name: str, child: torch.nn.Module) -> list:
+    """The steps of a torch module registered as `layer`'s attribute `name`:
+    the layer's policy (a map read at `<layer path>/<name>`), norms in
+    float32, outputs back in the layer's compute dtype; none under a plain
+    float32 policy, which would change nothing."""
+    policy = layer._dtype_policy
+    resolved = layer._resolve_policy()
+    if not policy.is_map and resolved.name == "float32":
+        return []
+    return steps_under(
+        child,
+        policy,
+        f"{layer._path or layer.name}/{name}",
+        enclosing=compute_dtype_of(resolved),
+    )
+
+
+def _leaving_layer(
+    layer: Layer, name: str, child: torch.nn.Module, replaced: torch.nn.Module | None
+) -> list[torch.nn.Module]:
+    """The modules of the one `child` replaces that leave `layer` with it."""
+    if replaced is None or replaced is child:
+        return []
+    reachable = _reachable_after(layer, layer, name, child)
+    return [m for m in replaced.modules() if id(m) not in reachable]
 
 
 def _reachable_after(

@@ -119,8 +119,8 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         parameter = torch.nn.Parameter(value, requires_grad=requires_grad)
         self.register_parameter(name, parameter)
         self._declared_trainable[name] = bool(trainable)
-        if autocast and floating:
-            self._autocast_weight_names.add(name)
+        if not (autocast and floating):
+            self._autocast_weight_names.discard(name)
         if regularizer is not None:
             self._weight_regularizers[name] = regularizers_lib.get(regularizer)
         if constraint is not None:
@@ -201,11 +201,26 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         if isinstance(value, torch.nn.Module) and state is not None and state.call is not None:
             self._refresh_policy_state()  # whether the layer has weights may change
 
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        # As Keras's variables: a floating weight registered on a layer (by
+        # `add_weight`, or `self.w = torch.nn.Parameter(...)`) reads in the
+        # compute dtype inside `call`; `add_weight(autocast=False)` opts out.
+        super().register_parameter(name, param)  # type: ignore[misc]
+        names = self.__dict__.get("_autocast_weight_names")
+        if names is None:
+            return
+        if param is not None and param.is_floating_point():
+            names.add(name)
+        else:
+            names.discard(name)
+        if self.__dict__.get(STATE_KEY) is not None:
+            self._refresh_policy_state()
+
     def _rename_weight(self, old: str, new: str) -> None:
         """Re-registers weight `old` under the attribute name `new`, in place."""
         if new in self._parameters:
             raise ValueError(f"Layer '{self.name}' already has a weight named '{new}'.")
-        self._parameters = {
+        self.__dict__["_parameters"] = {
             (new if key == old else key): value for key, value in self._parameters.items()
         }
         for table in (

@@ -1,0 +1,183 @@
+"""Custom layers written the torch way: a weight assigned as
+`self.w = nn.Parameter(...)` reads in the compute dtype inside `call`, as
+`add_weight`'s do (Keras autocasts every variable of a layer), and a torch
+module made inside a layer computes with the layer's policy."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dtype_policies import DTypePolicyMap, apply_policy, quantize
+from dtype_policies.layers import Layer
+
+X = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+
+
+class WithParameter(Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(8, 4))
+        self.steps = nn.Parameter(torch.arange(3), requires_grad=False)
+        self.seen = {}
+
+    def call(self, x):
+        self.seen = {"w": self.w.dtype, "steps": self.steps.dtype}
+        return x @ self.w
+
+
+class WithLinear(Layer):
+    def __init__(self, norm=False, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8) if norm else None
+        self.seen = {}
+
+    def call(self, x):
+        y = self.proj(x)
+        self.seen["proj"] = y.dtype
+        if self.norm is not None:
+            y = self.norm(y)
+        return y
+
+
+def test_a_parameter_assigned_directly_reads_in_the_compute_dtype():
+    layer = WithParameter(dtype="mixed_bfloat16")
+    out = layer(X)
+    assert layer.seen == {"w": torch.bfloat16, "steps": torch.int64}
+    assert layer.w.dtype == torch.float32  # outside `call`, the parameter itself
+    expected = X.to(torch.bfloat16) @ layer.w.detach().to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    out.float().sum().backward()
+    assert layer.w.grad.dtype == torch.float32
+    assert layer._autocast_weight_names == {"w"}
+
+
+def test_add_weight_without_autocast_and_a_parameter_set_to_none_stay_as_stored():
+    class Stat(Layer):
+        def build(self, input_shape):
+            self.mean = self.add_weight(shape=(8,), initializer="ones", autocast=False)
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def call(self, x):
+            self.seen = (self.mean.dtype, self.scale.dtype)
+            return x * self.scale
+
+    layer = Stat(dtype="mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # naming a weight by assignment warns of nothing
+        layer(X)
+    assert layer.seen == (torch.float32, torch.bfloat16)
+    layer.scale = None  # registered as None: nothing left to cast
+    assert "scale" not in layer._autocast_weight_names and layer.scale is None
+
+
+def test_a_torch_linear_inside_a_layer_computes_with_the_layers_policy():
+    layer = WithLinear(dtype="mixed_bfloat16")
+    out = layer(X)
+    w, b = layer.proj.weight.detach(), layer.proj.bias.detach()
+    expected = nn.functional.linear(X.bfloat16(), w.bfloat16(), b.bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert layer.proj.weight.dtype == torch.float32
+    assert layer.proj.dtype_policy.name == "mixed_bfloat16"
+    out.float().sum().backward()
+    assert layer.proj.weight.grad.dtype == torch.float32
+    assert layer.proj.weight.grad.abs().sum() > 0
+
+
+def test_a_norm_inside_a_layer_computes_in_float32_and_hands_back_the_compute_dtype():
+    layer = WithLinear(norm=True, dtype="mixed_bfloat16")
+    out = layer(X)
+    assert layer.norm.dtype_policy.name == "float32"
+    hidden = layer.proj(X.bfloat16())
+    expected = nn.functional.layer_norm(
+        hidden.float(), (8,), layer.norm.weight.detach(), layer.norm.bias.detach()
+    ).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+def test_a_float32_layer_leaves_its_torch_modules_untouched():
+    layer = WithLinear(dtype="float32")
+    assert not hasattr(layer.proj, "dtype_policy")
+    assert torch.equal(layer(X), layer.proj(X))
+
+
+def test_a_map_is_read_at_the_torch_modules_path():
+    policy = DTypePolicyMap("mixed_bfloat16", {"block/proj": "float32"})
+    layer = WithLinear(dtype=policy, name="block")
+    assert layer.proj.dtype_policy.name == "float32"
+    out = layer(X)
+    assert layer.seen["proj"] == torch.float32
+    assert out.dtype == torch.float32
+
+
+def test_a_torch_module_kept_in_float32_by_applying_a_policy_to_it():
+    class Upcast(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.proj = nn.Linear(8, 8)
+            apply_policy(self.proj, "float32")  # this one stays float32
+
+        def call(self, x):
+            return self.proj(x)
+
+    layer = Upcast(dtype="mixed_bfloat16")
+    out = layer(X)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, nn.functional.linear(X.bfloat16().float(), *layer.proj.parameters()))
+
+
+def test_a_replaced_torch_module_leaves_the_layers_policy():
+    layer = WithLinear(dtype="mixed_bfloat16")
+    old = layer.proj
+    layer.proj = nn.Linear(8, 8)
+    assert layer.proj.dtype_policy.name == "mixed_bfloat16"
+    assert not hasattr(old, "dtype_policy")
+    assert old(X).dtype == torch.float32
+
+
+def test_torch_modules_made_in_build_join_too():
+    class Lazy(Layer):
+        def build(self, input_shape):
+            self.proj = nn.Sequential(nn.Linear(input_shape[-1], 4), nn.GELU())
+
+        def call(self, x):
+            return self.proj(x)
+
+    layer = Lazy(dtype="mixed_bfloat16")
+    assert layer(X).dtype == torch.bfloat16
+    assert layer.proj[0].dtype_policy.name == "mixed_bfloat16"
+
+
+def test_an_application_over_the_layer_wins_and_remove_gives_the_layers_back():
+    layer = WithLinear(dtype="mixed_bfloat16")
+    model = nn.Sequential(layer)
+    handle = apply_policy(model, "float32")
+    assert model(X).dtype == torch.float32
+    assert layer.proj.dtype_policy.name == "float32"
+    handle.remove()
+    assert layer.proj.dtype_policy.name == "mixed_bfloat16"
+    assert model(X).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))])
+def test_copies_keep_the_torch_modules_policy(copier):
+    layer = WithLinear(dtype="mixed_bfloat16")
+    clone = copier(layer)
+    assert clone.proj.dtype_policy.name == "mixed_bfloat16"
+    assert torch.equal(clone(X), layer(X))
+
+
+def test_quantizing_a_layers_torch_linear():
+    layer = WithLinear(dtype="mixed_bfloat16")
+    reference = layer(X).float()
+    quantize(layer, "int8")
+    out = layer(X)
+    assert out.dtype == torch.bfloat16
+    error = (out.float() - reference).norm() / reference.norm()
+    assert 0 < error < 0.02
