@@ -540,10 +540,10 @@ def test_listeners_hear_each_committed_change_once():
 
     heard = []
 
-    def listener(module):
-        heard.append(type(module).__name__)
+    def listener(module, minor):
+        heard.append(type(module).__name__ if not minor else "minor")
 
-    def broken(module):
+    def broken(module, minor):
         raise KeyError("boom")
 
     listeners.add_listener(listener)
@@ -561,6 +561,9 @@ def test_listeners_hear_each_committed_change_once():
         with pytest.warns(RuntimeWarning, match=r"broken failed after a change to Sequential"):
             apply_policy(model, "mixed_bfloat16")
         assert model[2].dtype_policy.name == "mixed_bfloat16"  # committed all the same
+        listeners.remove_listener(broken)
+        model.append(nn.Linear(8, 8))  # a module joining: a minor change
+        assert heard == ["Sequential"] * 5 + ["minor"]
         with pytest.raises(TypeError, match="Received: 3"):
             listeners.add_listener(3)
     finally:

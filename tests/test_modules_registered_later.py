@@ -77,7 +77,7 @@ def test_nested_applications_the_latest_wins_on_the_new_module():
 @pytest.mark.parametrize("kind", ["policied", "quantized", "layer", "wrapping"])
 def test_a_module_with_a_policy_of_its_own_is_left_as_it_is(kind):
     model = _model()
-    apply_policy(model, "mixed_bfloat16")
+    handle = apply_policy(model, "mixed_bfloat16")
     torch.manual_seed(2)
     if kind == "policied":
         child = nn.Linear(16, 4)
@@ -97,9 +97,15 @@ def test_a_module_with_a_policy_of_its_own_is_left_as_it_is(kind):
     model[2] = child
     if expected is not None:
         assert child.dtype_policy.name == expected
-    else:
+    else:  # the base keeps its own; the new modules around it join (as applied again)
         assert child["base_layer"].dtype_policy.name == "mixed_bfloat16"
-        assert not hasattr(child["lora_A"], "dtype_policy")
+        assert child["lora_A"].dtype_policy.name == "mixed_bfloat16"
+        # the records follow: the base moved to 2/base_layer, the adapter joined
+        assert {k: handle.policies[k].name for k in ("2", "2/base_layer", "2/lora_A")} == {
+            "2": "mixed_bfloat16",
+            "2/base_layer": "mixed_bfloat16",
+            "2/lora_A": "mixed_bfloat16",
+        }
 
 
 def test_a_planning_error_leaves_the_registration_undone():
@@ -221,3 +227,117 @@ def test_a_replaced_module_leaves_the_application_unless_still_in_the_model():
     model[2] = old_head  # a module that left joins again
     assert old_head.dtype_policy.name == "mixed_bfloat16"
     assert not hasattr(old_head2, "dtype_policy")
+
+
+def test_a_new_module_around_one_of_the_models_own_joins_around_it():
+    """`model.head = nn.Sequential(model.head, nn.ReLU(), nn.Linear(...))`:
+    the old head keeps its policy at its new path, the new ones join."""
+    model = _model()
+    handle = apply_policy(model, "mixed_bfloat16")
+    head = model[2]
+    model[2] = nn.Sequential(head, nn.ReLU(), nn.Linear(4, 2))
+    out = model(X)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 2)
+    assert model[2][2].dtype_policy.name == "mixed_bfloat16"
+    assert {"2", "2/0", "2/1", "2/2"} <= set(handle.policies)
+    handle.remove()
+    assert model(X).dtype == torch.float32
+
+
+def test_a_module_set_to_none_leaves_and_a_deleted_ones_new_children_are_undone():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+            self.extra = nn.Sequential(nn.Linear(8, 8))
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = Holder()
+    handle = apply_policy(model, "mixed_bfloat16")
+    old = model.extra
+    model.extra = None
+    assert not hasattr(old, "dtype_policy") and "extra" not in handle.policies
+    assert old(X).dtype == torch.float32
+    model.extra = block = nn.Sequential(nn.Linear(8, 8))
+    del model.extra  # no hook runs: the block keeps its policy, outside the model
+    block.append(nn.Linear(8, 8))  # joins the application it still carries
+    assert block[1].dtype_policy.name == "mixed_bfloat16"
+    handle.remove()
+    assert not hasattr(block[0], "dtype_policy") and not hasattr(block[1], "dtype_policy")
+    assert block(X).dtype == torch.float32
+
+
+def test_a_slice_of_a_policied_sequential_has_no_policy_of_its_own_until_it_joins():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    apply_policy(model, "mixed_bfloat16")
+    part = model[:2]
+    assert not hasattr(part, "dtype_policy")  # an AttributeError, not a KeyError
+    assert part(X).dtype == torch.bfloat16  # its linear keeps its policy
+    model.trunk = model[:2]
+    assert model.trunk.dtype_policy.name == "mixed_bfloat16"
+
+
+def test_a_parametrization_appended_later_computes_in_the_variable_dtype():
+    from torch.nn.utils import parametrize
+
+    class Scale(nn.Module):
+        def forward(self, weight):
+            return weight * 1.001
+
+    def parametrized():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8))
+        parametrize.register_parametrization(model[0], "weight", Scale())
+        return model
+
+    joined = parametrized()
+    apply_policy(joined, "mixed_bfloat16")
+    parametrize.register_parametrization(joined[0], "weight", Scale())
+    fresh = parametrized()
+    parametrize.register_parametrization(fresh[0], "weight", Scale())
+    apply_policy(fresh, "mixed_bfloat16")
+    weights = joined[0].parametrizations.weight
+    assert weights[1].dtype_policy.name == "float32"
+    assert torch.equal(joined(X), fresh(X))
+
+
+def test_registrations_from_threads_each_join_and_are_recorded():
+    import threading
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Module())
+    handle = apply_policy(model, "mixed_bfloat16")
+    errors = []
+
+    def register(worker):
+        try:
+            for i in range(40):
+                model[1].add_module(f"w{worker}_{i}", nn.Linear(8, 8))
+                model[1].add_module(f"w{worker}_{i}", nn.Linear(8, 8))  # replaced
+        except Exception as e:  # pragma: no cover - the failure this test looks for
+            errors.append(e)
+
+    threads = [threading.Thread(target=register, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    names = {f"w{w}_{i}" for w in range(4) for i in range(40)}
+    assert set(model[1]._modules) == names
+    assert all(m.dtype_policy.name == "mixed_bfloat16" for m in model[1].children())
+    assert {f"1/{name}" for name in names} <= set(handle.policies)
+
+
+def test_a_hugging_face_models_manifest_follows_registrations_when_read():
+    tiny_models = pytest.importorskip("tiny_models")
+    model = tiny_models.tiny_decoder()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"lm_head": "float32"}))
+    model.lm_head = nn.Linear(64, 128, bias=False)
+    model.model.layers[0].mlp.extra = nn.Linear(64, 64)
+    modules = model.config.quantization_config.to_dict()["manifest"]["modules"]
+    assert modules["lm_head"]["policy"]["config"]["name"] == "float32"
+    assert modules["model.layers.0.mlp.extra"]["policy"]["config"]["name"] == "mixed_bfloat16"
+    assert "_dtype_policies_stale_model" not in model.config.to_dict()["quantization_config"]

@@ -10,13 +10,20 @@ without importing them.
 A listener never makes a committed change fail: an exception it raises
 becomes a warning naming it.
 
+A minor change (`minor=True`: modules registered under a policied model
+joined its application or left it) only adds or takes off modules under an
+application in force; a listener may defer its work for it.
+
 >>> seen = []
->>> add_listener(seen.append)
+>>> def listener(model, minor):
+...     seen.append((model, minor))
+>>> add_listener(listener)
 >>> model_changed("a model")
->>> remove_listener(seen.append)
+>>> model_changed("a grown model", minor=True)
+>>> remove_listener(listener)
 >>> model_changed("another")
 >>> seen
-['a model']
+[('a model', False), ('a grown model', True)]
 """
 
 from __future__ import annotations
@@ -25,13 +32,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-Listener = Callable[[Any], None]
+Listener = Callable[[Any, bool], None]
 
 _listeners: list[Listener] = []
 
 
 def add_listener(callback: Listener) -> None:
-    """Calls `callback(root)` after every committed change (once per callback)."""
+    """Calls `callback(root, minor)` after every committed change (once per callback)."""
     if not callable(callback):
         raise TypeError(f"add_listener() expects a callable. Received: {callback!r}")
     if callback not in _listeners:
@@ -44,11 +51,11 @@ def remove_listener(callback: Listener) -> None:
         _listeners.remove(callback)
 
 
-def model_changed(module: Any) -> None:
+def model_changed(module: Any, minor: bool = False) -> None:
     """Tells every listener that `module` (the root of a change) changed."""
     for callback in tuple(_listeners):
         try:
-            callback(module)
+            callback(module, minor)
         except Exception as e:
             name = getattr(callback, "__qualname__", repr(callback))
             warnings.warn(
@@ -59,10 +66,10 @@ def model_changed(module: Any) -> None:
             )
 
 
-_write_listeners: list[Listener] = []
+_write_listeners: list[Callable[[Any], None]] = []
 
 
-def add_write_listener(callback: Listener) -> None:
+def add_write_listener(callback: Callable[[Any], None]) -> None:
     """Calls `callback(root)` whenever `weights_written(root)` is told of
     writes to a model's weights that torch's version counters do not see."""
     if not callable(callback):

@@ -75,7 +75,14 @@ class PolicyModule(ModuleMixin):
     @property
     def dtype_policy(self) -> DTypePolicy:
         """The policy this module computes by (quantized when it is)."""
-        return self.__dict__[STATE_KEY].call.policy
+        state = self.__dict__.get(STATE_KEY)
+        if state is None or state.call is None:  # built by the module's own code (a slice)
+            raise AttributeError(
+                f"This {original_class(self).__name__} has no dtype policy of its own (built "
+                "by its class's own code, as a slice of a Sequential is): its submodules keep "
+                "theirs. Give it one with apply_policy()."
+            )
+        return state.call.policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(self, PolicyModule):

@@ -88,6 +88,20 @@ _live_handles: weakref.WeakValueDictionary[object, PolicyHandle] = weakref.WeakV
 module a handle is in force on does)."""
 
 
+def _module_at(root: torch.nn.Module, root_path: str, path: str) -> torch.nn.Module | None:
+    """The module at `path` (as `named_module_paths` names it) under `root`."""
+    if path == root_path:
+        return root
+    if root_path:
+        if not path.startswith(f"{root_path}/"):
+            return None
+        path = path[len(root_path) + 1 :]
+    module: torch.nn.Module | None = root
+    for name in path.split("/"):
+        module = None if module is None else module._modules.get(name)
+    return module
+
+
 def live_handle(token: object) -> PolicyHandle | None:
     """The application of `token`, if it is still in force."""
     handle = _live_handles.get(token)
@@ -131,6 +145,7 @@ class PolicyHandle:
     # how modules registered under the model later are planned (`joining`):
     # the policy (a map is read at their paths) and apply_policy's options
     _planning: Planning | None = field(default=None, repr=False)
+    _paths: dict[int, str] = field(default_factory=dict, repr=False)  # path_of's last walk
     removed: bool = False
 
     def __post_init__(self) -> None:
@@ -152,25 +167,48 @@ class PolicyHandle:
             self._modules.append(step.module)
 
     def path_of(self, module: torch.nn.Module) -> str | None:
-        """`module`'s path in the model now, if it is in it."""
-        for path, submodule in named_module_paths(self.module, root_path_of(self.module)):
-            if submodule is module:
-                return path
-        return None
+        """`module`'s path in the model now, if it is in it (a path found
+        before is checked by walking down it, else the model is walked)."""
+        root_path = root_path_of(self.module)
+        known = self._paths.get(id(module))
+        if known is not None and _module_at(self.module, root_path, known) is module:
+            return known
+        self._paths = {}
+        for path, submodule in named_module_paths(self.module, root_path):
+            self._paths.setdefault(id(submodule), path)
+        return self._paths.get(id(module))
 
-    def _leave(self, modules: list[torch.nn.Module], path: str) -> None:
+    def _leave(
+        self, modules: list[torch.nn.Module], path: str, replaced: torch.nn.Module | None
+    ) -> None:
         """Takes `modules` (replaced out of the model at `path`) out of this
-        application, and the entries of `path` and below off its records."""
+        application, and the records of `replaced`'s tree (at `path`) off
+        its records."""
         for module in modules:
             pop_application(module, self._token)
-        gone = {id(module) for module in modules}
-        self._modules = [module for module in self._modules if id(module) not in gone]
+        if modules:
+            gone = {id(module) for module in modules}
+            self._modules = [module for module in self._modules if id(module) not in gone]
+        if replaced is None:
+            return
+        doomed = {subpath for subpath, _ in named_module_paths(replaced, path)}
+        for subpath in doomed:
+            self.policies.pop(subpath, None)
+        self.float32_paths = [entry for entry in self.float32_paths if entry not in doomed]
 
-        def stays(entry: str) -> bool:
-            return not (entry == path or entry.startswith(f"{path}/"))
-
-        self.policies = {k: v for k, v in self.policies.items() if stays(k)}
-        self.float32_paths = [entry for entry in self.float32_paths if stays(entry)]
+    def _record_under(self, module: torch.nn.Module, path: str) -> None:
+        """Records the modules of `module`'s tree (at `path`) that compute by
+        this application, where their records are missing (moved within the
+        model)."""
+        for subpath, submodule in named_module_paths(module, path):
+            state = state_of(submodule)
+            if subpath in self.policies or state is None:
+                continue
+            for token, entry in state.applications:
+                if token is self._token:
+                    self.policies[subpath] = entry.policy
+                    if getattr(entry, "island", False):
+                        self.float32_paths.append(subpath)
 
     def remove(self) -> None:
         """Undoes this application: every module computes as before it.

@@ -26,12 +26,21 @@ the layer's policy in the same way (a map read at `<layer path>/<name>`,
 norms in float32, outputs back in the layer's compute dtype), under any
 application over the layer; under a float32 layer it is left as it is.
 
-Left as they are: a module that carries a policy or quantization of its own
-anywhere in its tree (a `Layer`, a policied or quantized module moved from
-elsewhere, peft's adapter wrapping a policied linear), torch's
+Left as they are: the subtrees of the new module that carry a policy or
+quantization of their own (a `Layer`, a policied or quantized module moved
+from elsewhere or from the model itself, as peft's adapter wraps a
+policied linear: the adapter's own modules join around it), torch's
 parametrization containers, and what torch writes into a container without
 registering it (`Sequential.insert`, `ModuleList.insert`: apply the policy
-again after them).
+again after them). `del model.x` runs no hook: the module keeps its policy
+(`handle.remove()` still undoes it); `model.x = None` takes it off. A
+planning error (a map key matching ambiguously) raises from the
+registration with the new module unregistered; torch has by then dropped
+a plain attribute of the same name.
+
+Registering is cheap for large models: the model's path of a parent is
+checked, not searched, where it is known, and a Hugging Face model's
+`quantization_config` is described again when next read.
 
 >>> import torch
 >>> from dtype_policies import apply_policy
@@ -44,10 +53,13 @@ again after them).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
+from torch.nn.utils.parametrize import ParametrizationList
 
+from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import Token, pop_application, state_of
 from dtype_policies._core.state import compute_dtype_of
@@ -68,36 +80,52 @@ IN_LAYER = Token("IN_LAYER")
 from the layer (the bottom of its stack: an `apply_policy` goes on top)."""
 
 
-def _carries_its_own(module: torch.nn.Module) -> bool:
-    """Whether a module of the tree has a policy or quantization already."""
-    for submodule in module.modules():
-        if isinstance(submodule, Layer):
-            return True
+def _carried(module: torch.nn.Module) -> set[int]:
+    """The ids of the modules of `module`'s tree that belong to a subtree
+    carrying a policy or quantization of its own (a `Layer`, a module policied
+    or quantized already, and everything below them): those keep theirs."""
+    carried: set[int] = set()
+    for submodule in module.modules():  # parents before their children
+        if id(submodule) in carried:
+            continue
         state = state_of(submodule)
-        if state is not None and (state.applications or state.quantization is not None):
-            return True
-    return False
+        if isinstance(submodule, Layer) or (
+            state is not None and (state.applications or state.quantization is not None)
+        ):
+            carried.update(id(m) for m in submodule.modules())
+    return carried
+
+
+# One registration plans and commits at a time: two threads registering
+# under one model would otherwise interleave their records.
+_LOCK = threading.RLock()
 
 
 def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
     """Torch's module-registration hook: plans, under each application in
     force on `parent`, `child`'s policies and the leaving of the module it
-    replaces; then commits them all (a planning error leaves the
-    registration undone and the model as it was)."""
-    if not isinstance(child, torch.nn.Module) or name == _PARAMETRIZATIONS:
+    replaces (`child` may be `None`); then commits them all (a planning
+    error leaves the module registered before in place)."""
+    if not (child is None or isinstance(child, torch.nn.Module)) or name == _PARAMETRIZATIONS:
         return None
     state = state_of(parent)
     if state is None or not state.applications:
         return None
+    with _LOCK:
+        _join(parent, name, child, state)
+    return None
+
+
+def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, state: Any) -> None:
     replaced = parent._modules.get(name)
-    joins = not _carries_its_own(child)
+    carried = set() if child is None else _carried(child)
+    joins = child is not None and id(child) not in carried
     planned: list[tuple[object, PolicyHandle | None, str, list[torch.nn.Module], list]] = []
-    for token, entry in state.applications:  # the bottom one first: the top one wins
+    for token, entry in tuple(state.applications):  # the bottom one first: the top one wins
         if token is LAYER_OWN and isinstance(parent, Layer):
-            steps = _steps_in_layer(parent, name, child) if joins else []
-            planned.append(
-                (IN_LAYER, None, name, _leaving_layer(parent, name, child, replaced), steps)
-            )
+            leaving = _leaving(parent, parent, name, child, replaced)
+            steps = [] if child is None or not joins else _steps_in_layer(parent, name, child)
+            planned.append((IN_LAYER, None, name, leaving, _outside(steps, carried)))
             continue
         if isinstance(token, Token):
             continue  # quantize()'s own entry: not an application
@@ -105,35 +133,50 @@ def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
         parent_path = None if handle is None else handle.path_of(parent)
         known = handle if parent_path is not None else None  # the parent's place is known
         path = f"{parent_path}/{name}" if parent_path else name
-        leaving = []
-        if known is not None and replaced not in (None, child):
-            reachable = _reachable_after(known.module, parent, name, child)
-            leaving = [m for m in replaced.modules() if id(m) not in reachable]
-        steps = _steps(child, path, entry, known) if joins else []
-        planned.append((token, known, path, leaving, steps))
+        leaving = [] if known is None else _leaving(known.module, parent, name, child, replaced)
+        steps = [] if child is None or not joins else _steps(parent, child, path, entry, known)
+        planned.append((token, known, path, leaving, _outside(steps, carried)))
+    changed = []
     for token, known, path, leaving, steps in planned:
         if known is None:
             for module in leaving:
                 pop_application(module, token)
             install_steps(token, steps)
+            handle = live_handle(token)
+            if handle is not None:  # a module outside the model: remove() still undoes it
+                handle._modules.extend(step.module for step in steps)
             continue
-        if replaced is not None:
-            known._leave(leaving, path)
+        known._leave(leaving, path, replaced)
         known._install(steps)
-    for handle in {id(k): k for _, k, *_ in planned if k is not None}.values():
-        model_changed(handle.module)
-    return None
+        if child is not None:
+            known._record_under(child, path)  # modules moved within the model
+        if steps or leaving or replaced is not None:
+            changed.append(known)
+    for handle in {id(k): k for k in changed}.values():
+        model_changed(handle.module, minor=True)
 
 
-def _steps(child: torch.nn.Module, path: str, entry: Any, known: PolicyHandle | None) -> list:
+def _outside(steps: list, carried: set[int]) -> list:
+    return [step for step in steps if id(step.module) not in carried]
+
+
+def _steps(
+    parent: torch.nn.Module,
+    child: torch.nn.Module,
+    path: str,
+    entry: Any,
+    known: PolicyHandle | None,
+) -> list:
     """`child`'s steps at `path` under one application: by what the
     application was planned from where it and the parent's place in its
-    model are known (`known`); else by the parent's policy."""
+    model are known (`known`); else by the parent's policy (also under a
+    parametrization, which computes its weight in the variable dtype, as
+    the parent's policy already says)."""
     parent_policy = getattr(entry, "policy", None)
     if parent_policy is None:
         return []
     planning = None if known is None else known._planning
-    if planning is None:
+    if planning is None or issubclass(original_class(parent), ParametrizationList):
         planning = Planning(parent_policy, DEFAULT_FLOAT32_RULES, True, True)
     return steps_under(
         child,
@@ -163,18 +206,25 @@ def _steps_in_layer(layer: Layer, name: str, child: torch.nn.Module) -> list:
     )
 
 
-def _leaving_layer(
-    layer: Layer, name: str, child: torch.nn.Module, replaced: torch.nn.Module | None
+def _leaving(
+    root: torch.nn.Module,
+    parent: torch.nn.Module,
+    name: str,
+    child: torch.nn.Module | None,
+    replaced: torch.nn.Module | None,
 ) -> list[torch.nn.Module]:
-    """The modules of the one `child` replaces that leave `layer` with it."""
+    """The modules of the one `child` replaces that leave `root`'s tree with it."""
     if replaced is None or replaced is child:
         return []
-    reachable = _reachable_after(layer, layer, name, child)
+    inside_child = set() if child is None else {id(m) for m in child.modules()}
+    if all(id(m) in inside_child for m in replaced.modules()):
+        return []  # wrapped by the new module (peft's adapters, a new head around the old)
+    reachable = _reachable_after(root, parent, name, child)
     return [m for m in replaced.modules() if id(m) not in reachable]
 
 
 def _reachable_after(
-    root: torch.nn.Module, parent: torch.nn.Module, name: str, child: torch.nn.Module
+    root: torch.nn.Module, parent: torch.nn.Module, name: str, child: torch.nn.Module | None
 ) -> set[int]:
     """The ids of the modules reachable from `root` once `parent`'s `name`
     is `child`."""

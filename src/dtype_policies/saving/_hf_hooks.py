@@ -34,8 +34,9 @@ def _integration() -> Any:
     return importlib.import_module(INTEGRATION_MODULE)
 
 
-def on_model_changed(module: Any) -> None:
-    """The listener: keeps a `PreTrainedModel`'s quantizer in step with it."""
+def on_model_changed(module: Any, minor: bool = False) -> None:
+    """The listener: keeps a `PreTrainedModel`'s quantizer in step with it
+    (after a minor change, when it is next read)."""
     if "transformers" not in sys.modules:  # then `module` cannot be a PreTrainedModel
         return
     modeling_utils = sys.modules.get("transformers.modeling_utils")
@@ -43,7 +44,9 @@ def on_model_changed(module: Any) -> None:
     if pretrained is None:
         return
     if isinstance(module, pretrained):
-        _integration().sync(module)
+        integration = _integration()
+        if not (minor and integration.defer_sync(module)):
+            integration.sync(module)
     elif type(module).__module__.startswith("transformers.") and _has_policies(module):
         warnings.warn(
             f"dtype_policies: a part of a transformers model ({type(module).__name__}) now has "

@@ -68,6 +68,7 @@ import copy
 import json
 import re
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -152,7 +153,26 @@ class DTypePoliciesConfig(QuantizationConfigMixin):
         self.manifest = json.loads(parsed.to_json())
 
     def to_manifest(self) -> Manifest:
+        self._refresh()
         return Manifest.from_json(json.dumps(self.manifest), "the quantization_config")
+
+    def to_dict(self) -> dict[str, Any]:
+        self._refresh()
+        return {k: copy.deepcopy(v) for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __iter__(self) -> Any:
+        yield from self.to_dict().items()
+
+    def _refresh(self) -> None:
+        """Describes the model again where modules joined or left it since
+        (`defer_sync`): registrations under a large model (peft wraps every
+        linear) do not describe the whole model each."""
+        reference = self.__dict__.pop(_STALE_MODEL, None)
+        model = None if reference is None else reference()
+        if model is not None:
+            manifest = describe(model, __version__)
+            self.manifest = json.loads(manifest.to_json())
+            _set_flags(model, manifest)
 
 
 class DTypePoliciesHfQuantizer(HfQuantizer):
@@ -337,6 +357,25 @@ def register() -> None:
     if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not DTypePoliciesHfQuantizer:
         AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
         register_quantizer(QUANT_METHOD)(DTypePoliciesHfQuantizer)
+
+
+_STALE_MODEL = "_dtype_policies_stale_model"
+
+
+def defer_sync(model: Any) -> bool:
+    """Marks `model`'s manifest out of date, where the model is described by
+    this library already (modules joined or left its application): its
+    `quantization_config` describes it again when read (`to_dict`, which
+    `save_pretrained` and `config.json` use) or at `sync(model)`. Returns
+    whether it deferred (else, `sync` now)."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if not (
+        isinstance(getattr(model, "hf_quantizer", None), DTypePoliciesHfQuantizer)
+        and isinstance(config, DTypePoliciesConfig)
+    ):
+        return False
+    config.__dict__[_STALE_MODEL] = weakref.ref(model)
+    return True
 
 
 def sync(model: Any) -> None:
