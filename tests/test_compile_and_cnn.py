@@ -214,6 +214,29 @@ def test_compiled_graph_break_inside_a_policied_module_recompiles_per_shape():
         assert relative_error(ours, eager) < 0.01
 
 
+def test_a_compiled_call_with_an_additive_mask_traces_without_warnings():
+    """The mask's clamping to the compute dtype's range is traced: no
+    `functools.cache` inside it, which Dynamo warns of."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x, attention_mask=None):
+            return self.proj(x) + attention_mask
+
+    torch.manual_seed(0)
+    model = Masked()
+    apply_policy(model, "mixed_bfloat16")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    mask = torch.full((2, 4), torch.finfo(torch.float32).min)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = compiled(torch.randn(2, 4), attention_mask=mask)
+    assert out.dtype == torch.bfloat16 and bool(out.isfinite().all())
+
+
 @pytest.mark.slow
 def test_compiled_training_step_through_an_int8_layer():
     torch.manual_seed(0)

@@ -86,6 +86,28 @@ def test_sets_a_static_cache_and_replaces_an_earlier_compiled_forward():
     assert compile_for_generation(model)._compiled_call is not first
 
 
+def test_save_pretrained_writes_the_models_own_generation_settings(tmp_path):
+    import copy
+    import json
+    import pickle
+
+    model = tiny_llama()
+    model.generation_config.cache_implementation = "dynamic"
+    compile_for_generation(model)
+    compile_for_generation(model)  # twice: still the model's own value is written
+    model.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "generation_config.json").read_text())
+    assert written.get("cache_implementation") == "dynamic" and "compile_config" not in written
+    assert "_dtype_policies_saved" not in written
+    assert model.generation_config.cache_implementation == "static"  # in force for generate
+    assert "_dtype_policies_saved" not in model.generation_config.to_dict()
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert copied.generation_config.cache_implementation == "static"
+        assert '"cache_implementation": "dynamic"' in copied.generation_config.to_json_string()
+    loaded = type(model).from_pretrained(tmp_path)
+    assert loaded.generation_config.cache_implementation == "dynamic"
+
+
 def test_static_cache_tensors_become_ordinary_graph_inputs():
     cache = transformers.StaticCache(config=tiny_llama().config, max_cache_len=8)
     keys = torch.zeros(2)

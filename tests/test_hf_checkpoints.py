@@ -864,3 +864,22 @@ def test_a_quantized_head_of_another_size_is_initialized_by_transformers(target,
     saved = {k: v for k, v in model.bert.state_dict().items() if not k.startswith("pooler.")}
     state = loaded.bert.state_dict()
     assert all(torch.equal(state[k], v) for k, v in saved.items())
+
+
+def test_quantizing_a_part_of_a_model_warns_that_save_pretrained_does_not_see_it():
+    """`quantize(llm.model.layers, ...)`: the whole model's save_pretrained
+    would write integer tensors with no record of them; the warning says so.
+    A model of the user's own around a transformers model is not a part."""
+    model = llama()
+    with pytest.warns(UserWarning, match=r"a part of a transformers model \(ModuleList\)"):
+        quantize(model.model.layers, "int8")
+
+    class WithHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = llama()
+            self.head = torch.nn.Linear(8, 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_policy(WithHead(), "mixed_bfloat16")

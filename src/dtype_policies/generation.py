@@ -8,6 +8,8 @@ model's own generation config, so that `model.generate(...)` stays the call:
 
 * `cache_implementation="static"`: a fixed-size KV cache, so that every
   decode step has the same shapes (one graph, no recompilation per token);
+  `save_pretrained` writes the model's own value (and `compile_config`'s),
+  so a checkpoint of a compiled model loads as it would have;
 * `compile_config`: the decode step compiled with `fullgraph=True`,
   `dynamic=False`, by Inductor with weight freezing (`freezing=True` for this
   compilation only). Freezing folds what depends on weights alone into
@@ -240,9 +242,13 @@ def compile_for_generation(
     compile_config: Any = CompileConfig(fullgraph=True, dynamic=False, mode=None)  # type: ignore[arg-type]
     # transformers compiles on accelerators only, unless this is set.
     compile_config._compile_all_devices = True
+    from dtype_policies._generation_config import compiled_generation_config
+
+    # in force for generate(); what save_pretrained writes keeps the model's own
     generation_config: Any = model.generation_config
-    generation_config.cache_implementation = "static"
-    generation_config.compile_config = compile_config
+    compiled_generation_config(
+        generation_config, cache_implementation="static", compile_config=compile_config
+    )
     # transformers reuses `_compiled_call` while `_last_compile_config` equals
     # the config it is asked for (`get_compiled_call`).
     compiled = FrozenCompiledCall(

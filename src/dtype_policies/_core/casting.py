@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -185,13 +184,22 @@ def _saturated(value: Any, dtype: torch.dtype | None) -> Any:
     return cast_floating(value, dtype)
 
 
-@functools.cache
+_RANGES: dict[tuple[torch.dtype, torch.dtype], tuple[float, float] | None] = {}
+
+
 def _narrower_range(source: torch.dtype, target: torch.dtype) -> tuple[float, float] | None:
-    """`target`'s finite range where it is narrower than floating `source`'s."""
-    if not (source.is_floating_point and target.is_floating_point):
-        return None
-    info = torch.finfo(target)
-    return (info.min, info.max) if info.max < torch.finfo(source).max else None
+    """`target`'s finite range where it is narrower than floating `source`'s
+    (kept in a plain dict: Dynamo traces through it, and warns of
+    `functools.cache`)."""
+    key = (source, target)
+    if key not in _RANGES:
+        narrower = None
+        if source.is_floating_point and target.is_floating_point:
+            info = torch.finfo(target)
+            if info.max < torch.finfo(source).max:
+                narrower = (info.min, info.max)
+        _RANGES[key] = narrower
+    return _RANGES[key]
 
 
 def first_tensor(value: Any, floating: bool = False) -> torch.Tensor | None:

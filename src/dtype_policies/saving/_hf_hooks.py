@@ -47,7 +47,7 @@ def on_model_changed(module: Any, minor: bool = False) -> None:
         integration = _integration()
         if not (minor and integration.defer_sync(module)):
             integration.sync(module)
-    elif type(module).__module__.startswith("transformers.") and _has_policies(module):
+    elif _is_part(module, pretrained) and _has_policies(module):
         warnings.warn(
             f"dtype_policies: a part of a transformers model ({type(module).__name__}) now has "
             "dtype policies or quantization. save_pretrained of the whole model records them "
@@ -56,6 +56,16 @@ def on_model_changed(module: Any, minor: bool = False) -> None:
             UserWarning,
             stacklevel=4,
         )
+
+
+def _is_part(module: Any, pretrained: type) -> bool:
+    """Whether `module` is a part of a transformers model: modules of
+    transformers' classes (a `ModuleList` of its layers), none of them a
+    whole model (a model of the user's own around one is not a part)."""
+    modules = list(module.modules()) if hasattr(module, "modules") else []
+    return not any(isinstance(m, pretrained) for m in modules) and any(
+        type(m).__module__.startswith("transformers.") for m in modules
+    )
 
 
 def _has_policies(module: Any) -> bool:
