@@ -1,0 +1,105 @@
+"""Hugging Face's `Trainer` fine-tunes policied and quantized models as it
+does float ones: the loss goes down, the float32 masters (or the adapters)
+change, the policies stay, and its checkpoints reload to the same model."""
+
+import pytest
+import torch
+
+from dtype_policies import apply_policy, quantize
+
+transformers = pytest.importorskip("transformers")
+tiny_models = pytest.importorskip("tiny_models")
+
+
+class Repeated(torch.utils.data.Dataset):
+    """One fixed sequence, many times: a model can learn it in a few steps."""
+
+    def __init__(self, count: int) -> None:
+        self.ids = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(1))
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids, "labels": self.ids}
+
+
+def _arguments(tmp_path, learning_rate=3e-3, **settings):
+    return transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_train_epochs=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=learning_rate,
+        **settings,
+    )
+
+
+def _trained_loss(model, tmp_path, data, **settings) -> float:
+    transformers.Trainer(
+        model=model, args=_arguments(tmp_path, **settings), train_dataset=data
+    ).train()
+    return _loss(model, data)
+
+
+def _loss(model, data) -> float:
+    with torch.no_grad():
+        batch = data[0]
+        return model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.item()
+
+
+def test_trainer_fine_tunes_a_mixed_bfloat16_model_and_reloads_its_best_checkpoint(tmp_path):
+    model = tiny_models.tiny_decoder()
+    apply_policy(model, "mixed_bfloat16")
+    data = Repeated(16)
+    before = _loss(model, data)
+    weight = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    arguments = _arguments(
+        tmp_path, save_strategy="epoch", eval_strategy="epoch", load_best_model_at_end=True
+    )
+    trainer = transformers.Trainer(
+        model=model, args=arguments, train_dataset=data, eval_dataset=data
+    )
+    trainer.train()
+    reference = _trained_loss(tiny_models.tiny_decoder(), tmp_path / "float32", data)
+    assert _loss(model, data) < 0.75 * before
+    assert _loss(model, data) == pytest.approx(reference, rel=0.02)  # as float32 learns
+    up = model.model.layers[0].mlp.up_proj
+    assert up.weight.dtype == torch.float32 and not torch.equal(up.weight, weight)
+    assert up.dtype_policy.name == "mixed_bfloat16"
+    assert model.model.norm.dtype_policy.name == "float32"
+    checkpoint = sorted(tmp_path.glob("checkpoint-*"))[-1]
+    reloaded = type(model).from_pretrained(checkpoint).eval()
+    model.eval()
+    prompt = data[0]["input_ids"][None]
+    with torch.no_grad():
+        assert torch.equal(reloaded(prompt).logits, model(prompt).logits)
+    assert reloaded.model.layers[0].mlp.up_proj.dtype_policy.name == "mixed_bfloat16"
+
+
+@pytest.mark.slow
+def test_trainer_trains_lora_adapters_on_an_int4_base(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = tiny_models.tiny_decoder()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    tuned = peft.get_peft_model(model, config)
+    data = Repeated(16)
+    before = _loss(tuned, data)
+    trainable = {n: p.detach().clone() for n, p in tuned.named_parameters() if p.requires_grad}
+    assert trainable and all(p.dtype == torch.float32 for p in trainable.values())
+    after = _trained_loss(tuned, tmp_path, data, learning_rate=1e-2)
+    float_model = peft.get_peft_model(tiny_models.tiny_decoder(), config)
+    reference = _trained_loss(float_model, tmp_path / "float32", data, learning_rate=1e-2)
+    assert after < 0.97 * before
+    assert after == pytest.approx(reference, rel=0.02)  # as LoRA on the float model learns
+    current = dict(tuned.named_parameters())
+    assert all(not torch.equal(current[n], p) for n, p in trainable.items())
+    base = tuned.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert base.dtype_policy.name == "int4/128_from_mixed_bfloat16"
