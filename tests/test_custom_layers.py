@@ -181,3 +181,99 @@ def test_quantizing_a_layers_torch_linear():
     assert out.dtype == torch.bfloat16
     error = (out.float() - reference).norm() / reference.norm()
     assert 0 < error < 0.02
+
+
+def test_the_torch_modules_follow_the_layers_policy_when_it_changes():
+    layer = WithLinear(dtype="float32")
+    assert not hasattr(layer.proj, "dtype_policy")
+    layer.dtype_policy = "mixed_bfloat16"
+    assert layer(X).dtype == torch.bfloat16 and layer.proj.dtype_policy.name == "mixed_bfloat16"
+    layer.dtype_policy = "mixed_float16"
+    assert layer(X).dtype == torch.float16
+    layer.dtype_policy = "float32"
+    assert not hasattr(layer.proj, "dtype_policy") and layer(X).dtype == torch.float32
+
+
+def test_torch_modules_take_the_layers_own_policy_not_an_application_over_it():
+    class Lazy(Layer):
+        def build(self, input_shape):
+            self.proj = nn.Linear(input_shape[-1], 8)
+
+        def call(self, x):
+            return self.proj(x)
+
+    for own, applied in (("mixed_bfloat16", "float32"), ("float32", "mixed_bfloat16")):
+        layer = Lazy(dtype=own)
+        model = nn.Sequential(layer)
+        handle = apply_policy(model, applied)
+        model(X)  # built under the application
+        assert layer.proj.dtype_policy.name == applied
+        handle.remove()
+        expected = torch.bfloat16 if own == "mixed_bfloat16" else torch.float32
+        assert model(X).dtype == expected
+
+
+def test_a_map_is_read_at_the_path_the_layer_gets_in_its_model():
+    class Outer(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = WithLinear(dtype=kwargs["dtype"])
+
+        def call(self, x):
+            return self.block(x)
+
+    policy = DTypePolicyMap("mixed_bfloat16", {"model/block/proj": "float32"})
+    model = Outer(dtype=policy, name="model")
+    assert model.block.proj.dtype_policy.name == "mixed_bfloat16"  # no path yet
+    model(X)
+    assert model.block.path == "model/block"
+    assert model.block.proj.dtype_policy.name == "float32"
+    assert model.block.seen["proj"] == torch.float32
+
+
+def test_a_layer_that_does_not_autocast_leaves_its_torch_modules_alone():
+    layer = WithLinear(dtype="mixed_bfloat16", autocast=False)
+    assert not hasattr(layer.proj, "dtype_policy")
+    assert layer(X).dtype == torch.float32
+    layer.autocast = True
+    assert layer(X).dtype == torch.bfloat16
+
+
+def test_a_float64_parameter_of_a_float32_layer_stays_float64():
+    class Precise(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.offset = nn.Parameter(torch.tensor([1.0 + 2.0**-40], dtype=torch.float64))
+
+        def call(self, x):
+            self.seen = self.offset.dtype
+            return x
+
+    layer = Precise(dtype="float32")
+    layer(X)
+    assert layer.seen == torch.float64
+
+
+def test_trainable_reaches_direct_parameters_and_torch_modules():
+    class Frozen(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.gain = nn.Parameter(torch.ones(8))
+            self.stat = nn.Parameter(torch.zeros(8), requires_grad=False)
+            self.proj = nn.Linear(8, 8)
+
+        def call(self, x):
+            return self.proj(x) * self.gain
+
+    assert Frozen(trainable=False).trainable_weights == []
+    layer = Frozen()
+    assert {id(p) for p in layer.trainable_weights} == {
+        id(layer.gain),
+        id(layer.proj.weight),
+        id(layer.proj.bias),
+    }
+    layer.trainable = False
+    assert layer.trainable_weights == []
+    layer.trainable = True
+    assert layer.proj.weight.requires_grad and layer.gain.requires_grad
+    assert not layer.stat.requires_grad  # as it was made

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch.nn.utils.parametrize import ParametrizationList
 
+from dtype_policies._core import policy_module
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import Token, pop_application, state_of
@@ -71,7 +72,7 @@ from dtype_policies.apply.apply import (
     live_handle,
     steps_under,
 )
-from dtype_policies.layers.layer import LAYER_OWN, Layer
+from dtype_policies.layers.layer import LAYER_OWN, Layer, add_child_planner
 
 _PARAMETRIZATIONS = "parametrizations"  # torch.nn.utils.parametrize's container
 
@@ -124,8 +125,8 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
     for token, entry in tuple(state.applications):  # the bottom one first: the top one wins
         if token is LAYER_OWN and isinstance(parent, Layer):
             leaving = _leaving(parent, parent, name, child, replaced)
-            steps = [] if child is None or not joins else _steps_in_layer(parent, name, child)
-            planned.append((IN_LAYER, None, name, leaving, _outside(steps, carried)))
+            in_layer = [] if child is None else _in_layer_plan(parent, name, child)
+            planned.append((IN_LAYER, None, name, leaving, in_layer))
             continue
         if isinstance(token, Token):
             continue  # quantize()'s own entry: not an application
@@ -138,6 +139,11 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
         planned.append((token, known, path, leaving, _outside(steps, carried)))
     changed = []
     for token, known, path, leaving, steps in planned:
+        if token is IN_LAYER:
+            for module in leaving:
+                pop_application(module, token)
+            _commit_in_layer(steps)
+            continue
         if known is None:
             for module in leaving:
                 pop_application(module, token)
@@ -190,20 +196,66 @@ def _steps(
 
 
 def _steps_in_layer(layer: Layer, name: str, child: torch.nn.Module) -> list:
-    """The steps of a torch module registered as `layer`'s attribute `name`:
-    the layer's policy (a map read at `<layer path>/<name>`), norms in
-    float32, outputs back in the layer's compute dtype; none under a plain
-    float32 policy, which would change nothing."""
-    policy = layer._dtype_policy
-    resolved = layer._resolve_policy()
-    if not policy.is_map and resolved.name == "float32":
+    """The steps of a torch module registered as `layer`'s attribute `name`,
+    from the layer's own policy (not an application over it): a map read at
+    `<layer path>/<name>`, norms in float32, outputs back in the layer's
+    compute dtype; none under a float32 policy, which would change nothing,
+    or when the layer does not autocast."""
+    state = state_of(layer)
+    if state is None or state.applications[0][0] is not LAYER_OWN or not layer.autocast:
         return []
-    return steps_under(
-        child,
-        policy,
-        f"{layer._path or layer.name}/{name}",
-        enclosing=compute_dtype_of(resolved),
-    )
+    own = state.applications[0][1]
+    policy = own.policy
+    path = own.path if own.path is not None else (layer._path or layer.name)
+    resolved = policy[path] if policy.is_map else policy
+    source = getattr(resolved, "source_policy", resolved)
+    if not policy.is_map and source.name == "float32":
+        return []
+    return steps_under(child, policy, f"{path}/{name}", enclosing=compute_dtype_of(resolved))
+
+
+def _in_layer_plan(layer: Layer, name: str, child: torch.nn.Module) -> list:
+    """`[(module, options or None)]`: the entry each module of `child`'s
+    tree outside this library's layers takes from `layer` (`None`: none)."""
+    steps = {id(step.module): step for step in _steps_in_layer(layer, name, child)}
+    inside: set[int] = set()
+    for module in child.modules():  # parents before their children
+        if isinstance(module, Layer) and id(module) not in inside:
+            inside.update(id(m) for m in module.modules())
+    plan = []
+    for module in child.modules():
+        if id(module) not in inside:
+            step = steps.get(id(module))
+            plan.append((module, None if step is None else step.options))
+    return plan
+
+
+def _commit_in_layer(plan: list) -> None:
+    """Puts each module's `IN_LAYER` entry as planned, where it was (at the
+    bottom for a new one: an application or a quantization over it stays in
+    force)."""
+    for module, options in plan:
+        state = state_of(module)
+        index = None
+        if state is not None:
+            index = next((i for i, (t, _) in enumerate(state.applications) if t is IN_LAYER), None)
+        if options is None:
+            if index is not None:
+                pop_application(module, IN_LAYER)
+        elif state is None or index is None:
+            policy_module.install(module, IN_LAYER, options, bottom=True)
+        else:
+            state.applications[index] = (IN_LAYER, options)
+            module._refresh_policy_state()
+
+
+def _plan_layer_children(layer: Layer) -> None:
+    """Plans again what `layer` gives its torch children (its policy, path
+    or `autocast` changed)."""
+    with _LOCK:
+        for name, child in list(layer._modules.items()):
+            if child is not None and not isinstance(child, Layer):
+                _commit_in_layer(_in_layer_plan(layer, name, child))
 
 
 def _leaving(
@@ -244,3 +296,4 @@ def _reachable_after(
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_joining)
+add_child_planner(_plan_layer_children)

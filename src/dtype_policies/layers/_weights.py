@@ -197,22 +197,31 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
                         self._rename_weight(existing, name)
                         return
         super().__setattr__(name, value)
+        frozen = not self.__dict__.get("_trainable", True)
+        if frozen and isinstance(value, torch.nn.Module) and not isinstance(value, LayerWeights):
+            _set_torch_trainable(value, False)  # made inside a frozen layer
         state = self.__dict__.get(STATE_KEY)
         if isinstance(value, torch.nn.Module) and state is not None and state.call is not None:
             self._refresh_policy_state()  # whether the layer has weights may change
 
     def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
-        # As Keras's variables: a floating weight registered on a layer (by
-        # `add_weight`, or `self.w = torch.nn.Parameter(...)`) reads in the
-        # compute dtype inside `call`; `add_weight(autocast=False)` opts out.
+        # As Keras's variables: a weight registered on a layer in its variable
+        # dtype (by `add_weight`, or `self.w = torch.nn.Parameter(...)`) reads
+        # in the compute dtype inside `call` (`add_weight(autocast=False)`
+        # opts out; a float64 weight of a float32 layer stays float64), and is
+        # trainable as the layer is.
         super().register_parameter(name, param)  # type: ignore[misc]
         names = self.__dict__.get("_autocast_weight_names")
         if names is None:
             return
-        if param is not None and param.is_floating_point():
+        if param is not None and param.dtype == to_torch_dtype(self.variable_dtype):
             names.add(name)
         else:
             names.discard(name)
+        if param is not None and param.is_floating_point():
+            self._declared_trainable[name] = param.requires_grad
+            if not self._trainable:
+                param.requires_grad_(False)
         if self.__dict__.get(STATE_KEY) is not None:
             self._refresh_policy_state()
 
@@ -262,6 +271,10 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
                     parameter.requires_grad_(
                         bool(value) and layer._declared_trainable.get(name, True)
                     )
+            # the torch modules made inside it: frozen, then as they were
+            for child in layer.children():
+                if not isinstance(child, LayerWeights):
+                    _set_torch_trainable(child, bool(value))
 
     def _layers_in_tree(self) -> Iterator[Any]:
         for module in self.modules():
@@ -296,3 +309,22 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
             for name, constraint in layer._weight_constraints.items():
                 parameter = layer._parameters[name]
                 parameter.copy_(constraint(parameter))
+
+
+_DECLARED = "_dtype_policies_declared_trainable"  # a torch parameter's flag before freezing
+
+
+def _set_torch_trainable(module: torch.nn.Module, trainable: bool) -> None:
+    """Freezes (or gives back as they were) the parameters of a torch module
+    made inside a layer, and of its torch submodules."""
+    for submodule in module.modules():
+        if isinstance(submodule, LayerWeights):
+            continue  # a layer of its own below a torch container: its setter's business
+        for parameter in submodule._parameters.values():
+            if parameter is None or not parameter.is_floating_point():
+                continue
+            if trainable:
+                parameter.requires_grad_(parameter.__dict__.pop(_DECLARED, parameter.requires_grad))
+            else:
+                parameter.__dict__.setdefault(_DECLARED, parameter.requires_grad)
+                parameter.requires_grad_(False)

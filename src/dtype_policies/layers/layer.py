@@ -48,6 +48,17 @@ class LayerApplication:
 LAYER_OWN = Token("LAYER_OWN")
 """The token of a layer's own policy, the bottom of its application stack."""
 
+_CHILD_PLANNERS: list[Callable[[Any], None]] = []
+
+
+def add_child_planner(planner: Callable[[Any], None]) -> None:
+    """Calls `planner(layer)` whenever what a layer gives its torch children
+    may have changed (its own policy, its path, its `autocast`): the upper
+    floor that gives torch modules made inside a layer its policy
+    (`apply.joining`) plans them again."""
+    if planner not in _CHILD_PLANNERS:
+        _CHILD_PLANNERS.append(planner)
+
 
 def _warn_if_holding_weights(layer: torch.nn.Module, name: str, value: Any) -> None:
     """Weights kept in a container attribute are read as stored inside
@@ -169,6 +180,11 @@ class Layer(LayerWeights, torch.nn.Module):
         else:
             self._dtype_policy = policy
         self._refresh_policy_state()
+        self._plan_children()
+
+    def _plan_children(self) -> None:
+        for planner in _CHILD_PLANNERS:
+            planner(self)
 
     def _on_policy_change(self) -> None:
         """Hook for subclasses (quantizable layers quantize when built)."""
@@ -223,6 +239,7 @@ class Layer(LayerWeights, torch.nn.Module):
     def _call_state(self) -> CallState:
         if self._map_version is not None and self._dtype_policy._version != self._map_version:
             self._refresh_policy_state()
+            self._plan_children()  # the map may give them other entries now
         return self.__dict__[STATE_KEY].call
 
     @property
@@ -268,6 +285,7 @@ class Layer(LayerWeights, torch.nn.Module):
     def autocast(self, value: bool) -> None:
         self._autocast = bool(value)
         self._refresh_policy_state()
+        self._plan_children()
 
     @property
     def path(self) -> str | None:
@@ -277,12 +295,17 @@ class Layer(LayerWeights, torch.nn.Module):
         return self._path
 
     def _assign_paths(self) -> None:
+        placed = []
         if self._path is None:
             self._path = self.name
+            placed.append(self)
         for path, module in named_module_paths(self, self._path):
             if isinstance(module, Layer) and module is not self and module._path is None:
                 module._path = path
                 module._refresh_policy_state()
+                placed.append(module)
+        for layer in placed:  # a map is read at their torch children's paths now
+            layer._plan_children()
 
     # ------------------------------------------------------------------ build
 
