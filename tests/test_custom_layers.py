@@ -277,3 +277,21 @@ def test_trainable_reaches_direct_parameters_and_torch_modules():
     layer.trainable = True
     assert layer.proj.weight.requires_grad and layer.gain.requires_grad
     assert not layer.stat.requires_grad  # as it was made
+
+
+def test_a_parameter_assigned_under_a_second_name_is_an_alias_as_in_torch():
+    class Tied(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.table = nn.Parameter(torch.randn(10, 8))
+            self.head = self.table  # tied: both names, one parameter
+
+        def call(self, ids):
+            return self.table[ids] @ self.head.T
+
+    layer = Tied(dtype="mixed_bfloat16")
+    assert layer.head is layer.table
+    assert [n for n, _ in layer.named_parameters(remove_duplicate=False)] == ["table", "head"]
+    out = layer(torch.tensor([1, 2]))
+    table = layer.table.detach().bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, table[[1, 2]] @ table.T)

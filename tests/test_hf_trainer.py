@@ -103,3 +103,19 @@ def test_trainer_trains_lora_adapters_on_an_int4_base(tmp_path):
     assert all(not torch.equal(current[n], p) for n, p in trainable.items())
     base = tuned.base_model.model.model.layers[0].self_attn.q_proj.base_layer
     assert base.dtype_policy.name == "int4/128_from_mixed_bfloat16"
+
+
+def test_trainer_refuses_a_model_with_nothing_float_to_train_as_transformers_does(tmp_path):
+    """Every linear and embedding int8: transformers' own guard against
+    fine-tuning a purely quantized model (attach adapters) holds; with a
+    head left float, the head trains."""
+    data = Repeated(8)
+    model = tiny_models.tiny_decoder()
+    quantize(model, "int8")
+    with pytest.raises(ValueError, match="purely quantized"):
+        transformers.Trainer(model=model, args=_arguments(tmp_path), train_dataset=data)
+    model = tiny_models.tiny_decoder()
+    quantize(model, "int8", filters=lambda path, module: path != "lm_head")
+    head = model.lm_head.weight.detach().clone()
+    transformers.Trainer(model=model, args=_arguments(tmp_path), train_dataset=data).train()
+    assert not torch.equal(model.lm_head.weight, head)

@@ -491,6 +491,55 @@ def test_quantize_leaves_peft_adapters_float_and_trainable(mode):
     assert losses[-1] < 0.8 * losses[0]
 
 
+def test_a_quantized_policy_on_a_peft_model_leaves_the_adapters_float_and_trainable():
+    """The quantized policy route (`apply_policy(model, "int8_from_...")`)
+    keeps the adapters as `quantize()` does: listed in `handle.unquantized`."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
+    config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    handle = apply_policy(model, "int8_from_mixed_bfloat16")
+    assert [p.rsplit("/", 1)[-1] for p in handle.quantized_paths] == ["base_layer"] * 2
+    assert sum("/lora_" in path for path in handle.unquantized) == 4
+    assert [p for p in model.parameters() if p.requires_grad] == trainable
+    loss = model(torch.randn(4, IN)).float().pow(2).mean()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
+
+
+@pytest.mark.parametrize("merge", ["merge_adapter", "merge_and_unload", "unmerge_adapter"])
+def test_merging_peft_adapters_is_seen_by_the_next_inference_call(merge):
+    """peft merges through `.data` (no version counter moves): the next
+    `no_grad` call of a policied model computes with the merged weight, not a
+    cast kept from before."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
+    config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config).eval()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(8, IN)
+    with torch.no_grad():
+        with model.disable_adapter():
+            without = model(x)
+        with_adapters = model(x)  # casts of the bases kept from here
+        if merge == "unmerge_adapter":
+            model.merge_adapter()
+            model(x)
+            model.unmerge_adapter()
+            merged = model(x)
+        else:
+            merged = getattr(model, merge)()(x) if merge == "merge_and_unload" else None
+            if merged is None:
+                model.merge_adapter()
+                merged = model(x)
+    assert not torch.equal(with_adapters, without)
+    assert (merged.float() - with_adapters.float()).abs().max() < 0.05
+    assert (merged.float() - without.float()).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_training_through_data_while_another_thread_evaluates(kind):
     """A thread evaluating under no_grad keeps casts all along; the training

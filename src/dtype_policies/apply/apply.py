@@ -35,9 +35,10 @@ from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.policies import get as get_policy
 from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization import attach, experts
+from dtype_policies.quantization.adapters import adapter_modules, watch_merges
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
-from dtype_policies.quantization.report import ROUTER_DETAIL, shared_float_detail
+from dtype_policies.quantization.report import ADAPTER_DETAIL, ROUTER_DETAIL, shared_float_detail
 
 _FLOAT32 = DTypePolicy("float32")
 
@@ -602,6 +603,7 @@ def commit_application(
         handle.quantized_paths.append(plan.path or "(root)")
     # a transformers model's bfloat16 attention on this library's kernel where the CPU has it
     handle._hooks = attention.attend_on_kernel(module)
+    watch_merges(module)  # peft's merges write through `.data`
     ensure_state(module).handle = handle
     model_changed(module)
     return handle
@@ -762,12 +764,17 @@ def _plan_quantization(
     modules = {step.path: step.module for step in steps}
     plan_one = functools.partial(_plan_one, planned_weights=planned_weights, modules=modules)
     routers = experts.expert_routers(step.module for step in steps)
+    adapters = adapter_modules(step.module for step in steps)
     for step in steps:
         mode = step.policy.quantization_mode
         if mode is None:
             continue
         if id(step.module) in routers:
             declined.append((step, ROUTER_DETAIL))
+            continue
+        if id(step.module) in adapters:  # trained in floating point, as quantize() keeps them
+            if owns_matrix(step.module):
+                declined.append((step, ADAPTER_DETAIL))
             continue
         layout = experts.experts_layout(step.module)
         if layout is not None and "linear" in mode_record(mode).roles:

@@ -73,6 +73,7 @@ from dtype_policies.apply.apply import (
     steps_under,
 )
 from dtype_policies.layers.layer import LAYER_OWN, Layer, add_child_planner
+from dtype_policies.quantization.adapters import merges_seen, watch_merges
 
 _PARAMETRIZATIONS = "parametrizations"  # torch.nn.utils.parametrize's container
 
@@ -137,6 +138,10 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
         leaving = [] if known is None else _leaving(known.module, parent, name, child, replaced)
         steps = [] if child is None or not joins else _steps(parent, child, path, entry, known)
         planned.append((token, known, path, leaving, _outside(steps, carried)))
+    if replaced is not None:
+        merges_seen(replaced)  # peft's merge_and_unload: merged, then replaced by its base
+    if child is not None and planned:
+        watch_merges(child)
     changed = []
     for token, known, path, leaving, steps in planned:
         if token is IN_LAYER:

@@ -21,6 +21,7 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
 
     # Written by `_init_weight_tracking`.
     _autocast_weight_names: set[str]
+    _fresh_weight_names: set[str]
     _declared_trainable: dict[str, bool]
     _weight_regularizers: dict[str, Any]
     _weight_constraints: dict[str, Any]
@@ -43,6 +44,7 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
     def _init_weight_tracking(self) -> None:
         d = self.__dict__
         d["_autocast_weight_names"] = set()
+        d["_fresh_weight_names"] = set()  # made by add_weight, not yet named by an attribute
         d["_declared_trainable"] = {}
         d["_weight_regularizers"] = {}
         d["_weight_constraints"] = {}
@@ -118,6 +120,7 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         requires_grad = bool(trainable and self._trainable and value.is_floating_point())
         parameter = torch.nn.Parameter(value, requires_grad=requires_grad)
         self.register_parameter(name, parameter)
+        self._fresh_weight_names.add(name)
         self._declared_trainable[name] = bool(trainable)
         if not (autocast and floating):
             self._autocast_weight_names.discard(name)
@@ -192,8 +195,13 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         if isinstance(value, torch.nn.Parameter):
             parameters = self.__dict__.get("_parameters")
             if parameters is not None:
+                fresh = self.__dict__.get("_fresh_weight_names", set())
                 for existing, parameter in parameters.items():
-                    if parameter is value and existing != name:
+                    if parameter is value and existing != name and existing in fresh:
+                        # `self.kernel = self.add_weight(...)`: the weight takes the
+                        # attribute's name (another name for a weight assigned
+                        # before is an alias, as in torch: a tied weight)
+                        fresh.discard(existing)
                         self._rename_weight(existing, name)
                         return
         super().__setattr__(name, value)

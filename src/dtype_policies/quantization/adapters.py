@@ -8,8 +8,10 @@ forms). The base is what quantization is for (QLoRA: a quantized base, float
 adapters trained on it); an adapter quantized would no longer train (its
 parameters become integer buffers: an optimizer made before steps tensors the
 model no longer reads), so `quantize()` skips adapters, reported as
-`"adapter"`, whatever the filters. Read by duck typing: nothing here imports
-`peft`.
+`"adapter"`, whatever the filters. A tuner's merges write its base's weight
+through `.data`, unseen by torch's version counters: a tuner under an
+application watches them (`watch_merges`). Read by duck typing: nothing here
+imports `peft`.
 
 >>> import torch
 >>> class Tuned(torch.nn.Module):  # the shape of a LoRA layer
@@ -28,8 +30,11 @@ model no longer reads), so `quantize()` skips adapters, reported as
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+
+from dtype_policies._core.module_state import clear_cast_caches
 
 
 def adapter_modules(modules: Iterable[torch.nn.Module]) -> set[int]:
@@ -45,3 +50,44 @@ def adapter_modules(modules: Iterable[torch.nn.Module]) -> set[int]:
             if isinstance(container, torch.nn.Module):
                 found.update(id(inner) for inner in container.modules())
     return found
+
+
+class _MergeWatch:
+    """A tuner layer's forward pre-hook: drops its base's kept casts when the
+    adapters merged into the base changed since the last call."""
+
+    def __init__(self, merged: tuple) -> None:
+        self.seen = merged
+
+    def __call__(self, tuner: torch.nn.Module, args: Any) -> None:
+        merged = getattr(tuner, "merged_adapters", None)
+        if not isinstance(merged, list) or tuple(merged) == self.seen:
+            return
+        self.seen = tuple(merged)
+        base = tuner._modules.get("base_layer")
+        clear_cast_caches(base if isinstance(base, torch.nn.Module) else tuner)
+
+
+def _watch_of(tuner: torch.nn.Module) -> _MergeWatch | None:
+    return next((h for h in tuner._forward_pre_hooks.values() if isinstance(h, _MergeWatch)), None)
+
+
+def watch_merges(module: torch.nn.Module) -> None:
+    """peft's tuner layers merge adapters into their base's weight through
+    `.data` (`merge_adapter()`, `merge_and_unload()`, `unmerge_adapter()`),
+    which moves no version counter: a kept cast of the base would be
+    reused. A tuner under an application checks, before each call, whether
+    its merged adapters changed, and drops its base's kept casts if so."""
+    for tuner in module.modules():
+        merged = getattr(tuner, "merged_adapters", None)
+        if isinstance(merged, list) and _watch_of(tuner) is None:
+            tuner.register_forward_pre_hook(_MergeWatch(tuple(merged)))
+
+
+def merges_seen(tuner: torch.nn.Module) -> None:
+    """Drops the kept casts of a watched `tuner`'s base if its merged
+    adapters changed (`merge_and_unload()` replaces the tuner by its base
+    right after merging: no call of the tuner sees it)."""
+    watch = _watch_of(tuner)
+    if watch is not None:
+        watch(tuner, ())

@@ -24,6 +24,7 @@ from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
 from dtype_policies.quantization.report import (
+    ADAPTER_DETAIL,
     ROUTER_DETAIL,
     SKIP_ADAPTER,
     SKIP_ALREADY_QUANTIZED,
@@ -269,7 +270,7 @@ def quantize(
             continue
         if id(module) in adapters:
             if owns_matrix(module):
-                report.skipped.append((label, f"{SKIP_ADAPTER}: {_ADAPTER_DETAIL}"))
+                report.skipped.append((label, f"{SKIP_ADAPTER}: {ADAPTER_DETAIL}"))
             leave_float(label, module, SKIP_NOT_IN_MODE)
             continue
         if kind is None:
@@ -367,9 +368,6 @@ def quantize(
     if verbose:
         print(report.render())
     return report
-
-
-_ADAPTER_DETAIL = "a fine-tuning adapter (PEFT), kept in floating point to train"
 
 
 def _with_expert_linears(modules: dict[str, torch.nn.Module], expansions: list) -> Any:

@@ -14,6 +14,7 @@ SKIP_NOT_IN_MODE = "not in the mode"  # embeddings under float8 and the calibrat
 SKIP_ROUTER = "router"  # a mixture of experts' gate: it decides which experts run
 SKIP_ADAPTER = "adapter"  # a PEFT adapter (LoRA's A and B): trained on the quantized base
 ROUTER_DETAIL = "a mixture of experts' gate, kept in floating point (it chooses the experts)"
+ADAPTER_DETAIL = "a fine-tuning adapter (PEFT), kept in floating point to train"
 
 
 def shared_float_detail(holder: str) -> str:

@@ -94,6 +94,7 @@ from dtype_policies._core.slots import non_persistent_buffer_names, replace_buff
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import commit_application, steps_under
 from dtype_policies.quantization import attach
+from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.schemes import scheme_for
 from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest, tensor_headers
 from dtype_policies.saving.manifest import CheckpointError, Manifest, describe
@@ -199,6 +200,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         self._aliases: dict[str, str] = {}  # stored tensors shared by tied modules
         self._stored: list[str] = []  # the quantized tensors the loader must fill
         self._deferred_ties: dict[str, str] = {}  # tied once the aliases are shared
+        self._model: weakref.ref | None = None  # the model it describes
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -266,6 +268,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        self._model = weakref.ref(model)
         for alias, key in self._aliases.items():
             replace_buffer(model, alias, model.get_buffer(key))
         for target, source in self._deferred_ties.items():  # as transformers ties them
@@ -335,7 +338,25 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
 
     @property
     def is_qat_trainable(self) -> bool:
-        return True
+        """Whether a linear or embedding of the model still has a float weight
+        to train (a head kept float, float8's weights): transformers'
+        `Trainer` refuses to fine-tune a model whose every such weight is int8
+        or int4 (attach adapters, peft's LoRA, to train on it)."""
+        model = None if self._model is None else self._model()
+        if model is None:  # a copy's: as its model was when copied
+            return bool(self.__dict__.get("_trainable_when_copied", False))
+        return any(
+            parameter.requires_grad and parameter.is_floating_point()
+            for module in model.modules()
+            if kind_of(module) is not None
+            for parameter in module.parameters(recurse=False)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_trainable_when_copied"] = self.is_qat_trainable
+        state["_model"] = None  # a copy's model is another (sync or a load sets it)
+        return state
 
     @property
     def is_compileable(self) -> bool:
@@ -412,6 +433,7 @@ def sync(model: Any) -> None:
     if current is None:
         current = DTypePoliciesHfQuantizer(config, pre_quantized=True)
         model.hf_quantizer = current
+    current._model = weakref.ref(model)
     current.quantization_config = config
     model.config.quantization_config = config
     model.quantization_method = QUANT_METHOD
