@@ -119,3 +119,39 @@ def test_trainer_refuses_a_model_with_nothing_float_to_train_as_transformers_doe
     head = model.lm_head.weight.detach().clone()
     transformers.Trainer(model=model, args=_arguments(tmp_path), train_dataset=data).train()
     assert not torch.equal(model.lm_head.weight, head)
+
+
+def test_trainer_with_mixed_float16_and_the_loss_scaler_through_training_step(tmp_path):
+    """docs/training_loops.md's recipe: a training_step that back-propagates
+    the scaled loss; the model learns as the float32 one does."""
+    from dtype_policies.optimizers import LossScaleOptimizer
+
+    class ScaledTrainer(transformers.Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            model.train()
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            scaler = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+            scaler.scale_loss(loss).backward()
+            return loss.detach()
+
+    data = Repeated(16)
+    model = tiny_models.tiny_decoder()
+    apply_policy(model, "mixed_float16")
+    before = _loss(model, data)
+    optimizer = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    arguments = _arguments(tmp_path, max_grad_norm=0)
+    ScaledTrainer(
+        model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None)
+    ).train()
+    reference = tiny_models.tiny_decoder()
+    float_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    transformers.Trainer(
+        model=reference,
+        args=_arguments(tmp_path / "float32", max_grad_norm=0),
+        train_dataset=data,
+        optimizers=(float_optimizer, None),
+    ).train()
+    after = _loss(model, data)
+    assert after < 0.75 * before
+    assert after == pytest.approx(_loss(reference, data), rel=0.03)
+    assert optimizer.iterations == 8

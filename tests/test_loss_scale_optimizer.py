@@ -672,3 +672,23 @@ def test_complex_gradients_are_unscaled_and_checked():
     real.grad = torch.zeros(2)
     optimizer.step()
     assert optimizer.last_step_skipped and optimizer.dynamic_scale == 2.0
+
+
+def test_a_step_after_backward_on_the_unscaled_loss_warns_once():
+    """A loop that never calls scale_loss (Hugging Face's Trainer calls
+    `backward()` on the loss itself) would train on gradients divided by the
+    scale: said once; a loop that scales says nothing."""
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.1), initial_scale=1024)
+    with pytest.warns(UserWarning, match=r"scale_loss\(\) was not called since the last step"):
+        (weight.square().sum()).backward()
+        optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.zero_grad()
+        weight.square().sum().backward()
+        optimizer.step()  # once per optimizer
+        optimizer.zero_grad()
+        optimizer.scale_loss(weight.square().sum()).backward()
+        optimizer.step()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -170,6 +171,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._found_inf: list[torch.Tensor] | None = None  # set by `unscale_()`
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
         self._last_step_skipped = False
+        self._scaled = False  # scale_loss() called since the last step
 
     # ------------------------------------------------------------ delegation
 
@@ -261,6 +263,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         >>> optimizer.scale_loss(torch.tensor(0.5))
         tensor(4.)
         """
+        self._scaled = True
         return loss * self._scale
 
     def unscale_(self) -> None:
@@ -313,6 +316,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 grads.append(grad)
         if not grads:
             return []
+        if not self._scaled and not self.__dict__.get("_warned_unscaled", False):
+            # as Keras's `apply(grads)`, gradients set by hand are taken as scaled
+            self.__dict__["_warned_unscaled"] = True
+            warnings.warn(
+                "LossScaleOptimizer: scale_loss() was not called since the last step(): if "
+                "backward() ran on the loss itself, its gradients are now divided by the loss "
+                f"scale ({self._scale:g}) and the model barely trains. Call "
+                "`optimizer.scale_loss(loss).backward()`. With Hugging Face's Trainer, which "
+                "calls backward() itself, override its training_step to back-propagate the "
+                "scaled loss and set max_grad_norm=0 (its clipping would see the scaled "
+                "gradients), or leave loss scaling out: bfloat16 needs none.",
+                UserWarning,
+                stacklevel=4,
+            )
         found_infs: dict[torch.device, torch.Tensor] = {}
         inv_scales = self._inv_scales
         inverse = to_float32(1.0 / self._scale) if self._scale else math.inf
@@ -352,6 +369,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if found_infs is None:
             found_infs = self._unscale_grads()
         self._found_inf = None
+        self._scaled = False
         if not found_infs and _sync_group(self._process_group) is None:
             # no gradient at all: the inner step (a no-op) runs, nothing counts
             self._last_step_skipped = False
