@@ -184,22 +184,23 @@ def _saturated(value: Any, dtype: torch.dtype | None) -> Any:
     return cast_floating(value, dtype)
 
 
-_RANGES: dict[tuple[torch.dtype, torch.dtype], tuple[float, float] | None] = {}
+def _range_between(source: torch.dtype, target: torch.dtype) -> tuple[float, float] | None:
+    if not (source.is_floating_point and target.is_floating_point):
+        return None
+    info = torch.finfo(target)
+    return (info.min, info.max) if info.max < torch.finfo(source).max else None
+
+
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# Filled once, never written after: compiled graphs read it without a guard
+# on its contents changing (a cache filled as calls come would recompile them).
+_RANGES = {(a, b): _range_between(a, b) for a in _FLOATS for b in _FLOATS}
 
 
 def _narrower_range(source: torch.dtype, target: torch.dtype) -> tuple[float, float] | None:
-    """`target`'s finite range where it is narrower than floating `source`'s
-    (kept in a plain dict: Dynamo traces through it, and warns of
-    `functools.cache`)."""
+    """`target`'s finite range where it is narrower than floating `source`'s."""
     key = (source, target)
-    if key not in _RANGES:
-        narrower = None
-        if source.is_floating_point and target.is_floating_point:
-            info = torch.finfo(target)
-            if info.max < torch.finfo(source).max:
-                narrower = (info.min, info.max)
-        _RANGES[key] = narrower
-    return _RANGES[key]
+    return _RANGES[key] if key in _RANGES else _range_between(source, target)
 
 
 def first_tensor(value: Any, floating: bool = False) -> torch.Tensor | None:
