@@ -295,3 +295,37 @@ def test_a_parameter_assigned_under_a_second_name_is_an_alias_as_in_torch():
     out = layer(torch.tensor([1, 2]))
     table = layer.table.detach().bfloat16()
     assert out.dtype == torch.bfloat16 and torch.equal(out, table[[1, 2]] @ table.T)
+
+
+def test_a_torch_container_filled_in_build_computes_with_the_layers_policy():
+    class Stack(Layer):
+        def build(self, input_shape):
+            self.blocks = nn.ModuleList()
+            for _ in range(2):
+                self.blocks.append(nn.Linear(input_shape[-1], input_shape[-1]))
+
+        def call(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    layer = Stack(dtype="mixed_bfloat16")
+    assert layer(X).dtype == torch.bfloat16
+    assert [b.dtype_policy.name for b in layer.blocks] == ["mixed_bfloat16"] * 2
+
+
+def test_a_quantized_torch_module_keeps_the_layers_compute_dtype_across_policy_changes():
+    layer = WithLinear(norm=True, dtype="mixed_bfloat16")
+    layer(X)
+    quantize(layer.proj, "int8")
+    first = layer(X)
+    assert first.dtype == torch.bfloat16
+    layer.dtype_policy = "float32"
+    layer.dtype_policy = "mixed_bfloat16"
+    assert layer.proj.dtype_policy.name == "int8_from_mixed_bfloat16"
+    assert torch.equal(layer(X), first)
+    with pytest.raises(ValueError):
+        layer.dtype_policy = "mixed_float16"  # int8 takes no float16 compute dtype
+    assert layer.dtype_policy.name == "mixed_bfloat16"  # as it was, children too
+    assert layer.norm.dtype_policy.name == "float32"
+    assert torch.equal(layer(X), first)

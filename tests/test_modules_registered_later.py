@@ -341,3 +341,34 @@ def test_a_hugging_face_models_manifest_follows_registrations_when_read():
     assert modules["lm_head"]["policy"]["config"]["name"] == "float32"
     assert modules["model.layers.0.mlp.extra"]["policy"]["config"]["name"] == "mixed_bfloat16"
     assert "_dtype_policies_stale_model" not in model.config.to_dict()["quantization_config"]
+
+
+def test_a_replaced_quantized_module_leaves_the_records():
+    model = _model()
+    handle = apply_policy(model, "int8_from_mixed_bfloat16")
+    assert handle.quantized_paths == ["0", "2"]
+    model[2] = nn.Linear(16, 4)
+    assert handle.quantized_paths == ["0"]
+    assert all(module is not model[2] for _, module in handle._quantized)
+
+
+def test_a_hugging_face_model_with_deferred_joins_pickles_and_copies_described():
+    tiny_models = pytest.importorskip("tiny_models")
+    model = tiny_models.tiny_decoder()
+    apply_policy(model, "mixed_bfloat16")
+    model.model.layers[0].mlp.extra = nn.Linear(64, 64)
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        modules = copied.config.quantization_config.manifest["modules"]
+        assert modules["model.layers.0.mlp.extra"]["policy"]["config"]["name"] == "mixed_bfloat16"
+
+
+def test_a_policy_applied_to_a_wrapper_of_a_transformers_model_reaches_its_config(tmp_path):
+    peft = pytest.importorskip("peft")
+    tiny_models = pytest.importorskip("tiny_models")
+    model = tiny_models.tiny_decoder()
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    apply_policy(tuned, "mixed_bfloat16")
+    merged = tuned.merge_and_unload()
+    merged.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert reloaded.model.layers[0].self_attn.q_proj.dtype_policy.name == "mixed_bfloat16"

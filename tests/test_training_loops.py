@@ -540,6 +540,30 @@ def test_merging_peft_adapters_is_seen_by_the_next_inference_call(merge):
     assert (merged.float() - without.float()).abs().max() > 0.1
 
 
+def test_an_adapter_merged_again_with_new_weights_is_seen():
+    """unmerge, new adapter weights, merge, with no call between: the base
+    was written twice through `.data`; the next call reads the new merge."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
+    config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config).eval()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(8, IN)
+    with torch.no_grad():
+        model.merge_adapter()
+        first = model(x)
+        model.unmerge_adapter()
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p))
+        expected = model(x)  # unmerged: adapters computed beside the base
+        model.merge_adapter()
+        merged = model(x)
+    assert (merged.float() - expected.float()).abs().max() < 0.15  # bfloat16 roundings
+    assert (merged.float() - first.float()).abs().max() > 1.0  # not the first merge's cast
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_training_through_data_while_another_thread_evaluates(kind):
     """A thread evaluating under no_grad keeps casts all along; the training

@@ -195,7 +195,12 @@ class PolicyHandle:
         doomed = {subpath for subpath, _ in named_module_paths(replaced, path)}
         for subpath in doomed:
             self.policies.pop(subpath, None)
+            self.unquantized.pop(subpath or "(root)", None)
         self.float32_paths = [entry for entry in self.float32_paths if entry not in doomed]
+        gone_quantized = {id(m) for m in modules}
+        self._quantized = [(p, m) for p, m in self._quantized if id(m) not in gone_quantized]
+        left = {p or "(root)" for p, _ in self._quantized}
+        self.quantized_paths = [p for p in self.quantized_paths if p in left]
 
     def _record_under(self, module: torch.nn.Module, path: str) -> None:
         """Records the modules of `module`'s tree (at `path`) that compute by

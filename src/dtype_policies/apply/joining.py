@@ -74,6 +74,7 @@ from dtype_policies.apply.apply import (
 )
 from dtype_policies.layers.layer import LAYER_OWN, Layer, add_child_planner
 from dtype_policies.quantization.adapters import merges_seen, watch_merges
+from dtype_policies.quantization.modules import QUANTIZE_TOKEN
 
 _PARAMETRIZATIONS = "parametrizations"  # torch.nn.utils.parametrize's container
 
@@ -128,6 +129,11 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
             leaving = _leaving(parent, parent, name, child, replaced)
             in_layer = [] if child is None else _in_layer_plan(parent, name, child)
             planned.append((IN_LAYER, None, name, leaving, in_layer))
+            continue
+        if token is IN_LAYER and child is not None:  # under a torch module of a layer
+            steps = steps_under(child, entry.policy, name, enclosing=compute_dtype_of(entry.policy))
+            leaving = _leaving(parent, parent, name, child, replaced)
+            planned.append((IN_LAYER, None, name, leaving, _outside_layers(child, steps)))
             continue
         if isinstance(token, Token):
             continue  # quantize()'s own entry: not an application
@@ -222,7 +228,13 @@ def _steps_in_layer(layer: Layer, name: str, child: torch.nn.Module) -> list:
 def _in_layer_plan(layer: Layer, name: str, child: torch.nn.Module) -> list:
     """`[(module, options or None)]`: the entry each module of `child`'s
     tree outside this library's layers takes from `layer` (`None`: none)."""
-    steps = {id(step.module): step for step in _steps_in_layer(layer, name, child)}
+    return _outside_layers(child, _steps_in_layer(layer, name, child))
+
+
+def _outside_layers(child: torch.nn.Module, planned: list) -> list:
+    """`[(module, options or None)]` for the modules of `child`'s tree outside
+    this library's layers, by the steps `planned` (`None`: no step)."""
+    steps = {id(step.module): step for step in planned}
     inside: set[int] = set()
     for module in child.modules():  # parents before their children
         if isinstance(module, Layer) and id(module) not in inside:
@@ -249,9 +261,24 @@ def _commit_in_layer(plan: list) -> None:
                 pop_application(module, IN_LAYER)
         elif state is None or index is None:
             policy_module.install(module, IN_LAYER, options, bottom=True)
+            _above_permanent(module)
         else:
             state.applications[index] = (IN_LAYER, options)
             module._refresh_policy_state()
+
+
+def _above_permanent(module: torch.nn.Module) -> None:
+    """Moves a module's `IN_LAYER` entry (put at the bottom) above the
+    permanent entries there (`quantize()`'s own): the layer's policy is what
+    the quantized module computes with, as it was before being planned again."""
+    applications = state_of(module).applications  # type: ignore[union-attr]
+    entry = applications.pop(0)
+    at = 0
+    while at < len(applications) and applications[at][0] is QUANTIZE_TOKEN:
+        at += 1
+    applications.insert(at, entry)
+    refresh: Any = module._refresh_policy_state
+    refresh()
 
 
 def _plan_layer_children(layer: Layer) -> None:

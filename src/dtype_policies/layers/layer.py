@@ -171,16 +171,31 @@ class Layer(LayerWeights, torch.nn.Module):
         self._on_policy_change()
 
     def _set_policy(self, policy: DTypePolicy) -> None:
-        """Sets the policy in force (inside a map, this layer's entry)."""
+        """Sets the policy in force (inside a map, this layer's entry); a
+        policy its torch children cannot take (an int8 child under float16)
+        raises with the layer and its children as they were."""
         current = self._dtype_policy
-        if current.is_map and self._path is not None and not policy.is_map:
-            if self._path in current:
-                del current[self._path]
+        in_map = current.is_map and self._path is not None and not policy.is_map
+        entries: Any = current  # a map when `in_map`
+        before = entries[self._path] if in_map and self._path in entries else None
+        self._put_policy(current, policy, in_map)
+        try:
+            self._refresh_policy_state()
+            self._plan_children()
+        except Exception:
+            self._put_policy(current, before if in_map else current, in_map)
+            self._refresh_policy_state()
+            self._plan_children()
+            raise
+
+    def _put_policy(self, current: Any, policy: DTypePolicy | None, in_map: bool) -> None:
+        if not in_map:
+            self._dtype_policy = policy  # type: ignore[assignment]
+            return
+        if self._path in current:
+            del current[self._path]
+        if policy is not None:
             current[self._path] = policy
-        else:
-            self._dtype_policy = policy
-        self._refresh_policy_state()
-        self._plan_children()
 
     def _plan_children(self) -> None:
         for planner in _CHILD_PLANNERS:
@@ -317,6 +332,7 @@ class Layer(LayerWeights, torch.nn.Module):
         self.built = True
         self._assign_paths()
         self._refresh_policy_state()
+        self._plan_children()  # the torch modules `build` made, at their paths
         self._after_build()
 
     def _after_build(self) -> None:

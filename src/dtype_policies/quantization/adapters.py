@@ -52,18 +52,35 @@ def adapter_modules(modules: Iterable[torch.nn.Module]) -> set[int]:
     return found
 
 
+def _merged_state(tuner: torch.nn.Module) -> tuple | None:
+    """The adapters merged into `tuner`'s base and, when some are, their
+    weights' identities (an adapter re-merged with new weights, no call
+    between, wrote the base again)."""
+    merged = getattr(tuner, "merged_adapters", None)
+    if not isinstance(merged, list):
+        return None
+    if not merged:
+        return ()
+    weights = []
+    for name in getattr(type(tuner), "adapter_layer_names", ()):
+        container = tuner._modules.get(name)
+        if isinstance(container, torch.nn.Module):
+            weights += [(p.data_ptr(), p._version) for p in container.parameters()]
+    return (tuple(merged), tuple(weights))
+
+
 class _MergeWatch:
     """A tuner layer's forward pre-hook: drops its base's kept casts when the
     adapters merged into the base changed since the last call."""
 
-    def __init__(self, merged: tuple) -> None:
+    def __init__(self, merged: tuple | None) -> None:
         self.seen = merged
 
     def __call__(self, tuner: torch.nn.Module, args: Any) -> None:
-        merged = getattr(tuner, "merged_adapters", None)
-        if not isinstance(merged, list) or tuple(merged) == self.seen:
+        merged = _merged_state(tuner)
+        if merged is None or merged == self.seen:
             return
-        self.seen = tuple(merged)
+        self.seen = merged
         base = tuner._modules.get("base_layer")
         clear_cast_caches(base if isinstance(base, torch.nn.Module) else tuner)
 
@@ -81,7 +98,7 @@ def watch_merges(module: torch.nn.Module) -> None:
     for tuner in module.modules():
         merged = getattr(tuner, "merged_adapters", None)
         if isinstance(merged, list) and _watch_of(tuner) is None:
-            tuner.register_forward_pre_hook(_MergeWatch(tuple(merged)))
+            tuner.register_forward_pre_hook(_MergeWatch(_merged_state(tuner)))
 
 
 def merges_seen(tuner: torch.nn.Module) -> None:

@@ -47,6 +47,13 @@ def on_model_changed(module: Any, minor: bool = False) -> None:
         integration = _integration()
         if not (minor and integration.defer_sync(module)):
             integration.sync(module)
+        return
+    if minor or not hasattr(module, "modules"):
+        return  # save_pretrained describes a model again anyway
+    inner = _outermost(module, pretrained)
+    if inner:  # a model of the user's own, peft's PeftModel, around transformers models
+        for model in inner:
+            _integration().sync(model)
     elif _is_part(module, pretrained) and _has_policies(module):
         warnings.warn(
             f"dtype_policies: a part of a transformers model ({type(module).__name__}) now has "
@@ -56,6 +63,18 @@ def on_model_changed(module: Any, minor: bool = False) -> None:
             UserWarning,
             stacklevel=4,
         )
+
+
+def _outermost(module: Any, pretrained: Any) -> list[Any]:
+    """The transformers models inside `module` that no other one holds."""
+    found: list[Any] = []
+    inside: set[int] = set()
+    modules: Any = module.modules()
+    for submodule in modules:  # parents before their children
+        if id(submodule) not in inside and isinstance(submodule, pretrained):
+            found.append(submodule)
+            inside.update(id(m) for m in submodule.modules())
+    return found
 
 
 def _is_part(module: Any, pretrained: type) -> bool:

@@ -164,6 +164,10 @@ class DTypePoliciesConfig(QuantizationConfigMixin):
     def __iter__(self) -> Any:
         yield from self.to_dict().items()
 
+    def __getstate__(self) -> dict[str, Any]:  # pickle, copy.deepcopy: described now
+        self._refresh()
+        return dict(self.__dict__)
+
     def _refresh(self) -> None:
         """Describes the model again where modules joined or left it since
         (`defer_sync`): registrations under a large model (peft wraps every
