@@ -169,6 +169,8 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
             known._record_under(child, path)  # modules moved within the model
         if steps or leaving or replaced is not None:
             changed.append(known)
+    # minor: torch runs this hook before it registers `child`, so the listeners
+    # describe the model when next read (a Hugging Face manifest), not now
     for handle in {id(k): k for k in changed}.values():
         model_changed(handle.module, minor=True)
 
