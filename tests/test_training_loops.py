@@ -464,15 +464,20 @@ def test_lora_adapters_on_a_quantized_base_read_every_update(mode):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
-def test_quantize_leaves_peft_adapters_float_and_trainable(mode):
-    """`quantize(model, mode)` on a peft model quantizes the bases, not the
-    adapters (reported as "adapter"): an optimizer made before still trains."""
+def _lora_mlp() -> nn.Module:
+    """A peft LoRA model (adapters initialised non-zero) of a small MLP."""
     peft = pytest.importorskip("peft", reason="peft is not installed")
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
     config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
-    model = peft.get_peft_model(base, config)
+    return peft.get_peft_model(base, config)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_quantize_leaves_peft_adapters_float_and_trainable(mode):
+    """`quantize(model, mode)` on a peft model quantizes the bases, not the
+    adapters (reported as "adapter"): an optimizer made before still trains."""
+    model = _lora_mlp()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
     report = dtype_policies.quantize(model, mode)
@@ -494,11 +499,7 @@ def test_quantize_leaves_peft_adapters_float_and_trainable(mode):
 def test_a_quantized_policy_on_a_peft_model_leaves_the_adapters_float_and_trainable():
     """The quantized policy route (`apply_policy(model, "int8_from_...")`)
     keeps the adapters as `quantize()` does: listed in `handle.unquantized`."""
-    peft = pytest.importorskip("peft", reason="peft is not installed")
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
-    config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
-    model = peft.get_peft_model(base, config)
+    model = _lora_mlp()
     trainable = [p for p in model.parameters() if p.requires_grad]
     handle = apply_policy(model, "int8_from_mixed_bfloat16")
     assert [p.rsplit("/", 1)[-1] for p in handle.quantized_paths] == ["base_layer"] * 2
@@ -514,11 +515,7 @@ def test_merging_peft_adapters_is_seen_by_the_next_inference_call(merge):
     """peft merges through `.data` (no version counter moves): the next
     `no_grad` call of a policied model computes with the merged weight, not a
     cast kept from before."""
-    peft = pytest.importorskip("peft", reason="peft is not installed")
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
-    config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
-    model = peft.get_peft_model(base, config).eval()
+    model = _lora_mlp().eval()
     apply_policy(model, "mixed_bfloat16")
     x = torch.randn(8, IN)
     with torch.no_grad():
@@ -543,11 +540,7 @@ def test_merging_peft_adapters_is_seen_by_the_next_inference_call(merge):
 def test_an_adapter_merged_again_with_new_weights_is_seen():
     """unmerge, new adapter weights, merge, with no call between: the base
     was written twice through `.data`; the next call reads the new merge."""
-    peft = pytest.importorskip("peft", reason="peft is not installed")
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(IN, 128), nn.GELU(), nn.Linear(128, OUT))
-    config = peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
-    model = peft.get_peft_model(base, config).eval()
+    model = _lora_mlp().eval()
     apply_policy(model, "mixed_bfloat16")
     x = torch.randn(8, IN)
     with torch.no_grad():
