@@ -337,6 +337,7 @@ def test_a_hugging_face_models_manifest_follows_registrations_when_read():
     apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"lm_head": "float32"}))
     model.lm_head = nn.Linear(64, 128, bias=False)
     model.model.layers[0].mlp.extra = nn.Linear(64, 64)
+    assert "model.layers.0.mlp.extra" in model.config.quantization_config.manifest["modules"]
     modules = model.config.quantization_config.to_dict()["manifest"]["modules"]
     assert modules["lm_head"]["policy"]["config"]["name"] == "float32"
     assert modules["model.layers.0.mlp.extra"]["policy"]["config"]["name"] == "mixed_bfloat16"

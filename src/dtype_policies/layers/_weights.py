@@ -120,7 +120,7 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         requires_grad = bool(trainable and self._trainable and value.is_floating_point())
         parameter = torch.nn.Parameter(value, requires_grad=requires_grad)
         self.register_parameter(name, parameter)
-        self._fresh_weight_names.add(name)
+        self.__dict__.setdefault("_fresh_weight_names", set()).add(name)  # (older pickles)
         self._declared_trainable[name] = bool(trainable)
         if not (autocast and floating):
             self._autocast_weight_names.discard(name)

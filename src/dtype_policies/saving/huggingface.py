@@ -153,8 +153,18 @@ class DTypePoliciesConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.manifest = json.loads(parsed.to_json())
 
-    def to_manifest(self) -> Manifest:
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The manifest's JSON data (described again first where modules
+        joined or left the model since)."""
         self._refresh()
+        return self.__dict__["manifest"]
+
+    @manifest.setter
+    def manifest(self, value: dict[str, Any]) -> None:
+        self.__dict__["manifest"] = value  # what `to_dict` writes
+
+    def to_manifest(self) -> Manifest:
         return Manifest.from_json(json.dumps(self.manifest), "the quantization_config")
 
     def to_dict(self) -> dict[str, Any]:
