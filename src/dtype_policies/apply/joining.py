@@ -83,20 +83,22 @@ IN_LAYER = Token("IN_LAYER")
 from the layer (the bottom of its stack: an `apply_policy` goes on top)."""
 
 
-def _carried(module: torch.nn.Module) -> set[int]:
-    """The ids of the modules of `module`'s tree that belong to a subtree
-    carrying a policy or quantization of its own (a `Layer`, a module policied
-    or quantized already, and everything below them): those keep theirs."""
-    carried: set[int] = set()
+def _subtrees(module: torch.nn.Module, rooted_at: Any) -> set[int]:
+    """The ids of the modules of `module`'s tree inside a subtree whose root
+    `rooted_at(m)` accepts (the root included)."""
+    found: set[int] = set()
     for submodule in module.modules():  # parents before their children
-        if id(submodule) in carried:
-            continue
-        state = state_of(submodule)
-        if isinstance(submodule, Layer) or (
-            state is not None and (state.applications or state.quantization is not None)
-        ):
-            carried.update(id(m) for m in submodule.modules())
-    return carried
+        if id(submodule) not in found and rooted_at(submodule):
+            found.update(id(m) for m in submodule.modules())
+    return found
+
+
+def _carries_its_own(module: torch.nn.Module) -> bool:
+    """A `Layer`, or a module policied or quantized already."""
+    state = state_of(module)
+    return isinstance(module, Layer) or (
+        state is not None and (bool(state.applications) or state.quantization is not None)
+    )
 
 
 # One registration plans and commits at a time: two threads registering
@@ -121,7 +123,8 @@ def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
 
 def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, state: Any) -> None:
     replaced = parent._modules.get(name)
-    carried = set() if child is None else _carried(child)
+    # the subtrees of `child` that carry their own keep it
+    carried = set() if child is None else _subtrees(child, _carries_its_own)
     joins = child is not None and id(child) not in carried
     planned: list[tuple[object, PolicyHandle | None, str, list[torch.nn.Module], list]] = []
     for token, entry in tuple(state.applications):  # the bottom one first: the top one wins
@@ -237,10 +240,7 @@ def _outside_layers(child: torch.nn.Module, planned: list) -> list:
     """`[(module, options or None)]` for the modules of `child`'s tree outside
     this library's layers, by the steps `planned` (`None`: no step)."""
     steps = {id(step.module): step for step in planned}
-    inside: set[int] = set()
-    for module in child.modules():  # parents before their children
-        if isinstance(module, Layer) and id(module) not in inside:
-            inside.update(id(m) for m in module.modules())
+    inside = _subtrees(child, lambda module: isinstance(module, Layer))
     plan = []
     for module in child.modules():
         if id(module) not in inside:

@@ -122,13 +122,13 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         self.register_parameter(name, parameter)
         self.__dict__.setdefault("_fresh_weight_names", set()).add(name)  # (older pickles)
         self._declared_trainable[name] = bool(trainable)
-        if not (autocast and floating):
-            self._autocast_weight_names.discard(name)
         if regularizer is not None:
             self._weight_regularizers[name] = regularizers_lib.get(regularizer)
         if constraint is not None:
             self._weight_constraints[name] = constraints_lib.get(constraint)
-        self._refresh_policy_state()
+        if not (autocast and floating) and name in self._autocast_weight_names:
+            self._autocast_weight_names.discard(name)
+            self._refresh_policy_state()  # `register_parameter` refreshed it with the name
         return parameter
 
     def _standardize_weight_shape(self, shape: Any, name: str | None) -> tuple[int, ...]:

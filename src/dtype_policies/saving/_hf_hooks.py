@@ -54,7 +54,7 @@ def on_model_changed(module: Any, minor: bool = False) -> None:
     if inner:  # a model of the user's own, peft's PeftModel, around transformers models
         for model in inner:
             _integration().sync(model)
-    elif _is_part(module, pretrained) and _has_policies(module):
+    elif _holds_transformers_modules(module) and _has_policies(module):
         warnings.warn(
             f"dtype_policies: a part of a transformers model ({type(module).__name__}) now has "
             "dtype policies or quantization. save_pretrained of the whole model records them "
@@ -77,14 +77,11 @@ def _outermost(module: Any, pretrained: Any) -> list[Any]:
     return found
 
 
-def _is_part(module: Any, pretrained: type) -> bool:
-    """Whether `module` is a part of a transformers model: modules of
-    transformers' classes (a `ModuleList` of its layers), none of them a
-    whole model (a model of the user's own around one is not a part)."""
-    modules = list(module.modules()) if hasattr(module, "modules") else []
-    return not any(isinstance(m, pretrained) for m in modules) and any(
-        type(m).__module__.startswith("transformers.") for m in modules
-    )
+def _holds_transformers_modules(module: Any) -> bool:
+    """Whether `module`, holding no whole transformers model (`_outermost`
+    found none), holds modules of transformers' classes: a part of a model
+    (a `ModuleList` of its layers)."""
+    return any(type(m).__module__.startswith("transformers.") for m in module.modules())
 
 
 def _has_policies(module: Any) -> bool:
