@@ -329,3 +329,52 @@ def test_a_quantized_torch_module_keeps_the_layers_compute_dtype_across_policy_c
     assert layer.dtype_policy.name == "mixed_bfloat16"  # as it was, children too
     assert layer.norm.dtype_policy.name == "float32"
     assert torch.equal(layer(X), first)
+
+
+class WithKernel(Layer):
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 8), initializer="glorot_uniform")
+
+    def call(self, x):
+        self.seen = self.kernel.dtype
+        return x @ self.kernel
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_a_parametrization_of_a_layers_own_weight_computes_in_the_variable_dtype(autocast):
+    """torch's `orthogonal` registered on a built layer's weight: computed in
+    float32 (its bfloat16 `matrix_exp` gives NaN), read in the compute dtype
+    inside `call` as the weight was; unparametrized, the weight autocasts
+    again."""
+    torch.manual_seed(0)
+    layer = WithKernel(dtype="mixed_bfloat16", autocast=autocast)
+    layer(X)
+    nn.utils.parametrizations.orthogonal(layer, "kernel")
+    out = layer(X)
+    kernel = layer.kernel  # outside `call`: as computed
+    assert kernel.dtype == torch.float32 and torch.isfinite(kernel).all()
+    assert layer.seen == (torch.bfloat16 if autocast else torch.float32)
+    if autocast:
+        assert torch.equal(out, X.bfloat16() @ kernel.detach().bfloat16())
+        out.float().sum().backward()
+        original = layer.parametrizations.kernel.original
+        assert original.dtype == torch.float32 and original.grad.abs().sum() > 0
+    nn.utils.parametrize.remove_parametrizations(layer, "kernel")
+    assert isinstance(layer.kernel, nn.Parameter) and torch.equal(layer.kernel, kernel)
+    layer(X)
+    assert layer.seen == (torch.bfloat16 if autocast else torch.float32)
+
+
+def test_a_parametrization_of_a_torch_linear_inside_a_layer():
+    torch.manual_seed(0)
+    layer = WithLinear(dtype="mixed_bfloat16")
+    layer(X)
+    nn.utils.parametrizations.spectral_norm(layer.proj)
+    layer.eval()  # the power iteration stays where it is
+    out = layer(X)
+    weight = layer.proj.weight
+    assert weight.dtype == torch.float32
+    expected = torch.nn.functional.linear(
+        X.bfloat16(), weight.bfloat16(), layer.proj.bias.bfloat16()
+    )
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)

@@ -122,11 +122,19 @@ def test_a_planning_error_leaves_the_registration_undone():
     assert model(X).dtype == torch.bfloat16
 
 
-def test_a_parametrization_registered_later_is_not_planned():
+def test_a_parametrization_registered_later_is_planned_as_one_registered_before():
+    before = _model()
+    torch.nn.utils.parametrizations.weight_norm(before[0])
+    expected = apply_policy(before, "mixed_bfloat16").policies
     model = _model()
-    apply_policy(model, "mixed_bfloat16")
+    handle = apply_policy(model, "mixed_bfloat16")
     torch.nn.utils.parametrizations.weight_norm(model[0])
-    assert not hasattr(model[0].parametrizations, "dtype_policy")
+    assert handle.policies == expected
+    assert expected["0/parametrizations/weight"].name == "float32"  # a weight is a variable
+    assert torch.equal(model(X), before(X))
+    handle.remove()
+    assert not hasattr(model[0].parametrizations.weight, "dtype_policy")
+    assert model(X).dtype == torch.float32
 
 
 def test_the_new_head_is_saved_with_its_policy(tmp_path):

@@ -93,19 +93,7 @@ class PolicyModule(ModuleMixin):
         call = None if state is None else state.call
         if call is None:  # built by the module's own code (a slice of a Sequential)
             return super().__call__(*args, **kwargs)
-        try:
-            return run_call(call, super().__call__, args, kwargs)
-        except RuntimeError as error:
-            late = ", ".join(map(repr, parametrizations_after_policy(self)))
-            if late:
-                raise TypeError(
-                    f"{error}. This {original_class(self).__name__} computes in "
-                    f"{call.compute}, but the parametrization of {late} was registered "
-                    "after apply_policy() and computes it as stored, which the module's "
-                    "forward does not cast: register parametrizations before "
-                    "apply_policy(), or call apply_policy() again after registering them."
-                ) from error
-            raise
+        return run_call(call, super().__call__, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
@@ -267,16 +255,6 @@ def install(
     takes it off again."""
     set_mixins(module, (*mixins_of(module), PolicyModule))  # it re-derives itself
     push_application(module, token, options, bottom)
-
-
-def parametrizations_after_policy(module: torch.nn.Module) -> list[str]:
-    """The names of the module's tensors parametrized (`torch.nn.utils.
-    parametrize`) with no policy on their parametrization: registered after
-    `apply_policy`."""
-    parametrizations = module.__dict__["_modules"].get("parametrizations")
-    if not isinstance(parametrizations, torch.nn.ModuleDict):
-        return []
-    return [name for name, computation in parametrizations.items() if not is_policied(computation)]
 
 
 def top_options(module: torch.nn.Module) -> ModuleOptions | None:

@@ -25,12 +25,16 @@ A torch module registered under one of this library's layers (an
 the layer's policy in the same way (a map read at `<layer path>/<name>`,
 norms in float32, outputs back in the layer's compute dtype), under any
 application over the layer; under a float32 layer it is left as it is.
+A parametrization (`torch.nn.utils.parametrize`) registered later, on a
+layer's own weight or a module's, computes its weight in the variable
+dtype and hands it back in the compute dtype inside a call, as
+`apply_policy` plans one registered before it.
 
 Left as they are: the subtrees of the new module that carry a policy or
 quantization of their own (a `Layer`, a policied or quantized module moved
 from elsewhere or from the model itself, as peft's adapter wraps a
-policied linear: the adapter's own modules join around it), torch's
-parametrization containers, and what torch writes into a container without
+policied linear: the adapter's own modules join around it), and what
+torch writes into a container without
 registering it (`Sequential.insert`, `ModuleList.insert`: apply the policy
 again after them). `del model.x` runs no hook: the module keeps its policy
 (`handle.remove()` still undoes it); `model.x = None` takes it off. A
@@ -76,8 +80,6 @@ from dtype_policies.layers.layer import LAYER_OWN, Layer, add_child_planner
 from dtype_policies.quantization.adapters import merges_seen, watch_merges
 from dtype_policies.quantization.modules import QUANTIZE_TOKEN
 
-_PARAMETRIZATIONS = "parametrizations"  # torch.nn.utils.parametrize's container
-
 IN_LAYER = Token("IN_LAYER")
 """The token of the policy a torch module registered under a `Layer` takes
 from the layer (the bottom of its stack: an `apply_policy` goes on top)."""
@@ -111,7 +113,7 @@ def _joining(parent: torch.nn.Module, name: str, child: Any) -> None:
     force on `parent`, `child`'s policies and the leaving of the module it
     replaces (`child` may be `None`); then commits them all (a planning
     error leaves the module registered before in place)."""
-    if not (child is None or isinstance(child, torch.nn.Module)) or name == _PARAMETRIZATIONS:
+    if not (child is None or isinstance(child, torch.nn.Module)):
         return None
     state = state_of(parent)
     if state is None or not state.applications:

@@ -240,7 +240,9 @@ class Layer(LayerWeights, torch.nn.Module):
         state.call = derive_call_state(
             policy,
             has_weights=next(self.parameters(), None) is not None
-            or next(self.buffers(), None) is not None,
+            or next(self.buffers(), None) is not None
+            # torch's parametrize registers its container before moving the weight in
+            or self._modules.get("parametrizations") is not None,
             weight_names=names,
             autocast=self._autocast,
             cast_inputs=self._autocast and not self._is_container,
