@@ -666,3 +666,78 @@ def test_a_fused_step_leaves_a_frozen_parameters_graph_valid():
     assert frozen.weight._version == versions[0] and trained.weight._version > versions[1]
     (grad,) = torch.autograd.grad(kept.sum(), x)  # the graph reading frozen.weight
     assert torch.isfinite(grad).all()
+
+
+# -- weights written inside a call ---------------------------------------------------------------
+
+
+class _RenormsItself(nn.Module):
+    """Constrains its own weight in its forward (a max-norm constraint), then
+    reads it again: what torch does with the parameter itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(HIDDEN, IN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.renorm_(2, 0, 1.0)
+        return F.linear(x, self.weight)
+
+
+class _ClampsChild(nn.Module):
+    """A parent that clamps its child's weight, then calls the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.05, 0.05)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("build", [_RenormsItself, _ClampsChild])
+def test_a_weight_written_inside_a_call_reaches_the_parameter(build, grad):
+    """A weight read inside a call is a copy in the compute dtype; a write to
+    it reaches the parameter (the elements it changed, rounded as computed),
+    this call and the next read the written weight, and no copy kept for
+    inference serves the weight as it was."""
+    model, reference = build(), build()
+    apply_policy(model, "mixed_bfloat16")
+    x = _data(1)[0]
+    for _ in range(2):  # the second call: kept casts, if any, are checked
+        with torch.set_grad_enabled(grad):
+            out = model(x)
+            expected = reference(x)  # float32: constrains its parameter itself
+        written = dict(model.named_parameters())
+        for name, parameter in reference.named_parameters():
+            # changed elements hold the bfloat16 result, the others their float32 value
+            assert torch.allclose(written[name], parameter, rtol=1e-2, atol=1e-3), name
+        relative = (out.float() - expected).norm() / expected.norm()
+        assert out.dtype == torch.bfloat16 and relative < 0.01
+    if build is _RenormsItself:
+        norms = model.weight.detach().norm(dim=1)
+        assert torch.allclose(norms, torch.ones_like(norms), atol=5e-3)
+    else:
+        untouched = reference.fc.weight.abs() < 0.05  # kept exactly as stored
+        assert torch.equal(model.fc.weight[untouched], reference.fc.weight[untouched])
+
+
+def test_a_weights_data_replaced_inside_a_call_reaches_the_parameter():
+    """`weight.data = ...` on the copy a call reads (from a forward hook)."""
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT))
+    apply_policy(model, "mixed_bfloat16")
+    new = torch.randn(OUT, HIDDEN, generator=torch.Generator().manual_seed(3))
+
+    def replace(module, args, output):
+        model[2].weight.data = new.clone()
+
+    model[0].register_forward_hook(replace)
+    out = model(_data(1)[0])
+    assert torch.equal(model[2].weight.detach(), new)
+    assert out.dtype == torch.bfloat16

@@ -92,7 +92,11 @@ def read_weight(
         return value
     if is_buffer:
         return scope.cast_buffer(value)
-    return cast_weight(store, name, value, scope.dtype, scope)
+    if scope._handed:
+        scope.settle(value)  # a copy of it written earlier in the call: `value` has it
+    cast = cast_weight(store, name, value, scope.dtype, scope)
+    scope.hand(value, cast)  # a write to it in the call reaches `value`
+    return cast
 
 
 def leaf_weights(

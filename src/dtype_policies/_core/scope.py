@@ -4,8 +4,10 @@ While a scope is active in a thread, a policied module's weights read inside
 a call come back in the scope's dtype, each cast once per scope. A module
 call opens a new scope (never shared between calls or threads), keeps the
 enclosing one, or disables casting, by Keras's rules (`scope_for_call`).
-Buffers cast inside a scope and updated in place by the forward are written
-back to the real buffers when the scope ends.
+A cast written in place during the call (a buffer's running statistics, a
+weight constraint applied in a forward) reaches its tensor: before the
+tensor is read again, and when the scope ends; a parameter takes only the
+elements the write changed, so the rest keep their float32 precision.
 """
 
 from __future__ import annotations
@@ -25,20 +27,24 @@ class AutocastScope:
     """One call's variable-autocast context: the target dtype (`None`:
     casting disabled) and the casts made so far."""
 
-    __slots__ = ("_buffers", "_casts", "dtype")
+    __slots__ = ("_casts", "_handed", "dtype")
 
     def __init__(self, dtype: torch.dtype | None) -> None:
         self.dtype = dtype
         # id(tensor) -> (tensor, its cast); the tensor is held so that its id
         # cannot be reused by another tensor while the scope lives.
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._buffers: list | None = None
+        # id(tensor) -> (tensor, cast, `stamp(cast)`, whether it is a buffer):
+        # the casts handed to code that may write them (see `settle`)
+        self._handed: dict[int, tuple[torch.Tensor, torch.Tensor, tuple, bool]] | None = None
 
     def cast(self, value: torch.Tensor) -> torch.Tensor:
         """`value` in this scope's dtype, cast at most once per scope."""
         if tracing():  # the compiler deduplicates casts itself
             return cast_tensor(value, self.dtype)
         entry = self._casts.get(id(value))
+        if self._handed and self.settle(value):
+            entry = None  # a copy of it was written: `value` has the write now
         if (
             entry is None
             or entry[0] is not value
@@ -55,22 +61,58 @@ class AutocastScope:
             return cast_tensor(buffer, self.dtype)
         entry = self._casts.get(id(buffer))
         if entry is not None and entry[0] is buffer:
-            cast = entry[1]
-        else:
-            cast = cast_tensor(buffer, self.dtype)
-            self._casts[id(buffer)] = (buffer, cast)
-            if not cast.is_inference():
-                if self._buffers is None:
-                    self._buffers = []
-                self._buffers.append((buffer, cast, cast._version))
+            return entry[1]
+        cast = cast_tensor(buffer, self.dtype)
+        self._casts[id(buffer)] = (buffer, cast)
+        self.hand(buffer, cast, is_buffer=True)
         return cast
 
+    def hand(self, tensor: torch.Tensor, cast: torch.Tensor, is_buffer: bool = False) -> None:
+        """Remembers that `cast`, `tensor` in this scope's dtype, was handed
+        to code that may write it in place (a read by attribute), so that a
+        write reaches `tensor` (see `settle`)."""
+        handed = self._handed
+        if handed is None:
+            handed = self._handed = {}
+        else:
+            known = handed.get(id(tensor))
+            if known is not None and known[1] is cast:
+                return
+        if not cast.is_inference() and not tracing():  # else no version counter to tell
+            handed[id(tensor)] = (tensor, cast, (cast._version, cast.data_ptr()), is_buffer)
+
+    def settle(self, tensor: torch.Tensor) -> bool:
+        """Whether the copy of `tensor` this scope handed out was written since
+        (or since it was last settled); the write then reaches `tensor`: a
+        buffer takes the copy whole (running statistics), a parameter only
+        the elements the write changed (the others keep their precision)."""
+        handed = self._handed.get(id(tensor)) if self._handed else None
+        if handed is None or handed[0] is not tensor:
+            return False
+        cast = handed[1]
+        now = stamp(cast)
+        if now == handed[2]:
+            return False
+        self._handed[id(tensor)] = (tensor, cast, now, handed[3])  # type: ignore[index]
+        with torch.no_grad():
+            if handed[3]:
+                tensor.copy_(cast)
+            else:
+                changed = cast != cast_tensor(tensor, cast.dtype)
+                tensor.copy_(torch.where(changed, cast.to(tensor.dtype), tensor))
+        return True
+
     def write_back(self) -> None:
-        """Copies buffer casts that the call updated in place into their buffers."""
-        for buffer, cast, version in self._buffers or ():
-            if cast._version != version:
-                with torch.no_grad():
-                    buffer.copy_(cast)
+        """Writes into their tensors the copies that the call wrote."""
+        for tensor, cast, stamped, _ in list(self._handed.values()):  # type: ignore[union-attr]
+            if (cast._version, cast.data_ptr()) != stamped:
+                self.settle(tensor)
+
+
+def stamp(cast: torch.Tensor) -> tuple:
+    """What a write to `cast` changes: its version (in-place writes), its
+    storage (`cast.data = ...`)."""
+    return (cast._version, cast.data_ptr())
 
 
 DISABLED = AutocastScope(None)
@@ -106,7 +148,7 @@ def call_in_scope(
         return call(*args, **kwargs)
     finally:
         scopes.pop()
-        if scope._buffers:
+        if scope._handed:
             scope.write_back()
 
 

@@ -198,6 +198,12 @@ def cast_pair(
             weight_cast = cast_tensor(weight, dtype)
             bias_cast = None if bias is None else cast_tensor(bias, dtype)
         return weight_cast, bias_cast, _product(weight_cast, pack, transposed, kept=False)
+    if store.entries:  # read by attribute too: a copy written in this call reaches them
+        scope = current_scope()
+        if scope is not None:
+            scope.settle(weight)
+            if bias is not None:
+                scope.settle(bias)
     entry = store.pair
     if (
         entry is not None
