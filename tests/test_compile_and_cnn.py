@@ -286,3 +286,29 @@ def test_the_first_product_of_a_fresh_process_compiles_without_graph_breaks():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled first" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+def test_weights_read_by_attribute_compile_in_one_graph(mode):
+    """A module reading its weights by attribute traces in one graph in every
+    grad mode (the bookkeeping that lets a write to a weight's copy reach the
+    weight stays out of traced code)."""
+
+    class TwoWeights(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(8, 8))
+            self.b = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.a) + torch.nn.functional.linear(x, self.b)
+
+    torch.manual_seed(0)
+    model = TwoWeights()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(2, 8)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+    with context.get(mode, torch.enable_grad)():
+        eager = model(x)  # kept casts made, handed to the scope
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(x)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)

@@ -15,6 +15,7 @@ from dtype_policies._core.casting import (
     cast_inputs,
     cast_tensor,
     first_tensor,
+    tracing,
 )
 from dtype_policies._core.cpu_float16 import warn_if_cpu_float16
 from dtype_policies._core.fx_calls import fx_proxy, record_module_call
@@ -92,6 +93,8 @@ def read_weight(
         return value
     if is_buffer:
         return scope.cast_buffer(value)
+    if tracing():  # the recording holds the writes as they are
+        return cast_weight(store, name, value, scope.dtype, scope)
     if scope._handed:
         scope.settle(value)  # a copy of it written earlier in the call: `value` has it
     cast = cast_weight(store, name, value, scope.dtype, scope)
