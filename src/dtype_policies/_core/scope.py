@@ -78,7 +78,8 @@ class AutocastScope:
             known = handed.get(id(tensor))
             if known is not None and known[1] is cast:
                 return
-        if not tracing() and not cast.is_inference():  # else no version counter to tell
+        # (never while tracing: its callers return before)
+        if not cast.is_inference():  # else no version counter to tell
             handed[id(tensor)] = (tensor, cast, (cast._version, cast.data_ptr()), is_buffer)
 
     def settle(self, tensor: torch.Tensor) -> bool:
