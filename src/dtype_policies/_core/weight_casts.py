@@ -155,6 +155,7 @@ def cast_weight(
         return weight
     if not _uses_store(store):
         return _call_cast(weight, dtype, scope)
+    assert store is not None  # _uses_store says so
     entry = store.entries.get(name)
     if entry is not None and entry[0] is weight and entry[1] == (*contents_key(weight), dtype):
         return entry[2]
@@ -198,6 +199,7 @@ def cast_pair(
             weight_cast = cast_tensor(weight, dtype)
             bias_cast = None if bias is None else cast_tensor(bias, dtype)
         return weight_cast, bias_cast, _product(weight_cast, pack, transposed, kept=False)
+    assert store is not None  # _uses_store says so
     if store.entries:  # read by attribute too: a copy written in this call reaches them
         scope = current_scope()
         if scope is not None:
