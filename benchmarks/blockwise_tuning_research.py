@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-torch.set_num_threads(2)
-
-from dtype_policies.bench.realmodels import models, quality, text  # noqa: E402
-from dtype_policies.quantizers.calibration_data import token_windows  # noqa: E402
-from dtype_policies.quantizers.gptq import gptq_quantize  # noqa: E402
+from dtype_policies.bench.realmodels import models, quality, text
+from dtype_policies.quantization.calibration import SINK_ROW_WEIGHT
+from dtype_policies.quantizers.calibration_data import token_windows
+from dtype_policies.quantizers.gptq import gptq_quantize
 
 GS = 128
 MAXQ = 15.0
@@ -47,7 +46,6 @@ NAMES = [
     "mlp.down_proj",
 ]
 SEQ_GROUPS = [NAMES[0:3], NAMES[3:4], NAMES[4:6], NAMES[6:7]]
-SINK = 32.0
 
 
 def round_ste(x):
@@ -156,7 +154,7 @@ def gptq_block(layer, xq, pe, pid, damping, bs=8, sequential=False):
                 b, t, k = x.shape
                 wts = torch.ones(b, t)
                 if name in NAMES[0:3]:
-                    wts[:, 0] = SINK
+                    wts[:, 0] = SINK_ROW_WEIGHT
                 rows = x.reshape(-1, k)
                 wr = wts.reshape(-1, 1)
                 h = (rows * wr).t() @ rows

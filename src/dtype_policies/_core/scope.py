@@ -80,7 +80,7 @@ class AutocastScope:
                 return
         # (never while tracing: its callers return before)
         if not cast.is_inference():  # else no version counter to tell
-            handed[id(tensor)] = (tensor, cast, (cast._version, cast.data_ptr()), is_buffer)
+            handed[id(tensor)] = (tensor, cast, stamp(cast), is_buffer)
 
     def settle(self, tensor: torch.Tensor) -> bool:
         """Whether the copy of `tensor` this scope handed out was written since
@@ -105,9 +105,8 @@ class AutocastScope:
 
     def write_back(self) -> None:
         """Writes into their tensors the copies that the call wrote."""
-        for tensor, cast, stamped, _ in list(self._handed.values()):  # type: ignore[union-attr]
-            if (cast._version, cast.data_ptr()) != stamped:
-                self.settle(tensor)
+        for tensor, *_ in list(self._handed.values()):  # type: ignore[union-attr]
+            self.settle(tensor)
 
 
 def stamp(cast: torch.Tensor) -> tuple:
