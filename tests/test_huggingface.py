@@ -88,6 +88,133 @@ def test_gpt2_conv1d_is_a_linear_kind():
     assert model.lm_head.weight_int8 is model.transformer.wte.weight_int8
 
 
+def _conv1d_and_linear(nx=72, nf=40, seed=0):
+    """A transformers `Conv1D` and the `nn.Linear` holding its transposed weight."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(seed)
+    conv = Conv1D(nf, nx)
+    with torch.no_grad():
+        conv.bias.normal_()
+    linear = torch.nn.Linear(nx, nf)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    return conv, linear
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(1, 72), (5, 72), (64, 72), (2, 7, 72)])
+def test_conv1d_computes_as_the_linear_of_its_transpose(policy, shape):
+    # Conv1D takes the same leaf path as nn.Linear: the same product on this
+    # CPU, so the same bits, with its weight read as its transpose
+    # (float32: its own product, `x @ weight`, whose bits differ from
+    # `F.linear`'s on the transposed layout)
+    conv, linear = _conv1d_and_linear()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        own = conv(x)
+    apply_policy(conv, policy)
+    apply_policy(linear, policy)
+    with torch.no_grad():
+        for _ in range(2):  # the call that keeps the casts, then one that reuses them
+            out = conv(x)
+            assert torch.equal(out, own if policy == "float32" else linear(x))
+    assert out.shape == (*shape[:-1], 40)
+    assert out.dtype == conv.dtype_policy.torch_compute_dtype
+
+
+def test_conv1d_gradients_and_updates_match_the_linear():
+    conv, linear = _conv1d_and_linear(seed=1)
+    apply_policy(conv, "mixed_bfloat16")
+    apply_policy(linear, "mixed_bfloat16")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (conv, linear)]
+    for _ in range(3):
+        x = torch.randn(6, 72)
+        for module, optimizer in zip((conv, linear), optimizers):
+            module(x).float().square().mean().backward()
+            optimizer.step()
+        assert conv.weight.dtype == torch.float32
+        assert torch.equal(conv.weight.grad, linear.weight.grad.t())
+        assert torch.equal(conv.bias.grad, linear.bias.grad)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+    with torch.no_grad():  # kept casts follow the optimizer's updates
+        x = torch.randn(3, 72)
+        assert torch.equal(conv(x), linear(x))
+        conv.weight.data = conv.weight.data * 2  # and a replaced `.data`
+        linear.weight.data = linear.weight.data * 2
+        assert torch.equal(conv(x), linear(x))
+
+
+def test_conv1d_under_a_parametrization_and_after_removal():
+    from torch.nn.utils import parametrizations
+
+    conv, _ = _conv1d_and_linear(seed=2)
+    x = torch.randn(4, 72)
+    with torch.no_grad():
+        own = conv(x)
+    handle = apply_policy(conv, "mixed_bfloat16")
+    parametrizations.weight_norm(conv, dim=1)  # computed per call, cast per call
+    with torch.no_grad():
+        out = conv(x)
+        computed = conv.weight.detach()
+    assert out.dtype == torch.bfloat16
+    expected = torch.addmm(conv.bias.bfloat16(), x.bfloat16(), computed.bfloat16())
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    torch.nn.utils.parametrize.remove_parametrizations(conv, "weight")
+    handle.remove()
+    assert type(conv).__name__ == "Conv1D" and type(conv).__module__.startswith("transformers")
+    with torch.no_grad():
+        back = conv(x)
+    assert back.dtype == torch.float32
+    torch.testing.assert_close(back, own, atol=1e-5, rtol=1e-5)
+
+
+def test_conv1d_subclass_keeps_its_own_forward():
+    from transformers.pytorch_utils import Conv1D
+
+    class Doubled(Conv1D):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(3)
+    layer = Doubled(8, 16)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        expected = 2 * torch.addmm(layer.bias.bfloat16(), x.bfloat16(), layer.weight.bfloat16())
+        apply_policy(layer, "mixed_bfloat16")
+        torch.testing.assert_close(layer(x), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_gpt2_reads_no_weight_by_attribute_in_its_linears(monkeypatch):
+    # The Conv1D leaves cast their own weights: no autocast scope hands any
+    from dtype_policies._core import scope
+    from dtype_policies.apply.kernel_report import kernel_of
+
+    torch.manual_seed(0)
+    model = gpt2()
+    apply_policy(model, "mixed_bfloat16")
+    handed = []
+    original = scope.AutocastScope.hand
+    monkeypatch.setattr(
+        scope.AutocastScope, "hand", lambda self, t, *a: handed.append(t) or original(self, t, *a)
+    )
+    ids = torch.randint(0, 500, (1, 4))
+    with torch.no_grad():
+        model(ids)
+    conv_weights = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}
+    assert conv_weights and not conv_weights & {id(t) for t in handed}
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert kernel_of(c_attn) == kernel_of(_linear_like(c_attn)) != "-"
+
+
+def _linear_like(conv):
+    linear = torch.nn.Linear(conv.nx, conv.nf)
+    apply_policy(linear, "mixed_bfloat16")
+    return linear
+
+
 def test_gpt2_from_config_close_to_float32_and_trains():
     torch.manual_seed(0)
     model = gpt2()

@@ -161,34 +161,59 @@ class FastLinearForward(ModuleMixin):
     _dp_order = 10
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        d = self.__dict__
-        state = d.get(STATE_KEY)
-        call = None if state is None else state.call
-        parameters = d["_parameters"]
-        weight, bias = parameters.get("weight"), parameters.get("bias")
-        store = None if state is None else state.casts
-        if weight is None:
-            # Not a registered parameter: a tensor that a hook or parametrization
-            # computes in every call (`spectral_norm`, `weight_norm`). Cast per call.
-            weight, store = self.weight, None
-        if "bias" not in parameters:  # the same, of the bias (None: a Linear without one)
-            bias, store = self.bias, None
-        if call is not None and call.autocast and weight.dtype is not call.compute:
-            weight, bias, product = cast_pair(store, weight, bias, call.compute, pack=True)
-            if product is not None:  # the path this CPU runs it by (`_core.products`)
-                return product(input, bias)
-            return half_linear(input, weight, bias)
-        elif call is not None and call.compute in HALF_DTYPES:
-            # Weights already in the compute dtype (sharded or half-precision
-            # parameters) take the same product path as cast ones; a bias
-            # left in another dtype is cast per call.
-            if bias is not None and call.autocast and bias.dtype is not call.compute:
-                bias = bias.to(call.compute)
-            product = traced_product(weight) if tracing() else linear_product(weight, kept=False)
-            if product is not None:
-                return product(input, bias)
-            return half_linear(input, weight, bias)
-        return F.linear(input, weight, bias)
+        return linear_leaf(self, input, transposed=False)
+
+
+class FastTransposedLinearForward(ModuleMixin):
+    """The forward of transformers' exact `Conv1D` (GPT-2's linear layer, its
+    weight stored `(in, out)`) under a policy: as `FastLinearForward`, with
+    the same product paths, the weight read as its transpose."""
+
+    _dp_order = 10
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_leaf(self, x, transposed=True)
+
+
+def linear_leaf(module: torch.nn.Module, input: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A policied linear leaf's call: `input @ weight.T + bias` (`input @
+    weight + bias` for a `transposed` one), its weights read in the compute
+    dtype here and multiplied by the path this CPU runs them by."""
+    d = module.__dict__
+    state = d.get(STATE_KEY)
+    call = None if state is None else state.call
+    parameters = d["_parameters"]
+    weight, bias = parameters.get("weight"), parameters.get("bias")
+    store = None if state is None else state.casts
+    if weight is None:
+        # Not a registered parameter: a tensor that a hook or parametrization
+        # computes in every call (`spectral_norm`, `weight_norm`). Cast per call.
+        weight, store = module.weight, None
+    if "bias" not in parameters:  # the same, of the bias (None: a layer without one)
+        bias, store = module.bias, None
+    if call is not None and call.autocast and weight.dtype is not call.compute:
+        weight, bias, product = cast_pair(
+            store, weight, bias, call.compute, pack=True, transposed=transposed
+        )
+        if product is not None:  # the path this CPU runs it by (`_core.products`)
+            return product(input, bias)
+        return half_linear(input, weight.t() if transposed else weight, bias)
+    if call is not None and call.compute in HALF_DTYPES:
+        # Weights already in the compute dtype (sharded or half-precision
+        # parameters) take the same product path as cast ones; a bias
+        # left in another dtype is cast per call.
+        if bias is not None and call.autocast and bias.dtype is not call.compute:
+            bias = bias.to(call.compute)
+        rows_out = weight.t() if transposed else weight
+        product = traced_product(rows_out) if tracing() else linear_product(rows_out, kept=False)
+        if product is not None:
+            return product(input, bias)
+        return half_linear(input, rows_out, bias)
+    if transposed:  # transformers' own product
+        flat = input.reshape(-1, input.shape[-1])
+        out = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+        return out.view(*input.shape[:-1], out.shape[-1])
+    return F.linear(input, weight, bias)
 
 
 def half_linear(
@@ -211,6 +236,19 @@ def half_linear(
 
 
 FAST_LINEARS = (torch.nn.Linear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
+TRANSPOSED_LINEARS = frozenset({"transformers.pytorch_utils.Conv1D"})
+"""Exact classes (by module and name, so that nothing here imports them) of
+linear layers whose weight is stored `(in, out)`."""
+
+
+def fast_forward_of(cls: type) -> type[ModuleMixin] | None:
+    """The leaf forward an unquantized module of exactly class `cls` gets
+    under a policy (`None`: its own forward, inside an autocast scope)."""
+    if cls in FAST_LINEARS:
+        return FastLinearForward
+    if f"{cls.__module__}.{cls.__qualname__}" in TRANSPOSED_LINEARS:
+        return FastTransposedLinearForward
+    return None
 
 
 class DenseTransformerEncoder(ModuleMixin):
@@ -274,11 +312,11 @@ def refresh(module: torch.nn.Module) -> None:
         state.casts = WeightCasts(keep)
     else:
         state.casts.clear()
-    mixins = set(mixins_of(module)) | {PolicyModule}
-    if state.quantization is None and original_class(module) in FAST_LINEARS:
-        mixins.add(FastLinearForward)
-    else:
-        mixins.discard(FastLinearForward)
+    mixins = set(mixins_of(module)) - {FastLinearForward, FastTransposedLinearForward}
+    mixins.add(PolicyModule)
+    fast = fast_forward_of(original_class(module))
+    if state.quantization is None and fast is not None:
+        mixins.add(fast)
     cls = original_class(module)
     mixins.update(mixin for base, mixin in CLASS_MIXINS.items() if issubclass(cls, base))
     set_mixins(module, tuple(mixins))
@@ -290,7 +328,7 @@ def release(module: torch.nn.Module) -> None:
     state = module.__dict__[STATE_KEY]
     state.call = None
     state.casts = WeightCasts()
-    own = (PolicyModule, FastLinearForward, *CLASS_MIXINS.values())
+    own = (PolicyModule, FastLinearForward, FastTransposedLinearForward, *CLASS_MIXINS.values())
     set_mixins(module, tuple(m for m in mixins_of(module) if m not in own))
     drop_state_if_empty(module)
 
@@ -351,7 +389,8 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
         norm_dtype=stored_dtype,
         hand_back=None if options.outputs is None else getattr(torch, options.outputs),
         hand_back_in_calls=isinstance(module, parametrize.ParametrizationList),
-        casts_own_weights=quantization is not None or original_class(module) in FAST_LINEARS,
+        casts_own_weights=quantization is not None
+        or fast_forward_of(original_class(module)) is not None,
     )
 
 

@@ -21,7 +21,7 @@ from dtype_policies import _native as native
 from dtype_policies._core import products
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.module_state import state_of
-from dtype_policies._core.policy_module import FAST_LINEARS
+from dtype_policies._core.policy_module import fast_forward_of
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.layers.dense import Dense
 from dtype_policies.quantization.attach import quantization_of
@@ -31,7 +31,7 @@ from dtype_policies.quantization.schemes.base import QuantizedWeight
 
 def _float_weight(module: torch.nn.Module) -> torch.Tensor | None:
     """The weight of a linear leaf that casts its own weights, if any."""
-    if original_class(module) in FAST_LINEARS:
+    if fast_forward_of(original_class(module)) is not None:
         return module._parameters.get("weight")
     if isinstance(module, Dense) and module._casts_own_weights:
         return module._parameters.get("kernel")
