@@ -295,6 +295,18 @@ def test_a_checkpoint_of_another_module_class_is_refused(tmp_path, policy):
         (lambda m: m.__setitem__("non_persistent", ["0.nope"]), "'0.nope' is in neither"),
         (lambda m: m["quantized"]["0"].__setitem__("mode", "gptq"), "'0': "),
         (lambda m: m["modules"]["0"].__setitem__("outputs", "bogus"), "'outputs' must name"),
+        (lambda m: m["modules"]["0"].__setitem__("island", "no"), "'island' must be true or"),
+        (lambda m: m["modules"]["0"].__setitem__("islnd", True), "unknown fields ['islnd']"),
+        (lambda m: m.__setitem__("modules", []), "'modules' must be an object"),
+        (lambda m: m.__setitem__("library_version", 3), "'library_version' must be a string"),
+        (lambda m: m["quantized"]["0"].__setitem__("float_shape", None), "'float_shape' must"),
+        (lambda m: m["quantized"]["0"].__setitem__("float_shape", ["8", 8]), "entry 0 must be an"),
+        (lambda m: m["quantized"]["0"].pop("stored"), "lacks 'stored'"),
+        (lambda m: m.__setitem__("non_persistent", "0.x"), "'non_persistent' must be a list"),
+        (lambda m: m.__setitem__("layer_maps", {"0": {"map": "a", "path": "0"}}), "'map' must"),
+        (lambda m: m.__setitem__("policy_maps", ["ab"]), "'policy_maps' entry 0 must be an"),
+        (lambda m: m.__setitem__("aliases", {"1.bias": "0.bias"}), "also a tensor of its own"),
+        (lambda m: m.__setitem__("aliases", {"1.x": "1.x"}), "maps '1.x' to itself"),
     ],
 )
 def test_a_manifest_edited_by_hand_is_refused_before_anything_changes(tmp_path, edit, message):
@@ -319,6 +331,77 @@ def test_a_manifest_edited_by_hand_is_refused_before_anything_changes(tmp_path, 
     assert not any(hasattr(m, "dtype_policy") for m in target.modules())
     assert target.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+class WithBuffer(nn.Module):
+    def __init__(self, persistent):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.arange(16.0), persistent=persistent)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("saved_persistent", [False, True])
+@pytest.mark.parametrize("on_meta", [False, True], ids=["cpu", "meta"])
+def test_a_buffer_whose_persistence_changed_loads_as_the_target_keeps_it(
+    saved_persistent, on_meta, tmp_path
+):
+    # a model class whose buffer became (non-)persistent between versions:
+    # the file holds its tensor either way, and the target's class decides
+    torch.manual_seed(0)
+    model = WithBuffer(saved_persistent)
+    with torch.no_grad():
+        model.scale.mul_(3)
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    path = saving.save(model, tmp_path / "m.safetensors")
+    with torch.device("meta" if on_meta else "cpu"):
+        target = WithBuffer(not saved_persistent)
+    saving.load(target, path)
+    assert torch.equal(target.scale, model.scale)
+    assert ("scale" in target.state_dict()) is not saved_persistent  # still the target's
+    x = torch.randn(3, 16)
+    assert torch.equal(target(x), model(x))
+
+
+@pytest.mark.parametrize("on_meta", [False, True], ids=["cpu", "meta"])
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_a_load_inside_inference_mode_leaves_a_model_that_trains(mode, on_meta, tmp_path):
+    torch.manual_seed(0)
+    model = prepare(mlp(), "mixed_bfloat16", mode, None)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    with torch.device("meta" if on_meta else "cpu"):
+        target = mlp()
+    with torch.inference_mode():
+        saving.load(target, path)
+    tensors = [*target.parameters(), *target.buffers()]
+    assert not any(t.is_inference() for t in tensors)
+    x = torch.randn(4, 64)
+    out = target(x)
+    assert torch.equal(out, model(x))
+    out.float().square().mean().backward()
+    assert target[2].weight.grad is not None  # the LayerNorm trains
+
+
+def test_every_dtype_safetensors_stores_round_trips_and_others_are_named(tmp_path):
+    from dtype_policies.saving.checkpoint import _writable_dtypes, dtype_of_code
+
+    class Holder(nn.Module):
+        def __init__(self, dtypes):
+            super().__init__()
+            for i, dtype in enumerate(dtypes):
+                self.register_buffer(f"b{i}", torch.ones(3, 2).to(dtype))
+
+    writable = sorted(_writable_dtypes(), key=str)
+    assert {torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn} <= set(writable)
+    saving.load(Holder(writable), saving.save(Holder(writable), tmp_path / "all.safetensors"))
+    assert dtype_of_code("F8_E5M2") is torch.float8_e5m2
+    path = tmp_path / "c128.safetensors"
+    with pytest.raises(saving.CheckpointError, match=r"'b1' \(torch\.complex128\).*float32"):
+        saving.save(Holder([torch.float32, torch.complex128]), path)
+    assert not path.exists()
 
 
 def test_tied_weights_stay_tied_and_shared(tmp_path):

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.slots import (
+    non_persistent_buffer_names,
     replace_buffer,
     replace_parameter,
     stored_buffer,
@@ -114,6 +115,7 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
 
 
 def _write(file: Path, path: str | os.PathLike, tensors: dict, manifest: Manifest) -> None:
+    _check_writable(tensors)
     metadata = {METADATA_KEY: manifest.to_json()}
     write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
     if file.name == MODEL_FILE and file.parent == Path(path):
@@ -223,9 +225,17 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     file = model_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"No dtype_policies checkpoint at '{file}'.")
+    # Under `inference_mode` the file's tensors (and what is built from them)
+    # would be inference tensors, which no later training or grad-enabled
+    # call could use: the model loads as it does outside.
+    with torch.inference_mode(False):
+        return _load(module, file)
+
+
+def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
-        state = _read_state(reader, header, manifest)
+        state = _read_state(reader, header, manifest, f"'{file}'")
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
     fit = _state_fit(module, manifest, header, plans, expansions, unfit)
     problems += fit.problems
@@ -246,10 +256,11 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     # the ties as quantization leaves them (one side of a tied table quantized
     # leaves the other side's parameter alone)
     tied = _tied_parameters(module)
-    non_persistent = set(manifest.non_persistent)
+    # persistent or not as the target's class says (`_state_fit` checked both)
+    non_persistent = non_persistent_keys(module)
     persistent = {k: v for k, v in state.items() if k not in non_persistent}
     module.load_state_dict(persistent, strict=True, assign=assign)
-    for key in manifest.non_persistent:
+    for key in sorted(non_persistent & state.keys()):
         if assign:
             replace_buffer(module, key, state[key])
         else:
@@ -300,9 +311,31 @@ _DTYPE_CODES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+for _name, _code in (
+    ("complex64", "C64"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("float8_e8m0fnu", "F8_E8M0"),
+):  # the safetensors format's other codes, where this torch has the dtype
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        _DTYPE_CODES[getattr(torch, _name)] = _code
 
 
 _DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+def _writable_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the installed safetensors writes (its table where it has
+    one: older releases write fewer than the format names)."""
+    import safetensors.torch
+
+    table = getattr(safetensors.torch, "_TYPES", None)
+    if not isinstance(table, dict):
+        return frozenset(list(_DTYPE_CODES)[:12])
+    return frozenset(d for d in table.values() if d in _DTYPE_CODES)
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -313,6 +346,20 @@ def dtype_code(dtype: torch.dtype) -> str:
 def dtype_of_code(code: str) -> torch.dtype | None:
     """The torch dtype a safetensors header names (`None` if unknown here)."""
     return _DTYPES_BY_CODE.get(code)
+
+
+def _check_writable(tensors: dict[str, torch.Tensor]) -> None:
+    """Raises, before anything is written, naming each tensor of a dtype the
+    checkpoint cannot hold."""
+    writable = _writable_dtypes()
+    refused = {key: t.dtype for key, t in tensors.items() if t.dtype not in writable}
+    if refused:
+        named = ", ".join(f"'{key}' ({dtype})" for key, dtype in list(refused.items())[:5])
+        more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
+        accepted = ", ".join(sorted(str(d).removeprefix("torch.") for d in writable))
+        raise CheckpointError(
+            f"save(): safetensors cannot store {named}{more}. The dtypes it stores: {accepted}."
+        )
 
 
 TensorFor = Callable[[str, tuple, torch.dtype], torch.Tensor]
@@ -569,15 +616,24 @@ def _plan_quantized(
     return [plan]
 
 
-def _read_state(reader: Any, header: dict, manifest: Manifest) -> dict[str, torch.Tensor]:
+def _read_state(
+    reader: Any, header: dict, manifest: Manifest, source: str
+) -> dict[str, torch.Tensor]:
     """Every tensor, read once; aliases are the same tensor objects (tied weights)."""
     try:
         state = {key: reader.get_tensor(key) for key in header}
     except SafetensorError as e:
-        raise CheckpointError(f"cannot read the checkpoint's tensors: {e}") from None
+        raise CheckpointError(f"{source}: cannot read the checkpoint's tensors: {e}") from None
     for alias, key in manifest.aliases.items():
-        if key not in state:
-            raise CheckpointError(f"the alias '{alias}' names '{key}', which is not in the file")
+        if key not in header:
+            raise CheckpointError(
+                f"{source}: the alias '{alias}' names '{key}', which is not in the file"
+            )
+        if alias in header:
+            raise CheckpointError(
+                f"{source}: the alias '{alias}' (of '{key}') is also a tensor of its own in "
+                "the file"
+            )
         state[alias] = state[key]
     return state
 
@@ -613,6 +669,16 @@ def _refuse_sharded(module: torch.nn.Module) -> None:
             "dtype_policies.distributed.fully_shard(model, None) to shard it with the loaded "
             "policies."
         )
+
+
+def non_persistent_keys(module: torch.nn.Module) -> set[str]:
+    """The keys of `module`'s non-persistent buffers, as `state_dict` would
+    name them (under every name of a module registered twice)."""
+    keys = set()
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        for buffer_name in non_persistent_buffer_names(submodule):
+            keys.add(f"{name}.{buffer_name}" if name else buffer_name)
+    return keys
 
 
 def _module_tensors(module: torch.nn.Module):
@@ -662,7 +728,12 @@ def _state_fit(
             prefix = f"{name}." if name else ""
             stored.update(prefix + buffer for buffer in quantized.stored_names)
     unmatched = []
-    for key in manifest.non_persistent:
+    # non-persistent in the saved model, or in the target (a class whose
+    # buffer changed persistence): its tensor is in the file either way
+    target_only = sorted(
+        (non_persistent_keys(module) & header.keys()) - set(manifest.non_persistent)
+    )
+    for key in [*manifest.non_persistent, *target_only]:
         try:
             buffer = stored_buffer(module, key)
         except AttributeError:

@@ -179,22 +179,123 @@ class Manifest:
                 f"1 to {FORMAT_VERSION}. Upgrade dtype_policies to read it."
             )
         try:
-            return cls(
-                library_version=str(data["library_version"]),
-                modules={k: ModuleRecord(**v) for k, v in data["modules"].items()},
-                layers={k: dict(v) for k, v in data["layers"].items()},
-                quantized={k: QuantizedRecord(**v) for k, v in data["quantized"].items()},
-                aliases={str(k): str(v) for k, v in data["aliases"].items()},
-                non_persistent=[str(k) for k in data["non_persistent"]],
-                buffers=None if data.get("buffers") is None else [str(k) for k in data["buffers"]],
-                classes={str(k): str(v) for k, v in data.get("classes", {}).items()},
-                experts=[str(k) for k in data.get("experts", [])],
-                policy_maps=[dict(m) for m in data.get("policy_maps", [])],
-                layer_maps={str(k): LayerMap(**v) for k, v in data.get("layer_maps", {}).items()},
-                format_version=version,
-            )
-        except (KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{source}: malformed dtype_policies manifest ({e!r}).") from None
+            return cls._checked(data, version)
+        except _Malformed as e:
+            raise CheckpointError(f"{source}: malformed dtype_policies manifest: {e}.") from None
+
+    @classmethod
+    def _checked(cls, data: dict[str, Any], version: int) -> Manifest:
+        """The manifest in `data`, every field checked for its JSON type."""
+        aliases = _str_map(data, "aliases", str)
+        for alias, key in aliases.items():
+            if alias == key:
+                raise _Malformed(f"'aliases' maps '{alias}' to itself")
+        buffers = data.get("buffers")
+        return cls(
+            library_version=_typed(data.get("library_version"), str, "'library_version'"),
+            modules={
+                k: ModuleRecord(**_fields(v, _MODULE_FIELDS, f"'modules' entry '{k}'"))
+                for k, v in _str_map(data, "modules", dict).items()
+            },
+            layers=_str_map(data, "layers", dict),
+            quantized={
+                k: QuantizedRecord(**_fields(v, _QUANTIZED_FIELDS, f"'quantized' entry '{k}'"))
+                for k, v in _str_map(data, "quantized", dict).items()
+            },
+            aliases=aliases,
+            non_persistent=_strings(data.get("non_persistent"), "'non_persistent'"),
+            buffers=None if buffers is None else _strings(buffers, "'buffers'"),
+            classes=_str_map(data, "classes", str, required=False),
+            experts=_strings(data.get("experts", []), "'experts'"),
+            policy_maps=[
+                _typed(m, dict, f"'policy_maps' entry {i}")
+                for i, m in enumerate(_typed(data.get("policy_maps", []), list, "'policy_maps'"))
+            ],
+            layer_maps={
+                k: LayerMap(**_fields(v, _LAYER_MAP_FIELDS, f"'layer_maps' entry '{k}'"))
+                for k, v in _str_map(data, "layer_maps", dict, required=False).items()
+            },
+            format_version=version,
+        )
+
+
+class _Malformed(Exception):
+    """A manifest field of the wrong JSON type (reported as a CheckpointError)."""
+
+
+_TYPE_NAMES = {str: "a string", bool: "true or false", int: "an integer", dict: "an object",
+               list: "a list", type(None): "null"}  # fmt: skip
+
+
+def _typed(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # JSON's true/false are not integers here
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        expected = " or ".join(_TYPE_NAMES[k] for k in kinds)
+        raise _Malformed(f"{what} must be {expected}, not {value!r}")
+    return value
+
+
+def _str_map(data: dict, key: str, values: type, required: bool = True) -> dict[str, Any]:
+    if key not in data and not required:
+        return {}
+    if key not in data:
+        raise _Malformed(f"'{key}' is missing")
+    found = _typed(data[key], dict, f"'{key}'")
+    for name, value in found.items():
+        _typed(value, values, f"'{key}' entry '{name}'")
+    return dict(found)
+
+
+def _strings(value: Any, what: str) -> list[str]:
+    return [
+        _typed(item, str, f"{what} entry {i}") for i, item in enumerate(_typed(value, list, what))
+    ]
+
+
+def _fields(value: Any, fields: dict[str, Any], what: str) -> dict[str, Any]:
+    """`value`, an object with exactly the keys of `fields` (those with a
+    default may be missing), each of its type."""
+    _typed(value, dict, what)
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise _Malformed(f"{what} has unknown fields {unknown}")
+    checked = {}
+    for name, (kind, default) in fields.items():
+        if name not in value:
+            if default is _REQUIRED:
+                raise _Malformed(f"{what} lacks '{name}'")
+            continue
+        field_value = _typed(value[name], kind, f"{what}: '{name}'")
+        if isinstance(field_value, list):
+            for i, item in enumerate(field_value):
+                _typed(item, int if name == "float_shape" else str, f"{what}: '{name}' entry {i}")
+        checked[name] = field_value
+    return checked
+
+
+_REQUIRED = object()
+_MODULE_FIELDS = {
+    "policy": (dict, _REQUIRED),
+    "island": (bool, False),
+    "half_inputs_ok": (bool, False),
+    "norm": (bool, False),
+    "gather": (bool, False),
+    "cast_buffers": (bool, True),
+    "weight_cache": (bool, True),
+    "outputs": ((str, type(None)), None),
+}
+_QUANTIZED_FIELDS = {
+    "mode": (str, _REQUIRED),
+    "config": (dict, _REQUIRED),
+    "weight": (str, _REQUIRED),
+    "layout": (str, _REQUIRED),
+    "role": (str, _REQUIRED),
+    "float_shape": (list, _REQUIRED),
+    "float_dtype": (str, _REQUIRED),
+    "stored": (list, _REQUIRED),
+}
+_LAYER_MAP_FIELDS = {"map": (int, _REQUIRED), "path": (str, _REQUIRED)}
 
 
 def describe(module: torch.nn.Module, library_version: str) -> Manifest:
