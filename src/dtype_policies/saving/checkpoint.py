@@ -10,6 +10,7 @@ layouts are never stored; they are rebuilt on first use after loading.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -327,15 +328,21 @@ for _name, _code in (
 _DTYPES_BY_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
+@functools.cache
 def _writable_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes the installed safetensors writes (its table where it has
-    one: older releases write fewer than the format names)."""
-    import safetensors.torch
+    """The dtypes the installed safetensors writes (older releases write
+    fewer than the format names), found once by writing an empty tensor of
+    each."""
+    from safetensors.torch import save
 
-    table = getattr(safetensors.torch, "_TYPES", None)
-    if not isinstance(table, dict):
-        return frozenset(list(_DTYPE_CODES)[:12])
-    return frozenset(d for d in table.values() if d in _DTYPE_CODES)
+    writable = set()
+    for dtype in _DTYPE_CODES:
+        try:
+            save({"x": torch.empty(0, dtype=dtype)})
+        except Exception:
+            continue
+        writable.add(dtype)
+    return frozenset(writable)
 
 
 def dtype_code(dtype: torch.dtype) -> str:
