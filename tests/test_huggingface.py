@@ -215,6 +215,42 @@ def _linear_like(conv):
     return linear
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        {"activation_quantizer": None},
+        {"block_size": None},
+        {"activation_block_size": None, "block_size": None},
+    ],
+    ids=["default", "weight_only", "per_channel", "per_token"],
+)
+def test_int8_conv1d_derives_its_kernel_data_once(config):
+    # its steps are read through a transposed view made in every call: the
+    # kernel's derived data (packed layouts, steps) must not be rebuilt per call
+    from dtype_policies.quantization import Int8QuantizationConfig
+    from dtype_policies.quantization.attach import quantization_of
+
+    conv, linear = _conv1d_and_linear(nx=96, nf=64, seed=4)
+    configs = None if config is None else Int8QuantizationConfig(**config)
+    for module in (conv, linear):
+        apply_policy(module, "mixed_bfloat16")
+        quantize(module, "int8", configs)
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        assert torch.equal(conv(x), linear(x))
+        runtime = quantization_of(conv).runtime
+        derived = (runtime.q_nk, runtime.column_step, runtime.native, runtime.packed)
+        for _ in range(3):
+            assert torch.equal(conv(x), linear(x))
+        assert quantization_of(conv).runtime is runtime
+        now = (runtime.q_nk, runtime.column_step, runtime.native, runtime.packed)
+        assert all(a is b for a, b in zip(now, derived))
+        conv.weight_scale.mul_(2)  # a write to the stored steps is seen
+        assert not torch.equal(conv(x), linear(x))
+    assert runtime.column_step is not derived[1]
+
+
 def test_gpt2_from_config_close_to_float32_and_trains():
     torch.manual_seed(0)
     model = gpt2()

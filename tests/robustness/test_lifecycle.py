@@ -321,6 +321,37 @@ def test_per_sample_gradients_through_a_float32_norm(setup):
             assert relative_error(per_sample[name][i], grad) < 0.02, (i, name)
 
 
+def test_per_sample_gradients_through_weights_read_by_attribute():
+    """A forward reading its own weight (`x @ self.w`, as most Hugging Face
+    attention and MLP blocks do) hands a copy made in the call; under
+    `torch.func` that copy is a wrapper without storage."""
+
+    class Projection(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 16) / 6)
+            self.register_buffer("shift", torch.randn(16))
+
+        def forward(self, x):
+            return x @ self.w + self.shift
+
+    torch.manual_seed(0)
+    model = Projection()
+    apply_policy(model, "mixed_bfloat16")
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p, x):
+        return torch.func.functional_call(model, p, (x.unsqueeze(0),)).float().square().mean()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, X[:4])
+    for i in range(4):
+        x = X[i].bfloat16().float()
+        out = (x @ model.w.detach().bfloat16().float() + model.shift.bfloat16().float()).bfloat16()
+        expected = torch.outer(x, 2 * out.float() / 16)
+        assert per_sample["w"][i].dtype == torch.float32
+        assert relative_error(per_sample["w"][i], expected) < 0.02, i
+
+
 @pytest.mark.usefixtures("quiet")
 def test_functional_call_and_func_grad():
     model = mlp()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.casting import cast_tensor, tracing
+from dtype_policies._core.tensor_identity import data_address
 
 
 class AutocastScope:
@@ -111,8 +112,9 @@ class AutocastScope:
 
 def stamp(cast: torch.Tensor) -> tuple:
     """What a write to `cast` changes: its version (in-place writes), its
-    storage (`cast.data = ...`)."""
-    return (cast._version, cast.data_ptr())
+    storage (`cast.data = ...`; `None` for a tensor without one, such as
+    the wrappers of `torch.func.grad` and `vmap`)."""
+    return (cast._version, data_address(cast))
 
 
 DISABLED = AutocastScope(None)

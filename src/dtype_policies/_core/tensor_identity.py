@@ -44,13 +44,33 @@ def contents_key(tensor: torch.Tensor) -> tuple:
         version = tensor._version
     except RuntimeError:  # an inference tensor
         version = -1
-    return (storage_ref(tensor), tensor.data_ptr(), version)
+    return (storage_ref(tensor), data_address(tensor), version)
+
+
+def data_address(tensor: torch.Tensor) -> int | None:
+    """`tensor.data_ptr()`, or `None` for a tensor without storage (the
+    wrappers of `torch.func` transforms, some tensor subclasses)."""
+    try:
+        return tensor.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def tensor_key(*tensors: torch.Tensor) -> tuple:
     """A key that changes whenever any of `tensors` is replaced or written
-    through torch: each one's identity and `contents_key`."""
-    return tuple(part for t in tensors for part in (id(t), *contents_key(t)))
+    through torch: each one's `contents_key` and how it views its storage.
+    A fresh view of the same values (`buffer.t()` made in every call) keys
+    equal: the key is not the Python object's.
+
+    >>> scale = torch.ones(3, 2)
+    >>> tensor_key(scale.t()) == tensor_key(scale.t()) != tensor_key(scale)
+    True
+    """
+    return tuple(
+        part
+        for t in tensors
+        for part in (t.dtype, t.storage_offset(), t.shape, t.stride(), *contents_key(t))
+    )
 
 
 def _count_fused_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
