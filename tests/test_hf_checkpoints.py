@@ -214,6 +214,34 @@ def test_what_save_pretrained_writes(tmp_path):
     assert "model.layers.1.self_attn.q_proj.weight_int8" not in keys
 
 
+def test_a_copied_config_shares_the_manifest_and_stays_apart(tmp_path):
+    # transformers deep-copies an encoder-decoder model's config (and reads
+    # its `to_dict()`) in every forward that makes its own cache: the
+    # manifest, replaced whole and never edited in place, is shared
+    import copy
+
+    model = llama()
+    apply_policy(model, "mixed_bfloat16")
+    config = model.config.quantization_config
+    copied = copy.deepcopy(model.config).quantization_config
+    assert copied is not config and copied.manifest is config.manifest
+    assert copied.to_dict() == config.to_dict()
+    edited = copied.to_dict()
+    edited["manifest"]["modules"].clear()  # a caller's edits stay in its dict
+    assert config.to_dict()["manifest"]["modules"] == copied.to_dict()["manifest"]["modules"] != {}
+    quantize(model, "int8")  # described again; the copy keeps what it described
+    now = model.config.quantization_config.to_dict()["manifest"]
+    assert "model.layers.0.mlp.up_proj" in now["quantized"]
+    assert copied.to_dict()["manifest"]["quantized"] == {}
+    model.save_pretrained(tmp_path)
+    assert (
+        "model.layers.0.mlp.up_proj"
+        in json.loads((tmp_path / "config.json").read_text())["quantization_config"]["manifest"][
+            "quantized"
+        ]
+    )
+
+
 def test_gpt2_conv1d_and_tied_quantized_embedding(tmp_path):
     torch.manual_seed(0)
     model = gpt2()

@@ -162,21 +162,49 @@ class DTypePoliciesConfig(QuantizationConfigMixin):
 
     @manifest.setter
     def manifest(self, value: dict[str, Any]) -> None:
-        self.__dict__["manifest"] = value  # what `to_dict` writes
+        # what `to_dict` writes; replaced whole, never edited in place, so
+        # that copies of the config share it (transformers deep-copies the
+        # config of an encoder-decoder model in every forward that makes a
+        # cache, and reads its `to_dict()`)
+        self.__dict__["manifest"] = value
+        self.__dict__[_MANIFEST_TEXT] = None
 
     def to_manifest(self) -> Manifest:
-        return Manifest.from_json(json.dumps(self.manifest), "the quantization_config")
+        return Manifest.from_json(self._manifest_text(), "the quantization_config")
+
+    def _manifest_text(self) -> str:
+        manifest = self.manifest
+        text = self.__dict__.get(_MANIFEST_TEXT)
+        if text is None:
+            text = self.__dict__[_MANIFEST_TEXT] = json.dumps(manifest)
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         self._refresh()
-        return {k: copy.deepcopy(v) for k, v in self.__dict__.items() if not k.startswith("_")}
+        return {
+            k: json.loads(self._manifest_text()) if k == "manifest" else copy.deepcopy(v)
+            for k, v in self.__dict__.items()
+            if not k.startswith("_")
+        }
 
     def __iter__(self) -> Any:
         yield from self.to_dict().items()
 
-    def __getstate__(self) -> dict[str, Any]:  # pickle, copy.deepcopy: described now
+    def __getstate__(self) -> dict[str, Any]:  # pickle: described now
         self._refresh()
         return dict(self.__dict__)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTypePoliciesConfig:
+        """A copy described now, sharing the manifest's data (never edited in
+        place: see the `manifest` setter)."""
+        self._refresh()
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        shared = ("manifest", _MANIFEST_TEXT)
+        copied.__dict__.update(
+            {k: v if k in shared else copy.deepcopy(v, memo) for k, v in self.__dict__.items()}
+        )
+        return copied
 
     def _refresh(self) -> None:
         """Describes the model again where modules joined or left it since
@@ -395,6 +423,7 @@ def register() -> None:
 
 
 _STALE_MODEL = "_dtype_policies_stale_model"
+_MANIFEST_TEXT = "_manifest_text_cache"
 
 
 def defer_sync(model: Any) -> bool:
