@@ -335,6 +335,30 @@ def test_removing_a_parametrization_keeps_the_policy(parametrization, kind, poli
     assert module(x).dtype == torch.float32
 
 
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("parametrization", list(PARAMETRIZATIONS))
+def test_removing_the_policy_gives_a_parametrized_module_its_own_class(parametrization, kind):
+    """The class torch's `parametrize` made for the module (before the policy)
+    comes back as that very class object, so that `isinstance` checks
+    against it hold (a Wav2Vec2 positional convolution under weight_norm)."""
+    torch.manual_seed(0)
+    module = nn.Linear(16, 16) if kind == "linear" else nn.Conv1d(16, 16, 1)
+    PARAMETRIZATIONS[parametrization](module)
+    made_by_torch = type(module)
+    module.eval()
+    x = torch.randn(4, 16) if kind == "linear" else torch.randn(4, 16, 3)
+    before = module(x)
+    for policy in ("mixed_bfloat16", "float32"):  # twice: the cached class is reused too
+        handle = apply_policy(module, policy)
+        assert isinstance(module, nn.Linear if kind == "linear" else nn.Conv1d)
+        assert module(x).dtype == getattr(torch, policy.removeprefix("mixed_"))
+        handle.remove()
+        assert type(module) is made_by_torch
+    assert torch.equal(module(x), before)
+    nn.utils.parametrize.remove_parametrizations(module, "weight")
+    assert type(module) is (nn.Linear if kind == "linear" else nn.Conv1d)
+
+
 @pytest.mark.parametrize("parametrization", list(PARAMETRIZATIONS))
 def test_a_parametrization_registered_after_the_policy_computes_in_the_variable_dtype(
     parametrization,

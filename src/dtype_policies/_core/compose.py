@@ -133,20 +133,29 @@ def set_mixins(module: torch.nn.Module, mixins: tuple[type, ...]) -> None:
 
 
 _restacked_classes: dict[tuple[type, type], type] = {}
+_restacked_from: dict[type, type] = {}
+"""Each class built by `_restacked` -> the class other code made that it
+was built from (so that restacking back gives that very class)."""
 
 
 def _restacked(cls: type, original: type, composed: type) -> type:
     """`cls`, a class derived by other code from `original` or from a composed
     class of it, rebuilt on `composed` instead (cached): its own namespace,
-    the same other bases; `cls` itself when it already stands on `composed`."""
-    bases = tuple(_base_for(base, original, composed) for base in cls.__bases__)
-    if bases == cls.__bases__:
-        return cls
-    key = (cls, composed)
+    the same other bases. The class other code made itself when it stands on
+    `composed` (a module given back its own class gets back the very
+    `Parametrized<cls>` torch made for it)."""
+    source = _restacked_from.get(cls, cls)
+    bases = tuple(_base_for(base, original, composed) for base in source.__bases__)
+    if bases == source.__bases__:
+        return source
+    key = (source, composed)
     result = _restacked_classes.get(key)
     if result is None:
-        namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
-        result = _restacked_classes[key] = type(cls.__name__, bases, namespace)
+        namespace = {
+            k: v for k, v in source.__dict__.items() if k not in ("__dict__", "__weakref__")
+        }
+        result = _restacked_classes[key] = type(source.__name__, bases, namespace)
+        _restacked_from[result] = source
     return result
 
 
