@@ -251,6 +251,27 @@ def test_int8_conv1d_derives_its_kernel_data_once(config):
     assert runtime.column_step is not derived[1]
 
 
+@pytest.mark.parametrize("block_size", [32, 128, -1])
+def test_int4_quantizes_the_same_values_the_same_whatever_their_layout(block_size):
+    # Conv1D's (in, out) weight and a column-major copy of a Linear's give the
+    # Linear's grid to the bit: the zero points' solver sums in one layout
+    from dtype_policies.quantization import Int4QuantizationConfig
+
+    conv, linear = _conv1d_and_linear(nx=256, nf=64, seed=5)
+    strided = copy.deepcopy(linear)
+    strided.weight = torch.nn.Parameter(linear.weight.detach().t().contiguous().t())
+    config = Int4QuantizationConfig(block_size=block_size)
+    for module in (conv, linear, strided):
+        quantize(module, "int4", config)
+    stored = linear.state_dict()
+    assert stored.keys() == strided.state_dict().keys()
+    assert all(torch.equal(t, stored[k]) for k, t in strided.state_dict().items())
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        assert torch.equal(strided(x), linear(x))
+        assert torch.equal(conv(x), linear(x))
+
+
 def test_gpt2_from_config_close_to_float32_and_trains():
     torch.manual_seed(0)
     model = gpt2()

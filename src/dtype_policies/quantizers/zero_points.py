@@ -82,7 +82,10 @@ def refine_zero_points(
     if iterations < 0:
         raise ValueError(f"`iterations` must be >= 0. Received: iterations={iterations}")
     rows, columns = kernel.shape
-    kernel = kernel.float()
+    # one memory layout whatever the caller's (a Linear's (N, K) rows: the
+    # solver's sums run in the layout's order, so the same values in another
+    # layout, a Conv1D's or a transposed copy's, would refine ~1 ulp apart)
+    kernel = kernel.float().t().contiguous().t()
     whole = rows - rows % block_size
     spans = [(0, whole, block_size)] if whole else []
     if whole < rows:
