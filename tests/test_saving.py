@@ -404,6 +404,44 @@ def test_every_dtype_safetensors_stores_round_trips_and_others_are_named(tmp_pat
     assert not path.exists()
 
 
+def test_two_threads_saving_into_one_directory_leave_a_matching_pair(tmp_path, monkeypatch):
+    # the model file and its review copy are written as one: a second save
+    # into the directory waits for the first one's pair (forced interleaving)
+    import json
+    import threading
+
+    from safetensors import safe_open
+
+    from dtype_policies.saving import checkpoint
+
+    original = checkpoint.write_atomically
+    paused, resume = threading.Event(), threading.Event()
+
+    def pausing(target, write):
+        original(target, write)
+        if target.name == checkpoint.MODEL_FILE and threading.current_thread().name == "first":
+            paused.set()
+            resume.wait(timeout=10)
+
+    monkeypatch.setattr(checkpoint, "write_atomically", pausing)
+    quantized = prepare(mlp(), "mixed_bfloat16", "int8", None)
+    plain = prepare(mlp(), "float16", None, None)
+    first = threading.Thread(target=saving.save, args=(quantized, tmp_path), name="first")
+    second = threading.Thread(target=saving.save, args=(plain, tmp_path), name="second")
+    first.start()
+    assert paused.wait(timeout=10)
+    second.start()
+    second.join(timeout=0.5)
+    resume.set()
+    first.join()
+    second.join()
+    with safe_open(str(tmp_path / checkpoint.MODEL_FILE), "pt") as reader:
+        in_file = json.loads(reader.metadata()["dtype_policies"])
+    review = json.loads((tmp_path / checkpoint.MANIFEST_FILE).read_text())
+    assert review == in_file
+    assert in_file["quantized"] == {}  # the second save's, written last
+
+
 def test_tied_weights_stay_tied_and_shared(tmp_path):
     class TiedLM(nn.Module):
         def __init__(self):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,22 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
 def _write(file: Path, path: str | os.PathLike, tensors: dict, manifest: Manifest) -> None:
     _check_writable(tensors)
     metadata = {METADATA_KEY: manifest.to_json()}
-    write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
-    if file.name == MODEL_FILE and file.parent == Path(path):
-        text = manifest.to_json(indent=2) + "\n"
-        write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
+    # the file and its review copy as one write among this process's threads
+    with _lock_for(file):
+        write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+        if file.name == MODEL_FILE and file.parent == Path(path):
+            text = manifest.to_json(indent=2) + "\n"
+            write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
+
+
+_write_locks: dict[str, threading.Lock] = {}
+_write_locks_guard = threading.Lock()
+
+
+def _lock_for(file: Path) -> threading.Lock:
+    key = os.path.abspath(file)
+    with _write_locks_guard:
+        return _write_locks.setdefault(key, threading.Lock())
 
 
 def _rank() -> int:
