@@ -454,14 +454,14 @@ def test_listener_ignores_plain_modules_and_submodules():
     apply_policy(block, "mixed_bfloat16")
     assert not hasattr(block, "hf_quantizer")
     model = llama()
-    with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now has dtype policies.*sync"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # save_pretrained describes the model: nothing to warn of
         apply_policy(model.model.layers[0], "mixed_bfloat16")  # not the PreTrainedModel itself
-    assert getattr(model, "hf_quantizer", None) is None
-    with pytest.warns(UserWarning, match=r"\(LlamaDecoderLayer\) now has dtype policies.*sync"):
         quantize(model.model.layers[0], "int8")
+    assert getattr(model, "hf_quantizer", None) is None
     with pytest.raises(TypeError, match="Received: Sequential"):
         huggingface.sync(block)
-    huggingface.sync(model)  # what to call after changing only a submodule
+    huggingface.sync(model)  # describes it now (save_pretrained does it by itself)
     manifest = model.config.quantization_config.to_manifest()
     assert "model.layers.0.mlp.up_proj" in manifest.modules
     assert "model.layers.0.mlp.up_proj" in manifest.quantized
@@ -894,14 +894,36 @@ def test_a_quantized_head_of_another_size_is_initialized_by_transformers(target,
     assert all(torch.equal(state[k], v) for k, v in saved.items())
 
 
-def test_quantizing_a_part_of_a_model_warns_that_save_pretrained_does_not_see_it():
-    """`quantize(llm.model.layers, ...)`: the whole model's save_pretrained
-    would write integer tensors with no record of them; the warning says so.
-    A model of the user's own around a transformers model is not a part."""
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda llm: quantize(llm.model.layers, "int8"),
+        lambda llm: quantize(llm.model, "int8"),  # a whole transformers model inside another
+        lambda llm: apply_policy(llm.model.layers[1], "mixed_bfloat16"),
+        lambda llm: (apply_policy(llm, "mixed_bfloat16"), quantize(llm.model.layers[0], "int4")),
+    ],
+    ids=["layers", "inner_model", "one_layer_policy", "whole_then_part"],
+)
+def test_save_pretrained_of_a_model_changed_in_a_part_records_the_part(change, tmp_path):
+    """`quantize(llm.model, ...)`, `quantize(llm.model.layers, ...)`: the
+    listener sees only the part (which holds no link to `llm`); `llm`'s
+    save_pretrained describes `llm` before saving, so the checkpoint reloads
+    bit-exact instead of with re-initialized float weights."""
+    torch.manual_seed(0)
     model = llama()
-    with pytest.warns(UserWarning, match=r"a part of a transformers model \(ModuleList\)"):
-        quantize(model.model.layers, "int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        change(model)
+    with torch.no_grad():
+        expected = model(IDS).logits
+    loaded, messages = reload(model, tmp_path)
+    assert policies(loaded) == policies(model)
+    assert not [m for m in messages if "MISSING" in m or "UNEXPECTED" in m]
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, expected)
 
+
+def test_a_model_of_ones_own_around_a_transformers_model_is_not_a_part():
     class WithHead(torch.nn.Module):
         def __init__(self):
             super().__init__()

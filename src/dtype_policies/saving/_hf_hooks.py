@@ -6,7 +6,9 @@
   `quantize()`, `PolicyHandle.remove()` or `saving.load` change a
   `transformers.PreTrainedModel`, the model gets (or, once nothing is left to
   describe, loses) its `quantization_config` and `hf_quantizer`, so that a
-  plain `model.save_pretrained(dir)` writes a checkpoint that reloads right;
+  plain `model.save_pretrained(dir)` writes a checkpoint that reloads right
+  (and `save_pretrained` describes a model first when only a part of it was
+  changed: `huggingface.describe_when_saving`);
 * a post-import hook on `transformers.quantizers.auto`, transformers' registry
   of quantization methods: once transformers loads it (every `from_pretrained`
   needs it), the `dtype_policies` method is registered in it, so that
@@ -55,14 +57,9 @@ def on_model_changed(module: Any, minor: bool = False) -> None:
         for model in inner:
             _integration().sync(model)
     elif _holds_transformers_modules(module) and _has_policies(module):
-        warnings.warn(
-            f"dtype_policies: a part of a transformers model ({type(module).__name__}) now has "
-            "dtype policies or quantization. save_pretrained of the whole model records them "
-            "only after dtype_policies.saving.huggingface.sync(model); or apply them to the "
-            "model itself (a DTypePolicyMap, or quantize() with filters=, chooses the part).",
-            UserWarning,
-            stacklevel=4,
-        )
+        # a part of a model (its layers): the model's `save_pretrained`
+        # describes it before saving
+        _integration().describe_when_saving()
 
 
 def _outermost(module: Any, pretrained: Any) -> list[Any]:

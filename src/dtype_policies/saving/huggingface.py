@@ -65,6 +65,7 @@ integer weights), so `Trainer` accepts these models.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import warnings
@@ -89,6 +90,7 @@ except ImportError as e:  # pragma: no cover - transformers missing or too old
     ) from e
 
 from dtype_policies._core.checkpoints import guard_loading
+from dtype_policies._core.module_state import state_of
 from dtype_policies._core.policy_module import is_policied, refresh
 from dtype_policies._core.slots import non_persistent_buffer_names, replace_buffer
 from dtype_policies._version import __version__
@@ -422,6 +424,43 @@ def register() -> None:
         register_quantizer(QUANT_METHOD)(DTypePoliciesHfQuantizer)
 
 
+_DESCRIBES = "_dtype_policies_describes_first"
+
+
+def describe_when_saving() -> None:
+    """Makes every `PreTrainedModel.save_pretrained` describe the model first
+    where needed (`_describing_first`; idempotent). Called once a model has
+    policies, when transformers' modeling module is loaded (never while
+    transformers imports its quantizer registry, which happens inside that
+    module's own import)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    if not getattr(PreTrainedModel.save_pretrained, _DESCRIBES, False):
+        PreTrainedModel.save_pretrained = _describing_first(  # type: ignore[method-assign]
+            PreTrainedModel.save_pretrained
+        )
+
+
+def _describing_first(save_pretrained: Any) -> Any:
+    """`PreTrainedModel.save_pretrained`, describing the model first when
+    policies or quantization were applied to a part of it that is a model of
+    its own (`quantize(llm.model)`): the listener described that part, which
+    has no link to the model around it, and the whole model's checkpoint
+    would hold int8 tensors under a float config (transformers loads it with
+    re-initialized weights and a warning)."""
+
+    @functools.wraps(save_pretrained)
+    def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "hf_quantizer", None) is None and any(
+            state_of(module) is not None for module in self.modules()
+        ):
+            sync(self)
+        return save_pretrained(self, *args, **kwargs)
+
+    setattr(save, _DESCRIBES, True)
+    return save
+
+
 _STALE_MODEL = "_dtype_policies_stale_model"
 _MANIFEST_TEXT = "_manifest_text_cache"
 
@@ -453,6 +492,7 @@ def sync(model: Any) -> None:
         raise TypeError(
             f"sync() expects a transformers PreTrainedModel. Received: {type(model).__name__}"
         )
+    describe_when_saving()
     current = getattr(model, "hf_quantizer", None)
     if current is not None and not isinstance(current, DTypePoliciesHfQuantizer):
         method = getattr(current.quantization_config, "quant_method", type(current).__name__)
