@@ -98,7 +98,7 @@ def test_keras_finite_step_sgd():
     assert optimizer.iterations == 1
 
 
-def test_no_bounds_on_the_scale():
+def test_no_lower_bound_and_growth_stops_below_inf():
     weight = nn.Parameter(torch.ones(1))
     optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=2.0**-140)
     for _ in range(20):  # Keras's float32 variable underflows to 0: no lower bound
@@ -108,9 +108,51 @@ def test_no_bounds_on_the_scale():
     big = LossScaleOptimizer(
         torch.optim.SGD([weight], lr=1.0), initial_scale=2.0**126, dynamic_growth_steps=1
     )
-    set_grads([weight], [[0.0]])
+    for _ in range(5):  # gradients exactly 0 (a hinge loss at 0): finite steps
+        set_grads([weight], [[0.0]])
+        big.step()
+    # float32's range as Keras's variable, but never inf (inf / 2 is inf: every
+    # later step would be skipped); GradScaler's rule
+    assert big.dynamic_scale == 2.0**127 and big.step_counter == 0
+    set_grads([weight], [[INF]])
     big.step()
-    assert big.dynamic_scale == 2.0**127  # no upper bound below float32's range
+    assert big.dynamic_scale == 2.0**126
+    set_grads([weight], [[2.0**126]])
+    big.step()
+    assert not big.last_step_skipped and weight.item() == 0.0  # 1 - 1.0 * 1
+
+
+def test_a_failed_inner_step_leaves_the_gradients_unscaled_once():
+    """The inner step raised after the gradients were divided: the retry must
+    not divide them again (GradScaler keeps the same record)."""
+
+    class FailsOnce(torch.optim.SGD):
+        failures = 1
+
+        def step(self, closure=None):
+            if FailsOnce.failures:
+                FailsOnce.failures -= 1
+                raise RuntimeError("inner step failed")
+            return super().step(closure)
+
+    weight = nn.Parameter(torch.zeros(2))
+    optimizer = LossScaleOptimizer(FailsOnce([weight], lr=1.0), initial_scale=4.0)
+    set_grads([weight], [[8.0, -4.0]])
+    with pytest.raises(RuntimeError, match="inner step failed"):
+        optimizer.step()
+    assert weight.grad.tolist() == [2.0, -1.0]  # divided once
+    optimizer.step()
+    assert weight.grad.tolist() == [2.0, -1.0]  # not again
+    assert weight.tolist() == [-2.0, 1.0] and optimizer.iterations == 1
+    set_grads([weight], [[4.0, 4.0]])
+    optimizer.step()  # the next step unscales its own gradients
+    assert weight.tolist() == [-3.0, 0.0]
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused():
+    weight = nn.Parameter(torch.zeros(2))
+    with pytest.raises(TypeError, match="cannot wrap LBFGS: its step\\(\\) needs a closure"):
+        LossScaleOptimizer(torch.optim.LBFGS([weight]))
 
 
 def test_scale_is_float32_valued():
@@ -463,8 +505,10 @@ def test_deepcopy_and_pickle():
         ({"initial_scale": "2"}, TypeError, "of type str"),
         ({"initial_scale": True}, TypeError, "of type bool"),
         ({"dynamic_growth_steps": 0}, ValueError, "dynamic_growth_steps=0"),
-        ({"dynamic_growth_steps": 1.5}, ValueError, "positive int"),
-        ({"dynamic_growth_steps": True}, ValueError, "positive int"),
+        ({"dynamic_growth_steps": 1.5}, TypeError, "of type float"),
+        ({"dynamic_growth_steps": True}, TypeError, "of type bool"),
+        ({"dynamic_growth_steps": "10"}, TypeError, "of type str"),
+        ({"initial_scale": 10**400}, ValueError, "representable in float32"),
         ({"name": 3}, TypeError, "name=3"),
         (
             {"dynamic": False},
@@ -626,22 +670,26 @@ def test_loss_scaling_prevents_float16_underflow():
     assert all(b < a for a, b in itertools.pairwise(losses))
 
 
-@pytest.mark.parametrize("steps, growth, first", [(300, 2000, INF), (3, 1, 0.0)])
-def test_a_state_dict_at_a_scale_of_zero_or_inf_reloads(steps, growth, first):
-    """Both are states a run reaches (skipped steps halve the scale to 0;
-    growth doubles it past float32's range)."""
+def test_a_state_dict_at_a_scale_of_zero_or_inf_reloads():
+    """0 is a state a run reaches (skipped steps halve the scale to it); inf
+    one that Keras's growth and this library's before 2026-12-03 reached, so
+    a checkpoint may hold it: it loads, and the next overflow halves it from
+    float32's largest value instead of staying inf."""
     weight = nn.Parameter(torch.ones(1))
-    optimizer = LossScaleOptimizer(
-        torch.optim.SGD([weight], lr=0.0), initial_scale=2.0**126, dynamic_growth_steps=growth
-    )
-    for _ in range(steps):
-        set_grads([weight], [[first]])
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.0), initial_scale=2.0**126)
+    for _ in range(300):
+        set_grads([weight], [[INF]])
         optimizer.step()
-    assert optimizer.dynamic_scale in (0.0, math.inf)
+    assert optimizer.dynamic_scale == 0.0
     state = optimizer.state_dict()
     again = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.0))
     again.load_state_dict(state)
-    assert again.dynamic_scale == optimizer.dynamic_scale
+    assert again.dynamic_scale == 0.0
+    again.load_state_dict({**state, "loss_scale": {**state["loss_scale"], "scale": INF}})
+    assert again.dynamic_scale == INF
+    set_grads([weight], [[INF]])
+    again.step()
+    assert again.dynamic_scale == 2.0**127 and again.last_step_skipped
     with pytest.raises(ValueError, match=r"loss_scale\['scale'\] must be a number >= 0"):
         again.load_state_dict({**state, "loss_scale": {**state["loss_scale"], "scale": -1.0}})
 

@@ -71,7 +71,7 @@ def check_scale(value: Any, arg: str) -> float:
             f"`{arg}` must be a finite positive number. Received: {arg}={value!r} "
             f"(of type {type(value).__name__})"
         )
-    scale = to_float32(float(value))
+    scale = to_float32(_as_float(value))
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(
             f"`{arg}` must be a finite positive number representable in float32 "
@@ -89,11 +89,11 @@ def check_loss_scale_state(loss_scale: Any) -> tuple[float, int, int, int]:
         )
     value = loss_scale["scale"]
     # 0 and inf are states a run reaches (about 150 skipped steps; growth)
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not float(value) >= 0:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not _as_float(value) >= 0:
         raise ValueError(
             f"loss_scale['scale'] must be a number >= 0 (inf included). Received: {value!r}"
         )
-    scale = to_float32(float(value))
+    scale = to_float32(_as_float(value))
     counts = []
     for key, minimum in (("step_counter", 0), ("iterations", 0), ("dynamic_growth_steps", 1)):
         value = loss_scale[key]
@@ -108,3 +108,12 @@ def check_loss_scale_state(loss_scale: Any) -> tuple[float, int, int, int]:
             f"Received: {loss_scale!r}"
         )
     return scale, counts[0], counts[1], counts[2]
+
+
+def _as_float(value: Any) -> float:
+    """`float(value)`; an int too large for a float counts as inf (out of
+    float32's range like any other value beyond it)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf

@@ -8,6 +8,7 @@ update when any of them overflowed, and adapts the factor as Keras does.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import warnings
@@ -41,10 +42,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
       gradients are left as they are (unscaled, holding the inf/NaN), as with
       `torch.amp.GradScaler`; the next `zero_grad()` clears them.
 
-    Like Keras, the scale has no lower or upper bound. A loss that is inf or
-    NaN for reasons unrelated to scaling (bad data, divergence) halves the
-    scale at every step, and it reaches 0 after about 165 consecutive skipped
-    steps (from the default 2**15); watch `dynamic_scale` or the loss.
+    Like Keras, the scale has no lower bound. A loss that is inf or NaN for
+    reasons unrelated to scaling (bad data, divergence) halves the scale at
+    every step, and it reaches 0 after about 165 consecutive skipped steps
+    (from the default 2**15); watch `dynamic_scale` or the loss. Unlike
+    Keras (and as `torch.amp.GradScaler`), growth stops below float32's
+    largest value: a scale grown to inf (gradients exactly 0 for thousands of
+    steps) would skip every later step, inf halved being inf.
 
     The scale is a Python float holding a float32 value (Keras keeps a float32
     variable), so scaling costs no extra tensor and adapting it launches no
@@ -140,12 +144,23 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 f"Received: inner_optimizer={inner_optimizer!r} "
                 f"(of type {type(inner_optimizer).__name__})"
             )
+        if _needs_closure(inner_optimizer):
+            raise TypeError(
+                f"LossScaleOptimizer cannot wrap {type(inner_optimizer).__name__}: its step() "
+                "needs a closure, which re-evaluates the loss several times per step, and "
+                "the wrapper's step() takes none (each evaluation would need the scaled loss). "
+                "Use it without loss scaling (bfloat16 needs none)."
+            )
         scale = check_scale(initial_scale, "initial_scale")
-        if (
-            not isinstance(dynamic_growth_steps, numbers.Integral)
-            or isinstance(dynamic_growth_steps, bool)
-            or dynamic_growth_steps < 1
+        if not isinstance(dynamic_growth_steps, numbers.Integral) or isinstance(
+            dynamic_growth_steps, bool
         ):
+            raise TypeError(
+                "`dynamic_growth_steps` must be a positive int. "
+                f"Received: dynamic_growth_steps={dynamic_growth_steps!r} "
+                f"(of type {type(dynamic_growth_steps).__name__})"
+            )
+        if dynamic_growth_steps < 1:
             raise ValueError(
                 "`dynamic_growth_steps` must be a positive int. "
                 f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
@@ -367,31 +382,42 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         found_infs = self._found_inf
         if found_infs is None:
-            found_infs = self._unscale_grads()
-        self._found_inf = None
-        self._scaled = False
+            # kept until the step is done: if the inner step raises, the
+            # gradients are known to be unscaled already (a retry does not
+            # divide them again)
+            found_infs = self._found_inf = self._unscale_grads()
         if not found_infs and _sync_group(self._process_group) is None:
             # no gradient at all: the inner step (a no-op) runs, nothing counts
-            self._last_step_skipped = False
             self._inner.step()
+            self._step_done(skipped=False)
             return None
         # across ranks a rank without gradients (an empty micro-batch) still
         # joins the agreement, or the others would wait for it
         finite = self._all_finite(found_infs)
-        self._last_step_skipped = not finite
         if not finite:
             self._step_counter = 0
-            self._set_scale(self._scale / 2.0)
+            # (inf, which a checkpoint may hold, halves to float32's largest
+            # power of two, as the powers of two it stands for)
+            self._set_scale(min(self._scale, 2.0**128) / 2.0)
             step_skipped(self._inner)  # float8 scale updates of the skipped step are undone
+            self._step_done(skipped=True)
             return None
         self._inner.step()
+        self._step_done(skipped=False)
         self._iterations += 1
         if self._step_counter == self._dynamic_growth_steps - 1:
             self._step_counter = 0
-            self._set_scale(self._scale * 2.0)
+            grown = to_float32(self._scale * 2.0)
+            if math.isfinite(grown):  # as GradScaler: never inf, whence no step could recover
+                self._set_scale(grown)
         else:
             self._step_counter += 1
         return None
+
+    def _step_done(self, skipped: bool) -> None:
+        self._found_inf = None
+        self._scaled = False
+        self._last_step_skipped = skipped
 
     def _all_finite(self, found_infs: list[torch.Tensor]) -> bool:
         """Whether no rank found inf/NaN: the only host sync of a step."""
@@ -499,6 +525,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             f"LossScaleOptimizer(dynamic_scale={self._scale}, "
             f"dynamic_growth_steps={self._dynamic_growth_steps},\n    {inner})"
         )
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` cannot be called without a closure (LBFGS)."""
+    try:
+        parameter = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: taken as optional
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def _sync_group(process_group: Any) -> Any:
