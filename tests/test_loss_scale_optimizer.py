@@ -149,6 +149,41 @@ def test_a_failed_inner_step_leaves_the_gradients_unscaled_once():
     assert weight.tolist() == [-3.0, 0.0]
 
 
+def test_serialization_as_keras():
+    """Keras's `test_serialization`: a config of four keys, and `from_config`
+    (a torch inner optimizer is rebuilt on the parameters given)."""
+    weight = nn.Parameter(torch.ones(2))
+    inner = torch.optim.Adam([weight], lr=0.5, betas=(0.8, 0.9))
+    optimizer = LossScaleOptimizer(
+        inner, initial_scale=3.0, dynamic_growth_steps=2, name="test_opt"
+    )
+    config = optimizer.get_config()
+    assert len(config) == 4
+    assert config["name"] == "test_opt"
+    assert config["initial_scale"] == 3.0
+    assert config["dynamic_growth_steps"] == 2
+    assert config["inner_optimizer"]["class_name"] == "torch.optim.adam.Adam"
+    again = LossScaleOptimizer.from_config(config, params=[weight])
+    assert type(again.inner_optimizer) is torch.optim.Adam
+    assert again.inner_optimizer.defaults == inner.defaults
+    assert (again.name, again.initial_scale, again.dynamic_growth_steps) == ("test_opt", 3.0, 2)
+    given = LossScaleOptimizer.from_config({**config, "inner_optimizer": inner})
+    assert given.inner_optimizer is inner
+    assert optimizer.learning_rate == 0.5
+    optimizer.learning_rate = 0.25
+    assert inner.param_groups[0]["lr"] == 0.25
+    with pytest.raises(TypeError, match="needs `params`"):
+        LossScaleOptimizer.from_config(config)
+    for bad in ("os.system", "torch.nn.Linear", "nowhere.Adam"):
+        described = {**config, "inner_optimizer": {"class_name": bad, "config": {}}}
+        with pytest.raises(ValueError, match=r"names no torch\.optim\.Optimizer subclass"):
+            LossScaleOptimizer.from_config(described, params=[weight])
+    with pytest.raises(ValueError, match="'inner_optimizer' must be"):
+        LossScaleOptimizer.from_config({**config, "inner_optimizer": "adam"}, params=[weight])
+    with pytest.raises(ValueError, match="from_config\\(\\) expects"):
+        LossScaleOptimizer.from_config({"name": "x"})
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_refused():
     weight = nn.Parameter(torch.zeros(2))
     with pytest.raises(TypeError, match="cannot wrap LBFGS: its step\\(\\) needs a closure"):

@@ -8,6 +8,7 @@ update when any of them overflowed, and adapts the factor as Keras does.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import numbers
@@ -248,6 +249,72 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def dynamic_growth_steps(self) -> int:
         """How many consecutive finite steps double the scale."""
         return self._dynamic_growth_steps
+
+    @property
+    def learning_rate(self) -> float:
+        """The inner optimizer's learning rate (its first parameter group's,
+        as Keras's `learning_rate`); setting it sets every group's.
+
+        >>> import torch
+        >>> from dtype_policies.optimizers import LossScaleOptimizer
+        >>> weight = torch.zeros(1, requires_grad=True)
+        >>> optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.1))
+        >>> optimizer.learning_rate = 0.5
+        >>> optimizer.learning_rate, optimizer.inner_optimizer.param_groups[0]["lr"]
+        (0.5, 0.5)
+        """
+        return self._inner.param_groups[0]["lr"]
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        for group in self._inner.param_groups:
+            group["lr"] = value
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras's four keys: `name`, `initial_scale`, `dynamic_growth_steps`
+        and `inner_optimizer`, the inner optimizer's class (module and name)
+        and `defaults` (a torch optimizer's hyperparameters; its parameters
+        are not configuration).
+
+        >>> import torch
+        >>> from dtype_policies.optimizers import LossScaleOptimizer
+        >>> params = [torch.zeros(1, requires_grad=True)]
+        >>> optimizer = LossScaleOptimizer(torch.optim.SGD(params, lr=0.5), initial_scale=3.0)
+        >>> config = optimizer.get_config()
+        >>> sorted(config)
+        ['dynamic_growth_steps', 'initial_scale', 'inner_optimizer', 'name']
+        >>> config["inner_optimizer"]["class_name"]
+        'torch.optim.sgd.SGD'
+        >>> again = LossScaleOptimizer.from_config(config, params=params)
+        >>> again.initial_scale, again.learning_rate
+        (3.0, 0.5)
+        """
+        inner = type(self._inner)
+        return {
+            "name": self.name,
+            "initial_scale": self._initial_scale,
+            "dynamic_growth_steps": self._dynamic_growth_steps,
+            "inner_optimizer": {
+                "class_name": f"{inner.__module__}.{inner.__qualname__}",
+                "config": dict(self._inner.defaults),
+            },
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], params: Any = None) -> LossScaleOptimizer:
+        """The optimizer `config` (from `get_config`) describes. Its
+        `inner_optimizer` is a torch optimizer, or the description
+        `get_config` writes, built on `params` (required then)."""
+        if not isinstance(config, dict) or "inner_optimizer" not in config:
+            raise ValueError(
+                "from_config() expects a dict from get_config(), with an 'inner_optimizer'. "
+                f"Received: {config!r}"
+            )
+        config = dict(config)
+        inner = config.pop("inner_optimizer")
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = _inner_from_config(inner, params)
+        return cls(inner, **config)
 
     @property
     def step_counter(self) -> int:
@@ -525,6 +592,36 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             f"LossScaleOptimizer(dynamic_scale={self._scale}, "
             f"dynamic_growth_steps={self._dynamic_growth_steps},\n    {inner})"
         )
+
+
+def _inner_from_config(described: Any, params: Any) -> torch.optim.Optimizer:
+    """The torch optimizer `{"class_name": "<module>.<name>", "config": {...}}`
+    describes, on `params`."""
+    if (
+        not isinstance(described, dict)
+        or not isinstance(described.get("class_name"), str)
+        or not isinstance(described.get("config"), dict)
+    ):
+        raise ValueError(
+            "'inner_optimizer' must be a torch optimizer or {'class_name': '<module>.<name>', "
+            f"'config': {{...}}}} as get_config() writes it. Received: {described!r}"
+        )
+    if params is None:
+        raise TypeError(
+            "from_config() needs `params` to build the inner optimizer "
+            f"{described['class_name']} (a torch optimizer holds its parameters)."
+        )
+    module_name, _, name = described["class_name"].rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        found = None
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        raise ValueError(
+            f"'inner_optimizer' class_name {described['class_name']!r} names no "
+            "torch.optim.Optimizer subclass."
+        )
+    return found(params, **described["config"])
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
