@@ -84,11 +84,32 @@ def _unmark_static_cache(cache: Any) -> None:
 
     transformers marks them as static addresses (for CUDA graphs); freezing
     would then fold them into the graph as constants, and the next `generate`
-    (a new cache) would write into the first one's."""
-    for layer in getattr(cache, "layers", ()):
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor) and hasattr(value, "_dynamo_static_input_type"):
-                del value._dynamo_static_input_type
+    (a new cache) would write into the first one's. Every tensor reachable
+    from the cache is unmarked: its layers', and those of the caches it holds
+    (an encoder-decoder model's `EncoderDecoderCache` holds a self-attention
+    and a cross-attention cache, and no layers of its own)."""
+    for tensor in _tensors_in(cache, set()):
+        if hasattr(tensor, "_dynamo_static_input_type"):
+            del tensor._dynamo_static_input_type
+
+
+def _tensors_in(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
+    """The tensors held by `value`: itself, the items of its lists, tuples and
+    dicts, and the attributes of transformers' objects (caches, layers)."""
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, seen)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, seen)
+    elif type(value).__module__.startswith("transformers.") and hasattr(value, "__dict__"):
+        for item in vars(value).values():
+            yield from _tensors_in(item, seen)
 
 
 def _cache_of(kwargs: dict) -> Any:
