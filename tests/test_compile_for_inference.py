@@ -60,6 +60,49 @@ def test_with_gradients_enabled_it_runs_eagerly_with_a_backward():
     assert x.grad is not None and torch.equal(out, model(x.detach()))
 
 
+def test_a_model_of_inference_tensors_keeps_its_weights_as_graph_inputs():
+    # torch records no writes to inference tensors: a frozen graph could not
+    # tell a `load_state_dict` under inference_mode from no write at all
+    from dtype_policies._frozen import FrozenCompiledCall
+
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    call = FrozenCompiledCall(model, name="compile_for_inference")
+    assert call.freeze_weights and call.inductor_options["freezing"]
+    with pytest.warns(UserWarning, match=r"'0\.weight', '0\.bias', '2\.weight' and 1 more are"):
+        call._watch_or_unfreeze(model)
+    assert not call.freeze_weights and call.watch is None
+    assert call.inductor_options["freezing"] is False
+    ordinary = torch.nn.Linear(8, 2)
+    watched = FrozenCompiledCall(ordinary, name="compile_for_inference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watched._watch_or_unfreeze(ordinary)
+    assert watched.freeze_weights and watched.watch is not None
+
+
+@pytest.mark.slow
+def test_a_compiled_model_of_inference_tensors_serves_weights_loaded_later():
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = mlp()
+    fast = compile_for_inference(model, autotune=False)
+    x = torch.randn(2, 16)
+    new_state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    with torch.inference_mode(), pytest.warns(UserWarning, match="inference tensors"):
+        fast(x)
+    with torch.inference_mode():
+        model.load_state_dict(new_state)  # in place, with no version counter to tell
+        got = fast(x)
+    reference = mlp()
+    reference.load_state_dict(new_state)
+    with torch.no_grad():
+        torch.testing.assert_close(got, reference(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("policy", "mode"),

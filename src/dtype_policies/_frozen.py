@@ -339,6 +339,22 @@ class FrozenCompiledCall:
             "autotune": autotune,
             "cpp_wrapper": cpp_wrapper,
         }
+        self.model_ref = weakref.ref(model)
+        self.model_class = type(model)  # whose `__call__` the graph is traced from
+        self.name = name
+        self.call_context = call_context
+        self.session_of = session_of
+        self.session: object = None
+        self._set_up(model, freeze_weights)
+        self.watch: ModelWatch | None = None
+        self.given_up: str | None = None  # why the compiler gave up on this model
+        self.reported: set[str] = set()  # the reasons for eager frames told so far
+        self.limit_hits = 0  # calls in a row that met Dynamo's recompile limit
+
+    def _set_up(self, model: torch.nn.Module, freeze_weights: bool) -> None:
+        """The compiled step and Inductor's settings, with weights frozen or not
+        (before anything was compiled)."""
+        settings = self.settings
         options: Any = {}
         if freeze_weights and _GUARD_FILTERS:
             options["guard_filter_fn"] = skip_guards_on_the_models_modules
@@ -346,27 +362,48 @@ class FrozenCompiledCall:
         # runs every compiled call through one frame of torch's): Dynamo's
         # compiled entries and recompile limit are this model's alone.
         step = torch.compile(
-            own_step(), fullgraph=fullgraph, dynamic=dynamic, options=options or None, **isolated()
+            own_step(),
+            fullgraph=settings["fullgraph"],
+            dynamic=settings["dynamic"],
+            options=options or None,
+            **isolated(),
         )
         self.compiled = functools.partial(step, model.__call__)
-        self.model_ref = weakref.ref(model)
-        self.model_class = type(model)  # whose `__call__` the graph is traced from
         self.freeze_weights = freeze_weights
-        self.name = name
-        self.call_context = call_context
-        self.session_of = session_of
-        self.session: object = None
         self.inductor_options: dict[str, Any] = {"freezing": freeze_weights}
         if freeze_weights:
             self.inductor_options.update(sibling_options())
-        if autotune:
+        if settings["autotune"]:
             self.inductor_options.update(AUTOTUNE_OPTIONS)
-        if cpp_wrapper:
+        if settings["cpp_wrapper"]:
             self.inductor_options.update(CPP_WRAPPER_OPTIONS)
-        self.watch: ModelWatch | None = None
-        self.given_up: str | None = None  # why the compiler gave up on this model
-        self.reported: set[str] = set()  # the reasons for eager frames told so far
-        self.limit_hits = 0  # calls in a row that met Dynamo's recompile limit
+
+    def _watch_or_unfreeze(self, model: torch.nn.Module) -> None:
+        """At the first call: the watch of the model's tensors, or, where
+        some cannot be watched (inference tensors, built or loaded under
+        `torch.inference_mode()`: torch records no writes to them, so
+        `load_state_dict` there would leave a frozen graph serving the old
+        values), the weights kept as graph inputs instead, with a warning."""
+        unwatched = [
+            name
+            for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+            if tensor.is_inference()
+        ]
+        if not unwatched:
+            self.watch = ModelWatch(model)
+            return
+        shown = ", ".join(repr(name) for name in unwatched[:3])
+        more = f" and {len(unwatched) - 3} more" if len(unwatched) > 3 else ""
+        warnings.warn(
+            f"{self.name}: the model's {shown}{more} are inference tensors (built or loaded "
+            "under torch.inference_mode()): torch records no writes to them, so a graph "
+            "with frozen weights could go on serving their old values after a "
+            "load_state_dict. They stay inputs of the compiled graph instead, as with "
+            "freeze_weights=False (no prepacked products). Build or load the model outside "
+            "inference_mode to freeze them.",
+            stacklevel=3,
+        )
+        self._set_up(model, freeze_weights=False)
 
     def __reduce__(self) -> tuple[Any, tuple]:
         # Compiled graphs cannot be copied: a copy (pickle, `torch.save`,
@@ -400,7 +437,7 @@ class FrozenCompiledCall:
             if torch.is_grad_enabled() or transform_active():  # a frozen graph has no derivatives
                 return self.eager(*args, **kwargs)
             if self.watch is None and type(model) is self.model_class:
-                self.watch = ModelWatch(model)
+                self._watch_or_unfreeze(model)
             elif (
                 type(model) is not self.model_class
                 or self.watch is None

@@ -148,7 +148,10 @@ def compile_for_inference(
         model: Any module, policied and/or quantized by this library or not.
         freeze_weights: Fold weight-only computations (casts, packing) into
             constants at compile time (default). Without it, the compiled
-            call casts float weights on every call and follows every change.
+            call casts float weights on every call and follows every change;
+            a model whose weights are inference tensors (built or loaded
+            under `torch.inference_mode()`, whose writes torch does not
+            record) is compiled so, with a warning.
         fullgraph: Refuse graph breaks (as `torch.compile`'s option).
         autotune: Let Inductor time its C++ GEMM templates against ATen's
             kernels for each product shape and keep the faster (default): a
