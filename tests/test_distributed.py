@@ -767,6 +767,34 @@ def test_fully_shard_refuses_a_quantized_model():
     assert not any("FSDP" in type(m).__name__ for m in model.modules())
 
 
+@distributed
+@fsdp_on_cpu
+@pytest.mark.parametrize("change", ["remove", "float32", "int8_policy", "quantize"])
+def test_policies_cannot_change_under_fsdp2(change, tmp_path):
+    """FSDP2's units gather each weight in the dtype planned at sharding: a
+    removed or replaced policy left them gathering bfloat16 weights for a
+    float32 computation (a dtype error, or float32 outputs of bfloat16
+    weights), and quantize() failed inside torch. Each is refused first."""
+    from dtype_policies import quantize
+
+    model = _called_model()
+    handle = apply_policy(model, "mixed_bfloat16")
+    with _group_of_one(tmp_path):
+        fully_shard(model, None)
+        before = _policy_state(model)
+        attempt = {
+            "remove": handle.remove,
+            "float32": lambda: apply_policy(model, "float32"),
+            "int8_policy": lambda: apply_policy(model, "int8_from_mixed_bfloat16"),
+            "quantize": lambda: quantize(model, "int8"),
+        }[change]
+        with pytest.raises(ValueError, match=r"sharded by FSDP2 \('\(model\)'.*Nothing was"):
+            attempt()
+        after = _policy_state(model)
+        assert torch.equal(after[0], before[0]) and after[1] == before[1]
+        assert not handle.removed
+
+
 def test_a_class_stacked_on_a_policied_module_survives_refreshes():
     """`.to()`, `quantize()` and `remove()` re-compose the class under FSDP2's."""
     layer = nn.Linear(4, 4)

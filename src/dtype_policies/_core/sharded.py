@@ -53,6 +53,29 @@ fsdp_managed = property(_get, _set, _delete, "Set by FSDP on the modules it mana
 """The `_is_fsdp_managed_module` attribute of policied modules."""
 
 
+def refuse_sharded(module: torch.nn.Module, action: str) -> None:
+    """Raises `ValueError` when FSDP2 manages any module of `module`'s tree:
+    its units gather each weight in the dtype its policy had when it was
+    sharded, and quantization replaces weights FSDP2 holds the shards of,
+    so neither may change under it (`action` names the call refused)."""
+    managed = [
+        name or "(model)"
+        for name, submodule in module.named_modules()
+        if submodule.__dict__.get(FSDP_MANAGED, False)
+    ]
+    if managed:
+        shown = ", ".join(repr(name) for name in managed[:3])
+        more = f" and {len(managed) - 3} more" if len(managed) > 3 else ""
+        raise ValueError(
+            f"{action}: the model is sharded by FSDP2 ({shown}{more} managed), and its units "
+            "gather each weight in the dtype its policy had when it was sharded: policies and "
+            "quantization cannot change under it. Change them before "
+            "dtype_policies.distributed.fully_shard, or save the model (saving.save on every "
+            "rank), load it into a fresh model, change them there, and shard it again. "
+            "Nothing was changed."
+        )
+
+
 def keeps_casts(module: torch.nn.Module, weight_cache: bool) -> bool:
     """Whether the module may keep casts between calls."""
     return weight_cache and not module.__dict__.get(FSDP_MANAGED, False)

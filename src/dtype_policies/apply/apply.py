@@ -26,6 +26,7 @@ from dtype_policies._core.module_state import (
     push_application,
     state_of,
 )
+from dtype_policies._core.sharded import refuse_sharded
 from dtype_policies._core.state import compute_dtype_of
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._modes import mode_record
@@ -227,6 +228,7 @@ class PolicyHandle:
         """
         if self.removed:
             return
+        refuse_sharded(self.module, "PolicyHandle.remove()")
         self._remove(stacklevel=3)
         model_changed(self.module)
 
@@ -505,6 +507,7 @@ def _plan_application(
         raise TypeError(
             f"apply_policy() expects a torch.nn.Module. Received: {type(module).__name__}"
         )
+    refuse_sharded(module, "apply_policy()")
     try:
         policy = get_policy(policy)
     except (TypeError, ValueError) as e:

@@ -15,6 +15,7 @@ from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import quantization_of, state_of
+from dtype_policies._core.sharded import refuse_sharded
 from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
@@ -221,6 +222,7 @@ def quantize(
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module. Received: {type(model).__name__}")
+    refuse_sharded(model, "quantize()")
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"quantize(): progress must be True, False or None. Received: {progress!r}")
     config = validate_and_resolve_config(mode, config)
