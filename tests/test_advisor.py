@@ -219,7 +219,9 @@ def test_table_and_json(tmp_path):
         ({"max_error": 0}, ValueError, "max_error"),
         ({"max_error": -0.1}, ValueError, "max_error"),
         ({"max_error": float("nan")}, ValueError, "max_error"),
-        ({"max_error": "0.1"}, ValueError, "max_error"),
+        ({"max_error": "0.1"}, TypeError, "of type str"),
+        ({"max_error": None}, TypeError, "of type NoneType"),
+        ({"repeats": 2.0}, TypeError, "of type float"),
         ({"candidates": ("int8", "int3")}, ValueError, "unknown candidate 'int3'"),
         ({"candidates": ("float8_e4m3fn",)}, ValueError, "unknown candidate"),
         ({"candidates": ()}, ValueError, "empty"),
@@ -232,7 +234,7 @@ def test_table_and_json(tmp_path):
         ({"inputs": torch.randn(4, 7)}, ValueError, "calling the model"),
         ({"metric": "mse"}, TypeError, "metric"),
         ({"max_error": float("inf")}, ValueError, "finite number"),  # JSON has no Infinity
-        ({"repeats": True}, ValueError, "repeats"),
+        ({"repeats": True}, TypeError, "repeats"),
         ({"inputs": torch.full((4, 64), float("nan"))}, ValueError, "non-finite value"),
         ({"inputs": torch.randn(0, 64)}, ValueError, r"empty tensor of shape \(0, 64\)"),
     ],
@@ -251,6 +253,25 @@ def test_a_model_on_the_meta_device_is_refused_by_name():
         model = torch.nn.Sequential(torch.nn.Linear(16, 8))
     with pytest.raises(ValueError, match=r"'0\.weight' is on the meta device"):
         advise(model, torch.randn(2, 16), progress=False)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "int8_from_mixed_bfloat16"])
+def test_a_model_that_already_has_policies_is_refused_by_name(policy):
+    # measured against itself, its float32 "baseline" missed any budget, and
+    # the advice went on top of the policies in force
+    model = fragile_mlp()
+    handle = dtype_policies.apply_policy(model, policy)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    policies = [getattr(m, "dtype_policy", None) for m in model.modules()]
+    with pytest.raises(ValueError, match=rf"already computes by dtype policies .*'0' \({policy}\)"):
+        advise(model, outlier_inputs(), max_error=0.02, progress=False)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert [getattr(m, "dtype_policy", None) for m in model.modules()] == policies
+    handle.remove()
+    quantized = fragile_mlp()
+    dtype_policies.quantize(quantized, "int8")  # quantize() alone: measured as it is
+    advice = advise(quantized, outlier_inputs(), max_error=0.02, **FAST)
+    assert advice.error <= 0.02
 
 
 def tiny_llama(tie: bool = False):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.module_state import quantization_of, state_of
 from dtype_policies._core.products import FEW_ROWS, native_half_products
 from dtype_policies._cpu import processor
 from dtype_policies._paths import named_module_paths, root_path_of
@@ -38,6 +39,7 @@ from dtype_policies.advisor.variants import build_variant, model_bytes, stored_b
 from dtype_policies.advisor.verify import Check, back_off, prepared
 from dtype_policies.apply import apply_policy
 from dtype_policies.policies import DTypePolicyMap
+from dtype_policies.quantization.modules import computes_in_own_dtype
 
 OBJECTIVES = ("latency", "memory")
 LATENCY_MIN_GAIN = 0.05  # a cheaper rung must be 5% faster: timings here are noisy
@@ -107,10 +109,11 @@ def advise(
         `to_json()`, `save(path)`, `apply(model)`.
 
     Raises:
-        ValueError: `max_error` not a number > 0, an unknown candidate or
-            objective, empty inputs, or a model that fails on the inputs.
-        TypeError: `model` not a module, inputs of the wrong type, `metric`
-            not callable.
+        ValueError: `max_error` not > 0 or not finite, an unknown candidate
+            or objective, empty inputs, a model that fails on the inputs, or
+            one that already computes by policies (`apply_policy` in force).
+        TypeError: `model` not a module, `max_error` or `repeats` not a
+            number, inputs of the wrong type, `metric` not callable.
 
     Example:
 
@@ -130,12 +133,12 @@ def advise(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"advise() expects a torch.nn.Module. Received: {type(model).__name__}")
-    if (
-        isinstance(max_error, bool)
-        or not isinstance(max_error, Real)
-        or not math.isfinite(max_error)
-        or max_error <= 0
-    ):
+    if isinstance(max_error, bool) or not isinstance(max_error, Real):
+        raise TypeError(
+            "advise(): `max_error` must be a finite number > 0 (the relative error allowed, "
+            f"e.g. 0.02). Received: max_error={max_error!r} (of type {type(max_error).__name__})"
+        )
+    if not math.isfinite(max_error) or max_error <= 0:
         raise ValueError(
             "advise(): `max_error` must be a finite number > 0 (the relative error allowed, "
             f"e.g. 0.02). Received: max_error={max_error!r}"
@@ -149,8 +152,24 @@ def advise(
             f"advise(): `metric` must be a callable (outputs, reference) -> float. "
             f"Received: {metric!r}"
         )
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+    if not isinstance(repeats, int) or isinstance(repeats, bool):
+        raise TypeError(
+            f"advise(): `repeats` must be a positive int. Received: {repeats!r} "
+            f"(of type {type(repeats).__name__})"
+        )
+    if repeats < 1:
         raise ValueError(f"advise(): `repeats` must be a positive int. Received: {repeats!r}")
+    policied = _policied_modules(model)
+    if policied:
+        shown = ", ".join(policied[:3]) + (
+            f" and {len(policied) - 3} more" if len(policied) > 3 else ""
+        )
+        raise ValueError(
+            f"advise(): the model already computes by dtype policies ({shown}); the advisor "
+            "measures every candidate against the float32 model, and applies its advice "
+            "over nothing else. Pass the float32 model (PolicyHandle.remove() first, or a "
+            "fresh copy)."
+        )
     meta = next((n for n, t in _named_tensors(model) if t.device.type == "meta"), None)
     if meta is not None:
         raise ValueError(
@@ -505,6 +524,21 @@ def _printer(enabled: bool) -> Callable[[str], None]:
             print(message, file=sys.stderr, flush=True)
 
     return say
+
+
+def _policied_modules(model: torch.nn.Module) -> list[str]:
+    """`'path' (policy)` of each module that computes by a policy other than
+    float32 (modules quantized by `quantize()` alone, on their float32 weights,
+    are measured as they are)."""
+    found = []
+    for name, module in model.named_modules():
+        call = getattr(state_of(module), "call", None)
+        if call is None or call.policy.name == "float32":
+            continue
+        if quantization_of(module) is not None and computes_in_own_dtype(module):
+            continue
+        found.append(f"'{name or '(model)'}' ({call.policy.name})")
+    return found
 
 
 def _named_tensors(model: torch.nn.Module) -> Any:
