@@ -1,6 +1,6 @@
 """Quantization: the model-level `quantize`, its report, the registry of
-quantizable module kinds, and (re-exported from `dtype_policies.quantizers`)
-the configs.
+quantizable module kinds, calibration text sampled from the model, and
+(re-exported from `dtype_policies.quantizers`) the configs.
 
 >>> from dtype_policies import quantization
 >>> quantization.Int4QuantizationConfig(block_size=64)
@@ -14,6 +14,7 @@ from dtype_policies.quantization.kernels.epilogues import (
 )
 from dtype_policies.quantization.kinds import register_linear_kind
 from dtype_policies.quantization.report import QuantizationReport
+from dtype_policies.quantization.sampled_text import sampled_token_ids
 from dtype_policies.quantizers.awq_config import AWQConfig
 from dtype_policies.quantizers.config import (
     AbsMaxQuantizer,
@@ -38,5 +39,6 @@ __all__ = [
     "compile_epilogues_enabled",
     "quantize",
     "register_linear_kind",
+    "sampled_token_ids",
     "set_compile_epilogues",
 ]
