@@ -241,6 +241,10 @@ TRANSPOSED_LINEARS = frozenset({"transformers.pytorch_utils.Conv1D"})
 linear layers whose weight is stored `(in, out)`."""
 
 
+LEAF_FORWARDS = (FastLinearForward, FastTransposedLinearForward)
+"""The forwards `fast_forward_of` gives."""
+
+
 def fast_forward_of(cls: type) -> type[ModuleMixin] | None:
     """The leaf forward an unquantized module of exactly class `cls` gets
     under a policy (`None`: its own forward, inside an autocast scope)."""
@@ -312,12 +316,12 @@ def refresh(module: torch.nn.Module) -> None:
         state.casts = WeightCasts(keep)
     else:
         state.casts.clear()
-    mixins = set(mixins_of(module)) - {FastLinearForward, FastTransposedLinearForward}
+    mixins = set(mixins_of(module)) - set(LEAF_FORWARDS)
     mixins.add(PolicyModule)
-    fast = fast_forward_of(original_class(module))
+    cls = original_class(module)
+    fast = fast_forward_of(cls)
     if state.quantization is None and fast is not None:
         mixins.add(fast)
-    cls = original_class(module)
     mixins.update(mixin for base, mixin in CLASS_MIXINS.items() if issubclass(cls, base))
     set_mixins(module, tuple(mixins))
 
@@ -328,7 +332,7 @@ def release(module: torch.nn.Module) -> None:
     state = module.__dict__[STATE_KEY]
     state.call = None
     state.casts = WeightCasts()
-    own = (PolicyModule, FastLinearForward, FastTransposedLinearForward, *CLASS_MIXINS.values())
+    own = (PolicyModule, *LEAF_FORWARDS, *CLASS_MIXINS.values())
     set_mixins(module, tuple(m for m in mixins_of(module) if m not in own))
     drop_state_if_empty(module)
 

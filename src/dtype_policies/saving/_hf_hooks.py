@@ -56,7 +56,7 @@ def on_model_changed(module: Any, minor: bool = False) -> None:
     if inner:  # a model of the user's own, peft's PeftModel, around transformers models
         for model in inner:
             _integration().sync(model)
-    elif _holds_transformers_modules(module) and _has_policies(module):
+    elif _holds_transformers_modules(module) and has_policies(module):
         # a part of a model (its layers): the model's `save_pretrained`
         # describes it before saving
         _integration().describe_when_saving()
@@ -81,7 +81,8 @@ def _holds_transformers_modules(module: Any) -> bool:
     return any(type(m).__module__.startswith("transformers.") for m in module.modules())
 
 
-def _has_policies(module: Any) -> bool:
+def has_policies(module: Any) -> bool:
+    """Whether any module of `module`'s tree has dtype policies or quantization."""
     return any(state_of(submodule) is not None for submodule in module.modules())
 
 

@@ -251,7 +251,9 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest, f"'{file}'")
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
-    fit = _state_fit(module, manifest, header, plans, expansions, unfit)
+    # persistent or not as the target's class says (its buffers, not the file's)
+    non_persistent = non_persistent_keys(module)
+    fit = _state_fit(module, manifest, header, plans, expansions, unfit, non_persistent)
     problems += fit.problems
     if problems:
         raise_unfit(str(file), problems)
@@ -270,8 +272,6 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     # the ties as quantization leaves them (one side of a tied table quantized
     # leaves the other side's parameter alone)
     tied = _tied_parameters(module)
-    # persistent or not as the target's class says (`_state_fit` checked both)
-    non_persistent = non_persistent_keys(module)
     persistent = {k: v for k, v in state.items() if k not in non_persistent}
     module.load_state_dict(persistent, strict=True, assign=assign)
     for key in sorted(non_persistent & state.keys()):
@@ -729,11 +729,13 @@ def _state_fit(
     plans: list[attach.Plan],
     expansions: dict[str, ExpertsExpansion],
     unfit: set[str],
+    non_persistent: set[str],
 ) -> StateFit:
     """How the target's tensors, once the plans are committed, differ from
     the checkpoint's keys, shapes and dtypes (the tensors of the quantized
     modules in `unfit`, which could not be planned and are reported, left out),
-    and which float tensors load converted to the target's dtype."""
+    and which float tensors load converted to the target's dtype.
+    `non_persistent`: the keys of the target's non-persistent buffers."""
     expected: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
         expected[key] = (tuple(tensor.shape), dtype_code(tensor.dtype))
@@ -750,9 +752,7 @@ def _state_fit(
     unmatched = []
     # non-persistent in the saved model, or in the target (a class whose
     # buffer changed persistence): its tensor is in the file either way
-    target_only = sorted(
-        (non_persistent_keys(module) & header.keys()) - set(manifest.non_persistent)
-    )
+    target_only = sorted((non_persistent & header.keys()) - set(manifest.non_persistent))
     for key in [*manifest.non_persistent, *target_only]:
         try:
             buffer = stored_buffer(module, key)

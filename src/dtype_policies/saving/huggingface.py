@@ -90,7 +90,6 @@ except ImportError as e:  # pragma: no cover - transformers missing or too old
     ) from e
 
 from dtype_policies._core.checkpoints import guard_loading
-from dtype_policies._core.module_state import state_of
 from dtype_policies._core.policy_module import is_policied, refresh
 from dtype_policies._core.slots import non_persistent_buffer_names, replace_buffer
 from dtype_policies._version import __version__
@@ -98,6 +97,7 @@ from dtype_policies.apply.apply import commit_application, steps_under
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.schemes import scheme_for
+from dtype_policies.saving._hf_hooks import has_policies
 from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest, tensor_headers
 from dtype_policies.saving.manifest import CheckpointError, Manifest, describe
 
@@ -451,9 +451,7 @@ def _describing_first(save_pretrained: Any) -> Any:
 
     @functools.wraps(save_pretrained)
     def save(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "hf_quantizer", None) is None and any(
-            state_of(module) is not None for module in self.modules()
-        ):
+        if getattr(self, "hf_quantizer", None) is None and has_policies(self):
             sync(self)
         return save_pretrained(self, *args, **kwargs)
 

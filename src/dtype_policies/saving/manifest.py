@@ -9,6 +9,7 @@ keys use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -194,12 +195,12 @@ class Manifest:
         return cls(
             library_version=_typed(data.get("library_version"), str, "'library_version'"),
             modules={
-                k: ModuleRecord(**_fields(v, _MODULE_FIELDS, f"'modules' entry '{k}'"))
+                k: _record(ModuleRecord, v, _MODULE_TYPES, f"'modules' entry '{k}'")
                 for k, v in _str_map(data, "modules", dict).items()
             },
             layers=_str_map(data, "layers", dict),
             quantized={
-                k: QuantizedRecord(**_fields(v, _QUANTIZED_FIELDS, f"'quantized' entry '{k}'"))
+                k: _record(QuantizedRecord, v, _QUANTIZED_TYPES, f"'quantized' entry '{k}'")
                 for k, v in _str_map(data, "quantized", dict).items()
             },
             aliases=aliases,
@@ -212,7 +213,7 @@ class Manifest:
                 for i, m in enumerate(_typed(data.get("policy_maps", []), list, "'policy_maps'"))
             ],
             layer_maps={
-                k: LayerMap(**_fields(v, _LAYER_MAP_FIELDS, f"'layer_maps' entry '{k}'"))
+                k: _record(LayerMap, v, _LAYER_MAP_TYPES, f"'layer_maps' entry '{k}'")
                 for k, v in _str_map(data, "layer_maps", dict, required=False).items()
             },
             format_version=version,
@@ -253,49 +254,38 @@ def _strings(value: Any, what: str) -> list[str]:
     ]
 
 
-def _fields(value: Any, fields: dict[str, Any], what: str) -> dict[str, Any]:
-    """`value`, an object with exactly the keys of `fields` (those with a
-    default may be missing), each of its type."""
+def _record(record: type, value: Any, types: dict[str, Any], what: str) -> Any:
+    """The dataclass `record` made from `value`, an object holding its fields
+    (those without a default required), each of its JSON type in `types` (a
+    list's items of the type in `_ITEMS`)."""
     _typed(value, dict, what)
-    unknown = sorted(set(value) - set(fields))
+    unknown = sorted(set(value) - set(types))
     if unknown:
         raise _Malformed(f"{what} has unknown fields {unknown}")
-    checked = {}
-    for name, (kind, default) in fields.items():
+    for declared in dataclasses.fields(record):
+        name = declared.name
         if name not in value:
-            if default is _REQUIRED:
+            if declared.default is dataclasses.MISSING:
                 raise _Malformed(f"{what} lacks '{name}'")
             continue
-        field_value = _typed(value[name], kind, f"{what}: '{name}'")
-        if isinstance(field_value, list):
-            for i, item in enumerate(field_value):
-                _typed(item, int if name == "float_shape" else str, f"{what}: '{name}' entry {i}")
-        checked[name] = field_value
-    return checked
+        if isinstance(_typed(value[name], types[name], f"{what}: '{name}'"), list):
+            for i, item in enumerate(value[name]):
+                _typed(item, _ITEMS[name], f"{what}: '{name}' entry {i}")
+    return record(**value)
 
 
-_REQUIRED = object()
-_MODULE_FIELDS = {
-    "policy": (dict, _REQUIRED),
-    "island": (bool, False),
-    "half_inputs_ok": (bool, False),
-    "norm": (bool, False),
-    "gather": (bool, False),
-    "cast_buffers": (bool, True),
-    "weight_cache": (bool, True),
-    "outputs": ((str, type(None)), None),
-}
-_QUANTIZED_FIELDS = {
-    "mode": (str, _REQUIRED),
-    "config": (dict, _REQUIRED),
-    "weight": (str, _REQUIRED),
-    "layout": (str, _REQUIRED),
-    "role": (str, _REQUIRED),
-    "float_shape": (list, _REQUIRED),
-    "float_dtype": (str, _REQUIRED),
-    "stored": (list, _REQUIRED),
-}
-_LAYER_MAP_FIELDS = {"map": (int, _REQUIRED), "path": (str, _REQUIRED)}
+# The JSON type of each field of the records (their names are the dataclasses').
+_MODULE_TYPES = {
+    "policy": dict, "island": bool, "half_inputs_ok": bool, "norm": bool, "gather": bool,
+    "cast_buffers": bool, "weight_cache": bool, "outputs": (str, type(None)),
+}  # fmt: skip
+_QUANTIZED_TYPES = {
+    "mode": str, "config": dict, "weight": str, "layout": str, "role": str,
+    "float_shape": list, "float_dtype": str, "stored": list,
+}  # fmt: skip
+_LAYER_MAP_TYPES = {"map": int, "path": str}
+_ITEMS = {"float_shape": int, "stored": str}
+"""The type of the items of the records' list fields."""
 
 
 def describe(module: torch.nn.Module, library_version: str) -> Manifest:
