@@ -182,6 +182,25 @@ def test_copy_deepcopy_pickle(policy):
         assert clone.get_config() == policy.get_config()
 
 
+class _PolicyWithState(QuantizedDTypePolicy):
+    """A user subclass in Keras's style: state of its own, kept by get_config."""
+
+    def __init__(self, mode, source_name=None, extra=0):
+        super().__init__(mode, source_name)
+        self._set("_extra", extra)
+
+    def get_config(self):
+        return {**super().get_config(), "extra": self._extra}
+
+
+def test_copies_of_a_subclass_keep_its_own_state():
+    policy = _PolicyWithState("int8", "float32", extra=5)
+    for clone in (copy.copy(policy), copy.deepcopy(policy), pickle.loads(pickle.dumps(policy))):
+        assert type(clone) is _PolicyWithState
+        assert clone._extra == 5 and clone.name == "int8_from_float32"
+    assert _PolicyWithState.from_config(policy.get_config())._extra == 5
+
+
 def test_pickle_does_not_depend_on_default_at_load_time():
     policy = QuantizedDTypePolicy("int8", "float32")
     data = pickle.dumps(policy)
@@ -210,6 +229,51 @@ def test_quantized_policy_accepts_torch_dtype_and_policy_sources():
 def test_invalid_quantization_mode(mode):
     with pytest.raises(ValueError, match="Invalid quantization mode"):
         QuantizedDTypePolicy(mode, "float32")
+
+
+@pytest.mark.parametrize("mode", [["int8"], {"int8": 1}, {"int8"}])
+def test_unhashable_quantization_mode_is_named_in_a_value_error(mode):
+    with pytest.raises(ValueError, match=r"Invalid quantization mode.*Received: mode="):
+        QuantizedDTypePolicy(mode, "float32")
+    with pytest.raises(ValueError, match="Invalid quantization mode"):
+        dtype_policies.quantize(torch.nn.Linear(4, 4), mode)
+    assert mode not in dtype_policies.QUANTIZATION_MODES
+
+
+def test_quantization_modes_is_a_plain_tuple_as_in_keras():
+    import json
+
+    modes = dtype_policies.QUANTIZATION_MODES
+    assert type(modes) is tuple and modes[:3] == ("int8", "float8", "int4")
+    assert (
+        modes
+        == dtype_policies.quantizers.QUANTIZATION_MODES
+        == (dtype_policies.policies.QUANTIZATION_MODES)
+    )
+    assert "int4/128_from_float32".startswith(modes)
+    assert not "mixed_bfloat16".startswith(modes)
+    assert json.loads(json.dumps(modes)) == list(modes)
+    assert modes + ("ternary",) == (*modes, "ternary")  # noqa: RUF005
+
+
+@pytest.mark.parametrize(
+    "mode, policy_class", [("gptq", "GPTQDTypePolicy"), ("awq", "AWQDTypePolicy")]
+)
+def test_a_calibrated_mode_without_bits_is_refused_where_it_is_used(mode, policy_class):
+    policy = QuantizedDTypePolicy(mode, "float32")  # accepted, as Keras does
+    assert policy.name == f"{mode}_from_float32"
+    message = f"weight_bits must be specified.*`{policy_class}`.*'{mode}_from_float32'"
+    with pytest.raises(ValueError, match=message):
+        _ = policy.quantization_config
+    dense = dtype_policies.layers.Dense(4, dtype=policy)
+    with pytest.raises(ValueError, match=message):
+        dense.build((None, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        dtype_policies.apply_policy(model, policy)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not dtype_policies.summary(model).strip().count(mode)
 
 
 def test_source_is_parsed_before_mode():

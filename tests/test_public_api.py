@@ -63,6 +63,9 @@ def _defined_or_reexported(module: types.ModuleType) -> set[str]:
         elif type(value).__module__ == "__future__":
             continue
         names.add(name)
+    if "__getattr__" in vars(module):  # names served at access (QUANTIZATION_MODES)
+        names |= {name for name in module.__all__ if name not in vars(module)}
+        assert all(hasattr(module, name) for name in module.__all__)
     return names
 
 

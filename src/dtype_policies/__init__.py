@@ -10,6 +10,8 @@ per layer) for PyTorch.
 2
 """
 
+from typing import Any
+
 from dtype_policies import (
     activations,
     config,
@@ -28,6 +30,7 @@ from dtype_policies import (
 from dtype_policies._core.cpu_float16 import CPUFloat16Warning
 from dtype_policies._core.module_state import clear_cast_caches
 from dtype_policies._core.scope import checkpoint_contexts
+from dtype_policies._modes import module_attribute as _module_attribute
 from dtype_policies._version import __version__
 
 # The advisor sits at the top: it imports the rest, nothing imports it.
@@ -37,7 +40,6 @@ from dtype_policies.default_policy import dtype_policy, policy_scope, set_dtype_
 from dtype_policies.generation import compile_for_generation
 from dtype_policies.inference import CompiledInference, compile_for_inference
 from dtype_policies.policies import (
-    QUANTIZATION_MODES,
     AWQDTypePolicy,
     DTypePolicy,
     DTypePolicyMap,
@@ -51,6 +53,12 @@ from dtype_policies.policies import (
     serialize,
 )
 from dtype_policies.quantization import quantize
+
+
+def __getattr__(name: str) -> Any:
+    # QUANTIZATION_MODES: the implemented modes, a tuple read from the mode records.
+    return _module_attribute(__name__, name)
+
 
 __all__ = [
     "QUANTIZATION_MODES",

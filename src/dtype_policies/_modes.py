@@ -29,7 +29,7 @@ Invalid quantization mode. Expected one of ('int8', 'float8', 'int4', 'gptq',
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,7 +200,7 @@ def mode_record(name: Any) -> QuantizationMode:
     record = _MODES.get(name) if isinstance(name, str) else None
     if record is not None:
         return record
-    if name in KERAS_ONLY_MODES:
+    if isinstance(name, str) and name in KERAS_ONLY_MODES:
         raise refusal(name)
     raise ValueError(
         f"Invalid quantization mode. Expected one of {tuple(_MODES)}. Received: mode={name}"
@@ -227,42 +227,22 @@ def stored_suffixes() -> tuple[str, ...]:
     return tuple(seen)
 
 
-class ModeNames(Sequence):
-    """The names of the implemented modes, read live from the registry: a
-    read-only sequence that prints and compares like a tuple.
+def mode_names() -> tuple[str, ...]:
+    """The names of the implemented modes, in registration order: what the
+    public `QUANTIZATION_MODES` (a plain tuple, as Keras's) holds when read.
 
     >>> from dtype_policies import QUANTIZATION_MODES
     >>> QUANTIZATION_MODES
     ('int8', 'float8', 'int4', 'gptq', 'awq')
-    >>> "int4" in QUANTIZATION_MODES, QUANTIZATION_MODES == tuple(QUANTIZATION_MODES)
-    (True, True)
+    >>> "int8_from_float32".startswith(QUANTIZATION_MODES), ["int8"] in QUANTIZATION_MODES
+    (True, False)
     """
+    return tuple(_MODES)
 
-    def _names(self) -> tuple[str, ...]:
-        return tuple(_MODES)
 
-    def __getitem__(self, index: Any) -> Any:
-        return self._names()[index]
-
-    def __len__(self) -> int:
-        return len(_MODES)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in _MODES
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, ModeNames)):
-            return self._names() == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._names())
-
-    def __add__(self, other: Any) -> tuple:
-        return self._names() + tuple(other)
-
-    def __repr__(self) -> str:
-        return repr(self._names())
+def module_attribute(module_name: str, name: str) -> Any:
+    """A public namespace's `__getattr__`: `QUANTIZATION_MODES` read from the
+    registry at each access, so modes registered after import appear in it."""
+    if name == "QUANTIZATION_MODES":
+        return mode_names()
+    raise AttributeError(f"module {module_name!r} has no attribute {name!r}")

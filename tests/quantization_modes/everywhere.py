@@ -13,14 +13,13 @@ import torch
 import torch.nn as nn
 
 import dtype_policies
-from dtype_policies import cli, layers, saving
+from dtype_policies import cli, layers, quantizers, saving
 from dtype_policies._modes import QuantizationMode, mode_record, quantized_suffixes
 from dtype_policies.apply import summary
 from dtype_policies.policies import policy_for_config
 from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.kinds import kind_of_class
 from dtype_policies.quantizers import (
-    QUANTIZATION_MODES,
     deserialize_config,
     serialize_config,
     validate_and_resolve_config,
@@ -76,7 +75,11 @@ def quietly(function, *args, **kwargs):
 
 def assert_names_and_configs(record: QuantizationMode, config) -> None:
     name = record.name
-    assert name in QUANTIZATION_MODES and mode_record(name) is record
+    assert (
+        name in dtype_policies.QUANTIZATION_MODES
+        and name in quantizers.QUANTIZATION_MODES
+        and mode_record(name) is record
+    )
     policy = dtype_policies.get(policy_for_config(config, "mixed_bfloat16").name)
     assert policy.quantization_mode == name and policy.compute_dtype == "bfloat16"
     assert dtype_policies.deserialize(dtype_policies.serialize(policy)) == policy

@@ -8,6 +8,9 @@ quantized policies, `DTypePolicyMap`, and `get`/`serialize`/`deserialize`.
 True
 """
 
+from typing import Any
+
+from dtype_policies._modes import module_attribute as _module_attribute
 from dtype_policies.policies.calibrated import AWQDTypePolicy, GPTQDTypePolicy
 from dtype_policies.policies.dtype_policy import DTypePolicy, FloatDTypePolicy
 from dtype_policies.policies.names import parse_policy_name
@@ -19,7 +22,12 @@ from dtype_policies.policies.quantized import (
     policy_for_config,
 )
 from dtype_policies.policies.serialization import default_policy, deserialize, get, serialize
-from dtype_policies.quantizers.config import QUANTIZATION_MODES
+
+
+def __getattr__(name: str) -> Any:
+    # QUANTIZATION_MODES: the implemented modes, a tuple read from the mode records.
+    return _module_attribute(__name__, name)
+
 
 __all__ = [
     "QUANTIZATION_MODES",

@@ -84,9 +84,6 @@ class _CalibratedPolicy(QuantizedDTypePolicy):
     def get_config(self) -> dict[str, Any]:
         return {"mode": self.mode_string, "source_name": self._source_name}
 
-    def _init_args(self) -> tuple:
-        return (self.mode_string, self._source_name)
-
     def _equality_key(self) -> tuple:
         return (*super()._equality_key(), self._weight_bits, self._group_size)
 
@@ -148,3 +145,24 @@ class AWQDTypePolicy(_CalibratedPolicy):
     @property
     def quantization_config(self) -> QuantizationConfig:
         return AWQConfig(None, None, weight_bits=self._weight_bits, group_size=self._group_size)
+
+
+def bits_not_given(policy: QuantizedDTypePolicy) -> QuantizationConfig:
+    """The config record of a calibrated mode for a policy that is not its own
+    class (`QuantizedDTypePolicy("gptq", ...)`, which Keras also accepts):
+    `ValueError`, as Keras's layers raise, since the policy has no weight bits.
+
+    >>> try:
+    ...     QuantizedDTypePolicy("awq", "float32").quantization_config
+    ... except ValueError as e:
+    ...     print(str(e)[:63])
+    For AWQ quantization, the weight_bits must be specified either
+    """
+    mode = policy.quantization_mode or ""
+    policy_class = {"gptq": "GPTQDTypePolicy", "awq": "AWQDTypePolicy"}.get(mode, "a policy")
+    raise ValueError(
+        f"For {mode.upper()} quantization, the weight_bits must be specified either through a "
+        f"`dtype_policy` of type `{policy_class}` (a name such as "
+        f"'{mode}/4/128_from_float32') or the `config` argument. Received: "
+        f"dtype_policy={policy.name!r}"
+    )

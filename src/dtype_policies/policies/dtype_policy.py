@@ -140,12 +140,6 @@ class DTypePolicy:
     def from_config(cls, config: dict[str, Any]) -> DTypePolicy:
         return cls(**config)
 
-    def _init_args(self) -> tuple:
-        return (self._name,)
-
-    def __reduce__(self):
-        return (type(self), self._init_args())
-
     def _equality_key(self) -> tuple:
         return ("float", self._name)
 

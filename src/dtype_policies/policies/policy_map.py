@@ -88,6 +88,13 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
         for key, value in (policy_map or {}).items():
             self[key] = value
 
+    def __copy__(self) -> DTypePolicyMap:
+        # A copy has entries of its own (the policies in them are immutable).
+        clone = object.__new__(type(self))
+        for attr, value in vars(self).items():
+            object.__setattr__(clone, attr, dict(value) if isinstance(value, dict) else value)
+        return clone
+
     # A map is mutable through its mapping methods; plain attributes stay read-only.
     def _bump_version(self) -> None:
         self._set("_version", self._version + 1)
@@ -240,9 +247,6 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
         if config:
             raise ValueError(f"Unrecognized DTypePolicyMap config keys: {sorted(config)}")
         return cls(default_policy=default, policy_map=entries)
-
-    def _init_args(self) -> tuple:
-        return (self._default_policy, dict(self._policy_map))
 
     def __repr__(self) -> str:
         mapping = [(key, policy.name) for key, policy in self._policy_map.items()]

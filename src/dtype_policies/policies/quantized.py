@@ -81,9 +81,6 @@ class QuantizedDTypePolicy(DTypePolicy):
     def get_config(self) -> dict[str, Any]:
         return {"mode": self._quantization_mode, "source_name": self._source_name}
 
-    def _init_args(self) -> tuple:
-        return (self._quantization_mode, self._source_name)
-
     def _equality_key(self) -> tuple:
         return (self._name, self._quantization_mode, self._source_name)
 
@@ -169,9 +166,6 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
             config["scaling"] = self._scaling
         return config
 
-    def _init_args(self) -> tuple:
-        return (*super()._init_args(), self._amax_history_length, self._scaling)
-
     def _equality_key(self) -> tuple:
         return (*super()._equality_key(), self._amax_history_length, self._scaling)
 
@@ -219,9 +213,6 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
 
     def get_config(self) -> dict[str, Any]:
         return {"mode": f"int4/{self._block_size}", "source_name": self._source_name}
-
-    def _init_args(self) -> tuple:
-        return (f"int4/{self._block_size}", self._source_name)
 
     def _equality_key(self) -> tuple:
         return (*super()._equality_key(), self._block_size)

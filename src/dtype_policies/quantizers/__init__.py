@@ -10,10 +10,12 @@ functions on tensors and plain settings objects, with Keras 3's conventions.
 (('int8', 'float8', 'int4'), 1024)
 """
 
+from typing import Any
+
+from dtype_policies._modes import module_attribute as _module_attribute
 from dtype_policies.quantizers.awq_config import AWQConfig
 from dtype_policies.quantizers.config import (
     DEFAULT_AMAX_HISTORY_LENGTH,
-    QUANTIZATION_MODES,
     AbsMaxQuantizer,
     CalibratedQuantizationConfig,
     Float8QuantizationConfig,
@@ -44,6 +46,12 @@ from dtype_policies.quantizers.math import (
 )
 from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
 from dtype_policies.quantizers.zero_points import refine_zero_points
+
+
+def __getattr__(name: str) -> Any:
+    # QUANTIZATION_MODES: the implemented modes, a tuple read from the mode records.
+    return _module_attribute(__name__, name)
+
 
 __all__ = [
     "DEFAULT_AMAX_HISTORY_LENGTH",

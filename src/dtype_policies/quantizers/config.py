@@ -13,11 +13,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from dtype_policies._modes import ModeNames, mode_record, registered_modes
+from dtype_policies._modes import mode_record, module_attribute, registered_modes
 from dtype_policies.quantizers.math import EPSILON, INT4_RANGE, INT8_RANGE, abs_max_quantize
 
-QUANTIZATION_MODES = ModeNames()
-"""The quantization modes this library implements (read live from the mode records)."""
+
+def __getattr__(name: str) -> Any:
+    # QUANTIZATION_MODES: the implemented modes, a tuple read from the mode records.
+    return module_attribute(__name__, name)
+
 
 DEFAULT_AMAX_HISTORY_LENGTH = 1024
 """float8 delayed scaling: how many past absolute maxima a scale looks at (Keras's default)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dtype_policies._modes import QuantizationMode, register_mode
-from dtype_policies.policies.calibrated import AWQDTypePolicy
+from dtype_policies.policies.calibrated import AWQDTypePolicy, bits_not_given
 from dtype_policies.quantization.schemes.base import QuantizedWeight, WeightSpec
 from dtype_policies.quantization.schemes.calibrated_int import CalibratedIntScheme, InputStatistics
 from dtype_policies.quantizers.awq import awq_quantize_matrix, awq_quantize_output
@@ -66,6 +66,7 @@ register_mode(
         stored_suffixes=("_int4", "_scale", "_zero", "_g_idx", "_awq_scales"),
         data_suffix="_int4",
         calibrated=True,
+        config_for_policy=bits_not_given,
         policy_for_config=lambda config, source: AWQDTypePolicy(
             config.dtype_policy_string(), source
         ),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dtype_policies._modes import QuantizationMode, register_mode
-from dtype_policies.policies.calibrated import GPTQDTypePolicy
+from dtype_policies.policies.calibrated import GPTQDTypePolicy, bits_not_given
 from dtype_policies.quantization.schemes.base import WeightSpec
 from dtype_policies.quantization.schemes.calibrated_int import CalibratedIntScheme, InputStatistics
 from dtype_policies.quantizers.gptq import gptq_quantize
@@ -57,6 +57,7 @@ register_mode(
         stored_suffixes=("_int4", "_int8", "_scale", "_zero", "_g_idx"),
         data_suffix="_int4",
         calibrated=True,
+        config_for_policy=bits_not_given,
         policy_for_config=lambda config, source: GPTQDTypePolicy(
             config.dtype_policy_string(), source
         ),
