@@ -183,6 +183,7 @@ def test_inspect_a_checkpoint_counts_parameters_as_summary_does(tmp_path):
             assert row["policy"] == live[path].dtype_policy.name, path
 
 
+ADVISE = ("advise", "cli_models:mlp", "--inputs", "4x32")
 BAD_INPUTS = [
     (("inspect", "no_such_module_xyz:factory"), "cannot import 'no_such_module_xyz'"),
     (("inspect", "cli_models:missing"), "has no attribute 'missing'"),
@@ -193,6 +194,10 @@ BAD_INPUTS = [
     (("inspect", "cli_models:mlp", "--policy", ""), "invalid policy ''"),  # was no policy
     (("inspect", "missing.safetensors"), "missing.safetensors"),
     (("bench", "--threads", "0"), "--threads must be a positive integer (got 0)"),  # was ignored
+    # a bad --output is refused before measuring (it failed after the run, naming a temp file)
+    ((*ADVISE, "--output", "."), "--output '.' is a directory"),
+    ((*ADVISE, "--output", "cli_models.py/map.json"), "--output 'cli_models.py/map.json': '"),
+    ((*ADVISE, "--output", ""), "--output is empty"),
 ]
 
 
@@ -214,6 +219,50 @@ def test_bad_inputs_exit_1_with_one_line(in_process, args, message):
     assert "Traceback" not in err
     code, _, err = in_process("--verbose", *args)
     assert code == 1 and "Traceback" in err
+
+
+def test_a_bad_output_path_is_refused_before_measuring(in_process):
+    code, out, err = in_process(*ADVISE, "--output", "cli_models.py/map.json")
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == [  # one line, no progress: nothing was measured
+        "dtype-policies advise: error: --output 'cli_models.py/map.json': "
+        f"'{os.path.join(os.getcwd(), 'cli_models.py')}' is not a directory"
+    ]
+
+
+def test_a_failed_write_prints_the_results_first(in_process, monkeypatch):
+    from dtype_policies.advisor.advice import Advice
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device", f".{path}.x1y2.partial")
+
+    monkeypatch.setattr(Advice, "save", full_disk)
+    code, out, err = in_process(*ADVISE, "--quiet", "--output", "new/map.json")
+    assert code == 1
+    assert out.startswith("path") and "sensitivity int8" in out  # the table, not lost
+    assert "map written" not in out
+    assert err.strip().splitlines() == [
+        "dtype-policies advise: error: --output 'new/map.json': cannot write the map: "
+        "No space left on device"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--output", "cli_models.py"), "--output 'cli_models.py' is not a directory"),
+        (("--output", "cli_models.py/results"), "--output 'cli_models.py/results': '"),
+        (("--output", ""), "--output is empty"),
+        (("--charts", "cli_models.py"), "--charts 'cli_models.py' is not a directory"),
+    ],
+)
+def test_bench_refuses_a_bad_directory_before_running(in_process, monkeypatch, args, message):
+    from dtype_policies.bench import runner
+
+    monkeypatch.setattr(runner, "main", lambda argv: pytest.fail(f"the suite ran: {argv}"))
+    code, _, err = in_process("bench", "--workloads", "overhead_grad", *args)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and message in lines[0], err
 
 
 def test_usage_errors_exit_2(in_process):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from typing import Any
 
 from dtype_policies.advisor import DEFAULT_CANDIDATES, advise
@@ -12,6 +13,7 @@ from dtype_policies.advisor.runner import OBJECTIVES
 from dtype_policies.cli import output
 from dtype_policies.cli.input_specs import HELP as INPUTS_HELP
 from dtype_policies.cli.input_specs import load_inputs
+from dtype_policies.cli.output_paths import check_output_file
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 
 EPILOG = """examples:
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--candidates is empty; give e.g. int8,mixed_bfloat16")
     if is_checkpoint(args.target):
         raise CLIError("advise takes a 'package.module:factory' TARGET, not a checkpoint")
+    if args.output is not None:  # a bad path fails now, not after measuring
+        check_output_file(args.output, "--output")
     model = build_model(args.target)
     inputs = load_inputs(args.inputs, model, args.batches, args.seed)
     advice = advise(
@@ -86,12 +90,18 @@ def run(args: argparse.Namespace) -> int:
         objective=args.objective,
         progress=not args.quiet,
     )
-    if args.output:
-        advice.save(args.output)
     if args.json:
         output.print_json({"target": args.target, **advice.to_dict()})
     else:
         print(advice.table())
-        if args.output:
+    if args.output is not None:  # after printing: a failed write loses no results
+        try:
+            advice.save(args.output)
+        except OSError as e:
+            sys.stdout.flush()
+            raise CLIError(
+                f"--output {args.output!r}: cannot write the map: {e.strerror or e}"
+            ) from e
+        if not args.json:
             print(f"map written to {args.output}")
     return 0

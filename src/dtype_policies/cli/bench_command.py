@@ -11,6 +11,7 @@ from typing import Any
 
 from dtype_policies.bench import runner, workloads
 from dtype_policies.cli import output
+from dtype_policies.cli.output_paths import check_output_directory
 from dtype_policies.cli.targets import CLIError
 
 
@@ -75,16 +76,19 @@ def run(args: argparse.Namespace) -> int:
             f"unknown workloads {unknown or [args.workloads]}; choose from "
             f"{sorted(workloads.WORKLOADS)}"
         )
-    argv = ["--workloads", ",".join(selected), "--output", args.output]
-    argv += ["--quick"] if args.quick else []
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be a positive integer (got {args.threads})")
+    check_output_directory(args.output, "--output")  # now, not after the run
+    if args.charts is not None:
+        check_output_directory(args.charts, "--charts")
+    argv = ["--workloads", ",".join(selected), "--output", args.output]
+    argv += ["--quick"] if args.quick else []
     argv += ["--threads", str(args.threads)] if args.threads is not None else []
     argv += ["--no-memory"] if args.no_memory else []
     argv += ["--no-first-call"] if args.no_first_call else []
     argv += ["--variants", args.variants] if args.variants else []
     argv += ["--speed-only"] if args.speed_only else []
-    argv += ["--charts", args.charts] if args.charts else []
+    argv += ["--charts", args.charts] if args.charts is not None else []
     argv += ["--skip", args.skip] if args.skip else []
     if not args.json:
         return runner.main(argv)
