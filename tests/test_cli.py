@@ -146,6 +146,26 @@ def test_inspect_a_checkpoint(tmp_path):
     assert rows["1"]["policy"] == "float32" and rows["2"]["variable_dtype"] == "float32"
 
 
+@pytest.mark.parametrize(("columns", "drawn"), [(40, False), (200, True)])
+def test_a_table_in_a_terminal_never_cuts_a_path(monkeypatch, capsys, columns, drawn):
+    pytest.importorskip("rich")
+    from dtype_policies.cli import output
+
+    monkeypatch.setattr(output, "fancy", lambda: True)  # as in a terminal
+    monkeypatch.setenv("COLUMNS", str(columns))
+    paths = ["model/layers/0/self_attn/q_proj", "model/layers/11/mlp/down_proj"]
+    rows = [[path, "Linear", "int8_from_mixed_bfloat16", 4096] for path in paths]
+    output.print_table("title", ["path", "class", "policy", "bytes"], rows, numeric=1)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    lines = out.splitlines()
+    assert any("┃" in line for line in lines) == drawn  # by rich where it fits, else plain
+    assert not drawn or all(len(line) <= columns for line in lines)
+    for path in paths:  # whole, on one row
+        line = next(line for line in lines if path in line)
+        assert "int8_from_mixed_bfloat16" in line and "4096" in line
+
+
 class _TiedWithStatistics(torch.nn.Module):
     """A table tied to its head, a norm with running statistics, a block
     given a quantized policy it has no weight of its own for."""

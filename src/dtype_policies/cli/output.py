@@ -12,6 +12,7 @@ from dtype_policies.apply.summary import render_table
 
 try:
     import rich.console
+    import rich.measure
     import rich.progress
     import rich.table
 except ImportError:  # the `cli` extra is not installed: plain text
@@ -26,16 +27,27 @@ def fancy() -> bool:
 def print_table(
     title: str, header: list[str], rows: list[list[Any]], numeric: int = 0, footer: str = ""
 ) -> None:
-    """Prints a table; the last `numeric` columns are right-aligned."""
+    """Prints a table; the last `numeric` columns are right-aligned. No text
+    (a module path, a policy name) is ever cut: a table wider than the
+    terminal is printed as plain text (the terminal wraps its lines), and
+    rich folds a cell rather than cut it."""
     cells = [[_text(cell) for cell in row] for row in rows]
     if fancy():
         table = rich.table.Table(title=title, caption=footer or None)
         for i, name in enumerate(header):
-            table.add_column(name, justify="right" if i >= len(header) - numeric else "left")
+            table.add_column(
+                name,
+                justify="right" if i >= len(header) - numeric else "left",
+                overflow="fold",
+                no_wrap=False,
+            )
         for row in cells:
             table.add_row(*row)
-        rich.console.Console().print(table)
-        return
+        console = rich.console.Console()
+        unbounded = console.options.update_width(sys.maxsize)  # the table's natural width
+        if rich.measure.Measurement.get(console, unbounded, table).maximum <= console.width:
+            console.print(table)
+            return
     print(title)
     print(render_table(tuple(header), [tuple(row) for row in cells], numeric))
     if footer:
