@@ -274,6 +274,37 @@ def test_a_model_that_already_has_policies_is_refused_by_name(policy):
     assert advice.error <= 0.02
 
 
+class EncoderThenDecoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = {"d_model": 32, "nhead": 4, "dim_feedforward": 64, "dropout": 0.0}
+        self.enc = torch.nn.TransformerEncoderLayer(**layer, batch_first=True)
+        self.dec = torch.nn.TransformerDecoderLayer(**layer, batch_first=True)
+
+    def forward(self, x):
+        return self.dec(x, self.enc(x))
+
+
+def test_weights_an_encoder_layer_reads_itself_are_not_advised():
+    """At inference `nn.TransformerEncoderLayer`'s fast path reads its
+    `self_attn`'s weights itself (as its linears'): an entry for `self_attn`
+    changed nothing there (measured 0.0 error). `nn.TransformerDecoderLayer`
+    calls its attentions, which are measured."""
+    torch.manual_seed(0)
+    model = EncoderThenDecoder().eval()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    advice = advise(model, x, candidates=("mixed_bfloat16",), objective="memory", **FAST)
+    rows = {row.path: row for row in advice.modules}
+    for name in ("self_attn", "linear1", "linear2"):
+        assert rows[f"enc/{name}"].group is None
+        assert rows[f"enc/{name}"].note == "weight read by its parent (TransformerEncoderLayer)"
+    for parent in ("enc/self_attn", "dec/self_attn", "dec/multihead_attn"):  # its own parent
+        assert rows[f"{parent}/out_proj"].note == "weight read by its parent (MultiheadAttention)"
+    for name in ("self_attn", "multihead_attn", "linear1", "linear2"):
+        assert rows[f"dec/{name}"].errors["mixed_bfloat16"] > 0, name
+    assert all(key.startswith("dec/") for key in advice.policy_map)
+
+
 def tiny_llama(tie: bool = False):
     return tiny_decoder("llama", tie=tie)
 

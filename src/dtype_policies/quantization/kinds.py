@@ -243,10 +243,15 @@ def owns_matrix(module: torch.nn.Module) -> bool:
 
 
 # Parents whose forward reads these children's weights directly (so a
-# quantized child would not be used through its own forward).
+# quantized child, or a child's own policy, would not be used through its own
+# forward): `MultiheadAttention` passes `out_proj.weight` to the attention
+# function; `TransformerEncoderLayer`'s inference fast path
+# (`torch._transformer_encoder_layer_fwd`) reads `self_attn`'s, `norm1`'s,
+# `norm2`'s, `linear1`'s and `linear2`'s. `TransformerDecoderLayer` has no such
+# path: it calls its children.
 _PARENT_READS: dict[type, tuple[str, ...]] = {
     torch.nn.MultiheadAttention: ("out_proj",),
-    torch.nn.TransformerEncoderLayer: ("linear1", "linear2"),
+    torch.nn.TransformerEncoderLayer: ("self_attn", "norm1", "norm2", "linear1", "linear2"),
 }
 
 
@@ -256,10 +261,12 @@ def read_by_parent(
     """Why `module`'s weight is read directly by its parent (so that it cannot
     change how it computes on its own), or `None`; `modules` maps paths to
     modules (the advisor keeps such weights as they are too)."""
-    if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
-        return "weight read by its parent (NonDynamicallyQuantizableLinear)"
     parent_path, _, name = path.rpartition("/")
-    parent = modules.get(parent_path)
+    parent = modules.get(parent_path) if path else None  # the root has no parent
+    if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
+        # torch's class of MultiheadAttention's out_proj, wherever it sits
+        owner = original_class(parent).__name__ if parent is not None else "MultiheadAttention"
+        return f"weight read by its parent ({owner})"
     if parent is None:
         return None
     for cls, children in _PARENT_READS.items():
