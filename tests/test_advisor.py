@@ -346,6 +346,38 @@ def test_tied_embedding_and_head_are_one_group():
     assert measured_error(model, advice, [ids], logits) <= 0.02
 
 
+class TiedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+def test_a_tied_weight_is_counted_once():
+    """The table's and totals' bytes (and the memory objective's costs) were
+    the tied table's twice: 7,488 bytes for a model of 4,288."""
+    from dtype_policies.advisor.variants import model_bytes
+
+    torch.manual_seed(0)
+    model = TiedHead().eval()
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    advice = advise(model, ids, candidates=("int4", "int8", "mixed_bfloat16"), **FAST)
+    assert advice.totals()["bytes_float32"] == advice.model_bytes["float32"] == 4288
+    assert advice.totals()["bytes_chosen"] == advice.model_bytes["chosen"]
+    rows = {row.path: row for row in advice.modules}
+    assert rows["head"].note == "shares tensors with 'emb' (counted there)"
+    for label, name in advice.candidates:  # the pair under each, as the map stores it
+        applied = copy.deepcopy(model)
+        dtype_policies.apply_policy(applied, DTypePolicyMap("float32", {"emb": name, "head": name}))
+        pair = rows["emb"].bytes[label] + rows["head"].bytes[label]
+        assert pair + rows["mid"].bytes["float32"] == model_bytes(applied), label
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_q_k_v_are_measured_under_every_candidate(family):
     # The q/k/v group's outputs meet in attention: q and k after a float32

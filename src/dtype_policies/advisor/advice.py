@@ -40,7 +40,9 @@ class ModuleAdvice:
             module's group changed to it (its sensitivity); `None` when the
             group cannot take it.
         micros: Per candidate label, this module's measured microseconds per call.
-        bytes: Per candidate label, this module's stored bytes.
+        bytes: Per candidate label, this module's stored bytes; a tensor
+            it shares with an earlier module of its group (a head tied to
+            an embedding) is counted there, as the map stores it, once.
         note: Why it was left alone, or why candidates were unavailable.
     """
 
@@ -144,7 +146,8 @@ class Advice:
 
     def totals(self) -> dict[str, float]:
         """Sums over the measured modules, per forward: microseconds (per call
-        times calls) and stored bytes, under float32 and under the chosen map."""
+        times calls) and stored bytes (each tensor once), under float32 and
+        under the chosen map."""
 
         def total(row_values, choose) -> float:
             return float(sum(choose(row) for row in row_values))

@@ -35,7 +35,13 @@ from dtype_policies.advisor.selection import (
 )
 from dtype_policies.advisor.sensitivity import group_error
 from dtype_policies.advisor.units import Unit, find_units, record
-from dtype_policies.advisor.variants import build_variant, model_bytes, stored_bytes
+from dtype_policies.advisor.variants import (
+    build_variant,
+    group_bytes,
+    model_bytes,
+    shared_tensors,
+    stored_bytes,
+)
 from dtype_policies.advisor.verify import Check, back_off, prepared
 from dtype_policies.apply import apply_policy
 from dtype_policies.policies import DTypePolicyMap
@@ -328,6 +334,7 @@ class _GroupMeasure:
         self.micros: dict[str, dict[int, float]] = {}
         self.bytes: dict[str, dict[int, int]] = {}
         self.unavailable: dict[int, str] = {}
+        self.shared: dict[str, str] = {}  # member -> the earlier member it shares tensors with
 
 
 def _measure_group(
@@ -360,6 +367,15 @@ def _measure_group(
             seconds = _time_each(per_rank, unit, repeats, result)
         result.micros[unit.path] = {rank: s * 1e6 for rank, s in seconds.items()}
         result.bytes[unit.path] = {rank: stored_bytes(v) for rank, v in per_rank.items()}
+    members = {unit.path: originals[unit.path] for unit in group}
+    result.shared = shared_tensors(members)
+    if result.shared:  # tied weights: each tensor counted once, as the map stores them
+        inputs = {unit.path: unit.args for unit in group}
+        routers = {unit.path for unit in group if unit.router}
+        for rank in variants:
+            counted = group_bytes(members, choices[rank], inputs, routers)
+            for path, size in counted.items():
+                result.bytes[path][rank] = size
     for rank, built in variants.items():
         if rank == 0 or rank in result.unavailable:
             continue
@@ -474,8 +490,17 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
                     if c.rank not in measure.unavailable
                 },
                 note="; ".join(
-                    f"no {choices[rank].label} ({reason})"
-                    for rank, reason in sorted(measure.unavailable.items())
+                    [
+                        *(
+                            [f"shares tensors with '{measure.shared[unit.path]}' (counted there)"]
+                            if unit.path in measure.shared
+                            else []
+                        ),
+                        *(
+                            f"no {choices[rank].label} ({reason})"
+                            for rank, reason in sorted(measure.unavailable.items())
+                        ),
+                    ]
                 ),
             )
     for unit in units:

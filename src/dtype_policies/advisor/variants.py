@@ -12,7 +12,7 @@ import torch
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.candidates import Candidate
-from dtype_policies.apply import PolicyHandle, apply_policy, module_summaries
+from dtype_policies.apply import PolicyHandle, apply_policy
 from dtype_policies.policies import DTypePolicyMap
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.api import quantize
@@ -158,12 +158,74 @@ def _why_not_quantized(module: torch.nn.Module, candidate: Candidate) -> str:
     return "not quantized by apply_policy"
 
 
+def stored_tensors(variant: torch.nn.Module) -> list[torch.Tensor]:
+    """The module's own parameters and buffers (int8/int4 data and scales,
+    float weights); of an expanded experts module, those of its experts'
+    linears too."""
+    modules = variant.modules() if expanded(variant) else (variant,)
+    return [
+        tensor
+        for module in modules
+        for tensor in (*module._parameters.values(), *module._buffers.values())
+        if tensor is not None
+    ]
+
+
 def stored_bytes(variant: torch.nn.Module) -> int:
-    """The bytes of the module's own parameters and buffers (as `summary`
-    counts them: int8/int4 data and scales, float weights); of an expanded
-    experts module, its experts' linears'."""
-    summaries = module_summaries(variant)
-    return sum(s.bytes for s in summaries) if expanded(variant) else summaries[0].bytes
+    """The bytes of `stored_tensors(variant)` (as `summary` counts them)."""
+    return sum(tensor.nbytes for tensor in stored_tensors(variant))
+
+
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """Equal for two tensors holding the same memory (tied weights)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.nbytes)
+
+
+def shared_tensors(modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """`{path: earlier path}` for each module holding a tensor that a module
+    before it holds too (a head tied to an embedding)."""
+    first: dict[tuple, str] = {}
+    shared = {}
+    for path, module in modules.items():
+        for tensor in stored_tensors(module):
+            earlier = first.setdefault(storage_key(tensor), path)
+            if earlier != path:
+                shared.setdefault(path, earlier)
+    return shared
+
+
+def group_bytes(
+    modules: dict[str, torch.nn.Module],
+    candidate: Candidate,
+    inputs: dict[str, tuple],
+    routers: set[str],
+) -> dict[str, int]:
+    """Per module, the bytes of its stored tensors that no module before it
+    holds, with `candidate` applied to copies of them all together, as
+    `Advice.apply` applies a map: a tied weight is counted once where
+    `apply_policy` stores it once (each module's own copy, from
+    `build_variant`, would count it in each). `routers` compute with a
+    quantized candidate's float source; `inputs` calibrate gptq/awq."""
+    copies = copy.deepcopy(list(modules.values()))  # one deep copy: ties kept
+    holder = torch.nn.ModuleList(copies).eval()
+    policy: Any = candidate.policy
+    entries = {
+        str(i): policy.source_policy if path in routers and candidate.mode else policy
+        for i, path in enumerate(modules)
+    }
+    recorded = {str(i): inputs.get(path, ()) for i, path in enumerate(modules)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        apply_advised(holder, DTypePolicyMap("float32", entries), recorded)
+    counted: set[tuple] = set()
+    result = {}
+    for path, module in zip(modules, copies):
+        result[path] = 0
+        for tensor in stored_tensors(module):
+            if storage_key(tensor) not in counted:
+                counted.add(storage_key(tensor))
+                result[path] += tensor.nbytes
+    return result
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -171,7 +233,7 @@ def model_bytes(model: torch.nn.Module) -> int:
     entries (tied weights) counted once."""
     seen, total = set(), 0
     for tensor in model.state_dict().values():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.nbytes)
+        key = storage_key(tensor)
         if key not in seen:
             seen.add(key)
             total += tensor.nbytes
