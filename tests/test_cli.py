@@ -78,6 +78,9 @@ def test_help_and_version(in_process):
         assert command in result.stdout
     code, out, _ = in_process("inspect", "--help")
     assert code == 0 and "--policy" in out
+    for command in ("demo", "inspect", "advise", "bench"):
+        code, out, _ = in_process(command, "--help")
+        assert code == 0 and "--verbose" in out, command
     code, out, _ = in_process("--version")
     assert code == 0 and out.startswith("dtype-policies ")
     assert in_process()[0] == 2
@@ -238,6 +241,8 @@ def test_bad_inputs_exit_1_with_one_line(in_process, args, message):
     assert len(lines) == 1 and message in lines[0]
     assert "Traceback" not in err
     code, _, err = in_process("--verbose", *args)
+    assert code == 1 and "Traceback" in err
+    code, _, err = in_process(*args, "--verbose")  # after the command too, as documented
     assert code == 1 and "Traceback" in err
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from dtype_policies._version import __version__
 from dtype_policies.cli import advise_command, bench_command, demo, inspect_command
+from dtype_policies.cli.options import VERBOSE_HELP
 from dtype_policies.cli.targets import CLIError
 
 COMMANDS = (demo, inspect_command, advise_command, bench_command)
@@ -28,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
         "costs and gives.",
     )
     root.add_argument("--version", action="store_true", help="print the version and exit")
-    root.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    root.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     subparsers = root.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(subparsers)

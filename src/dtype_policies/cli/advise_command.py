@@ -13,6 +13,7 @@ from dtype_policies.advisor.runner import OBJECTIVES
 from dtype_policies.cli import output
 from dtype_policies.cli.input_specs import HELP as INPUTS_HELP
 from dtype_policies.cli.input_specs import load_inputs
+from dtype_policies.cli.options import common_options
 from dtype_policies.cli.output_paths import check_output_file
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 
@@ -30,6 +31,7 @@ kept in it under "advice"."""
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "advise",
+        parents=[common_options()],
         help="choose a precision per module under an error budget (measured here)",
         description="Measures each module's sensitivity, time per call and stored bytes "
         "under each candidate precision on this machine, picks the fastest (or smallest) "

@@ -11,6 +11,7 @@ from typing import Any
 
 from dtype_policies.bench import runner, workloads
 from dtype_policies.cli import output
+from dtype_policies.cli.options import common_options
 from dtype_policies.cli.output_paths import check_output_directory
 from dtype_policies.cli.targets import CLIError
 
@@ -18,6 +19,7 @@ from dtype_policies.cli.targets import CLIError
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
+        parents=[common_options()],
         help="run the benchmark suite, print its tables, write JSON",
         description="Times every workload's variants (interleaved medians, ratios measured "
         "in one run against float32, whole-model bfloat16, torch.autocast, torchao and "

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from dtype_policies.apply import apply_policy, model_totals
 from dtype_policies.cli import output
+from dtype_policies.cli.options import common_options
 from dtype_policies.cli.targets import CLIError
 from dtype_policies.quantization import quantize
 
@@ -22,6 +23,7 @@ from dtype_policies.quantization import quantize
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
+        parents=[common_options()],
         help="train on scikit-learn's digits in float32 and mixed_bfloat16, quantize, compare",
         description="Trains the same MLP on scikit-learn's digits (offline) in float32 and "
         "mixed_bfloat16, quantizes it to int8 and int4, and prints accuracy, train step "

@@ -13,6 +13,7 @@ from dtype_policies.apply import apply_policy, model_totals, module_summaries
 from dtype_policies.apply.kernel_report import kernel_of
 from dtype_policies.apply.summary import COLUMNS, label_of
 from dtype_policies.cli import output
+from dtype_policies.cli.options import common_options
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 from dtype_policies.policies import QuantizedDTypePolicy, deserialize, policy_for_config
 from dtype_policies.quantization import quantize
@@ -23,6 +24,7 @@ from dtype_policies.saving.checkpoint import dtype_of_code, model_file, read_hea
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "inspect",
+        parents=[common_options()],
         help="print the per-layer table of a model or a checkpoint",
         description="Prints every module's path, class, policy, compute and variable "
         "dtypes, quantization, parameters and bytes, with totals.",
