@@ -540,6 +540,18 @@ def test_cli_help_lists_advise_and_the_inputs_forms(capsys):
     assert "[NAME=]SHAPE[:DTYPE[:HIGH]]" in text and "package.module:callable" in text
 
 
+def test_int32_ids_refuse_a_vocabulary_beyond_their_range():
+    from dtype_policies.cli.input_specs import random_batches
+    from dtype_policies.cli.targets import CLIError
+
+    model = torch.nn.Linear(2, 2)
+    model.config = type("Config", (), {"vocab_size": 2**40})()
+    [batch] = random_batches(["2x3:int64"], model, count=1, seed=0)
+    assert batch.dtype == torch.int64 and int(batch.max()) < 2**40
+    with pytest.raises(CLIError, match=f"the model's {2**40} token ids do not fit torch.int32"):
+        random_batches(["2x3:int32"], model, count=1, seed=0)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -550,6 +562,22 @@ def test_cli_help_lists_advise_and_the_inputs_forms(capsys):
         (["--inputs", "x=16x32", "8x8"], "name every SPEC"),
         (["--inputs", "16x32:float7"], "unknown dtype 'float7'"),
         (["--inputs", "advise_models:missing"], "has no attribute 'missing'"),
+        # numbers torch overflows on, named with their range (were "ValueError: Overflow ...")
+        (
+            ["--inputs", "16x32", "--seed", str(10**23)],
+            f"--seed must be an integer from 0 to {2**64 - 1}. Received: {10**23}",
+        ),
+        (["--inputs", "16x32", "--seed", "-1"], "--seed must be an integer from 0 to"),
+        (
+            ["--inputs", "4x16:int64:" + "9" * 20],
+            f"HIGH must be from 1 to {2**63 - 1} for int64. Received: {'9' * 20}",
+        ),
+        (["--inputs", "4x16:int32:4294967296"], "HIGH must be from 1 to 2147483648 for int32"),
+        (
+            ["--inputs", "99999999999x99999999999"],
+            "'99999999999x99999999999' is 39,999,999,999,200,000,000,004 bytes; "
+            "a tensor holds at most 9,223,372,036,854,775,807 bytes",
+        ),
     ],
 )
 def test_cli_advise_bad_inputs_in_process(tmp_path, monkeypatch, capsys, args, message):

@@ -216,11 +216,14 @@ BAD_INPUTS = [
     (("inspect", "cli_models:mlp", "--policy", "mixed_float15"), "mixed_float15"),
     (("inspect", "cli_models:mlp", "--policy", ""), "invalid policy ''"),  # was no policy
     (("inspect", "missing.safetensors"), "missing.safetensors"),
-    (("bench", "--threads", "0"), "--threads must be a positive integer (got 0)"),  # was ignored
+    (("bench", "--threads", "0"), "--threads must be an integer from 1 to 2147483647. Received: 0"),
     # a bad --output is refused before measuring (it failed after the run, naming a temp file)
     ((*ADVISE, "--output", "."), "--output '.' is a directory"),
     ((*ADVISE, "--output", "cli_models.py/map.json"), "--output 'cli_models.py/map.json': '"),
     ((*ADVISE, "--output", ""), "--output is empty"),
+    # numbers torch overflows on, named (were "ValueError: Overflow when unpacking long long")
+    (("demo", "--seed", str(2**64)), f"--seed must be an integer from 0 to {2**64 - 1}. Received"),
+    (("bench", "--threads", str(2**40)), "--threads must be an integer from 1 to 2147483647."),
 ]
 
 

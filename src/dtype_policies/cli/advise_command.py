@@ -13,7 +13,7 @@ from dtype_policies.advisor.runner import OBJECTIVES
 from dtype_policies.cli import output
 from dtype_policies.cli.input_specs import HELP as INPUTS_HELP
 from dtype_policies.cli.input_specs import load_inputs
-from dtype_policies.cli.options import common_options
+from dtype_policies.cli.options import SEED_RANGE, check_range, common_options
 from dtype_policies.cli.output_paths import check_output_file
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 
@@ -46,7 +46,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--batches", type=int, default=1, help="random batches from shape SPECs (default 1)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random batches")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help=f"seed of the random batches, {SEED_RANGE[0]} to {SEED_RANGE[1]} (default 0)",
+    )
     parser.add_argument(
         "--max-error",
         type=float,
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--max-error must be a number > 0. Received: {args.max_error}")
     if args.batches < 1:
         raise CLIError(f"--batches must be >= 1. Received: {args.batches}")
+    check_range("--seed", args.seed, *SEED_RANGE)
     candidates = [name.strip() for name in args.candidates.split(",") if name.strip()]
     if not candidates:
         raise CLIError("--candidates is empty; give e.g. int8,mixed_bfloat16")

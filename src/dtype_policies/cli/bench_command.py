@@ -11,7 +11,7 @@ from typing import Any
 
 from dtype_policies.bench import runner, workloads
 from dtype_policies.cli import output
-from dtype_policies.cli.options import common_options
+from dtype_policies.cli.options import THREADS_RANGE, check_range, common_options
 from dtype_policies.cli.output_paths import check_output_directory
 from dtype_policies.cli.targets import CLIError
 
@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
             f"unknown workloads {unknown or [args.workloads]}; choose from "
             f"{sorted(workloads.WORKLOADS)}"
         )
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be a positive integer (got {args.threads})")
+    if args.threads is not None:
+        check_range("--threads", args.threads, *THREADS_RANGE)
     check_output_directory(args.output, "--output")  # now, not after the run
     if args.charts is not None:
         check_output_directory(args.charts, "--charts")

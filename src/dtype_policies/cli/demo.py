@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from dtype_policies.apply import apply_policy, model_totals
 from dtype_policies.cli import output
-from dtype_policies.cli.options import common_options
+from dtype_policies.cli.options import SEED_RANGE, check_range, common_options
 from dtype_policies.cli.targets import CLIError
 from dtype_policies.quantization import quantize
 
@@ -36,7 +36,9 @@ def add_parser(subparsers: Any) -> None:
         "--hidden", type=int, default=None, help="hidden width (default 1024; 128 with --quick)"
     )
     parser.add_argument("--quick", action="store_true", help="a reduced run (seconds)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help=f"{SEED_RANGE[0]} to {SEED_RANGE[1]} (default 0)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=run)
 
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     hidden = hidden if args.hidden is None else args.hidden
     if epochs < 1 or hidden < 1:
         raise CLIError(f"--epochs and --hidden must be positive (got {epochs}, {hidden})")
+    check_range("--seed", args.seed, *SEED_RANGE)
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = _data(args.seed)
     torch.manual_seed(args.seed)

@@ -24,6 +24,7 @@ arguments, or a list of those).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ FLOAT_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "long": torch.int64}
+MAX_BYTES = 2**63 - 1  # torch's storage sizes are int64
 HELP = (
     "the batch: one or more SPECs '[NAME=]SHAPE[:DTYPE[:HIGH]]', e.g. '32x64' (float32 "
     "randn), '1x16:int64' (token ids in [0, HIGH); HIGH defaults to the model's "
@@ -66,7 +68,17 @@ class TensorSpec:
                 "config.vocab_size or nn.Embedding; give it as SHAPE:DTYPE:HIGH "
                 "(e.g. 1x16:int64:1000)"
             )
+        if high > max_high(self.dtype):  # a model's vocabulary beyond int32 ids
+            raise CLIError(
+                f"--inputs: the model's {high} token ids do not fit {self.dtype}; give "
+                f"SHAPE:int64, or HIGH from 1 to {max_high(self.dtype)}"
+            )
         return torch.randint(0, high, self.shape, generator=generator, dtype=self.dtype)
+
+
+def max_high(dtype: torch.dtype) -> int:
+    """The largest HIGH `torch.randint` takes for `dtype` (values below it)."""
+    return min(torch.iinfo(dtype).max + 1, 2**63 - 1)
 
 
 def is_shape_spec(spec: str) -> bool:
@@ -86,6 +98,11 @@ def parse_spec(spec: str) -> TensorSpec:
     if dtype is None:
         accepted = ", ".join([*FLOAT_DTYPES, *INT_DTYPES])
         raise CLIError(f"--inputs: unknown dtype {dtype_name!r} in {spec!r}; accepted: {accepted}")
+    size = math.prod(shape) * dtype.itemsize
+    if size > MAX_BYTES:
+        raise CLIError(
+            f"--inputs: {spec!r} is {size:,} bytes; a tensor holds at most {MAX_BYTES:,} bytes"
+        )
     high = None
     if high_text:
         if dtype.is_floating_point or not high_text.isdigit() or int(high_text) < 1:
@@ -93,6 +110,11 @@ def parse_spec(spec: str) -> TensorSpec:
                 f"--inputs: {spec!r}: HIGH must be a positive integer after an integer dtype"
             )
         high = int(high_text)
+        if high > max_high(dtype):
+            raise CLIError(
+                f"--inputs: {spec!r}: HIGH must be from 1 to {max_high(dtype)} for "
+                f"{dtype_name}. Received: {high}"
+            )
     return TensorSpec(match["name"], shape, dtype, high)
 
 
