@@ -31,6 +31,9 @@ FACTORY = textwrap.dedent(
 
     def broken():
         raise RuntimeError("factory exploded")
+
+    def many():
+        return torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3000)])
     """
 )
 
@@ -291,6 +294,24 @@ def test_bench_refuses_a_bad_directory_before_running(in_process, monkeypatch, a
     code, _, err = in_process("bench", "--workloads", "overhead_grad", *args)
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and message in lines[0], err
+
+
+def test_a_closed_stdout_ends_the_command_quietly(factory):
+    """`dtype-policies inspect ... | head -1` printed "error: BrokenPipeError"
+    and exited 1; it ends as a process killed by SIGPIPE reports (141)."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(factory), os.environ.get("PYTHONPATH", "")])
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dtype_policies", "inspect", "cli_models:many"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=factory, env=env,
+    )  # fmt: skip
+    first = process.stdout.readline()  # its 3,000 rows overflow the pipe: it waits on us
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 141
+    assert first == "cli_models:many\n"
+    assert "error" not in err and "BrokenPipe" not in err, err
 
 
 def test_usage_errors_exit_2(in_process):

@@ -10,6 +10,7 @@ dtype-policies ...
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from dtype_policies.cli.options import VERBOSE_HELP
 from dtype_policies.cli.targets import CLIError
 
 COMMANDS = (demo, inspect_command, advise_command, bench_command)
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: stdout's reader closed it
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs a command; returns the exit code (0 ok, 1 error, 2 bad arguments)."""
+    """Runs a command; returns the exit code (0 ok, 1 error, 2 bad arguments,
+    130 interrupted, 141 stdout closed by its reader)."""
     root = parser()
     try:
         args = root.parse_args(argv)
@@ -50,7 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         root.print_help()
         return 2
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe fails here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except KeyboardInterrupt:
         print("dtype-policies: interrupted", file=sys.stderr)
         return 130
@@ -61,6 +68,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = message.strip().splitlines()[0] if message.strip() else type(e).__name__
         print(f"dtype-policies {args.command}: error: {first}", file=sys.stderr)
         return 1
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`dtype-policies inspect ... | head`):
+    the command ends quietly with 141, the status a shell reports for a
+    process ended by SIGPIPE (as `ls | head` does), the rest of its output
+    sent to devnull so that the interpreter's last flush fails no more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor (a replaced sys.stdout)
+        pass
+    return SIGPIPE_EXIT
 
 
 def entry_point() -> None:
