@@ -305,6 +305,18 @@ def test_weights_an_encoder_layer_reads_itself_are_not_advised():
     assert all(key.startswith("dec/") for key in advice.policy_map)
 
 
+def test_an_already_quantized_module_shows_its_policy():
+    model = fragile_mlp()
+    dtype_policies.quantize(model[2], "int8")
+    advice = advise(model, outlier_inputs(), max_error=0.02, objective="memory", **FAST)
+    row = next(row for row in advice.modules if row.path == "2")
+    assert (row.group, row.policy, row.note) == (None, "int8_from_float32", "already quantized")
+    line = next(line for line in advice.table().splitlines() if line.startswith("2 "))
+    assert line.split()[2:4] == ["-", "int8_from_float32"]  # was "float32 (fixed)"
+    assert "(fixed)" in line
+    assert json.loads(advice.to_json())["modules"][1]["policy"] == "int8_from_float32"
+
+
 def tiny_llama(tie: bool = False):
     return tiny_decoder("llama", tie=tie)
 

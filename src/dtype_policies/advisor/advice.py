@@ -34,8 +34,10 @@ class ModuleAdvice:
         group: Its group's index (members share one precision), or `None`
             for modules the advisor left in float32 without measuring.
         calls: Calls per forward on the first batch.
-        choice: The chosen candidate's label (`"float32"` when kept).
-        policy: The chosen policy's name.
+        choice: The chosen candidate's label (`"float32"` when kept); of a
+            module left alone, its policy.
+        policy: The chosen policy's name; of a module left alone, the one it
+            keeps (`"float32"`, or the quantized policy it already has).
         errors: Per candidate label, the end-to-end error with only this
             module's group changed to it (its sensitivity); `None` when the
             group cannot take it.
@@ -187,7 +189,7 @@ class Advice:
                     row.path or "(root)",
                     row.class_name,
                     str(row.group) if measured else "-",
-                    row.choice if measured else "float32 (fixed)",
+                    row.choice if measured else f"{row.policy} (fixed)",
                     *(_number(row.errors.get(label)) for label in labels),
                     str(row.calls) if measured else "-",
                     _number(row.micros.get("float32"), 1),

@@ -516,7 +516,7 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
             )
     for item in skipped:
         by_path[item.path] = ModuleAdvice(
-            item.path, item.class_name, None, 0, "float32", "float32", note=item.reason
+            item.path, item.class_name, None, 0, item.policy, item.policy, note=item.reason
         )
     return [by_path[path] for path in originals if path in by_path]
 

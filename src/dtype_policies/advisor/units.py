@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.module_rules import matches_any
+from dtype_policies._core.module_state import state_of
 from dtype_policies._core.slots import own_parameters
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.batches import Batch, floating_tensors
@@ -48,11 +49,13 @@ class Unit:
 
 @dataclass
 class Skipped:
-    """A module with weights that keeps float32 (no entry in the map), and why."""
+    """A module with weights left as it is (no entry in the map), and why:
+    float32, or the quantized policy it already computes by."""
 
     path: str
     class_name: str
     reason: str
+    policy: str = "float32"
 
 
 def _owns_float_weights(module: torch.nn.Module) -> bool:
@@ -71,8 +74,10 @@ def find_units(model: torch.nn.Module) -> tuple[list[Unit], list[Skipped]]:
         if not _owns_float_weights(module) and quantization_of(module) is None:
             continue
         name = type(module).__name__
-        if quantization_of(module) is not None:
-            skipped.append(Skipped(path, name, "already quantized"))
+        if (quantized := quantization_of(module)) is not None:
+            call = getattr(state_of(module), "call", None)
+            policy = call.policy.name if call is not None else quantized.mode
+            skipped.append(Skipped(path, name, "already quantized", policy))
         elif matches_any(path, module, DEFAULT_FLOAT32_RULES):
             skipped.append(Skipped(path, name, "normalization layer (float32 island)"))
         elif (reason := read_by_parent(path, module, modules)) is not None:
