@@ -134,6 +134,29 @@ def test_a_candidate_may_be_a_torch_dtype():
     assert labels == ["float32", "int8", "bfloat16"]
 
 
+def test_an_unknown_candidate_is_told_every_form_accepted():
+    """The message was Keras's list of float policies alone."""
+    from dtype_policies.advisor.candidates import parse_candidate
+
+    with pytest.raises(ValueError) as raised:
+        parse_candidate("int9")
+    message = str(raised.value)
+    assert message.startswith("advise(): unknown candidate 'int9'; accepted: ")
+    quantized = {"int8": "int8", "int4": "int4/128", "float8": "float8", "gptq": "gptq/4/128"}
+    quantized |= {"awq": "awq/4/128", "int4/<block size>": "int4/64"}
+    quantized |= {"gptq/<bits>/<group size>": "gptq/8/64", "awq/4/<group size>": "awq/4/32"}
+    for form, mode in quantized.items():  # each listed, and each taken
+        name = mode if "<" in form else form
+        assert f"'{form}'" in message
+        assert parse_candidate(name).name == f"{mode}_from_mixed_bfloat16"
+    for name in ("mixed_bfloat16", "mixed_float16", "bfloat16", "float16", "float32"):
+        assert f"'{name}'" in message and parse_candidate(name).name == name
+    assert "'int8_from_mixed_bfloat16'" in message
+    # a known form that is wrong says what is wrong in it
+    with pytest.raises(ValueError, match=r"'int4/0': Invalid block_size"):
+        parse_candidate("int4/0")
+
+
 def test_a_tighter_budget_never_quantizes_more():
     model = fragile_mlp()
     x = outlier_inputs()
@@ -483,6 +506,17 @@ FACTORY = textwrap.dedent(
     def batches():
         generator = torch.Generator().manual_seed(0)
         return [torch.randn(8, 32, generator=generator) for _ in range(2)]
+
+    class Classes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.linear(x).argmax(-1)
+
+    def classes():
+        return Classes()
     """
 )
 
@@ -574,6 +608,7 @@ def test_int32_ids_refuse_a_vocabulary_beyond_their_range():
         (["--inputs", "x=16x32", "8x8"], "name every SPEC"),
         (["--inputs", "16x32:float7"], "unknown dtype 'float7'"),
         (["--inputs", "advise_models:missing"], "has no attribute 'missing'"),
+        (["--inputs", "16x32", "--candidates", "int9"], "'float8', 'gptq' (gptq/4/128)"),
         # numbers torch overflows on, named with their range (were "ValueError: Overflow ...")
         (
             ["--inputs", "16x32", "--seed", str(10**23)],
@@ -601,6 +636,25 @@ def test_cli_advise_bad_inputs_in_process(tmp_path, monkeypatch, capsys, args, m
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("dtype-policies advise: error:")
     assert message in error[0]
+
+
+def test_cli_advise_without_floating_outputs_says_what_the_cli_user_can_do(
+    tmp_path, monkeypatch, capsys
+):
+    """It said "pass `metric=`", an option the command line does not have."""
+    (tmp_path / "advise_models.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from dtype_policies.cli import main
+
+    assert main(["advise", "advise_models:classes", "--inputs", "4x32", "--quiet"]) == 1
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("dtype-policies advise: error: the model's outputs hold no floating")
+    assert "give a TARGET factory whose model returns them" in error
+    assert "metric=" not in error.replace("advise(model, inputs, metric=...) in Python", "")
+    from advise_models import classes
+
+    with pytest.raises(ValueError, match="pass `metric=`"):  # the Python API's own advice
+        advise(classes(), torch.randn(4, 32), progress=False)
 
 
 @pytest.mark.slow

@@ -17,6 +17,14 @@ DEFAULT_SOURCE = "mixed_bfloat16"
 # advisor's recorded pass): a bare mode name means 4 bits in groups of 128.
 CALIBRATED_DEFAULTS = {"gptq": "gptq/4/128", "awq": "awq/4/128"}
 FLOAT32 = DTypePolicy("float32")
+ACCEPTED = (
+    "a mode, quantized from mixed_bfloat16: 'int8', 'int4' (int4/128), 'int4/<block size>', "
+    "'float8', 'gptq' (gptq/4/128), 'gptq/<bits>/<group size>', 'awq' (awq/4/128), "
+    "'awq/4/<group size>'; a float policy: 'mixed_bfloat16', 'mixed_float16', "
+    "'bfloat16', 'float16', 'float32'; or a full quantized name such as "
+    "'int8_from_mixed_bfloat16'"
+)
+"""What `parse_candidate` accepts as a name, for error messages."""
 
 
 @dataclass(frozen=True)
@@ -49,22 +57,13 @@ def parse_candidate(spec: object) -> DTypePolicy:
     if isinstance(spec, str):
         name = spec.strip()
         try:
-            if name in ("int8", "float8") or name == "int4":
-                policy = (
-                    Int4DTypePolicy("int4/128", DEFAULT_SOURCE)
-                    if name == "int4"
-                    else QuantizedDTypePolicy(name, DEFAULT_SOURCE)
-                )
-            elif name.startswith("int4/") and "_from_" not in name:
-                policy = Int4DTypePolicy(name, DEFAULT_SOURCE)
-            elif name in CALIBRATED_DEFAULTS or (
-                name.split("/")[0] in CALIBRATED_DEFAULTS and "_from_" not in name
-            ):
-                policy = get(f"{CALIBRATED_DEFAULTS.get(name, name)}_from_{DEFAULT_SOURCE}")
-            else:
-                policy = get(name)
+            policy = _named(name)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"advise(): unknown candidate {spec!r}: {e}") from None
+            # a known form says what is wrong in it; any other name, what is accepted
+            prefix, slash, _ = name.partition("/")
+            known = "_from_" in name or bool(slash and prefix in ("int4", *CALIBRATED_DEFAULTS))
+            detail = f": {e}" if known else f"; accepted: {ACCEPTED}."
+            raise ValueError(f"advise(): unknown candidate {spec!r}{detail}") from None
     elif isinstance(spec, DTypePolicy):
         policy = spec
     elif isinstance(spec, torch.dtype):  # as wherever a policy name is taken
@@ -82,10 +81,24 @@ def parse_candidate(spec: object) -> DTypePolicy:
     ):
         raise ValueError(
             f"advise(): unknown candidate {spec!r}: it computes in {compute}, which "
-            "no module can compute in (quantized candidates are 'int8', 'int4', 'int4/64', "
-            "'float8' or full names such as 'int8_from_mixed_bfloat16')."
+            f"no module can compute in; accepted: {ACCEPTED}."
         )
     return policy
+
+
+def _named(name: str) -> DTypePolicy:
+    """The policy a candidate's name stands for (see `parse_candidate`)."""
+    if name == "int4":
+        return Int4DTypePolicy("int4/128", DEFAULT_SOURCE)
+    if name in ("int8", "float8"):
+        return QuantizedDTypePolicy(name, DEFAULT_SOURCE)
+    if name.startswith("int4/") and "_from_" not in name:
+        return Int4DTypePolicy(name, DEFAULT_SOURCE)
+    if name in CALIBRATED_DEFAULTS or (
+        name.split("/")[0] in CALIBRATED_DEFAULTS and "_from_" not in name
+    ):
+        return get(f"{CALIBRATED_DEFAULTS.get(name, name)}_from_{DEFAULT_SOURCE}")
+    return get(name)
 
 
 def parse_candidates(specs: Iterable[object] | str) -> list[Candidate]:

@@ -59,6 +59,11 @@ def _ratio(diff: float, norm: float) -> float:
     return math.sqrt(diff / norm)
 
 
+class NoFloatingOutputs(ValueError):
+    """The model's outputs hold no floating tensor to compare, and no
+    `metric` replaces the relative error."""
+
+
 class ErrorMeter:
     """Runs a model on the batches and measures its error against the
     reference outputs (computed once, from the model as given)."""
@@ -69,7 +74,7 @@ class ErrorMeter:
         self.metric = metric
         self.evaluations = 0
         if metric is None and next(floating_tensors(references), None) is None:
-            raise ValueError(
+            raise NoFloatingOutputs(
                 "advise(): the model's outputs hold no floating tensor to compare; pass "
                 "`metric=` (a callable (outputs, reference_outputs) -> float)."
             )

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from dtype_policies.advisor import DEFAULT_CANDIDATES, advise
+from dtype_policies.advisor.errors import NoFloatingOutputs
 from dtype_policies.advisor.runner import OBJECTIVES
 from dtype_policies.cli import output
 from dtype_policies.cli.input_specs import HELP as INPUTS_HELP
@@ -62,7 +63,7 @@ def add_parser(subparsers: Any) -> None:
         "--candidates",
         default=",".join(DEFAULT_CANDIDATES),
         help="comma-separated candidate policies, e.g. int4,int8,mixed_bfloat16 (the "
-        "default), int4/64, float8, bfloat16; float32 is always allowed",
+        "default), int4/64, float8, gptq, awq, bfloat16; float32 is always allowed",
     )
     parser.add_argument(
         "--objective", choices=OBJECTIVES, default="latency", help="what to minimise"
@@ -90,14 +91,22 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output, "--output")
     model = build_model(args.target)
     inputs = load_inputs(args.inputs, model, args.batches, args.seed)
-    advice = advise(
-        model,
-        inputs,
-        max_error=args.max_error,
-        candidates=candidates,
-        objective=args.objective,
-        progress=not args.quiet,
-    )
+    try:
+        advice = advise(
+            model,
+            inputs,
+            max_error=args.max_error,
+            candidates=candidates,
+            objective=args.objective,
+            progress=not args.quiet,
+        )
+    except NoFloatingOutputs as e:  # its advice, `metric=`, is no option here
+        raise CLIError(
+            "the model's outputs hold no floating tensor to compare (the command measures "
+            "the relative error of floating outputs): give a TARGET factory whose model "
+            "returns them (e.g. the logits, not their argmax), or call "
+            "dtype_policies.advise(model, inputs, metric=...) in Python"
+        ) from e
     if args.json:
         output.print_json({"target": args.target, **advice.to_dict()})
     else:
