@@ -661,6 +661,22 @@ class _AttentionBlock(nn.Module):
         return self.ff(self.attn(x, x, x, need_weights=False)[0])
 
 
+def test_an_encoder_layer_is_gathered_in_its_compute_dtype():
+    """Its fast path reads its self_attn's and linears' weights (folded into
+    its unit) and its norms' (float32 islands, left units of their own): the
+    layer is gathered in bfloat16, not as stored."""
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    apply_policy(model, "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        plan = {u.name: (u.param_dtype, u.reason) for u in shard_plan(model)}
+    for i in (0, 1):
+        assert plan[f"layers.{i}"] == (torch.bfloat16, "block")
+        assert plan[f"layers.{i}.norm1"] == plan[f"layers.{i}.norm2"] == (None, "reads as stored")
+        assert f"layers.{i}.self_attn" not in plan and f"layers.{i}.linear1" not in plan
+
+
 def _attention_model():
     torch.manual_seed(0)
     return nn.Sequential(_AttentionBlock(), nn.Linear(8, 2))

@@ -246,12 +246,14 @@ def owns_matrix(module: torch.nn.Module) -> bool:
 # quantized child, or a child's own policy, would not be used through its own
 # forward): `MultiheadAttention` passes `out_proj.weight` to the attention
 # function; `TransformerEncoderLayer`'s inference fast path
-# (`torch._transformer_encoder_layer_fwd`) reads `self_attn`'s, `norm1`'s,
-# `norm2`'s, `linear1`'s and `linear2`'s. `TransformerDecoderLayer` has no such
-# path: it calls its children.
+# (`torch._transformer_encoder_layer_fwd`) reads `self_attn`'s, `linear1`'s and
+# `linear2`'s, and `norm1`'s and `norm2`'s, left out here: float32 islands,
+# read as stored either way (listed, they would join the layer's FSDP unit,
+# which would then be gathered as stored). `TransformerDecoderLayer` has no
+# such path: it calls its children.
 _PARENT_READS: dict[type, tuple[str, ...]] = {
     torch.nn.MultiheadAttention: ("out_proj",),
-    torch.nn.TransformerEncoderLayer: ("self_attn", "norm1", "norm2", "linear1", "linear2"),
+    torch.nn.TransformerEncoderLayer: ("self_attn", "linear1", "linear2"),
 }
 
 
