@@ -217,8 +217,8 @@ def _steps_in_layer(layer: Layer, name: str, child: torch.nn.Module) -> list:
     """The steps of a torch module registered as `layer`'s attribute `name`,
     from the layer's own policy (not an application over it): a map read at
     `<layer path>/<name>`, norms in float32, outputs back in the layer's
-    compute dtype; none under a float32 policy, which would change nothing,
-    or when the layer does not autocast."""
+    compute dtype; none when the layer does not autocast. A float32 layer's
+    too: a narrower sublayer may feed the torch module a bfloat16 tensor."""
     state = state_of(layer)
     if state is None or state.applications[0][0] is not LAYER_OWN or not layer.autocast:
         return []
@@ -226,9 +226,6 @@ def _steps_in_layer(layer: Layer, name: str, child: torch.nn.Module) -> list:
     policy = own.policy
     path = own.path if own.path is not None else (layer._path or layer.name)
     resolved = policy[path] if policy.is_map else policy
-    source = getattr(resolved, "source_policy", resolved)
-    if not policy.is_map and source.name == "float32":
-        return []
     return steps_under(child, policy, f"{path}/{name}", enclosing=compute_dtype_of(resolved))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,11 +36,26 @@ def build_arguments(layer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tu
     ]
     shape_names = [p.name for p in parameters if p.name.endswith("_shape")]
     if len(parameters) <= 1 or len(shape_names) < 2:
-        first = args[0] if args else next(iter(kwargs.values()), None)
+        first = args[0] if args else _first_call_argument(layer, kwargs)
         return ((shape_of(first),), {}) if parameters else ((), {})
     bound = inspect.signature(layer.call).bind_partial(*args, **kwargs).arguments
     shapes = {name: shape_of(bound.get(name[: -len("_shape")])) for name in shape_names}
     return (), shapes
+
+
+def _first_call_argument(layer: Any, kwargs: dict[str, Any]) -> Any:
+    """The value of `call`'s first parameter in a call made with keywords
+    only (Keras builds with it), else the first keyword's."""
+    first = next(iter(inspect.signature(layer.call).parameters.values()), None)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if first is not None and first.kind in positional and first.name in kwargs:
+        return kwargs[first.name]
+    return next(iter(kwargs.values()), None)
+
+
+BUILD_LOCK = threading.RLock()
+"""Held while a layer builds: two threads making the first call of one layer
+build it once (the second waits, then finds it built)."""
 
 
 def wrap_build(build: Callable) -> Callable:
@@ -47,19 +63,20 @@ def wrap_build(build: Callable) -> Callable:
 
     @functools.wraps(build)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
-        if self.built:
-            return
-        if self.__dict__.get("_building"):  # a subclass's build calling super().build()
-            build(self, *args, **kwargs)
-            return
-        self.__dict__["_building"] = True
-        try:
-            self._assign_paths()
-            self._refresh_policy_state()
-            build(self, *args, **kwargs)
-        finally:
-            self.__dict__["_building"] = False
-        self._finish_build()
+        with BUILD_LOCK:
+            if self.built:
+                return
+            if self.__dict__.get("_building"):  # a subclass's build calling super().build()
+                build(self, *args, **kwargs)
+                return
+            self.__dict__["_building"] = True
+            try:
+                self._assign_paths()
+                self._refresh_policy_state()
+                build(self, *args, **kwargs)
+            finally:
+                self.__dict__["_building"] = False
+            self._finish_build()
 
     wrapped._dtype_policies_wrapped = True
     return wrapped

@@ -42,6 +42,8 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
     quantized.
     """
 
+    _casts_buffers = False  # its buffers are the tensors it stores
+
     def __init__(self, *, quantization_config: Any = None, **kwargs: Any) -> None:
         # a policy given to the layer itself, not the default in force
         self._policy_given = kwargs.get("dtype") is not None

@@ -72,7 +72,9 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
                 `"glorot_uniform"` for floating weights and `"zeros"` otherwise.
             dtype: Defaults to the layer's variable dtype.
             trainable: Whether the optimizer should update it (`requires_grad`).
-            autocast: Whether reads inside `call` give it in the compute dtype.
+            autocast: Whether reads inside `call` give it in the compute dtype
+                (a floating weight of a dtype other than the variable dtype:
+                under a mixed policy, as Keras's variables).
             regularizer: Optional regularizer; its loss is in `layer.losses`,
                 computed on the weight in its own (variable) dtype.
             constraint: Optional constraint applied by `apply_constraints()`.
@@ -129,6 +131,11 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         if not (autocast and floating) and name in self._autocast_weight_names:
             self._autocast_weight_names.discard(name)
             self._refresh_policy_state()  # `register_parameter` refreshed it with the name
+        elif autocast and floating and name not in self._autocast_weight_names:
+            # As Keras's variables: a floating weight of another dtype (float16,
+            # float64) reads in the compute dtype when the policy is mixed.
+            self.__dict__.setdefault("_mixed_weight_names", set()).add(name)
+            self._refresh_policy_state()
         return parameter
 
     def _standardize_weight_shape(self, shape: Any, name: str | None) -> tuple[int, ...]:
@@ -197,13 +204,15 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
             if parameters is not None:
                 fresh = self.__dict__.get("_fresh_weight_names", set())
                 for existing, parameter in parameters.items():
-                    if parameter is value and existing != name and existing in fresh:
+                    if parameter is value and existing in fresh:
                         # `self.kernel = self.add_weight(...)`: the weight takes the
-                        # attribute's name (another name for a weight assigned
-                        # before is an alias, as in torch: a tied weight)
+                        # attribute's name, once; a later name for it is an
+                        # alias, as in torch (a tied weight)
                         fresh.discard(existing)
-                        self._rename_weight(existing, name)
-                        return
+                        if existing != name:
+                            self._rename_weight(existing, name)
+                            return
+                        break
         super().__setattr__(name, value)
         frozen = not self.__dict__.get("_trainable", True)
         if frozen and isinstance(value, torch.nn.Module) and not isinstance(value, LayerWeights):
@@ -233,6 +242,13 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         if self.__dict__.get(STATE_KEY) is not None:
             self._refresh_policy_state()
 
+    def register_buffer(
+        self, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
+        super().register_buffer(name, tensor, persistent)  # type: ignore[misc]
+        if self.__dict__.get(STATE_KEY) is not None:
+            self._refresh_policy_state()  # a floating buffer reads in the compute dtype
+
     def _rename_weight(self, old: str, new: str) -> None:
         """Re-registers weight `old` under the attribute name `new`, in place."""
         if new in self._parameters:
@@ -248,9 +264,10 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
             if old in table:
                 table[new] = table.pop(old)
         self.__dict__[STATE_KEY].casts.clear()
-        if old in self._autocast_weight_names:
-            self._autocast_weight_names.discard(old)
-            self._autocast_weight_names.add(new)
+        for names in (self._autocast_weight_names, self.__dict__.get("_mixed_weight_names", ())):
+            if old in names:
+                names.discard(old)  # type: ignore[attr-defined]
+                names.add(new)  # type: ignore[attr-defined]
         self._refresh_policy_state()
 
     @property

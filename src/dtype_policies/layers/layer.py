@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,7 +27,7 @@ from dtype_policies._core.checkpoints import check_before_loading, loads_as_torc
 from dtype_policies._core.module_state import STATE_KEY, ModuleState, Token, replace_top
 from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._paths import named_module_paths
-from dtype_policies.layers._build import build_arguments, wrap_build
+from dtype_policies.layers._build import BUILD_LOCK, build_arguments, wrap_build
 from dtype_policies.layers._naming import auto_name
 from dtype_policies.layers._weights import LayerWeights
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
@@ -119,6 +119,9 @@ class Layer(LayerWeights, torch.nn.Module):
     # Leaf layers whose own `call` reads its weights in the compute dtype
     # directly need no autocast scope.
     _casts_own_weights: ClassVar[bool] = False
+    # Floating buffers in the variable dtype read in the compute dtype inside
+    # `call` (not in quantizable layers, whose buffers are what they store).
+    _casts_buffers: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -232,18 +235,21 @@ class Layer(LayerWeights, torch.nn.Module):
     def _refresh_policy_state(self) -> None:
         """Re-derives the call state from the policy and the layer's weights."""
         policy = self._resolve_policy()
-        names = frozenset(
-            name for name in self._autocast_weight_names if self._parameters.get(name) is not None
-        )
         d = self.__dict__
         state = d[STATE_KEY]
+        autocast_names = set(self._autocast_weight_names)
+        if policy.compute_dtype != policy.variable_dtype:  # Keras's autocast scope
+            autocast_names |= d.get("_mixed_weight_names", set())
+        names = frozenset(name for name in autocast_names if self._parameters.get(name) is not None)
+        buffer_names = frozenset(self._autocast_buffer_names(policy, state))
         state.call = derive_call_state(
             policy,
             has_weights=next(self.parameters(), None) is not None
             or next(self.buffers(), None) is not None
             # torch's parametrize registers its container before moving the weight in
             or self._modules.get("parametrizations") is not None,
-            weight_names=names,
+            weight_names=names | buffer_names,
+            buffer_names=buffer_names,
             autocast=self._autocast,
             cast_inputs=self._autocast and not self._is_container,
             casts_own_weights=self._is_container or self._casts_own_weights,
@@ -251,6 +257,21 @@ class Layer(LayerWeights, torch.nn.Module):
         )
         d["_map_version"] = self._dtype_policy._version if self._dtype_policy.is_map else None
         state.casts.clear()
+
+    def _autocast_buffer_names(self, policy: DTypePolicy, state: ModuleState) -> Iterator[str]:
+        """The floating buffers in the variable dtype, which read in the compute
+        dtype inside `call` as `apply_policy` casts a torch module's (not the
+        tensors a quantized layer stores)."""
+        if not self._casts_buffers:
+            return
+        variable = policy.torch_variable_dtype if isinstance(policy.variable_dtype, str) else None
+        quantization = state.quantization
+        stored = quantization.stored_names if quantization is not None else frozenset()
+        for name, buffer in self._buffers.items():
+            if buffer is None or name in stored:
+                continue
+            if buffer.is_floating_point() and buffer.dtype == variable:
+                yield name
 
     @property
     def _call_state(self) -> CallState:
@@ -336,6 +357,7 @@ class Layer(LayerWeights, torch.nn.Module):
         self._refresh_policy_state()
         self._plan_children()  # the torch modules `build` made, at their paths
         self._after_build()
+        self._fresh_weight_names.clear()  # from now on, another name for a weight is an alias
 
     def _after_build(self) -> None:
         """Hook run once after `build` (quantizable layers quantize here)."""
@@ -360,10 +382,13 @@ class Layer(LayerWeights, torch.nn.Module):
         d = self.__dict__
         state = d.get(STATE_KEY)
         call = None if state is None else state.call
-        if call is not None and name in call.weight_names:
+        if state is not None and call is not None and name in call.weight_names:
             parameter = d["_parameters"].get(name)
             if parameter is not None and not sharded.as_is(d, parameter):
                 return read_weight(state.casts, name, parameter, False)
+            buffer = d["_buffers"].get(name)
+            if buffer is not None and name in call.buffer_names:
+                return read_weight(state.casts, name, buffer, True)
         return super().__getattr__(name)
 
     _is_fsdp_managed_module = sharded.fsdp_managed
@@ -399,8 +424,11 @@ class Layer(LayerWeights, torch.nn.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if "training" in kwargs and not _call_takes_training(type(self)):
             del kwargs["training"]  # as Keras: `training` reaches `call` only if it takes it
-        if not self.built:
-            self._build_on_first_call(args, kwargs)
+        if not (self.built and self.__dict__.get("_build_done")):
+            with BUILD_LOCK:  # another thread's first call may be building it
+                if not self.built:
+                    self._build_on_first_call(args, kwargs)
+                self.__dict__["_build_done"] = self.built
         outputs = run_call(self._call_state, super().__call__, args, kwargs)
         if self._activity_regularizer is not None:
             self._activity_losses = [self._activity_regularizer(outputs)]

@@ -155,7 +155,7 @@ def bits_not_given(policy: QuantizedDTypePolicy) -> QuantizationConfig:
     >>> try:
     ...     QuantizedDTypePolicy("awq", "float32").quantization_config
     ... except ValueError as e:
-    ...     print(str(e)[:63])
+    ...     print(str(e)[:62])
     For AWQ quantization, the weight_bits must be specified either
     """
     mode = policy.quantization_mode or ""
