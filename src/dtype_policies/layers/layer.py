@@ -26,6 +26,7 @@ from dtype_policies._core.casting import first_tensor
 from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
 from dtype_policies._core.module_state import STATE_KEY, ModuleState, Token, replace_top
 from dtype_policies._core.state import CallState, derive_call_state
+from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths
 from dtype_policies.layers._build import BUILD_LOCK, build_arguments, wrap_build
 from dtype_policies.layers._naming import auto_name
@@ -262,9 +263,9 @@ class Layer(LayerWeights, torch.nn.Module):
         """The floating buffers in the variable dtype, which read in the compute
         dtype inside `call` as `apply_policy` casts a torch module's (not the
         tensors a quantized layer stores)."""
-        if not self._casts_buffers:
+        if not (self._casts_buffers and self._buffers and is_float_dtype(policy.variable_dtype)):
             return
-        variable = policy.torch_variable_dtype if isinstance(policy.variable_dtype, str) else None
+        variable = policy.torch_variable_dtype
         quantization = state.quantization
         stored = quantization.stored_names if quantization is not None else frozenset()
         for name, buffer in self._buffers.items():
@@ -357,7 +358,7 @@ class Layer(LayerWeights, torch.nn.Module):
         self._refresh_policy_state()
         self._plan_children()  # the torch modules `build` made, at their paths
         self._after_build()
-        self._fresh_weight_names.clear()  # from now on, another name for a weight is an alias
+        self.__dict__.get("_fresh_weight_names", set()).clear()  # now another name is an alias
 
     def _after_build(self) -> None:
         """Hook run once after `build` (quantizable layers quantize here)."""
