@@ -413,6 +413,27 @@ def test_a_tied_weight_is_counted_once():
         assert pair + rows["mid"].bytes["float32"] == model_bytes(applied), label
 
 
+def test_a_tied_group_that_cannot_be_counted_under_a_candidate_goes_without_it(monkeypatch):
+    from dtype_policies.advisor import runner
+
+    counted = runner.group_bytes
+
+    def fails_for_int8(modules, candidate, inputs, routers):
+        if candidate.label == "int8":
+            raise NotImplementedError("cannot store it")
+        return counted(modules, candidate, inputs, routers)
+
+    monkeypatch.setattr(runner, "group_bytes", fails_for_int8)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    advice = advise(TiedHead().eval(), ids, candidates=("int8",), objective="memory", **FAST)
+    rows = {row.path: row for row in advice.modules}
+    for path in ("emb", "head"):
+        assert rows[path].choice == "float32" and rows[path].errors["int8"] is None
+        assert "no int8 (int8: cannot store it)" in rows[path].note
+    assert rows["mid"].choice == "int8"  # no tie: counted module by module
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_q_k_v_are_measured_under_every_candidate(family):
     # The q/k/v group's outputs meet in attention: q and k after a float32

@@ -373,7 +373,13 @@ def _measure_group(
         inputs = {unit.path: unit.args for unit in group}
         routers = {unit.path for unit in group if unit.router}
         for rank in variants:
-            counted = group_bytes(members, choices[rank], inputs, routers)
+            try:
+                counted = group_bytes(members, choices[rank], inputs, routers)
+            except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+                if rank == 0:
+                    raise
+                result.unavailable.setdefault(rank, f"{choices[rank].label}: {e}")
+                continue
             for path, size in counted.items():
                 result.bytes[path][rank] = size
     for rank, built in variants.items():
