@@ -166,8 +166,7 @@ def stored_tensors(variant: torch.nn.Module) -> list[torch.Tensor]:
     return [
         tensor
         for module in modules
-        for tensor in (*module._parameters.values(), *module._buffers.values())
-        if tensor is not None
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False))
     ]
 
 
@@ -185,7 +184,7 @@ def shared_tensors(modules: dict[str, torch.nn.Module]) -> dict[str, str]:
     """`{path: earlier path}` for each module holding a tensor that a module
     before it holds too (a head tied to an embedding)."""
     first: dict[tuple, str] = {}
-    shared = {}
+    shared: dict[str, str] = {}
     for path, module in modules.items():
         for tensor in stored_tensors(module):
             earlier = first.setdefault(storage_key(tensor), path)
