@@ -453,3 +453,54 @@ def test_tied_weights_are_quantized_once_and_shared():
         assert getattr(model.head, f"weight_{stored}") is getattr(model.embed, f"weight_{stored}")
         assert model.head.weight_scale is model.embed.weight_scale
         assert ((model(ids) - reference).norm() / reference.norm()) < 0.2
+
+
+def test_apply_policy_refuses_lazy_modules_not_yet_initialized_and_changes_nothing():
+    model = nn.Sequential(nn.Linear(6, 6), nn.LazyLinear(4))
+    before = type(model[0])
+    with pytest.raises(ValueError, match=r"'1' \(LazyLinear\) not initialized yet.*Nothing"):
+        apply_policy(model, "mixed_bfloat16")
+    assert type(model[0]) is before and not hasattr(model[0], "dtype_policy")
+    model(torch.randn(2, 6))  # initialized: it is an nn.Linear now
+    handle = apply_policy(model, "mixed_bfloat16")
+    assert model(torch.randn(2, 6)).dtype == torch.bfloat16
+    handle.remove()
+    assert type(model[1]) is nn.Linear and model(torch.randn(2, 6)).dtype == torch.float32
+
+
+def test_remove_survives_a_module_whose_own_code_replaced_its_class():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 4))
+    handle = apply_policy(model, "mixed_bfloat16")
+    model[1].__class__ = nn.Linear  # what a lazy module's first forward does to its class
+    handle.remove()
+    assert type(model[0]) is nn.Linear and model(torch.randn(2, 6)).dtype == torch.float32
+
+
+def test_an_instance_forward_on_a_leaf_linear_still_reads_its_weight_in_the_compute_dtype():
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    original = linear.forward
+    linear.forward = lambda x: original(x) * 2  # as accelerate's hooks wrap a forward
+    model = nn.Sequential(linear, nn.ReLU())
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(2, 4)
+    direct = model[0](x)  # called alone: no enclosing scope
+    assert direct.dtype == torch.bfloat16
+    expected = F.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()) * 2
+    assert torch.equal(direct, expected)
+    assert torch.equal(model(x), torch.relu(expected))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_torchs_float_padding_masks_are_clamped_not_turned_into_nan(policy):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8)
+    padding = torch.zeros(2, 4)
+    padding[1, :] = torch.finfo(torch.float32).min  # every key of the second sequence
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    reference = mha(q, q, q, key_padding_mask=padding)[0]
+    assert torch.isfinite(reference).all()
+    apply_policy(mha, policy)
+    out = mha(q, q, q, key_padding_mask=padding)[0]
+    assert torch.isfinite(out).all()
+    assert relative_error(out.float(), reference) < 0.05

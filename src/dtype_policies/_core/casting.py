@@ -165,7 +165,21 @@ def cast_inputs(args: tuple, kwargs: dict[str, Any], dtype: torch.dtype | None) 
 
 
 ADDITIVE_MASKS = frozenset(
-    {"attention_mask", "attn_mask", "causal_mask", "encoder_attention_mask", "mask"}
+    {
+        "attention_mask",
+        "attn_mask",
+        "causal_mask",
+        "encoder_attention_mask",
+        "mask",
+        # torch's nn.MultiheadAttention and nn.Transformer* (a float mask is additive)
+        "key_padding_mask",
+        "src_mask",
+        "tgt_mask",
+        "memory_mask",
+        "src_key_padding_mask",
+        "tgt_key_padding_mask",
+        "memory_key_padding_mask",
+    }
 )
 """Keyword arguments that carry additive attention masks: a float32 mask's
 `finfo(float32).min` rounds to -inf in bfloat16 (and much less to it in

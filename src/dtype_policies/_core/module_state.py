@@ -154,7 +154,9 @@ def pop_application(module: torch.nn.Module, token: object) -> bool:
     if len(remaining) == len(state.applications):
         return False
     state.applications = remaining
-    module._refresh_policy_state()
+    refresh = getattr(module, "_refresh_policy_state", None)
+    if refresh is not None:  # None: its own code gave it another class (a lazy module's)
+        refresh()
     return True
 
 

@@ -93,6 +93,8 @@ class PolicyModule(ModuleMixin):
         call = None if state is None else state.call
         if call is None:  # built by the module's own code (a slice of a Sequential)
             return super().__call__(*args, **kwargs)
+        if call.casts_own_weights and "forward" in self.__dict__:
+            call = call.in_a_scope()  # an instance's forward bypasses the leaf forward
         return run_call(call, super().__call__, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:

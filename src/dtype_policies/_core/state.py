@@ -4,7 +4,7 @@ for the modules `apply_policy` prepares alike)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,14 @@ class CallState:
     warn_cpu_float16: bool
     convert_arrays: bool = False
     leaf_fast_path: bool = False
+
+    def in_a_scope(self) -> CallState:
+        """This state with the weights cast by a scope around the call, not by
+        the class's leaf forward: for a module whose instance has a `forward`
+        of its own (accelerate's hooks, a wrapped forward), which bypasses it."""
+        if not self.casts_own_weights:
+            return self
+        return replace(self, casts_own_weights=False, leaf_fast_path=False)
 
 
 def compute_dtype_of(policy: DTypePolicy) -> torch.dtype | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from dtype_policies._core import policy_module
@@ -492,6 +493,29 @@ def tentative_application(
         model_changed(module)
 
 
+def _refuse_uninitialized(module: torch.nn.Module) -> None:
+    """`ValueError` naming the lazy modules (`nn.LazyLinear`, ...) whose
+    parameters are not made yet: their first forward replaces their class
+    (torch's `cls_to_become`), and with it the policy's."""
+    lazy = [
+        f"'{name or '(model)'}' ({type(submodule).__name__})"
+        for name, submodule in module.named_modules()
+        if _has_lazy_tensors(submodule)
+    ]
+    if lazy:
+        raise ValueError(
+            f"apply_policy(): {', '.join(lazy[:3])}{' and more' if len(lazy) > 3 else ''} "
+            "not initialized yet: a lazy module becomes its final class (nn.Linear, ...) in "
+            "its first forward, which would drop the policy. Run one forward pass first, then "
+            "apply the policy. Nothing was changed."
+        )
+
+
+def _has_lazy_tensors(module: torch.nn.Module) -> bool:
+    tensors = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    return any(is_lazy(tensor) for tensor in tensors)
+
+
 def _plan_application(
     module: torch.nn.Module,
     policy: Any,
@@ -508,6 +532,7 @@ def _plan_application(
             f"apply_policy() expects a torch.nn.Module. Received: {type(module).__name__}"
         )
     refuse_sharded(module, "apply_policy()")
+    _refuse_uninitialized(module)
     try:
         policy = get_policy(policy)
     except (TypeError, ValueError) as e:
