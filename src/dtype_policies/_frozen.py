@@ -68,10 +68,12 @@ class ModelWatch:
         "module_dicts",
         "modules",
         "quantizations",
+        "shapes",
         "slot_dicts",
         "slot_names",
         "stateful",
         "states",
+        "strides",
         "tensors",
         "training",
         "versioned",
@@ -91,6 +93,9 @@ class ModelWatch:
                         self.slot_names.append(name)
                         self.tensors.append(tensor)
         self.addresses = list(map(_data_ptr, self.tensors))
+        # `p.data = p.data[:k]` (or `.t()`) keeps the address and the version
+        self.shapes = list(map(_get_shape, self.tensors))
+        self.strides = list(map(_stride, self.tensors))
         # An inference tensor has no version counter (and stays one).
         self.versioned = [tensor for tensor in self.tensors if not tensor.is_inference()]
         self.versions = list(map(_get_version, self.versioned))
@@ -116,6 +121,8 @@ class ModelWatch:
                 map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.tensors)
             )
             and list(map(_data_ptr, self.tensors)) == self.addresses
+            and list(map(_get_shape, self.tensors)) == self.shapes
+            and list(map(_stride, self.tensors)) == self.strides
             and list(map(_get_version, self.versioned)) == self.versions
             and list(map(_get_training, self.modules)) == self.training
             and all(
@@ -170,6 +177,8 @@ def _after_write(model: torch.nn.Module) -> None:
 
 
 _data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+_get_shape = operator.attrgetter("shape")
 _get_version = operator.attrgetter("_version")
 _get_training = operator.attrgetter("training")
 _get_call = operator.attrgetter("call")

@@ -312,3 +312,30 @@ def test_stored_tensors_written_behind_the_version_counter_are_read_after_clear_
             ours.data.copy_(theirs)
         dtype_policies.clear_cast_caches(target)
         assert torch.equal(target(x), expected)
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("view", ["slice", "transpose"])
+def test_a_weight_replaced_by_a_view_of_its_own_memory_is_seen(grad_mode, view):
+    """`p.data = p.data[:k]` (structured pruning) and `p.data = p.data.t()`
+    keep the address, the storage and the version: the kept casts are keyed on
+    the shape and strides too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)).eval()
+    apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(4, 16)
+    with grad_mode():
+        before = model(x)
+    if view == "slice":
+        keep = 10
+        model[0].weight.data = model[0].weight.data[:keep]
+        model[0].bias.data = model[0].bias.data[:keep]
+        model[2].weight.data = model[2].weight.data[:, :keep]
+    else:
+        model[0].weight.data = model[0].weight.data.t()
+    reference = copy.deepcopy(model)
+    dtype_policies.clear_cast_caches(reference)
+    with grad_mode():
+        out, expected = model(x), reference(x)
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, before)

@@ -38,13 +38,22 @@ def storage_ref(tensor: torch.Tensor) -> weakref.ref | None:
 
 def contents_key(tensor: torch.Tensor) -> tuple:
     """A key equal between two reads of `tensor` only if nothing torch tracks
-    wrote it in between: its storage, address and version counter (-1 for an
-    inference tensor, which cannot be written outside inference mode)."""
+    wrote it in between and it views the same memory the same way: its
+    storage, address, version counter (-1 for an inference tensor, which
+    cannot be written outside inference mode), dtype, shape and strides
+    (`p.data = p.data[:k]` or `.t()` keep the address and the version)."""
     try:
         version = tensor._version
     except RuntimeError:  # an inference tensor
         version = -1
-    return (storage_ref(tensor), data_address(tensor), version)
+    return (
+        storage_ref(tensor),
+        data_address(tensor),
+        version,
+        tensor.dtype,
+        tensor.shape,
+        tensor.stride(),
+    )
 
 
 def data_address(tensor: torch.Tensor) -> int | None:
@@ -66,11 +75,7 @@ def tensor_key(*tensors: torch.Tensor) -> tuple:
     >>> tensor_key(scale.t()) == tensor_key(scale.t()) != tensor_key(scale)
     True
     """
-    return tuple(
-        part
-        for t in tensors
-        for part in (t.dtype, t.storage_offset(), t.shape, t.stride(), *contents_key(t))
-    )
+    return tuple(part for t in tensors for part in contents_key(t))
 
 
 def _count_fused_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
