@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dtype_policies._modes import mode_record
 from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantizers.awq_config import AWQConfig
 from dtype_policies.quantizers.config import QuantizationConfig
@@ -159,7 +160,7 @@ def bits_not_given(policy: QuantizedDTypePolicy) -> QuantizationConfig:
     For AWQ quantization, the weight_bits must be specified either
     """
     mode = policy.quantization_mode or ""
-    policy_class = {"gptq": "GPTQDTypePolicy", "awq": "AWQDTypePolicy"}.get(mode, "a policy")
+    policy_class = mode_record(mode).policy_class.__name__  # the record that called this
     raise ValueError(
         f"For {mode.upper()} quantization, the weight_bits must be specified either through a "
         f"`dtype_policy` of type `{policy_class}` (a name such as "
