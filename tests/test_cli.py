@@ -227,6 +227,7 @@ BAD_INPUTS = [
     # numbers torch overflows on, named (were "ValueError: Overflow when unpacking long long")
     (("demo", "--seed", str(2**64)), f"--seed must be an integer from 0 to {2**64 - 1}. Received"),
     (("bench", "--threads", str(2**40)), "--threads must be an integer from 1 to 2147483647."),
+    (("bench", "--contended-retries", "-1"), "--contended-retries must be an integer from 0 to"),
 ]
 
 

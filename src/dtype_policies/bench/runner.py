@@ -69,9 +69,30 @@ def main(argv: list[str] | None = None, prog: str = "dtype-policies bench") -> i
         default=None,
         help="real-model workloads: directory for the charts (default: the output directory)",
     )
+    parser.add_argument(
+        "--contended-retries",
+        type=int,
+        default=None,
+        help="times a round is timed again, after waiting for a quiet machine, when other "
+        "processes took more than 5%% of the CPU during it (default 2, 0 with --quick; "
+        "0: only report it)",
+    )
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, not {args.threads}")
+    if args.contended_retries is None:
+        args.contended_retries = 0 if args.quick else 2
+    if args.contended_retries < 0:
+        parser.error(f"--contended-retries must be at least 0, not {args.contended_retries}")
+    with harness.retiming_contended_rounds(args.contended_retries) as load_log:
+        return _run(args, parser, load_log)
+
+
+def _run(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    load_log: list[tuple[str, harness.Samples]],
+) -> int:
     charts = Path(args.charts) if args.charts else Path(args.output)
 
     # Every engine (torch, llama.cpp, ONNX Runtime, OpenVINO) reads the run's
@@ -110,10 +131,12 @@ def main(argv: list[str] | None = None, prog: str = "dtype-policies bench") -> i
             # cover the shapes torch.compile specializes on.
             heavy_repeats, heavy_rounds = (4, 2) if args.quick else (12, 4)
             samples = harness.measure_interleaved(
-                variants, warmup=2, repeats=heavy_repeats, rounds=heavy_rounds
+                variants, warmup=2, repeats=heavy_repeats, rounds=heavy_rounds, label=key
             )
         else:
-            samples = harness.measure_interleaved(variants, repeats=repeats, rounds=rounds)
+            samples = harness.measure_interleaved(
+                variants, repeats=repeats, rounds=rounds, label=key
+            )
         results = harness.summarize(key, samples, notes)
         all_results.extend(results)
         all_samples[key] = samples
@@ -196,6 +219,10 @@ def main(argv: list[str] | None = None, prog: str = "dtype-policies bench") -> i
     sections.append("\n".join(lines))
     print("\n" + sections[-1], flush=True)
 
+    load = load_section(load_log)
+    sections.append(load)
+    print("\n" + load, flush=True)
+
     for result in all_results:
         result.machine = result.machine or harness.row_machine(info)
     output = Path(args.output)
@@ -204,6 +231,10 @@ def main(argv: list[str] | None = None, prog: str = "dtype-policies bench") -> i
     with open(output / "latest.json") as f:
         data = json.load(f)
     data["accuracy"], data["memory"], data["real_models"] = accuracy, memory, real_models
+    data["machine_load"] = [
+        {"table": label, "others_share": samples.others_share, "retimed": samples.retimed}
+        for label, samples in load_log
+    ]
     with open(output / "latest.json", "w") as f:
         json.dump(data, f, indent=2)
     header = (
@@ -214,3 +245,25 @@ def main(argv: list[str] | None = None, prog: str = "dtype-policies bench") -> i
     (output / "latest.md").write_text(header + "\n\n" + "\n\n".join(sections) + "\n")
     print(f"\nWrote {output / 'latest.json'} and {output / 'latest.md'}")
     return 0
+
+
+def load_section(log: list[tuple[str, harness.Samples]]) -> str:
+    """What other processes took of the machine while each table was timed.
+
+    >>> quiet, busy = harness.Samples(a=[[1.0]]), harness.Samples(a=[[1.0]])
+    >>> quiet.others_share, quiet.retimed, busy.others_share, busy.retimed = [0.0], 0, [0.4], 2
+    >>> first, second = load_section([("mlp", quiet), ("smollm2 decode", busy)]).splitlines()
+    >>> first
+    '**Machine load**: other processes took under 5% of the CPU while 1 of 2 timed tables ran.'
+    >>> second.split(" (contended")[0]
+    'Not quiet, so their figures are unreliable: smollm2 decode'
+    """
+    notes = [(label or "a table", samples.contention_note()) for label, samples in log]
+    busy = [f"{label} ({note})" for label, note in notes if note]
+    line = (
+        f"**Machine load**: other processes took under 5% of the CPU while "
+        f"{len(notes) - len(busy)} of {len(notes)} timed tables ran."
+    )
+    if busy:
+        line += "\nNot quiet, so their figures are unreliable: " + "; ".join(busy) + "."
+    return line

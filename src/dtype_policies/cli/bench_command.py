@@ -11,7 +11,12 @@ from typing import Any
 
 from dtype_policies.bench import runner, workloads
 from dtype_policies.cli import output
-from dtype_policies.cli.options import THREADS_RANGE, check_range, common_options
+from dtype_policies.cli.options import (
+    CONTENDED_RETRIES_RANGE,
+    THREADS_RANGE,
+    check_range,
+    common_options,
+)
 from dtype_policies.cli.output_paths import check_output_directory
 from dtype_policies.cli.targets import CLIError
 
@@ -66,6 +71,14 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="real-model workloads: directory for the charts (default: --output)",
     )
+    parser.add_argument(
+        "--contended-retries",
+        metavar="N",
+        type=int,
+        default=None,
+        help="times a round is timed again after waiting for a quiet machine, when other "
+        "processes took over 5%% of the CPU during it (default 2, 0 with --quick)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(run=run)
 
@@ -80,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.threads is not None:
         check_range("--threads", args.threads, *THREADS_RANGE)
+    if args.contended_retries is not None:
+        check_range("--contended-retries", args.contended_retries, *CONTENDED_RETRIES_RANGE)
     check_output_directory(args.output, "--output")  # now, not after the run
     if args.charts is not None:
         check_output_directory(args.charts, "--charts")
@@ -92,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     argv += ["--speed-only"] if args.speed_only else []
     argv += ["--charts", args.charts] if args.charts is not None else []
     argv += ["--skip", args.skip] if args.skip else []
+    if args.contended_retries is not None:
+        argv += ["--contended-retries", str(args.contended_retries)]
     if not args.json:
         return runner.main(argv)
     with contextlib.redirect_stdout(sys.stderr):  # the tables go to stderr

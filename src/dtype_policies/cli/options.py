@@ -19,6 +19,7 @@ from dtype_policies.cli.targets import CLIError
 VERBOSE_HELP = "show tracebacks on errors"
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes (negatives alias these)
 THREADS_RANGE = (1, 2**31 - 1)  # torch.set_num_threads takes a C int
+CONTENDED_RETRIES_RANGE = (0, 100)  # each retry may wait a minute for a quiet machine
 
 
 def common_options() -> argparse.ArgumentParser:

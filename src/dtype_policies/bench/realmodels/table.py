@@ -60,17 +60,28 @@ def _timed_calls(
 
 
 def time_workload(
-    engines: dict[str, Any], workload: str, rows: dict[str, dict], quick: bool, echo
-) -> None:
-    """Times `workload` on every engine; writes ms and x float32 into the rows."""
+    engines: dict[str, Any],
+    workload: str,
+    rows: dict[str, dict],
+    quick: bool,
+    echo,
+    label: str = "",
+) -> str:
+    """Times `workload` on every engine; writes ms and x float32 into the
+    rows. Returns what other processes took of the machine meanwhile ("" if
+    it was quiet; `harness.Samples.contention_note`)."""
     calls = _timed_calls(engines, workload, rows, quick)
     rounds = 2 if quick else 5
-    samples = harness.measure_interleaved(calls, warmup=1, repeats=rounds, rounds=rounds)
+    samples = harness.measure_interleaved(
+        calls, warmup=1, repeats=rounds, rounds=rounds, label=label or workload
+    )
     for name, per_round in samples.items():
         rows[name][f"{workload}_ms"] = statistics.median(t for r in per_round for t in r) * 1e3
         if REFERENCE in samples:
             rows[name][f"{workload}_x_float32"] = harness.paired_ratio(samples, REFERENCE, name)
-    echo(f"  timed {workload}: {len(samples)} variants", flush=True)
+    note = samples.contention_note()
+    echo(f"  timed {workload}: {len(samples)} variants" + (f"; {note}" if note else ""), flush=True)
+    return note
 
 
 def model_table(
@@ -102,9 +113,17 @@ def model_table(
             engines[variant.name] = engine
         echo("  " + quality_table.markdown_row(model, row), flush=True)
     del base
+    contended = {}
     for workload in speed.WORKLOADS[model]:
-        time_workload(engines, workload, rows, quick, echo)
-    return {"model": model, "rows": list(rows.values()), "workloads": speed.WORKLOADS[model]}
+        note = time_workload(engines, workload, rows, quick, echo, f"{model} {workload}")
+        if note:
+            contended[workload] = note
+    return {
+        "model": model,
+        "rows": list(rows.values()),
+        "workloads": speed.WORKLOADS[model],
+        "contended": contended,
+    }
 
 
 def builds(table: dict) -> dict[str, str]:
@@ -144,4 +163,8 @@ def markdown(table: dict, title: str) -> str:
             "for every engine.",
         ]
     lines += [f"{family} build: {features}." for family, features in builds(table).items()]
+    lines += [
+        f"**{workload} timed on a busy machine, unreliable**: {note}."
+        for workload, note in table.get("contended", {}).items()
+    ]
     return "\n".join(lines)

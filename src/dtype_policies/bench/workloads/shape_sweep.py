@@ -182,7 +182,9 @@ def _quantized_paths(layer: nn.Module, x: torch.Tensor, compute: torch.dtype):
 def _measure(calls: dict[str, Callable[[], object]], quick: bool) -> dict[str, float]:
     rounds, repeats = (2, 4) if quick else (5, 15)
     with torch.inference_mode():
-        samples = harness.measure_interleaved(calls, warmup=2, repeats=repeats, rounds=rounds)
+        samples = harness.measure_interleaved(
+            calls, warmup=2, repeats=repeats, rounds=rounds, label="shape sweep"
+        )
     return {name: statistics.median(min(r) for r in per) for name, per in samples.items()}
 
 
