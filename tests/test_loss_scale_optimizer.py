@@ -184,6 +184,56 @@ def test_serialization_as_keras():
         LossScaleOptimizer.from_config({"name": "x"})
 
 
+_TORCH_OPTIMIZERS = sorted(
+    (
+        cls
+        for cls in vars(torch.optim).values()
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and cls not in (torch.optim.Optimizer, torch.optim.LBFGS)  # LBFGS: refused
+    ),
+    key=lambda cls: cls.__name__,
+)
+
+
+@pytest.mark.parametrize("cls", _TORCH_OPTIMIZERS, ids=lambda cls: cls.__name__)
+def test_every_torch_optimizer_round_trips_through_its_config_unchanged(cls):
+    """AdamW's `defaults` hold `decoupled_weight_decay`, which `AdamW()` refuses;
+    wrapping added `differentiable` to the inner optimizer's own `defaults`,
+    which SparseAdam and Adafactor refuse: both broke `from_config`."""
+    weight = nn.Parameter(torch.ones(3, 2))  # Muon takes matrices only
+    inner = cls([weight], lr=0.25)
+    defaults = copy.deepcopy(inner.defaults)
+    optimizer = LossScaleOptimizer(inner)
+    assert inner.defaults == defaults  # wrapping changed nothing of the inner optimizer
+    again = LossScaleOptimizer.from_config(optimizer.get_config(), params=[weight])
+    assert type(again.inner_optimizer) is cls
+    assert again.inner_optimizer.defaults == defaults
+    # A copy's inner optimizer is torch's copy (which may add `differentiable`).
+    assert copy.deepcopy(optimizer).inner_optimizer.defaults == copy.deepcopy(inner).defaults
+
+
+def test_a_tensor_learning_rate_stays_one_tensor_per_group():
+    """One tensor in every group: a scheduler's in-place update of one group's
+    rate (torch's schedulers `fill_` tensor rates) reached every group."""
+    first, second = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD([{"params": [first]}, {"params": [second]}], lr=0.1)
+    )
+    optimizer.learning_rate = torch.tensor(0.1)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    assert rates[0] is not rates[1] and all(isinstance(r, torch.Tensor) for r in rates)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda e: 1.0, lambda e: 0.01])
+    set_grads([first, second], [[1.0, 1.0], [1.0, 1.0]])
+    optimizer.scale_loss(torch.tensor(1.0))
+    optimizer.step()
+    scheduler.step()
+    assert [group["lr"].item() for group in optimizer.param_groups] == pytest.approx([0.1, 0.001])
+    optimizer.learning_rate = 0.5  # into each group's own tensor
+    assert [group["lr"] for group in optimizer.param_groups] == rates
+    assert [r.item() for r in rates] == [0.5, 0.5] and rates[0] is not rates[1]
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_refused():
     weight = nn.Parameter(torch.zeros(2))
     with pytest.raises(TypeError, match="cannot wrap LBFGS: its step\\(\\) needs a closure"):

@@ -179,9 +179,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._scale = scale
         self._step_counter = 0
         self._iterations = 0
-        # What `torch.optim.Optimizer.__init__` sets up, minus the parameters:
-        # those stay the inner optimizer's.
+        self._set_up_hooks()
+
+    def _set_up_hooks(self) -> None:
+        """What `torch.optim.Optimizer.__init__` sets up (hooks, the patched
+        step), minus the parameters: those stay the inner optimizer's. torch's
+        set-up also writes a key into `defaults`, here the inner optimizer's
+        own dict, which must stay as it was."""
+        defaults = dict(self._inner.defaults)
         torch.optim.Optimizer.__setstate__(self, {})
+        self._inner.defaults.clear()
+        self._inner.defaults.update(defaults)
 
     def _reset_runtime_state(self) -> None:
         self._found_inf: list[torch.Tensor] | None = None  # set by `unscale_()`
@@ -266,9 +274,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self._inner.param_groups[0]["lr"]
 
     @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
+    def learning_rate(self, value: float | torch.Tensor) -> None:
+        # A tensor learning rate is updated in place by torch's schedulers:
+        # each group keeps a tensor of its own, written into where it has one.
         for group in self._inner.param_groups:
-            group["lr"] = value
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(value)
+            elif isinstance(value, torch.Tensor):
+                group["lr"] = value.detach().clone()
+            else:
+                group["lr"] = value
 
     def get_config(self) -> dict[str, Any]:
         """Keras's four keys: `name`, `initial_scale`, `dynamic_growth_steps`
@@ -296,7 +311,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "dynamic_growth_steps": self._dynamic_growth_steps,
             "inner_optimizer": {
                 "class_name": f"{inner.__module__}.{inner.__qualname__}",
-                "config": dict(self._inner.defaults),
+                "config": _constructor_arguments(inner, self._inner.defaults),
             },
         }
 
@@ -584,7 +599,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
         self.__dict__.setdefault("_process_group", None)
         self._reset_runtime_state()
-        torch.optim.Optimizer.__setstate__(self, {})
+        self._set_up_hooks()
 
     def __repr__(self) -> str:
         inner = "\n    ".join(repr(self._inner).splitlines())
@@ -622,6 +637,18 @@ def _inner_from_config(described: Any, params: Any) -> torch.optim.Optimizer:
             "torch.optim.Optimizer subclass."
         )
     return found(params, **described["config"])
+
+
+def _constructor_arguments(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The entries of an optimizer's `defaults` its constructor takes (torch's
+    AdamW keeps `decoupled_weight_decay` there, which `AdamW()` refuses)."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):  # no signature to read: every entry
+        return dict(defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    return {key: value for key, value in defaults.items() if key in parameters}
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
