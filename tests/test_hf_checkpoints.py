@@ -449,6 +449,34 @@ def test_models_built_from_one_config_object_save_their_own_policies(change, tmp
     assert getattr(back, "hf_quantizer", None) is None
 
 
+@pytest.mark.parametrize("change", ["mixed_bfloat16", "int8"])
+@pytest.mark.parametrize("built", ["the model's config", "its saved config"])
+def test_a_model_built_from_a_described_config_saves_as_what_it_is(change, built, tmp_path):
+    """A plain model built from a policied model's config object, or with
+    `from_config(AutoConfig.from_pretrained(its directory))`, carried that
+    model's description: its checkpoint reloaded with policies it never had
+    (bfloat16 logits), or was refused (int8 tensors missing); `sync` kept it."""
+    torch.manual_seed(0)
+    described = llama()
+    quantize(described, "int8") if change == "int8" else apply_policy(described, change)
+    if built == "the model's config":
+        plain = transformers.LlamaForCausalLM(described.config).eval()
+    else:
+        described.save_pretrained(tmp_path / "described")
+        config = transformers.AutoConfig.from_pretrained(tmp_path / "described")
+        plain = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert not any(state_of(module) for module in plain.modules())
+    back, _ = reload(plain, tmp_path / "plain")
+    assert getattr(back, "hf_quantizer", None) is None and not policies(back)
+    assert torch.equal(outputs(back), outputs(plain)) and outputs(back).dtype == torch.float32
+    huggingface.sync(plain)
+    assert getattr(plain.config, "quantization_config", None) is None
+    # the described model keeps its own description
+    assert huggingface.describes_policies(described.config)
+    again, _ = reload(described, tmp_path / "again")
+    assert torch.equal(outputs(again), outputs(described))
+
+
 def test_listener_ignores_plain_modules_and_submodules():
     block = torch.nn.Sequential(torch.nn.Linear(8, 8))
     apply_policy(block, "mixed_bfloat16")
@@ -673,6 +701,43 @@ def test_fresh_process_import_dtype_policies_then_from_pretrained(tmp_path):
     assert name == "DTypePoliciesHfQuantizer"
     assert float(seconds) < 2.0  # no transformers import (that alone takes seconds)
     assert torch.equal(torch.load(tmp_path / "fresh_logits.pt"), outputs(model))
+
+
+FRESH_FROM_CONFIG = textwrap.dedent(
+    """
+    import sys, torch, transformers
+    import dtype_policies
+    directory = sys.argv[1]
+    config = transformers.AutoConfig.from_pretrained(directory + "/int8")
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config).eval()
+    plain.save_pretrained(directory + "/plain")
+    back = transformers.AutoModelForCausalLM.from_pretrained(directory + "/plain").eval()
+    ids = torch.load(directory + "/ids.pt")
+    with torch.no_grad():
+        same = torch.equal(back(ids).logits, plain(ids).logits)
+    print(same, getattr(back.config, "quantization_config", None))
+    """
+)
+
+
+@pytest.mark.slow  # a fresh process
+def test_fresh_process_saves_a_model_built_from_a_described_config_as_plain(tmp_path):
+    """In a process where no model had policies, `save_pretrained` was not
+    hooked yet: the stale description of the config went into the checkpoint."""
+    model = llama()
+    quantize(model, "int8")
+    model.save_pretrained(tmp_path / "int8")
+    torch.save(IDS, tmp_path / "ids.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_FROM_CONFIG, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "None"]
 
 
 # -- the explicit route: saving.save / saving.load onto a meta-built model ------------------------

@@ -14,7 +14,10 @@
   needs it), the `dtype_policies` method is registered in it, so that
   `from_pretrained` of a checkpoint saved that way works in any process that
   imported `dtype_policies` - without `import dtype_policies` paying for
-  importing transformers.
+  importing transformers. The same hook, once `transformers.modeling_utils`
+  is loaded, makes `save_pretrained` describe a model first where needed,
+  also a model that never had policies in this process but was built from a
+  config that describes some (`from_config(AutoConfig.from_pretrained(dir))`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dtype_policies._core.listeners import add_listener
 from dtype_policies._core.module_state import state_of
 
 REGISTRY_MODULE = "transformers.quantizers.auto"
+MODELING_MODULE = "transformers.modeling_utils"
 INTEGRATION_MODULE = "dtype_policies.saving.huggingface"
 
 
@@ -100,11 +104,30 @@ def _register() -> None:
         )
 
 
+def _describe_when_saving() -> None:
+    """Runs once transformers' modeling module exists (see `_register`)."""
+    try:
+        _integration().describe_when_saving()
+    except Exception as e:  # pragma: no cover - a broken transformers install
+        warnings.warn(
+            "dtype_policies could not hook save_pretrained "
+            f"({type(e).__name__}: {e}); import dtype_policies.saving.huggingface to see why.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+# What runs right after each module executes, until it has run.
+_PENDING: dict[str, Any] = {}
+
+
 class _RegistryImportHook(MetaPathFinder):
-    """Runs `_register` right after `transformers.quantizers.auto` executes."""
+    """Runs `_register` right after `transformers.quantizers.auto` executes,
+    and `_describe_when_saving` after `transformers.modeling_utils` does."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != REGISTRY_MODULE:
+        action = _PENDING.get(fullname)
+        if action is None:
             return None
         spec = None
         for finder in sys.meta_path:
@@ -121,8 +144,9 @@ class _RegistryImportHook(MetaPathFinder):
 
         def exec_then_register(module: Any) -> None:
             exec_module(module)
-            _uninstall_import_hook()
-            _register()
+            if _PENDING.pop(fullname, None) is not None and not _PENDING:
+                _uninstall_import_hook()
+            action()
 
         # The loader instance belongs to this one import: wrapping its method
         # leaves every other import alone.
@@ -140,9 +164,14 @@ def _uninstall_import_hook() -> None:
 
 def install() -> None:
     """Installs the listener, and registers the quantizer with transformers
-    now if its registry is loaded, else when it is (idempotent)."""
+    (and hooks `save_pretrained`) now if transformers' registry (modeling
+    module) is loaded, else when it is (idempotent)."""
     add_listener(on_model_changed)
-    if REGISTRY_MODULE in sys.modules:
-        _register()
-    elif _HOOK not in sys.meta_path:
+    for name, action in ((REGISTRY_MODULE, _register), (MODELING_MODULE, _describe_when_saving)):
+        if name in sys.modules:
+            _PENDING.pop(name, None)
+            action()
+        else:
+            _PENDING[name] = action
+    if _PENDING and _HOOK not in sys.meta_path:
         sys.meta_path.insert(0, _HOOK)

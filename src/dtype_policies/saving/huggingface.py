@@ -451,7 +451,12 @@ def _describing_first(save_pretrained: Any) -> Any:
 
     @functools.wraps(save_pretrained)
     def save(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "hf_quantizer", None) is None and has_policies(self):
+        # A model built from another's config (`Model(policied.config)`,
+        # `from_config(AutoConfig.from_pretrained(policied_dir))`) carries that
+        # model's description without its policies: described again, it has none.
+        if getattr(self, "hf_quantizer", None) is None and (
+            has_policies(self) or describes_policies(self.config)
+        ):
             sync(self)
         return save_pretrained(self, *args, **kwargs)
 
@@ -508,6 +513,10 @@ def sync(model: Any) -> None:
             _own_config(model)
             current.remove_quantization_config(model)
             _set_flags(model, manifest)
+        elif describes_policies(model.config):  # another model's description
+            _own_config(model)
+            del model.config.quantization_config
+            _set_flags(model, manifest)
         return
     _own_config(model)
     config = DTypePoliciesConfig(manifest)
@@ -519,6 +528,16 @@ def sync(model: Any) -> None:
     model.config.quantization_config = config
     model.quantization_method = QUANT_METHOD
     _set_flags(model, manifest)
+
+
+def describes_policies(config: Any) -> bool:
+    """Whether a transformers config's `quantization_config` is this
+    library's (an object, or the dict `config.json` holds)."""
+    found = getattr(config, "quantization_config", None)
+    if isinstance(found, DTypePoliciesConfig):
+        return True
+    method = found.get("quant_method") if isinstance(found, dict) else None
+    return getattr(method, "value", method) == QUANT_METHOD
 
 
 # -- helpers -----------------------------------------------------------------------------------

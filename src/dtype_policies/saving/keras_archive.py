@@ -169,8 +169,8 @@ def policy_map_from_keras(
         FileNotFoundError: `path` does not exist.
         ValueError: `path` is not a zip file, has no `config.json`, or its
             config is not valid JSON, does not describe a Keras model, or holds a
-            dtype policy this library cannot read (an unknown class, a GPTQ,
-            AWQ or ternary policy, an invalid name).
+            dtype policy this library cannot read (an unknown class, a ternary
+            policy, an invalid name). GPTQ and AWQ policies are read.
 
     >>> import json, pathlib, tempfile, zipfile
     >>> archive = pathlib.Path(tempfile.mkdtemp()) / "model.keras"
