@@ -151,3 +151,35 @@ def test_overlapping_selections_end_with_the_config_as_it_was():
     b.__exit__(None, None, None)
     assert not hasattr(model.config, SELECTION)
     assert _attention_dispatch._ACTIVE == {}
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+@pytest.mark.parametrize("island", ["float32", "int8_from_float32", "int4_from_mixed_float16"])
+@pytest.mark.filterwarnings("ignore::dtype_policies.CPUFloat16Warning")
+def test_an_island_on_one_projection_attends_in_the_promoted_dtype(island, kernels, monkeypatch):
+    """A float32 island on the query projection of a bfloat16 attention gave
+    SDPA a float32 query and bfloat16 keys: "Expected query, key, and value to
+    have the same dtype". They meet as Keras's ops meet mixed inputs, promoted."""
+    from dtype_policies import DTypePolicyMap
+
+    monkeypatch.setenv("DTYPE_POLICIES_NATIVE_KERNELS", kernels)
+    reference = tiny_llama()
+    mask = torch.ones_like(TOKENS)
+    mask[1, :4] = 0  # a padded row: the additive mask is promoted with them
+    with torch.no_grad():
+        expected = reference(TOKENS, attention_mask=mask).logits
+    model = copy.deepcopy(reference)
+    policies = DTypePolicyMap(default_policy="mixed_bfloat16")
+    policies["model.layers.0.self_attn.q_proj"] = island
+    apply_policy(model, policies)
+    queries = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda module, args, out: queries.append(out.dtype)
+    )
+    with torch.no_grad():
+        logits = model(TOKENS, attention_mask=mask).logits
+    # the island computed in its own dtype (float16 and bfloat16 promote to float32)
+    assert queries == [torch.float16 if "float16" in island else torch.float32]
+    assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
+    error = (logits.float() - expected).abs().max() / expected.abs().max()
+    assert error < 0.05, float(error)

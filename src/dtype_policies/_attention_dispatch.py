@@ -85,13 +85,38 @@ def dispatch(
     **kwargs: Any,
 ) -> Any:
     """transformers' `"sdpa"` attention function: the implementation
-    `module.config` selects, else transformers' own."""
+    `module.config` selects, else transformers' own; on one dtype (`promoted`)."""
+    query, key, value, attention_mask = promoted(query, key, value, attention_mask)
     name = getattr(getattr(module, "config", None), SELECTION, None)
     implementation = _IMPLEMENTATIONS.get(name) if isinstance(name, str) else None
     if implementation is None:
         # installed before `dispatch` can be reached
         implementation = cast(Callable[..., Any], _transformers_sdpa)
     return implementation(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def promoted(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Query, key, value (and a float mask) in their promoted dtype where they
+    differ: policies that differ inside one attention (a float32 island on its
+    query projection in a bfloat16 model) meet there as Keras's ops meet
+    mixed inputs, by type promotion; torch's attention takes one dtype.
+
+    >>> q, k = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16)
+    >>> mask = torch.zeros(1, 1, 2, 2, dtype=torch.bfloat16)
+    >>> [t.dtype for t in promoted(q, k, k, mask)]
+    [torch.float32, torch.float32, torch.float32, torch.float32]
+    """
+    if query.dtype == key.dtype == value.dtype:
+        return query, key, value, attention_mask
+    common = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.to(common)
+    return query.to(common), key.to(common), value.to(common), attention_mask
 
 
 def register(name: str, implementation: Callable[..., Any]) -> None:

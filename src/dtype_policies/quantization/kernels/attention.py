@@ -222,11 +222,13 @@ class _EagerCalls:
 
 def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
     """Makes each eager call of `model`, a transformers model on `"sdpa"`,
-    attend with `transformers_attention` (as `selected`); returns the hooks'
+    attend with `transformers_attention` (as `selected`), and every call on
+    one dtype (`_attention_dispatch.promoted`); returns the hooks'
     handles (`handle.remove()` undoes it), none for any other model. The
     model's setting is restored after each call, also when it raises."""
     if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
         return []
+    _attention_dispatch.transformers_sdpa()  # `dispatch` in place: mixed dtypes promoted
     calls = _EagerCalls()
     return [
         model.register_forward_pre_hook(calls.before, with_kwargs=True),
