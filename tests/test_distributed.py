@@ -754,6 +754,30 @@ def test_loading_into_a_sharded_model_is_refused_before_changing_it(tmp_path):
         assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in model.state_dict().items())
 
 
+@distributed
+@fsdp_on_cpu
+@pytest.mark.parametrize("policy", ["float32", "int8_from_mixed_bfloat16"])
+def test_a_layer_s_policy_cannot_change_under_fsdp2(policy, tmp_path):
+    """`layer.dtype_policy = ...` on a sharded model: accepted, the layer
+    computed from bfloat16-gathered weights in float32 (and an int8 policy
+    failed inside DTensor); refused as `apply_policy` is, nothing changed."""
+    from dtype_policies import layers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(layers.Dense(16), layers.Dense(4))
+    model(torch.randn(1, 8))
+    with _group_of_one(tmp_path):
+        fully_shard(model, "mixed_bfloat16")
+        weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        refused = rf"Dense.dtype_policy = '{policy}': the model is sharded"
+        with pytest.raises(ValueError, match=refused):
+            model[1].dtype_policy = policy
+        assert model[1].dtype_policy.name == "mixed_bfloat16"
+        state = model.state_dict()
+        assert set(state) == set(weights)
+        assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in state.items())
+
+
 def test_float32_modules_without_a_policy_is_refused():
     """With None no policy is applied, so float32_modules could not act."""
     model = _called_model()

@@ -164,6 +164,7 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         carrying settings, such as `"int4/64_from_X"`, with its own). Any
         error leaves the layer and its policy unchanged."""
         policy = get_policy(value)
+        self._refuse_if_sharded(policy)
         quantized = self._quantized
         if (
             quantized is not None

@@ -171,8 +171,15 @@ class Layer(LayerWeights, torch.nn.Module):
 
     @dtype_policy.setter
     def dtype_policy(self, value: Any) -> None:
-        self._set_policy(get_policy(value))
+        policy = get_policy(value)
+        self._refuse_if_sharded(policy)
+        self._set_policy(policy)
         self._on_policy_change()
+
+    def _refuse_if_sharded(self, policy: DTypePolicy) -> None:
+        """A policy cannot change under FSDP2 (as `apply_policy` cannot)."""
+        name = sharded.class_under_fsdp(type(self)).__name__
+        sharded.refuse_sharded(self, f"{name}.dtype_policy = {policy.name!r}")
 
     def _set_policy(self, policy: DTypePolicy) -> None:
         """Sets the policy in force (inside a map, this layer's entry); a
