@@ -323,6 +323,34 @@ def refused_on_one_rank(rank: int, tmp: str) -> dict:
     return {"raised": _raised(lambda: dp_distributed.fully_shard(make_model(), policy))}
 
 
+def refused_before_planning_on_one_rank(rank: int, tmp: str) -> dict:
+    """Refusals that came before the agreement's exchange on rank 0 alone
+    (float32_modules without a policy; a `units` rule of the user's raising
+    KeyError), and a `reshard_after_forward` of its own: each raised on rank 0
+    while rank 1 waited until the timeout (or, resharding, hung in backward)."""
+
+    def rule(name, module):
+        if rank == 0:
+            raise KeyError("a rule of the user's")
+        return False
+
+    def float32_modules_without_policy():
+        model = make_model()
+        apply_policy(model, POLICY)
+        modules = [nn.Linear] if rank == 0 else None
+        dp_distributed.fully_shard(model, None, float32_modules=modules)
+
+    return {
+        "float32_modules": _raised(float32_modules_without_policy),
+        "rule": _raised(lambda: dp_distributed.fully_shard(make_model(), POLICY, units=[rule])),
+        "reshard": _raised(
+            lambda: dp_distributed.fully_shard(
+                make_model(), POLICY, reshard_after_forward=rank == 0
+            )
+        ),
+    }
+
+
 def unwritable_save_on_rank_zero(rank: int, tmp: str) -> dict:
     """A sharded save rank 0 cannot write: every rank raises (the others
     waited for the file until the timeout)."""
@@ -348,7 +376,9 @@ def step_without_gradients_on_one_rank(rank: int, tmp: str) -> dict:
     return {"skipped": optimizer.last_step_skipped, "scale": float(optimizer.dynamic_scale)}
 
 
-_COLLECTIVES = ("all_gather_into_tensor", "all_gather_object", "all_gather", "all_reduce")
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather_object", "all_gather", "all_reduce") + (
+    ("all_gather_single",) if hasattr(dist, "all_gather_single") else ()
+)
 
 
 def fsdp_setup_collectives(rank: int, tmp: str) -> dict:
@@ -386,6 +416,7 @@ SCENARIOS = (
     mismatched_policies,
     fsdp_setup_collectives,
     refused_on_one_rank,
+    refused_before_planning_on_one_rank,
     unwritable_save_on_rank_zero,
     step_without_gradients_on_one_rank,
 )

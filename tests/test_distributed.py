@@ -327,7 +327,8 @@ def test_ranks_applying_different_policies_refuse_to_shard(runs):
 def test_agreeing_ranks_pay_one_collective_at_setup(runs):
     for rank in (0, 1):
         counts = outcome(runs, "fsdp_setup_collectives")[rank]["counts"]
-        assert sum(counts.values()) == 1 and counts["all_gather_into_tensor"] == 1, counts
+        gathers = counts["all_gather_into_tensor"] + counts.get("all_gather_single", 0)
+        assert sum(counts.values()) == 1 and gathers == 1, counts
 
 
 @distributed
@@ -336,6 +337,22 @@ def test_what_one_rank_refuses_every_rank_raises(runs):
         raised = outcome(runs, "refused_on_one_rank")[rank]["raised"]
         assert raised is not None and raised.startswith("PolicyMismatchError"), (rank, raised)
         assert "int8_from_mixed_bfloat16" in raised
+
+
+@distributed
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("float32_modules", "ValueError: fully_shard(): float32_modules is an option"),
+        ("rule", "KeyError"),
+        ("reshard", "(option) reshard_after_forward: rank 0 True, rank 1 False"),
+    ],
+)
+def test_what_one_rank_refuses_before_planning_every_rank_raises(runs, case, named):
+    for rank in (0, 1):
+        raised = outcome(runs, "refused_before_planning_on_one_rank")[rank][case]
+        assert raised is not None and raised.startswith("PolicyMismatchError"), (rank, raised)
+        assert named in raised, (rank, raised)
 
 
 @distributed

@@ -121,7 +121,9 @@ def check_ranks_agree(description: dict[str, str], mesh: Any = None) -> None:
             continue
         mine = _digest(description).to(_device(group, mesh))
         gathered = mine.new_empty(world * _DIGEST_WORDS)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        # torch 2.13 deprecates all_gather_into_tensor for all_gather_single
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, mine, group=group)
         if bool((gathered.view(world, _DIGEST_WORDS) == mine).all()):
             continue
         descriptions: list[Any] = [None] * world

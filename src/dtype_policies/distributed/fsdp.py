@@ -20,6 +20,27 @@ def _is_fsdp_module(module: torch.nn.Module) -> bool:
     return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
 
 
+def _refuse_before_planning(model: Any, policy_or_map: Any, float32_modules: Any) -> None:
+    """What is refused before any policy is applied."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"fully_shard() expects a torch.nn.Module. Received: {type(model).__name__}"
+        )
+    sharded = [name or "(model)" for name, m in model.named_modules() if _is_fsdp_module(m)]
+    if sharded:
+        raise ValueError(
+            f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
+            "dtype_policies.distributed.fully_shard to the unsharded model."
+        )
+    if policy_or_map is None and float32_modules is not None:
+        raise ValueError(
+            "fully_shard(): float32_modules is an option of the policy's application, and "
+            "policy_or_map=None applies none (it keeps the policies applied before, their "
+            f"float32 modules included). Received: float32_modules={float32_modules!r}. Pass "
+            "the policy with it, or apply_policy(model, policy, float32_modules=...) first."
+        )
+
+
 def _refuse_quantized_policies(policy_or_map: Any) -> None:
     """Raises if the policy, or any entry of the map, is quantized."""
     policy = get_policy(policy_or_map)
@@ -124,28 +145,13 @@ def fully_shard(
         raise ImportError(
             f"dtype_policies.distributed.fully_shard() needs torch.distributed.fsdp: {e}"
         ) from None
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"fully_shard() expects a torch.nn.Module. Received: {type(model).__name__}"
-        )
-    sharded = [name or "(model)" for name, m in model.named_modules() if _is_fsdp_module(m)]
-    if sharded:
-        raise ValueError(
-            f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
-            "dtype_policies.distributed.fully_shard to the unsharded model."
-        )
-    if policy_or_map is None and float32_modules is not None:
-        raise ValueError(
-            "fully_shard(): float32_modules is an option of the policy's application, and "
-            "policy_or_map=None applies none (it keeps the policies applied before, their "
-            f"float32 modules included). Received: float32_modules={float32_modules!r}. Pass "
-            "the policy with it, or apply_policy(model, policy, float32_modules=...) first."
-        )
     # What one rank refuses, every rank must hear of: each rank's checks run
-    # to the agreement's exchange, which then raises on every rank.
+    # to the agreement's exchange, which then raises on every rank (any error:
+    # a `units` rule of the user's may raise anything).
     problem: Exception | None = None
     with contextlib.ExitStack() as applied:  # an error leaves the policies as they were
         try:
+            _refuse_before_planning(model, policy_or_map, float32_modules)
             if policy_or_map is not None:
                 _refuse_quantized_policies(policy_or_map)
             refuse_quantized(model, "fully_shard()")
@@ -155,9 +161,11 @@ def fully_shard(
                 )
             plan = plan_units(model, units, stacklevel=4)
             description = describe_policies(model, plan)
-        except (ValueError, TypeError, NotImplementedError) as error:
+        except Exception as error:
             problem = error
             description = {"(refused on this rank)": f"{type(error).__name__}: {error}"}
+        # ranks resharding differently would wait for each other in backward
+        description["(option) reshard_after_forward"] = repr(reshard_after_forward)
         if mesh is None and not torch.distributed.is_initialized():
             if problem is not None:
                 raise problem
