@@ -325,11 +325,31 @@ def _onednn_split(x2, runtime, bias, out_dtype):
     )
 
 
+def int_mm(xq: torch.Tensor, q_nk: torch.Tensor) -> torch.Tensor:
+    """`torch._int_mm(xq, q_nk.t())`, exact on every layout. torch's kernel
+    misreads an operand with a dimension of 1 whose strides are ambiguous: a
+    row stored as a transposed column (strides (1, 1)), and any K = 1; such a
+    row is copied to its canonical layout, and K = 1 takes the exact float
+    product (float32, exact: the sums are the same integers).
+
+    >>> xq = torch.tensor([[3], [-2], [5]], dtype=torch.int8).t()  # strides (1, 1)
+    >>> q_nk = torch.tensor([[1, 2, 3], [-1, 0, 1]], dtype=torch.int8)
+    >>> int_mm(xq, q_nk).tolist(), int_mm(xq.t(), q_nk[:, :1]).int().tolist()
+    ([[14, 2]], [[3, -3], [-2, 2], [5, -5]])
+    """
+    rows, k = xq.shape
+    if k == 1:
+        return exact_float_product(xq, q_nk)
+    if rows == 1 and xq.stride() != (k, 1):
+        xq = torch.empty((1, k), dtype=xq.dtype, device=xq.device).copy_(xq)
+    return torch._int_mm(xq, q_nk.t())
+
+
 def _integer(x2, runtime, bias, out_dtype, use_int_mm):
     xq, row_step = epilogues.run(epilogues.quantize_rows_int8, x2)
     q_nk = runtime.q_nk
     if use_int_mm and _int_mm_supported(*x2.shape, q_nk.shape[0], x2.device):
-        accumulated = torch._int_mm(xq, q_nk.t())
+        accumulated = int_mm(xq, q_nk)
     else:
         accumulated = exact_float_product(xq, q_nk)
     return epilogues.run(
@@ -521,7 +541,7 @@ def int8_linear_traceable(
         # the eager path's kernel, on a layout the frozen graph folds into a constant
         accumulated = int8_native.int8_mm(xq, int8_native.pack(q_nk), q_nk.shape[0])
     elif _int_mm_supported(m, k, q_nk.shape[0], x2.device):
-        accumulated = torch._int_mm(xq, q_nk.t())
+        accumulated = int_mm(xq, q_nk)
     else:
         accumulated = exact_float_product(xq, q_nk)
     return epilogues.rescale(accumulated, row_step, column_step, bias, out_dtype)

@@ -1,0 +1,55 @@
+"""int8 products on the layouts torch's integer product misreads: a weight
+of one input (K = 1), and a one-row input stored as a transposed column
+(strides (1, 1), which torch calls contiguous). `torch._int_mm` returned
+uninitialised memory for both (errors of 1e3 to 1e5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtype_policies import apply_policy, quantize
+from dtype_policies.quantization import Int8QuantizationConfig
+
+CONFIGS = {
+    "W8A8 per token": Int8QuantizationConfig(),
+    "default (per block of 32)": None,
+}
+
+
+def _quantized(inputs: int, outputs: int, policy: str, config) -> nn.Linear:
+    torch.manual_seed(0)
+    layer = nn.Linear(inputs, outputs)
+    apply_policy(layer, policy)
+    quantize(layer, "int8", config)
+    return layer
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_a_one_row_input_stored_as_a_column_gives_the_row_s_values(config, policy):
+    layer = _quantized(576, 64, policy, config)
+    dtype = torch.bfloat16 if policy == "mixed_bfloat16" else torch.float32
+    column = torch.randn(576, 1, generator=torch.Generator().manual_seed(1)).to(dtype)
+    row = column.t()
+    assert row.stride() == (1, 1) and row.is_contiguous()
+    with torch.no_grad():
+        assert torch.equal(layer(row), layer(row.clone(memory_format=torch.contiguous_format)))
+        assert torch.equal(layer(row), layer(column.flatten()[None, :].contiguous()))
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_weight_of_one_input_multiplies_exactly(config, compiled):
+    layer = _quantized(1, 16, "float32", config)
+    x = torch.randn(4, 1, generator=torch.Generator().manual_seed(2))
+    # one input per row: its int8 rounding is exact (the row's step is |x| / 127);
+    # the default rounds its steps (float16, as llama.cpp's Q8_0): within 1%
+    expected = F.linear(x, layer.weight, layer.bias)
+    run = torch.compile(layer, backend="inductor") if compiled else layer
+    with torch.no_grad():
+        got = run(x)
+    tolerance = 1e-5 if config is not None else 1e-2 * float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
