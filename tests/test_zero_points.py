@@ -134,3 +134,29 @@ def test_quantize_refines_by_default_and_lowers_the_output_error():
         with torch.no_grad():
             errors[refine] = float((model(batch) - expected).norm() / expected.norm())
     assert errors[True] < errors[False]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"refine_zero_points": False}, {"scale_search": True}],
+    ids=["default", "min/max", "scale search"],
+)
+def test_finite_weights_whose_range_exceeds_float32_stay_finite(settings):
+    """A group holding -3e38 and 3e38 (finite) got `max - min` = inf: an
+    infinite step, NaN weights and NaN outputs, without an error."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 4)
+    with torch.no_grad():
+        layer.weight[0, 5], layer.weight[0, 6] = 3e38, -3e38
+    weight = layer.weight.detach().clone()
+    quantize(layer, "int4", Int4QuantizationConfig(block_size=32, **settings))
+    stored = layer.weight.detach()
+    assert bool(torch.isfinite(stored).all()) and bool(torch.isfinite(layer.weight_scale).all())
+    # the extremes are (near) grid values
+    assert float(stored[0, 5]) == pytest.approx(3e38, rel=0.1)
+    assert float(stored[0, 6]) == pytest.approx(-3e38, rel=0.1)
+    assert (stored[1:] - weight[1:]).abs().max() < 0.02  # the other rows as usual
+    x = torch.zeros(2, 64)
+    x[:, 5] = 1e-38  # the huge weights meet tiny inputs: a finite, exact-enough output
+    with torch.no_grad():
+        assert bool(torch.isfinite(layer(x)).all())

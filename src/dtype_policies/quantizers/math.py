@@ -183,6 +183,11 @@ def _grid_groups(
     flat = spread <= 1e-6 * magnitude
     spread = torch.where(flat, magnitude, spread).clamp(min=epsilon)
     scale = spread / (qmax - qmin)
+    # finite weights whose range exceeds float32 (`max - min` is inf): the
+    # step is computed without forming the range
+    scale = torch.where(
+        torch.isinf(spread), maximum / (qmax - qmin) - minimum / (qmax - qmin), scale
+    )
     exact_zero = -minimum / scale + qmin
     codes = torch.round(blocks / scale[:, None] + exact_zero[:, None]).clamp_(qmin, qmax)
     on_grid = (
