@@ -446,3 +446,72 @@ def test_compute_output_shape_as_keras_and_as_the_call(layer, inputs, expected):
 def test_dense_refuses_an_input_of_one_axis_as_keras():
     with pytest.raises(ValueError, match="expected min_ndim=2, found ndim=1"):
         layers.Dense(4)(torch.ones(5))
+
+
+@pytest.mark.parametrize(
+    "mode, trainable, frozen", [("int8", 1, 2), ("int4", 1, 4), ("float8", 2, 6)]
+)
+def test_a_quantized_layer_lists_its_stored_tensors_among_its_weights(mode, trainable, frozen):
+    """Keras's `test_quantize_dtype_argument`: an int8 Dense has 1 trainable
+    and 2 non-trainable weights (3 for int8, 5 for int4, 8 for float8 in all);
+    the quantized tensors were left out (1 weight after int8)."""
+    dense = layers.Dense(4)
+    dense(torch.randn(2, 8))
+    dense.quantize(mode)
+    assert (len(dense.trainable_weights), len(dense.non_trainable_weights)) == (trainable, frozen)
+    assert len(dense.weights) == trainable + frozen
+    buffers = {id(b) for b in dense.buffers()}
+    assert all(id(t) in buffers for t in dense.non_trainable_weights)  # the stored tensors
+    if mode == "int8":
+        assert dense.non_trainable_weights[0].dtype == torch.int8
+
+
+def test_add_weight_takes_keras_s_aggregation_and_overwrite_with_gradient():
+    layer = layers.Dense(2)
+    weight = layer.add_weight(shape=(2,), name="w", aggregation="mean")
+    assert weight.aggregation == "mean"
+    assert layer.add_weight(shape=(2,), name="v", aggregation=None).aggregation == "none"
+    assert layer.add_weight(shape=(2,), name="u", overwrite_with_gradient=False) is layer.u
+    with pytest.raises(ValueError, match=r"Invalid value for argument `aggregation`.*=median"):
+        layer.add_weight(shape=(2,), name="x", aggregation="median")
+    not_bool = r"`overwrite_with_gradient` must be a boolean\. Received: 1"
+    with pytest.raises(TypeError, match=not_bool):
+        layer.add_weight(shape=(2,), name="x", overwrite_with_gradient=1)
+    unsupported = r"overwrite_with_gradient=True\) is not supported"
+    with pytest.raises(NotImplementedError, match=unsupported):
+        layer.add_weight(shape=(2,), name="x", overwrite_with_gradient=True)
+    assert not hasattr(layer, "x")
+
+
+def test_embedding_compute_mask_takes_keras_s_mask_argument():
+    embedding = layers.Embedding(10, 4, mask_zero=True)
+    ids = torch.tensor([[0, 3]])
+    assert embedding.compute_mask(ids, mask=None).tolist() == [[False, True]]
+    assert embedding.compute_mask(ids, torch.ones(1, 2, dtype=torch.bool)).tolist() == [
+        [False, True]
+    ]
+
+
+def test_a_mode_the_layer_cannot_take_is_refused_by_the_setter_as_by_the_constructor():
+    """`Embedding(..., dtype="float8_from_float32")` raised Keras's error; the
+    setter on a built Embedding accepted the policy and computed in float."""
+    with pytest.raises(NotImplementedError, match="Invalid quantization mode"):
+        layers.Embedding(10, 4, dtype="float8_from_float32")(torch.tensor([1]))
+    embedding = layers.Embedding(10, 4)
+    embedding(torch.tensor([1]))
+    before = {k: v.clone() for k, v in embedding.state_dict().items()}
+    with pytest.raises(NotImplementedError, match=r"Expected one of \('int8', 'int4'\)"):
+        embedding.dtype_policy = "float8_from_float32"
+    assert embedding.dtype_policy.name == "float32" and embedding.quantization_mode is None
+    assert all(torch.equal(v, before[k]) for k, v in embedding.state_dict().items())
+
+
+def test_loading_a_quantized_checkpoint_into_an_unbuilt_layer_names_the_cause(tmp_path):
+    saved = layers.Dense(4)
+    saved(torch.randn(2, 8))
+    saved.quantize("int8")
+    path = saving.save(saved, tmp_path / "dense")
+    target = layers.Dense(4)
+    with pytest.raises(saving.CheckpointError, match="the target Dense is not built"):
+        saving.load(target, path)
+    assert not target.built and dict(target.state_dict()) == {}

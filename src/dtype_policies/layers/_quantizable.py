@@ -182,7 +182,14 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         if not self.built or quantized is not None or mode is None:
             Layer.dtype_policy.fset(self, policy)
             return
-        if not kind_of(self).supports(mode):
+        kind = kind_of(self)
+        if kind is not None and not kind.supports(mode) and not policy.is_map:
+            # as the constructor (`_quantize_from_policy`) and Keras's `quantize`
+            raise NotImplementedError(
+                f"Invalid quantization mode. Expected one of {kind.modes}. "
+                f"Received: quantization_mode={mode}"
+            )
+        if kind is None or not kind.supports(mode):
             Layer.dtype_policy.fset(self, policy)  # computes with the policy's float source
             return
         record = mode_record(mode)

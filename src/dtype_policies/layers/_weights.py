@@ -12,7 +12,7 @@ from dtype_policies import constraints as constraints_lib
 from dtype_policies import initializers as initializers_lib
 from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._core.compose import ModuleMixin
-from dtype_policies._core.module_state import STATE_KEY
+from dtype_policies._core.module_state import STATE_KEY, quantization_of
 from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
 
 
@@ -60,6 +60,8 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         regularizer: Any = None,
         constraint: Any = None,
         name: str | None = None,
+        aggregation: str | None = "none",
+        overwrite_with_gradient: bool = False,
         **kwargs: Any,
     ) -> torch.nn.Parameter:
         """Creates a weight, registers it as a `torch.nn.Parameter` and returns it.
@@ -80,6 +82,13 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
             constraint: Optional constraint applied by `apply_constraints()`.
             name: The attribute name it is registered under. Assigning the
                 result to an attribute registers it under that attribute name.
+            aggregation: Keras's multi-replica aggregation (`None`, `"none"`,
+                `"mean"`, `"sum"`, `"only_first_replica"`), validated as Keras
+                does and kept as the parameter's `aggregation` attribute; torch's
+                data-parallel wrappers average gradients whatever it says.
+            overwrite_with_gradient: Keras's flag for variables an optimizer
+                overwrites with their gradient; only `False` (torch's optimizers
+                always step from gradients): `True` raises `NotImplementedError`.
 
         Positional arguments follow Keras 3 (`shape, initializer, dtype`), or the
         tf.keras form (`name, shape, dtype, initializer`) when the first one is a
@@ -89,6 +98,21 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
             autocast = kwargs.pop("experimental_autocast")
         if kwargs:
             raise TypeError(f"add_weight() got unexpected keyword arguments: {sorted(kwargs)}")
+        if aggregation not in (None, "none", "mean", "sum", "only_first_replica"):
+            raise ValueError(
+                "Invalid value for argument `aggregation`. Expected one of `None`, `'none'`, "
+                f"`'mean'`, `'sum'`, `'only_first_replica'`. Received: aggregation={aggregation}"
+            )
+        if not isinstance(overwrite_with_gradient, bool):
+            raise TypeError(
+                f"`overwrite_with_gradient` must be a boolean. Received: {overwrite_with_gradient}"
+            )
+        if overwrite_with_gradient:
+            raise NotImplementedError(
+                "add_weight(overwrite_with_gradient=True) is not supported: torch's optimizers "
+                "update every parameter from its gradient. Keep such a value in a buffer "
+                "(register_buffer) and write it in your layer's call."
+            )
         given = {"shape": shape, "initializer": initializer, "dtype": dtype, "name": name}
         if args:
             order = (
@@ -121,6 +145,7 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         name = self._unique_weight_name(name)
         requires_grad = bool(trainable and self._trainable and value.is_floating_point())
         parameter = torch.nn.Parameter(value, requires_grad=requires_grad)
+        parameter.aggregation = aggregation or "none"  # type: ignore[attr-defined]
         self.register_parameter(name, parameter)
         self.__dict__.setdefault("_fresh_weight_names", set()).add(name)  # (older pickles)
         self._declared_trainable[name] = bool(trainable)
@@ -271,17 +296,37 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         self._refresh_policy_state()
 
     @property
-    def weights(self) -> list[torch.nn.Parameter]:
-        """All weights of the layer and its sublayers."""
-        return list(self.parameters())
+    def weights(self) -> list[torch.Tensor]:
+        """All weights of the layer and its sublayers: its parameters, then
+        the stored tensors of its quantized weights (as Keras lists a
+        quantized layer's integer kernel and scales among its variables)."""
+        return list(self.parameters()) + self._quantized_tensors()
 
     @property
-    def trainable_weights(self) -> list[torch.nn.Parameter]:
+    def trainable_weights(self) -> list[torch.Tensor]:
         return [p for p in self.parameters() if p.requires_grad]
 
     @property
-    def non_trainable_weights(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.parameters() if not p.requires_grad]
+    def non_trainable_weights(self) -> list[torch.Tensor]:
+        """The parameters that do not train, then the stored tensors of
+        quantized weights (int8/int4 values, scales, zero points; float8's
+        scales and histories, which Keras counts as trainable because its
+        optimizer overwrites them: here the forward updates them)."""
+        frozen: list[torch.Tensor] = [p for p in self.parameters() if not p.requires_grad]
+        return frozen + self._quantized_tensors()
+
+    def _quantized_tensors(self) -> list[torch.Tensor]:
+        found = []
+        for module in self.modules():
+            quantized = quantization_of(module)
+            if quantized is None:
+                continue
+            found += [
+                module._buffers[name]
+                for name in quantized.buffer_names
+                if module._buffers.get(name) is not None
+            ]
+        return found
 
     @property
     def trainable(self) -> bool:

@@ -217,7 +217,9 @@ class EinsumDense(QuantizableLayer):
         self.full_output_shape: tuple | None = None
 
     def compute_output_shape(self, input_shape: tuple) -> tuple:
-        """The output shape for `input_shape`, as Keras's.
+        """The output shape for `input_shape`: Keras's, except that an axis
+        `output_shape` leaves `None` takes its size from the input where the
+        equation carries it over (Keras answers `None` there).
 
         >>> EinsumDense("ab,bc->ac", output_shape=5).compute_output_shape((None, 3))
         (None, 5)

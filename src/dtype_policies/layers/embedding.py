@@ -85,8 +85,9 @@ class Embedding(QuantizableLayer):
         outputs = F.embedding(self._ids(inputs), self._parameters["embeddings"])
         return outputs if compute is None else outputs.to(compute)
 
-    def compute_mask(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """`inputs != 0` when `mask_zero=True`, else `None`."""
+    def compute_mask(self, inputs: torch.Tensor, mask: Any = None) -> torch.Tensor | None:
+        """`inputs != 0` when `mask_zero=True`, else `None` (an incoming
+        `mask` is not used, as in Keras)."""
         return inputs != 0 if self.mask_zero else None
 
     def get_config(self) -> dict[str, Any]:

@@ -588,6 +588,11 @@ def _plan_quantized(
     conversion would."""
     if target is None:
         raise CheckpointError("no such module in the target")
+    if getattr(target, "built", True) is False:  # one of this library's layers, not built
+        raise CheckpointError(
+            f"the target {type(target).__name__} is not built, so it has no weights to "
+            "quantize: call it on an input (or build(input_shape)) before loading"
+        )
     config = record.quantization_config
     kind = kind_of(target)
     if kind is None or not kind.supports(record.mode):
