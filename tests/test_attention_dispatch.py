@@ -183,3 +183,55 @@ def test_an_island_on_one_projection_attends_in_the_promoted_dtype(island, kerne
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
     error = (logits.float() - expected).abs().max() / expected.abs().max()
     assert error < 0.05, float(error)
+
+
+def _tiny(architecture: str, attention: str) -> tuple[torch.nn.Module, str]:
+    torch.manual_seed(0)
+    common = {"vocab_size": 64}
+    if architecture == "bert":
+        config = transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=32, **common,
+        )  # fmt: skip
+        model_class, island = transformers.BertModel, "encoder.layer.0.attention.self.query"
+    elif architecture == "t5":
+        config = transformers.T5Config(
+            d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0,
+            **common,
+        )  # fmt: skip
+        model_class = transformers.T5ForConditionalGeneration
+        island = "encoder.block.0.layer.0.SelfAttention.q"
+    else:  # gemma2: eager whatever is asked (transformers refuses sdpa for it)
+        config = transformers.Gemma2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=16,
+            **common,
+        )  # fmt: skip
+        model_class, island = transformers.Gemma2ForCausalLM, "model.layers.0.self_attn.k_proj"
+    config._attn_implementation = attention
+    return model_class(config).eval(), island
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("architecture", ["bert", "t5", "gemma2"])
+def test_an_island_attends_in_the_promoted_dtype_on_eager_attention_too(architecture, attention):
+    """Each model's `eager_attention_forward` multiplied a float32 query by
+    bfloat16 keys ("expected m1 and m2 to have the same dtype"); under sdpa,
+    T5's bfloat16 position bias met a float32 query."""
+    from dtype_policies import DTypePolicyMap
+
+    if architecture == "gemma2" and attention == "sdpa":
+        pytest.skip("transformers runs Gemma2 on eager attention only")
+    model, island = _tiny(architecture, attention)
+    ids = TOKENS[:, :8]
+    extra = {"decoder_input_ids": ids[:, :4]} if architecture == "t5" else {}
+    with torch.no_grad():
+        expected = model(ids, **extra)[0]
+    policies = DTypePolicyMap(default_policy="mixed_bfloat16")
+    policies[island] = "float32"
+    apply_policy(model, policies)
+    with torch.no_grad():
+        got = model(ids, **extra)[0]
+    assert bool(torch.isfinite(got).all())
+    error = (got.float() - expected).abs().max() / expected.abs().max()
+    assert error < 0.05, float(error)

@@ -34,6 +34,8 @@ longer causal.
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -87,6 +89,7 @@ def dispatch(
     """transformers' `"sdpa"` attention function: the implementation
     `module.config` selects, else transformers' own; on one dtype (`promoted`)."""
     query, key, value, attention_mask = promoted(query, key, value, attention_mask)
+    kwargs = _promoted_bias(kwargs, query.dtype)
     name = getattr(getattr(module, "config", None), SELECTION, None)
     implementation = _IMPLEMENTATIONS.get(name) if isinstance(name, str) else None
     if implementation is None:
@@ -117,6 +120,62 @@ def promoted(
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.to(common)
     return query.to(common), key.to(common), value.to(common), attention_mask
+
+
+def _promoted_bias(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """T5's `position_bias` (a float mask added to the scores) in the
+    promoted dtype of the query it meets."""
+    bias = kwargs.get("position_bias")
+    if isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dtype != dtype:
+        kwargs = {**kwargs, "position_bias": bias.to(torch.promote_types(bias.dtype, dtype))}
+    return kwargs
+
+
+_PROMOTING = "_dtype_policies_promoting"
+
+
+def promote_in_eager_attention(model: torch.nn.Module) -> None:
+    """Makes the `eager_attention_forward` of every transformers modeling
+    module `model`'s modules come from meet its query, key and value (and a
+    float mask or position bias) in their promoted dtype, as `dispatch` does
+    behind `"sdpa"`: each model's attention reads that function from its own
+    module's globals at every call, `"eager"` being no entry of transformers'
+    attention interface. Once per modeling module; a no-op where the dtypes
+    agree."""
+    seen: set[str] = set()
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            name = cls.__module__
+            if name in seen or not name.startswith("transformers.models."):
+                continue
+            seen.add(name)
+            python_module = sys.modules.get(name)
+            function = getattr(python_module, "eager_attention_forward", None)
+            if function is None or getattr(function, _PROMOTING, False):
+                continue
+            with _LOCK:
+                current = python_module.eager_attention_forward  # type: ignore[union-attr]
+                if not getattr(current, _PROMOTING, False):
+                    python_module.eager_attention_forward = _promoting(current)  # type: ignore[union-attr]
+
+
+def _promoting(eager: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(eager)
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        query, key, value, attention_mask = promoted(query, key, value, attention_mask)
+        kwargs = _promoted_bias(kwargs, query.dtype)
+        return eager(module, query, key, value, attention_mask, *args, **kwargs)
+
+    setattr(attention, _PROMOTING, True)
+    return attention
 
 
 def register(name: str, implementation: Callable[..., Any]) -> None:

@@ -226,7 +226,10 @@ def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
     one dtype (`_attention_dispatch.promoted`); returns the hooks'
     handles (`handle.remove()` undoes it), none for any other model. The
     model's setting is restored after each call, also when it raises."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == "eager":
+        _attention_dispatch.promote_in_eager_attention(model)
+    if implementation != "sdpa":
         return []
     _attention_dispatch.transformers_sdpa()  # `dispatch` in place: mixed dtypes promoted
     calls = _EagerCalls()
