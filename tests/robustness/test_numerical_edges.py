@@ -263,6 +263,36 @@ def test_an_additive_mask_of_float32_minima_stays_finite_in_a_narrower_dtype(pol
     torch.testing.assert_close(probabilities.sum(-1), torch.ones(2))
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_an_additive_mask_passed_by_position_is_saturated_too(policy):
+    """transformers' GPT-2 hands each block its mask by position: a float32
+    mask (built float32 because a float32 embedding island made the hidden
+    states float32) rounded to -inf, and the padded sequence became NaN."""
+    module = _MaskedScores()
+    apply_policy(module, policy)
+    mask = torch.zeros(2, 5)
+    mask[1] = torch.finfo(torch.float32).min
+    probabilities = module(torch.randn(2, 5), mask)
+    assert torch.isfinite(probabilities).all()
+    torch.testing.assert_close(probabilities.sum(-1), torch.ones(2))
+
+
+def test_gpt2_with_a_float32_embedding_island_keeps_a_left_padded_batch_finite():
+    transformers = pytest.importorskip("transformers")
+    from dtype_policies import DTypePolicyMap
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"transformer/wte": "float32"}))
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        assert torch.isfinite(model(ids, attention_mask=mask).logits).all()
+
+
 def test_left_padded_generation_with_a_static_cache_under_mixed_bfloat16():
     model = tiny_decoder(attn_implementation="eager")
     model.generation_config.pad_token_id = 0

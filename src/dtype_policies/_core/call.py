@@ -26,7 +26,13 @@ from dtype_policies._core.weight_casts import WeightCasts, cast_weight
 from dtype_policies._derivatives import functorch_active
 
 
-def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def run_call(
+    state: CallState,
+    call: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    module: torch.nn.Module | None = None,
+) -> Any:
     """Calls `call(*args, **kwargs)` as `state` says: floating arguments cast,
     inside the right autocast scope, outputs cast back where needed; the
     policy decides the dtypes, not an enclosing `torch.autocast`."""
@@ -60,7 +66,8 @@ def run_call(state: CallState, call: Callable[..., Any], args: tuple, kwargs: di
             else:
                 restore = first.dtype
     if cast_to is not None or state.convert_arrays:
-        args, kwargs = cast_inputs(args, kwargs, cast_to)
+        forward = None if module is None or len(args) < 2 else module.forward
+        args, kwargs = cast_inputs(args, kwargs, cast_to, forward)
     if state.warn_cpu_float16:
         first = first_tensor((args, kwargs), floating=True)
         if first is not None:

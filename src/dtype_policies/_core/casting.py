@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,15 +152,27 @@ def cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def cast_inputs(args: tuple, kwargs: dict[str, Any], dtype: torch.dtype | None) -> tuple:
+def cast_inputs(
+    args: tuple,
+    kwargs: dict[str, Any],
+    dtype: torch.dtype | None,
+    forward: Callable[..., Any] | None = None,
+) -> tuple:
     """`(args, kwargs)` with floating tensors cast to `dtype`; fast for the
-    common single positional tensor."""
+    common single positional tensor. Additive masks are saturated, not
+    rounded to -inf: keyword arguments named in `ADDITIVE_MASKS`, and the
+    positional arguments `forward`'s signature names so (GPT-2's blocks get
+    their mask by position)."""
     if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
         x = args[0]
         if dtype is not None and x.dtype != dtype and x.is_floating_point():
             return (cast_tensor(x, dtype),), kwargs
         return args, kwargs
-    return tuple(cast_floating(arg, dtype) for arg in args), {
+    masks = additive_mask_positions(forward) if forward is not None and len(args) > 1 else ()
+    return tuple(
+        _saturated(arg, dtype) if index in masks else cast_floating(arg, dtype)
+        for index, arg in enumerate(args)
+    ), {
         key: _saturated(value, dtype) if key in ADDITIVE_MASKS else cast_floating(value, dtype)
         for key, value in kwargs.items()
     }
@@ -185,6 +199,40 @@ ADDITIVE_MASKS = frozenset(
 `finfo(float32).min` rounds to -inf in bfloat16 (and much less to it in
 float16), and a query whose every key is masked then becomes NaN in the
 softmax, which spreads through the cache (`_saturated`)."""
+
+
+_MASK_POSITIONS: dict[Any, frozenset[int]] = {}
+
+
+def additive_mask_positions(forward: Callable[..., Any]) -> frozenset[int]:
+    """The positions of `forward`'s (a bound method's) arguments whose names
+    are in `ADDITIVE_MASKS`, once per function.
+
+    >>> class Block(torch.nn.Module):
+    ...     def forward(self, hidden, past=None, attention_mask=None): ...
+    >>> sorted(additive_mask_positions(Block().forward))
+    [2]
+    """
+    function = getattr(forward, "__func__", forward)
+    try:
+        return _MASK_POSITIONS[function]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable: not kept
+        function = None
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    found = frozenset(
+        index
+        for index, parameter in enumerate(parameters)
+        if parameter.kind in positional and parameter.name in ADDITIVE_MASKS
+    )
+    if function is not None:
+        _MASK_POSITIONS[function] = found
+    return found
 
 
 def _saturated(value: Any, dtype: torch.dtype | None) -> Any:

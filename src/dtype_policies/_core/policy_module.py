@@ -95,7 +95,7 @@ class PolicyModule(ModuleMixin):
             return super().__call__(*args, **kwargs)
         if call.casts_own_weights and "forward" in self.__dict__:
             call = call.in_a_scope()  # an instance's forward bypasses the leaf forward
-        return run_call(call, super().__call__, args, kwargs)
+        return run_call(call, super().__call__, args, kwargs, self)
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__

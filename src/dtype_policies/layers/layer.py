@@ -437,7 +437,7 @@ class Layer(LayerWeights, torch.nn.Module):
                 if not self.built:
                     self._build_on_first_call(args, kwargs)
                 self.__dict__["_build_done"] = self.built
-        outputs = run_call(self._call_state, super().__call__, args, kwargs)
+        outputs = run_call(self._call_state, super().__call__, args, kwargs, self)
         if self._activity_regularizer is not None:
             self._activity_losses = [self._activity_regularizer(outputs)]
         return outputs
