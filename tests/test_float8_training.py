@@ -172,3 +172,25 @@ def test_maxima_near_zero_give_a_finite_output(scaling):
     with torch.no_grad():
         assert torch.isfinite(layer(torch.arange(8.0)[None])).all()
         assert torch.isfinite(layer(tiny)).all()
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_a_model_may_add_into_a_float8_product_in_place(scaling):
+    """Falcon does `mlp_output += attention_output` on a bias-free product:
+    the output gradient's quantize-dequantize handed back a view, which
+    autograd refuses to modify in place."""
+    import copy
+
+    from dtype_policies import apply_policy
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 16, bias=False)
+    apply_policy(linear, QuantizedFloat8DTypePolicy("float8", "float32", scaling=scaling))
+    twin = copy.deepcopy(linear)
+    x = torch.randn(4, 16)
+    first, second = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = linear(first)
+    out += 1.0
+    (out * out).sum().backward()
+    (twin(second) + 1.0).pow(2).sum().backward()
+    assert torch.equal(first.grad, second.grad)  # as without the in-place add

@@ -372,7 +372,10 @@ class _QDQGradient(torch.autograd.Function):
         dynamic: bool,
         anchor: torch.Tensor | None,
     ) -> torch.Tensor:
-        return y.view_as(y)
+        # an alias that is no view: a view out of a custom Function may not be
+        # modified in place, and models add into their products' outputs
+        # (Falcon's `mlp_output += attention_output`)
+        return y.detach()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:  # type: ignore[override]
