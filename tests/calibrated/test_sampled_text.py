@@ -55,6 +55,25 @@ def test_a_model_without_a_start_token_starts_from_its_end_token():
         sampled_token_ids(llama(bos=None, eos=None), num_samples=1, sequence_length=4)
 
 
+def test_a_start_token_outside_the_vocabulary_is_named():
+    """GPT-2 built from a small config keeps bos 50256: `generate` raised a
+    bare IndexError."""
+    with pytest.raises(ValueError, match="start token 500 .*bos_token_id.* vocabulary of 96"):
+        sampled_token_ids(llama(bos=500), num_samples=1, sequence_length=4)
+
+
+def test_calibration_text_given_as_bytes_is_decoded():
+    from dtype_policies.quantizers.calibration_data import tokenize
+
+    def characters(text):
+        assert isinstance(text, str)
+        return [ord(c) for c in text]
+
+    assert tokenize(characters, "é a".encode()).tolist() == [233, 32, 97]
+    with pytest.raises(ValueError, match="bytes is not UTF-8 text"):
+        tokenize(characters, b"\xff\xfe")
+
+
 @pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
 def test_sampled_ids_calibrate_gptq_and_awq(config_class):
     model = llama()

@@ -138,11 +138,23 @@ def _start_token(model: torch.nn.Module) -> int:
             if isinstance(token, (list, tuple)):
                 token = token[0] if token else None
             if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
+                _check_in_vocabulary(model, token, name)
                 return token
     raise ValueError(
         f"sampled_token_ids(): {type(model).__name__} names no start-of-sequence or "
         "end-of-sequence token (bos_token_id, eos_token_id) to start the samples from."
     )
+
+
+def _check_in_vocabulary(model: torch.nn.Module, token: int, name: str) -> None:
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    size = getattr(embeddings, "num_embeddings", None)
+    if isinstance(size, int) and token >= size:
+        raise ValueError(
+            f"sampled_token_ids(): the start token {token} (the model's {name}) is outside "
+            f"{type(model).__name__}'s vocabulary of {size} ids. Set "
+            "model.generation_config.bos_token_id to an id of the vocabulary."
+        )
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -89,14 +89,22 @@ def _is_hf_tokenizer(tokenizer: Any) -> bool:
     )
 
 
-def tokenize(tokenizer: Any, text: str) -> np.ndarray:
-    """The ids of `text` (1-D int64) from a Hugging Face tokenizer (without
-    special tokens), a Keras-style `tokenize`, or a callable."""
+def tokenize(tokenizer: Any, text: str | bytes) -> np.ndarray:
+    """The ids of `text` (1-D int64; bytes are decoded as UTF-8) from a
+    Hugging Face tokenizer (without special tokens), a Keras-style
+    `tokenize`, or a callable."""
     if tokenizer is None:
         raise ValueError(
             "The calibration dataset holds text but no `tokenizer` was given: pass a Hugging "
             "Face tokenizer or any callable from text to token ids, or pre-tokenized ids."
         )
+    if isinstance(text, bytes):  # text as TensorFlow datasets give it
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"A calibration item of bytes is not UTF-8 text ({e}). Received: {text[:40]!r}"
+            ) from None
     if _is_hf_tokenizer(tokenizer):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     elif callable(tokenizer):
