@@ -58,7 +58,7 @@ def test_a_model_without_a_start_token_starts_from_its_end_token():
 def test_a_start_token_outside_the_vocabulary_is_named():
     """GPT-2 built from a small config keeps bos 50256: `generate` raised a
     bare IndexError."""
-    with pytest.raises(ValueError, match="start token 500 .*bos_token_id.* vocabulary of 96"):
+    with pytest.raises(ValueError, match=r"start token 500 .*bos_token_id.* vocabulary of 96"):
         sampled_token_ids(llama(bos=500), num_samples=1, sequence_length=4)
 
 
