@@ -306,6 +306,44 @@ def test_blocks_chain_says_why_blocks_do_not_chain():
     assert blocks_chain(blocks, looped) == (False, "the blocks ran in the order [0, 1, 2, 0]")
 
 
+class _ResidualBlock(nn.Module):
+    """Hands the next block a second tensor (a residual stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, hidden, residual):
+        residual = residual + hidden
+        return self.down(torch.relu(self.up(residual))), residual
+
+
+def test_blocks_handing_on_a_second_tensor_do_not_chain():
+    """Calibration gives every block the first block's other arguments: blocks
+    1-3 were calibrated on block 0's residual (zeros), worse than round to
+    nearest, without a word."""
+    torch.manual_seed(0)
+    blocks = [_ResidualBlock() for _ in range(3)]
+    x = torch.randn(2, 16)
+
+    def run():
+        hidden, residual = x, torch.zeros_like(x)
+        for block in blocks:
+            hidden, residual = block(hidden, residual)
+        return hidden
+
+    chained, why = blocks_chain(blocks, run)
+    assert not chained and why.startswith("block 1 takes another argument 1 than block 0")
+
+    def shared():  # the same second argument for every block: a chain
+        hidden, extra = x, torch.ones_like(x)
+        for block in blocks:
+            hidden, _ = block(hidden, extra)
+        return hidden
+
+    assert blocks_chain(blocks, shared) == (True, "")
+
+
 def test_a_structure_the_user_passes():
     model = llama()
     config = GPTQConfig(

@@ -102,8 +102,11 @@ def blocks_chain(
     after_block: Callable[[], None] = lambda: None,
 ) -> tuple[bool, str]:
     """Whether running the model (`run_model()`) calls each block once, in
-    order, each on the previous block's first output; and if not, why.
-    `after_block()` is called as each block returns.
+    order, each on the previous block's first output and on the first block's
+    other arguments (calibration feeds every block those: a block handed a
+    second tensor by the one before it, a residual stream, or an attention
+    bias the first block computes, would be calibrated on the first block's);
+    and if not, why. `after_block()` is called as each block returns.
 
     Each block's input is compared with the previous block's output as it
     arrives, so that only one block's output is held, not the model's. The
@@ -113,6 +116,8 @@ def blocks_chain(
     order: list[int] = []
     previous: list[Any] = [None]
     unchained: list[int] = []  # the first block whose input is not the previous output
+    first_others: list[Any] = []  # the first block's other arguments
+    differing: list[str] = []  # which of them a later block got otherwise
     thread = threading.get_ident()
     block_ids = {id(block) for block in blocks}
     after_last: list[Any] = []  # the global hook that stops the run after the last block
@@ -132,8 +137,16 @@ def blocks_chain(
     def record(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             current = first_input(args, kwargs)
-            if order and not unchained and not _same_tensor(previous[0], current):
+            others = _other_inputs(args, kwargs)
+            if not order:
+                first_others.append(others)
+            elif not unchained and not _same_tensor(previous[0], current):
                 unchained.append(index)
+            elif not unchained:
+                name = _first_difference(first_others[0], others)
+                if name is not None:
+                    unchained.append(index)
+                    differing.append(name)
             order.append(index)
             previous[0] = first_output(output)
             after_block()
@@ -154,12 +167,48 @@ def blocks_chain(
         for handle in (*handles, *after_last):
             handle.remove()
         previous.clear()
+        first_others.clear()
     if order != list(range(len(blocks))):
         return False, f"the blocks ran in the order {order[:8]}{'...' if len(order) > 8 else ''}"
+    if unchained and differing:
+        return False, (
+            f"block {unchained[0]} takes another {differing[0]} than block 0, and calibration "
+            "gives every block the first block's other arguments"
+        )
     if unchained:
         index = unchained[0]
         return False, f"block {index} does not take block {index - 1}'s output as its input"
     return True, ""
+
+
+def _other_inputs(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A block's arguments besides its first input, by position or name."""
+    if args:
+        others = {f"argument {i}": value for i, value in enumerate(args) if i > 0}
+        return {**others, **{f"'{k}'": v for k, v in kwargs.items()}}
+    first = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+    return {f"'{k}'": v for k, v in kwargs.items() if k != first}
+
+
+def _first_difference(first: dict[str, Any], other: dict[str, Any]) -> str | None:
+    """The name of the first argument that differs, or `None`."""
+    for name in first.keys() | other.keys():
+        if not _same_value(first.get(name), other.get(name)):
+            return name
+    return None
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return _same_tensor(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # objects without a plain equality: the same object only
+        return False
 
 
 def _same_tensor(previous: Any, current: Any) -> bool:
