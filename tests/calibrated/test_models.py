@@ -344,6 +344,32 @@ def test_blocks_handing_on_a_second_tensor_do_not_chain():
     assert blocks_chain(blocks, shared) == (True, "")
 
 
+@pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_weight_two_calibrated_modules_share_is_refused(config_class, blocks):
+    """Two blocks: torch's functional_call failed on the tied keys; one block:
+    the weight was calibrated twice and stored untied, silently."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return x + self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Tied() for _ in range(blocks)])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = [torch.randn(8, 32) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"modules '0/a' and '0/b' share one weight"):
+        config = config_class(data, None, group_size=32, num_samples=2)
+        quantize(model, config=config, progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model[0].b.weight is model[0].a.weight and quantization_of(model[0].a) is None
+
+
 def test_a_structure_the_user_passes():
     model = llama()
     config = GPTQConfig(

@@ -339,6 +339,7 @@ def quantize(
         if stores_no_float_copy(p.path, p.scheme, p.module._parameters[p.spec.weight])
     ]
     checked = [(path, f) for path, f in checked if stores_no_float_copy(path, f.scheme, f.weight)]
+    _refuse_shared_calibrated_weights(checked, mode)
     if checked:
         calibration = plan_calibrated(model, checked, config, progress, expansions)
         plans += calibration.plans
@@ -370,6 +371,22 @@ def quantize(
     if verbose:
         print(report.render())
     return report
+
+
+def _refuse_shared_calibrated_weights(checked: list, mode: str) -> None:
+    """GPTQ and AWQ fit each weight to its own module's inputs: one weight
+    shared by two modules has no single fit (it was calibrated twice and
+    stored untied, or failed inside torch's `functional_call`)."""
+    owners: dict[int, str] = {}
+    for path, found in checked:
+        other = owners.setdefault(id(found.weight), path or "(root)")
+        if other != (path or "(root)"):
+            raise ValueError(
+                f"quantize(): modules '{other}' and '{path or '(root)'}' share one weight, and "
+                f"{mode.upper()} fits each weight to the inputs of its own module. Quantize "
+                "shared weights with round to nearest (quantize(model, 'int4') quantizes a "
+                "shared weight once), or give each module a weight of its own."
+            )
 
 
 def _with_expert_linears(modules: dict[str, torch.nn.Module], expansions: list) -> Any:
