@@ -488,3 +488,48 @@ def test_the_watch_of_a_compiled_model_sees_a_weight_replaced_by_a_view_of_its_m
     weight = model[0].weight
     weight.data = weight.data[:6] if view == "slice" else weight.data.t()
     assert weight.data_ptr() == watch.addresses[0] and not watch.unchanged()
+
+
+class _Stepped(torch.nn.Module):
+    """A model called step by step on one cache object (as `generate` is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x, cache=None):
+        return self.linear(x)
+
+
+def test_a_generation_meeting_the_recompile_limit_counts_once_and_runs_eagerly():
+    """One generation of a new batch size met the limit at each of its steps:
+    three steps in a row gave up on the model for good, its compiled batch
+    sizes too."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    model = _Stepped()
+    fast = compile_for_inference(model)
+    fast._call.session_of = lambda kwargs: kwargs.get("cache")
+    attempts = []
+
+    def compiled(x, cache=None):
+        attempts.append(x.shape[0])
+        if x.shape[0] == 9:
+            raise FailOnRecompileLimitHit("recompile_limit reached: size mismatch at index 0")
+        return model(x)
+
+    fast._call.compiled = compiled
+
+    class Cache:
+        pass
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rows in (1, 9, 1, 9, 9, 1):
+            cache = Cache()  # one generation
+            x = torch.ones(rows, 8)
+            for _ in range(6):  # its steps
+                assert torch.equal(fast(x, cache=cache), model(x))
+    assert fast._call.given_up is None
+    # each generation of 9 rows asked the compiler once; those of 1 row at every step
+    assert attempts == [1] * 6 + [9] + [1] * 6 + [9, 9] + [1] * 6

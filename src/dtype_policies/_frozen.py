@@ -262,11 +262,12 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
 
 
 GIVE_UP_AFTER_LIMIT_HITS = 3
-"""Calls in a row meeting Dynamo's recompile limit (no compiled call between
-them) after which a compiled call runs eagerly for good: a call whose
-Python state changes at every step (Gemma2's sliding-window cache) meets it
-at every step; a new batch size once, the shapes compiled before still run
-compiled."""
+"""Sessions (generations; calls, without sessions) in a row meeting Dynamo's
+recompile limit (no compiled call between them) after which a compiled call
+runs eagerly for good: a call whose Python state changes at every step
+(Gemma2's sliding-window cache) meets it in every generation; a new batch
+size in one generation only (the rest of that generation runs eagerly), and
+the shapes compiled before still run compiled."""
 
 
 @functools.cache
@@ -358,7 +359,8 @@ class FrozenCompiledCall:
         self.watch: ModelWatch | None = None
         self.given_up: str | None = None  # why the compiler gave up on this model
         self.reported: set[str] = set()  # the reasons for eager frames told so far
-        self.limit_hits = 0  # calls in a row that met Dynamo's recompile limit
+        self.limit_hits = 0  # sessions (calls) in a row that met Dynamo's recompile limit
+        self.eager_session: weakref.ref | None = None  # the session that met it last
 
     def _set_up(self, model: torch.nn.Module, freeze_weights: bool) -> None:
         """The compiled step and Inductor's settings, with weights frozen or not
@@ -441,6 +443,10 @@ class FrozenCompiledCall:
         if self.given_up is not None:
             return self.eager(*args, **kwargs)
         session = None if self.session_of is None else self.session_of(kwargs)
+        if session is not None and self.eager_session is not None:
+            if self.eager_session() is session:  # this generation met the limit
+                return self.eager(*args, **kwargs)
+            self.eager_session = None
         continuing = session is not None and session is self.session
         if self.freeze_weights and model is not None:
             if torch.is_grad_enabled() or transform_active():  # a frozen graph has no derivatives
@@ -475,11 +481,17 @@ class FrozenCompiledCall:
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             self.session = None
             self.limit_hits += 1
+            if session is not None:
+                try:
+                    self.eager_session = weakref.ref(session)
+                except TypeError:  # a session that takes no weak reference
+                    self.eager_session = None
             if self.limit_hits >= GIVE_UP_AFTER_LIMIT_HITS:
                 self.given_up = reason
                 warnings.warn(
-                    f"{self.name}: torch.compile recompiled this model's call at every step "
-                    f"and gave up ({type(error).__name__}: {reason}); it runs eagerly from "
+                    f"{self.name}: torch.compile met its recompile limit in "
+                    f"{GIVE_UP_AFTER_LIMIT_HITS} calls in a row and gave up "
+                    f"({type(error).__name__}: {reason}); it runs eagerly from "
                     "now on. transformers' own compiled generate stops the same way on "
                     "models whose cache changes its Python state at every step "
                     "(sliding-window layers).",
