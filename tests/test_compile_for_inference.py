@@ -533,3 +533,17 @@ def test_a_generation_meeting_the_recompile_limit_counts_once_and_runs_eagerly()
     assert fast._call.given_up is None
     # each generation of 9 rows asked the compiler once; those of 1 row at every step
     assert attempts == [1] * 6 + [9] + [1] * 6 + [9, 9] + [1] * 6
+
+
+def test_a_model_not_built_yet_is_refused_before_compiling():
+    """Built inside the first compiled call, the model never ran compiled and
+    warned of changed weights at every call."""
+    from dtype_policies import layers
+
+    model = layers.Sequential([layers.Embedding(50, 32), layers.Dense(16)])
+    with pytest.raises(ValueError, match=r"'\(model\)', '0', '1' not built yet"):
+        compile_for_inference(model)
+    with pytest.raises(ValueError, match=r"'0' not built yet"):
+        compile_for_inference(torch.nn.Sequential(torch.nn.LazyLinear(4)))
+    model(torch.tensor([[1, 2]]))
+    assert isinstance(compile_for_inference(model), CompiledInference)

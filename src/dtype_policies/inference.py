@@ -166,6 +166,9 @@ def compile_for_inference(
 
     Raises:
         TypeError: `model` is not a `torch.nn.Module`.
+        ValueError: A layer of it is not built yet (a Keras-style layer
+            before its first call, a torch lazy module): its weights would
+            be created inside the compiled call, which freezes none of them.
 
     >>> compile_for_inference(lambda x: x)
     Traceback (most recent call last):
@@ -175,6 +178,20 @@ def compile_for_inference(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"compile_for_inference needs a torch.nn.Module, got {type(model).__name__}"
+        )
+    unbuilt = [
+        name or "(model)"
+        for name, module in model.named_modules()
+        if getattr(module, "built", True) is False
+        or (hasattr(module, "has_uninitialized_params") and module.has_uninitialized_params())
+    ]
+    if unbuilt:
+        shown = ", ".join(repr(name) for name in unbuilt[:3])
+        raise ValueError(
+            f"compile_for_inference: {shown}{' and more' if len(unbuilt) > 3 else ''} not "
+            "built yet: their weights are created by the first call, inside the compiled "
+            "call, and frozen weights need them before. Call the model once on an input "
+            "(or build(input_shape)) before compiling it."
         )
     check_flags(
         "compile_for_inference",
