@@ -96,7 +96,14 @@ def test_linears_left_outside_the_calibrated_blocks_are_named():
         torch.randint(3, 100, (16,), generator=torch.Generator().manual_seed(i)) for i in range(2)
     ]
     gptq = GPTQConfig(data, None, weight_bits=4, num_samples=2, sequence_length=16, group_size=32)
-    report, message = quantize_recording(model, "gptq", config=gptq, progress=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = quantize(model, "gptq", config=gptq, progress=False)
+    chain, message = [str(w.message) for w in seen if str(w.message).startswith("quantize()")]
+    # T5's blocks 1 on take the position bias block 0 computes: no chain, so the
+    # encoder (not the whole model, which needs decoder inputs) is calibrated as one block
+    assert "takes another 'position_bias' than block 0" in chain
+    assert "calibrating 'encoder' as one block" in chain
     assert report.quantized and all(path.startswith("encoder/") for path, *_ in report.quantized)
     assert report.outside_linears and all(p.startswith("decoder/") for p in report.outside_linears)
     assert "lm_head" not in report.outside_linears  # the output head: left float, as Keras

@@ -333,7 +333,7 @@ def test_blocks_handing_on_a_second_tensor_do_not_chain():
         return hidden
 
     chained, why = blocks_chain(blocks, run)
-    assert not chained and why.startswith("block 1 takes another argument 1 than block 0")
+    assert not chained and why.startswith("block 1 takes another 'residual' than block 0")
 
     def shared():  # the same second argument for every block: a chain
         hidden, extra = x, torch.ones_like(x)

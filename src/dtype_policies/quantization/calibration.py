@@ -141,14 +141,16 @@ def plan_calibrated(
                     "previous block's output: pass the blocks in the order the model runs "
                     "them, each taking the previous one's output, or None to find them."
                 )
+            enclosing = _enclosing_block(model, blocks)
             warnings.warn(
                 f"quantize(): the model's repeated blocks ({blocks[0][0]}, ...) do not run "
-                f"one after the other ({why}); calibrating the whole model as one block. "
+                f"one after the other ({why}); calibrating "
+                f"{repr(enclosing[0]) if enclosing[0] else 'the whole model'} as one block. "
                 "Pass `quantization_layer_structure` to calibrate block by block.",
                 UserWarning,
                 stacklevel=3,
             )
-            blocks = [("", model)]
+            blocks = [enclosing]
             result, members = _assign(blocks, targets)
         last = max(i for i, group in enumerate(members) if group)
         report = CalibrationProgress(config.mode, last + 1, enabled=progress)
@@ -167,6 +169,36 @@ def plan_calibrated(
             raise
         report.finish()
     return result
+
+
+def _enclosing_block(
+    model: torch.nn.Module, blocks: list[tuple[str, Any]]
+) -> tuple[str, torch.nn.Module]:
+    """`(path, module)` of the smallest callable module holding every block
+    (the stack that runs them: an encoder-decoder's encoder, which the whole
+    model could not be run as, lacking decoder inputs); the model at most."""
+    parents: dict[int, torch.nn.Module] = {}
+    for parent in model.modules():
+        for child in parent.children():
+            parents.setdefault(id(child), parent)
+
+    def ancestors(module: torch.nn.Module) -> list[torch.nn.Module]:
+        chain = []
+        while id(module) in parents:
+            module = parents[id(module)]
+            chain.append(module)
+        return chain
+
+    holding = [{id(m) for m in ancestors(block)} for _, block in blocks[1:]]
+    common = next(
+        (m for m in ancestors(blocks[0][1]) if all(id(m) in ids for ids in holding)), model
+    )
+    while isinstance(common, (torch.nn.ModuleList, torch.nn.ModuleDict)) and common is not model:
+        common = parents.get(id(common), model)
+    if common is model:
+        return "", model
+    path = next(p for p, m in named_module_paths(model, root_path_of(model)) if m is common)
+    return path, common
 
 
 def _holds_quantized(blocks: list[torch.nn.Module]) -> bool:

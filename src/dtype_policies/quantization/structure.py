@@ -25,6 +25,7 @@ input equals the previous block's first output (`blocks_chain`). Otherwise
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -137,7 +138,7 @@ def blocks_chain(
     def record(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             current = first_input(args, kwargs)
-            others = _other_inputs(args, kwargs)
+            others = _other_inputs(module, args, kwargs)
             if not order:
                 first_others.append(others)
             elif not unchained and not _same_tensor(previous[0], current):
@@ -181,10 +182,19 @@ def blocks_chain(
     return True, ""
 
 
-def _other_inputs(args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A block's arguments besides its first input, by position or name."""
+def _other_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A block's arguments besides its first input, by name (positional ones
+    by the name its `forward` gives them)."""
     if args:
-        others = {f"argument {i}": value for i, value in enumerate(args) if i > 0}
+        try:
+            names = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+        others = {
+            (f"'{names[i]}'" if i < len(names) else f"argument {i}"): value
+            for i, value in enumerate(args)
+            if i > 0
+        }
         return {**others, **{f"'{k}'": v for k, v in kwargs.items()}}
     first = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
     return {f"'{k}'": v for k, v in kwargs.items() if k != first}
