@@ -316,16 +316,15 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         return frozen + self._quantized_tensors()
 
     def _quantized_tensors(self) -> list[torch.Tensor]:
-        found = []
+        found: list[torch.Tensor] = []
         for module in self.modules():
             quantized = quantization_of(module)
             if quantized is None:
                 continue
-            found += [
-                module._buffers[name]
-                for name in quantized.buffer_names
-                if module._buffers.get(name) is not None
-            ]
+            for name in quantized.buffer_names:
+                tensor = module._buffers.get(name)
+                if tensor is not None:
+                    found.append(tensor)
         return found
 
     @property

@@ -643,7 +643,7 @@ def _constructor_arguments(cls: type, defaults: dict[str, Any]) -> dict[str, Any
     """The entries of an optimizer's `defaults` its constructor takes (torch's
     AdamW keeps `decoupled_weight_decay` there, which `AdamW()` refuses)."""
     try:
-        parameters = inspect.signature(cls.__init__).parameters
+        parameters = inspect.signature(cls).parameters
     except (TypeError, ValueError):  # no signature to read: every entry
         return dict(defaults)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
