@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from collections.abc import Callable
 from importlib.abc import MetaPathFinder
 from typing import Any
 
@@ -90,31 +91,30 @@ def has_policies(module: Any) -> bool:
     return any(state_of(submodule) is not None for submodule in module.modules())
 
 
-def _register() -> None:
-    """Runs once transformers' quantizer registry exists: importing the
-    integration registers it (it must never break transformers' own import)."""
-    try:
-        _integration()
-    except Exception as e:  # pragma: no cover - a broken transformers install
-        warnings.warn(
-            "dtype_policies could not register its Hugging Face quantizer "
-            f"({type(e).__name__}: {e}); import dtype_policies.saving.huggingface to see why.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+def _guarded(action: Callable[[Any], None], what: str) -> Callable[[], None]:
+    """`action(integration module)`, which must never break transformers' own
+    import: an error becomes a warning naming `what` failed."""
+
+    def run() -> None:
+        try:
+            action(_integration())
+        except Exception as e:  # pragma: no cover - a broken transformers install
+            warnings.warn(
+                f"dtype_policies could not {what} ({type(e).__name__}: {e}); import "
+                "dtype_policies.saving.huggingface to see why.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    return run
 
 
-def _describe_when_saving() -> None:
-    """Runs once transformers' modeling module exists (see `_register`)."""
-    try:
-        _integration().describe_when_saving()
-    except Exception as e:  # pragma: no cover - a broken transformers install
-        warnings.warn(
-            "dtype_policies could not hook save_pretrained "
-            f"({type(e).__name__}: {e}); import dtype_policies.saving.huggingface to see why.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+# Once transformers' quantizer registry exists, importing the integration
+# registers it; once its modeling module exists, `save_pretrained` is hooked.
+_register = _guarded(lambda integration: None, "register its Hugging Face quantizer")
+_describe_when_saving = _guarded(
+    lambda integration: integration.describe_when_saving(), "hook save_pretrained"
+)
 
 
 # What runs right after each module executes, until it has run.
