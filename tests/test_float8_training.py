@@ -194,3 +194,35 @@ def test_a_model_may_add_into_a_float8_product_in_place(scaling):
     (out * out).sum().backward()
     (twin(second) + 1.0).pow(2).sum().backward()
     assert torch.equal(first.grad, second.grad)  # as without the in-place add
+
+
+def test_an_undo_record_of_a_dead_tensor_is_not_taken_for_a_new_one_s():
+    """The records of a step's scales are keyed by id: a model dropped after a
+    backward left its records, a new model's buffer reusing an id found one,
+    and a skipped step kept the update. The records also piled up."""
+    import gc
+    import weakref
+
+    from dtype_policies.quantization.schemes import float8
+
+    for _ in range(20):  # backward passes without an optimizer step, then dropped
+        dropped = _dense("float32")
+        dropped(torch.randn(4, 8)).float().sum().backward()
+        del dropped
+    gc.collect()
+    assert not [key for key, (ref, *_) in float8._undo.items() if ref() is None]
+    layer = _dense("float32")
+    optimizer = LossScaleOptimizer(torch.optim.SGD(layer.parameters(), lr=1e-3))
+    before = _state(layer)
+    dead = torch.zeros(1)
+    stale = (weakref.ref(dead), dead.clone(), weakref.ref(layer))
+    del dead  # a dead tensor's record under each buffer's id
+    for name in ("inputs_amax_history", "kernel_amax_history"):
+        float8._undo[id(getattr(layer, name))] = stale
+    spike = torch.randn(4, 8)
+    spike[0, 0] = float("nan")
+    optimizer.scale_loss(layer(spike).float().sum()).backward()
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    for name, value in _state(layer).items():
+        assert torch.equal(value, before[name]), name

@@ -33,6 +33,7 @@ step.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, cast
@@ -280,9 +281,12 @@ def _commit(module: torch.nn.Module) -> None:
                 scale = module.get_buffer(f"{name}_scale")
                 history = module.get_buffer(f"{name}_amax_history")
                 for tensor in (scale, history):
-                    if id(tensor) not in _undo:
+                    record = _undo.get(id(tensor))
+                    if record is None or record[0]() is not tensor:  # none, or a dead tensor's
+                        key = id(tensor)
+                        forget = functools.partial(_forget_dead, key)
                         old = tensor.detach().clone()
-                        _undo[id(tensor)] = (weakref.ref(tensor), old, weakref.ref(module))
+                        _undo[key] = (weakref.ref(tensor, forget), old, weakref.ref(module))
                 scale.copy_(compute_float8_scale(history.max(), scale, fmt_max))
                 history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
 
@@ -302,6 +306,15 @@ def _steps_for(module: torch.nn.Module | None, optimized: set[int]) -> bool:
 
 def _optimized(optimizer: Any) -> set[int]:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _forget_dead(key: int, ref: weakref.ref) -> None:
+    """A recorded tensor died: its record goes (not another tensor's of the
+    same id). Without the lock: a collection may run this while the lock is
+    held by the same thread; single dict operations are atomic."""
+    record = _undo.get(key)
+    if record is not None and record[0] is ref:
+        _undo.pop(key, None)
 
 
 def _forget_undo(optimizer: Any, *_: Any) -> None:
