@@ -315,3 +315,38 @@ def test_left_padded_generation_with_a_static_cache_under_mixed_bfloat16():
         assert not any(score.isnan().any() for score in generated.scores), cache
         outputs[cache] = generated.sequences
     assert torch.equal(outputs[None], outputs["static"])
+
+
+def test_the_mask_positions_are_kept_weakly_and_for_layers_by_call():
+    """An accelerate hook's forward (a partial holding its module) was a key
+    of a plain dict: the module never died; a Keras-style layer's positional
+    mask was not found (its `forward` takes `*args`)."""
+    import functools
+    import gc
+    import weakref
+
+    from dtype_policies import layers
+    from dtype_policies._core import casting
+
+    module = _MaskedScores()
+    apply_policy(module, "mixed_bfloat16")
+
+    def hooked_forward(owner, *args, **kwargs):
+        return type(owner).forward(owner, *args, **kwargs)
+
+    module.forward = functools.partial(hooked_forward, module)
+    alive = weakref.ref(module)
+    mask = torch.zeros(2, 5)
+    mask[1] = torch.finfo(torch.float32).min
+    module(torch.randn(2, 5), mask)
+    del module
+    gc.collect()
+    assert alive() is None
+
+    class Scores(layers.Layer):
+        def call(self, scores, attention_mask=None):
+            return torch.softmax((scores + attention_mask).float(), dim=-1)
+
+    layer = Scores(dtype="mixed_bfloat16")
+    assert torch.isfinite(layer(torch.randn(2, 5), mask)).all()
+    assert casting.additive_mask_positions(layer.call) == frozenset({1})

@@ -66,7 +66,12 @@ def run_call(
             else:
                 restore = first.dtype
     if cast_to is not None or state.convert_arrays:
-        forward = None if module is None or len(args) < 2 else module.forward
+        forward = None
+        if module is not None and len(args) > 1:
+            # the method whose signature names the arguments (a Keras-style
+            # layer's `call`: its `forward` takes `*args`)
+            named_by = getattr(type(module), "_arguments_named_by", None)
+            forward = named_by(module) if named_by is not None else module.forward
         args, kwargs = cast_inputs(args, kwargs, cast_to, forward)
     if state.warn_cpu_float16:
         first = first_tensor((args, kwargs), floating=True)

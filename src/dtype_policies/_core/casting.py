@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -201,7 +202,10 @@ float16), and a query whose every key is masked then becomes NaN in the
 softmax, which spreads through the cache (`_saturated`)."""
 
 
-_MASK_POSITIONS: dict[Any, frozenset[int]] = {}
+# Weakly keyed by function (a bound method's, or an accelerate hook's
+# partial, which holds its module): never read inside a compiled trace, whose
+# guards on a cache filled as calls come would recompile its graphs.
+_MASK_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def additive_mask_positions(forward: Callable[..., Any]) -> frozenset[int]:
@@ -213,26 +217,29 @@ def additive_mask_positions(forward: Callable[..., Any]) -> frozenset[int]:
     >>> sorted(additive_mask_positions(Block().forward))
     [2]
     """
+    if torch.compiler.is_compiling():
+        return _mask_positions(forward)
     function = getattr(forward, "__func__", forward)
     try:
         return _MASK_POSITIONS[function]
     except KeyError:
-        pass
-    except TypeError:  # unhashable: not kept
-        function = None
+        found = _MASK_POSITIONS[function] = _mask_positions(forward)
+        return found
+    except TypeError:  # not weakly referable: not kept
+        return _mask_positions(forward)
+
+
+def _mask_positions(forward: Callable[..., Any]) -> frozenset[int]:
     try:
         parameters = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
-        parameters = []
+        return frozenset()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    found = frozenset(
+    return frozenset(
         index
         for index, parameter in enumerate(parameters)
         if parameter.kind in positional and parameter.name in ADDITIVE_MASKS
     )
-    if function is not None:
-        _MASK_POSITIONS[function] = found
-    return found
 
 
 def _saturated(value: Any, dtype: torch.dtype | None) -> Any:

@@ -176,6 +176,11 @@ class Layer(LayerWeights, torch.nn.Module):
         self._set_policy(policy)
         self._on_policy_change()
 
+    def _arguments_named_by(self) -> Callable[..., Any]:
+        """The method whose signature names a call's arguments: `call` (the
+        casting of inputs saturates an additive mask passed by position)."""
+        return self.call
+
     def _refuse_if_sharded(self, policy: DTypePolicy) -> None:
         """A policy cannot change under FSDP2 (as `apply_policy` cannot)."""
         name = sharded.class_under_fsdp(type(self)).__name__
