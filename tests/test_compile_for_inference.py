@@ -547,3 +547,7 @@ def test_a_model_not_built_yet_is_refused_before_compiling():
         compile_for_inference(torch.nn.Sequential(torch.nn.LazyLinear(4)))
     model(torch.tensor([[1, 2]]))
     assert isinstance(compile_for_inference(model), CompiledInference)
+    # a layer that builds nothing (a Dropout only training calls) is no reason
+    mixed = torch.nn.ModuleDict({"dense": layers.Dense(4), "drop": layers.Dropout(0.5)})
+    mixed["dense"](torch.ones(1, 3))
+    assert isinstance(compile_for_inference(mixed), CompiledInference)

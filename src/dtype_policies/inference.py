@@ -74,6 +74,8 @@ from typing import Any
 import torch
 
 from dtype_policies._frozen import FrozenCompiledCall, check_flags
+from dtype_policies.layers.layer import Layer
+from dtype_policies.layers.sequential import Sequential
 from dtype_policies.quantization.kernels import attention
 
 
@@ -182,8 +184,7 @@ def compile_for_inference(
     unbuilt = [
         name or "(model)"
         for name, module in model.named_modules()
-        if getattr(module, "built", True) is False
-        or (hasattr(module, "has_uninitialized_params") and module.has_uninitialized_params())
+        if _creates_weights_when_called(module)
     ]
     if unbuilt:
         shown = ", ".join(repr(name) for name in unbuilt[:3])
@@ -201,3 +202,15 @@ def compile_for_inference(
         cpp_wrapper=cpp_wrapper,
     )
     return CompiledInference(model, freeze_weights, fullgraph, autotune, cpp_wrapper)
+
+
+def _creates_weights_when_called(module: torch.nn.Module) -> bool:
+    """A torch lazy module not initialized, or a Keras-style layer not built
+    whose class builds something (a `Dropout` builds nothing)."""
+    if hasattr(module, "has_uninitialized_params") and module.has_uninitialized_params():
+        return True
+    if not (isinstance(module, Layer) and module.built is False):
+        return False
+    if isinstance(module, Sequential):  # built by its layers
+        return any(_creates_weights_when_called(layer) for layer in module.layers)
+    return type(module).build is not Layer.build
