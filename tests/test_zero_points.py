@@ -146,8 +146,11 @@ def test_finite_weights_whose_range_exceeds_float32_stay_finite(settings):
     infinite step, NaN weights and NaN outputs, without an error."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 4)
+    big = torch.finfo(torch.float32).max
     with torch.no_grad():
         layer.weight[0, 5], layer.weight[0, 6] = 3e38, -3e38
+        # a range that is not symmetric: the rounded zero point moved the grid past it
+        layer.weight[1, 5], layer.weight[1, 6] = -big, 0.9 * big
     weight = layer.weight.detach().clone()
     quantize(layer, "int4", Int4QuantizationConfig(block_size=32, **settings))
     stored = layer.weight.detach()
@@ -155,7 +158,8 @@ def test_finite_weights_whose_range_exceeds_float32_stay_finite(settings):
     # the extremes are (near) grid values
     assert float(stored[0, 5]) == pytest.approx(3e38, rel=0.1)
     assert float(stored[0, 6]) == pytest.approx(-3e38, rel=0.1)
-    assert (stored[1:] - weight[1:]).abs().max() < 0.02  # the other rows as usual
+    assert float(stored[1, 5]) < -0.8 * big and float(stored[1, 6]) > 0.8 * big
+    assert (stored[2:] - weight[2:]).abs().max() < 0.02  # the other rows as usual
     x = torch.zeros(2, 64)
     x[:, 5] = 1e-38  # the huge weights meet tiny inputs: a finite, exact-enough output
     with torch.no_grad():

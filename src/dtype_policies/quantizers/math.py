@@ -200,6 +200,31 @@ def _grid_groups(
     return q.to(torch.int8), scale, zero
 
 
+def codes_within_float32(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Grouped codes `q` (rows, columns), each group of `block_size` rows
+    with its `scale` and `zero` (groups, columns), stepped inwards where their
+    value `(q - zero) * scale` leaves float32: a group whose range exceeds
+    float32 (finite weights near its largest value), whose rounded or refined
+    zero point moved the grid past it. Any other `q` is returned as it is.
+
+    >>> import torch
+    >>> big = torch.finfo(torch.float32).max
+    >>> q = torch.tensor([[-8], [7]], dtype=torch.int8)
+    >>> scale, zero = torch.tensor([[big / 7.9]]), torch.tensor([[0.0]])  # -8 x scale < -big
+    >>> codes_within_float32(q, scale, zero, 2).flatten().tolist()
+    [-7, 7]
+    """
+    largest = torch.finfo(torch.float32).max
+    if not bool((scale.abs() > largest / 32).any()):
+        return q
+    rows = torch.arange(q.shape[0], device=q.device) // block_size
+    value = (q.double() - zero.double()[rows]) * scale.double()[rows]
+    stepped = torch.where(value > largest, q - 1, torch.where(value < -largest, q + 1, q))
+    return stepped.to(q.dtype)
+
+
 def dequantize_grouped(
     q: torch.Tensor,
     scale: torch.Tensor,

@@ -28,6 +28,7 @@ from dtype_policies.quantizers.config import AbsMaxQuantizer, Int4QuantizationCo
 from dtype_policies.quantizers.math import (
     INT4_RANGE,
     abs_max_quantize,
+    codes_within_float32,
     dequantize_grouped,
     grouped_quantize_with_zero_point,
     pack_int4,
@@ -60,7 +61,7 @@ class Int4Scheme(Scheme):
             q_kn, scale, zero = grouped(w_nk.t(), config.group_size)
             if config.refine_zero_points:
                 q_kn, zero = refine_zero_points(w_nk.t(), q_kn, scale, zero, config.group_size)
-            q_nk = q_kn.t()
+            q_nk = codes_within_float32(q_kn, scale, zero, config.group_size).t()
             extra = {names[1]: _laid_out(spec, scale), names[2]: _laid_out(spec, zero)}
             extra[names[3]] = default_g_idx(spec.in_features, config.group_size, w_nk.device)
         elif config.scale_search:
