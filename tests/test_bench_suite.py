@@ -113,6 +113,28 @@ def test_a_round_busy_in_every_attempt_keeps_the_least_busy_and_is_reported(monk
     )
 
 
+def test_a_machine_busy_for_good_waits_once_and_unknown_load_is_said(monkeypatch):
+    waits = []
+
+    def never_quiet(max_wait_s):
+        waits.append(max_wait_s)
+        return False
+
+    _ScriptedLoad.shares = [0.5, 0.5, 0.5, 0.5, 0.5]
+    monkeypatch.setattr(contention, "LoadWindow", _ScriptedLoad)
+    monkeypatch.setattr(contention, "wait_until_quiet", never_quiet)
+    with harness.retiming_contended_rounds(retries=2, max_wait_s=1.0):
+        samples = harness.measure_interleaved(
+            {"a": lambda: harness.Timed(1.0)}, warmup=0, repeats=3, rounds=3
+        )
+    assert waits == [1.0] and samples.retimed == 1  # then no more waiting
+    unknown = harness.Samples(a=[[1.0]])
+    unknown.others_share, unknown.retimed = [None], 0
+    assert unknown.contention_note().startswith("load unknown")
+    section = runner.load_section([("t", unknown)])
+    assert "0 of 1 timed tables" in section and "Load not measured" in section
+
+
 def test_outside_the_runner_contention_is_recorded_never_waited_for(monkeypatch):
     waits = _scripted_load(monkeypatch, [0.9, 0.9])
     samples = harness.measure_interleaved(

@@ -110,6 +110,8 @@ class Samples(dict):
         (1 round timed again)
         """
         busy = [s for s in self.others_share if s is not None and s >= contention.QUIET_SHARE]
+        if self.others_share and all(s is None for s in self.others_share):
+            return "load unknown: /proc/stat unreadable or rounds too short to read it"
         if not busy:
             return ""
         retimed = f" ({self.retimed} round{'s' * (self.retimed != 1)} timed again)"
@@ -138,8 +140,9 @@ def retiming_contended_rounds(
     """Within it, `measure_interleaved` times a round again (up to `retries`
     times, after waiting up to `max_wait_s` for a quiet machine) when other
     processes took more than `contention.QUIET_SHARE` of the machine, and
-    keeps the least contended attempt. Yields the log: (label, samples) of
-    every table timed.
+    keeps the least contended attempt; once a wait ends on a busy machine,
+    no round of the run waits again (it is timed once more, at most). Yields
+    the log: (label, samples) of every table timed.
 
     >>> with retiming_contended_rounds(retries=0) as log:
     ...     _ = measure_interleaved({"a": lambda: Timed(1.0)}, warmup=0, label="t")
@@ -208,13 +211,16 @@ def measure_interleaved(
         for _ in range(retiming.retries if retiming else 0):
             if share is None or share < contention.QUIET_SHARE:
                 break
-            contention.wait_until_quiet(retiming.max_wait_s)  # type: ignore[union-attr]
+            quiet = contention.wait_until_quiet(retiming.max_wait_s)  # type: ignore[union-attr]
             samples.retimed += 1
             window.restart()
             again = _time_round(variants, calls, per_round)
             again_share = window.others_share()
             if again_share is not None and again_share < share:
                 times, share = again, again_share
+            if not quiet:  # busy for good: no more waiting in this run (a minute each)
+                retiming.retries = 0  # type: ignore[union-attr]
+                break
         for name in variants:
             samples[name].append(times[name])
         samples.others_share.append(share)

@@ -259,11 +259,15 @@ def load_section(log: list[tuple[str, harness.Samples]]) -> str:
     'Not quiet, so their figures are unreliable: smollm2 decode'
     """
     notes = [(label or "a table", samples.contention_note()) for label, samples in log]
-    busy = [f"{label} ({note})" for label, note in notes if note]
+    unknown = [label for label, note in notes if note.startswith("load unknown")]
+    busy = [f"{label} ({note})" for label, note in notes if note and label not in unknown]
+    quiet = len(notes) - len(busy) - len(unknown)
     line = (
         f"**Machine load**: other processes took under 5% of the CPU while "
-        f"{len(notes) - len(busy)} of {len(notes)} timed tables ran."
+        f"{quiet} of {len(notes)} timed tables ran."
     )
     if busy:
         line += "\nNot quiet, so their figures are unreliable: " + "; ".join(busy) + "."
+    if unknown:
+        line += "\nLoad not measured (no /proc/stat, or rounds too short): " + ", ".join(unknown)
     return line
