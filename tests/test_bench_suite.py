@@ -82,7 +82,9 @@ def _scripted_load(monkeypatch, shares):
     _ScriptedLoad.shares = list(shares)
     monkeypatch.setattr(contention, "LoadWindow", _ScriptedLoad)
     waits = []
-    monkeypatch.setattr(contention, "wait_until_quiet", lambda max_wait_s: waits.append(max_wait_s))
+    monkeypatch.setattr(
+        contention, "wait_until_quiet", lambda max_wait_s: waits.append(max_wait_s) or True
+    )
     return waits
 
 
