@@ -235,3 +235,15 @@ def test_an_island_attends_in_the_promoted_dtype_on_eager_attention_too(architec
     assert bool(torch.isfinite(got).all())
     error = (got.float() - expected).abs().max() / expected.abs().max()
     assert error < 0.05, float(error)
+
+
+def test_an_island_still_attends_after_the_model_switches_to_eager():
+    from dtype_policies import DTypePolicyMap
+
+    model = tiny_llama()
+    policies = DTypePolicyMap(default_policy="mixed_bfloat16")
+    policies["model.layers.0.self_attn.q_proj"] = "float32"
+    apply_policy(model, policies)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert torch.isfinite(model(TOKENS).logits).all()

@@ -477,6 +477,22 @@ def test_a_model_built_from_a_described_config_saves_as_what_it_is(change, built
     assert torch.equal(outputs(again), outputs(described))
 
 
+def test_a_model_whose_applications_are_all_removed_saves_without_a_description(tmp_path):
+    """The whole model's application removed before a part's: the part's
+    removal reached no listener of the model, which kept a description of
+    policies it no longer had, and save_pretrained wrote it."""
+    model = llama()
+    whole = apply_policy(model, "mixed_bfloat16")
+    part = apply_policy(model.model.layers[0].mlp, "mixed_float16")
+    whole.remove()
+    part.remove()
+    model.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in written
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not policies(back) and torch.equal(outputs(back), outputs(model))
+
+
 def test_listener_ignores_plain_modules_and_submodules():
     block = torch.nn.Sequential(torch.nn.Linear(8, 8))
     apply_policy(block, "mixed_bfloat16")

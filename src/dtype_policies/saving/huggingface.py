@@ -454,8 +454,12 @@ def _describing_first(save_pretrained: Any) -> Any:
         # A model built from another's config (`Model(policied.config)`,
         # `from_config(AutoConfig.from_pretrained(policied_dir))`) carries that
         # model's description without its policies: described again, it has none.
-        if getattr(self, "hf_quantizer", None) is None and (
-            has_policies(self) or describes_policies(self.config)
+        # Described again before every save where this library describes it:
+        # an application removed from a part of the model (which the
+        # listener cannot trace to the model around it) left a description.
+        quantizer = getattr(self, "hf_quantizer", None)
+        if isinstance(quantizer, DTypePoliciesHfQuantizer) or (
+            quantizer is None and (has_policies(self) or describes_policies(self.config))
         ):
             sync(self)
         return save_pretrained(self, *args, **kwargs)

@@ -227,11 +227,13 @@ def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
     handles (`handle.remove()` undoes it), none for any other model. The
     model's setting is restored after each call, also when it raises."""
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if implementation == "eager":
+    if implementation in ("eager", "sdpa"):
+        # both promote mixed dtypes, whichever the model is switched to later
+        # (`set_attn_implementation`)
         _attention_dispatch.promote_in_eager_attention(model)
+        _attention_dispatch.transformers_sdpa()  # `dispatch` behind "sdpa"
     if implementation != "sdpa":
         return []
-    _attention_dispatch.transformers_sdpa()  # `dispatch` in place: mixed dtypes promoted
     calls = _EagerCalls()
     return [
         model.register_forward_pre_hook(calls.before, with_kwargs=True),
