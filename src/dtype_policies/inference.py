@@ -207,7 +207,8 @@ def compile_for_inference(
 def _creates_weights_when_called(module: torch.nn.Module) -> bool:
     """A torch lazy module not initialized, or a Keras-style layer not built
     whose class builds something (a `Dropout` builds nothing)."""
-    if hasattr(module, "has_uninitialized_params") and module.has_uninitialized_params():
+    uninitialized = getattr(module, "has_uninitialized_params", None)
+    if callable(uninitialized) and uninitialized():
         return True
     if not (isinstance(module, Layer) and module.built is False):
         return False
