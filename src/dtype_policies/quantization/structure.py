@@ -202,7 +202,7 @@ def _other_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[st
 
 def _first_difference(first: dict[str, Any], other: dict[str, Any]) -> str | None:
     """The name of the first argument that differs, or `None`."""
-    for name in first.keys() | other.keys():
+    for name in [*first, *(key for key in other if key not in first)]:  # in call order
         if not _same_value(first.get(name), other.get(name)):
             return name
     return None
