@@ -51,6 +51,17 @@ def test_an_overflowed_output_gradient_reaches_the_loss_scaler(scaling):
         assert torch.equal(value, before_state[name]), name
 
 
+def _assert_a_nan_step_is_skipped_and_undone(layer, optimizer, before):
+    """A step whose input holds a NaN: skipped, the scales as in `before`."""
+    spike = torch.randn(4, 8)
+    spike[0, 0] = float("nan")
+    optimizer.scale_loss(layer(spike).float().sum()).backward()
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    for name, value in _state(layer).items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_a_step_the_loss_scaler_skips_leaves_the_scales_as_they_were():
     layer = _dense("mixed_float16")
     optimizer = LossScaleOptimizer(torch.optim.SGD(layer.parameters(), lr=1e-3))
@@ -61,13 +72,7 @@ def test_a_step_the_loss_scaler_skips_leaves_the_scales_as_they_were():
     before = _state(layer)
     assert before["inputs_amax_history"][0] > 0
     optimizer.zero_grad()
-    spike = torch.randn(4, 8)
-    spike[0, 0] = float("nan")
-    optimizer.scale_loss(layer(spike).float().sum()).backward()
-    optimizer.step()
-    assert optimizer.last_step_skipped
-    for name, value in _state(layer).items():
-        assert torch.equal(value, before[name]), name
+    _assert_a_nan_step_is_skipped_and_undone(layer, optimizer, before)
     optimizer.zero_grad()  # the next step records as usual
     optimizer.scale_loss(layer(torch.full((4, 8), 3.0)).float().sum()).backward()
     optimizer.step()
@@ -219,10 +224,4 @@ def test_an_undo_record_of_a_dead_tensor_is_not_taken_for_a_new_one_s():
     del dead  # a dead tensor's record under each buffer's id
     for name in ("inputs_amax_history", "kernel_amax_history"):
         float8._undo[id(getattr(layer, name))] = stale
-    spike = torch.randn(4, 8)
-    spike[0, 0] = float("nan")
-    optimizer.scale_loss(layer(spike).float().sum()).backward()
-    optimizer.step()
-    assert optimizer.last_step_skipped
-    for name, value in _state(layer).items():
-        assert torch.equal(value, before[name]), name
+    _assert_a_nan_step_is_skipped_and_undone(layer, optimizer, before)

@@ -705,15 +705,7 @@ def test_fresh_process_import_dtype_policies_then_from_pretrained(tmp_path):
     quantize(model, "int4")
     model.save_pretrained(tmp_path)
     torch.save(IDS, tmp_path / "ids.pt")
-    result = subprocess.run(
-        [sys.executable, "-c", FRESH, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": SRC},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    name, seconds = result.stdout.split()
+    name, seconds = _in_a_fresh_process(FRESH, tmp_path).split()
     assert name == "DTypePoliciesHfQuantizer"
     assert float(seconds) < 2.0  # no transformers import (that alone takes seconds)
     assert torch.equal(torch.load(tmp_path / "fresh_logits.pt"), outputs(model))
@@ -745,15 +737,20 @@ def test_fresh_process_saves_a_model_built_from_a_described_config_as_plain(tmp_
     quantize(model, "int8")
     model.save_pretrained(tmp_path / "int8")
     torch.save(IDS, tmp_path / "ids.pt")
+    assert _in_a_fresh_process(FRESH_FROM_CONFIG, tmp_path).split() == ["True", "None"]
+
+
+def _in_a_fresh_process(script: str, directory) -> str:
+    """What `script` prints, run on `directory` by a fresh Python process."""
     result = subprocess.run(
-        [sys.executable, "-c", FRESH_FROM_CONFIG, str(tmp_path)],
+        [sys.executable, "-c", script, str(directory)],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "PYTHONPATH": SRC},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["True", "None"]
+    return result.stdout
 
 
 # -- the explicit route: saving.save / saving.load onto a meta-built model ------------------------

@@ -88,8 +88,9 @@ def dispatch(
 ) -> Any:
     """transformers' `"sdpa"` attention function: the implementation
     `module.config` selects, else transformers' own; on one dtype (`promoted`)."""
-    query, key, value, attention_mask = promoted(query, key, value, attention_mask)
-    kwargs = _promoted_bias(kwargs, query.dtype)
+    query, key, value, attention_mask, kwargs = _on_one_dtype(
+        query, key, value, attention_mask, kwargs
+    )
     name = getattr(getattr(module, "config", None), SELECTION, None)
     implementation = _IMPLEMENTATIONS.get(name) if isinstance(name, str) else None
     if implementation is None:
@@ -122,13 +123,21 @@ def promoted(
     return query.to(common), key.to(common), value.to(common), attention_mask
 
 
-def _promoted_bias(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """T5's `position_bias` (a float mask added to the scores) in the
-    promoted dtype of the query it meets."""
+def _on_one_dtype(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """An attention function's arguments `promoted`, T5's `position_bias` (a
+    float mask added to the scores) with them."""
+    query, key, value, attention_mask = promoted(query, key, value, attention_mask)
     bias = kwargs.get("position_bias")
-    if isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dtype != dtype:
-        kwargs = {**kwargs, "position_bias": bias.to(torch.promote_types(bias.dtype, dtype))}
-    return kwargs
+    if isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dtype != query.dtype:
+        promoted_bias = bias.to(torch.promote_types(bias.dtype, query.dtype))
+        kwargs = {**kwargs, "position_bias": promoted_bias}
+    return query, key, value, attention_mask, kwargs
 
 
 _PROMOTING = "_dtype_policies_promoting"
@@ -170,9 +179,8 @@ def _promoting(eager: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        query, key, value, attention_mask = promoted(query, key, value, attention_mask)
-        kwargs = _promoted_bias(kwargs, query.dtype)
-        return eager(module, query, key, value, attention_mask, *args, **kwargs)
+        *arguments, kwargs = _on_one_dtype(query, key, value, attention_mask, kwargs)
+        return eager(module, *arguments, *args, **kwargs)
 
     setattr(attention, _PROMOTING, True)
     return attention
