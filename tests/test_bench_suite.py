@@ -137,6 +137,34 @@ def test_a_machine_busy_for_good_waits_once_and_unknown_load_is_said(monkeypatch
     assert "0 of 1 timed tables" in section and "Load not measured" in section
 
 
+def test_rounds_too_short_to_read_are_judged_by_the_whole_table_s_load(monkeypatch):
+    # Each round unreadable (None); the window over the table reads 30%, then 1%.
+    _scripted_load(monkeypatch, [None, None, 0.3, None, None, 0.01])
+    busy = harness.measure_interleaved(
+        {"a": lambda: harness.Timed(1.0)}, warmup=0, repeats=2, rounds=2
+    )
+    assert busy.others_share == [None, None] and busy.table_share == 0.3
+    assert busy.contention_note() == (
+        "contended: other processes took 30% of the CPU over the table's 2 rounds "
+        "(each too short to read alone)"
+    )
+    quiet = harness.measure_interleaved(
+        {"a": lambda: harness.Timed(1.0)}, warmup=0, repeats=2, rounds=2
+    )
+    assert quiet.table_share == 0.01 and quiet.contention_note() == ""
+
+
+def test_a_table_of_unknown_load_is_not_called_busy():
+    from dtype_policies.bench.realmodels import table
+
+    unknown = "load unknown: /proc/stat unreadable or rounds too short to read it"
+    text = table.markdown(
+        {"model": "minilm", "rows": [], "workloads": {}, "contended": {"b1x32": unknown}},
+        "MiniLM",
+    )
+    assert "**b1x32: machine load not measured**" in text and "busy" not in text
+
+
 def test_outside_the_runner_contention_is_recorded_never_waited_for(monkeypatch):
     waits = _scripted_load(monkeypatch, [0.9, 0.9])
     samples = harness.measure_interleaved(

@@ -95,10 +95,13 @@ def _calls_per_sample(fn: Callable[[], object], min_sample_s: float) -> int:
 class Samples(dict):
     """Per variant, the samples (seconds per call) of each round; and per
     round, the share of the machine other processes took (`others_share`,
-    `None` where unreadable) and how many rounds were timed again."""
+    `None` where unreadable) and how many rounds were timed again. Where no
+    round was long enough to read on its own, `table_share` is the share
+    over all of them (`None` otherwise, or where unreadable)."""
 
     others_share: list[float | None]
     retimed: int
+    table_share: float | None = None
 
     def contention_note(self) -> str:
         """ "" on a quiet machine, else what other processes took.
@@ -111,7 +114,14 @@ class Samples(dict):
         """
         busy = [s for s in self.others_share if s is not None and s >= contention.QUIET_SHARE]
         if self.others_share and all(s is None for s in self.others_share):
-            return "load unknown: /proc/stat unreadable or rounds too short to read it"
+            if self.table_share is None:
+                return "load unknown: /proc/stat unreadable or rounds too short to read it"
+            if self.table_share < contention.QUIET_SHARE:
+                return ""
+            return (
+                f"contended: other processes took {self.table_share:.0%} of the CPU over "
+                f"the table's {len(self.others_share)} rounds (each too short to read alone)"
+            )
         if not busy:
             return ""
         retimed = f" ({self.retimed} round{'s' * (self.retimed != 1)} timed again)"
@@ -204,6 +214,7 @@ def measure_interleaved(
     samples = Samples({name: [] for name in variants})
     samples.others_share, samples.retimed = [], 0
     per_round = max(1, repeats // rounds)
+    whole_table = contention.LoadWindow()
     for _ in range(rounds):
         window = contention.LoadWindow()
         times = _time_round(variants, calls, per_round)
@@ -224,6 +235,8 @@ def measure_interleaved(
         for name in variants:
             samples[name].append(times[name])
         samples.others_share.append(share)
+    if all(share is None for share in samples.others_share):
+        samples.table_share = whole_table.others_share()
     if retiming is not None:
         retiming.log.append((label, samples))
     return samples

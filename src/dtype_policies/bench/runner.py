@@ -232,7 +232,12 @@ def _run(
         data = json.load(f)
     data["accuracy"], data["memory"], data["real_models"] = accuracy, memory, real_models
     data["machine_load"] = [
-        {"table": label, "others_share": samples.others_share, "retimed": samples.retimed}
+        {
+            "table": label,
+            "others_share": samples.others_share,
+            "table_share": samples.table_share,
+            "retimed": samples.retimed,
+        }
         for label, samples in load_log
     ]
     with open(output / "latest.json", "w") as f:

@@ -164,7 +164,9 @@ def markdown(table: dict, title: str) -> str:
         ]
     lines += [f"{family} build: {features}." for family, features in builds(table).items()]
     lines += [
-        f"**{workload} timed on a busy machine, unreliable**: {note}."
+        f"**{workload}: machine load not measured**: {note}."
+        if note.startswith("load unknown")
+        else f"**{workload} timed on a busy machine, unreliable**: {note}."
         for workload, note in table.get("contended", {}).items()
     ]
     return "\n".join(lines)
