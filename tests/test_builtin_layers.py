@@ -163,11 +163,16 @@ def test_layer_norm_axes_and_rms():
     assert tuple(layer.gamma.shape) == (3,)
     multi = layers.LayerNormalization(axis=[1, 2])
     torch.testing.assert_close(multi(x), F.layer_norm(x, (3, 4), eps=1e-3))
-    rms = layers.LayerNormalization(rms_scaling=True, dtype="mixed_bfloat16")
+    with pytest.warns(UserWarning, match="rms_scaling=True`, which is deprecated"):
+        rms = layers.LayerNormalization(rms_scaling=True, scale=False, dtype="mixed_bfloat16")
+    with torch.no_grad():
+        rms.build(x.shape)
+        rms.gamma.copy_(torch.linspace(0.5, 2.0, 4))
     out = rms(x)
-    assert rms.beta is None and out.dtype == torch.bfloat16
-    expected = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-3)
-    torch.testing.assert_close(out.float(), expected, atol=0.02, rtol=0.01)
+    # Keras's deprecated rule: the variance, the mean left in, gamma even when scale=False
+    assert rms.beta is None and rms.gamma is not None and out.dtype == torch.bfloat16
+    expected = x * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-3) * rms.gamma
+    torch.testing.assert_close(out.float(), expected, atol=0.03, rtol=0.01)
     with pytest.raises(ValueError, match="Invalid axis"):
         layers.LayerNormalization(axis=5)(x)
 

@@ -182,3 +182,25 @@ def test_the_quantizers_mirror_takes_keras_arguments(name):
     ours = list(inspect.signature(getattr(dtype_policies.quantizers, name)).parameters)
     theirs = list(inspect.signature(getattr(keras.quantizers, name)).parameters)
     assert ours == theirs  # the same names in the same order: positional calls agree
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_layer_normalization_rms_scaling_computes_as_keras(axis):
+    from dtype_policies import layers
+
+    x = np.random.default_rng(0).normal(1.0, 2.0, size=(2, 3, 4)).astype("float32")
+    with pytest.warns(UserWarning, match="deprecated"):
+        theirs = keras.layers.LayerNormalization(axis=axis, rms_scaling=True, scale=False)
+    with pytest.warns(UserWarning, match="deprecated"):
+        ours = layers.LayerNormalization(axis=axis, rms_scaling=True, scale=False)
+    theirs.build(x.shape)
+    ours.build(x.shape)
+    with torch.no_grad():
+        gamma = np.linspace(0.5, 2.0, x.shape[axis]).astype("float32")
+        ours.gamma.copy_(torch.from_numpy(gamma))
+        theirs.gamma.assign(gamma)
+    expected = keras.ops.convert_to_numpy(theirs(x))
+    assert [w.name for w in theirs.weights] == ["gamma"]
+    assert [name for name, _ in ours.named_parameters()] == ["gamma"]
+    actual = ours(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -22,8 +23,11 @@ class LayerNormalization(Layer):
         axis: Axis or list of axes to normalize over (default: the last).
         epsilon: Added to the variance.
         center, scale: Whether to learn `beta` / `gamma`.
-        rms_scaling: Scale by the root mean square only (no centering), as in
-            RMSNorm; `center` is then ignored.
+        rms_scaling: Deprecated, as in Keras 3.15 (a warning says so): divide
+            the inputs by the square root of their variance, without
+            subtracting the mean, then scale by `gamma` (always learned) and
+            add no `beta`. Not RMS normalization, which divides by the root
+            mean square: `torch.nn.RMSNorm` under `apply_policy` is that.
         beta_initializer, gamma_initializer, beta_regularizer,
         gamma_regularizer, beta_constraint, gamma_constraint: For the weights.
 
@@ -62,6 +66,13 @@ class LayerNormalization(Layer):
         self.center = bool(center)
         self.scale = bool(scale)
         self.rms_scaling = bool(rms_scaling)
+        if self.rms_scaling:
+            warnings.warn(
+                "You passed `rms_scaling=True`, which is deprecated (as in Keras). It "
+                "scales the inputs by their variance, not their root mean square; for RMS "
+                "normalization use torch.nn.RMSNorm (under apply_policy).",
+                stacklevel=2,
+            )
         self.beta_initializer = initializers.get(beta_initializer)
         self.gamma_initializer = initializers.get(gamma_initializer)
         self.beta_regularizer = regularizers.get(beta_regularizer)
@@ -81,7 +92,7 @@ class LayerNormalization(Layer):
         self._trailing = self._axes == tuple(range(rank - len(self._axes), rank))
         param_shape = tuple(input_shape[a] for a in self._axes)
         self._broadcast_shape = tuple(input_shape[i] if i in self._axes else 1 for i in range(rank))
-        if self.scale:
+        if self.scale or self.rms_scaling:
             self.gamma = self.add_weight(
                 shape=param_shape,
                 initializer=self.gamma_initializer,
@@ -131,14 +142,11 @@ class LayerNormalization(Layer):
         gamma = self.gamma.to(x.dtype) if self.gamma is not None else None
         beta = self.beta.to(x.dtype) if self.beta is not None else None
         if self.rms_scaling:
-            if self._trailing:
-                shape = tuple(x.shape[a] for a in self._axes)
-                outputs = F.rms_norm(x, shape, gamma, self.epsilon)
-            else:
-                variance = x.square().mean(dim=self._axes, keepdim=True)
-                outputs = x * torch.rsqrt(variance + self.epsilon)
-                if gamma is not None:
-                    outputs = outputs * gamma.reshape(self._broadcast_shape)
+            # Keras's deprecated rule: the variance, with the mean left in the inputs.
+            variance = x.var(dim=self._axes, keepdim=True, correction=0)
+            outputs = x * torch.rsqrt(variance + self.epsilon)
+            if gamma is not None:
+                outputs = outputs * gamma.reshape(self._broadcast_shape)
         elif self._trailing:
             shape = tuple(x.shape[a] for a in self._axes)
             outputs = F.layer_norm(x, shape, gamma, beta, self.epsilon)
