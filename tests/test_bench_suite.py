@@ -578,3 +578,40 @@ def test_cache_entries_made_at_once_by_several_workers_end_whole_and_alone(tmp_p
     with pytest.raises(RuntimeError, match="disk full"):
         models.publish(tmp_path / "f.bin", fails)
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_real_model_targets_are_judged_from_one_run_s_rounds_and_scores():
+    from dtype_policies.bench.realmodels import targets
+
+    table = {
+        "model": "smollm2",
+        "rows": [
+            {"variant": "float32", "status": "ok", "perplexity": 25.0},
+            {"variant": "int4/32", "status": "ok", "perplexity": 25.2},  # +0.8%
+            {"variant": "int4/128", "status": "ok", "perplexity": 32.0},  # +28%
+            {"variant": "int8", "status": "ok", "perplexity": 25.0, "top1": 0.94},
+            {"variant": "int8 compiled", "status": "ok", "decode_ms": 8.0},
+            {"variant": "llama.cpp Q8_0", "status": "ok", "decode_ms": 6.0},
+            {"variant": "int4/32 W4A8 compiled", "status": "failed: boom"},
+            {"variant": "llama.cpp Q4_0", "status": "ok", "decode_ms": 5.0},
+        ],
+        # two rounds: 0.75x then 0.85x -> median 0.80x (met at the line)
+        "samples": {
+            "decode": {
+                "int8 compiled": [[0.008], [0.0068]],
+                "llama.cpp Q8_0": [[0.006], [0.00578]],
+                "llama.cpp Q4_0": [[0.005], [0.005]],
+            }
+        },
+    }
+    judged = {row["target"]: (row["measured"], row["met"]) for row in targets.evaluate(table)}
+    assert judged["SmolLM2 decode, int8 compiled >= 0.8x llama.cpp Q8_0"] == ("0.80x", True)
+    assert judged["SmolLM2 decode, int4/32 W4A8 compiled >= 0.8x llama.cpp Q4_0"] == (
+        "failed (failed: boom)",
+        False,
+    )
+    assert judged["SmolLM2 int4/32 perplexity <= +1%"] == ("+0.8%", True)
+    assert judged["SmolLM2 int4/128 perplexity <= +6%"] == ("+28.0%", False)
+    assert judged["SmolLM2 int8 top-1 >= 0.95"] == ("0.9400", False)
+    # not in the run: not judged
+    assert not any("bfloat16" in label or "gptq" in label for label in judged)

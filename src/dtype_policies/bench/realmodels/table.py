@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtype_policies.bench import harness
-from dtype_policies.bench.realmodels import catalogue, quality_table, speed
+from dtype_policies.bench.realmodels import catalogue, quality_table, speed, targets
 from dtype_policies.bench.realmodels.variants import Calibration
 
 REFERENCE = "float32"
@@ -66,10 +66,12 @@ def time_workload(
     quick: bool,
     echo,
     label: str = "",
+    timings: dict[str, dict[str, list[list[float]]]] | None = None,
 ) -> str:
     """Times `workload` on every engine; writes ms and x float32 into the
-    rows. Returns what other processes took of the machine meanwhile ("" if
-    it was quiet; `harness.Samples.contention_note`)."""
+    rows, and the samples of each round into `timings[workload]` (for the
+    targets, `targets.evaluate`). Returns what other processes took of the
+    machine meanwhile ("" if it was quiet; `harness.Samples.contention_note`)."""
     calls = _timed_calls(engines, workload, rows, quick)
     rounds = 2 if quick else 5
     samples = harness.measure_interleaved(
@@ -79,6 +81,8 @@ def time_workload(
         rows[name][f"{workload}_ms"] = statistics.median(t for r in per_round for t in r) * 1e3
         if REFERENCE in samples:
             rows[name][f"{workload}_x_float32"] = harness.paired_ratio(samples, REFERENCE, name)
+    if timings is not None:
+        timings[workload] = dict(samples)
     note = samples.contention_note()
     echo(f"  timed {workload}: {len(samples)} variants" + (f"; {note}" if note else ""), flush=True)
     return note
@@ -113,17 +117,21 @@ def model_table(
             engines[variant.name] = engine
         echo("  " + quality_table.markdown_row(model, row), flush=True)
     del base
-    contended = {}
+    contended: dict[str, str] = {}
+    timings: dict[str, dict[str, list[list[float]]]] = {}
     for workload in speed.WORKLOADS[model]:
-        note = time_workload(engines, workload, rows, quick, echo, f"{model} {workload}")
+        note = time_workload(engines, workload, rows, quick, echo, f"{model} {workload}", timings)
         if note:
             contended[workload] = note
-    return {
+    measured = {
         "model": model,
         "rows": list(rows.values()),
         "workloads": speed.WORKLOADS[model],
         "contended": contended,
+        "samples": timings,
     }
+    measured["targets"] = targets.evaluate(measured)
+    return measured
 
 
 def builds(table: dict) -> dict[str, str]:
