@@ -339,3 +339,39 @@ def test_a_weight_replaced_by_a_view_of_its_own_memory_is_seen(grad_mode, view):
         out, expected = model(x), reference(x)
     assert torch.equal(out, expected)
     assert not torch.equal(out, before)
+
+
+class _UpdatedMidCall(nn.Module):
+    """Two reads of one child in a forward, its weights updated in place in
+    between (a test-time adaptation step through `self.parameters()`)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        first = self.inner(x)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(0.5)
+        return first, self.inner(x)
+
+
+@pytest.mark.parametrize("weight_cache", [True, False])
+@pytest.mark.parametrize("grad_mode", ["enable_grad", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_weight_written_during_a_call_is_read_anew_later_in_that_call(
+    kind, weight_cache, grad_mode
+):
+    inner, _ = _build(kind, weight_cache)
+    model = _UpdatedMidCall(inner)
+    if kind == "linear":  # the parent computes in bfloat16 too: one scope for both reads
+        apply_policy(model, "mixed_bfloat16", weight_cache=weight_cache)
+    weight, bias = (t.detach().clone() for t in _weight_and_bias_nk(inner, kind))
+    x = torch.randn(4, 32)
+    with getattr(torch, grad_mode)():
+        first, second = model(x)
+    expected = F.linear(x.bfloat16(), (weight * 0.5).bfloat16(), (bias * 0.5).bfloat16())
+    assert second.dtype == torch.bfloat16
+    torch.testing.assert_close(second.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(first, second)

@@ -32,9 +32,10 @@ class AutocastScope:
 
     def __init__(self, dtype: torch.dtype | None) -> None:
         self.dtype = dtype
-        # id(tensor) -> (tensor, its cast); the tensor is held so that its id
-        # cannot be reused by another tensor while the scope lives.
-        self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(tensor) -> (tensor, its cast, `stamp(tensor)` when cast); the
+        # tensor is held so that its id cannot be reused by another tensor
+        # while the scope lives.
+        self._casts: dict[int, tuple[torch.Tensor, torch.Tensor, tuple]] = {}
         # id(tensor) -> (tensor, cast, `stamp(cast)`, whether it is a buffer):
         # the casts handed to code that may write them (see `settle`)
         self._handed: dict[int, tuple[torch.Tensor, torch.Tensor, tuple, bool]] | None = None
@@ -46,13 +47,16 @@ class AutocastScope:
         entry = self._casts.get(id(value))
         if self._handed and self.settle(value):
             entry = None  # a copy of it was written: `value` has the write now
+        now = stamp(value)
         if (
             entry is None
             or entry[0] is not value
+            # written earlier in this call (an update step inside a forward)
+            or entry[2] != now
             # made under no_grad earlier in this call: a read with gradients needs a graph
             or (value.requires_grad and not entry[1].requires_grad and torch.is_grad_enabled())
         ):
-            entry = self._casts[id(value)] = (value, cast_tensor(value, self.dtype))
+            entry = self._casts[id(value)] = (value, cast_tensor(value, self.dtype), now)
         return entry[1]
 
     def cast_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -64,7 +68,7 @@ class AutocastScope:
         if entry is not None and entry[0] is buffer:
             return entry[1]
         cast = cast_tensor(buffer, self.dtype)
-        self._casts[id(buffer)] = (buffer, cast)
+        self._casts[id(buffer)] = (buffer, cast, stamp(buffer))
         self.hand(buffer, cast, is_buffer=True)
         return cast
 
@@ -110,11 +114,16 @@ class AutocastScope:
             self.settle(tensor)
 
 
-def stamp(cast: torch.Tensor) -> tuple:
-    """What a write to `cast` changes: its version (in-place writes), its
-    storage (`cast.data = ...`; `None` for a tensor without one, such as
-    the wrappers of `torch.func.grad` and `vmap`)."""
-    return (cast._version, data_address(cast))
+def stamp(tensor: torch.Tensor) -> tuple:
+    """What a write to `tensor` changes: its version (in-place writes; -1
+    for an inference tensor, which has none), its storage (`tensor.data =
+    ...`; `None` for a tensor without one, such as the wrappers of
+    `torch.func.grad` and `vmap`)."""
+    try:
+        version = tensor._version
+    except RuntimeError:  # an inference tensor
+        version = -1
+    return (version, data_address(tensor))
 
 
 DISABLED = AutocastScope(None)
