@@ -381,3 +381,27 @@ def test_a_module_that_loads_its_own_way_is_left_to_torch():
     state["0.weight"] = weight
     model.load_state_dict(state)  # BatchNorm adds its missing counter, as in torch
     assert torch.equal(model[0].weight, weight.t())
+
+
+@pytest.mark.parametrize(
+    "dropped", ["0.inputs_scale", "0.kernel_amax_history", "0.outputs_grad_scale"]
+)
+def test_a_float8_checkpoint_missing_part_of_its_scaling_state_reports_it(dropped):
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(32, 16))
+    quantize(source, "float8")
+    source.train()
+    for _ in range(2):  # the scales move away from their initial values
+        source(torch.randn(8, 32) * 50).square().mean().backward()
+    state = {k: v for k, v in source.state_dict().items() if k != dropped}
+    target = nn.Sequential(nn.Linear(32, 16))
+    quantize(target, "float8")
+    with pytest.raises(RuntimeError, match=re.escape(f'Missing key(s) in state_dict: "{dropped}"')):
+        target.load_state_dict(state)
+    assert target.load_state_dict(state, strict=False).missing_keys == [dropped]
+    # a float checkpoint (none of the scaling state) still keeps the module's own
+    fresh = nn.Sequential(nn.Linear(32, 16))
+    quantize(fresh, "float8")
+    before = fresh.state_dict()[dropped].clone()
+    fresh.load_state_dict({"0.weight": torch.randn(16, 32), "0.bias": torch.zeros(16)})
+    assert torch.equal(fresh.state_dict()[dropped], before)

@@ -217,7 +217,9 @@ def adapt_state_dict(
       is quantized with the module's own mode and config;
     * stored buffers of another mode or layout raise `ValueError` naming the
       keys (`QuantizedWeight.check_checkpoint`);
-    * float8 scaling state missing from a float checkpoint keeps its values.
+    * float8 scaling state missing from a float checkpoint (none of it
+      there) keeps its values; a checkpoint holding part of it leaves the
+      rest missing, for torch to report (`missing_keys`, an error when strict).
     """
     qw.check_checkpoint(module, state_dict, prefix)
     qw.scheme.upgrade_checkpoint(qw.spec, qw.config, state_dict, prefix)
@@ -226,8 +228,9 @@ def adapt_state_dict(
     if present:
         qw.placeholder = None  # a checkpoint's tensors replace the placeholders
     if qw.scheme.keeps_float_weight:
-        for name in qw.stored_names:
-            state_dict.setdefault(prefix + name, module._buffers[name].detach())
+        if not present:
+            for name in qw.stored_names:
+                state_dict[prefix + name] = module._buffers[name].detach()
         return
     if weight_key in state_dict and not present:
         value = state_dict[weight_key]
