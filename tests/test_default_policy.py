@@ -106,6 +106,24 @@ def test_scopes_exiting_out_of_order_leave_the_later_scope_in_force():
     assert dtype_policies.dtype_policy().name == "float64"
 
 
+def test_a_scope_exited_in_another_thread_is_no_longer_in_force_where_it_was_entered():
+    def suspended():
+        with dtype_policies.policy_scope("bfloat16"):
+            yield
+
+    generator = suspended()
+    next(generator)  # entered here
+    assert dtype_policies.dtype_policy().name == "bfloat16"
+    closer = threading.Thread(target=generator.close)  # exited there
+    closer.start()
+    closer.join()
+    assert generator.gi_frame is None
+    assert dtype_policies.dtype_policy().name == "float32"
+    with dtype_policies.policy_scope("mixed_float16"):  # later scopes work as before
+        assert dtype_policies.dtype_policy().name == "mixed_float16"
+    assert dtype_policies.dtype_policy().name == "float32"
+
+
 def test_scope_rejects_bad_values_without_entering():
     with (
         pytest.raises(ValueError, match="Invalid `policy` argument"),
