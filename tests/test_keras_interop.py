@@ -204,3 +204,33 @@ def test_layer_normalization_rms_scaling_computes_as_keras(axis):
     assert [name for name, _ in ours.named_parameters()] == ["gamma"]
     actual = ours(torch.from_numpy(x)).detach().numpy()
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda lib: lib.serialize(None),
+        lambda lib: lib.deserialize(None),
+        lambda lib: lib.deserialize({"class_name": "DTypePolicy", "config": None}),
+    ],
+)
+def test_none_passes_through_serialization_as_in_keras(call):
+    theirs, ours = call(keras.dtype_policies), call(dtype_policies)
+    assert (ours is None) == (theirs is None)
+    if theirs is not None:
+        assert ours.name == theirs.name == "float32"
+
+
+def test_convert_input_without_a_dtype_casts_to_float32_as_keras():
+    x = np.ones((2, 2), dtype="float64")
+    theirs = keras.DTypePolicy("float32").convert_input(x, autocast=True, dtype=None)
+    ours = dtype_policies.DTypePolicy("float32").convert_input(x, autocast=True, dtype=None)
+    assert str(theirs.dtype) == "torch.float32" and ours.dtype == torch.float32
+    assert dtype_policies.DTypePolicy("float32").convert_input("text", True, None) == "text"
+
+
+def test_a_map_s_serialized_form_as_a_map_s_default_is_refused_as_the_map_is():
+    inner = dtype_policies.DTypePolicyMap("bfloat16", {"attn/.*": "float16"})
+    for default in (inner, dtype_policies.serialize(inner)):
+        with pytest.raises(ValueError, match="cannot be a `DTypePolicyMap`"):
+            dtype_policies.DTypePolicyMap(default_policy=default)

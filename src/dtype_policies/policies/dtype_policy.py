@@ -123,8 +123,9 @@ class DTypePolicy:
 
         Arrays (anything with `__array__`) become tensors first. Integer, bool
         and complex tensors and non-tensor values are returned unchanged.
+        `dtype=None` means float32 (Keras's `floatx()`).
         """
-        target = to_torch_dtype(standardize_dtype(dtype))
+        target = to_torch_dtype(standardize_dtype("float32" if dtype is None else dtype))
         if not isinstance(x, torch.Tensor):
             if not hasattr(x, "__array__"):
                 return x

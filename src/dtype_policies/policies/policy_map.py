@@ -79,8 +79,13 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
                 f"Received: policy_map={policy_map!r} of type {type(policy_map)}"
             )
         default = get(default_policy)
-        if isinstance(default, DTypePolicyMap):  # the default in force is itself a map
-            default = default.default_policy
+        if isinstance(default, DTypePolicyMap):
+            if default_policy is not None:  # a map's serialized form
+                raise ValueError(
+                    "`default_policy` cannot be a `DTypePolicyMap` (nor its serialized "
+                    f"form). Received: default_policy={default_policy!r}"
+                )
+            default = default.default_policy  # the default in force is itself a map
         self._set("_default_policy", default)
         self._set("_policy_map", {})
         self._set("_patterns", {})

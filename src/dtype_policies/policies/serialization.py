@@ -6,7 +6,7 @@ exactly as Keras 3 writes it, so configs move between Keras and this library.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 from dtype_policies._dtypes import standardize_dtype
 from dtype_policies._modes import KERAS_ONLY_MODES, keras_only_modes, refusal
@@ -51,14 +51,20 @@ def get(identifier: Any) -> DTypePolicy:
         ) from None
 
 
-def serialize(policy: DTypePolicy) -> dict[str, Any]:
-    """Returns the Keras 3 dict form of `policy`.
+@overload
+def serialize(policy: None) -> None: ...
+@overload
+def serialize(policy: DTypePolicy) -> dict[str, Any]: ...
+def serialize(policy: DTypePolicy | None) -> dict[str, Any] | None:
+    """Returns the Keras 3 dict form of `policy` (`None` for `None`, as Keras).
 
     >>> from dtype_policies import serialize, QuantizedDTypePolicy
     >>> serialize(QuantizedDTypePolicy("int8", "float32"))  # doctest: +NORMALIZE_WHITESPACE
     {'module': 'keras.dtype_policies', 'class_name': 'QuantizedDTypePolicy',
      'config': {'mode': 'int8', 'source_name': 'float32'}, 'registered_name': None}
     """
+    if policy is None:
+        return None
     if not isinstance(policy, DTypePolicy):
         raise TypeError(
             f"serialize() expects a DTypePolicy. Received: {policy!r} of type {type(policy)}"
@@ -77,16 +83,25 @@ def serialize(policy: DTypePolicy) -> dict[str, Any]:
     }
 
 
+@overload
+def deserialize(config: None, custom_objects: dict[str, type] | None = None) -> None: ...
+@overload
 def deserialize(
     config: dict[str, Any], custom_objects: dict[str, type] | None = None
-) -> DTypePolicy:
-    """Rebuilds a policy from its dict form (as written by `serialize` or Keras 3).
+) -> DTypePolicy: ...
+def deserialize(
+    config: dict[str, Any] | None, custom_objects: dict[str, type] | None = None
+) -> DTypePolicy | None:
+    """Rebuilds a policy from its dict form (as written by `serialize` or
+    Keras 3); `None` for `None`, as Keras.
 
     >>> from dtype_policies import deserialize
     >>> deserialize({"module": "keras", "class_name": "DTypePolicy",
     ...              "config": {"name": "mixed_float16"}, "registered_name": None})
     <DTypePolicy "mixed_float16">
     """
+    if config is None:
+        return None
     if not isinstance(config, dict):
         raise TypeError(
             f"deserialize() expects a dict. Received: {config!r} of type {type(config)}"
@@ -107,7 +122,9 @@ def deserialize(
             f"Unknown dtype policy class '{class_name}'. Expected one of "
             f"{sorted(POLICY_CLASSES)} or a class given in `custom_objects`."
         )
-    inner = config.get("config", {})  # none: the class's defaults, as Keras reads it
+    inner = config.get("config")
+    if inner is None:  # none: the class's defaults, as Keras reads it
+        inner = {}
     if not isinstance(inner, dict):
         raise TypeError(f"The 'config' of a serialized policy must be a dict. Received: {inner!r}")
     if getattr(cls, "is_map", False):
