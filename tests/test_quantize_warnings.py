@@ -77,6 +77,24 @@ def test_quantizing_again_in_another_mode_says_that_nothing_changed():
     assert again is None
 
 
+def test_quantizing_again_in_the_same_mode_with_another_config_says_it_was_not_applied():
+    from dtype_policies.quantizers import Int4QuantizationConfig
+
+    model = nn.Sequential(nn.Linear(64, 16))
+    quantize(model, "int4", config=Int4QuantizationConfig(block_size=32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report, message = quantize_recording(
+        model, "int4", config=Int4QuantizationConfig(block_size=-1)
+    )
+    assert report.num_quantized == 0 and report.other_configs and "'0' " not in message
+    assert "already quantized in mode 'int4' with another configuration" in message
+    assert "0 (Int4QuantizationConfig(" in message and "block_size=32" in message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # the same config, or none given: quiet, as before
+    for config in (Int4QuantizationConfig(block_size=32), None):
+        assert quantize_recording(model, "int4", config=config)[1] is None
+
+
 def test_quantizing_the_rest_in_another_mode_is_quiet():
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
     quantize(model, "int4", filters="^0$")

@@ -225,6 +225,7 @@ def quantize(
     refuse_sharded(model, "quantize()")
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"quantize(): progress must be True, False or None. Received: {progress!r}")
+    config_given = config is not None
     config = validate_and_resolve_config(mode, config)
     mode = config.mode
     calibrated = mode_record(mode).calibrated
@@ -293,6 +294,8 @@ def quantize(
             report.skipped.append((label, SKIP_ALREADY_QUANTIZED))
             if existing.mode != mode:
                 report.other_modes.append(existing.mode)
+            elif config_given and existing.config != config:
+                report.other_configs.append(f"{label} ({existing.config})")
             continue
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))

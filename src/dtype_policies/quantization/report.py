@@ -47,6 +47,9 @@ class QuantizationReport:
     """Linear modules a calibrated mode left outside its blocks (the output head aside)."""
     other_modes: list[str] = field(default_factory=list)
     """The modes of the modules skipped as already quantized in another mode."""
+    other_configs: list[str] = field(default_factory=list)
+    """The modules (with their config) skipped as already quantized in this
+    mode with another config than the one the call gave."""
 
     @property
     def num_quantized(self) -> int:
@@ -67,7 +70,7 @@ class QuantizationReport:
     def summary_warning(self, max_examples: int = 5) -> str | None:
         """The one warning a `quantize` call emits, or `None` when nothing it
         skipped holds weights a user would expect quantized (filtered out,
-        already quantized in this mode, normalization scales, weights of a
+        already quantized in this mode and config, normalization scales, weights of a
         role the mode does not quantize such as embeddings under float8 or a
         calibrated mode, a calibrated mode's output head)."""
         not_ready = self.skipped_by_reason(SKIP_NOT_READY)
@@ -106,6 +109,13 @@ class QuantizationReport:
                 f"{len(self.other_modes)} module(s) already quantized in mode {modes} were "
                 "left as they are: a module is quantized once; quantize a float copy of the "
                 "model to use another mode."
+            )
+        if self.other_configs:
+            parts.append(
+                f"{len(self.other_configs)} module(s) already quantized in mode "
+                f"{self.mode!r} with another configuration were left as they are (e.g. "
+                f"{_examples(self.other_configs, max_examples, quote=False)}): a module is "
+                "quantized once; quantize a float copy of the model to use this configuration."
             )
         if not parts:
             return None
