@@ -459,20 +459,60 @@ def test_a_majority_float_policy_can_become_the_maps_default():
     from dtype_policies.advisor.runner import _with_common_default
     from dtype_policies.advisor.units import Unit
 
+    from dtype_policies.advisor.units import Skipped, Unit
+
     units = [Unit(path, torch.nn.Linear(2, 2)) for path in "abcde"]
+    skipped = [
+        Skipped("q", "Linear", "already quantized", "int8_from_float32"),
+        Skipped("p", "Linear", "its weight is read by its parent"),
+    ]
     bf16, int8 = "mixed_bfloat16", "int8_from_mixed_bfloat16"
     chosen = DTypePolicyMap("float32", {"a": bf16, "b": bf16, "c": int8, "d": bf16})
-    common = _with_common_default(chosen, units)
+    common = _with_common_default(chosen, units, skipped)
     assert common.default_policy.name == "mixed_bfloat16"
     assert {key: policy.name for key, policy in common.policy_map.items()} == {
         "c": "int8_from_mixed_bfloat16",
         "e": "float32",  # left at float32 by the choice: kept so by an entry
+        "q": "int8_from_float32",  # skipped modules keep what they compute by
+        "p": "float32",
     }
     # no float policy over half the units: nothing to rewrite
     half = DTypePolicyMap("float32", {"a": bf16, "b": bf16})
-    assert _with_common_default(half, units) is None
+    assert _with_common_default(half, units, skipped) is None
     quantized = {key: "int8_from_mixed_bfloat16" for key in "abc"}
-    assert _with_common_default(DTypePolicyMap("float32", quantized), units) is None
+    assert _with_common_default(DTypePolicyMap("float32", quantized), units, skipped) is None
+
+
+class _NoHalfPrecision(torch.nn.Module):
+    """Weightless code between the units that refuses bfloat16."""
+
+    def forward(self, x):
+        if x.dtype != torch.float32:
+            raise RuntimeError(f"Unsupported dtype {x.dtype}")
+        return x
+
+
+def test_a_common_default_the_model_refuses_leaves_the_verified_map(monkeypatch):
+    from dtype_policies.advisor import runner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 32), _NoHalfPrecision(), torch.nn.Linear(32, 32)
+    ).eval()
+    tried = []
+
+    def always_common(policy_map, units, skipped):
+        tried.append(policy_map)
+        return DTypePolicyMap("mixed_bfloat16", {})
+
+    monkeypatch.setattr(runner, "_with_common_default", always_common)
+    advice = dtype_policies.advise(model, torch.randn(8, 32), max_error=0.05, repeats=1)
+    assert tried and advice.policy_map is not None
+    assert advice.policy_map.default_policy.name == "float32"
+    assert advice.error <= 0.05
+    model_copy = copy.deepcopy(model)
+    advice.apply(model_copy)
+    model_copy(torch.randn(2, 32))  # the kept map runs
 
 
 @pytest.mark.slow

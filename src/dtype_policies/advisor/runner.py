@@ -34,7 +34,7 @@ from dtype_policies.advisor.selection import (
     step_sequence,
 )
 from dtype_policies.advisor.sensitivity import group_error
-from dtype_policies.advisor.units import Unit, find_units, record
+from dtype_policies.advisor.units import Skipped, Unit, find_units, record
 from dtype_policies.advisor.variants import (
     build_variant,
     group_bytes,
@@ -45,6 +45,7 @@ from dtype_policies.advisor.variants import (
 from dtype_policies.advisor.verify import Check, back_off, prepared
 from dtype_policies.apply import apply_policy
 from dtype_policies.policies import DTypePolicyMap
+from dtype_policies.policies import get as get_policy
 from dtype_policies.quantization.modules import computes_in_own_dtype
 
 OBJECTIVES = ("latency", "memory")
@@ -277,14 +278,22 @@ def advise(
             stacklevel=2,
         )
     chosen_map, chosen_model = policy_map_after(taken), verified[taken]
-    common = _with_common_default(chosen_map, units) if objective == "latency" else None
+    common = _with_common_default(chosen_map, units, skipped) if objective == "latency" else None
     if common is not None:
         # The code between the units (attention, activations, sums) computes by
         # the map's default: float32 as measured, or the units' common policy,
-        # kept when it is within the budget and faster.
+        # kept when it runs, is within the budget and is faster.
         say(f"dtype_policies.advise: the same choice with {common.default_policy.name} by default")
-        common_model = prepared(model, common, recorded)
-        common_error = meter(common_model)
+        try:
+            common_model = prepared(model, common, recorded)
+            common_error = meter(common_model)
+        except Exception as failure:  # the model's own code refused that default
+            reason = str(failure).splitlines()[0] if str(failure) else ""
+            say(
+                f"dtype_policies.advise: not with {common.default_policy.name} by default "
+                f"({type(failure).__name__}: {reason})"
+            )
+            common_error = math.inf
         if common_error <= max_error:
             pair = {"map": chosen_model, "default": common_model}
             seconds = time_variants(pair, batches[0].args, batches[0].kwargs, repeats)
@@ -527,10 +536,13 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
     return [by_path[path] for path in originals if path in by_path]
 
 
-def _with_common_default(policy_map: DTypePolicyMap, units: list[Unit]) -> DTypePolicyMap | None:
+def _with_common_default(
+    policy_map: DTypePolicyMap, units: list[Unit], skipped: list[Skipped]
+) -> DTypePolicyMap | None:
     """The same per-unit choice written with the float policy more than half
     the units took as the map's default (the others, float32 ones included,
-    by entries); `None` when no float policy has a majority."""
+    by entries, and the skipped modules with weights by entries of the
+    policies they keep); `None` when no float policy has a majority."""
     entries = policy_map.policy_map
     counts = Counter(policy for policy in entries.values() if policy.quantization_mode is None)
     if not counts or 2 * counts.most_common(1)[0][1] <= len(units):
@@ -540,6 +552,8 @@ def _with_common_default(policy_map: DTypePolicyMap, units: list[Unit]) -> DType
     for key in map(map_key, (unit.path for unit in units)):
         if key not in entries:  # left at the map's default: kept so by an entry
             others[key] = policy_map.default_policy
+    for item in skipped:  # left as they are, whatever the default
+        others.setdefault(map_key(item.path), get_policy(item.policy))
     return DTypePolicyMap(default, others)
 
 
