@@ -457,8 +457,6 @@ def test_q_k_v_are_measured_under_every_candidate(family):
 
 def test_a_majority_float_policy_can_become_the_maps_default():
     from dtype_policies.advisor.runner import _with_common_default
-    from dtype_policies.advisor.units import Unit
-
     from dtype_policies.advisor.units import Skipped, Unit
 
     units = [Unit(path, torch.nn.Linear(2, 2)) for path in "abcde"]
