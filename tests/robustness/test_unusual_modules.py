@@ -504,3 +504,20 @@ def test_torchs_float_padding_masks_are_clamped_not_turned_into_nan(policy):
     out = mha(q, q, q, key_padding_mask=padding)[0]
     assert torch.isfinite(out).all()
     assert relative_error(out.float(), reference) < 0.05
+
+
+def test_a_map_key_naming_a_shared_module_s_later_path_says_so():
+    from dtype_policies import DTypePolicyMap
+
+    shared = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"2": "float32"}))
+    messages = [str(w.message) for w in seen if "DTypePolicyMap key" in str(w.message)]
+    assert messages == [
+        "apply_policy(): the DTypePolicyMap key '2' matches only '2', another path of the "
+        "module at '0': a module reachable by several paths takes the policy of its first "
+        "path (write the key for '0')."
+    ]
+    assert model(torch.randn(2, 8)).dtype == torch.bfloat16  # the first path's policy

@@ -31,7 +31,7 @@ from dtype_policies._core.sharded import refuse_sharded
 from dtype_policies._core.state import compute_dtype_of
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._modes import mode_record
-from dtype_policies._paths import named_module_paths, root_path_of
+from dtype_policies._paths import join, named_module_paths, root_path_of
 from dtype_policies.layers.layer import Layer, LayerApplication
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.policies import get as get_policy
@@ -562,16 +562,48 @@ def _plan_application(
             stacklevel=stacklevel,
         )
     if policy.is_map:
-        for key in policy:
-            if key not in used_keys:
-                warnings.warn(
-                    f"apply_policy(): the DTypePolicyMap key {key!r} matches no module path "
-                    f"(paths look like {_example_paths(steps)}; they use '/' between names).",
-                    UserWarning,
-                    stacklevel=stacklevel,
+        unused = [key for key in policy if key not in used_keys]
+        shared = _second_paths(module) if unused else {}
+        for key in unused:
+            named = [
+                (path, first) for path, first in shared.items() if _decides(policy, path) == key
+            ]
+            if named:
+                path, first = named[0]
+                message = (
+                    f"apply_policy(): the DTypePolicyMap key {key!r} matches only {path!r}, "
+                    f"another path of the module at {first!r}: a module reachable by several "
+                    f"paths takes the policy of its first path (write the key for {first!r})."
                 )
+            else:
+                message = (
+                    f"apply_policy(): the DTypePolicyMap key {key!r} matches no module path "
+                    f"(paths look like {_example_paths(steps)}; they use '/' between names)."
+                )
+            warnings.warn(message, UserWarning, stacklevel=stacklevel)
     unquantized = {step.path or "(root)": why for step, why in declined}
     return steps, plans, unquantized, Planning(policy, rules, cast_buffers, weight_cache)
+
+
+def _decides(policy_map: Any, path: str) -> str | None:
+    """The key of `policy_map` deciding `path`'s policy (`None`: none, or several)."""
+    try:
+        return policy_map.matching_key(path)
+    except ValueError:
+        return None
+
+
+def _second_paths(module: torch.nn.Module) -> dict[str, str]:
+    """The later paths of each module reachable by several routes, each with
+    its first path (the one it is planned under)."""
+    root, first, later = root_path_of(module), {}, {}
+    for dotted, submodule in module.named_modules(remove_duplicate=False):
+        path = join(root, dotted.replace(".", "/"))
+        if id(submodule) not in first:
+            first[id(submodule)] = path
+        elif path != first[id(submodule)]:
+            later[path] = first[id(submodule)]
+    return later
 
 
 def steps_under(
