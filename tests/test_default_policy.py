@@ -124,6 +124,25 @@ def test_a_scope_exited_in_another_thread_is_no_longer_in_force_where_it_was_ent
     assert dtype_policies.dtype_policy().name == "float32"
 
 
+def test_a_task_created_inside_a_scope_keeps_it_for_its_whole_run():
+    async def child(event, seen):
+        seen.append(dtype_policies.dtype_policy().name)
+        await event.wait()
+        seen.append(dtype_policies.dtype_policy().name)
+
+    async def main():
+        event, seen = asyncio.Event(), []
+        with dtype_policies.policy_scope("mixed_bfloat16"):
+            task = asyncio.create_task(child(event, seen))
+            await asyncio.sleep(0)
+        assert dtype_policies.dtype_policy().name == "float32"
+        event.set()
+        await task
+        return seen
+
+    assert asyncio.run(main()) == ["mixed_bfloat16", "mixed_bfloat16"]
+
+
 def test_scope_rejects_bad_values_without_entering():
     with (
         pytest.raises(ValueError, match="Invalid `policy` argument"),

@@ -58,12 +58,14 @@ def dtype_policy() -> DTypePolicy:
 def policy_scope(policy: DTypePolicy | str | torch.dtype) -> Iterator[DTypePolicy]:
     """Overrides the default policy inside a `with` block.
 
-    The override holds for the current thread or asyncio task only (and the
-    tasks and contexts copied from it while it is open), nests, and is undone
-    on exit, also when the block raises, also when scopes exit out of order
-    (a generator suspended inside a scope that finishes inside one its caller
-    opened later: the caller's stays in force), and everywhere it holds when
-    its exit runs elsewhere (a generator closed from another thread).
+    The override holds for the current thread or asyncio task only, nests,
+    and is undone on exit, also when the block raises, and also when scopes
+    exit out of order (a generator suspended inside a scope that finishes
+    inside one its caller opened later: the caller's stays in force). A task
+    created inside the block keeps the override for its whole run, as
+    context variables are copied; a block whose exit runs in another thread
+    or task than its entry (a generator closed there) is undone where it
+    was entered too.
 
     >>> import dtype_policies
     >>> with dtype_policies.policy_scope("mixed_bfloat16") as policy:

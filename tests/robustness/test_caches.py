@@ -375,3 +375,34 @@ def test_a_weight_written_during_a_call_is_read_anew_later_in_that_call(
     assert second.dtype == torch.bfloat16
     torch.testing.assert_close(second.float(), expected.float(), atol=2e-2, rtol=2e-2)
     assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("weight_cache", [True, False])
+@pytest.mark.parametrize("grad_mode", ["enable_grad", "no_grad"])
+def test_a_weight_replaced_by_a_view_of_its_memory_during_a_call_is_read_anew(
+    weight_cache, grad_mode
+):
+    class Transposing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            first = self.fc(x)
+            self.fc.weight.data = self.fc.weight.data.t()  # same memory, same version
+            return first, self.fc(x)
+
+    torch.manual_seed(0)
+    model = Transposing()
+    apply_policy(model, "mixed_bfloat16", weight_cache=weight_cache)
+    weight, bias = model.fc.weight.detach().clone(), model.fc.bias.detach().clone()
+    x = torch.randn(2, 16)
+    with getattr(torch, grad_mode)():
+        _, second = model(x)
+    expected = F.linear(x.bfloat16(), weight.t().bfloat16(), bias.bfloat16())
+    torch.testing.assert_close(second, expected)
+    # the write reached the parameter: the elements it changed, in the precision
+    # of the copy it was made on; the others keep their float32 values
+    written = weight.t().bfloat16()
+    changed = written != weight.bfloat16()
+    assert torch.equal(model.fc.weight.detach(), torch.where(changed, written.float(), weight))

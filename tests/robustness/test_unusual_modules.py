@@ -521,3 +521,19 @@ def test_a_map_key_naming_a_shared_module_s_later_path_says_so():
         "path (write the key for '0')."
     ]
     assert model(torch.randn(2, 8)).dtype == torch.bfloat16  # the first path's policy
+
+
+def test_a_map_key_matching_nothing_costs_little_on_a_model_of_many_routes():
+    import time
+
+    from dtype_policies import DTypePolicyMap
+
+    inner = torch.nn.Linear(4, 4)
+    for _ in range(24):  # 2**24 routes to the innermost module
+        level = torch.nn.Module()
+        level.a = level.b = inner
+        inner = level
+    start = time.perf_counter()
+    with pytest.warns(UserWarning, match="'nothing' matches no module path"):
+        apply_policy(inner, DTypePolicyMap("float32", {"nothing": "bfloat16"}))
+    assert time.perf_counter() - start < 10.0  # was 2**24 paths walked (minutes)

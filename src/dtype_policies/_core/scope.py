@@ -66,7 +66,9 @@ class AutocastScope:
             return cast_tensor(buffer, self.dtype)
         entry = self._casts.get(id(buffer))
         if entry is not None and entry[0] is buffer:
-            return entry[1]
+            if entry[2] == stamp(buffer):
+                return entry[1]
+            self.settle(buffer)  # written directly: a write to its copy reaches it first
         cast = cast_tensor(buffer, self.dtype)
         self._casts[id(buffer)] = (buffer, cast, stamp(buffer))
         self.hand(buffer, cast, is_buffer=True)
@@ -116,14 +118,15 @@ class AutocastScope:
 
 def stamp(tensor: torch.Tensor) -> tuple:
     """What a write to `tensor` changes: its version (in-place writes; -1
-    for an inference tensor, which has none), its storage (`tensor.data =
-    ...`; `None` for a tensor without one, such as the wrappers of
+    for an inference tensor, which has none), its memory and how it views it
+    (`tensor.data = ...`, also a view of the same memory such as `.t()`; the
+    address is `None` for a tensor without storage, such as the wrappers of
     `torch.func.grad` and `vmap`)."""
     try:
         version = tensor._version
     except RuntimeError:  # an inference tensor
         version = -1
-    return (version, data_address(tensor))
+    return (version, data_address(tensor), tensor.dtype, tensor.shape, tensor.stride())
 
 
 DISABLED = AutocastScope(None)

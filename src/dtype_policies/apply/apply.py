@@ -594,15 +594,22 @@ def _decides(policy_map: Any, path: str) -> str | None:
 
 
 def _second_paths(module: torch.nn.Module) -> dict[str, str]:
-    """The later paths of each module reachable by several routes, each with
-    its first path (the one it is planned under)."""
-    root, first, later = root_path_of(module), {}, {}
-    for dotted, submodule in module.named_modules(remove_duplicate=False):
-        path = join(root, dotted.replace(".", "/"))
-        if id(submodule) not in first:
-            first[id(submodule)] = path
-        elif path != first[id(submodule)]:
-            later[path] = first[id(submodule)]
+    """Other paths of modules reachable by several routes, each with the
+    module's first path (the one it is planned under): each registration of
+    a module under a parent's first path, so one path per registration, not
+    one per route (which can be exponentially many)."""
+    root = root_path_of(module)
+    first = {
+        id(sub): join(root, dotted.replace(".", "/")) for dotted, sub in module.named_modules()
+    }
+    later = {}
+    for parent in module.modules():
+        for name, child in parent._modules.items():
+            if child is None:
+                continue
+            path = join(first[id(parent)], name)
+            if path != first[id(child)]:
+                later[path] = first[id(child)]
     return later
 
 

@@ -11,9 +11,9 @@ process_default: Any = None  # a DTypePolicy, or None for float32
 
 
 class _Scope:
-    """One open scope: its policy, and whether it has exited (seen by every
-    context holding it, also one the exit did not run in: a generator
-    suspended inside a scope and closed from another thread or task)."""
+    """One open scope: its policy, and whether it was exited outside the
+    context it was entered in (a generator suspended inside a scope and
+    closed from another thread or task), which only this flag can reach."""
 
     __slots__ = ("closed", "policy")
 
@@ -25,7 +25,9 @@ class _Scope:
 # The scopes of this thread or asyncio task, innermost last. Each scope is
 # removed on exit wherever it sits by then: a generator suspended inside a
 # scope can finish inside a scope its caller opened later, which must stay
-# in force.
+# in force. A context copied while a scope is open (a task created inside
+# it) keeps the scope after the block that opened it exits, as context
+# variables do.
 scopes: contextvars.ContextVar[tuple[_Scope, ...]] = contextvars.ContextVar(
     "dtype_policies_scopes", default=()
 )
@@ -48,7 +50,10 @@ def enter_scope(policy: Any) -> object:
 
 def exit_scope(marker: object) -> None:
     """Closes the scope `enter_scope` returned `marker` for, leaving any
-    scope opened after it in force; in every context that holds it."""
-    if isinstance(marker, _Scope):
+    scope opened after it in force: in this context, or, when the exit runs
+    in another one (where the scope was never entered), wherever it is held."""
+    open_scopes = scopes.get()
+    if any(scope is marker for scope in open_scopes):
+        scopes.set(tuple(scope for scope in open_scopes if scope is not marker))
+    elif isinstance(marker, _Scope):
         marker.closed = True
-    scopes.set(tuple(scope for scope in scopes.get() if not scope.closed))
