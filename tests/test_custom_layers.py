@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dtype_policies import DTypePolicyMap, apply_policy, quantize
+from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
 from dtype_policies.layers import Layer
 
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
@@ -524,3 +524,89 @@ def test_floating_buffers_of_a_layer_read_in_the_compute_dtype():
     assert out.dtype == torch.bfloat16 and layer.seen == (torch.bfloat16, torch.int64)
     torch.testing.assert_close(out, (X.bfloat16() * 2).bfloat16())
     assert layer.scale.dtype == torch.float32 and layer.state_dict()["scale"].dtype == torch.float32
+
+
+class _TiedHead(Layer):
+    """A parent with no weights of its own reading its lazily built sublayer's
+    kernel (a tied output head), as Keras models commonly do."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inp = layers.Dense(8, dtype=self.dtype_policy)
+
+    def call(self, x):
+        h = self.inp(x)
+        return h @ self.inp.kernel.T
+
+
+class _LazyWeight(Layer):
+    def call(self, x):
+        if not hasattr(self, "w"):
+            self.w = torch.nn.Parameter(torch.ones(x.shape[-1], 3))
+        return x @ self.w
+
+
+@pytest.mark.parametrize("make", [_TiedHead, _LazyWeight])
+def test_weights_made_after_the_layer_was_built_read_in_the_compute_dtype(make):
+    layer = make(dtype="mixed_bfloat16")
+    x = torch.randn(2, 8)
+    for _ in range(2):  # the first call (weights made in it) and the next
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+    weights = [p for p in layer.parameters()]
+    assert all(p.dtype == torch.float32 for p in weights)
+
+
+def test_activity_losses_as_keras_per_output_divided_by_the_batch():
+    class TwoOutputs(Layer):
+        def call(self, x):
+            return x * 2, x * 3
+
+    x = torch.ones(4, 8)
+    dense = layers.Dense(2, kernel_initializer="ones", activity_regularizer="l2")
+    dense(x)
+    # Keras 3.15: 0.01 * sum(8**2 * 2 * 4) / 4 = 1.28
+    assert [round(float(loss), 4) for loss in dense.losses] == [1.28]
+    two = TwoOutputs(activity_regularizer="l2")
+    two(x)
+    assert [round(float(loss), 4) for loss in two.losses] == [0.32, 0.72]
+
+
+def test_a_bad_regularizer_or_constraint_registers_no_weight():
+    class Bad(Layer):
+        def __init__(self, **options):
+            super().__init__()
+            self.options = options
+
+        def build(self, shape):
+            self.w = self.add_weight(shape=(4, 4), name="w", **self.options)
+
+        def call(self, x):
+            return x @ self.w
+
+    for options, match in (
+        ({"regularizer": "l3"}, "Unknown regularizer 'l3'"),
+        ({"constraint": "nonneg"}, "Unknown constraint 'nonneg'"),
+    ):
+        layer = Bad(**options)
+        for _ in range(2):  # the second try names the same mistake
+            with pytest.raises(ValueError, match=match):
+                layer(torch.randn(2, 4))
+        assert list(layer.state_dict()) == []
+
+
+def test_an_attribute_given_a_second_add_weight_holds_the_new_one_and_both_are_kept():
+    class Remade(Layer):
+        def build(self, shape):
+            self.kernel = self.add_weight(shape=(4, 4), initializer="zeros", regularizer="l2")
+            self.kernel = self.add_weight(shape=(4, 3), initializer="ones")
+
+        def call(self, x):
+            return x @ self.kernel
+
+    layer = Remade(dtype="mixed_bfloat16")
+    out = layer(torch.ones(2, 4))
+    assert out.dtype == torch.bfloat16 and torch.equal(out.float(), torch.full((2, 3), 4.0))
+    shapes = {name: tuple(p.shape) for name, p in layer.named_parameters()}
+    assert shapes == {"variable": (4, 4), "kernel": (4, 3)}
+    assert len(layer.losses) == 1  # the first weight's regularizer, under its new name

@@ -141,6 +141,9 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         floating = is_float_dtype(dtype_name)
         if initializer is None:
             initializer = "glorot_uniform" if floating else "zeros"
+        # every argument checked before anything is registered
+        regularizer = None if regularizer is None else regularizers_lib.get(regularizer)
+        constraint = None if constraint is None else constraints_lib.get(constraint)
         value = self._initial_value(initializer, shape, torch_dtype)
         name = self._unique_weight_name(name)
         requires_grad = bool(trainable and self._trainable and value.is_floating_point())
@@ -150,9 +153,9 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         self.__dict__.setdefault("_fresh_weight_names", set()).add(name)  # (older pickles)
         self._declared_trainable[name] = bool(trainable)
         if regularizer is not None:
-            self._weight_regularizers[name] = regularizers_lib.get(regularizer)
+            self._weight_regularizers[name] = regularizer
         if constraint is not None:
-            self._weight_constraints[name] = constraints_lib.get(constraint)
+            self._weight_constraints[name] = constraint
         if not (autocast and floating) and name in self._autocast_weight_names:
             self._autocast_weight_names.discard(name)
             self._refresh_policy_state()  # `register_parameter` refreshed it with the name
@@ -275,24 +278,26 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
             self._refresh_policy_state()  # a floating buffer reads in the compute dtype
 
     def _rename_weight(self, old: str, new: str) -> None:
-        """Re-registers weight `old` under the attribute name `new`, in place."""
-        if new in self._parameters:
-            raise ValueError(f"Layer '{self.name}' already has a weight named '{new}'.")
+        """Re-registers weight `old` under the attribute name `new`, in place.
+        A weight already named `new` (`self.kernel = self.add_weight(...)`
+        again) keeps its place under the name `old` had, as Keras keeps every
+        weight it made: the attribute is the new one's."""
+        names = {old: new, new: old}
         self.__dict__["_parameters"] = {
-            (new if key == old else key): value for key, value in self._parameters.items()
+            names.get(key, key): value for key, value in self._parameters.items()
         }
         for table in (
             self._declared_trainable,
             self._weight_regularizers,
             self._weight_constraints,
         ):
-            if old in table:
-                table[new] = table.pop(old)
+            moved = {names[key]: table.pop(key) for key in (old, new) if key in table}
+            table.update(moved)
         self.__dict__[STATE_KEY].casts.clear()
-        for names in (self._autocast_weight_names, self.__dict__.get("_mixed_weight_names", ())):
-            if old in names:
-                names.discard(old)  # type: ignore[attr-defined]
-                names.add(new)  # type: ignore[attr-defined]
+        for held in (self._autocast_weight_names, self.__dict__.get("_mixed_weight_names", set())):
+            present = {key for key in (old, new) if key in held}
+            held.difference_update(present)  # type: ignore[attr-defined]
+            held.update(names[key] for key in present)  # type: ignore[attr-defined]
         self._refresh_policy_state()
 
     @property

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._core import sharded
@@ -257,10 +258,10 @@ class Layer(LayerWeights, torch.nn.Module):
         buffer_names = frozenset(self._autocast_buffer_names(policy, state))
         state.call = derive_call_state(
             policy,
-            has_weights=next(self.parameters(), None) is not None
-            or next(self.buffers(), None) is not None
-            # torch's parametrize registers its container before moving the weight in
-            or self._modules.get("parametrizations") is not None,
+            # Keras's rule: a layer's call opens its autocast scope whether or not it
+            # has weights yet: sublayers and weights made later, in `call`, read in
+            # the compute dtype from their first call.
+            has_weights=True,
             weight_names=names | buffer_names,
             buffer_names=buffer_names,
             autocast=self._autocast,
@@ -444,8 +445,22 @@ class Layer(LayerWeights, torch.nn.Module):
                 self.__dict__["_build_done"] = self.built
         outputs = run_call(self._call_state, super().__call__, args, kwargs, self)
         if self._activity_regularizer is not None:
-            self._activity_losses = [self._activity_regularizer(outputs)]
+            self._activity_losses = self._activity_losses_of(outputs)
         return outputs
+
+    def _activity_losses_of(self, outputs: Any) -> list[torch.Tensor]:
+        """Keras's activity losses: one per output tensor, divided by its batch
+        size (its first dimension; the loss itself for a scalar)."""
+        losses = []
+        for output in tree_flatten(outputs)[0]:
+            if not isinstance(output, torch.Tensor):
+                continue
+            loss = self._activity_regularizer(output)
+            if output.dim() > 0:
+                batch = output.shape[0]
+                loss = loss / batch if batch else torch.zeros_like(loss)
+            losses.append(loss)
+        return losses
 
     # ------------------------------------------------------------------ config
 
