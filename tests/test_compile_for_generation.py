@@ -252,6 +252,12 @@ def _changes():
             p.grad = torch.ones_like(p)
         torch.optim.AdamW(parameters, lr=0.1, fused=True).step()
 
+    def parameter_in_an_empty_slot(m):  # `bias=False` linears hold None there
+        m.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.ones(m.config.hidden_size))
+
+    def new_buffer(m):
+        m.model.layers[0].mlp.register_buffer("offset", torch.ones(m.config.hidden_size))
+
     def data_copy_then_clear(m):  # `p.data.copy_` neither: clear_cast_caches tells
         m.model.layers[0].mlp.up_proj.weight.data.copy_(torch.zeros(1))
         dtype_policies.clear_cast_caches(m)
@@ -268,6 +274,8 @@ def _changes():
         ("a removed parameter", remove_parameter),
         ("a fused optimizer step", fused_step),
         ("p.data.copy_ and clear_cast_caches", data_copy_then_clear),
+        ("a parameter where there was None", parameter_in_an_empty_slot),
+        ("a buffer of a new name", new_buffer),
     ]
 
 
@@ -284,6 +292,17 @@ def test_the_model_watch_sees_every_change_a_frozen_graph_depends_on(name, chang
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantize's report of skipped modules
         change(model)
+    assert not watch.unchanged()
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+def test_the_model_watch_sees_a_parameter_where_a_slot_held_none(policy):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
+    if policy is not None:
+        apply_policy(model, policy)
+    watch = ModelWatch(model)
+    assert watch.unchanged()
+    model[0].bias = torch.nn.Parameter(torch.full((8,), 5.0))
     assert not watch.unchanged()
 
 

@@ -62,13 +62,17 @@ class ModelWatch:
     __slots__ = (
         "__weakref__",
         "addresses",
+        "all_slot_dicts",
         "calls",
         "children",
         "children_now",
+        "empty_dicts",
+        "empty_names",
         "module_dicts",
         "modules",
         "quantizations",
         "shapes",
+        "slot_counts",
         "slot_dicts",
         "slot_names",
         "stateful",
@@ -85,13 +89,22 @@ class ModelWatch:
         self.slot_dicts: list[dict] = []
         self.slot_names: list[str] = []
         self.tensors: list[torch.Tensor] = []
+        self.all_slot_dicts: list[dict] = []
+        self.empty_dicts: list[dict] = []  # slots holding `None` (`bias=False`)
+        self.empty_names: list[str] = []
         for module in model.modules():
             for slots in (module._parameters, module._buffers):
+                self.all_slot_dicts.append(slots)
                 for name, tensor in slots.items():
-                    if tensor is not None:
-                        self.slot_dicts.append(slots)
-                        self.slot_names.append(name)
-                        self.tensors.append(tensor)
+                    if tensor is None:
+                        self.empty_dicts.append(slots)
+                        self.empty_names.append(name)
+                        continue
+                    self.slot_dicts.append(slots)
+                    self.slot_names.append(name)
+                    self.tensors.append(tensor)
+        # a slot added (a parameter or buffer of a new name) or removed
+        self.slot_counts = list(map(len, self.all_slot_dicts))
         self.addresses = list(map(_data_ptr, self.tensors))
         # `p.data = p.data[:k]` (or `.t()`) keeps the address and the version
         self.shapes = list(map(_get_shape, self.tensors))
@@ -119,6 +132,14 @@ class ModelWatch:
             not self.written
             and all(
                 map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.tensors)
+            )
+            and list(map(len, self.all_slot_dicts)) == self.slot_counts
+            and all(
+                map(
+                    operator.is_,
+                    map(dict.get, self.empty_dicts, self.empty_names),
+                    itertools.repeat(None),
+                )
             )
             and list(map(_data_ptr, self.tensors)) == self.addresses
             and list(map(_get_shape, self.tensors)) == self.shapes
