@@ -245,6 +245,29 @@ def test_a_module_registered_under_two_names_round_trips(mode, device, tmp_path)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_tied_checkpoint_loads_into_an_untied_target_as_two_tensors(tmp_path, device):
+    class LM(nn.Module):
+        def __init__(self, tie):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            if tie:
+                self.head.weight = self.embed.weight
+
+    torch.manual_seed(0)
+    source = LM(tie=True)
+    path = saving.save(source, tmp_path / "tied.safetensors")
+    with torch.device(device):
+        target = LM(tie=False)
+    saving.load(target, path)
+    assert torch.equal(target.head.weight, source.embed.weight)
+    assert target.head.weight.data_ptr() != target.embed.weight.data_ptr()
+    with torch.no_grad():
+        target.head.weight.zero_()  # training one leaves the other alone
+    assert torch.equal(target.embed.weight, source.embed.weight)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("policy", [None, "mixed_bfloat16", "float8"])
 def test_an_untied_checkpoint_is_refused_by_a_tied_target(tmp_path, device, policy):
     class LM(nn.Module):

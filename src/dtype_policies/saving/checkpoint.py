@@ -11,6 +11,7 @@ layouts are never stored; they are rebuilt on first use after loading.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -272,6 +273,8 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     # the ties as quantization leaves them (one side of a tied table quantized
     # leaves the other side's parameter alone)
     tied = _tied_parameters(module)
+    if assign:  # the file's tensors become the target's: one per tensor the target keeps
+        state = _untied_copies(state, _shared_tensors(module))
     persistent = {k: v for k, v in state.items() if k not in non_persistent}
     module.load_state_dict(persistent, strict=True, assign=assign)
     for key in sorted(non_persistent & state.keys()):
@@ -661,6 +664,35 @@ def _read_state(
             )
         state[alias] = state[key]
     return state
+
+
+def _untied_copies(
+    state: dict[str, torch.Tensor], tied: list[list[str]]
+) -> dict[str, torch.Tensor]:
+    """`state` where one tensor stands for several keys (a tied pair written
+    once) with a copy for each key the target does not tie to the first:
+    assigned, they would share memory the target keeps apart."""
+    group_of = {name: index for index, names in enumerate(tied) for name in names}
+    first: dict[int, str] = {}
+    copied = dict(state)
+    for key, tensor in state.items():
+        seen = first.setdefault(id(tensor), key)
+        if seen != key and (key not in group_of or group_of.get(seen) != group_of[key]):
+            copied[key] = tensor.clone()
+    return copied
+
+
+def _shared_tensors(module: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter and buffer names that are one tensor (tied weights,
+    and the quantized tensors of a tied table)."""
+    groups: dict[int, list[str]] = {}
+    named = itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    )
+    for name, tensor in named:
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def _tied_parameters(module: torch.nn.Module) -> list[list[str]]:
