@@ -770,6 +770,28 @@ def test_missing_file_and_bad_arguments(tmp_path):
     assert not (tmp_path / "meta.safetensors").exists()
 
 
+def test_a_directory_save_failing_at_its_review_copy_leaves_both_files_as_they_were(
+    tmp_path, monkeypatch
+):
+    from dtype_policies.saving import checkpoint
+
+    torch.manual_seed(0)
+    saving.save(nn.Sequential(nn.Linear(8, 8)), tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    real = checkpoint.write_atomically
+
+    def failing_review_copy(path, write):
+        if str(path).endswith(".json"):
+            raise OSError("disk full")
+        return real(path, write)
+
+    monkeypatch.setattr(checkpoint, "write_atomically", failing_review_copy)
+    with pytest.raises(OSError, match="disk full"):
+        saving.save(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), tmp_path)
+    after = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    assert after == before
+
+
 def test_an_interrupted_save_never_leaves_a_partial_file(tmp_path):
     target = tmp_path / "m.safetensors"
     script = textwrap.dedent(

@@ -120,12 +120,17 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
 def _write(file: Path, path: str | os.PathLike, tensors: dict, manifest: Manifest) -> None:
     _check_writable(tensors)
     metadata = {METADATA_KEY: manifest.to_json()}
-    # the file and its review copy as one write among this process's threads
-    with _lock_for(file):
-        write_atomically(file, lambda temporary: save_file(tensors, temporary, metadata=metadata))
-        if file.name == MODEL_FILE and file.parent == Path(path):
+    review = file.name == MODEL_FILE and file.parent == Path(path)
+
+    def write(temporary: str) -> None:
+        save_file(tensors, temporary, metadata=metadata)
+        if review:  # replaced just before the file: a failure here leaves both as they were
             text = manifest.to_json(indent=2) + "\n"
             write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
+
+    # the file and its review copy as one write among this process's threads
+    with _lock_for(file):
+        write_atomically(file, write)
 
 
 _write_locks: dict[str, threading.Lock] = {}
