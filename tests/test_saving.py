@@ -716,6 +716,7 @@ def test_layers_keep_the_saved_policy_the_target_had_only_by_apply_policy(tmp_pa
         "foreign",
         "alien_version",
         "unknown_policy",
+        "mode_unlike_config",
     ],
 )
 def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
@@ -740,6 +741,16 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
         manifest = metadata["dtype_policies"].replace('"mixed_bfloat16"', '"mixed_bfloat17"')
         assert manifest != metadata["dtype_policies"]
         save_file(tensors, str(path), metadata={**metadata, "dtype_policies": manifest})
+    elif damage == "mode_unlike_config":  # int8's config under a record saying int4
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(path), framework="pt") as reader:
+            metadata = reader.metadata()
+            tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118
+        manifest = metadata["dtype_policies"].replace('"mode": "int8"', '"mode": "int4"', 1)
+        assert manifest != metadata["dtype_policies"]
+        save_file(tensors, str(path), metadata={**metadata, "dtype_policies": manifest})
     else:
         from safetensors.torch import save_file
 
@@ -753,9 +764,11 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
         save_file({"0.weight": torch.zeros(2)}, str(path), metadata=metadata)
     target = mlp()
     before = snapshot(target)
-    with pytest.raises(saving.CheckpointError, match=str(path.name)):
+    with pytest.raises(saving.CheckpointError, match=str(path.name)) as raised:
         saving.load(target, path)
     assert_unchanged(target, before)
+    if damage == "mode_unlike_config":
+        assert "the record's mode 'int4' and its quantization config" in str(raised.value)
 
 
 def test_missing_file_and_bad_arguments(tmp_path):

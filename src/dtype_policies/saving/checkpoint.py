@@ -602,6 +602,11 @@ def _plan_quantized(
             "quantize: call it on an input (or build(input_shape)) before loading"
         )
     config = record.quantization_config
+    if getattr(config, "mode", record.mode) != record.mode:
+        raise CheckpointError(
+            f"the record's mode '{record.mode}' and its quantization config, one of mode "
+            f"'{config.mode}' ({config}), disagree"
+        )
     kind = kind_of(target)
     if kind is None or not kind.supports(record.mode):
         raise CheckpointError(
