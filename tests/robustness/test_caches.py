@@ -406,3 +406,32 @@ def test_a_weight_replaced_by_a_view_of_its_memory_during_a_call_is_read_anew(
     written = weight.t().bfloat16()
     changed = written != weight.bfloat16()
     assert torch.equal(model.fc.weight.detach(), torch.where(changed, written.float(), weight))
+
+
+def test_a_cast_made_before_clear_cast_caches_and_kept_after_it_is_never_used(monkeypatch):
+    """Another thread's call may make a cast from the old values, then keep it
+    after a `.data` write and `clear_cast_caches` ran: the next call must not
+    use it (the store's generation moved on)."""
+    from dtype_policies._core import weight_casts
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    apply_policy(model, "mixed_bfloat16")
+    real = weight_casts._make_cast
+    raced = []
+
+    def made_then_raced(weight, dtype):
+        cast = real(weight, dtype)  # the old values
+        if not raced:
+            raced.append(True)
+            model.weight.data.mul_(1.5)  # the other thread's write, then its clear
+            dtype_policies.clear_cast_caches(model)
+        return cast
+
+    monkeypatch.setattr(weight_casts, "_make_cast", made_then_raced)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x)  # keeps the cast of the old values after the clear
+        now = model(x)
+    expected = F.linear(x.bfloat16(), model.weight.bfloat16(), model.bias.bfloat16())
+    assert torch.equal(now, expected)

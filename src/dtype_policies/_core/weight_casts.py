@@ -50,18 +50,23 @@ class WeightCasts:
     `entries` maps a weight name to `(weight, key, cast)`; `pair` holds a
     linear leaf's `(weight, bias, key, weight cast, bias cast, product)`,
     checked in one step. Entries are immutable tuples replaced whole, so
-    concurrent readers see the old entry or the new one. Copies, pickles and
-    deep copies of a module start with an empty store.
+    concurrent readers see the old entry or the new one; each key holds the
+    store's `generation` read before its value was made, and `clear` moves
+    it on, so an entry another thread made before a clear and stored after
+    it is never used. Copies, pickles and deep copies of a module start with
+    an empty store.
     """
 
-    __slots__ = ("enabled", "entries", "pair")
+    __slots__ = ("enabled", "entries", "generation", "pair")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.entries: dict[str, tuple] = {}
         self.pair: tuple | None = None
+        self.generation = 0
 
     def clear(self) -> None:
+        self.generation += 1
         if self.entries:
             self.entries = {}
         self.pair = None
@@ -117,7 +122,7 @@ def keep_derived(
     if not _uses_store(store) or not all(can_keep(t) for t in tensors):
         return make()
     assert store is not None
-    key = (*tensor_key(*tensors), *extra)
+    key = (*tensor_key(*tensors), *extra, store.generation)
     entry = store.entries.get(name)
     if entry is not None and entry[1] == key:
         return entry[2]
@@ -157,11 +162,11 @@ def cast_weight(
         return _call_cast(weight, dtype, scope)
     assert store is not None  # _uses_store says so
     entry = store.entries.get(name)
-    if entry is not None and entry[0] is weight and entry[1] == (*contents_key(weight), dtype):
+    key = (*contents_key(weight), dtype, store.generation)  # before the cast reads the values
+    if entry is not None and entry[0] is weight and entry[1] == key:
         return entry[2]
     if not can_keep(weight):
         return _call_cast(weight, dtype, scope)
-    key = (*contents_key(weight), dtype)  # before the cast reads the values
     cast = _make_cast(weight, dtype)
     store.entries[name] = (weight, key, cast)
     return cast
@@ -211,12 +216,13 @@ def cast_pair(
         entry is not None
         and entry[0] is weight
         and entry[1] is bias
-        and entry[2] == _pair_key(weight, bias, dtype)
+        and entry[2] == (*_pair_key(weight, bias, dtype), store.generation)
         and (entry[5] is None or pack)
     ):
         return entry[3], entry[4], entry[5]
     if can_keep(weight) and (bias is None or (can_keep(bias) and bias.dtype == weight.dtype)):
-        key = _pair_key(weight, bias, dtype)  # before the casts read the values
+        # before the casts read the values
+        key = (*_pair_key(weight, bias, dtype), store.generation)
         weight_cast = _make_cast(weight, dtype)
         bias_cast = None if bias is None else _make_cast(bias, dtype)
         product = _product(weight_cast, pack, transposed, kept=True)
