@@ -610,3 +610,44 @@ def test_an_attribute_given_a_second_add_weight_holds_the_new_one_and_both_are_k
     shapes = {name: tuple(p.shape) for name, p in layer.named_parameters()}
     assert shapes == {"variable": (4, 4), "kernel": (4, 3)}
     assert len(layer.losses) == 1  # the first weight's regularizer, under its new name
+
+
+@pytest.mark.parametrize("before", ["none", "buffer", "module"])
+def test_an_attribute_that_held_something_else_takes_the_add_weight_result(before):
+    class Remade(Layer):
+        def __init__(self):
+            super().__init__(dtype="mixed_bfloat16")
+            if before == "none":
+                self.kernel = None
+            elif before == "buffer":
+                self.register_buffer("kernel", torch.zeros(4, 3))
+            else:
+                self.kernel = nn.Linear(4, 3)
+
+        def build(self, shape):
+            self.kernel = self.add_weight(shape=(4, 3), initializer="ones")
+
+        def call(self, x):
+            return x @ self.kernel
+
+    layer = Remade()
+    out = layer(torch.ones(2, 4))
+    assert torch.equal(out.float(), torch.full((2, 3), 4.0)) and out.dtype == torch.bfloat16
+    assert [name for name, _ in layer.named_parameters()] == ["kernel"]
+    assert list(layer.state_dict()) == ["kernel"]
+
+
+def test_a_sparse_buffer_reads_in_a_mixed_layer():
+    class Graph(Layer):
+        def __init__(self):
+            super().__init__(dtype="mixed_bfloat16")
+            self.register_buffer("adjacency", torch.eye(3).to_sparse_csr())
+
+        def call(self, x):
+            return self.adjacency.to_dense().to(x.dtype) @ x
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: sparse CSR support is in beta
+        layer = Graph()
+        out = layer(torch.ones(3, 2))
+    assert out.dtype == torch.bfloat16 and torch.equal(out.float(), torch.ones(3, 2))

@@ -126,6 +126,8 @@ def stamp(tensor: torch.Tensor) -> tuple:
         version = tensor._version
     except RuntimeError:  # an inference tensor
         version = -1
+    if tensor.layout is not torch.strided or tensor.is_nested:  # sparse: no strides
+        return (version, data_address(tensor), tensor.dtype, tensor.layout)
     return (version, data_address(tensor), tensor.dtype, tensor.shape, tensor.stride())
 
 

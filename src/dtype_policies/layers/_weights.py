@@ -282,6 +282,11 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         A weight already named `new` (`self.kernel = self.add_weight(...)`
         again) keeps its place under the name `old` had, as Keras keeps every
         weight it made: the attribute is the new one's."""
+        # what else held the name goes, as torch's `__setattr__` of a parameter does
+        self.__dict__.pop(new, None)
+        for table in ("_buffers", "_modules"):
+            self.__dict__[table].pop(new, None)
+        self.__dict__["_non_persistent_buffers_set"].discard(new)
         names = {old: new, new: old}
         self.__dict__["_parameters"] = {
             names.get(key, key): value for key, value in self._parameters.items()
