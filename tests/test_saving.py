@@ -244,8 +244,9 @@ def test_a_module_registered_under_two_names_round_trips(mode, device, tmp_path)
     assert torch.equal(target(x), expected)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_a_tied_checkpoint_loads_into_an_untied_target_as_two_tensors(tmp_path, device):
+def test_a_tied_checkpoint_loads_into_an_untied_target_as_two_tensors(tmp_path, device, quantized):
     class LM(nn.Module):
         def __init__(self, tie):
             super().__init__()
@@ -256,15 +257,19 @@ def test_a_tied_checkpoint_loads_into_an_untied_target_as_two_tensors(tmp_path, 
 
     torch.manual_seed(0)
     source = LM(tie=True)
+    if quantized:
+        quantize(source, "int8")
     path = saving.save(source, tmp_path / "tied.safetensors")
     with torch.device(device):
         target = LM(tie=False)
     saving.load(target, path)
-    assert torch.equal(target.head.weight, source.embed.weight)
-    assert target.head.weight.data_ptr() != target.embed.weight.data_ptr()
+    name = "weight_int8" if quantized else "weight"
+    head, embed = getattr(target.head, name), getattr(target.embed, name)
+    assert torch.equal(head, getattr(source.embed, name))
+    assert head.data_ptr() != embed.data_ptr()
     with torch.no_grad():
-        target.head.weight.zero_()  # training one leaves the other alone
-    assert torch.equal(target.embed.weight, source.embed.weight)
+        head.zero_()  # writing one leaves the other alone
+    assert torch.equal(embed, getattr(source.embed, name))
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

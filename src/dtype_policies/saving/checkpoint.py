@@ -32,6 +32,7 @@ from dtype_policies._core.slots import (
     stored_buffer,
     stored_parameter,
 )
+from dtype_policies._modes import stored_suffixes
 from dtype_policies._paths import join, root_path_of
 from dtype_policies._version import __version__
 from dtype_policies.apply.apply import (
@@ -256,6 +257,8 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest, f"'{file}'")
+    # a tensor written once for keys the target keeps apart: one copy per key
+    state = _untied_copies(state, _shared_tensors(module))
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
     # persistent or not as the target's class says (its buffers, not the file's)
     non_persistent = non_persistent_keys(module)
@@ -278,8 +281,6 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     # the ties as quantization leaves them (one side of a tied table quantized
     # leaves the other side's parameter alone)
     tied = _tied_parameters(module)
-    if assign:  # the file's tensors become the target's: one per tensor the target keeps
-        state = _untied_copies(state, _shared_tensors(module))
     persistent = {k: v for k, v in state.items() if k not in non_persistent}
     module.load_state_dict(persistent, strict=True, assign=assign)
     for key in sorted(non_persistent & state.keys()):
@@ -681,13 +682,27 @@ def _untied_copies(
 ) -> dict[str, torch.Tensor]:
     """`state` where one tensor stands for several keys (a tied pair written
     once) with a copy for each key the target does not tie to the first:
-    assigned, they would share memory the target keeps apart."""
+    assigned, they would share memory the target keeps apart. `tied` are the
+    target's ties as built (before quantization attached anything); a
+    quantized tensor belongs to the weight it was stored for (its key less
+    the mode's suffix)."""
     group_of = {name: index for index, names in enumerate(tied) for name in names}
+    suffixes = stored_suffixes()
+
+    def owner(key: str) -> str:
+        for suffix in suffixes:
+            if key.endswith(suffix):
+                return key[: -len(suffix)]
+        return key
+
     first: dict[int, str] = {}
     copied = dict(state)
     for key, tensor in state.items():
         seen = first.setdefault(id(tensor), key)
-        if seen != key and (key not in group_of or group_of.get(seen) != group_of[key]):
+        if seen == key:
+            continue
+        mine, theirs = owner(key), owner(seen)
+        if mine not in group_of or group_of.get(theirs) != group_of[mine]:
             copied[key] = tensor.clone()
     return copied
 
