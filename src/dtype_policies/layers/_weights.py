@@ -372,7 +372,9 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
     def losses(self) -> list[torch.Tensor]:
         """Regularization losses of this layer and its sublayers: weight
         regularizers (on the weights in their variable dtype) and the activity
-        regularizers of the last call."""
+        regularizers of each layer's last call (one per output tensor, divided
+        by its batch size, as Keras's). Unlike Keras, a layer called twice
+        within one outer call keeps the losses of its second call only."""
         losses = []
         for layer in self._layers_in_tree():
             for name, regularizer in layer._weight_regularizers.items():
