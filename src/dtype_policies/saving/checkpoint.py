@@ -139,7 +139,7 @@ _write_locks_guard = threading.Lock()
 
 
 def _lock_for(file: Path) -> threading.Lock:
-    key = os.path.abspath(file)
+    key = os.path.realpath(file)  # one lock per file, whatever the path (symlinks)
     with _write_locks_guard:
         return _write_locks.setdefault(key, threading.Lock())
 
