@@ -53,3 +53,25 @@ def test_a_weight_of_one_input_multiplies_exactly(config, compiled):
         got = run(x)
     tolerance = 1e-5 if config is not None else 1e-2 * float(expected.abs().max())
     torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
+
+
+def test_keras_w8a8_under_bfloat16_compute_rounds_once_after_the_bias():
+    """The bfloat16 result is the exact one (float64, with the inputs rounded
+    as the kernel rounds them) rounded once: the bias is added to the
+    unrounded product, so outputs the bias nearly cancels stay right."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 520))
+    with torch.no_grad():
+        model[0].bias.copy_(torch.randn(520) * 3)
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, config=Int8QuantizationConfig())
+    x = torch.randn(64, 1000)
+    with torch.no_grad():
+        got = model(x).double()
+    rounded = x.bfloat16().float()
+    step = (rounded.abs().amax(-1, keepdim=True) + 1e-7) / 127
+    inputs = (torch.round(rounded / step).clamp(-127, 127) * step).double()
+    layer = model[0]
+    exact = inputs @ layer.weight.detach().double().t() + layer.bias.detach().bfloat16().double()
+    ulps = (got - exact).abs() / 2.0 ** (torch.floor(torch.log2(exact.abs())) - 7)
+    assert float(ulps.max()) <= 1.5

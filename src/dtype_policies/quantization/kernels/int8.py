@@ -301,18 +301,16 @@ def _onednn(x2, runtime, bias, out_dtype, signed=False):
         xq, row_step = epilogues.run(epilogues.quantize_rows_int8, x2)
     else:  # u8 activations, zero point 128
         xq, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
-    # oneDNN applies the per-channel weight steps and writes the output dtype
-    # directly (where its bfloat16 is native); the per-row steps and the bias
-    # follow in place.
-    direct = out_dtype is torch.float32 or (out_dtype is torch.bfloat16 and processor().native_bf16)
+    # oneDNN applies the per-channel weight steps in float32; the per-row steps
+    # and the bias follow in place, and the result is rounded once, to the
+    # output dtype (written in bfloat16 by oneDNN, it was rounded three times
+    # and the bias added to a rounded product: not the other classes' values).
     zero_point = 0 if signed else 128
-    y = _qlinear(
-        xq, zero_point, runtime, runtime.column_step, out_dtype if direct else torch.float32
-    )
+    y = _qlinear(xq, zero_point, runtime, runtime.column_step, torch.float32)
     y.mul_(row_step)
     if bias is not None:
         y.add_(bias)
-    return y if direct else y.to(out_dtype)
+    return y if out_dtype is torch.float32 else y.to(out_dtype)
 
 
 def _onednn_split(x2, runtime, bias, out_dtype):
