@@ -565,11 +565,11 @@ def _plan_application(
         unused = [key for key in policy if key not in used_keys]
         shared = _second_paths(module) if unused else {}
         for key in unused:
-            named = [
+            later_paths = [
                 (path, first) for path, first in shared.items() if _decides(policy, path) == key
             ]
-            if named:
-                path, first = named[0]
+            if later_paths:
+                path, first = later_paths[0]
                 message = (
                     f"apply_policy(): the DTypePolicyMap key {key!r} matches only {path!r}, "
                     f"another path of the module at {first!r}: a module reachable by several "

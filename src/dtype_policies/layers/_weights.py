@@ -284,8 +284,8 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         weight it made: the attribute is the new one's."""
         # what else held the name goes, as torch's `__setattr__` of a parameter does
         self.__dict__.pop(new, None)
-        for table in ("_buffers", "_modules"):
-            self.__dict__[table].pop(new, None)
+        for registry in ("_buffers", "_modules"):
+            self.__dict__[registry].pop(new, None)
         self.__dict__["_non_persistent_buffers_set"].discard(new)
         names = {old: new, new: old}
         self.__dict__["_parameters"] = {
