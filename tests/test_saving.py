@@ -244,17 +244,20 @@ def test_a_module_registered_under_two_names_round_trips(mode, device, tmp_path)
     assert torch.equal(target(x), expected)
 
 
+class LM(nn.Module):
+    """An embedding and an output head, their weights tied or not."""
+
+    def __init__(self, tie):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_a_tied_checkpoint_loads_into_an_untied_target_as_two_tensors(tmp_path, device, quantized):
-    class LM(nn.Module):
-        def __init__(self, tie):
-            super().__init__()
-            self.embed = nn.Embedding(16, 8)
-            self.head = nn.Linear(8, 16, bias=False)
-            if tie:
-                self.head.weight = self.embed.weight
-
     torch.manual_seed(0)
     source = LM(tie=True)
     if quantized:
@@ -275,14 +278,6 @@ def test_a_tied_checkpoint_loads_into_an_untied_target_as_two_tensors(tmp_path, 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("policy", [None, "mixed_bfloat16", "float8"])
 def test_an_untied_checkpoint_is_refused_by_a_tied_target(tmp_path, device, policy):
-    class LM(nn.Module):
-        def __init__(self, tie):
-            super().__init__()
-            self.embed = nn.Embedding(64, 32)
-            self.head = nn.Linear(32, 64, bias=False)
-            if tie:
-                self.head.weight = self.embed.weight
-
     torch.manual_seed(0)
     source = LM(tie=False)
     if policy == "float8":
