@@ -2,6 +2,8 @@
 does float ones: the loss goes down, the float32 masters (or the adapters)
 change, the policies stay, and its checkpoints reload to the same model."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,18 +123,71 @@ def test_trainer_refuses_a_model_with_nothing_float_to_train_as_transformers_doe
     assert not torch.equal(model.lm_head.weight, head)
 
 
+def scaled_training_step(trainer, model, inputs, num_items_in_batch=None):
+    """docs/training_loops.md's recipe, as written there."""
+    model.train()
+    loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+    # as Trainer's own step: a loss not yet averaged over the accumulated batches is here
+    averaged = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if averaged is None:
+        averaged = (
+            trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ) or trainer.compute_loss_func is not None
+    if not averaged:
+        loss = loss / trainer.current_gradient_accumulation_steps
+    scaler = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    scaler.scale_loss(loss).backward()
+    return loss.detach()
+
+
+def test_the_docs_recipe_is_the_one_tested():
+    import inspect
+
+    text = (Path(__file__).parents[1] / "docs" / "training_loops.md").read_text()
+    body = inspect.getsource(scaled_training_step).split('"""', 2)[2]
+    assert body in text
+
+
+@pytest.mark.parametrize("averaged_by_the_model", [True, False])
+def test_the_scaled_training_step_accumulates_as_trainer_s_own(tmp_path, averaged_by_the_model):
+    """With gradient accumulation, a mixed_float16 model trained through the
+    recipe moves its weights as the float32 model under Trainer's own step
+    (SGD: a gradient twice too large moves them twice as far)."""
+    from dtype_policies.optimizers import LossScaleOptimizer
+
+    class ScaledTrainer(transformers.Trainer):
+        training_step = scaled_training_step
+        loss_is_scaled_for_ga = averaged_by_the_model
+
+    class FloatTrainer(transformers.Trainer):
+        loss_is_scaled_for_ga = averaged_by_the_model
+
+    data = Repeated(16)
+    moved = []
+    for trainer_class, policy in ((ScaledTrainer, "mixed_float16"), (FloatTrainer, None)):
+        model = tiny_models.tiny_decoder()
+        if policy:
+            apply_policy(model, policy)
+        before = model.lm_head.weight.detach().clone()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        optimizer = LossScaleOptimizer(sgd) if policy else sgd
+        arguments = _arguments(
+            tmp_path / str(policy), max_grad_norm=0, gradient_accumulation_steps=2, max_steps=2
+        )
+        trainer_class(
+            model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None)
+        ).train()
+        moved.append(float((model.lm_head.weight.detach() - before).norm()))
+    assert moved[0] == pytest.approx(moved[1], rel=0.05)
+
+
 def test_trainer_with_mixed_float16_and_the_loss_scaler_through_training_step(tmp_path):
     """docs/training_loops.md's recipe: a training_step that back-propagates
     the scaled loss; the model learns as the float32 one does."""
     from dtype_policies.optimizers import LossScaleOptimizer
 
     class ScaledTrainer(transformers.Trainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            model.train()
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-            scaler = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
-            scaler.scale_loss(loss).backward()
-            return loss.detach()
+        training_step = scaled_training_step
 
     data = Repeated(16)
     model = tiny_models.tiny_decoder()
