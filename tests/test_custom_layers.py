@@ -651,3 +651,21 @@ def test_a_sparse_buffer_reads_in_a_mixed_layer():
         layer = Graph()
         out = layer(torch.ones(3, 2))
     assert out.dtype == torch.bfloat16 and torch.equal(out.float(), torch.ones(3, 2))
+
+
+def test_a_sparse_weight_written_in_call_reaches_its_parameter():
+    class Sparse(Layer):
+        def __init__(self):
+            super().__init__(dtype="mixed_bfloat16")
+            self.w = nn.Parameter(torch.eye(3).to_sparse(), requires_grad=False)
+
+        def call(self, x):
+            w = self.w
+            w.mul_(2)
+            return torch.sparse.mm(w, x.t()).t()
+
+    layer = Sparse()
+    with torch.no_grad():
+        out = layer(torch.ones(1, 3))
+    assert out.dtype == torch.bfloat16 and out.tolist() == [[2.0, 2.0, 2.0]]
+    assert layer.w.to_dense().diagonal().tolist() == [2.0, 2.0, 2.0]

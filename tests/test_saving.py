@@ -909,3 +909,47 @@ def test_saved_files_get_the_mode_of_a_plain_open(tmp_path):
     os.chmod(path, 0o600)
     saving.save(model, tmp_path / "shared")  # replaces the file: keeps its mode
     assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_buffer_shared_by_two_modules_stays_one_tensor_whatever_its_name(tmp_path, device):
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            shared = torch.ones(4)
+            self.a.register_buffer("layer_scale", shared)  # ends like int8's "_scale"
+            self.b.register_buffer("layer_scale", shared)
+
+    path = saving.save(Scaled(), tmp_path / "m.safetensors")
+    with torch.device(device):
+        target = Scaled()
+    saving.load(target, path)
+    assert target.a.layer_scale is target.b.layer_scale
+
+
+@pytest.mark.parametrize("target_quantized", [False, True])
+def test_a_tied_table_is_not_copied_into_a_target_that_ties_it_or_holds_its_own(
+    tmp_path, monkeypatch, target_quantized
+):
+    from dtype_policies.saving import checkpoint
+
+    source = LM(tie=True)
+    quantize(source, "int8")
+    path = saving.save(source, tmp_path / "tied.safetensors")
+    real, copies = checkpoint._untied_copies, []
+
+    def counting(state, *rest):
+        out = real(state, *rest)
+        copies.extend(key for key in out if out[key] is not state[key])
+        return out
+
+    monkeypatch.setattr(checkpoint, "_untied_copies", counting)
+    tied = LM(tie=True)
+    if target_quantized:  # Keras's flow: quantize, then load the weights
+        quantize(tied, "int8")
+    saving.load(tied, path)
+    untied_float = saving.load(LM(tie=False), saving.save(LM(tie=True), tmp_path / "f.safetensors"))
+    assert copies == []
+    assert tied.head.weight_int8 is tied.embed.weight_int8
+    assert untied_float.head.weight.data_ptr() != untied_float.embed.weight.data_ptr()

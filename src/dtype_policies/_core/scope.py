@@ -103,7 +103,7 @@ class AutocastScope:
             return False
         self._handed[id(tensor)] = (tensor, cast, now, handed[3])  # type: ignore[index]
         with torch.no_grad():
-            if handed[3]:
+            if handed[3] or tensor.layout is not torch.strided:  # (sparse: no elementwise where)
                 tensor.copy_(cast)
             else:
                 changed = cast != cast_tensor(tensor, cast.dtype)

@@ -258,7 +258,8 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest, f"'{file}'")
     # a tensor written once for keys the target keeps apart: one copy per key
-    state = _untied_copies(state, _shared_tensors(module))
+    assign = any(t.device.type == "meta" for t in _module_tensors(module))
+    state = _untied_copies(state, module, assign)
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
     # persistent or not as the target's class says (its buffers, not the file's)
     non_persistent = non_persistent_keys(module)
@@ -266,7 +267,6 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     problems += fit.problems
     if problems:
         raise_unfit(str(file), problems)
-    assign = any(t.device.type == "meta" for t in _module_tensors(module))
     if assign:  # the file's tensors become the target's: in the target's float dtypes
         state = _in_target_dtypes(state, fit.dtypes)
     # Nothing above changed `module`; nothing below can fail on a checked file.
@@ -678,18 +678,24 @@ def _read_state(
 
 
 def _untied_copies(
-    state: dict[str, torch.Tensor], tied: list[list[str]]
+    state: dict[str, torch.Tensor], target: torch.nn.Module, assign: bool
 ) -> dict[str, torch.Tensor]:
     """`state` where one tensor stands for several keys (a tied pair written
-    once) with a copy for each key the target does not tie to the first:
-    assigned, they would share memory the target keeps apart. `tied` are the
-    target's ties as built (before quantization attached anything); a
-    quantized tensor belongs to the weight it was stored for (its key less
-    the mode's suffix)."""
-    group_of = {name: index for index, names in enumerate(tied) for name in names}
+    once) with a copy for each key the target does not tie to the first and
+    that would take the file's tensor itself: every key when the target is
+    on the meta device (`assign`), else the quantized tensors loading
+    installs (the others are copied into the target's own tensors). A key
+    the target does not have yet belongs to the weight it was stored for
+    (the key less its mode's suffix)."""
+    tied = _shared_tensors(target)
+    names = {name for name, _ in target.named_parameters(remove_duplicate=False)}
+    names.update(name for name, _ in target.named_buffers(remove_duplicate=False))
+    group_of = {name: index for index, names_ in enumerate(tied) for name in names_}
     suffixes = stored_suffixes()
 
     def owner(key: str) -> str:
+        if key in names:
+            return key
         for suffix in suffixes:
             if key.endswith(suffix):
                 return key[: -len(suffix)]
@@ -699,7 +705,7 @@ def _untied_copies(
     copied = dict(state)
     for key, tensor in state.items():
         seen = first.setdefault(id(tensor), key)
-        if seen == key:
+        if seen == key or (key in names and not assign):
             continue
         mine, theirs = owner(key), owner(seen)
         if mine not in group_of or group_of.get(theirs) != group_of[mine]:
