@@ -891,12 +891,16 @@ def _state_fit(
                 f"{class_name(submodule)} in the target"
             )
     for names in _tied_parameters(module):  # one tensor here must be one there
-        held = [name for name in names if name in expected and name in saved]
-        if len({manifest.aliases.get(name, name) for name in held}) > 1:
-            problems.append(
-                f"{', '.join(repr(name) for name in held)} are one tensor (tied) in the "
-                "target and separate tensors in the checkpoint"
-            )
+        # the weight itself, or each tensor a mode stored for it
+        for suffix in ("", *stored_suffixes()):
+            held = [name + suffix for name in names if name + suffix in saved]
+            if suffix == "":
+                held = [name for name in held if name in expected]
+            if len({manifest.aliases.get(name, name) for name in held}) > 1:
+                problems.append(
+                    f"{', '.join(repr(name) for name in held)} are one tensor (tied) in the "
+                    "target and separate tensors in the checkpoint"
+                )
     return StateFit(problems, dtypes)
 
 
