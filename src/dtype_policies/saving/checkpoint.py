@@ -687,14 +687,14 @@ def _untied_copies(
     installs (the others are copied into the target's own tensors). A key
     the target does not have yet belongs to the weight it was stored for
     (the key less its mode's suffix)."""
-    tied = _shared_tensors(target)
-    names = {name for name, _ in target.named_parameters(remove_duplicate=False)}
-    names.update(name for name, _ in target.named_buffers(remove_duplicate=False))
-    group_of = {name: index for index, names_ in enumerate(tied) for name in names_}
+    # every name the target has, with the group of names of its tensor
+    group_of = {
+        name: index for index, names in enumerate(_names_by_tensor(target)) for name in names
+    }
     suffixes = stored_suffixes()
 
     def owner(key: str) -> str:
-        if key in names:
+        if key in group_of:
             return key
         for suffix in suffixes:
             if key.endswith(suffix):
@@ -705,7 +705,7 @@ def _untied_copies(
     copied = dict(state)
     for key, tensor in state.items():
         seen = first.setdefault(id(tensor), key)
-        if seen == key or (key in names and not assign):
+        if seen == key or (key in group_of and not assign):
             continue
         mine, theirs = owner(key), owner(seen)
         if mine not in group_of or group_of.get(theirs) != group_of[mine]:
@@ -713,25 +713,22 @@ def _untied_copies(
     return copied
 
 
-def _shared_tensors(module: torch.nn.Module) -> list[list[str]]:
-    """Groups of parameter and buffer names that are one tensor (tied weights,
-    and the quantized tensors of a tied table)."""
+def _names_by_tensor(module: torch.nn.Module, buffers: bool = True) -> list[list[str]]:
+    """The names of each parameter (and buffer) of `module`, grouped by the
+    tensor they name: a group of several is one tensor (tied weights, the
+    quantized tensors of a tied table)."""
+    named = module.named_parameters(remove_duplicate=False)
+    if buffers:
+        named = itertools.chain(named, module.named_buffers(remove_duplicate=False))
     groups: dict[int, list[str]] = {}
-    named = itertools.chain(
-        module.named_parameters(remove_duplicate=False),
-        module.named_buffers(remove_duplicate=False),
-    )
     for name, tensor in named:
         groups.setdefault(id(tensor), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    return list(groups.values())
 
 
 def _tied_parameters(module: torch.nn.Module) -> list[list[str]]:
     """Groups of parameter names that are one `Parameter` (tied weights)."""
-    groups: dict[int, list[str]] = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(parameter), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    return [names for names in _names_by_tensor(module, buffers=False) if len(names) > 1]
 
 
 def _retie(module: torch.nn.Module, tied: list[list[str]]) -> None:
