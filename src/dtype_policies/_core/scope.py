@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.casting import cast_tensor, tracing
-from dtype_policies._core.tensor_identity import data_address
+from dtype_policies._core.tensor_identity import view_key
 
 
 class AutocastScope:
@@ -116,19 +116,10 @@ class AutocastScope:
             self.settle(tensor)
 
 
-def stamp(tensor: torch.Tensor) -> tuple:
-    """What a write to `tensor` changes: its version (in-place writes; -1
-    for an inference tensor, which has none), its memory and how it views it
-    (`tensor.data = ...`, also a view of the same memory such as `.t()`; the
-    address is `None` for a tensor without storage, such as the wrappers of
-    `torch.func.grad` and `vmap`)."""
-    try:
-        version = tensor._version
-    except RuntimeError:  # an inference tensor
-        version = -1
-    if tensor.layout is not torch.strided or tensor.is_nested:  # sparse: no strides
-        return (version, data_address(tensor), tensor.dtype, tensor.layout)
-    return (version, data_address(tensor), tensor.dtype, tensor.shape, tensor.stride())
+stamp = view_key
+"""What a write to a tensor changes (`tensor_identity.view_key`), read at
+every cast of a call; `contents_key`'s storage reference (a weak reference
+made per read) is left out of this per-call check."""
 
 
 DISABLED = AutocastScope(None)

@@ -36,24 +36,27 @@ def storage_ref(tensor: torch.Tensor) -> weakref.ref | None:
         return None
 
 
-def contents_key(tensor: torch.Tensor) -> tuple:
-    """A key equal between two reads of `tensor` only if nothing torch tracks
-    wrote it in between and it views the same memory the same way: its
-    storage, address, version counter (-1 for an inference tensor, which
-    cannot be written outside inference mode), dtype, shape and strides
-    (`p.data = p.data[:k]` or `.t()` keep the address and the version)."""
+def view_key(tensor: torch.Tensor) -> tuple:
+    """What a write to `tensor` changes, read cheaply: its version counter
+    (in-place writes; -1 for an inference tensor, which cannot be written
+    outside inference mode), address, dtype, shape and strides (`p.data =
+    p.data[:k]` or `.t()` keep the address and the version; a sparse or
+    nested tensor has no strides: its layout instead)."""
     try:
         version = tensor._version
     except RuntimeError:  # an inference tensor
         version = -1
-    return (
-        storage_ref(tensor),
-        data_address(tensor),
-        version,
-        tensor.dtype,
-        tensor.shape,
-        tensor.stride(),
-    )
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        return (version, data_address(tensor), tensor.dtype, tensor.layout)
+    return (version, data_address(tensor), tensor.dtype, tensor.shape, tensor.stride())
+
+
+def contents_key(tensor: torch.Tensor) -> tuple:
+    """A key equal between two reads of `tensor` only if nothing torch tracks
+    wrote it in between and it views the same memory the same way: its
+    storage (which a freed address given to a new tensor does not share)
+    and its `view_key`."""
+    return (storage_ref(tensor), *view_key(tensor))
 
 
 def data_address(tensor: torch.Tensor) -> int | None:
