@@ -14,7 +14,7 @@ import functools
 import itertools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -717,7 +717,7 @@ def _names_by_tensor(module: torch.nn.Module, buffers: bool = True) -> list[list
     """The names of each parameter (and buffer) of `module`, grouped by the
     tensor they name: a group of several is one tensor (tied weights, the
     quantized tensors of a tied table)."""
-    named = module.named_parameters(remove_duplicate=False)
+    named: Iterator[tuple[str, torch.Tensor]] = module.named_parameters(remove_duplicate=False)
     if buffers:
         named = itertools.chain(named, module.named_buffers(remove_duplicate=False))
     groups: dict[int, list[str]] = {}
