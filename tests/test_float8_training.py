@@ -225,3 +225,30 @@ def test_an_undo_record_of_a_dead_tensor_is_not_taken_for_a_new_one_s():
     for name in ("inputs_amax_history", "kernel_amax_history"):
         float8._undo[id(getattr(layer, name))] = stale
     _assert_a_nan_step_is_skipped_and_undone(layer, optimizer, before)
+
+
+@pytest.mark.parametrize("hook", ["step", "skipped step"])
+def test_a_record_dropped_by_a_collection_while_a_step_walks_the_records(monkeypatch, hook):
+    """A dead tensor's record is dropped by its weakref callback without the
+    lock (a collection may run in any thread, at any allocation): the
+    optimizer's step hook walking the records met a key already gone and
+    raised KeyError out of `optimizer.step()` (seen in an evaluation thread
+    running next to training)."""
+    from dtype_policies.quantization.schemes import float8
+
+    layer = _dense("float32")
+    layer(torch.randn(4, 8)).float().sum().backward()
+    assert float8._undo  # the step's records
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    steps_for = float8._steps_for
+
+    def collected_meanwhile(module, optimized):
+        float8._undo.clear()  # as _forget_dead does, for every record
+        return steps_for(module, optimized)
+
+    monkeypatch.setattr(float8, "_steps_for", collected_meanwhile)
+    if hook == "step":
+        optimizer.step()
+    else:
+        float8._undo_since_last_step(optimizer)
+    assert not float8._undo

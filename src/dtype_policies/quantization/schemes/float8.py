@@ -325,7 +325,7 @@ def _forget_undo(optimizer: Any, *_: Any) -> None:
     with _lock:
         for key, record in list(_undo.items()):
             if _steps_for(record[2](), optimized):
-                del _undo[key]
+                _undo.pop(key, None)  # a collection may have dropped it meanwhile
 
 
 def _undo_since_last_step(optimizer: Any) -> None:
@@ -338,7 +338,7 @@ def _undo_since_last_step(optimizer: Any) -> None:
         for key, (ref, old, module) in list(_undo.items()):
             if _steps_for(owner := module(), optimized):
                 restores.append((ref(), old))
-                del _undo[key]
+                _undo.pop(key, None)
                 if owner is not None:
                     _pending.pop(owner, None)
         with torch.no_grad():
