@@ -572,6 +572,65 @@ def test_activity_losses_as_keras_per_output_divided_by_the_batch():
     assert [round(float(loss), 4) for loss in two.losses] == [0.32, 0.72]
 
 
+class _Penalised(Layer):
+    def call(self, x):
+        self.add_loss(x.abs().mean())
+        return x
+
+
+def test_losses_of_one_forward_as_keras_a_shared_layer_counted_per_call():
+    """Keras 3.15's figures for the same model (`keras.Sequential` of the
+    same layers): a shared layer adds a loss at each of its calls, the next
+    forward replaces them, a sublayer called alone replaces only its own."""
+    torch.manual_seed(0)
+    shared = _Penalised()
+    dense = layers.Dense(
+        3, activity_regularizer="l2", kernel_regularizer="l1", kernel_initializer="ones"
+    )
+    last = layers.Dense(3, kernel_regularizer="l2", kernel_initializer="ones")
+    model = layers.Sequential([shared, dense, shared, dense, last])
+    x = torch.ones(2, 3)
+
+    def rounded(losses):
+        return [round(float(loss), 4) for loss in losses]
+
+    model(x)
+    assert rounded(model.losses) == [1.0, 3.0, 0.27, 2.43, 0.09, 0.09]
+    model(2 * x)
+    assert rounded(model.losses) == [2.0, 6.0, 1.08, 9.72, 0.09, 0.09]
+    dense(x)
+    assert rounded(dense.losses) == [0.27, 0.09]
+    assert rounded(model.losses) == [2.0, 6.0, 0.27, 0.09, 0.09]
+    last.trainable = False  # a frozen weight's regularizer is not a loss
+    assert rounded(model.losses) == [2.0, 6.0, 0.27, 0.09]
+
+
+def test_add_loss_refuses_a_value_that_is_not_a_tensor_and_adds_nothing():
+    layer = _Penalised()
+    layer(torch.ones(2, 3))
+    before = list(layer.losses)
+    with pytest.raises(ValueError, match=r"on a tensor input. Received invalid value: 3.0"):
+        layer.add_loss([torch.tensor(1.0), 3.0])
+    assert len(layer.losses) == len(before) == 1
+
+
+def test_losses_of_a_compiled_forward_and_of_a_forward_that_raised():
+    torch.manual_seed(0)
+    shared = _Penalised()
+    model = layers.Sequential([shared, layers.Dense(8, activity_regularizer="l2"), shared])
+    x = torch.randn(2, 8)
+    model(x)
+    eager = [float(loss) for loss in model.losses]
+    compiled = torch.compile(model)
+    compiled(x)
+    compiled(x)
+    assert [float(loss) for loss in model.losses] == pytest.approx(eager, rel=1e-5)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5))  # the Dense of 8 inputs refuses 5
+    model(x)  # the failed call left no layer call open: this one clears
+    assert [float(loss) for loss in model.losses] == pytest.approx(eager, rel=1e-6)
+
+
 def test_a_bad_regularizer_or_constraint_registers_no_weight():
     class Bad(Layer):
         def __init__(self, **options):

@@ -14,6 +14,7 @@ from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._core.compose import ModuleMixin
 from dtype_policies._core.module_state import STATE_KEY, quantization_of
 from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
+from dtype_policies.layers._losses import checked_losses
 
 
 class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
@@ -30,7 +31,7 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         name: str
         _trainable: bool
         _build_device: torch.device | None
-        _activity_losses: list[torch.Tensor]
+        _losses: list[torch.Tensor]
 
         @property
         def _path(self) -> str | None: ...
@@ -368,18 +369,46 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
             found = [self, *(m for m in self.children() if isinstance(m, LayerWeights))]
         return found if include_self else found[1:]
 
+    def add_loss(self, loss: Any) -> None:
+        """Adds a loss (a tensor, or a structure of tensors) to this layer's
+        `losses`, as Keras's `add_loss`: called inside `call`, it belongs to
+        the current forward (the outermost layer call clears the losses of
+        its layer tree first).
+
+        Example:
+
+        >>> import torch
+        >>> from dtype_policies import layers
+        >>> class Penalised(layers.Layer):
+        ...     def call(self, x):
+        ...         self.add_loss(x.abs().mean())
+        ...         return x
+        >>> shared = Penalised()
+        >>> model = layers.Sequential([shared, layers.Dense(2), shared])
+        >>> _ = model(torch.ones(1, 3))
+        >>> len(model.losses)  # both calls of the shared layer
+        2
+        """
+        self._losses.extend(checked_losses(loss))
+
+    def _clear_losses(self) -> None:
+        for layer in self._layers_in_tree():
+            layer._losses.clear()
+
     @property
     def losses(self) -> list[torch.Tensor]:
-        """Regularization losses of this layer and its sublayers: weight
-        regularizers (on the weights in their variable dtype) and the activity
-        regularizers of each layer's last call (one per output tensor, divided
-        by its batch size, as Keras's). Unlike Keras, a layer called twice
-        within one outer call keeps the losses of its second call only."""
-        losses = []
-        for layer in self._layers_in_tree():
+        """The losses of this layer and its sublayers, in Keras's order: the
+        ones added during the last forward (`add_loss`, and each activity
+        regularizer's: one per output tensor, divided by its batch size),
+        then the regularizers' of the trainable weights (on the weights in
+        their variable dtype)."""
+        layers = list(self._layers_in_tree())
+        losses = [loss for layer in layers for loss in layer._losses]
+        for layer in layers:
             for name, regularizer in layer._weight_regularizers.items():
-                losses.append(regularizer(layer._parameters[name]))
-            losses.extend(layer._activity_losses)
+                weight = layer._parameters[name]
+                if weight.requires_grad:  # Keras: the trainable weights' only
+                    losses.append(regularizer(weight))
         return losses
 
     @torch.no_grad()

@@ -30,6 +30,7 @@ from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths
 from dtype_policies.layers._build import BUILD_LOCK, build_arguments, wrap_build
+from dtype_policies.layers._losses import call_with_losses
 from dtype_policies.layers._naming import auto_name
 from dtype_policies.layers._weights import LayerWeights
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
@@ -160,7 +161,7 @@ class Layer(LayerWeights, torch.nn.Module):
         self._autocast = bool(autocast if experimental is None else experimental)
         self._trainable = bool(trainable)
         self._activity_regularizer = regularizers_lib.get(activity_regularizer)
-        self._activity_losses: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []
         self._refresh_policy_state()
 
     # ------------------------------------------------------------------ policy
@@ -443,9 +444,12 @@ class Layer(LayerWeights, torch.nn.Module):
                 if not self.built:
                     self._build_on_first_call(args, kwargs)
                 self.__dict__["_build_done"] = self.built
+        return call_with_losses(self, args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         outputs = run_call(self._call_state, super().__call__, args, kwargs, self)
         if self._activity_regularizer is not None:
-            self._activity_losses = self._activity_losses_of(outputs)
+            self.add_loss(self._activity_losses_of(outputs))
         return outputs
 
     def _activity_losses_of(self, outputs: Any) -> list[torch.Tensor]:

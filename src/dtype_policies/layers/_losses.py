@@ -1,0 +1,55 @@
+"""Keras's layer losses: `add_loss` inside a call, and which calls they
+belong to.
+
+The outermost layer call of a thread clears the losses of its layer and
+every sublayer, then each call inside it adds to them: after a forward,
+`layer.losses` holds every loss added during it, two calls of a shared
+sublayer included (Keras's call context). A thread that never added a loss
+skips the clearing walk.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+class _ThreadCalls(threading.local):
+    def __init__(self) -> None:
+        # The layers whose calls are running in this thread, outermost first.
+        # A stack (not a flag): dynamo handles appends and pops of it.
+        self.layers: list[Any] = []
+
+
+_calls = _ThreadCalls()
+_losses_added: list[bool] = []  # not empty once any layer added a loss
+
+
+def checked_losses(loss: Any) -> list[torch.Tensor]:
+    """The tensors of `loss` (a tensor or a nested structure of them)."""
+    losses = tree_flatten(loss)[0]
+    for value in losses:
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                "`add_loss()` can only be called from inside `build()` or `call()`, "
+                f"on a tensor input. Received invalid value: {value!r}"
+            )
+    if losses and not _losses_added:
+        _losses_added.append(True)
+    return losses
+
+
+def call_with_losses(layer: Any, args: tuple, kwargs: dict) -> Any:
+    """`layer._call(args, kwargs)`: the outermost layer call of its thread
+    clears the losses of `layer` and its sublayers first."""
+    layers = _calls.layers
+    if not layers and _losses_added:
+        layer._clear_losses()
+    layers.append(layer)
+    try:
+        return layer._call(args, kwargs)
+    finally:
+        layers.pop()
