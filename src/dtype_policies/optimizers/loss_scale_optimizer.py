@@ -311,7 +311,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "dynamic_growth_steps": self._dynamic_growth_steps,
             "inner_optimizer": {
                 "class_name": f"{inner.__module__}.{inner.__qualname__}",
-                "config": _constructor_arguments(inner, self._inner.defaults),
+                "config": {
+                    key: _snapshot(value)
+                    for key, value in _constructor_arguments(inner, self._inner.defaults).items()
+                },
             },
         }
 
@@ -406,8 +409,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     if grad.dtype is torch.float16:  # duplicates may overflow when summed
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                elif type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
-                    grad = grad.to_local()  # a DTensor (FSDP2): this rank's shard, in place
+                else:
+                    grad = _local(grad)  # a DTensor (FSDP2): this rank's shard, in place
                 if grad.is_complex():  # the fused op takes its real view, in place
                     grad = torch.view_as_real(grad)
                 grads.append(grad)
@@ -462,6 +465,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 "re-evaluate it several times per step. Compute the loss, call "
                 "`optimizer.scale_loss(loss).backward()`, then `optimizer.step()`."
             )
+        if self._only_creates_state():
+            self._inner.step()
+            return None
         found_infs = self._found_inf
         if found_infs is None:
             # kept until the step is done: if the inner step raises, the
@@ -495,6 +501,23 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             self._step_counter += 1
         return None
+
+    def _only_creates_state(self) -> bool:
+        """Whether this step can change nothing: no loss scaled, no
+        `unscale_()`, every learning rate 0 and every gradient 0. torch's
+        distributed-checkpoint helpers (`get_optimizer_state_dict`, ...) call
+        `step()` so to create an empty optimizer's state; that is no update:
+        it counts neither as an iteration nor towards the scale's growth."""
+        if self._scaled or self._found_inf is not None:
+            return False
+        groups = self._inner.param_groups
+        if any(float(group.get("lr", 1.0)) != 0.0 for group in groups):
+            return False
+        grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+        return bool(grads) and not any(
+            bool(_local(grad.coalesce()._values() if grad.is_sparse else grad).any())
+            for grad in grads
+        )
 
     def _step_done(self, skipped: bool) -> None:
         self._found_inf = None
@@ -564,6 +587,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if "param_groups" not in state_dict:
+            scaler = {"scale", "_growth_tracker"} <= state_dict.keys()
+            raise ValueError(
+                "load_state_dict() expects an optimizer's state dict (from state_dict(), with "
+                f"'state' and 'param_groups'). Received one with the keys {sorted(state_dict)}"
+                + (
+                    ": a torch.amp.GradScaler's; its scale maps to "
+                    "LossScaleOptimizer(initial_scale=...)"
+                    if scaler
+                    else ""
+                )
+                + ". Nothing was changed."
+            )
         state_dict = dict(state_dict)
         loss_scale = state_dict.pop("loss_scale", None)
         if loss_scale is not None:
@@ -574,7 +610,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._step_counter = step_counter
             self._iterations = iterations
             self._dynamic_growth_steps = growth_steps
-        self._found_inf = None
+        # an `unscale_()` since the last step stands: the gradients stay unscaled
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -636,7 +672,24 @@ def _inner_from_config(described: Any, params: Any) -> torch.optim.Optimizer:
             f"'inner_optimizer' class_name {described['class_name']!r} names no "
             "torch.optim.Optimizer subclass."
         )
-    return found(params, **described["config"])
+    return found(params, **{key: _snapshot(value) for key, value in described["config"].items()})
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (FSDP2's) shard on this rank, in place; else `grad`."""
+    if type(grad) is not torch.Tensor and hasattr(grad, "to_local"):
+        return grad.to_local()
+    return grad
+
+
+def _snapshot(value: Any) -> Any:
+    """`value` with its tensors copied (a tensor learning rate, betas): a
+    config must not share them with the optimizer it describes."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_snapshot(item) for item in value)
+    return value
 
 
 def _constructor_arguments(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
