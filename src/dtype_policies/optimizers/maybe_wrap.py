@@ -9,10 +9,21 @@ import torch
 
 from dtype_policies.layers import Layer
 from dtype_policies.optimizers.loss_scale_optimizer import LossScaleOptimizer
-from dtype_policies.policies import DTypePolicy, DTypePolicyMap, default_policy, get
+from dtype_policies.policies import (
+    DTypePolicy,
+    DTypePolicyMap,
+    QuantizedDTypePolicy,
+    default_policy,
+    get,
+)
 
 
 def _policy_of(model_or_policy: Any) -> DTypePolicy:
+    while isinstance(
+        model_or_policy,
+        (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel),
+    ):
+        model_or_policy = model_or_policy.module  # wrappers that only replicate
     if isinstance(model_or_policy, torch.nn.Module):
         policy = getattr(model_or_policy, "dtype_policy", None)
         if not isinstance(policy, DTypePolicy):
@@ -44,10 +55,15 @@ def maybe_wrap(optimizer: torch.optim.Optimizer, model_or_policy: Any) -> torch.
     policy `dtype_policies.dtype_policy()`; pass the policy explicitly then.
     A `DTypePolicyMap` counts by its entry for the layer (else its default).
 
-    As in Keras only the name `"mixed_float16"` wraps: bfloat16 has float32's
-    exponent range and needs no scaling; `"float16"` (float16 parameters) and
-    quantized policies are not wrapped either. An optimizer that already is a
-    `LossScaleOptimizer` is returned as is.
+    As in Keras only `"mixed_float16"` wraps: bfloat16 has float32's
+    exponent range and needs no scaling, and `"float16"` (float16 parameters)
+    is not wrapped either. A quantized policy counts by the policy it computes
+    with (`"float8_from_mixed_float16"` wraps: its float32 weights train
+    through float16 activations; in Keras the model keeps `"mixed_float16"`
+    when its layers are quantized). A
+    `DistributedDataParallel` or `DataParallel` wrapper counts by the module
+    it wraps. An optimizer that already is a `LossScaleOptimizer` is
+    returned as is.
 
     >>> import torch
     >>> import dtype_policies
@@ -69,6 +85,9 @@ def maybe_wrap(optimizer: torch.optim.Optimizer, model_or_policy: Any) -> torch.
             "maybe_wrap() expects a torch.optim.Optimizer. "
             f"Received: {optimizer!r} (of type {type(optimizer).__name__})"
         )
-    if _policy_of(model_or_policy).name == "mixed_float16":
+    policy = _policy_of(model_or_policy)
+    if isinstance(policy, QuantizedDTypePolicy):
+        policy = policy.source_policy
+    if policy.name == "mixed_float16":
         return LossScaleOptimizer(optimizer)
     return optimizer
