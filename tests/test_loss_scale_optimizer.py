@@ -664,7 +664,7 @@ def test_maybe_wrap_by_policy():
     assert isinstance(
         maybe_wrap(sgd(), DTypePolicyMap(default_policy="mixed_float16")), LossScaleOptimizer
     )
-    for policy in ("mixed_bfloat16", "float32", "float16", "float8_from_mixed_float16", None):
+    for policy in ("mixed_bfloat16", "float32", "float16", "float8_from_mixed_bfloat16", None):
         optimizer = sgd()
         assert maybe_wrap(optimizer, policy) is optimizer, policy
     with dtype_policies.policy_scope("mixed_float16"):
@@ -825,3 +825,106 @@ def test_a_step_after_backward_on_the_unscaled_loss_warns_once():
         optimizer.zero_grad()
         optimizer.scale_loss(weight.square().sum()).backward()
         optimizer.step()
+
+
+def test_torch_checkpoint_helpers_state_creating_step_is_no_update():
+    """`get_optimizer_state_dict` steps an optimizer without state (plain SGD,
+    always) with zero gradients and learning rates set to 0: that counted as
+    an iteration and as growth (the scale doubled twice as fast with a
+    checkpoint per step) and used up the unscaled-loss warning."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), initial_scale=2.0, dynamic_growth_steps=2
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the helper's step warns of nothing
+        for _ in range(4):
+            optimizer.scale_loss(model(torch.randn(3, 4)).square().mean()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            get_optimizer_state_dict(model, optimizer)
+    assert optimizer.iterations == 4
+    assert optimizer.dynamic_scale == 8.0  # two growths in four updates
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_step_with_zero_learning_rates_after_a_scaled_loss_still_counts():
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.0), initial_scale=4.0)
+    optimizer.scale_loss((weight * 0.0).sum()).backward()  # zero gradients, a scaled loss
+    optimizer.step()
+    assert optimizer.iterations == 1
+
+
+def test_load_state_dict_between_unscale_and_step_keeps_the_unscale():
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=8.0)
+    saved = optimizer.state_dict()
+    optimizer.scale_loss((weight - 1.0).sum()).backward()
+    optimizer.unscale_()
+    optimizer.load_state_dict(saved)
+    optimizer.step()
+    assert weight.item() == -1.0  # the gradient 1, divided once
+
+    weight.grad = torch.full((1,), math.inf)
+    optimizer.unscale_()
+    torch.nn.utils.clip_grad_value_([weight], 1.0)  # the inf is gone from the gradient
+    optimizer.load_state_dict(optimizer.state_dict())
+    optimizer.step()
+    assert optimizer.last_step_skipped and weight.item() == -1.0
+
+
+def test_a_grad_scaler_state_is_refused_by_name_and_changes_nothing():
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=1.0), initial_scale=8.0)
+    before = optimizer.state_dict()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # creates its state
+    with pytest.raises(ValueError, match=r"GradScaler's.*Nothing was changed"):
+        optimizer.load_state_dict(scaler.state_dict())
+    with pytest.raises(ValueError, match=r"keys \['loss_scale'\]"):
+        optimizer.load_state_dict({"loss_scale": before["loss_scale"]})
+    assert optimizer.state_dict() == before
+
+
+def test_a_config_holds_copies_of_tensor_hyperparameters():
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = LossScaleOptimizer(
+        torch.optim.Adam(
+            [weight], lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.999))
+        )
+    )
+    config = optimizer.get_config()
+    again = LossScaleOptimizer.from_config(config, params=[nn.Parameter(torch.zeros(1))])
+    assert again.param_groups[0]["lr"] is not optimizer.param_groups[0]["lr"]
+    again.param_groups[0]["lr"].fill_(1e-5)  # a scheduler on the copy
+    assert optimizer.param_groups[0]["lr"].item() == pytest.approx(0.01)
+    assert config["inner_optimizer"]["config"]["lr"].item() == pytest.approx(0.01)
+    assert config["inner_optimizer"]["config"]["betas"][0] is not optimizer.defaults["betas"][0]
+
+
+@pytest.mark.parametrize("policy", ["float8_from_mixed_float16", "int4_from_mixed_float16"])
+def test_maybe_wrap_judges_a_quantized_policy_by_its_source(policy):
+    """A Dense of the policy, the policy itself and an `apply_policy` model
+    of it all compute in float16: all three wrap (one path did, two not)."""
+    dense = layers.Dense(4, dtype=policy)
+    dense.build((None, 4))
+    model = nn.Sequential(nn.Linear(4, 4))
+    apply_policy(model, policy)
+    for judged in (dense, policy, model):
+        wrapped = maybe_wrap(torch.optim.SGD(dense.parameters(), lr=0.1), judged)
+        assert isinstance(wrapped, LossScaleOptimizer), judged
+    assert not isinstance(
+        maybe_wrap(torch.optim.SGD(dense.parameters()), "int8_from_mixed_bfloat16"),
+        LossScaleOptimizer,
+    )
+
+
+def test_maybe_wrap_sees_through_a_data_parallel_wrapper():
+    model = nn.Sequential(nn.Linear(4, 4))
+    apply_policy(model, "mixed_float16")
+    wrapped = maybe_wrap(torch.optim.SGD(model.parameters()), nn.DataParallel(model))
+    assert isinstance(wrapped, LossScaleOptimizer)
