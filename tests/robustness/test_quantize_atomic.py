@@ -204,3 +204,20 @@ def test_non_finite_weight_is_refused_by_every_route(how):
     with pytest.raises(ValueError, match=r"first.*non-finite"):
         apply_policy(model, "int8_from_float32")
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("where", ["the model", "a child"])
+def test_a_data_parallel_wrapper_in_the_tree_is_refused_and_changes_nothing(where):
+    """DDP's (and DataParallel's) gradient buckets hold the float weights that
+    quantization replaces: quantizing under it made the ranks drift apart,
+    then a step failed with DDP's unused-parameters error."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    wrapper = nn.DataParallel(inner)  # the same class check covers DDP
+    model = wrapper if where == "the model" else nn.Sequential(wrapper, nn.Linear(2, 2))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"is a DataParallel.*Quantize the module before"):
+        quantize(model, "int8")
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -148,6 +148,26 @@ def _not_ready(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _calibrates(config: Any) -> bool:
+    """Whether a calibrated mode's `config` carries calibration data."""
+    return getattr(config, "dataset", None) is not None
+
+
+def _refuse_replicated(model: torch.nn.Module) -> None:
+    """Raises `ValueError` when a `DistributedDataParallel` (or
+    `DataParallel`) wrapper is in `model`'s tree: it holds the float weights
+    quantization replaces (its gradient buckets would wait for them)."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    for name, module in model.named_modules():
+        if isinstance(module, wrappers):
+            raise ValueError(
+                f"quantize(): {name or 'the model'!r} is a {type(module).__name__}, which keeps "
+                "the float weights quantization replaces (its gradient reduction would wait for "
+                "them, and the ranks drift apart). Quantize the module before wrapping it: "
+                "quantize(module, ...), then DistributedDataParallel(module). Nothing was changed."
+            )
+
+
 def quantize(
     model: torch.nn.Module,
     mode: str | None = None,
@@ -223,6 +243,7 @@ def quantize(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module. Received: {type(model).__name__}")
     refuse_sharded(model, "quantize()")
+    _refuse_replicated(model)
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"quantize(): progress must be True, False or None. Received: {progress!r}")
     config_given = config is not None
@@ -296,6 +317,9 @@ def quantize(
                 report.other_modes.append(existing.mode)
             elif config_given and existing.config != config:
                 report.other_configs.append(f"{label} ({existing.config})")
+            elif calibrated and _calibrates(config) and not _calibrates(existing.config):
+                # equal configs (data is no part of equality), one without data
+                report.other_configs.append(f"{label} (rounded to nearest, without data)")
             continue
         if not keep(path, module):
             report.skipped.append((label, SKIP_FILTERED))
