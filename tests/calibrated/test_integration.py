@@ -188,3 +188,32 @@ def test_the_grid_setting_is_checked_and_serialized_only_when_not_the_default(co
         ValueError, match=r"grid must be one of \('refined', 'keras'\)\. Received: grid='minmax'"
     ):
         config_class(None, None, grid="minmax")
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_calibrating_a_model_the_policy_rounded_says_it_is_left_as_it_is(mode):
+    """`apply_policy(model, "gptq/...")` rounds to nearest and its warning
+    points at the calibrated config; that config then compared equal (data is
+    no part of equality) and every module was skipped without a word."""
+    model = _mlp()
+    with pytest.warns(UserWarning, match="quantize the float model"):
+        apply_policy(model, f"{mode}/4/32_from_float32")
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    data = [torch.randn(16, 64) for _ in range(4)]
+    config_class = GPTQConfig if mode == "gptq" else AWQConfig
+    with pytest.warns(
+        UserWarning, match=r"another configuration.*rounded to nearest, without data"
+    ):
+        report = quantize(model, config=config_class(data, None, group_size=32), progress=False)
+    assert report.num_quantized == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_calibration_data_of_the_wrong_width_is_named_at_the_module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    data = [torch.randn(8, 31)]  # the model takes 32 features
+    with pytest.raises(ValueError, match=r"module '0' takes 32 input features.*\(8, 31\)"):
+        quantize(model, config=GPTQConfig(data, None, num_samples=4, group_size=16), progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -528,7 +528,13 @@ def _observing(
 
     def observe(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = first_input(args, kwargs)
-        spec = next(c.spec for _, c in group if c.module is module)
+        label, spec = next((name, c.spec) for name, c in group if c.module is module)
+        if inputs.numel() % spec.in_features:
+            raise ValueError(
+                f"Calibration: the module {label!r} takes {spec.in_features} input features; "
+                f"the calibration data reached it with inputs of shape {tuple(inputs.shape)}. "
+                "Pass data of the model's input shape. Nothing was changed."
+            )
         if last[0] is inputs and last[1].shape[1] == spec.in_features:
             rows, weights = last[1], last[2]
         else:

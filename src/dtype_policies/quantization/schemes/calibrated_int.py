@@ -307,7 +307,8 @@ class CalibratedIntScheme(Scheme):
         warnings.warn(
             f"{config.mode.upper()} without calibration data: the weight is rounded to nearest "
             f"on {config.mode.upper()}'s grid, without the calibrated search. To calibrate it, "
-            f"quantize the model with `{type(config).__name__}(dataset, tokenizer, ...)`.",
+            f"quantize the float model with `{type(config).__name__}(dataset, tokenizer, ...)` "
+            "(a module is quantized once: a rounded one stays as it is).",
             UserWarning,
             stacklevel=4,  # the caller of Layer.quantize
         )
