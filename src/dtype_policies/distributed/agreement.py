@@ -84,6 +84,10 @@ def _device(group: Any, mesh: Any) -> torch.device:
     return torch.device(device_type, torch.accelerator.current_device_index())
 
 
+REFUSED = "(refused)"
+"""The key of a rank's description that holds the error it refused with."""
+
+
 def mismatch_message(descriptions: list[dict[str, str]], ranks: list[int]) -> str:
     """The error naming what differs between the ranks' descriptions.
 
@@ -93,6 +97,13 @@ def mismatch_message(descriptions: list[dict[str, str]], ranks: list[int]) -> st
     >>> message[message.index("module"):message.index(". Apply")]
     "module '0': rank 0 float32, rank 1 mixed_bfloat16"
     """
+    refusals = [
+        f"rank {rank} refused it: {description[REFUSED]}"
+        for rank, description in zip(ranks, descriptions)
+        if REFUSED in description
+    ]
+    if refusals:
+        return f"fully_shard(): {'; '.join(refusals)}. Nothing was changed on any rank."
     keys = sorted({key for description in descriptions for key in description})
     differing = []
     for key in keys:

@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from dtype_policies.apply.apply import Float32Rule, tentative_application
-from dtype_policies.distributed.agreement import check_ranks_agree, describe_policies
+from dtype_policies.distributed.agreement import (
+    REFUSED,
+    PolicyMismatchError,
+    check_ranks_agree,
+    describe_policies,
+)
 from dtype_policies.distributed.mixed_precision import mixed_precision_policy, quantized_error
 from dtype_policies.distributed.support import fsdp_refusal, sharding_device_type
 from dtype_policies.distributed.units import UnitRule, plan_units, refuse_quantized
@@ -163,7 +168,7 @@ def fully_shard(
             description = describe_policies(model, plan)
         except Exception as error:
             problem = error
-            description = {"(refused on this rank)": f"{type(error).__name__}: {error}"}
+            description = {REFUSED: f"{type(error).__name__}: {error}"}
         # ranks resharding differently would wait for each other in backward
         description["(option) reshard_after_forward"] = repr(reshard_after_forward)
         if mesh is None and not torch.distributed.is_initialized():
@@ -173,7 +178,12 @@ def fully_shard(
                 "fully_shard(): no process group (call torch.distributed.init_process_group "
                 "first) and no `mesh` given."
             )
-        check_ranks_agree(description, mesh)
+        try:
+            check_ranks_agree(description, mesh)
+        except PolicyMismatchError:
+            if problem is not None:
+                raise problem from None  # this rank's own error, as in one process
+            raise
         if problem is not None:
             raise problem
         refusal = fsdp_refusal(sharding_device_type(mesh))
