@@ -217,3 +217,16 @@ def test_calibration_data_of_the_wrong_width_is_named_at_the_module():
     with pytest.raises(ValueError, match=r"module '0' takes 32 input features.*\(8, 31\)"):
         quantize(model, config=GPTQConfig(data, None, num_samples=4, group_size=16), progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_token_ids_outside_a_plain_models_first_embedding_are_named():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 32))
+    ids = torch.arange(40) % 20  # ids up to 19 for a table of 16
+    with pytest.raises(ValueError, match=r"token id 19 is outside the model's vocabulary"):
+        quantize(
+            model,
+            "gptq",
+            GPTQConfig(ids, None, num_samples=2, sequence_length=8, group_size=16),
+            progress=False,
+        )

@@ -228,9 +228,13 @@ def is_huggingface_model(model: torch.nn.Module) -> bool:
 
 def _vocabulary_size(model: torch.nn.Module) -> int | None:
     """The rows of the model's input embedding table when it exposes one
-    (`get_input_embeddings()`, as Hugging Face models do), else None."""
+    (`get_input_embeddings()`, as Hugging Face models do) or its first leaf
+    module is an `nn.Embedding` (an `nn.Sequential` starting with one), else
+    None."""
     getter = getattr(model, "get_input_embeddings", None)
     table = getter() if callable(getter) else None
+    if table is None and not callable(getter):
+        table = next((m for m in model.modules() if not next(m.children(), None)), None)
     return table.num_embeddings if isinstance(table, torch.nn.Embedding) else None
 
 
