@@ -3,6 +3,8 @@ the step, by maximum; frozen layers too), what it never records (non-finite
 maxima, steps a loss scaler skips), and the edges of the scales (overflowed
 gradients stay visible, maxima near 0 give no NaN)."""
 
+import math
+
 import pytest
 import torch
 
@@ -215,12 +217,14 @@ def test_an_undo_record_of_a_dead_tensor_is_not_taken_for_a_new_one_s():
         dropped(torch.randn(4, 8)).float().sum().backward()
         del dropped
     gc.collect()
+    alive = _dense("float32")
+    alive(torch.randn(4, 8)).float().sum().backward()  # the next commit drops them
     assert not [key for key, (ref, *_) in float8._undo.items() if ref() is None]
     layer = _dense("float32")
     optimizer = LossScaleOptimizer(torch.optim.SGD(layer.parameters(), lr=1e-3))
     before = _state(layer)
     dead = torch.zeros(1)
-    stale = (weakref.ref(dead), dead.clone(), weakref.ref(layer))
+    stale = (weakref.ref(dead), dead.clone(), weakref.ref(layer), None)
     del dead  # a dead tensor's record under each buffer's id
     for name in ("inputs_amax_history", "kernel_amax_history"):
         float8._undo[id(getattr(layer, name))] = stale
@@ -228,12 +232,12 @@ def test_an_undo_record_of_a_dead_tensor_is_not_taken_for_a_new_one_s():
 
 
 @pytest.mark.parametrize("hook", ["step", "skipped step"])
-def test_a_record_dropped_by_a_collection_while_a_step_walks_the_records(monkeypatch, hook):
-    """A dead tensor's record is dropped by its weakref callback without the
-    lock (a collection may run in any thread, at any allocation): the
-    optimizer's step hook walking the records met a key already gone and
-    raised KeyError out of `optimizer.step()` (seen in an evaluation thread
-    running next to training)."""
+def test_records_dropped_by_a_collection_while_a_step_walks_them(monkeypatch, hook):
+    """A dead buffer's weakref callback may run inside any allocation, in any
+    thread, within the step hook's walk over the records too: it popped the
+    record without the lock, and the walk met a key already gone (KeyError,
+    seen in an evaluation thread next to training) or a dict that changed
+    size. The callback now only notes the record; holders of the lock drop it."""
     from dtype_policies.quantization.schemes import float8
 
     layer = _dense("float32")
@@ -242,13 +246,63 @@ def test_a_record_dropped_by_a_collection_while_a_step_walks_the_records(monkeyp
     optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
     steps_for = float8._steps_for
 
-    def collected_meanwhile(module, optimized):
-        float8._undo.clear()  # as _forget_dead does, for every record
-        return steps_for(module, optimized)
+    def collected_meanwhile(record, *args):
+        for key, (ref, *_) in list(float8._undo.items()):
+            float8._forget_dead(key, ref)  # as if every buffer had died
+        return steps_for(record, *args)
 
     monkeypatch.setattr(float8, "_steps_for", collected_meanwhile)
     if hook == "step":
         optimizer.step()
     else:
         float8._undo_since_last_step(optimizer)
-    assert not float8._undo
+    monkeypatch.setattr(float8, "_steps_for", steps_for)
+    float8._undo_since_last_step(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]))
+    assert not float8._undo and not float8._dead
+
+
+def _frozen_float8_model(seed):
+    """A trainable Linear before a frozen float8 Linear (a base under a head)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    from dtype_policies import quantize
+    from dtype_policies.quantization import Float8QuantizationConfig
+
+    quantize(model[1], "float8", Float8QuantizationConfig(scaling="delayed"))
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    model.train()
+    return model, LossScaleOptimizer(torch.optim.SGD(model[0].parameters(), lr=1e-3))
+
+
+def _float8_state(module):
+    return {
+        name: buffer.clone()
+        for name, buffer in module.named_buffers()
+        if "amax" in name or "scale" in name
+    }
+
+
+@pytest.mark.parametrize("other_step", ["skipped", "applied"])
+def test_another_models_step_leaves_a_frozen_float8_layers_records_alone(other_step):
+    """A frozen float8 layer was taken as every optimizer's: another model's
+    skipped step rolled its state back, another model's applied step made its
+    records final (its own skip then undid nothing)."""
+    model, optimizer = _frozen_float8_model(0)
+    other, other_optimizer = _frozen_float8_model(1)
+    x = torch.randn(4, 8)
+    before = _float8_state(model[1])
+    optimizer.scale_loss(model(x).square().mean()).backward()  # records model[1]'s step
+    recorded = _float8_state(model[1])
+    assert any(not torch.equal(before[k], recorded[k]) for k in before)
+    factor = math.inf if other_step == "skipped" else 1.0
+    other_optimizer.scale_loss(other(x).square().mean() * factor).backward()
+    other_optimizer.step()
+    assert other_optimizer.last_step_skipped == (other_step == "skipped")
+    kept = _float8_state(model[1])
+    assert all(torch.equal(recorded[k], kept[k]) for k in recorded)  # not rolled back
+    model[0].weight.grad.fill_(math.inf)  # this model's own step overflows
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    undone = _float8_state(model[1])
+    assert all(torch.equal(before[k], undone[k]) for k in before)  # its own skip undoes it

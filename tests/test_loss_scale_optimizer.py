@@ -923,8 +923,14 @@ def test_maybe_wrap_judges_a_quantized_policy_by_its_source(policy):
     )
 
 
-def test_maybe_wrap_sees_through_a_data_parallel_wrapper():
+def test_maybe_wrap_sees_through_data_parallel_and_compile_wrappers():
     model = nn.Sequential(nn.Linear(4, 4))
     apply_policy(model, "mixed_float16")
-    wrapped = maybe_wrap(torch.optim.SGD(model.parameters()), nn.DataParallel(model))
-    assert isinstance(wrapped, LossScaleOptimizer)
+    for wrapper in (
+        nn.DataParallel(model),
+        torch.compile(model),
+        torch.compile(nn.DataParallel(model)),  # compile outside the replication
+        nn.DataParallel(torch.compile(model)),
+    ):
+        wrapped = maybe_wrap(torch.optim.SGD(model.parameters()), wrapper)
+        assert isinstance(wrapped, LossScaleOptimizer), wrapper

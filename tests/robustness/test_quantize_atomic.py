@@ -221,3 +221,15 @@ def test_a_data_parallel_wrapper_in_the_tree_is_refused_and_changes_nothing(wher
     after = model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_apply_policy_quantizing_under_a_data_parallel_wrapper_is_refused():
+    torch.manual_seed(0)
+    wrapper = nn.DataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    before = {name: t.clone() for name, t in wrapper.state_dict().items()}
+    with pytest.raises(ValueError, match=r"apply_policy\(\) with a quantized policy.*DataParallel"):
+        apply_policy(wrapper, "int8_from_float32")
+    after = wrapper.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    apply_policy(wrapper, "mixed_bfloat16")  # a float policy stays welcome
+    assert wrapper(torch.randn(2, 8)).dtype == torch.bfloat16

@@ -28,9 +28,13 @@ application in force; a listener may defer its work for it.
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 Listener = Callable[[Any, bool], None]
 
@@ -102,3 +106,42 @@ def step_skipped(optimizer: Any) -> None:
     """Tells the listeners that a loss scaler skipped a step of `optimizer`."""
     for callback in tuple(_step_skipped_listeners):
         callback(optimizer)
+
+
+class _BackwardOwner(threading.local):
+    def __init__(self) -> None:
+        self.optimizer: Any = None  # a weak reference, while a scaled loss back-propagates
+
+
+_backward_owner = _BackwardOwner()
+
+
+def scaled_loss_backward(loss: Any, optimizer: Any) -> None:
+    """Marks the backward passes of the scaled `loss` as `optimizer`'s (the
+    torch optimizer a loss scaler wraps), so that state a frozen module
+    records in them belongs to that optimizer's step (`backward_owner`).
+    The mark is set when the pass reaches `loss` and cleared when it ends;
+    it is per thread (a CPU backward pass runs in the thread that started it)."""
+    if not (getattr(loss, "requires_grad", False) and hasattr(loss, "register_hook")):
+        return
+    owner = weakref.ref(optimizer)
+
+    def clear() -> None:
+        _backward_owner.optimizer = None
+
+    def enter(grad: Any) -> Any:
+        _backward_owner.optimizer = owner
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(clear)
+        except (RuntimeError, AttributeError):  # pragma: no cover - outside a pass
+            clear()
+        return grad
+
+    loss.register_hook(enter)
+
+
+def backward_owner() -> Any:
+    """The optimizer whose scaled loss the running backward pass of this
+    thread started from (see `scaled_loss_backward`), else None."""
+    owner = _backward_owner.optimizer
+    return None if owner is None else owner()

@@ -76,6 +76,23 @@ def refuse_sharded(module: torch.nn.Module, action: str) -> None:
         )
 
 
+def refuse_replicated(module: torch.nn.Module, action: str) -> None:
+    """Raises `ValueError` when a `DistributedDataParallel` (or
+    `DataParallel`) wrapper is in `module`'s tree and `action` quantizes: the
+    wrapper holds the float weights quantization replaces (its gradient
+    buckets would wait for them, and the ranks drift apart)."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    for name, submodule in module.named_modules():
+        if isinstance(submodule, wrappers):
+            raise ValueError(
+                f"{action}: {name or 'the model'!r} is a {type(submodule).__name__}, which "
+                "keeps the float weights quantization replaces (its gradient reduction would "
+                "wait for them, and the ranks drift apart). Quantize the module before "
+                "wrapping it: quantize(module, ...), then DistributedDataParallel(module). "
+                "Nothing was changed."
+            )
+
+
 def keeps_casts(module: torch.nn.Module, weight_cache: bool) -> bool:
     """Whether the module may keep casts between calls."""
     return weight_cache and not module.__dict__.get(FSDP_MANAGED, False)

@@ -27,7 +27,7 @@ from dtype_policies._core.module_state import (
     push_application,
     state_of,
 )
-from dtype_policies._core.sharded import refuse_sharded
+from dtype_policies._core.sharded import refuse_replicated, refuse_sharded
 from dtype_policies._core.state import compute_dtype_of
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._modes import mode_record
@@ -549,6 +549,8 @@ def _plan_application(
     # Plan everything first, so that an error leaves the model untouched.
     steps, used_keys = _plan_policies(module, policy, rules, cast_buffers, weight_cache)
     plans, expert_steps, declined = _plan_quantization(steps)
+    if plans:
+        refuse_replicated(module, "apply_policy() with a quantized policy")
     steps += expert_steps
     declined = [(step, why) for step, why in declined if owns_matrix(step.module)]
     explicit = [step for step, _ in declined if step.explicit]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from dtype_policies._core.listeners import step_skipped
+from dtype_policies._core.listeners import scaled_loss_backward, step_skipped
 from dtype_policies.optimizers._checks import (
     check_kwargs,
     check_loss_scale_state,
@@ -364,7 +364,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         tensor(4.)
         """
         self._scaled = True
-        return loss * self._scale
+        scaled = loss * self._scale
+        scaled_loss_backward(scaled, self._inner)
+        return scaled
 
     def unscale_(self) -> None:
         """Divides the gradients by the scale now, in place, and records

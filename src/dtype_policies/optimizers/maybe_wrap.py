@@ -19,11 +19,17 @@ from dtype_policies.policies import (
 
 
 def _policy_of(model_or_policy: Any) -> DTypePolicy:
-    while isinstance(
-        model_or_policy,
-        (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel),
-    ):
-        model_or_policy = model_or_policy.module  # wrappers that only replicate
+    while True:  # wrappers that only replicate or compile the model
+        if isinstance(
+            model_or_policy, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+        ):
+            model_or_policy = model_or_policy.module
+        elif isinstance(model_or_policy, torch.nn.Module) and isinstance(
+            getattr(model_or_policy, "_orig_mod", None), torch.nn.Module
+        ):
+            model_or_policy = model_or_policy._orig_mod  # torch.compile's OptimizedModule
+        else:
+            break
     if isinstance(model_or_policy, torch.nn.Module):
         policy = getattr(model_or_policy, "dtype_policy", None)
         if not isinstance(policy, DTypePolicy):
@@ -61,8 +67,8 @@ def maybe_wrap(optimizer: torch.optim.Optimizer, model_or_policy: Any) -> torch.
     with (`"float8_from_mixed_float16"` wraps: its float32 weights train
     through float16 activations; in Keras the model keeps `"mixed_float16"`
     when its layers are quantized). A
-    `DistributedDataParallel` or `DataParallel` wrapper counts by the module
-    it wraps. An optimizer that already is a `LossScaleOptimizer` is
+    `DistributedDataParallel`, `DataParallel` or `torch.compile` wrapper
+    counts by the module it wraps. An optimizer that already is a `LossScaleOptimizer` is
     returned as is.
 
     >>> import torch

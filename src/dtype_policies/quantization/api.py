@@ -15,7 +15,7 @@ from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import quantization_of, state_of
-from dtype_policies._core.sharded import refuse_sharded
+from dtype_policies._core.sharded import refuse_replicated, refuse_sharded
 from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
@@ -153,21 +153,6 @@ def _calibrates(config: Any) -> bool:
     return getattr(config, "dataset", None) is not None
 
 
-def _refuse_replicated(model: torch.nn.Module) -> None:
-    """Raises `ValueError` when a `DistributedDataParallel` (or
-    `DataParallel`) wrapper is in `model`'s tree: it holds the float weights
-    quantization replaces (its gradient buckets would wait for them)."""
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    for name, module in model.named_modules():
-        if isinstance(module, wrappers):
-            raise ValueError(
-                f"quantize(): {name or 'the model'!r} is a {type(module).__name__}, which keeps "
-                "the float weights quantization replaces (its gradient reduction would wait for "
-                "them, and the ranks drift apart). Quantize the module before wrapping it: "
-                "quantize(module, ...), then DistributedDataParallel(module). Nothing was changed."
-            )
-
-
 def quantize(
     model: torch.nn.Module,
     mode: str | None = None,
@@ -243,7 +228,7 @@ def quantize(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module. Received: {type(model).__name__}")
     refuse_sharded(model, "quantize()")
-    _refuse_replicated(model)
+    refuse_replicated(model, "quantize()")
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"quantize(): progress must be True, False or None. Received: {progress!r}")
     config_given = config is not None

@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.casting import bfloat16_rounded, exporting, straight_through, tracing
-from dtype_policies._core.listeners import add_step_skipped_listener
+from dtype_policies._core.listeners import add_step_skipped_listener, backward_owner
 from dtype_policies._core.module_state import state_of
 from dtype_policies._derivatives import derivative_free, functorch_active, transform_active
 from dtype_policies._modes import QuantizationMode, register_mode
@@ -231,10 +231,18 @@ _pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = 
 )
 """Per module, the largest absolute maxima its calls of the running backward
 pass have shown, until the pass is over (`_commit`)."""
-_undo: dict[int, tuple[weakref.ref, torch.Tensor, weakref.ref]] = {}
+_owners: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+"""Per module with a pending step: the optimizer whose scaled loss the
+backward pass started from (`listeners.backward_owner`), if any."""
+_undo: dict[int, tuple[weakref.ref, torch.Tensor, weakref.ref, weakref.ref | None]] = {}
 """Per state buffer (by id): the buffer, its value before the first commit
 since the last step of an optimizer of its module (what a skipped step
-restores), and its module."""
+restores), its module, and the optimizer whose scaled loss's backward pass
+recorded it (None: not a loss scaler's). Changed only under `_lock`."""
+_dead: list[tuple[int, weakref.ref]] = []
+"""Records whose buffer died, dropped from `_undo` by the next holder of the
+lock: a weakref callback runs inside any allocation, in any thread (within
+an iteration over `_undo` too), so it only appends here."""
 
 
 def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
@@ -246,6 +254,9 @@ def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
         step: dict[str, torch.Tensor] = {} if held_step is None else held_step
         if first:
             _pending[module] = step
+            owner = backward_owner()
+            if owner is not None:
+                _owners[module] = weakref.ref(owner)
         for name, amax in maxima.items():
             held = step.get(name)
             step[name] = amax if held is None else torch.maximum(held, amax)
@@ -270,7 +281,9 @@ def _commit(module: torch.nn.Module) -> None:
     step, each history rolled with the step's maximum (a non-finite maximum
     changes neither)."""
     with _lock:
+        _drop_dead()
         step = _pending.pop(module, None)
+        owner = _owners.pop(module, None)
         if not step:
             return
         with torch.no_grad():
@@ -286,22 +299,30 @@ def _commit(module: torch.nn.Module) -> None:
                         key = id(tensor)
                         forget = functools.partial(_forget_dead, key)
                         old = tensor.detach().clone()
-                        _undo[key] = (weakref.ref(tensor, forget), old, weakref.ref(module))
+                        _undo[key] = (weakref.ref(tensor, forget), old, weakref.ref(module), owner)
                 scale.copy_(compute_float8_scale(history.max(), scale, fmt_max))
                 history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
 
 
-def _steps_for(module: torch.nn.Module | None, optimized: set[int]) -> bool:
-    """Whether a step of an optimizer of the parameters `optimized` (ids)
-    is `module`'s: it holds one of them, or none of its own parameters
-    trains (a frozen float8 base under an adapter), so that the optimizer
-    stepping after its backward pass is its step."""
+def _steps_for(record: tuple, optimizer: Any, optimized: set[int]) -> bool:
+    """Whether a step of `optimizer` (of the parameters `optimized`, ids) is
+    the step of `record`'s module: the optimizer holds one of its parameters;
+    or none of them trains (a frozen float8 base under an adapter) and the
+    record was made in the backward pass of this optimizer's scaled loss, or
+    of no loss scaler's (then the optimizer stepping after it is its step)."""
+    module = record[2]()
     if module is None:
         return True
     own = list(module.parameters(recurse=False))
     if any(id(p) in optimized for p in own):
         return True
-    return not any(p.requires_grad for p in own)
+    if any(p.requires_grad for p in own):
+        return False
+    owner = record[3]
+    if owner is None:
+        return True
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return owner() in (None, inner)
 
 
 def _optimized(optimizer: Any) -> set[int]:
@@ -309,12 +330,18 @@ def _optimized(optimizer: Any) -> set[int]:
 
 
 def _forget_dead(key: int, ref: weakref.ref) -> None:
-    """A recorded tensor died: its record goes (not another tensor's of the
-    same id). Without the lock: a collection may run this while the lock is
-    held by the same thread; single dict operations are atomic."""
-    record = _undo.get(key)
-    if record is not None and record[0] is ref:
-        _undo.pop(key, None)
+    """A recorded tensor died: its record goes at the next `_drop_dead`."""
+    _dead.append((key, ref))
+
+
+def _drop_dead() -> None:
+    """Drops the records of dead tensors (not another tensor's of the same
+    id); the caller holds `_lock`."""
+    while _dead:
+        key, ref = _dead.pop()
+        record = _undo.get(key)
+        if record is not None and record[0] is ref:
+            del _undo[key]
 
 
 def _forget_undo(optimizer: Any, *_: Any) -> None:
@@ -323,9 +350,10 @@ def _forget_undo(optimizer: Any, *_: Any) -> None:
         return
     optimized = _optimized(optimizer)
     with _lock:
+        _drop_dead()
         for key, record in list(_undo.items()):
-            if _steps_for(record[2](), optimized):
-                _undo.pop(key, None)  # a collection may have dropped it meanwhile
+            if _steps_for(record, optimizer, optimized):
+                del _undo[key]
 
 
 def _undo_since_last_step(optimizer: Any) -> None:
@@ -334,13 +362,16 @@ def _undo_since_last_step(optimizer: Any) -> None:
     other models' (another optimizer's) stays."""
     optimized = _optimized(optimizer)
     with _lock:
+        _drop_dead()
         restores = []
-        for key, (ref, old, module) in list(_undo.items()):
-            if _steps_for(owner := module(), optimized):
-                restores.append((ref(), old))
-                _undo.pop(key, None)
-                if owner is not None:
-                    _pending.pop(owner, None)
+        for key, record in list(_undo.items()):
+            if _steps_for(record, optimizer, optimized):
+                restores.append((record[0](), record[1]))
+                del _undo[key]
+                module = record[2]()
+                if module is not None:
+                    _pending.pop(module, None)
+                    _owners.pop(module, None)
         with torch.no_grad():
             for tensor, old in restores:
                 if tensor is not None:
