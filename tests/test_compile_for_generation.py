@@ -569,3 +569,29 @@ def test_a_call_asking_for_hidden_states_leaves_the_watch_unchanged():
         model(PROMPT, output_hidden_states=True)
         model(PROMPT)
     assert watch.unchanged()
+
+
+def test_a_watch_made_while_writes_are_marked_is_no_error():
+    """`clear_cast_caches` marks the watches of the model's tensors while
+    another thread may be making one (a compiled call's first call): the
+    set of watches changed size during the iteration. Here the watch is made
+    from inside the marking, deterministically."""
+    import dtype_policies
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    made = []
+
+    class MakesAnother(ModelWatch):
+        @property
+        def written(self):
+            return self.__dict__.get("flag", False)
+
+        @written.setter
+        def written(self, value):
+            self.__dict__["flag"] = value
+            if value and len(made) < 3:
+                made.append(ModelWatch(model))
+
+    watch = MakesAnother(model)
+    dtype_policies.clear_cast_caches(model)
+    assert watch.written and made  # (a watch made meanwhile may be marked too: conservative)

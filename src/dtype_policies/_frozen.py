@@ -16,6 +16,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -166,29 +167,42 @@ _watches_of: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
 _listening: list[bool] = []
 
 
+# Held to add to a tensor's watches and to read them (a watch made in one
+# thread while another clears the model's caches); `_forget` runs without it.
+_watches_lock = threading.Lock()
+
+
 def _watch_writes(watch: ModelWatch) -> None:
     if not _listening:
         _listening.append(True)
         add_write_listener(_after_write)
-    for tensor in watch.tensors:
-        entry = _watches_of.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            entry = _watches_of[id(tensor)] = (
-                weakref.ref(tensor, functools.partial(_forget, id(tensor))),
-                weakref.WeakSet(),
-            )
-        entry[1].add(watch)
+    with _watches_lock:
+        for tensor in watch.tensors:
+            entry = _watches_of.get(id(tensor))
+            if entry is None or entry[0]() is not tensor:
+                entry = _watches_of[id(tensor)] = (
+                    weakref.ref(tensor, functools.partial(_forget, id(tensor))),
+                    weakref.WeakSet(),
+                )
+            entry[1].add(watch)
 
 
-def _forget(key: int, _: weakref.ref) -> None:
-    _watches_of.pop(key, None)
+def _forget(key: int, ref: weakref.ref) -> None:
+    """A watched tensor died: its entry goes (not another tensor's of the
+    same id). A collection may run this inside any allocation, the lock's
+    holder's too: one dict operation, no lock."""
+    entry = _watches_of.get(key)
+    if entry is not None and entry[0] is ref:
+        _watches_of.pop(key, None)
 
 
 def _mark_written(tensors: Any) -> None:
     for tensor in tensors:
         entry = _watches_of.get(id(tensor))
         if entry is not None and entry[0]() is tensor:
-            for watch in entry[1]:
+            with _watches_lock:
+                watches = list(entry[1])
+            for watch in watches:
                 watch.written = True
 
 
