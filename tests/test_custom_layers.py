@@ -728,3 +728,44 @@ def test_a_sparse_weight_written_in_call_reaches_its_parameter():
         out = layer(torch.ones(1, 3))
     assert out.dtype == torch.bfloat16 and out.tolist() == [[2.0, 2.0, 2.0]]
     assert layer.w.to_dense().diagonal().tolist() == [2.0, 2.0, 2.0]
+
+
+class _CheckpointedBlock(Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = _Penalised()
+        self.dense = layers.Dense(4, activity_regularizer="l2")
+
+    def call(self, x):
+        return torch.utils.checkpoint.checkpoint(
+            lambda y: self.dense(self.inner(y)), x, use_reentrant=False
+        )
+
+
+def test_a_forward_recomputed_by_checkpointing_neither_adds_nor_clears_losses():
+    """The recomputation in a backward pass is a call of the layers again:
+    inside an outer call (a gradient penalty) it added the losses twice;
+    as an outermost call (the model's backward) it cleared them, and
+    torch's early stop of the recomputation left some out."""
+    torch.manual_seed(0)
+    model = layers.Sequential([_CheckpointedBlock(), _CheckpointedBlock()])
+    x = torch.randn(2, 4, requires_grad=True)
+    out = model(x)
+    taken = [float(loss) for loss in model.losses]
+    assert len(taken) == 4
+    (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)  # recomputes
+    assert [float(loss) for loss in model.losses] == taken
+    (out.sum() + grad.square().sum()).backward()
+    assert [float(loss) for loss in model.losses] == taken
+
+
+def test_a_layer_holding_the_losses_of_a_forward_deep_copies_and_pickles():
+    torch.manual_seed(0)
+    model = layers.Sequential([_Penalised(), layers.Dense(4, activity_regularizer="l2")])
+    model(torch.randn(2, 4, requires_grad=True))
+    assert len(model.losses) == 2
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert copied.losses == []  # a copy starts without the forward's losses
+        copied(torch.randn(2, 4))
+        assert len(copied.losses) == 2
+    assert len(model.losses) == 2  # the original keeps its own

@@ -391,6 +391,16 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         """
         self._losses.extend(checked_losses(loss))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The layer's state for pickle and `copy.deepcopy`, without the
+        losses of its last forward (tensors of that forward's graph, which
+        deepcopy refuses; a copy starts with none, as after `__init__`)."""
+        base = getattr(super(), "__getstate__", None)
+        state = base() if base is not None else self.__dict__
+        if state.get("_losses"):
+            state = {**state, "_losses": []}
+        return state
+
     def _clear_losses(self) -> None:
         for layer in self._layers_in_tree():
             layer._losses.clear()
