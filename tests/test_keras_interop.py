@@ -234,3 +234,105 @@ def test_a_map_s_serialized_form_as_a_map_s_default_is_refused_as_the_map_is():
     for default in (inner, dtype_policies.serialize(inner)):
         with pytest.raises(ValueError, match="cannot be a `DTypePolicyMap`"):
             dtype_policies.DTypePolicyMap(default_policy=default)
+
+
+@pytest.mark.parametrize("output_shape", [7, (2, 4)])
+def test_a_keras_multi_head_attention_with_an_output_shape_and_activity_losses(output_shape):
+    """Keras writes `output_shape` as a tuple (which crashed the first call
+    here), takes a multi-dimensional one, and gives its activity regularizer
+    to the four projections (one loss each), not to its own output."""
+    theirs = keras.layers.MultiHeadAttention(
+        num_heads=2, key_dim=3, output_shape=output_shape, activity_regularizer="l1"
+    )
+    x = np.random.default_rng(0).standard_normal((2, 5, 6)).astype("float32")
+    expected = keras.ops.convert_to_numpy(theirs(x, x))
+    expected_losses = sorted(float(keras.ops.convert_to_numpy(loss)) for loss in theirs.losses)
+    config = theirs.get_config()
+    ours = dtype_policies.layers.MultiHeadAttention.from_config(config)
+    ours.build((2, 5, 6), (2, 5, 6))
+    assert ours.get_config()["output_shape"] == config["output_shape"]
+    assert ours.get_config()["attention_axes"] == config["attention_axes"] == (1,)
+    assert ours.get_config()["activity_regularizer"] == config["activity_regularizer"]
+    names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
+    for name, mine in zip(names, ["query", "key", "value", "attention_output"]):
+        dense = getattr(theirs, name)
+        with torch.no_grad():
+            for weight in ("kernel", "bias"):
+                value = keras.ops.convert_to_numpy(getattr(dense, weight))
+                getattr(getattr(ours, mine), weight).copy_(torch.as_tensor(value))
+    ours.eval()
+    actual = ours(torch.as_tensor(x), torch.as_tensor(x))
+    np.testing.assert_allclose(actual.detach().numpy(), expected, atol=1e-5)
+    assert ours.compute_output_shape((None, 5, 6), (None, 5, 6)) == (
+        None,
+        5,
+        *np.atleast_1d(output_shape),
+    )
+    assert sorted(float(loss) for loss in ours.losses) == pytest.approx(expected_losses, rel=1e-5)
+    with pytest.raises(ValueError, match=r"except the last one, must be equal"):
+        ours.compute_output_shape((None, 5, 6), (None, 5, 6), (None, 4, 6))
+    with pytest.raises(ValueError, match=r"Invalid `output_shape`: 'a'"):
+        dtype_policies.layers.MultiHeadAttention(2, 3, output_shape="a")
+
+
+def test_containers_built_frozen_freeze_what_they_build_as_keras():
+    """`trainable=False` at construction only reached the weights that
+    existed then: a MultiHeadAttention's projections (made in `build`) and a
+    Sequential's layers trained anyway."""
+    x = torch.randn(2, 3, 6)
+    for ours, theirs in (
+        (
+            dtype_policies.layers.MultiHeadAttention(num_heads=2, key_dim=3, trainable=False),
+            keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, trainable=False),
+        ),
+        (
+            dtype_policies.layers.Sequential(
+                [dtype_policies.layers.Dense(4), dtype_policies.layers.Dense(2)], trainable=False
+            ),
+            keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(2)], trainable=False),
+        ),
+    ):
+        args = (x, x) if isinstance(ours, dtype_policies.layers.MultiHeadAttention) else (x,)
+        ours(*args)
+        theirs(*[a.numpy() for a in args])
+        assert len(ours.trainable_weights) == len(theirs.trainable_weights) == 0
+        assert not any(p.requires_grad for p in ours.parameters())
+        assert len(ours.non_trainable_weights) == len(theirs.non_trainable_weights)
+    model = dtype_policies.layers.Sequential([dtype_policies.layers.Dense(4)])
+    model(x)
+    model.trainable = False
+    model.layers[0].trainable = True  # Keras: the frozen container still trains nothing
+    assert model.trainable_weights == []
+
+
+def test_a_mode_a_layer_cannot_take_leaves_it_unbuilt_as_keras():
+    layer = dtype_policies.layers.Embedding(10, 4, dtype="float8_from_float32")
+    ids = torch.tensor([[1, 2, 3]])
+    for _ in range(2):  # raised once, then computed in float32
+        with pytest.raises(NotImplementedError, match="Invalid quantization mode"):
+            layer(ids)
+        assert not layer.built and list(layer.parameters()) == []
+    einsum = dtype_policies.layers.EinsumDense("abc,cd->adb", (4, None), dtype="int8_from_float32")
+    einsum(torch.randn(2, 3, 6))  # no matrix product: computes in float (documented)
+    assert not einsum.is_quantized and einsum.quantization_mode is None
+
+
+def test_configs_write_keras_s_keys_and_forms():
+    for ours, theirs in (
+        (
+            dtype_policies.layers.EinsumDense("ab,bc->ac", 5),
+            keras.layers.EinsumDense("ab,bc->ac", 5),
+        ),
+        (dtype_policies.layers.Embedding(4, 3), keras.layers.Embedding(4, 3)),
+        (
+            dtype_policies.layers.MultiHeadAttention(2, 3, output_shape=7),
+            keras.layers.MultiHeadAttention(2, 3, output_shape=7),
+        ),
+    ):
+        mine, keras_config = ours.get_config(), theirs.get_config()
+        assert set(mine) == set(keras_config), set(mine) ^ set(keras_config)
+        for key in ("output_shape", "activity_regularizer", "attention_axes"):
+            if key in keras_config:
+                assert mine[key] == keras_config[key], key
+    with pytest.raises(ValueError, match="Unrecognized keyword arguments passed to Dense"):
+        dtype_policies.layers.Dense(4, foo=1)  # Keras's type

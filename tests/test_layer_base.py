@@ -546,7 +546,7 @@ def test_trainable_flag():
 
 
 def test_bad_constructor_arguments():
-    with pytest.raises(TypeError, match="Unrecognized keyword arguments passed to Dense"):
+    with pytest.raises(ValueError, match="Unrecognized keyword arguments passed to Dense"):
         Dense(2, foo=3)
     with pytest.raises(ValueError, match="without '/'"):
         Dense(2, name="a/b")

@@ -69,6 +69,7 @@ def wrap_build(build: Callable) -> Callable:
             if self.__dict__.get("_building"):  # a subclass's build calling super().build()
                 build(self, *args, **kwargs)
                 return
+            self._check_before_build()
             self.__dict__["_building"] = True
             try:
                 self._assign_paths()

@@ -65,8 +65,26 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         quantized = self._quantized
         if quantized is not None:
             return quantized.mode
+        if self.built:  # built and float: its policy's mode was not taken
+            return None
+        return self._policy_mode()
+
+    def _policy_mode(self) -> str | None:
+        """The policy's quantization mode, if this kind of layer takes it."""
         mode = self._resolve_policy().quantization_mode
         return mode if mode is not None and kind_of(self).supports(mode) else None
+
+    def _check_before_build(self) -> None:
+        """Keras's error for a mode this kind of layer cannot take, raised
+        before `build` creates any weight (the layer stays unbuilt)."""
+        wanted = self._resolve_policy().quantization_mode
+        kind = kind_of(self)
+        own = self._policy_given and not self._dtype_policy.is_map
+        if wanted is not None and own and kind is not None and not kind.supports(wanted):
+            raise NotImplementedError(
+                f"Invalid quantization mode. Expected one of {kind.modes}. "
+                f"Received: quantization_mode={wanted}"
+            )
 
     def quantize(
         self, mode: str | None = None, config: Any = None, type_check: bool = True
@@ -109,19 +127,14 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         loading a checkpoint: Keras's loading path). A layer that cannot take
         the mode (an `EinsumDense` whose equation is no matrix product under
         int8) computes with the policy's float source."""
-        mode = self.quantization_mode
+        mode = self._policy_mode()
         if self.is_quantized or not self.built:
             return
         if mode is None:
-            wanted = self._resolve_policy().quantization_mode
-            kind = kind_of(self)
-            own = self._policy_given and not self._dtype_policy.is_map
-            if wanted is not None and own and kind is not None:
-                # Keras's error; a quantized *default* policy leaves such a layer float
-                raise NotImplementedError(
-                    f"Invalid quantization mode. Expected one of {kind.modes}. "
-                    f"Received: quantization_mode={wanted}"
-                )
+            # Keras's error for the layer's own policy (`_check_before_build`
+            # raised it for a lazy build); a quantized *default* policy
+            # leaves such a layer float
+            self._check_before_build()
             return
         given = config = self.quantization_config
         if config is None or config.mode != mode:

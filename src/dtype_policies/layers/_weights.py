@@ -315,6 +315,10 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
 
     @property
     def trainable_weights(self) -> list[torch.Tensor]:
+        """The parameters that train: none in a layer whose `trainable` is
+        False, whatever its sublayers say (Keras's)."""
+        if not self._trainable:
+            return []
         return [p for p in self.parameters() if p.requires_grad]
 
     @property
@@ -323,7 +327,9 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         quantized weights (int8/int4 values, scales, zero points; float8's
         scales and histories, which Keras counts as trainable because its
         optimizer overwrites them: here the forward updates them)."""
-        frozen: list[torch.Tensor] = [p for p in self.parameters() if not p.requires_grad]
+        frozen: list[torch.Tensor] = [
+            p for p in self.parameters() if not (p.requires_grad and self._trainable)
+        ]
         return frozen + self._quantized_tensors()
 
     def _quantized_tensors(self) -> list[torch.Tensor]:

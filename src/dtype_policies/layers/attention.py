@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dtype_policies import regularizers as regularizers_lib
 from dtype_policies.layers._weight_arguments import kernel_bias_config, set_kernel_bias_arguments
 from dtype_policies.layers.core import Dropout
 from dtype_policies.layers.dense import _check_positive_int
@@ -15,6 +16,26 @@ from dtype_policies.layers.einsum_dense import EinsumDense
 from dtype_policies.layers.layer import Layer
 
 _MASK_VALUE = -1e9
+
+
+def _output_shape(value: Any) -> tuple[int, ...] | None:
+    """Keras's `output_shape`: None (the query's features), an int or a
+    sequence of ints, kept as a tuple."""
+    if value is None:
+        return None
+    shape = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        shape = None
+    if not shape or not all(
+        isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in shape
+    ):
+        raise ValueError(
+            f"Invalid `output_shape`: {value!r}. When specified, the `output_shape` should be "
+            "of type tuple, list, or int, of positive sizes."
+        )
+    return shape
 
 
 class MultiHeadAttention(Layer):
@@ -32,7 +53,8 @@ class MultiHeadAttention(Layer):
         value_dim: Size of each head for value (default `key_dim`).
         dropout: Dropout rate on the attention probabilities.
         use_bias: Whether the projections have biases.
-        output_shape: Size of the output features (default: the query's).
+        output_shape: The output's shape besides batch and sequence: an int
+            or a tuple (default: the query's features), as Keras's.
         attention_axes: Only `None` (attend over the sequence axis) is supported.
         sliding_window: None (full attention) or a positive int: each query
             attends only to keys within `sliding_window - 1` positions of its
@@ -41,8 +63,9 @@ class MultiHeadAttention(Layer):
         flash_attention: Accepted for Keras's configs; torch's fused
             attention is used whenever no scores are returned.
         kernel_initializer, bias_initializer, kernel_regularizer,
-        bias_regularizer, kernel_constraint, bias_constraint: For the
-            projections.
+        bias_regularizer, activity_regularizer, kernel_constraint,
+        bias_constraint: For the projections (as Keras's: the activity
+            regularizer too, on each projection's output).
         use_gate: Gated attention (Keras's `use_gate`, arXiv:2505.06708): a
             sigmoid projection of the query (sublayer `gate`) multiplies the
             attended values of each head before the output projection.
@@ -70,7 +93,7 @@ class MultiHeadAttention(Layer):
         value_dim: int | None = None,
         dropout: float = 0.0,
         use_bias: bool = True,
-        output_shape: int | None = None,
+        output_shape: int | tuple[int, ...] | None = None,
         attention_axes: Any = None,
         sliding_window: int | None = None,
         flash_attention: bool | None = None,
@@ -85,7 +108,9 @@ class MultiHeadAttention(Layer):
         use_gate: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        # Keras's: the projections' activity regularizer, not the layer's own
+        super().__init__(**kwargs)
+        self._projection_activity_regularizer = regularizers_lib.get(activity_regularizer)
         self.num_heads = _check_positive_int("num_heads", num_heads)
         self.key_dim = _check_positive_int("key_dim", key_dim)
         self.value_dim = _check_positive_int("value_dim", value_dim or key_dim)
@@ -94,6 +119,13 @@ class MultiHeadAttention(Layer):
                 "Only attention over the sequence axis of (batch, sequence, features) "
                 f"inputs is supported (attention_axes=None). Received: {attention_axes!r}"
             )
+        self._attention_axes = (
+            None
+            if attention_axes is None
+            else (attention_axes,)
+            if isinstance(attention_axes, int)
+            else tuple(attention_axes)
+        )
         if sliding_window is not None and (
             not isinstance(sliding_window, int)
             or isinstance(sliding_window, bool)
@@ -107,7 +139,7 @@ class MultiHeadAttention(Layer):
         self.flash_attention = flash_attention
         self.dropout = float(dropout)
         self.use_bias = bool(use_bias)
-        self._output_shape = output_shape
+        self._output_shape = _output_shape(output_shape)
         set_kernel_bias_arguments(
             self,
             kernel_initializer=kernel_initializer,
@@ -135,6 +167,7 @@ class MultiHeadAttention(Layer):
             bias_regularizer=self.bias_regularizer,
             kernel_constraint=self.kernel_constraint,
             bias_constraint=self.bias_constraint,
+            activity_regularizer=self._projection_activity_regularizer,
             dtype=self.dtype_policy,
             name=name,
         )
@@ -147,7 +180,14 @@ class MultiHeadAttention(Layer):
         >>> MultiHeadAttention(2, 4).compute_output_shape((None, 5, 8), (None, 7, 6))
         (None, 5, 8)
         """
-        return (*tuple(query_shape)[:-1], self._output_shape or query_shape[-1])
+        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
+        key_shape = value_shape if key_shape is None else tuple(key_shape)
+        if value_shape[1:-1] != key_shape[1:-1]:
+            raise ValueError(
+                "All dimensions of `value` and `key`, except the last one, must be equal. "
+                f"Received: value_shape={value_shape} and key_shape={key_shape}"
+            )
+        return (*query_shape[:-1], *(self._output_shape or query_shape[-1:]))
 
     def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
         key_shape = value_shape if key_shape is None else key_shape
@@ -165,9 +205,10 @@ class MultiHeadAttention(Layer):
             self.gate = self._projection(
                 "gate", "abc,cde->abde", (None, heads, value_dim), "de", activation="sigmoid"
             )
-        output_dim = self._output_shape or query_shape[-1]
+        output_dims = self._output_shape or (query_shape[-1],)
+        letters = "efghij"[: len(output_dims)]
         self.attention_output = self._projection(
-            "attention_output", "abcd,cde->abe", (None, output_dim), "e"
+            "attention_output", f"abcd,cd{letters}->ab{letters}", (None, *output_dims), letters
         )
         self.query.build(query_shape)
         self.key.build(key_shape)
@@ -251,9 +292,13 @@ class MultiHeadAttention(Layer):
             "dropout": self.dropout,
             "use_bias": self.use_bias,
             "output_shape": self._output_shape,
-            "attention_axes": None,
+            # Keras's: as given, the sequence axis once built
+            "attention_axes": (1,) if self.built else self._attention_axes,
             "sliding_window": self.sliding_window,
             **kernel_bias_config(self),
             "seed": self.seed,
             "use_gate": self.use_gate,
+            "activity_regularizer": regularizers_lib.serialize(
+                self._projection_activity_regularizer
+            ),
         }

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies import activations
+from dtype_policies import activations, regularizers
 from dtype_policies.layers._quantizable import QuantizableLayer, register_layer_kind
 from dtype_policies.layers._weight_arguments import (
     add_kernel_and_bias,
@@ -265,10 +265,11 @@ class EinsumDense(QuantizableLayer):
         return {
             **super().get_config(),
             "equation": self.equation,
-            "output_shape": output_shape[0] if len(output_shape) == 1 else list(output_shape),
+            "output_shape": tuple(output_shape),  # Keras's: a tuple, an int's too
             "activation": activations.serialize(self.activation),
             "bias_axes": self.bias_axes,
             **kernel_bias_config(self),
+            "activity_regularizer": regularizers.serialize(self._activity_regularizer),
         }
 
 

@@ -100,6 +100,7 @@ class Embedding(QuantizableLayer):
             "embeddings_regularizer": regularizers.serialize(self.embeddings_regularizer),
             "embeddings_constraint": constraints.serialize(self.embeddings_constraint),
             "mask_zero": self.mask_zero,
+            "activity_regularizer": regularizers.serialize(self._activity_regularizer),
         }
 
 

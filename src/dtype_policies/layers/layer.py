@@ -144,7 +144,7 @@ class Layer(LayerWeights, torch.nn.Module):
     ) -> None:
         experimental = kwargs.pop("experimental_autocast", None)
         if kwargs:
-            raise TypeError(
+            raise ValueError(  # Keras's type and message
                 f"Unrecognized keyword arguments passed to {type(self).__name__}: {kwargs}"
             )
         if name is not None and (not isinstance(name, str) or not name or "/" in name):
@@ -368,6 +368,8 @@ class Layer(LayerWeights, torch.nn.Module):
 
     def _finish_build(self) -> None:
         self.built = True
+        if not self._trainable:  # the weights and sublayers `build` made freeze too
+            self.trainable = False
         self._assign_paths()
         self._refresh_policy_state()
         self._plan_children()  # the torch modules `build` made, at their paths
@@ -376,6 +378,9 @@ class Layer(LayerWeights, torch.nn.Module):
 
     def _after_build(self) -> None:
         """Hook run once after `build` (quantizable layers quantize here)."""
+
+    def _check_before_build(self) -> None:
+        """Hook run before `build`: what it raises leaves the layer unbuilt."""
 
     def _build_on_first_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
         first = first_tensor((args, kwargs))
