@@ -336,3 +336,14 @@ def test_configs_write_keras_s_keys_and_forms():
                 assert mine[key] == keras_config[key], key
     with pytest.raises(ValueError, match="Unrecognized keyword arguments passed to Dense"):
         dtype_policies.layers.Dense(4, foo=1)  # Keras's type
+
+
+def test_a_keras_sequential_config_starting_with_an_input_reads_here_built():
+    theirs = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(2, dtype="mixed_bfloat16")]
+    )
+    ours = dtype_policies.layers.Sequential.from_config(theirs.get_config())
+    assert [type(layer).__name__ for layer in ours.layers] == ["Dense", "Dense"]
+    assert ours.built and all(layer.built for layer in ours.layers)
+    assert tuple(ours.layers[0].kernel.shape) == (5, 4)
+    assert ours(torch.randn(3, 5)).dtype == torch.bfloat16

@@ -120,5 +120,14 @@ class Sequential(Layer):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Sequential:
         config = dict(config)
-        layers = [deserialize_layer(item) for item in config.pop("layers", [])]
-        return super().from_config({**config, "layers": layers})
+        items = list(config.pop("layers", []))
+        input_shape = config.pop("build_input_shape", None)  # Keras's, once built
+        if items and isinstance(items[0], dict) and items[0].get("class_name") == "InputLayer":
+            # Keras's `keras.Input(shape)` first: its shape builds the stack
+            input_config = items.pop(0).get("config", {})
+            input_shape = input_config.get("batch_shape") or input_config.get("batch_input_shape")
+        layers = [deserialize_layer(item) for item in items]
+        model = super().from_config({**config, "layers": layers})
+        if input_shape is not None:
+            model.build(tuple(input_shape))
+        return model
