@@ -369,3 +369,39 @@ def test_lora_fine_tune_on_a_quantized_llama_tracks_the_float_base(mode):
     assert losses[-1] < losses[0] - 0.2  # it learns
     for ours, theirs in zip(losses, reference):
         assert abs(ours - theirs) < 0.05 * theirs  # and tracks the float base
+
+
+def _tied_llama():
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=500,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build", [gpt2, _tied_llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tie_weights_on_a_model_with_a_quantized_tied_table(build, mode):
+    """transformers ties by parameter name; the quantized table has none:
+    `model.tie_weights()` (Trainer, accelerate and DeepSpeed call it) raised
+    "is neither a parameter, buffer, nor extra state"."""
+    torch.manual_seed(0)
+    model = build()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, mode)
+    ids = torch.randint(0, 500, (1, 6))
+    with torch.no_grad():
+        before = model(ids).logits
+    model.tie_weights()
+    model.tie_weights(recompute_mapping=False)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    copied = copy.deepcopy(model)  # the instance's tie_weights follows the copy
+    copied.tie_weights()
+    with torch.no_grad():
+        assert torch.equal(copied(ids).logits, before)

@@ -512,6 +512,10 @@ def sync(model: Any) -> None:
         )
         return
     manifest = describe(model, __version__)
+    if manifest.quantized:
+        model.__dict__["tie_weights"] = functools.partial(_tie_weights_but_quantized, model)
+    else:
+        model.__dict__.pop("tie_weights", None)
     if not (manifest.modules or manifest.layers or manifest.quantized):
         if current is not None:
             _own_config(model)
@@ -842,6 +846,31 @@ def _all_keys_saved(plan: attach.Plan, header: dict, aliases: dict, tied: dict) 
         or tied.get(prefix + key) in header
         for key in plan.module.state_dict()
     )
+
+
+def _tie_weights_but_quantized(
+    model: Any, missing_keys: set[str] | None = None, recompute_mapping: bool = True
+) -> None:
+    """transformers' `tie_weights` for a model with quantized weights (its
+    instance's, set by `sync`): a weight stored as integers has no parameter
+    to tie by name (transformers raised "is neither a parameter, buffer, nor
+    extra state"; Trainer, accelerate and DeepSpeed call it), and its
+    quantized tensors are shared already, so its pairs leave the mapping;
+    the others are tied as transformers ties them."""
+    mapping = (
+        model.get_expanded_tied_weights_keys(all_submodels=True)
+        if recompute_mapping
+        else dict(getattr(model, "all_tied_weights_keys", None) or {})
+    )
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    model.all_tied_weights_keys = {
+        target: source
+        for target, source in mapping.items()
+        if (target in names or (missing_keys is not None and target in missing_keys))
+        and (source in names or (missing_keys is not None and source in missing_keys))
+    }
+    type(model).tie_weights(model, missing_keys=missing_keys, recompute_mapping=False)
 
 
 def _tied_keys(model: Any) -> dict[str, str]:
