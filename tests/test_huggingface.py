@@ -27,7 +27,7 @@ def gpt2():
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def llama():
+def llama(tie_word_embeddings=False):
     config = transformers.LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -36,6 +36,7 @@ def llama():
         num_key_value_heads=2,
         vocab_size=500,
         max_position_embeddings=64,
+        tie_word_embeddings=tie_word_embeddings,
     )
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -372,16 +373,7 @@ def test_lora_fine_tune_on_a_quantized_llama_tracks_the_float_base(mode):
 
 
 def _tied_llama():
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=500,
-        tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return llama(tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize("build", [gpt2, _tied_llama], ids=["gpt2", "llama"])

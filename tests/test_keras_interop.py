@@ -144,6 +144,17 @@ def test_a_keras_int8_dense_config_reads_here_and_a_policy_built_layer_writes_no
     assert built.get_config()["quantization_config"] is None  # as Keras writes it
 
 
+def _copy_attention_weights(theirs, ours):
+    """A Keras MultiHeadAttention's projection weights into ours."""
+    names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
+    for name, mine in zip(names, ["query", "key", "value", "attention_output"]):
+        dense = getattr(theirs, name)
+        with torch.no_grad():
+            for weight in ("kernel", "bias"):
+                value = keras.ops.convert_to_numpy(getattr(dense, weight))
+                getattr(getattr(ours, mine), weight).copy_(torch.as_tensor(value))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_keras_multi_head_attention_with_a_sliding_window_computes_as_keras(causal):
     theirs = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, sliding_window=2)
@@ -152,13 +163,7 @@ def test_a_keras_multi_head_attention_with_a_sliding_window_computes_as_keras(ca
     ours = dtype_policies.saving.deserialize_layer(keras.saving.serialize_keras_object(theirs))
     assert ours.sliding_window == 2 and ours.get_config()["sliding_window"] == 2
     ours.build((2, 6, 8), (2, 6, 8))
-    names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
-    for name, mine in zip(names, ["query", "key", "value", "attention_output"]):
-        dense = getattr(theirs, name)
-        with torch.no_grad():
-            for weight in ("kernel", "bias"):
-                value = keras.ops.convert_to_numpy(getattr(dense, weight))
-                getattr(getattr(ours, mine), weight).copy_(torch.as_tensor(value))
+    _copy_attention_weights(theirs, ours)
     actual = ours(torch.as_tensor(x), torch.as_tensor(x), use_causal_mask=causal)
     np.testing.assert_allclose(actual.detach().numpy(), expected, atol=1e-5)
     with pytest.raises(ValueError, match="sliding_window=0"):
@@ -253,13 +258,7 @@ def test_a_keras_multi_head_attention_with_an_output_shape_and_activity_losses(o
     assert ours.get_config()["output_shape"] == config["output_shape"]
     assert ours.get_config()["attention_axes"] == config["attention_axes"] == (1,)
     assert ours.get_config()["activity_regularizer"] == config["activity_regularizer"]
-    names = ["_query_dense", "_key_dense", "_value_dense", "_output_dense"]
-    for name, mine in zip(names, ["query", "key", "value", "attention_output"]):
-        dense = getattr(theirs, name)
-        with torch.no_grad():
-            for weight in ("kernel", "bias"):
-                value = keras.ops.convert_to_numpy(getattr(dense, weight))
-                getattr(getattr(ours, mine), weight).copy_(torch.as_tensor(value))
+    _copy_attention_weights(theirs, ours)
     ours.eval()
     actual = ours(torch.as_tensor(x), torch.as_tensor(x))
     np.testing.assert_allclose(actual.detach().numpy(), expected, atol=1e-5)
