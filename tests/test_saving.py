@@ -785,14 +785,14 @@ def test_missing_file_and_bad_arguments(tmp_path):
     assert not (tmp_path / "meta.safetensors").exists()
 
 
-def test_a_directory_save_failing_at_its_review_copy_leaves_both_files_as_they_were(
-    tmp_path, monkeypatch
-):
+def test_a_directory_save_failing_at_its_review_copy_leaves_no_stale_copy(tmp_path, monkeypatch):
+    """The review copy is written after the model file: when it fails, the
+    new model file stands whole and no copy describes the old model."""
     from dtype_policies.saving import checkpoint
 
     torch.manual_seed(0)
     saving.save(nn.Sequential(nn.Linear(8, 8)), tmp_path)
-    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    new = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     real = checkpoint.write_atomically
 
     def failing_review_copy(path, write):
@@ -802,9 +802,10 @@ def test_a_directory_save_failing_at_its_review_copy_leaves_both_files_as_they_w
 
     monkeypatch.setattr(checkpoint, "write_atomically", failing_review_copy)
     with pytest.raises(OSError, match="disk full"):
-        saving.save(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), tmp_path)
-    after = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
-    assert after == before
+        saving.save(new, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [checkpoint.MODEL_FILE]
+    loaded = saving.load(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), tmp_path)
+    assert torch.equal(loaded[0].weight, new[0].weight)
 
 
 def test_an_interrupted_save_never_leaves_a_partial_file(tmp_path):
@@ -955,3 +956,36 @@ def test_a_tied_table_is_not_copied_into_a_target_that_ties_it_or_holds_its_own(
     assert copies == []
     assert tied.head.weight_int8 is tied.embed.weight_int8
     assert untied_float.head.weight.data_ptr() != untied_float.embed.weight.data_ptr()
+
+
+def test_a_save_failing_at_the_model_file_leaves_no_review_copy_of_another_model(
+    tmp_path, monkeypatch
+):
+    """The review copy was renamed into place inside the model file's write,
+    before the file's own rename: a failure there left `dtype_policies.json`
+    describing the new (quantized) model beside the old file."""
+    import json
+    import os
+
+    from dtype_policies.saving import checkpoint
+
+    model = prepare(mlp(), "mixed_bfloat16", None, None)
+    saving.save(model, tmp_path / "ckpt")
+    old_file = (tmp_path / "ckpt" / checkpoint.MODEL_FILE).read_bytes()
+    quantize(model, "int8")
+    replace = os.replace
+
+    def failing(source, target):
+        if str(target).endswith(checkpoint.MODEL_FILE):
+            raise OSError("disk gone")
+        return replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        saving.save(model, tmp_path / "ckpt")
+    monkeypatch.setattr(os, "replace", replace)
+    assert (tmp_path / "ckpt" / checkpoint.MODEL_FILE).read_bytes() == old_file
+    assert not (tmp_path / "ckpt" / checkpoint.MANIFEST_FILE).exists()
+    saving.save(model, tmp_path / "ckpt")  # the next save writes both
+    review = json.loads((tmp_path / "ckpt" / checkpoint.MANIFEST_FILE).read_text())
+    assert review["quantized"]

@@ -10,6 +10,7 @@ layouts are never stored; they are rebuilt on first use after loading.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -123,15 +124,18 @@ def _write(file: Path, path: str | os.PathLike, tensors: dict, manifest: Manifes
     metadata = {METADATA_KEY: manifest.to_json()}
     review = file.name == MODEL_FILE and file.parent == Path(path)
 
-    def write(temporary: str) -> None:
-        save_file(tensors, temporary, metadata=metadata)
-        if review:  # replaced just before the file: a failure here leaves both as they were
+    # The file and its review copy as one write among this process's threads.
+    # Two renames cannot be one: the review copy goes first and comes back
+    # after the file, so that a save that fails or dies between them leaves
+    # no review copy rather than one describing another model.
+    with _lock_for(file):
+        if review:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(file.parent / MANIFEST_FILE)
+        write_atomically(file, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        if review:
             text = manifest.to_json(indent=2) + "\n"
             write_atomically(file.parent / MANIFEST_FILE, lambda tmp: Path(tmp).write_text(text))
-
-    # the file and its review copy as one write among this process's threads
-    with _lock_for(file):
-        write_atomically(file, write)
 
 
 _write_locks: dict[str, threading.Lock] = {}
