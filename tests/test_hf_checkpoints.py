@@ -603,6 +603,23 @@ def test_checkpoint_that_does_not_match_its_config_raises(tmp_path):
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight_scale' is"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "missing")
 
+    model = llama()
+    quantize(model, "float8")  # keeps its float weights: one of them removed
+    model.save_pretrained(tmp_path / "float8")
+    file = tmp_path / "float8" / "model.safetensors"
+    tensors = load_file(str(file))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(the"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float8")
+
+    truncated = tmp_path / "float8" / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors' is not a readable safetensors"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float8")
+
+    model = llama()
+    quantize(model, "int8")
     model.save_pretrained(tmp_path / "renamed")
     config_file = tmp_path / "renamed" / "config.json"
     config = json.loads(config_file.read_text())

@@ -605,12 +605,18 @@ def _read_headers(files: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
     files = [str(f) for f in (files or [])]
     if not files or not all(f.endswith(".safetensors") for f in files):
         return None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     header: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
-        with safe_open(file, framework="pt") as reader:
-            header.update(tensor_headers(reader))
+        try:
+            with safe_open(file, framework="pt") as reader:
+                header.update(tensor_headers(reader))
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(
+                f"'{file}' is not a readable safetensors file ({error}): the checkpoint's "
+                "shard is damaged or incomplete."
+            ) from error
     return header
 
 
@@ -812,10 +818,17 @@ def _keep_stored_names(model: Any, manifest: Manifest, state: dict) -> None:
 
 def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) -> None:
     """Every stored tensor the plans expect is in the checkpoint with its shape
-    and dtype: otherwise transformers would leave it uninitialized."""
+    and dtype, and the float weight of a mode that keeps one (float8), itself
+    or by a tie: otherwise transformers would leave it uninitialized (a
+    random weight, reported only in its load report)."""
     problems = []
+    tied = _tied_keys(model)
     for plan in plans:
         prefix = f"{plan.path}." if plan.path else ""
+        if plan.scheme.keeps_float_weight:
+            key = prefix + plan.spec.weight
+            if key not in header and manifest.aliases.get(key, tied.get(key)) not in header:
+                problems.append(f"'{key}' (the float weight {plan.mode} keeps) is missing")
         for buffer, tensor in plan.tensors.items():
             key = prefix + buffer
             if key in manifest.aliases:
