@@ -246,10 +246,10 @@ def test_records_dropped_by_a_collection_while_a_step_walks_them(monkeypatch, ho
     optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
     steps_for = float8._steps_for
 
-    def collected_meanwhile(record, *args):
+    def collected_meanwhile(record, *args, **kwargs):
         for key, (ref, *_) in list(float8._undo.items()):
             float8._forget_dead(key, ref)  # as if every buffer had died
-        return steps_for(record, *args)
+        return steps_for(record, *args, **kwargs)
 
     monkeypatch.setattr(float8, "_steps_for", collected_meanwhile)
     if hook == "step":
@@ -306,3 +306,60 @@ def test_another_models_step_leaves_a_frozen_float8_layers_records_alone(other_s
     assert optimizer.last_step_skipped
     undone = _float8_state(model[1])
     assert all(torch.equal(before[k], undone[k]) for k in before)  # its own skip undoes it
+
+
+def test_a_backward_pass_that_raised_does_not_freeze_delayed_scaling():
+    """torch drops the callbacks queued in a pass that raises, the step's
+    commit among them: the module's step stayed pending and no later pass
+    scheduled one (the scales never moved again)."""
+    from dtype_policies.quantization.schemes import float8
+
+    layer = _dense("float32")
+    layer.train()
+
+    def backward(fail):
+        x = torch.randn(4, 8, requires_grad=True)
+        if fail:
+            x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("a failing hook")))
+        layer(x).float().square().mean().backward()
+
+    with pytest.raises(RuntimeError, match="a failing hook"):
+        backward(fail=True)
+    for _ in range(3):
+        history = layer.inputs_amax_history.clone()
+        backward(fail=False)
+        assert not torch.equal(history, layer.inputs_amax_history)  # committed
+    assert not float8._pending
+
+
+def test_a_failed_scaled_backward_leaves_no_owner_for_later_plain_passes():
+    from dtype_policies._core.listeners import backward_owner
+
+    model, optimizer = _frozen_float8_model(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("a failing hook")))
+    with pytest.raises(RuntimeError, match="a failing hook"):
+        optimizer.scale_loss(model(x).square().mean()).backward()
+    seen = []
+    y = torch.randn(4, 8, requires_grad=True)
+    y.register_hook(lambda grad: seen.append(backward_owner()))
+    model(y).square().mean().backward()  # a plain pass: no loss scaler's
+    assert seen == [None]
+
+
+def test_a_loss_scalers_skip_leaves_a_frozen_layer_a_plain_optimizer_trains_around():
+    """Records made outside any loss scaler were claimed by every optimizer:
+    another model's skipped step rolled back a frozen float8 base trained
+    (through its adapter) by a plain optimizer."""
+    model, _ = _frozen_float8_model(0)
+    plain = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
+    other, other_optimizer = _frozen_float8_model(1)
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()  # a plain pass
+    recorded = _float8_state(model[1])
+    other_optimizer.scale_loss(other(x).square().mean() * math.inf).backward()
+    other_optimizer.step()
+    assert other_optimizer.last_step_skipped
+    kept = _float8_state(model[1])
+    assert all(torch.equal(recorded[k], kept[k]) for k in recorded)
+    plain.step()

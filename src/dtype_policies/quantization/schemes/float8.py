@@ -231,6 +231,9 @@ _pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = 
 )
 """Per module, the largest absolute maxima its calls of the running backward
 pass have shown, until the pass is over (`_commit`)."""
+_pending_tasks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+"""Per module with a pending step: the backward pass (autograd's graph task)
+that scheduled its commit."""
 _owners: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 """Per module with a pending step: the optimizer whose scaled loss the
 backward pass started from (`listeners.backward_owner`), if any."""
@@ -248,15 +251,22 @@ an iteration over `_undo` too), so it only appends here."""
 def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
     """Adds one call's maxima to `module`'s step; the first call of a backward
     pass schedules the step's commit for the end of that pass."""
+    task = torch._C._current_graph_task_id()
     with _lock:
         held_step = _pending.get(module)
-        first = held_step is None
         step: dict[str, torch.Tensor] = {} if held_step is None else held_step
+        # A step held for another pass: that pass raised (torch drops the
+        # callbacks queued in it, the commit among them) or encloses this one
+        # (a reentrant checkpoint): this pass commits it at its end.
+        first = held_step is None or _pending_tasks.get(module) != task
         if first:
             _pending[module] = step
+            _pending_tasks[module] = task
             owner = backward_owner()
             if owner is not None:
                 _owners[module] = weakref.ref(owner)
+            else:
+                _owners.pop(module, None)
         for name, amax in maxima.items():
             held = step.get(name)
             step[name] = amax if held is None else torch.maximum(held, amax)
@@ -284,6 +294,7 @@ def _commit(module: torch.nn.Module) -> None:
         _drop_dead()
         step = _pending.pop(module, None)
         owner = _owners.pop(module, None)
+        _pending_tasks.pop(module, None)
         if not step:
             return
         with torch.no_grad():
@@ -304,12 +315,13 @@ def _commit(module: torch.nn.Module) -> None:
                 history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
 
 
-def _steps_for(record: tuple, optimizer: Any, optimized: set[int]) -> bool:
+def _steps_for(record: tuple, optimizer: Any, optimized: set[int], undo: bool = False) -> bool:
     """Whether a step of `optimizer` (of the parameters `optimized`, ids) is
     the step of `record`'s module: the optimizer holds one of its parameters;
     or none of them trains (a frozen float8 base under an adapter) and the
     record was made in the backward pass of this optimizer's scaled loss, or
-    of no loss scaler's (then the optimizer stepping after it is its step)."""
+    of no loss scaler's (then any optimizer's step makes it stand, and no
+    loss scaler's skip undoes it: its own backward passes are marked)."""
     module = record[2]()
     if module is None:
         return True
@@ -320,7 +332,7 @@ def _steps_for(record: tuple, optimizer: Any, optimized: set[int]) -> bool:
         return False
     owner = record[3]
     if owner is None:
-        return True
+        return not undo
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     return owner() in (None, inner)
 
@@ -365,13 +377,14 @@ def _undo_since_last_step(optimizer: Any) -> None:
         _drop_dead()
         restores = []
         for key, record in list(_undo.items()):
-            if _steps_for(record, optimizer, optimized):
+            if _steps_for(record, optimizer, optimized, undo=True):
                 restores.append((record[0](), record[1]))
                 del _undo[key]
                 module = record[2]()
                 if module is not None:
                     _pending.pop(module, None)
                     _owners.pop(module, None)
+                    _pending_tasks.pop(module, None)
         with torch.no_grad():
             for tensor, old in restores:
                 if tensor is not None:
