@@ -633,3 +633,36 @@ def test_weights_kept_in_a_list_are_read_as_stored_and_a_warning_says_so():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer.names = ["kernel", "bias"]  # no weights in it: quiet
+
+
+def test_a_layer_built_frozen_can_be_unfrozen():
+    """`self.kernel = self.add_weight(...)` registered the weight a second
+    time, which recorded the frozen layer's flag as the weight's own."""
+    for layer in (Dense(4, trainable=False), layers.Embedding(10, 4, trainable=False)):
+        layer.build((None, 3))
+        assert layer.trainable_weights == []
+        layer.trainable = True
+        assert all(p.requires_grad for p in layer.parameters())
+        assert len(layer.trainable_weights) == len(list(layer.parameters()))
+
+
+def test_a_layer_built_by_build_compiles_with_fullgraph():
+    layer = Dense(4, dtype="mixed_bfloat16")
+    layer.build((2, 8))
+    x = torch.randn(2, 8)
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), layer(x))
+
+
+def test_the_first_float16_call_on_cpu_may_be_a_compiled_one(monkeypatch):
+    from dtype_policies._core import cpu_float16
+
+    monkeypatch.setattr(cpu_float16, "_warned", False)  # as in a fresh process
+    layer = Dense(4, dtype="mixed_float16")
+    layer.build((2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(2, 8))
+    assert out.dtype == torch.float16
+    with pytest.warns(CPUFloat16Warning):
+        layer(torch.randn(2, 8))  # the eager call warns, once

@@ -31,8 +31,8 @@ _warned = False
 def warn_if_cpu_float16(device: torch.device) -> None:
     """Warns once per process when float16 compute is requested on CPU."""
     global _warned
-    if _warned or device.type != "cpu":
-        return
+    if _warned or device.type != "cpu" or torch.compiler.is_compiling():
+        return  # (a compiled call's trace cannot warn: its first eager call does)
     _warned = True
     info = processor()
     if native_half_products(torch.float16, info):

@@ -256,6 +256,7 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         # in the compute dtype inside `call` (`add_weight(autocast=False)`
         # opts out; a float64 weight of a float32 layer stays float64), and is
         # trainable as the layer is.
+        registered = self._parameters.get(name) if "_parameters" in self.__dict__ else None
         super().register_parameter(name, param)  # type: ignore[misc]
         names = self.__dict__.get("_autocast_weight_names")
         if names is None:
@@ -265,7 +266,8 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         else:
             names.discard(name)
         if param is not None and param.is_floating_point():
-            self._declared_trainable[name] = param.requires_grad
+            if param is not registered:  # the same one again (`self.kernel = add_weight(...)`)
+                self._declared_trainable[name] = param.requires_grad
             if not self._trainable:
                 param.requires_grad_(False)
         if self.__dict__.get(STATE_KEY) is not None:

@@ -375,6 +375,8 @@ class Layer(LayerWeights, torch.nn.Module):
         self._plan_children()  # the torch modules `build` made, at their paths
         self._after_build()
         self.__dict__.get("_fresh_weight_names", set()).clear()  # now another name is an alias
+        # built by `build(shape)` too: a call (compiled ones included) skips the build lock
+        self.__dict__["_build_done"] = True
 
     def _after_build(self) -> None:
         """Hook run once after `build` (quantizable layers quantize here)."""

@@ -512,7 +512,8 @@ def sync(model: Any) -> None:
         )
         return
     manifest = describe(model, __version__)
-    if manifest.quantized:
+    if manifest.quantized and hasattr(model, "get_expanded_tied_weights_keys"):
+        # (transformers 5's tying by name; 4.x ties the modules' weights itself)
         model.__dict__["tie_weights"] = functools.partial(_tie_weights_but_quantized, model)
     else:
         model.__dict__.pop("tie_weights", None)
