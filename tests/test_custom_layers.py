@@ -769,3 +769,30 @@ def test_a_layer_holding_the_losses_of_a_forward_deep_copies_and_pickles():
         copied(torch.randn(2, 4))
         assert len(copied.losses) == 2
     assert len(model.losses) == 2  # the original keeps its own
+
+
+class _WithBuffer(Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("shift", torch.full((4,), 0.3))
+
+    def call(self, x):
+        return self.lin(x) + self.shift
+
+
+def test_a_buffer_keeps_reading_in_the_compute_dtype_after_a_conversion_or_policy_change():
+    """Which buffers read in the compute dtype was decided again from their
+    dtype at each refresh: after `.double()` (or a policy change) the float32
+    buffer no longer matched and stopped being cast, while the parameters
+    were; `apply_policy` modules decide once."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    layer = _WithBuffer(dtype="mixed_bfloat16")
+    assert layer(x).dtype == torch.bfloat16
+    layer.double()
+    assert layer(x).dtype == torch.bfloat16
+    switched = _WithBuffer(dtype="float32")
+    switched(x)
+    switched.dtype_policy = "bfloat16"
+    assert switched(x).dtype == torch.bfloat16

@@ -277,6 +277,19 @@ class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`
         self, name: str, tensor: torch.Tensor | None, persistent: bool = True
     ) -> None:
         super().register_buffer(name, tensor, persistent)  # type: ignore[misc]
+        # As a weight: a floating buffer registered in the variable dtype reads
+        # in the compute dtype, decided now (a later `.double()` or policy
+        # change keeps it so, as `apply_policy` keeps a module's).
+        names = self.__dict__.setdefault("_autocast_buffers", set())
+        if (
+            tensor is not None
+            and tensor.is_floating_point()
+            and self.__dict__.get(STATE_KEY) is not None
+            and tensor.dtype == to_torch_dtype(self.variable_dtype)
+        ):
+            names.add(name)
+        else:
+            names.discard(name)
         if self.__dict__.get(STATE_KEY) is not None:
             self._refresh_policy_state()  # a floating buffer reads in the compute dtype
 

@@ -274,18 +274,19 @@ class Layer(LayerWeights, torch.nn.Module):
         state.casts.clear()
 
     def _autocast_buffer_names(self, policy: DTypePolicy, state: ModuleState) -> Iterator[str]:
-        """The floating buffers in the variable dtype, which read in the compute
-        dtype inside `call` as `apply_policy` casts a torch module's (not the
-        tensors a quantized layer stores)."""
+        """The floating buffers registered in the variable dtype, which read in
+        the compute dtype inside `call` as `apply_policy` casts a torch
+        module's (not the tensors a quantized layer stores)."""
         if not (self._casts_buffers and self._buffers and is_float_dtype(policy.variable_dtype)):
             return
         variable = policy.torch_variable_dtype
         quantization = state.quantization
         stored = quantization.stored_names if quantization is not None else frozenset()
+        registered = self.__dict__.get("_autocast_buffers")  # (not in older pickles)
         for name, buffer in self._buffers.items():
-            if buffer is None or name in stored:
+            if buffer is None or name in stored or not buffer.is_floating_point():
                 continue
-            if buffer.is_floating_point() and buffer.dtype == variable:
+            if name in registered if registered is not None else buffer.dtype == variable:
                 yield name
 
     @property
