@@ -796,3 +796,37 @@ def test_a_buffer_keeps_reading_in_the_compute_dtype_after_a_conversion_or_polic
     switched(x)
     switched.dtype_policy = "bfloat16"
     assert switched(x).dtype == torch.bfloat16
+
+
+def test_training_reaches_the_layers_a_call_makes_without_one():
+    """Keras's call context: `block(x, training=False)` left the Dropout
+    inside it in torch's training mode (dropping), where Keras drops nothing."""
+
+    class Block(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.drop = layers.Dropout(0.5)
+            self.seen = []
+
+        def call(self, x, training=None):
+            self.seen.append(training)
+            return self.drop(x)
+
+    class Outer(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = Block()
+
+        def call(self, x):  # takes no `training`, passes it on all the same
+            return self.block(x)
+
+    torch.manual_seed(0)
+    x = torch.ones(2, 1000)
+    model = Outer()
+    model.train()
+    assert torch.equal(model(x, training=False), x)
+    assert model.block.seen == [False]
+    assert not torch.equal(model(x, training=True), x)
+    assert not torch.equal(model(x), x)  # no `training` anywhere: the module's mode
+    assert model.block.seen == [False, True, None]
+    assert torch.equal(model.block(x, training=False), x)  # its own beats none

@@ -14,7 +14,7 @@ from dtype_policies import regularizers as regularizers_lib
 from dtype_policies._core.compose import ModuleMixin
 from dtype_policies._core.module_state import STATE_KEY, quantization_of
 from dtype_policies._dtypes import is_float_dtype, standardize_dtype, to_torch_dtype
-from dtype_policies.layers._losses import checked_losses
+from dtype_policies.layers._call_context import checked_losses
 
 
 class LayerWeights(ModuleMixin):  # `Layer` combines it with `torch.nn.Module`

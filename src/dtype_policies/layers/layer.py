@@ -11,7 +11,6 @@ casting code of its own. Calls run through the same call core as the modules
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths
 from dtype_policies.layers._build import BUILD_LOCK, build_arguments, wrap_build
-from dtype_policies.layers._losses import call_with_losses
+from dtype_policies.layers._call_context import call_in_context
 from dtype_policies.layers._naming import auto_name
 from dtype_policies.layers._weights import LayerWeights
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
@@ -445,14 +444,15 @@ class Layer(LayerWeights, torch.nn.Module):
         raise NotImplementedError(f"Layer {type(self).__name__} does not implement `call`.")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if "training" in kwargs and not _call_takes_training(type(self)):
-            del kwargs["training"]  # as Keras: `training` reaches `call` only if it takes it
+        # as Keras: `training` reaches `call` only if it takes it, and the
+        # layers it calls without one (`call_in_context`)
+        training = kwargs.pop("training", None)
         if not (self.built and self.__dict__.get("_build_done")):
             with BUILD_LOCK:  # another thread's first call may be building it
                 if not self.built:
                     self._build_on_first_call(args, kwargs)
                 self.__dict__["_build_done"] = self.built
-        return call_with_losses(self, args, kwargs)
+        return call_in_context(self, args, kwargs, training)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         outputs = run_call(self._call_state, super().__call__, args, kwargs, self)
@@ -506,11 +506,6 @@ Layer.build = wrap_build(Layer.build)
 
 
 @functools.cache
-def _call_takes_training(cls: type) -> bool:
-    parameters = inspect.signature(cls.call).parameters.values()
-    return any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
 def resolved_policy(layer: Layer) -> DTypePolicy:
     """The policy `layer` computes by now: its own, or the entry of its map
     for its path, or what an `apply_policy` in force gave it (never a map)."""
