@@ -989,3 +989,32 @@ def test_a_save_failing_at_the_model_file_leaves_no_review_copy_of_another_model
     saving.save(model, tmp_path / "ckpt")  # the next save writes both
     review = json.loads((tmp_path / "ckpt" / checkpoint.MANIFEST_FILE).read_text())
     assert review["quantized"]
+
+
+def test_a_policy_changed_after_a_save_is_what_the_next_save_records(tmp_path):
+    """`resolved_policy` was cached per layer by a stray decorator: the
+    second save recorded the first policy, and the loaded model computed
+    in float32."""
+    torch.manual_seed(0)
+    layer = layers.Dense(4)
+    x = torch.randn(2, 3)
+    layer(x)
+    saving.save(layer, tmp_path / "a")
+    layer.dtype_policy = "mixed_bfloat16"
+    saving.save(layer, tmp_path / "b")
+    fresh = layers.Dense(4)
+    fresh.build((None, 3))
+    loaded = saving.load(fresh, tmp_path / "b")
+    assert loaded.dtype_policy.name == "mixed_bfloat16"
+    assert torch.equal(loaded(x), layer(x))
+
+
+def test_saving_to_a_model_file_by_name_removes_a_stale_review_copy(tmp_path):
+    from dtype_policies.saving import checkpoint
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    saving.save(model, tmp_path)
+    assert (tmp_path / checkpoint.MANIFEST_FILE).exists()
+    quantize(model, "int8")
+    saving.save(model, tmp_path / checkpoint.MODEL_FILE)  # the file alone
+    assert not (tmp_path / checkpoint.MANIFEST_FILE).exists()

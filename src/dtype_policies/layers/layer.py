@@ -10,7 +10,6 @@ casting code of its own. Calls run through the same call core as the modules
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -505,7 +504,6 @@ class Layer(LayerWeights, torch.nn.Module):
 Layer.build = wrap_build(Layer.build)
 
 
-@functools.cache
 def resolved_policy(layer: Layer) -> DTypePolicy:
     """The policy `layer` computes by now: its own, or the entry of its map
     for its path, or what an `apply_policy` in force gave it (never a map)."""

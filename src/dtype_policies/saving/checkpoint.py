@@ -129,7 +129,7 @@ def _write(file: Path, path: str | os.PathLike, tensors: dict, manifest: Manifes
     # after the file, so that a save that fails or dies between them leaves
     # no review copy rather than one describing another model.
     with _lock_for(file):
-        if review:
+        if file.name == MODEL_FILE:  # a review copy beside it describes the old file
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(file.parent / MANIFEST_FILE)
         write_atomically(file, lambda tmp: save_file(tensors, tmp, metadata=metadata))
