@@ -830,3 +830,54 @@ def test_training_reaches_the_layers_a_call_makes_without_one():
     assert not torch.equal(model(x), x)  # no `training` anywhere: the module's mode
     assert model.block.seen == [False, True, None]
     assert torch.equal(model.block(x, training=False), x)  # its own beats none
+
+
+def test_a_checkpointed_replay_keeps_the_training_of_its_forward():
+    """The replay runs outside the layer calls that passed `training` on: a
+    Dropout given `training=False` in the forward dropped in the replay (the
+    gradients belonged to another forward)."""
+    import torch.utils.checkpoint as checkpoint
+
+    class Sub(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.drop = layers.Dropout(0.5)
+
+        def call(self, x):
+            return self.drop(x) ** 2
+
+    class Outer(Layer):
+        def __init__(self, reentrant, **kwargs):
+            super().__init__(**kwargs)
+            self.sub, self.reentrant = Sub(), reentrant
+
+        def call(self, x, training=None):
+            return checkpoint.checkpoint(self.sub, x, use_reentrant=self.reentrant)
+
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = Outer(reentrant)
+        model.train()
+        x = torch.full((2, 8), 3.0, requires_grad=True)
+        out = model(x, training=False)
+        assert torch.equal(out, torch.full((2, 8), 9.0))
+        out.sum().backward()
+        assert torch.equal(x.grad, torch.full((2, 8), 6.0)), reentrant
+
+
+def test_a_call_taking_only_kwargs_is_not_given_training():
+    class Inner(Layer):
+        def call(self, x, **kwargs):
+            return torch.relu(x, **kwargs)  # relu takes no `training`
+
+    class Outer(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = Inner()
+
+        def call(self, x, training=None):
+            return self.inner(x)
+
+    x = torch.randn(2, 3)
+    assert torch.equal(Outer()(x, training=True), torch.relu(x))  # as Keras
+    assert torch.equal(Inner()(x, training=True), torch.relu(x))

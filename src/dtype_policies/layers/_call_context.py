@@ -4,7 +4,8 @@
 calls without one (a `Dropout` inside a custom layer called with
 `training=False` drops nothing), as Keras's call context does; without it
 anywhere, each layer follows its module's mode (torch's `train()` /
-`eval()`).
+`eval()`). Activation checkpointing's replay of a forward, outside any
+layer call, gets the `training` that forward had.
 
 Losses: the outermost layer call of a thread clears the losses of its layer and
 every sublayer, then each call inside it adds to them: after a forward,
@@ -68,9 +69,8 @@ def takes_training(cls: type) -> bool:
     takes = _TAKES_TRAINING.get(cls)
     if takes is None:
         parameters = inspect.signature(cls.call).parameters.values()  # type: ignore[attr-defined]
-        takes = _TAKES_TRAINING[cls] = any(
-            p.name == "training" or p.kind is p.VAR_KEYWORD for p in parameters
-        )
+        # Keras's test: a `call(x, **kwargs)` is not given `training`
+        takes = _TAKES_TRAINING[cls] = any(p.name == "training" for p in parameters)
     return takes
 
 
@@ -81,11 +81,18 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
     and its sublayers first."""
     calls = _calls
     layers = calls.layers
-    if not layers:
-        if _losses_added and not _recomputing():
-            layer._clear_losses()
-    elif training is None:
-        training = calls.training[-1]
+    recomputing = _recomputing()
+    if layers:
+        if training is None:
+            training = calls.training[-1]
+    elif recomputing:
+        # activation checkpointing replays a forward: with its `training`
+        if training is None:
+            training = layer.__dict__.get("_forward_training")
+    elif _losses_added:
+        layer._clear_losses()
+    if not recomputing:
+        layer.__dict__["_forward_training"] = training
     if training is not None and takes_training(type(layer)):
         kwargs["training"] = training
     layers.append(layer)
