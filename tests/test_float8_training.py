@@ -363,3 +363,33 @@ def test_a_loss_scalers_skip_leaves_a_frozen_layer_a_plain_optimizer_trains_arou
     kept = _float8_state(model[1])
     assert all(torch.equal(recorded[k], kept[k]) for k in recorded)
     plain.step()
+
+
+def test_a_float8_layer_in_reentrant_checkpoints_trains_as_without_them():
+    """Two reentrant segments and a plain call of one float8 layer: the
+    nested pass of a segment committed the outer pass's step in the middle
+    of it (scales changed under the second replay, the history rolled twice)."""
+    import copy
+
+    import torch.utils.checkpoint as checkpoint
+
+    torch.manual_seed(0)
+    layer = _dense("float32", width=8, units=8)
+    layer.train()
+    layer(torch.randn(4, 8) * 5).float().square().sum().backward()  # histories filled
+    layer.zero_grad()
+
+    def run(model, checkpointed, x):
+        def segment(t):
+            return checkpoint.checkpoint(model, t, use_reentrant=True) if checkpointed else model(t)
+
+        model(segment(segment(x) * 3) * 3).float().square().sum().backward()
+
+    plain, checkpointed = copy.deepcopy(layer), copy.deepcopy(layer)
+    x = torch.randn(4, 8)
+    run(plain, False, x.clone().requires_grad_())
+    run(checkpointed, True, x.clone().requires_grad_())
+    assert torch.equal(plain.kernel.grad, checkpointed.kernel.grad)
+    assert torch.equal(
+        _state(plain)["inputs_amax_history"], _state(checkpointed)["inputs_amax_history"]
+    )

@@ -110,9 +110,7 @@ def step_skipped(optimizer: Any) -> None:
 
 class _BackwardOwner(threading.local):
     def __init__(self) -> None:
-        # (autograd's graph task, a weak reference to the optimizer) while a
-        # scaled loss back-propagates
-        self.optimizer: Any = None
+        self.optimizer: Any = None  # a weak reference, while a scaled loss back-propagates
 
 
 _backward_owner = _BackwardOwner()
@@ -122,10 +120,9 @@ def scaled_loss_backward(loss: Any, optimizer: Any) -> None:
     """Marks the backward passes of the scaled `loss` as `optimizer`'s (the
     torch optimizer a loss scaler wraps), so that state a frozen module
     records in them belongs to that optimizer's step (`backward_owner`).
-    The mark is set when the pass reaches `loss`, cleared when it ends, and
-    counts only within that pass (not in a reentrant checkpoint's nested
-    one); it is per thread (a CPU backward pass runs in the thread that
-    started it)."""
+    The mark is set when the pass reaches `loss` and cleared when it ends
+    (a reentrant checkpoint's nested pass inside it sees it too); it is per
+    thread (a CPU backward pass runs in the thread that started it)."""
     if not (getattr(loss, "requires_grad", False) and hasattr(loss, "register_hook")):
         return
     owner = weakref.ref(optimizer)
@@ -134,7 +131,7 @@ def scaled_loss_backward(loss: Any, optimizer: Any) -> None:
         _backward_owner.optimizer = None
 
     def enter(grad: Any) -> Any:
-        _backward_owner.optimizer = (torch._C._current_graph_task_id(), owner)
+        _backward_owner.optimizer = owner
         try:
             torch.autograd.Variable._execution_engine.queue_callback(clear)
         except (RuntimeError, AttributeError):  # pragma: no cover - outside a pass
@@ -146,10 +143,13 @@ def scaled_loss_backward(loss: Any, optimizer: Any) -> None:
 
 def backward_owner() -> Any:
     """The optimizer whose scaled loss the running backward pass of this
-    thread started from (see `scaled_loss_backward`), else None. A pass that
-    raised never cleared its mark (torch drops the callbacks queued in it):
-    the mark holds its graph task, and counts for that pass only."""
-    marked = _backward_owner.optimizer
-    if marked is None or marked[0] != torch._C._current_graph_task_id():
-        return None
-    return marked[1]()
+    thread started from (see `scaled_loss_backward`), else None."""
+    owner = _backward_owner.optimizer
+    return None if owner is None else owner()
+
+
+def clear_backward_owner() -> None:
+    """Clears this thread's mark: a pass that raised never cleared it (torch
+    drops the callbacks queued in it); its recorders clear it once they run
+    outside any backward pass."""
+    _backward_owner.optimizer = None

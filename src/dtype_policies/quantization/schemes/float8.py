@@ -44,7 +44,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.casting import bfloat16_rounded, exporting, straight_through, tracing
-from dtype_policies._core.listeners import add_step_skipped_listener, backward_owner
+from dtype_policies._core.listeners import (
+    add_step_skipped_listener,
+    backward_owner,
+    clear_backward_owner,
+)
 from dtype_policies._core.module_state import state_of
 from dtype_policies._derivatives import derivative_free, functorch_active, transform_active
 from dtype_policies._modes import QuantizationMode, register_mode
@@ -232,8 +236,28 @@ _pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = 
 """Per module, the largest absolute maxima its calls of the running backward
 pass have shown, until the pass is over (`_commit`)."""
 _pending_tasks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-"""Per module with a pending step: the backward pass (autograd's graph task)
-that scheduled its commit."""
+"""Per module with a pending step: the thread whose backward pass scheduled
+its commit."""
+
+
+def _forward_outside_backward(module: torch.nn.Module) -> None:
+    """A training forward of `module` while this thread runs no backward
+    pass: whatever a pass of this thread left behind is stale. Such a pass
+    raised (a failing hook, an interrupt), and torch drops the callbacks
+    queued in it: the commit of `module`'s step (which would then never be
+    scheduled again: its scales would stay) and the end of a loss scaler's
+    mark (which would claim later passes)."""
+    if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward pass
+        return
+    clear_backward_owner()
+    if _pending_tasks.get(module) == threading.get_ident():
+        with _lock:
+            if _pending_tasks.get(module) == threading.get_ident():
+                _pending.pop(module, None)
+                _owners.pop(module, None)
+                _pending_tasks.pop(module, None)
+
+
 _owners: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 """Per module with a pending step: the optimizer whose scaled loss the
 backward pass started from (`listeners.backward_owner`), if any."""
@@ -251,17 +275,13 @@ an iteration over `_undo` too), so it only appends here."""
 def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
     """Adds one call's maxima to `module`'s step; the first call of a backward
     pass schedules the step's commit for the end of that pass."""
-    task = torch._C._current_graph_task_id()
     with _lock:
         held_step = _pending.get(module)
+        first = held_step is None
         step: dict[str, torch.Tensor] = {} if held_step is None else held_step
-        # A step held for another pass: that pass raised (torch drops the
-        # callbacks queued in it, the commit among them) or encloses this one
-        # (a reentrant checkpoint): this pass commits it at its end.
-        first = held_step is None or _pending_tasks.get(module) != task
         if first:
             _pending[module] = step
-            _pending_tasks[module] = task
+            _pending_tasks[module] = threading.get_ident()
             owner = backward_owner()
             if owner is not None:
                 _owners[module] = weakref.ref(owner)
@@ -523,6 +543,7 @@ def float8_contract(
                 "kernel": kernel.detach().abs().amax().float(),
             }
         step = _CallMaxima(module, maxima)
+        _forward_outside_backward(module)
         if not (inputs.requires_grad or kernel.requires_grad):
             anchor = _ANCHOR  # a frozen call's backward still records its step
     x = _qdq_forward(inputs, state["inputs_scale"])
