@@ -233,3 +233,16 @@ def test_apply_policy_quantizing_under_a_data_parallel_wrapper_is_refused():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     apply_policy(wrapper, "mixed_bfloat16")  # a float policy stays welcome
     assert wrapper(torch.randn(2, 8)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 4)])
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_an_empty_weight_is_left_float_with_its_reason(mode, shape):
+    """Some modes took a zero-size linear and every call then failed in a
+    kernel (or quantize raised a raw torch error)."""
+    model = nn.Sequential(nn.Linear(*shape))
+    report = quantize(model, mode)
+    assert report.num_quantized == 0
+    assert any("its weight is empty" in reason for _, reason in report.skipped)
+    x = torch.randn(2, shape[0])
+    assert model(x).shape == (2, shape[1])

@@ -197,6 +197,8 @@ def check(
         )
     scheme.check_shapes(spec, config)
     weight = _check_weight(module, spec.weight, needs_values=needs_values)
+    if weight.numel() == 0:  # (the kernels and scales assume a row and a column)
+        raise NotImplementedError(f"its weight is empty (shape {tuple(weight.shape)})")
     if source is None:
         source = _source_policy(module, weight)
     record.check_compute_dtype(source.compute_dtype)
