@@ -615,3 +615,13 @@ def test_real_model_targets_are_judged_from_one_run_s_rounds_and_scores():
     assert judged["SmolLM2 int8 top-1 >= 0.95"] == ("0.9400", False)
     # not in the run: not judged
     assert not any("bfloat16" in label or "gptq" in label for label in judged)
+
+
+def test_a_failed_measurement_writes_null_not_nan(tmp_path):
+    """`NaN` is no JSON for strict parsers (jq, JSON.parse)."""
+    import json
+
+    from dtype_policies._json import strict
+
+    text = json.dumps(strict({"ms": float("nan"), "rows": [1.0, float("-inf")]}), allow_nan=False)
+    assert json.loads(text) == {"ms": None, "rows": [1.0, None]}

@@ -228,6 +228,9 @@ BAD_INPUTS = [
     (("demo", "--seed", str(2**64)), f"--seed must be an integer from 0 to {2**64 - 1}. Received"),
     (("bench", "--threads", str(2**40)), "--threads must be an integer from 1 to 2147483647."),
     (("bench", "--contended-retries", "-1"), "--contended-retries must be an integer from 0 to"),
+    # a trailing ':' was read as float32; superscript digits are isdigit() but no int
+    (("advise", "cli_models:mlp", "--inputs", "4x32:"), "'4x32:' ends with ':'"),
+    (("advise", "cli_models:mlp", "--inputs", "4x32:int64:\u00b2"), "HIGH must be a positive"),
 ]
 
 

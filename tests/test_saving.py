@@ -1018,3 +1018,19 @@ def test_saving_to_a_model_file_by_name_removes_a_stale_review_copy(tmp_path):
     quantize(model, "int8")
     saving.save(model, tmp_path / checkpoint.MODEL_FILE)  # the file alone
     assert not (tmp_path / checkpoint.MANIFEST_FILE).exists()
+
+
+def test_a_policy_file_that_is_another_document_is_named_shortly(tmp_path):
+    import json
+
+    advice = tmp_path / "advice.json"
+    advice.write_text(
+        json.dumps({"format": "dtype_policies.advice", "policy": {}, "x": "y" * 5000})
+    )
+    with pytest.raises(ValueError, match=r"'dtype_policies.advice' document, not a policy file"):
+        saving.load_policy(advice)
+    junk = tmp_path / "junk.json"
+    junk.write_text(json.dumps({"modules": ["z" * 5000]}))
+    with pytest.raises(ValueError) as raised:
+        saving.load_policy(junk)
+    assert len(str(raised.value)) < 600  # not the whole file

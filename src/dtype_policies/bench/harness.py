@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dtype_policies._cpu import hardware_flags, processor
+from dtype_policies._json import strict
 from dtype_policies.bench import contention
 
 
@@ -405,7 +406,8 @@ def first_call_of(code: str, env: dict[str, str] | None = None) -> tuple[float, 
 def write_json(path: str, info: dict, results: list[Result], targets: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump(
-            {"machine": info, "results": [asdict(r) for r in results], "targets": targets},
+            strict({"machine": info, "results": [asdict(r) for r in results], "targets": targets}),
             f,
             indent=2,
+            allow_nan=False,  # a failed variant's NaN is null: strict parsers read the file
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dtype_policies._json import strict
 from dtype_policies.bench import harness, workloads
 from dtype_policies.bench.registry import RunContext
 from dtype_policies.bench.report import (
@@ -241,7 +242,7 @@ def _run(
         for label, samples in load_log
     ]
     with open(output / "latest.json", "w") as f:
-        json.dump(data, f, indent=2)
+        json.dump(strict(data), f, indent=2, allow_nan=False)
     header = (
         f"Measured {info['date']} on {info['cpu']} (class {info['cpu_class']}: "
         f"{info['cpu_flags']}), "

@@ -93,7 +93,10 @@ def parse_spec(spec: str) -> TensorSpec:
     shape = tuple(int(size) for size in match["shape"].split("x"))
     if any(size == 0 for size in shape):
         raise CLIError(f"--inputs: {spec!r} has a zero dimension")
-    dtype_name, _, high_text = (match["rest"] or "float32").partition(":")
+    rest = match["rest"]
+    if rest == "" or (rest and rest.endswith(":")):
+        raise CLIError(f"--inputs: {spec!r} ends with ':'; expected [NAME=]SHAPE[:DTYPE[:HIGH]]")
+    dtype_name, _, high_text = (rest or "float32").partition(":")
     dtype = FLOAT_DTYPES.get(dtype_name) or INT_DTYPES.get(dtype_name)
     if dtype is None:
         accepted = ", ".join([*FLOAT_DTYPES, *INT_DTYPES])
@@ -105,7 +108,9 @@ def parse_spec(spec: str) -> TensorSpec:
         )
     high = None
     if high_text:
-        if dtype.is_floating_point or not high_text.isdigit() or int(high_text) < 1:
+        if dtype.is_floating_point or not (high_text.isascii() and high_text.isdigit()):
+            high_text = "0"  # (superscript digits are `isdigit()` too, and no int)
+        if dtype.is_floating_point or int(high_text) < 1:
             raise CLIError(
                 f"--inputs: {spec!r}: HIGH must be a positive integer after an integer dtype"
             )

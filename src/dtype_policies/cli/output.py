@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from dtype_policies._json import strict
 from dtype_policies.apply.summary import render_table
 
 try:
@@ -55,7 +56,7 @@ def print_table(
 
 
 def print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, default=str)
+    json.dump(strict(data), sys.stdout, indent=2, default=str, allow_nan=False)
     sys.stdout.write("\n")
 
 

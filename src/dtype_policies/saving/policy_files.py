@@ -74,9 +74,24 @@ def load_policy(path: str | os.PathLike) -> DTypePolicy:
                 f"versions 1 to {POLICY_FILE_VERSION}."
             )
         data = data.get("policy")
+    elif isinstance(data, dict) and isinstance(data.get("format"), str):
+        raise ValueError(
+            f"'{path}' is a {data['format']!r} document, not a policy file (format "
+            f"{POLICY_FILE_FORMAT!r}); the advisor writes its map as a policy file with "
+            "`dtype-policies advise ... --output FILE` (or `advice.save(FILE)`)."
+        )
     if not isinstance(data, dict):
-        raise ValueError(f"'{path}' does not hold a serialized policy. Received: {data!r}")
+        raise ValueError(
+            f"'{path}' does not hold a serialized policy. Received: {_shortened(data)}"
+        )
     try:
         return deserialize(data)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"'{path}': {e}") from None
+        raise ValueError(f"'{path}': {_shortened(e)}") from None
+
+
+def _shortened(value: object, limit: int = 300) -> str:
+    """`value`'s text for an error message, cut at `limit` characters (a
+    file's whole content would make the message unreadable)."""
+    text = repr(value) if not isinstance(value, Exception) else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

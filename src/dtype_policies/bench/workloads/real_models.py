@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from dtype_policies._json import strict
 from dtype_policies.bench.realmodels import chart, models, table, text
 from dtype_policies.bench.registry import RunContext, Section, register
 
@@ -43,7 +44,7 @@ def run_model(model: str, context: RunContext) -> Section:
     )
     context.output.mkdir(parents=True, exist_ok=True)
     (context.output / f"{model}.json").write_text(
-        json.dumps({"machine": machine, **measured}, indent=2)
+        json.dumps(strict({"machine": machine, **measured}), indent=2, allow_nan=False)
     )
     charts = context.charts or context.output
     drawn = chart.draw(measured, charts / f"{model}.png", subtitle)
