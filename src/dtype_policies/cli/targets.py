@@ -41,10 +41,11 @@ def load_callable(target: str, what: str = "TARGET") -> Any:
         module = importlib.import_module(module_name)
     except Exception as e:
         raise CLIError(f"cannot import {module_name!r} from {what} {target!r}: {e}") from e
+    missing = object()
     found: Any = module
     for part in attribute.split("."):
-        found = getattr(found, part, None)
-        if found is None:
+        found = getattr(found, part, missing)
+        if found is missing:
             raise CLIError(f"{module_name!r} has no attribute {attribute!r} ({what} {target!r})")
     if not callable(found):
         raise CLIError(f"{target!r} is not callable (expected a function)")
