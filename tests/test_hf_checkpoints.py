@@ -590,28 +590,30 @@ def test_bad_configs_raise_naming_the_value():
         huggingface.DTypePoliciesHfQuantizer({"quant_method": "dtype_policies"})
 
 
-def test_checkpoint_that_does_not_match_its_config_raises(tmp_path):
+def _saved_without(directory, mode, key):
+    """A `save_pretrained` checkpoint of a `mode` Llama with `key` removed."""
     from safetensors.torch import load_file, save_file
 
     model = llama()
-    quantize(model, "int8")
-    model.save_pretrained(tmp_path / "missing")
-    file = tmp_path / "missing" / "model.safetensors"
+    quantize(model, mode)
+    model.save_pretrained(directory)
+    file = directory / "model.safetensors"
     tensors = load_file(str(file))
-    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    del tensors[key]
     save_file(tensors, str(file), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight_scale' is"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "missing")
+    return directory
 
-    model = llama()
-    quantize(model, "float8")  # keeps its float weights: one of them removed
-    model.save_pretrained(tmp_path / "float8")
-    file = tmp_path / "float8" / "model.safetensors"
-    tensors = load_file(str(file))
-    del tensors["model.layers.0.mlp.up_proj.weight"]
-    save_file(tensors, str(file), metadata={"format": "pt"})
+
+def test_checkpoint_that_does_not_match_its_config_raises(tmp_path):
+    missing = _saved_without(
+        tmp_path / "missing", "int8", "model.layers.1.mlp.up_proj.weight_scale"
+    )
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight_scale' is"):
+        transformers.AutoModelForCausalLM.from_pretrained(missing)
+    # float8 keeps its float weights: one of them removed
+    float8 = _saved_without(tmp_path / "float8", "float8", "model.layers.0.mlp.up_proj.weight")
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(the"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float8")
+        transformers.AutoModelForCausalLM.from_pretrained(float8)
 
     truncated = tmp_path / "float8" / "model.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:-100])
