@@ -346,3 +346,24 @@ def test_a_keras_sequential_config_starting_with_an_input_reads_here_built():
     assert ours.built and all(layer.built for layer in ours.layers)
     assert tuple(ours.layers[0].kernel.shape) == (5, 4)
     assert ours(torch.randn(3, 5)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.DTypePolicy("mixed_float16"),
+        lambda: keras.dtype_policies.get("int8_from_mixed_bfloat16"),
+        lambda: keras.dtype_policies.get("int4/64_from_float32"),
+        lambda: keras.dtype_policies.DTypePolicyMap(
+            "mixed_bfloat16", {"dense": keras.DTypePolicy("float32")}
+        ),
+    ],
+)
+def test_a_keras_policy_object_reads_as_the_same_policy_here(make):
+    theirs = make()
+    ours = dtype_policies.get(theirs)
+    assert ours.name == theirs.name
+    if isinstance(ours, dtype_policies.DTypePolicyMap):
+        assert ours["dense"].name == "float32" and ours.default_policy.name == "mixed_bfloat16"
+    else:
+        assert ours.get_config() == theirs.get_config()

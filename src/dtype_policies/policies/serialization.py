@@ -20,8 +20,9 @@ def get(identifier: Any) -> DTypePolicy:
 
     Accepts `None` (the default policy in force), a policy or `DTypePolicyMap`
     (returned as is), a policy name (`"mixed_bfloat16"`, `"int8_from_float32"`,
-    `"int4/128_from_mixed_bfloat16"`, ...), a serialized dict, or a dtype (a
-    torch or numpy dtype, or the Python type `float`).
+    `"int4/128_from_mixed_bfloat16"`, ...), a serialized dict, a Keras 3
+    policy object (read by its config), or a dtype (a torch or numpy dtype,
+    or the Python type `float`).
 
     >>> import torch
     >>> from dtype_policies import get
@@ -42,6 +43,11 @@ def get(identifier: Any) -> DTypePolicy:
         return deserialize(identifier)
     if isinstance(identifier, str):
         return parse_policy_name(identifier)
+    cls = type(identifier)
+    if cls.__module__.startswith("keras") and cls.__name__.endswith(
+        ("DTypePolicy", "DTypePolicyMap")
+    ):  # a Keras policy object: the same policy here, by its config
+        return deserialize({"class_name": cls.__name__, "config": identifier.get_config()})
     try:
         return DTypePolicy(standardize_dtype(identifier))
     except (ValueError, TypeError):
