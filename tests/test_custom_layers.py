@@ -881,3 +881,59 @@ def test_a_call_taking_only_kwargs_is_not_given_training():
     x = torch.randn(2, 3)
     assert torch.equal(Outer()(x, training=True), torch.relu(x))  # as Keras
     assert torch.equal(Inner()(x, training=True), torch.relu(x))
+
+
+def test_training_from_a_call_signature_s_default_is_passed_on_as_keras():
+    class Block(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.drop = layers.Dropout(0.5)
+
+        def call(self, x, training=False):  # inference unless told
+            return self.drop(x)
+
+    torch.manual_seed(0)
+    block = Block()
+    block.train()
+    x = torch.ones(4, 1000)
+    assert torch.equal(block(x), x)  # Keras: the default reaches the Dropout
+    assert not torch.equal(block(x, training=True), x)
+
+
+def test_a_replay_keeps_its_forward_s_training_while_another_thread_evaluates():
+    import threading
+
+    import torch.utils.checkpoint as checkpoint
+
+    class Inner(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = layers.Dense(8)
+            self.drop = layers.Dropout(0.5)
+
+        def call(self, x):
+            return self.drop(self.dense(x))
+
+    class Block(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = Inner()
+
+        def call(self, x, training=None):
+            return checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    block = Block()
+    block.train()
+    x = torch.randn(4, 8)
+    block(x)  # built, then copied: the same weights
+    plain = copy.deepcopy(block)
+    torch.manual_seed(1)
+    out = block(x, training=True)
+    evaluation = threading.Thread(target=lambda: block(x, training=False))
+    evaluation.start()
+    evaluation.join()  # between the forward and its backward, in another thread
+    out.square().sum().backward()
+    torch.manual_seed(1)
+    plain.inner(x, training=True).square().sum().backward()
+    torch.testing.assert_close(block.inner.dense.kernel.grad, plain.inner.dense.kernel.grad)

@@ -393,3 +393,24 @@ def test_a_float8_layer_in_reentrant_checkpoints_trains_as_without_them():
     assert torch.equal(
         _state(plain)["inputs_amax_history"], _state(checkpointed)["inputs_amax_history"]
     )
+
+
+def test_a_pass_that_raised_in_another_thread_does_not_freeze_this_one():
+    import threading
+
+    layer = _dense("float32")
+    layer.train()
+
+    def failing():
+        x = torch.randn(4, 8, requires_grad=True)
+        x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("a failing hook")))
+        with pytest.raises(RuntimeError, match="a failing hook"):
+            layer(x).float().square().sum().backward()
+
+    worker = threading.Thread(target=failing)
+    worker.start()
+    worker.join()
+    for _ in range(2):
+        history = layer.inputs_amax_history.clone()
+        layer(torch.randn(4, 8)).float().square().sum().backward()
+        assert not torch.equal(history, layer.inputs_amax_history)

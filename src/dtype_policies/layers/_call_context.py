@@ -61,17 +61,22 @@ def checked_losses(loss: Any) -> list[torch.Tensor]:
     return [] if losses and _recomputing() else losses
 
 
-_TAKES_TRAINING: dict[type, bool] = {}
+_NOT_TAKEN = object()
+_TRAINING_ARGUMENT: dict[type, Any] = {}
 
 
-def takes_training(cls: type) -> bool:
-    """Whether `cls.call` takes a `training` argument (or `**kwargs`)."""
-    takes = _TAKES_TRAINING.get(cls)
-    if takes is None:
-        parameters = inspect.signature(cls.call).parameters.values()  # type: ignore[attr-defined]
-        # Keras's test: a `call(x, **kwargs)` is not given `training`
-        takes = _TAKES_TRAINING[cls] = any(p.name == "training" for p in parameters)
-    return takes
+def training_argument(cls: type) -> Any:
+    """`cls.call`'s default for its `training` argument (None when it has
+    none), or `_NOT_TAKEN` when it takes no `training` (Keras's test: a
+    `call(x, **kwargs)` is not given it)."""
+    found = _TRAINING_ARGUMENT.get(cls, _NOT_TAKEN)
+    if found is _NOT_TAKEN and cls not in _TRAINING_ARGUMENT:
+        parameter = inspect.signature(cls.call).parameters.get("training")  # type: ignore[attr-defined]
+        found = _NOT_TAKEN
+        if parameter is not None:
+            found = None if parameter.default is inspect.Parameter.empty else parameter.default
+        _TRAINING_ARGUMENT[cls] = found
+    return found
 
 
 def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None) -> Any:
@@ -81,19 +86,25 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
     and its sublayers first."""
     calls = _calls
     layers = calls.layers
-    recomputing = _recomputing()
+    # (a replay runs with gradients: under no_grad, nothing to look up)
+    recomputing = torch.is_grad_enabled() and _recomputing()
     if layers:
         if training is None:
             training = calls.training[-1]
     elif recomputing:
         # activation checkpointing replays a forward: with its `training`
         if training is None:
-            training = layer.__dict__.get("_forward_training")
+            training = layer.__dict__.get("_forward_training", {}).get(threading.get_ident())
     elif _losses_added:
         layer._clear_losses()
-    if not recomputing:
-        layer.__dict__["_forward_training"] = training
-    if training is not None and takes_training(type(layer)):
+    argument = training_argument(type(layer))
+    if training is None and argument is not _NOT_TAKEN:
+        training = argument  # Keras: the signature's default, passed on too
+    if not recomputing and not torch.compiler.is_compiling():
+        # what a replay in this thread finds: the last forward's (one per
+        # thread; under no_grad too: a reentrant checkpoint's forward runs so)
+        layer.__dict__.setdefault("_forward_training", {})[threading.get_ident()] = training
+    if training is not None and argument is not _NOT_TAKEN:
         kwargs["training"] = training
     layers.append(layer)
     calls.training.append(training)

@@ -277,7 +277,10 @@ def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
     pass schedules the step's commit for the end of that pass."""
     with _lock:
         held_step = _pending.get(module)
-        first = held_step is None
+        # another thread's held step: that thread's pass is running (its
+        # commit takes this one's maxima too) or raised (its commit was
+        # dropped): this pass commits at its end as well
+        first = held_step is None or _pending_tasks.get(module) != threading.get_ident()
         step: dict[str, torch.Tensor] = {} if held_step is None else held_step
         if first:
             _pending[module] = step
@@ -543,7 +546,8 @@ def float8_contract(
                 "kernel": kernel.detach().abs().amax().float(),
             }
         step = _CallMaxima(module, maxima)
-        _forward_outside_backward(module)
+        if not tracing():  # (a compiled forward: no stale state to look for)
+            _forward_outside_backward(module)
         if not (inputs.requires_grad or kernel.requires_grad):
             anchor = _ANCHOR  # a frozen call's backward still records its step
     x = _qdq_forward(inputs, state["inputs_scale"])
