@@ -235,7 +235,7 @@ _pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = 
 )
 """Per module, the largest absolute maxima its calls of the running backward
 pass have shown, until the pass is over (`_commit`)."""
-_pending_tasks: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+_pending_threads: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 """Per module with a pending step: the thread whose backward pass scheduled
 its commit."""
 
@@ -250,12 +250,12 @@ def _forward_outside_backward(module: torch.nn.Module) -> None:
     if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward pass
         return
     clear_backward_owner()
-    if _pending_tasks.get(module) == threading.get_ident():
+    if _pending_threads.get(module) == threading.get_ident():
         with _lock:
-            if _pending_tasks.get(module) == threading.get_ident():
+            if _pending_threads.get(module) == threading.get_ident():
                 _pending.pop(module, None)
                 _owners.pop(module, None)
-                _pending_tasks.pop(module, None)
+                _pending_threads.pop(module, None)
 
 
 _owners: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
@@ -280,11 +280,11 @@ def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
         # another thread's held step: that thread's pass is running (its
         # commit takes this one's maxima too) or raised (its commit was
         # dropped): this pass commits at its end as well
-        first = held_step is None or _pending_tasks.get(module) != threading.get_ident()
+        first = held_step is None or _pending_threads.get(module) != threading.get_ident()
         step: dict[str, torch.Tensor] = {} if held_step is None else held_step
         if first:
             _pending[module] = step
-            _pending_tasks[module] = threading.get_ident()
+            _pending_threads[module] = threading.get_ident()
             owner = backward_owner()
             if owner is not None:
                 _owners[module] = weakref.ref(owner)
@@ -317,7 +317,7 @@ def _commit(module: torch.nn.Module) -> None:
         _drop_dead()
         step = _pending.pop(module, None)
         owner = _owners.pop(module, None)
-        _pending_tasks.pop(module, None)
+        _pending_threads.pop(module, None)
         if not step:
             return
         with torch.no_grad():
@@ -407,7 +407,7 @@ def _undo_since_last_step(optimizer: Any) -> None:
                 if module is not None:
                     _pending.pop(module, None)
                     _owners.pop(module, None)
-                    _pending_tasks.pop(module, None)
+                    _pending_threads.pop(module, None)
         with torch.no_grad():
             for tensor, old in restores:
                 if tensor is not None:
