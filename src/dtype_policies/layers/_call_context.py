@@ -86,8 +86,11 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
     and its sublayers first."""
     calls = _calls
     layers = calls.layers
+    compiling = torch.compiler.is_compiling()
     # (a replay runs with gradients: under no_grad, nothing to look up)
-    recomputing = torch.is_grad_enabled() and _recomputing()
+    recomputing = (
+        not compiling and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+    )
     if layers:
         if training is None:
             training = calls.training[-1]
@@ -100,10 +103,14 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
     argument = training_argument(type(layer))
     if training is None and argument is not _NOT_TAKEN:
         training = argument  # Keras: the signature's default, passed on too
-    if not recomputing and not torch.compiler.is_compiling():
+    if not (recomputing or compiling):
         # what a replay in this thread finds: the last forward's (one per
         # thread; under no_grad too: a reentrant checkpoint's forward runs so)
-        layer.__dict__.setdefault("_forward_training", {})[threading.get_ident()] = training
+        records = layer.__dict__.get("_forward_training")
+        if records is not None:
+            records[threading.get_ident()] = training
+        elif training is not None:  # (none kept until a forward has one)
+            layer.__dict__["_forward_training"] = {threading.get_ident(): training}
     if training is not None and argument is not _NOT_TAKEN:
         kwargs["training"] = training
     layers.append(layer)
