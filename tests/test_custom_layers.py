@@ -937,3 +937,67 @@ def test_a_replay_keeps_its_forward_s_training_while_another_thread_evaluates():
     torch.manual_seed(1)
     plain.inner(x, training=True).square().sum().backward()
     torch.testing.assert_close(block.inner.dense.kernel.grad, plain.inner.dense.kernel.grad)
+
+
+def test_a_replay_in_another_thread_than_its_forward_keeps_its_training():
+    """A backward pass may run in another thread (CUDA's run in the
+    device's): the replay found no record for its thread and dropped."""
+    import threading
+
+    import torch.utils.checkpoint as checkpoint
+
+    class Inner(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.drop = layers.Dropout(0.5)
+
+        def call(self, x):
+            return self.drop(x) ** 2
+
+    class Block(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = Inner()
+
+        def call(self, x, training=None):
+            return checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+    block = Block()
+    block.train()
+    x = torch.full((2, 8), 3.0, requires_grad=True)
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.append(block(x, training=False)))
+    worker.start()
+    worker.join()
+    outputs[0].sum().backward()  # in this thread
+    assert torch.equal(x.grad, torch.full((2, 8), 6.0))
+
+
+def test_a_layer_called_from_a_backward_hook_leaves_the_forward_s_losses():
+    model = layers.Dense(4, activity_regularizer="l2")
+    out = model(torch.randn(2, 3))
+
+    def hook(grad):
+        model(grad[:, :3])  # a call during the backward pass
+
+    out.register_hook(hook)
+    assert len(model.losses) == 1
+    out.sum().backward()
+    assert len(model.losses) == 1
+
+
+def test_training_passed_by_position_is_the_call_s_own():
+    class WithDefault(Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.drop = layers.Dropout(0.5)
+
+        def call(self, x, training=False):
+            return self.drop(x)
+
+    torch.manual_seed(0)
+    layer = WithDefault()
+    layer.eval()
+    x = torch.ones(2, 1000)
+    assert not torch.equal(layer(x, True), x)  # was "got multiple values for 'training'"
+    assert torch.equal(layer(x, False), x)

@@ -66,15 +66,24 @@ _TRAINING_ARGUMENT: dict[type, Any] = {}
 
 
 def training_argument(cls: type) -> Any:
-    """`cls.call`'s default for its `training` argument (None when it has
-    none), or `_NOT_TAKEN` when it takes no `training` (Keras's test: a
-    `call(x, **kwargs)` is not given it)."""
+    """`(position, default)` of `cls.call`'s `training` argument (its index
+    among the arguments after `self`, None when keyword-only; its default,
+    None when it has none), or `_NOT_TAKEN` when it takes no `training`
+    (Keras's test: a `call(x, **kwargs)` is not given it)."""
     found = _TRAINING_ARGUMENT.get(cls, _NOT_TAKEN)
     if found is _NOT_TAKEN and cls not in _TRAINING_ARGUMENT:
-        parameter = inspect.signature(cls.call).parameters.get("training")  # type: ignore[attr-defined]
+        parameters = list(inspect.signature(cls.call).parameters.values())  # type: ignore[attr-defined]
         found = _NOT_TAKEN
-        if parameter is not None:
-            found = None if parameter.default is inspect.Parameter.empty else parameter.default
+        for index, parameter in enumerate(parameters):
+            if parameter.name == "training":
+                default = (
+                    None if parameter.default is inspect.Parameter.empty else parameter.default
+                )
+                positional = parameter.kind in (
+                    inspect.Parameter.POSITIONAL_ONLY,
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                )
+                found = (index - 1 if positional else None, default)
         _TRAINING_ARGUMENT[cls] = found
     return found
 
@@ -87,31 +96,35 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
     calls = _calls
     layers = calls.layers
     compiling = torch.compiler.is_compiling()
-    # (a replay runs with gradients: under no_grad, nothing to look up)
-    recomputing = (
-        not compiling and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-    )
+    # a call while a backward pass runs: a checkpoint's replay, or a hook's
+    recomputing = not compiling and torch._C._current_graph_task_id() != -1
+    argument = training_argument(type(layer))
+    given = argument is not _NOT_TAKEN and argument[0] is not None and len(args) > argument[0]
+    if given:
+        training = args[argument[0]]  # passed by position: the caller's own
     if layers:
         if training is None:
             training = calls.training[-1]
     elif recomputing:
         # activation checkpointing replays a forward: with its `training`
-        if training is None:
-            training = layer.__dict__.get("_forward_training", {}).get(threading.get_ident())
+        # (its thread's last forward's; else the last forward's of any
+        # thread: a backward pass may run in another thread, a device's)
+        records = layer.__dict__.get("_forward_training")
+        if training is None and records is not None:
+            training = records.get(threading.get_ident(), records.get(None))
     elif _losses_added:
         layer._clear_losses()
-    argument = training_argument(type(layer))
     if training is None and argument is not _NOT_TAKEN:
-        training = argument  # Keras: the signature's default, passed on too
+        training = argument[1]  # Keras: the signature's default, passed on too
     if not (recomputing or compiling):
-        # what a replay in this thread finds: the last forward's (one per
-        # thread; under no_grad too: a reentrant checkpoint's forward runs so)
+        # what a replay finds (under no_grad too: a reentrant checkpoint's
+        # forward runs so)
         records = layer.__dict__.get("_forward_training")
+        if records is None and training is not None:  # (none kept until one has one)
+            records = layer.__dict__["_forward_training"] = {}
         if records is not None:
-            records[threading.get_ident()] = training
-        elif training is not None:  # (none kept until a forward has one)
-            layer.__dict__["_forward_training"] = {threading.get_ident(): training}
-    if training is not None and argument is not _NOT_TAKEN:
+            records[threading.get_ident()] = records[None] = training
+    if training is not None and argument is not _NOT_TAKEN and not given:
         kwargs["training"] = training
     layers.append(layer)
     calls.training.append(training)
