@@ -832,24 +832,27 @@ def test_training_reaches_the_layers_a_call_makes_without_one():
     assert torch.equal(model.block(x, training=False), x)  # its own beats none
 
 
+class _SquaredDropout(Layer):
+    """A Dropout whose `training` comes from the call context, squared."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = layers.Dropout(0.5)
+
+    def call(self, x):
+        return self.drop(x) ** 2
+
+
 def test_a_checkpointed_replay_keeps_the_training_of_its_forward():
     """The replay runs outside the layer calls that passed `training` on: a
     Dropout given `training=False` in the forward dropped in the replay (the
     gradients belonged to another forward)."""
     import torch.utils.checkpoint as checkpoint
 
-    class Sub(Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.drop = layers.Dropout(0.5)
-
-        def call(self, x):
-            return self.drop(x) ** 2
-
     class Outer(Layer):
         def __init__(self, reentrant, **kwargs):
             super().__init__(**kwargs)
-            self.sub, self.reentrant = Sub(), reentrant
+            self.sub, self.reentrant = _SquaredDropout(), reentrant
 
         def call(self, x, training=None):
             return checkpoint.checkpoint(self.sub, x, use_reentrant=self.reentrant)
@@ -946,18 +949,10 @@ def test_a_replay_in_another_thread_than_its_forward_keeps_its_training():
 
     import torch.utils.checkpoint as checkpoint
 
-    class Inner(Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.drop = layers.Dropout(0.5)
-
-        def call(self, x):
-            return self.drop(x) ** 2
-
     class Block(Layer):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.inner = Inner()
+            self.inner = _SquaredDropout()
 
         def call(self, x, training=None):
             return checkpoint.checkpoint(self.inner, x, use_reentrant=False)
