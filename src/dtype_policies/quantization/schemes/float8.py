@@ -229,15 +229,23 @@ class _CallMaxima:
         self.maxima = maxima
 
 
+class _PendingStep:
+    """A module's step in the running backward pass: the largest absolute
+    maxima its calls have shown, the thread whose pass scheduled the commit,
+    and the optimizer whose scaled loss the pass started from
+    (`listeners.backward_owner`; None: no loss scaler's)."""
+
+    __slots__ = ("maxima", "owner", "thread")
+
+    def __init__(self, thread: int, owner: weakref.ref | None) -> None:
+        self.maxima: dict[str, torch.Tensor] = {}
+        self.thread = thread
+        self.owner = owner
+
+
 _lock = threading.Lock()
-_pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per module, the largest absolute maxima its calls of the running backward
-pass have shown, until the pass is over (`_commit`)."""
-_pending_threads: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-"""Per module with a pending step: the thread whose backward pass scheduled
-its commit."""
+_pending: weakref.WeakKeyDictionary[torch.nn.Module, _PendingStep] = weakref.WeakKeyDictionary()
+"""Per module, its step until the pass is over (`_commit`)."""
 
 
 def _forward_outside_backward(module: torch.nn.Module) -> None:
@@ -250,17 +258,13 @@ def _forward_outside_backward(module: torch.nn.Module) -> None:
     if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward pass
         return
     clear_backward_owner()
-    if _pending_threads.get(module) == threading.get_ident():
+    held = _pending.get(module)
+    if held is not None and held.thread == threading.get_ident():
         with _lock:
-            if _pending_threads.get(module) == threading.get_ident():
-                _pending.pop(module, None)
-                _owners.pop(module, None)
-                _pending_threads.pop(module, None)
+            if _pending.get(module) is held:
+                del _pending[module]
 
 
-_owners: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
-"""Per module with a pending step: the optimizer whose scaled loss the
-backward pass started from (`listeners.backward_owner`), if any."""
 _undo: dict[int, tuple[weakref.ref, torch.Tensor, weakref.ref, weakref.ref | None]] = {}
 """Per state buffer (by id): the buffer, its value before the first commit
 since the last step of an optimizer of its module (what a skipped step
@@ -275,24 +279,24 @@ an iteration over `_undo` too), so it only appends here."""
 def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
     """Adds one call's maxima to `module`'s step; the first call of a backward
     pass schedules the step's commit for the end of that pass."""
+    thread = threading.get_ident()
     with _lock:
         held_step = _pending.get(module)
         # another thread's held step: that thread's pass is running (its
         # commit takes this one's maxima too) or raised (its commit was
         # dropped): this pass commits at its end as well
-        first = held_step is None or _pending_threads.get(module) != threading.get_ident()
-        step: dict[str, torch.Tensor] = {} if held_step is None else held_step
+        first = held_step is None or held_step.thread != thread
         if first:
-            _pending[module] = step
-            _pending_threads[module] = threading.get_ident()
             owner = backward_owner()
-            if owner is not None:
-                _owners[module] = weakref.ref(owner)
-            else:
-                _owners.pop(module, None)
+            step = _PendingStep(thread, None if owner is None else weakref.ref(owner))
+            if held_step is not None:
+                step.maxima = held_step.maxima
+            _pending[module] = step
+        else:
+            step = held_step
         for name, amax in maxima.items():
-            held = step.get(name)
-            step[name] = amax if held is None else torch.maximum(held, amax)
+            held = step.maxima.get(name)
+            step.maxima[name] = amax if held is None else torch.maximum(held, amax)
     if first:
         _commit_after_backward(lambda: _commit(module))
 
@@ -315,11 +319,10 @@ def _commit(module: torch.nn.Module) -> None:
     changes neither)."""
     with _lock:
         _drop_dead()
-        step = _pending.pop(module, None)
-        owner = _owners.pop(module, None)
-        _pending_threads.pop(module, None)
-        if not step:
+        pending = _pending.pop(module, None)
+        if pending is None or not pending.maxima:
             return
+        step, owner = pending.maxima, pending.owner
         with torch.no_grad():
             for name, fmt_max in _STATE_FORMATS:
                 amax = step.get(name)
@@ -406,8 +409,6 @@ def _undo_since_last_step(optimizer: Any) -> None:
                 module = record[2]()
                 if module is not None:
                     _pending.pop(module, None)
-                    _owners.pop(module, None)
-                    _pending_threads.pop(module, None)
         with torch.no_grad():
             for tensor, old in restores:
                 if tensor is not None:
