@@ -843,23 +843,27 @@ class _SquaredDropout(Layer):
         return self.drop(x) ** 2
 
 
+class _Checkpointed(Layer):
+    """`inner` under activation checkpointing: its replay runs outside the
+    layer calls that passed `training` on."""
+
+    def __init__(self, inner, reentrant=False, **kwargs):
+        super().__init__(**kwargs)
+        self.inner, self.reentrant = inner, reentrant
+
+    def call(self, x, training=None):
+        import torch.utils.checkpoint as checkpoint
+
+        return checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
 def test_a_checkpointed_replay_keeps_the_training_of_its_forward():
     """The replay runs outside the layer calls that passed `training` on: a
     Dropout given `training=False` in the forward dropped in the replay (the
     gradients belonged to another forward)."""
-    import torch.utils.checkpoint as checkpoint
-
-    class Outer(Layer):
-        def __init__(self, reentrant, **kwargs):
-            super().__init__(**kwargs)
-            self.sub, self.reentrant = _SquaredDropout(), reentrant
-
-        def call(self, x, training=None):
-            return checkpoint.checkpoint(self.sub, x, use_reentrant=self.reentrant)
-
     for reentrant in (False, True):
         torch.manual_seed(0)
-        model = Outer(reentrant)
+        model = _Checkpointed(_SquaredDropout(), reentrant)
         model.train()
         x = torch.full((2, 8), 3.0, requires_grad=True)
         out = model(x, training=False)
@@ -906,8 +910,6 @@ def test_training_from_a_call_signature_s_default_is_passed_on_as_keras():
 def test_a_replay_keeps_its_forward_s_training_while_another_thread_evaluates():
     import threading
 
-    import torch.utils.checkpoint as checkpoint
-
     class Inner(Layer):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -917,16 +919,8 @@ def test_a_replay_keeps_its_forward_s_training_while_another_thread_evaluates():
         def call(self, x):
             return self.drop(self.dense(x))
 
-    class Block(Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.inner = Inner()
-
-        def call(self, x, training=None):
-            return checkpoint.checkpoint(self.inner, x, use_reentrant=False)
-
     torch.manual_seed(0)
-    block = Block()
+    block = _Checkpointed(Inner())
     block.train()
     x = torch.randn(4, 8)
     block(x)  # built, then copied: the same weights
@@ -947,17 +941,7 @@ def test_a_replay_in_another_thread_than_its_forward_keeps_its_training():
     device's): the replay found no record for its thread and dropped."""
     import threading
 
-    import torch.utils.checkpoint as checkpoint
-
-    class Block(Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.inner = _SquaredDropout()
-
-        def call(self, x, training=None):
-            return checkpoint.checkpoint(self.inner, x, use_reentrant=False)
-
-    block = Block()
+    block = _Checkpointed(_SquaredDropout())
     block.train()
     x = torch.full((2, 8), 3.0, requires_grad=True)
     outputs = []
