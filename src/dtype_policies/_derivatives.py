@@ -49,6 +49,13 @@ def functorch_active() -> bool:
     return not _is_compiling() and _functorch_interpreter() is not None
 
 
+def backward_running() -> bool:
+    """Whether autograd's engine runs a backward pass in this thread: a
+    module called now is activation checkpointing's replay of a forward (or
+    a hook's call). Under `torch.compile`, never."""
+    return not _is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def transform_active() -> bool:
     """Whether forward mode or a `torch.func` transform may ask for
     derivatives (or batch) whatever this call computes."""

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from dtype_policies._derivatives import backward_running
+
 
 class _ThreadCalls(threading.local):
     def __init__(self) -> None:
@@ -39,13 +41,6 @@ _calls = _ThreadCalls()
 _losses_added: list[bool] = []  # not empty once any layer added a loss
 
 
-def _recomputing() -> bool:
-    """Whether a backward pass is running in this thread: a layer called
-    then is activation checkpointing's recomputation of a forward whose
-    losses were taken already (or a call from a backward hook)."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
-
-
 def checked_losses(loss: Any) -> list[torch.Tensor]:
     """The tensors of `loss` (a tensor or a nested structure of them) to
     keep: none while a backward pass recomputes a forward."""
@@ -58,7 +53,8 @@ def checked_losses(loss: Any) -> list[torch.Tensor]:
             )
     if losses and not _losses_added:
         _losses_added.append(True)
-    return [] if losses and _recomputing() else losses
+    # a replayed forward's losses were taken by the forward it repeats
+    return [] if losses and backward_running() else losses
 
 
 _NOT_TAKEN = object()
@@ -95,9 +91,8 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
     and its sublayers first."""
     calls = _calls
     layers = calls.layers
-    compiling = torch.compiler.is_compiling()
     # a call while a backward pass runs: a checkpoint's replay, or a hook's
-    recomputing = not compiling and torch._C._current_graph_task_id() != -1
+    recomputing = backward_running()
     argument = training_argument(type(layer))
     given = argument is not _NOT_TAKEN and argument[0] is not None and len(args) > argument[0]
     if given:
@@ -116,7 +111,7 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
         layer._clear_losses()
     if training is None and argument is not _NOT_TAKEN:
         training = argument[1]  # Keras: the signature's default, passed on too
-    if not (recomputing or compiling):
+    if not recomputing and not torch.compiler.is_compiling():
         # what a replay finds (under no_grad too: a reentrant checkpoint's
         # forward runs so)
         records = layer.__dict__.get("_forward_training")

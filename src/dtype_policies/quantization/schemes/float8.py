@@ -50,7 +50,12 @@ from dtype_policies._core.listeners import (
     clear_backward_owner,
 )
 from dtype_policies._core.module_state import state_of
-from dtype_policies._derivatives import derivative_free, functorch_active, transform_active
+from dtype_policies._derivatives import (
+    backward_running,
+    derivative_free,
+    functorch_active,
+    transform_active,
+)
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
 from dtype_policies.quantization.kernels.float8 import float8_kernel, float8_linear
@@ -255,7 +260,7 @@ def _forward_outside_backward(module: torch.nn.Module) -> None:
     queued in it: the commit of `module`'s step (which would then never be
     scheduled again: its scales would stay) and the end of a loss scaler's
     mark (which would claim later passes)."""
-    if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward pass
+    if backward_running():  # a recomputation inside a backward pass
         return
     clear_backward_owner()
     held = _pending.get(module)
