@@ -290,15 +290,15 @@ def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
         # another thread's held step: that thread's pass is running (its
         # commit takes this one's maxima too) or raised (its commit was
         # dropped): this pass commits at its end as well
-        first = held_step is None or held_step.thread != thread
-        if first:
+        if held_step is not None and held_step.thread == thread:
+            step = held_step
+        else:
             owner = backward_owner()
             step = _PendingStep(thread, None if owner is None else weakref.ref(owner))
             if held_step is not None:
                 step.maxima = held_step.maxima
             _pending[module] = step
-        else:
-            step = held_step
+        first = step is not held_step
         for name, amax in maxima.items():
             held = step.maxima.get(name)
             step.maxima[name] = amax if held is None else torch.maximum(held, amax)
