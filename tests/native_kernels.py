@@ -13,11 +13,11 @@ assert int8_native.KERNEL == KERNEL, "the int4 and int8 kernels share one librar
 
 RUNS_HERE = (
     _cpu.processor().architecture == "x86_64"
-    and {"avx2", "fma"} <= _cpu.hardware_flags()
+    and {"avx2", "fma", "f16c"} <= _cpu.hardware_flags()
     and native.enabled()
     and native.library(KERNEL) is not None
 )
-"""x86 with AVX2 and FMA, native kernels enabled, and the library built."""
+"""x86 with AVX2, FMA and F16C, native kernels enabled, and the library built."""
 
 VNNI_HERE = RUNS_HERE and {"avx512_vnni", "avx512vl"} <= _cpu.hardware_flags()
 """The kernels' AVX-512 VNNI copies run here too."""

@@ -12,6 +12,7 @@ choose is the processor's business (`int4.cpu_kernel`), tested at the end.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import pytest
@@ -30,7 +31,7 @@ from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.schemes.base import WeightSpec
 from dtype_policies.quantization.schemes.int4 import Int4Scheme
 from dtype_policies.quantizers.math import unpack_int4
-from native_kernels import RUNS_HERE, needs_kernel, needs_vnni
+from native_kernels import RUNS_HERE, VNNI_HERE, needs_kernel, needs_vnni
 
 
 def _weights(n: int, k: int, block: int, seed: int):
@@ -126,7 +127,9 @@ def test_kernels_keep_the_float32_scales_and_offsets(block, w4a8):
     rounding: a weight of exactly 0 contributes nothing however large its
     input, and groups centred at 100 keep their own quantization error. (With
     the offsets rounded to bfloat16 the zero column gave 1.6e-3 of its input
-    and the far groups moved by up to 0.5, 200x their quantization error.)"""
+    and the far groups moved by up to 0.5, 200x their quantization error.)
+    W4A8 keeps such a weight's scales and offsets in float32: float16 would
+    move its far groups by far more than 1/64 of their step."""
     n, k = 16, 256
     q, scale, zero, dequantized = _zero_column_and_far_groups(n, k, block)
     assert (dequantized[: n // 2, 5] == 0).all()
@@ -135,6 +138,7 @@ def test_kernels_keep_the_float32_scales_and_offsets(block, w4a8):
     runtime.refresh(q, scale, zero, block, (q,), activation_block_size=activation_block_size,
                     kernel="native_q8" if w4a8 else "native")  # fmt: skip
     plan = runtime.plan
+    assert not plan.half_pairs and plan.scales_and_zeros.dtype == torch.float32
     decoded_weight = int4_native.decode(
         plan.packed, plan.scales_and_zeros, plan.layout.group, q8=w4a8
     )
@@ -314,11 +318,19 @@ def test_a_failed_build_warns_once_and_keeps_torchs_kernel(monkeypatch, tmp_path
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
 
 
-@pytest.mark.parametrize("pack", [int4_native.pack, int4_native.pack_q8])
+@pytest.mark.parametrize(
+    "pack",
+    [
+        int4_native.pack,
+        functools.partial(int4_native.pack_q8, half=False),
+        functools.partial(int4_native.pack_q8, half=True),
+    ],
+)
 def test_packing_is_ops_on_the_stored_tensors_only(pack):
     """A frozen compiled graph folds the packing into constants only when every
     op of it reads a stored tensor (a tensor constructor stops the folding, and
-    the packing then runs on every call)."""
+    the packing then runs on every call). A traced W4A8 packing is told the
+    eager plan's choice of float16 pairs (deciding it reads the values)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     q, scale, zero = _weights(30, 96, 32, seed=5)  # N not a multiple of 8 (W4A8 pads it)
@@ -555,12 +567,15 @@ def test_w4a8_config_round_trips_and_is_part_of_the_identity():
     k=st.integers(1, 200),
     group=st.sampled_from([32, 64, 128]),
     seed=st.integers(0, 2**16),
+    half=st.booleans(),
 )
-def test_the_w4a8_vnni_copy_gives_the_avx2_values_bit_for_bit(rows, n, k, group, seed):
+def test_the_w4a8_vnni_copy_gives_the_avx2_values_bit_for_bit(rows, n, k, group, seed, half):
     """vpdpbusd on the unsigned nibbles, 4 rows per weight load: the same
-    integer sums, the same float operations in the same order."""
+    integer sums, the same float operations in the same order; with float32
+    or float16 scales and offsets."""
     q, scale, zero = _weights(n, k, group, seed)
-    packed, pairs = int4_native.pack_q8(q, scale, zero, group)
+    packed, pairs = int4_native.pack_q8(q, scale, zero, group, half)
+    assert pairs.dtype == (torch.float16 if half else torch.float32)
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, k, generator=generator) * 4).bfloat16()
     if rows > 3:
@@ -571,6 +586,36 @@ def test_the_w4a8_vnni_copy_gives_the_avx2_values_bit_for_bit(rows, n, k, group,
     assert avx2.dtype == vnni.dtype == torch.bfloat16 and vnni.shape == (rows, n)
     assert torch.equal(avx2.isnan(), vnni.isnan())
     assert torch.equal(avx2.nan_to_num(), vnni.nan_to_num())
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "block"), [(40, 576, 32), (24, 1536, 32), (17, 576, 128)])
+def test_w4a8_float16_pairs_compute_their_values_within_a_64th_of_a_step(n, k, block):
+    """Trained-like grids take float16 scales and offsets; the products are
+    bit for bit those of float32 pairs holding the same values (every copy,
+    every row count), and no weight moves by more than 1/64 of its group's
+    step from Keras's `(q - zero) * scale`."""
+    q, scale, zero = _weights(n, k, block, seed=n + k)
+    plan = _q8_plan(q, scale, zero, block)
+    assert plan.half_pairs and plan.scales_and_zeros.dtype == torch.float16
+    wide = int4_kernels._pack(q, scale, zero, block, None, "native_q8", half_pairs=False)
+    assert wide.scales_and_zeros.dtype == torch.float32
+    assert torch.equal(wide.packed, plan.packed)
+    ops = torch.ops.dtype_policies
+    suffixes = ["avx2", "vnni"] if VNNI_HERE else ["avx2"]
+    pairs32 = plan.scales_and_zeros.float()
+    for rows in (1, 3, 5, 130):
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).bfloat16()
+        for suffix in suffixes:
+            product = getattr(ops, f"int4_mm_q8_{suffix}")
+            half = product(x, plan.packed, plan.scales_and_zeros, plan.layout.group, n)
+            assert torch.equal(half, product(x, plan.packed, pairs32, plan.layout.group, n))
+    group = plan.layout.group
+    decoded = int4_native.decode(plan.packed, plan.scales_and_zeros, group, q8=True)[:n, :k]
+    exact = int4_native.decode(wide.packed, wide.scales_and_zeros, group, q8=True)[:n, :k]
+    step = scale.double()[torch.arange(k) // block].t()
+    moved = (decoded.double() - exact.double()).abs()
+    assert (moved <= step / 64).all() and moved.max() > 0
 
 
 @needs_kernel

@@ -66,7 +66,7 @@ class KernelSource:
 
     def supports(self, cpu: Processor) -> bool:
         x86 = cpu.architecture in ("x86_64", "AMD64")
-        if self.name == "avx2":  # AVX2 and FMA (the callers choose per class)
+        if self.name == "avx2":  # AVX2, FMA and F16C (the callers choose per class)
             return x86 and "avx2" in cpu.features and _has_fma()
         if self.name == "attention_bf16":  # vdpbf16ps
             # With AMX, torch's flash kernel multiplies bfloat16 on its tiles:
@@ -79,7 +79,7 @@ KERNELS: dict[str, KernelSource] = {
     "avx2": KernelSource(
         "avx2",
         ("bf16_avx2.cpp", "int4_avx2.cpp", "int4_ops.cpp", "int8_avx2.cpp"),
-        ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"),
+        ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"),
     ),
     # a library of its own, so that a compiler without AVX-512 bfloat16
     # support costs only this kernel
@@ -93,8 +93,11 @@ _fma: list[bool] = []  # read once; a plain global, so that compiled graphs trac
 
 
 def _has_fma() -> bool:
+    """FMA and F16C (every x86 CPU with AVX2 and FMA has F16C: the W4A8
+    kernel reads float16 scales with it)."""
     if not _fma:
-        _fma.append("fma" in hardware_flags())
+        flags = hardware_flags()
+        _fma.append("fma" in flags and "f16c" in flags)
     return _fma[0]
 
 

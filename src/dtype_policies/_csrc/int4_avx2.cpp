@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "vnni_target.h"
 
 // int8_avx2.cpp: the W4A8 product on AMX tiles (int4_amx.inc); 1 where the tiles
@@ -230,10 +232,18 @@ extern "C" int dtype_policies_int4_mm_bf16(const uint16_t* x, int64_t m, int64_t
 //   packed [ceil(N / 8), Kp / 32, 4, 8, 4] bytes, Kp a multiple of 32: for
 //     column block c8, input block b, byte [j, c, t] holds u[8 c8 + c][32 b + 4 j + t]
 //     in its low nibble and u[8 c8 + c][32 b + 4 (j + 4) + t] in its high one;
-//   pairs [ceil(N / 8), G, 2, 8] float32: the 8 columns' scales s, then offsets z,
-//     per group; group a power of two, at least 32.
+//   pairs [ceil(N / 8), G, 2, 8] float32 or float16 (`Pair`: int4_native.pack_q8
+//     takes float16 where it moves no weight by more than 1/64 of its group's step,
+//     reading a sixth fewer bytes per weight): the 8 columns' scales s, then
+//     offsets z, per group; group a power of two, at least 32.
 
 namespace {
+
+// 8 lanes of a W4A8 layout's pairs, as float32 (float16 converts exactly).
+inline __m256 load_pairs8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_pairs8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 struct RoundedInputs {
   int8_t* q;      // [m, kp]
@@ -336,8 +346,9 @@ inline void prefetch_ahead(const uint8_t* w) {
 }
 
 // One row times the 8 columns of block c8: their 8 sums, in the lanes of one register.
+template <typename Pair>
 inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, const uint8_t* tile,
-                          const float* pairs, int64_t groups, int group_shift) {
+                          const Pair* pairs, int64_t groups, int group_shift) {
   const int64_t blocks = kp / 32;
   const int8_t* xq = in.q + row * kp;
   const float* d = in.d + row * blocks;
@@ -359,13 +370,13 @@ inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, cons
       sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(hi_inputs)));
     }
     const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
-    const __m256 s = _mm256_loadu_ps(pairs + 16 * (b >> group_shift));
+    const __m256 s = load_pairs8(pairs + 16 * (b >> group_shift));
     acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_broadcast_ss(d + b)), acc);
   }
   const float* sums = in.sums + row * groups;
   const __m256 eight = _mm256_set1_ps(8.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256 s = _mm256_loadu_ps(pairs + 16 * g), z = _mm256_loadu_ps(pairs + 16 * g + 8);
+    const __m256 s = load_pairs8(pairs + 16 * g), z = load_pairs8(pairs + 16 * g + 8);
     acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), _mm256_broadcast_ss(sums + g), acc);
   }
   return acc;
@@ -378,9 +389,9 @@ inline __m256 q8_columns8(const RoundedInputs& in, int64_t row, int64_t kp, cons
 // q8_columns8, so the same values bit for bit. Compiled for AVX-512 VNNI after
 // every header; called only from dtype_policies_int4_mm_q8_vnni.
 DTYPE_POLICIES_VNNI_BEGIN
-template <int rows>
+template <int rows, typename Pair>
 void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const uint8_t* tile,
-                      const float* pairs, int64_t groups, int group_shift, float (*out)[8]) {
+                      const Pair* pairs, int64_t groups, int group_shift, float (*out)[8]) {
   const int64_t blocks = kp / 32;
   const __m256i mask = _mm256_set1_epi8(0x0f);
   __m256 acc[rows];
@@ -403,7 +414,7 @@ void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const ui
         dot[r] = _mm256_dpbusd_epi32(dot[r], hi, _mm256_set1_epi32(hi_inputs));
       }
     }
-    const __m256 s = _mm256_loadu_ps(pairs + 16 * (b >> group_shift));
+    const __m256 s = load_pairs8(pairs + 16 * (b >> group_shift));
     for (int r = 0; r < rows; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
                                _mm256_mul_ps(s, _mm256_broadcast_ss(in.d + (row + r) * blocks + b)),
@@ -411,7 +422,7 @@ void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const ui
   }
   const __m256 eight = _mm256_set1_ps(8.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256 s = _mm256_loadu_ps(pairs + 16 * g), z = _mm256_loadu_ps(pairs + 16 * g + 8);
+    const __m256 s = load_pairs8(pairs + 16 * g), z = load_pairs8(pairs + 16 * g + 8);
     const __m256 shift = _mm256_fnmadd_ps(eight, s, z);
     for (int r = 0; r < rows; ++r)
       acc[r] = _mm256_fmadd_ps(shift, _mm256_broadcast_ss(in.sums + (row + r) * groups + g), acc[r]);
@@ -421,8 +432,9 @@ void q8_columns8_vnni(const RoundedInputs& in, int64_t row, int64_t kp, const ui
 DTYPE_POLICIES_VNNI_END
 
 // One row chunk (rows 1..4) of the VNNI copy: the columns' sums into out.
+template <typename Pair>
 void q8_rows_vnni(const RoundedInputs& in, int64_t row, int64_t rows, int64_t kp, const uint8_t* tile,
-                  const float* pairs, int64_t groups, int group_shift, float (*out)[8]) {
+                  const Pair* pairs, int64_t groups, int group_shift, float (*out)[8]) {
   switch (rows) {
     case 4: q8_columns8_vnni<4>(in, row, kp, tile, pairs, groups, group_shift, out); break;
     case 3: q8_columns8_vnni<3>(in, row, kp, tile, pairs, groups, group_shift, out); break;
@@ -433,8 +445,10 @@ void q8_rows_vnni(const RoundedInputs& in, int64_t row, int64_t rows, int64_t kp
 
 enum class Q8Copy { avx2, vnni, amx };
 
-// The body of dtype_policies_int4_mm_q8 and its VNNI and AMX copies.
-int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, const float* sz,
+// The body of dtype_policies_int4_mm_q8 and its VNNI and AMX copies (the AMX
+// tiles read float32 pairs only).
+template <typename Pair>
+int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, const Pair* sz,
                int64_t kp, int64_t group, uint16_t* y, int64_t n, int threads, Q8Copy copy) {
   if (m <= 0 || n <= 0) return 0;
   if (kp % 32 != 0 || group < 32 || (group & (group - 1)) != 0 || k > kp) return 1;
@@ -467,8 +481,10 @@ int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, c
   bool all_finite = true;
   for (int64_t r = 0; r < m; ++r) all_finite = all_finite && finite[r];
   if (copy == Q8Copy::amx) {
-    const int status = dtype_policies_int4_mm_q8_tiles(in.q, in.d, in.sums, m, kp, packed, sz, groups,
-                                                       group_shift, y, n, threads);
+    int status = 1;
+    if constexpr (std::is_same_v<Pair, float>)
+      status = dtype_policies_int4_mm_q8_tiles(in.q, in.d, in.sums, m, kp, packed, sz, groups,
+                                               group_shift, y, n, threads);
     if (status == 2) {
       free(memory);
       return 2;
@@ -479,7 +495,7 @@ int int4_mm_q8(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, c
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t c8 = 0; c8 < column_blocks; ++c8) {
       const uint8_t* tile = packed + c8 * blocks * 128;
-      const float* pairs = sz + c8 * groups * 16;
+      const Pair* pairs = sz + c8 * groups * 16;
       const int64_t columns = n - 8 * c8 < 8 ? n - 8 * c8 : 8;
       if (copy == Q8Copy::vnni) {
         for (int64_t r = 0; r < m; r += 4) {
@@ -518,6 +534,19 @@ extern "C" int dtype_policies_int4_mm_q8(const uint16_t* x, int64_t m, int64_t k
 extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t* x, int64_t m, int64_t k,
                                               const uint8_t* packed, const float* sz, int64_t kp,
                                               int64_t group, uint16_t* y, int64_t n, int threads) {
+  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, Q8Copy::vnni);
+}
+
+// The AVX2 and VNNI products of a layout whose pairs are float16 (`sz`: their bits).
+extern "C" int dtype_policies_int4_mm_q8_h(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed,
+                                           const uint16_t* sz, int64_t kp, int64_t group, uint16_t* y,
+                                           int64_t n, int threads) {
+  return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, Q8Copy::avx2);
+}
+
+extern "C" int dtype_policies_int4_mm_q8_vnni_h(const uint16_t* x, int64_t m, int64_t k,
+                                                const uint8_t* packed, const uint16_t* sz, int64_t kp,
+                                                int64_t group, uint16_t* y, int64_t n, int threads) {
   return int4_mm_q8(x, m, k, packed, sz, kp, group, y, n, threads, Q8Copy::vnni);
 }
 

@@ -12,7 +12,8 @@
 //     packed int4 weight decoded chunk by chunk into bfloat16, each chunk one GEMM
 // x: (M, K) bfloat16; weight-only: packed (N, Kp / 2) uint8, pairs (N, G, 2)
 // float32; W4A8: packed (ceil(N / 8), Kp * 4) uint8, pairs (ceil(N / 8), G, 16)
-// float32 (int4_avx2.cpp has the layouts); int4_packed_decoded_mm reads torch's
+// float32 or float16 (the AMX copy and the decoder take float16 pairs as their
+// float32 values) (int4_avx2.cpp has the layouts); int4_packed_decoded_mm reads torch's
 // packing and its bfloat16 pairs. The decoders write (N, Kp) float32
 // (W4A8: out's rows give N).
 #include <ATen/Parallel.h>
@@ -32,6 +33,12 @@ extern "C" int dtype_policies_int4_mm_q8(const uint16_t*, int64_t, int64_t, cons
 extern "C" int dtype_policies_int4_mm_q8_vnni(const uint16_t*, int64_t, int64_t, const uint8_t*,
                                               const float*, int64_t, int64_t, uint16_t*, int64_t,
                                               int);
+extern "C" int dtype_policies_int4_mm_q8_h(const uint16_t*, int64_t, int64_t, const uint8_t*,
+                                           const uint16_t*, int64_t, int64_t, uint16_t*, int64_t,
+                                           int);
+extern "C" int dtype_policies_int4_mm_q8_vnni_h(const uint16_t*, int64_t, int64_t, const uint8_t*,
+                                                const uint16_t*, int64_t, int64_t, uint16_t*,
+                                                int64_t, int);
 extern "C" int dtype_policies_int4_mm_q8_amx(const uint16_t*, int64_t, int64_t, const uint8_t*,
                                              const float*, int64_t, int64_t, uint16_t*, int64_t,
                                              int);
@@ -73,20 +80,27 @@ int64_t checked_kp(const char* name, const at::Tensor& packed, const at::Tensor&
               name, ": expected Kp a multiple of ", multiple, ", a group that is a power of two ",
               "from 32, and a packed weight for n=", n, "; got Kp=", kp, ", group=", group,
               ", packed ", packed.sizes());
-  TORCH_CHECK(pairs.dim() == 3 && pairs.scalar_type() == at::kFloat && pairs.is_contiguous() &&
+  const bool dtype_ok =
+      pairs.scalar_type() == at::kFloat || (q8 && pairs.scalar_type() == at::kHalf);
+  TORCH_CHECK(pairs.dim() == 3 && dtype_ok && pairs.is_contiguous() &&
                   pairs.size(0) == rows && pairs.size(1) == (kp + group - 1) / group &&
                   pairs.size(2) == per_group,
               name, ": pairs must be a contiguous (", rows, ", ", (kp + group - 1) / group, ", ",
-              per_group, ") float32 tensor, got ", pairs.scalar_type(), " of shape ",
-              pairs.sizes());
+              per_group, ") float32", q8 ? " or float16" : "", " tensor, got ",
+              pairs.scalar_type(), " of shape ", pairs.sizes());
   return kp;
 }
 
 using Product = int (*)(const uint16_t*, int64_t, int64_t, const uint8_t*, const float*,
                         int64_t, int64_t, uint16_t*, int64_t, int);
+using HalfProduct = int (*)(const uint16_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,
+                            int64_t, int64_t, uint16_t*, int64_t, int);
 
+// `product` on float32 pairs, `half_product` on float16 ones; without it,
+// float16 pairs go to `product` as their float32 values (the same results).
 at::Tensor run_product(Product product, const char* name, bool q8, const at::Tensor& x_in,
-                       const at::Tensor& packed, const at::Tensor& pairs, int64_t group, int64_t n) {
+                       const at::Tensor& packed, const at::Tensor& pairs, int64_t group, int64_t n,
+                       HalfProduct half_product = nullptr) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               name, ": x must be a 2-D bfloat16 tensor, got ", x_in.scalar_type(), " of shape ",
               x_in.sizes());
@@ -95,10 +109,19 @@ at::Tensor run_product(Product product, const char* name, bool q8, const at::Ten
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k <= kp, name, ": x has K=", k, " inputs, more than the weight's Kp=", kp);
   at::Tensor y = at::empty({m, n}, x.options());
-  const int status = product(reinterpret_cast<const uint16_t*>(x.data_ptr()), m, k,
-                             packed.data_ptr<uint8_t>(),
-                             pairs.data_ptr<float>(), kp, group,
-                             reinterpret_cast<uint16_t*>(y.data_ptr()), n, threads_for(n * kp));
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int threads = threads_for(n * kp);
+  int status;
+  if (pairs.scalar_type() == at::kHalf && half_product != nullptr) {
+    status = half_product(xs, m, k, packed.data_ptr<uint8_t>(),
+                          reinterpret_cast<const uint16_t*>(pairs.data_ptr()), kp, group, ys, n,
+                          threads);
+  } else {
+    const at::Tensor wide = pairs.to(at::kFloat);
+    status = product(xs, m, k, packed.data_ptr<uint8_t>(), wide.data_ptr<float>(), kp, group, ys,
+                     n, threads);
+  }
   TORCH_CHECK(status == 0, name, " failed (status ", status, ": ",
               status == 2 ? "out of memory" : "rejected its arguments", ")");
   return y;
@@ -111,13 +134,14 @@ at::Tensor int4_mm_avx2(const at::Tensor& x, const at::Tensor& packed, const at:
 
 at::Tensor int4_mm_q8_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
                            int64_t group, int64_t n) {
-  return run_product(dtype_policies_int4_mm_q8, "int4_mm_q8_avx2", true, x, packed, pairs, group, n);
+  return run_product(dtype_policies_int4_mm_q8, "int4_mm_q8_avx2", true, x, packed, pairs, group, n,
+                     dtype_policies_int4_mm_q8_h);
 }
 
 at::Tensor int4_mm_q8_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
                            int64_t group, int64_t n) {
   return run_product(dtype_policies_int4_mm_q8_vnni, "int4_mm_q8_vnni", true, x, packed, pairs,
-                     group, n);
+                     group, n, dtype_policies_int4_mm_q8_vnni_h);
 }
 
 at::Tensor int4_mm_q8_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
@@ -136,7 +160,8 @@ void run_decode(Decode decode, const char* name, bool q8, const at::Tensor& pack
                   out.size(0) == n && out.size(1) == kp,
               name, ": out must be a contiguous float32 (", n, ", ", kp,
               ") tensor, got ", out.scalar_type(), " of shape ", out.sizes());
-  const int status = decode(packed.data_ptr<uint8_t>(), pairs.data_ptr<float>(), kp, group, n,
+  const at::Tensor wide = pairs.to(at::kFloat);  // float16 pairs: their float32 values
+  const int status = decode(packed.data_ptr<uint8_t>(), wide.data_ptr<float>(), kp, group, n,
                             out.data_ptr<float>(), threads_for(n * kp));
   TORCH_CHECK(status == 0, name, " rejected its arguments (status ", status, ")");
 }

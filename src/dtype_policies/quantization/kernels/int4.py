@@ -210,7 +210,7 @@ def int4_linear_traced(
         if plan.permuted:  # a permuting g_idx was given to the plan
             assert g_idx is not None
             order = torch.argsort(g_idx.long(), stable=True)
-        traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel)
+        traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel, plan.half_pairs)
         return _packed(x2, traced, plan.n, bias, out_dtype, decoded=path == "decoded_bf16")
     bfloat16_pairs = torch_kernel_here(activation_block_size)
     weight = kernel_weight(q_nk, scale, zero, block_size, g_idx, bfloat16_pairs)
@@ -271,12 +271,16 @@ class Int4Packed:
     positions: torch.Tensor | None  # set when activations are spread (or permuted and spread)
     order: torch.Tensor | None  # the inputs in kernel order, when g_idx permutes them
     # (scale, offset) per kernel group: torch's packing bfloat16 (padded_k / group,
-    # padded N, 2); this library's float32, in `int4_native`'s layouts
+    # padded N, 2); this library's float32 (W4A8: float16 where `pack_q8` finds it
+    # keeps them), in `int4_native`'s layouts
     scales_and_zeros: torch.Tensor
     permuted: bool = False  # g_idx permutes the inputs (folded into `order` or `positions`)
     # "packed": torch's layout and kernel; "native" / "native_q8": `int4_native`'s
     # weight-only / W4A8 layout and kernel
     kernel: str = "packed"
+    # W4A8: whether the pairs are float16, decided on the stored values (eager) and
+    # repeated by a traced packing of the same values
+    half_pairs: bool = False
 
 
 class Int4Runtime:
@@ -395,9 +399,12 @@ def _pack(
     block_size: int,
     order: torch.Tensor | None = None,
     kernel: str = "packed",
+    half_pairs: bool | None = None,
 ) -> Int4Packed:
     """The packed plan. Every weight-side op takes a stored tensor as input
-    (no constructors), so that a frozen graph folds all of it into constants."""
+    (no constructors), so that a frozen graph folds all of it into constants;
+    `half_pairs` (W4A8): the plan's choice, `None` to decide from the values
+    (eager only)."""
     n, k = q_nk.shape
     layout = Int4Layout.plan(k, block_size)
     padded_n = -(-n // 16) * 16
@@ -418,7 +425,9 @@ def _pack(
     if kernel == "native":
         packed, pair = int4_native.pack(unsigned - 8, group_scale, offset, layout.group)
     elif kernel == "native_q8":
-        packed, pair = int4_native.pack_q8(unsigned - 8, group_scale, offset, layout.group)
+        packed, pair = int4_native.pack_q8(
+            unsigned - 8, group_scale, offset, layout.group, half_pairs
+        )
     else:
         if padded_n != n:
             unsigned = F.pad(unsigned, (0, 0, 0, padded_n - n), value=8)
@@ -435,7 +444,10 @@ def _pack(
     if order is not None and positions is not None:  # input order[j] goes to positions[j]
         positions = torch.empty_like(positions).index_copy_(0, order, positions)
         order = None
-    return Int4Packed(layout, packed, n, positions, order, pair.contiguous(), permuted, kernel)
+    half = pair.dtype == torch.float16
+    return Int4Packed(
+        layout, packed, n, positions, order, pair.contiguous(), permuted, kernel, half
+    )
 
 
 def _spread(unsigned: torch.Tensor, k: int, block_size: int, layout: Int4Layout) -> torch.Tensor:
