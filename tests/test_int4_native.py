@@ -523,6 +523,37 @@ def test_w4a8_kernel_runs_in_a_frozen_compiled_graph():
     assert torch.equal(out, expected)
 
 
+@needs_kernel
+@pytest.mark.parametrize("to_far_groups", [True, False])
+def test_a_frozen_graph_compiled_after_new_weights_takes_their_pairs(to_far_groups):
+    """The plan's float16-or-float32 choice is the new values', not the last
+    eager call's: an eager call, then a `load_state_dict` between a
+    trained-like weight (float16 pairs) and one whose groups lie around
+    1000 (float32 pairs), then `compile_for_inference`. (With the old plan's
+    float16 pairs, the far groups' outputs were off by 10 on values of 6.)"""
+    from dtype_policies import compile_for_inference
+
+    def w4a8_model(far: bool) -> nn.Module:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(64, 16, bias=False))
+        if far:
+            with torch.no_grad():
+                model[0].weight[:, :32] = 1000.3 + 0.01 * torch.randn(16, 32)
+                model[0].weight[:, 32:] = -1000.1 + 0.01 * torch.randn(16, 32)
+        quantize(model, "int4", Int4QuantizationConfig(block_size=32, activation_block_size=32))
+        return model
+
+    model, other = w4a8_model(not to_far_groups), w4a8_model(to_far_groups)
+    x = torch.ones(1, 64)  # the far groups' large terms cancel
+    with torch.no_grad():
+        model(x)  # a plan of the first weight
+        model.load_state_dict(other.state_dict())
+        compiled = compile_for_inference(model, autotune=False)(x)
+        eager = model(x)
+        assert torch.equal(eager, other(x))
+    assert torch.equal(compiled, eager)
+
+
 def test_w4a8_trains_straight_through_the_rounding():
     model = _model(**W4A8)
     model.train()

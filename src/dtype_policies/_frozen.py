@@ -32,7 +32,7 @@ from dtype_policies._compiled_frames import (
     skip_guards_on_the_models_modules,
 )
 from dtype_policies._core.listeners import add_write_listener
-from dtype_policies._core.module_state import STATE_KEY
+from dtype_policies._core.module_state import STATE_KEY, refresh_kept
 from dtype_policies._derivatives import transform_active
 from dtype_policies._inductor_repairs import repaired
 
@@ -436,6 +436,7 @@ class FrozenCompiledCall:
             if tensor.is_inference()
         ]
         if not unwatched:
+            refresh_kept(model)  # the graph about to be traced reads the kernels' plans
             self.watch = ModelWatch(model)
             return
         shown = ", ".join(repr(name) for name in unwatched[:3])

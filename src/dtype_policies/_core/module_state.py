@@ -203,6 +203,16 @@ def casts_not_kept(model: torch.nn.Module) -> Iterator[None]:
             state.casts = casts
 
 
+def refresh_kept(model: torch.nn.Module) -> None:
+    """Makes what the quantized modules of `model` keep of their stored
+    tensors (the kernels' plans) current, eagerly: before a graph with frozen
+    weights is traced, which reads choices of those plans."""
+    for module in model.modules():
+        state = module.__dict__.get(STATE_KEY)
+        if state is not None and state.quantization is not None:
+            state.quantization.refresh_kept(module)
+
+
 def clear_cast_caches(model: torch.nn.Module) -> None:
     """Drops the compute-dtype casts kept by `model` and its submodules, and
     makes graphs compiled from it with frozen weights (`compile_for_inference`,

@@ -173,6 +173,12 @@ class Scheme(abc.ABC):
         """Derived per-module data (packed kernel layouts); rebuilt after copies."""
         return None
 
+    def refresh_kept(self, module: torch.nn.Module, qw: QuantizedWeight) -> None:
+        """Makes the derived data of `new_runtime` current for the stored
+        tensors, eagerly, where a traced product reads choices of it that a
+        trace cannot make from the values (the int4 kernels' plans)."""
+        return None
+
     def check_shapes(self, spec: WeightSpec, config: QuantizationConfig) -> None:
         """Raises `NotImplementedError` for shapes this scheme cannot handle."""
         return None
@@ -397,6 +403,12 @@ class QuantizedWeight:
     def integer_values(self, module: torch.nn.Module) -> torch.Tensor:
         """The integer values in the float parameter's shape (Keras's `kernel`)."""
         return self.spec.from_nk(self.scheme.integer_values(module, self))
+
+    def refresh_kept(self, module: torch.nn.Module) -> None:
+        """Makes what the kernels keep of the stored tensors current, before
+        a graph with frozen weights is traced (`compile_for_inference`,
+        `compile_for_generation`): the graph reads it."""
+        self.scheme.refresh_kept(module, self)
 
     def forget_kept(self) -> None:
         """Drops what the kernels keep of the stored tensors (packed layouts),

@@ -145,28 +145,47 @@ class Int4Scheme(Scheme):
             return None
         return module._buffers.get(f"{qw.spec.weight}_g_idx")
 
-    def linear(self, module, qw, x2, bias, compute):
-        if qw.config.activation_quantizer is not None:
-            return self._per_row_quantized_linear(module, qw, x2, bias, compute)
+    def _current_runtime(
+        self, module: torch.nn.Module, qw: QuantizedWeight
+    ) -> tuple[kernels.Int4Runtime, torch.Tensor | None]:
+        """The weight's runtime with a plan of its stored tensors, and their
+        integer values when this call read them."""
         _, scale, zero = self._stored(module, qw)
         runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
         if runtime is None:
             runtime = qw.runtime = self.new_runtime()
         stored = self._key_tensors(module, qw)
-        q_nk = g_idx = None
+        q_nk = None
         if (key := runtime.stale_key(stored)) is not None:
             q_nk = self.integer_values(module, qw)
-            g_idx = self._g_idx(module, qw)
             runtime.refresh(
                 q_nk,
                 scale,
                 zero,
                 qw.config.group_size,
                 stored,
-                g_idx,
+                self._g_idx(module, qw),
                 activation_block_size=qw.config.activation_block_size,
                 key=key,
             )
+        return runtime, q_nk
+
+    def refresh_kept(self, module, qw):
+        # A frozen graph packs the weight itself but takes the plan's choices
+        # (W4A8's float16 pairs, a permuting g_idx): they must be of these values.
+        if (
+            qw.config.activation_quantizer is None
+            and self._stored(module, qw)[1].device.type == "cpu"
+        ):
+            with torch.no_grad():
+                self._current_runtime(module, qw)
+
+    def linear(self, module, qw, x2, bias, compute):
+        if qw.config.activation_quantizer is not None:
+            return self._per_row_quantized_linear(module, qw, x2, bias, compute)
+        _, scale, zero = self._stored(module, qw)
+        runtime, q_nk = self._current_runtime(module, qw)
+        g_idx = None
         path = kernels.int4_path(runtime, x2.shape[0], qw.config.group_size)
         if path not in kernels.KERNELS:
             q_nk = self.integer_values(module, qw) if q_nk is None else q_nk
