@@ -691,3 +691,27 @@ def test_autocast_applies_around_policied_modules_not_inside_them():
         policied.add_module("inner", nn.Linear(48, 48))
         policied.forward = lambda t: policied.inner(F.linear(t, policied.weight, policied.bias))
         assert policied(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "policy", ["float16", "mixed_float16", DTypePolicyMap("mixed_bfloat16", {"1": "float16"})]
+)
+def test_a_compute_dtype_a_quantized_module_refuses_changes_nothing(policy):
+    """int8 does not compute in float16: a policy asking it is refused while
+    planning, naming the module, and the model, its earlier application
+    included, stays as it was (it was half-applied: the root cast its inputs
+    to float16, and the earlier application was removed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    dtype_policies.quantize(model, "int8")
+    handle = apply_policy(model, "mixed_bfloat16")
+    x = torch.randn(2, 16) * 1e3
+    before = model(x)
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(
+        ValueError, match=r"apply_policy\(\): the module at '[01]' is quantized in mode 'int8'"
+    ):
+        apply_policy(model, policy)
+    assert not handle.removed
+    assert [type(m) for m in model.modules()] == classes
+    assert torch.equal(model(x), before) and before.dtype == torch.bfloat16

@@ -779,8 +779,9 @@ def _plan_policies(
         others = [path for path, _ in conflicts[1:]]
         also = f" The same holds for {others}." if others else ""
         raise ValueError(
-            f"apply_policy(): {conflicts[0][1]}.{also} Apply a float policy (a quantized "
-            "module computes with it) or rebuild the model from a float checkpoint."
+            f"apply_policy(): {conflicts[0][1]}.{also} Apply a float policy whose compute "
+            "dtype the module's mode takes (a quantized module computes with it) or rebuild "
+            "the model from a float checkpoint."
         )
     return steps, used_keys
 
@@ -808,11 +809,23 @@ def _quantized_conflict(
     path: str, module: torch.nn.Module, policy: DTypePolicy
 ) -> tuple[str, str] | None:
     """`(path, why)` if `module` is quantized and cannot take `policy`: a
-    quantized module takes float policies (it computes with them) or a quantized
-    policy of its own mode and settings, nothing else."""
+    quantized module takes float policies whose compute dtype its mode
+    accepts (it computes with them) or a quantized policy of its own mode and
+    settings, nothing else."""
     quantized = attach.quantization_of(module)
     mode = policy.quantization_mode
-    if quantized is None or mode is None:
+    if quantized is None:
+        return None
+    if mode is None:
+        try:
+            mode_record(quantized.mode).check_compute_dtype(policy.compute_dtype)
+        except ValueError as error:
+            label = path or "(root)"
+            return label, (
+                f"the module at '{label}' is quantized in mode '{quantized.mode}', which "
+                f"cannot compute in {policy.compute_dtype} (the policy '{policy.name}'; "
+                f"{str(error).rstrip('.')})"
+            )
         return None
     if mode == quantized.mode and policy.quantization_config == quantized.config:
         return None
