@@ -145,9 +145,7 @@ class Int4Scheme(Scheme):
             return None
         return module._buffers.get(f"{qw.spec.weight}_g_idx")
 
-    def _current_runtime(
-        self, module: torch.nn.Module, qw: QuantizedWeight
-    ) -> tuple[kernels.Int4Runtime, torch.Tensor | None]:
+    def _current_runtime(self, module, qw) -> tuple[kernels.Int4Runtime, torch.Tensor | None]:
         """The weight's runtime with a plan of its stored tensors, and their
         integer values when this call read them."""
         _, scale, zero = self._stored(module, qw)
