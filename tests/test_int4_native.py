@@ -650,6 +650,24 @@ def test_w4a8_float16_pairs_compute_their_values_within_a_64th_of_a_step(n, k, b
 
 
 @needs_kernel
+def test_a_pruned_row_keeps_w4a8_on_float16_pairs():
+    """A row of zeros (its groups' steps a quantizer's epsilon, below
+    float16's range) does not send the whole weight to float32 pairs; its
+    outputs stay within float16's smallest steps of 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 64, bias=False))
+    with torch.no_grad():
+        model[0].weight[5] = 0
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32, activation_block_size=32))
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        y = model(x)
+    plan = quantization_of(model[0]).runtime.plan
+    assert plan.kernel == "native_q8" and plan.half_pairs
+    assert (y[:, 5].abs() <= 2**-20 * x.abs().sum(dim=1)).all()
+
+
+@needs_kernel
 def test_many_w4a8_rows_stay_on_the_kernel_on_every_class():
     """The W4A8 kernel's integer products beat the decoded float32 GEMMs at
     every row count, in its AVX2 and its VNNI copy; the weight-only kernel is

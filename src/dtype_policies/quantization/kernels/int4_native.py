@@ -143,6 +143,8 @@ def pack_q8(
 
 # float16 pairs move no weight by more than this fraction of its group's step
 HALF_PAIRS_TOLERANCE = 2.0**-6
+# steps below this fraction of the weight's largest count as that fraction of it
+HALF_PAIRS_STEP_FLOOR = 2.0**-10
 
 
 def half_pairs_keep(pairs: torch.Tensor) -> bool:
@@ -150,19 +152,26 @@ def half_pairs_keep(pairs: torch.Tensor) -> bool:
     (8 scales s, then 8 offsets z): every weight `(u - 8) s + z`, u in
     [0, 15], moves by at most `HALF_PAIRS_TOLERANCE` of its step s, so that
     float16's rounding stays far below the int4 grid's own (half a step) and
-    the int8 rounding of the activations. Groups far from zero (|z| above
-    about 100 s), scales near float16's limits, and groups of one value
-    (s = 0) whose value float16 does not hold exactly keep float32.
+    the int8 rounding of the activations. A step below `HALF_PAIRS_STEP_FLOOR`
+    of the weight's largest counts as that: a group of zeros (a pruned row,
+    its step a quantizer's epsilon) or of values a thousand times smaller than
+    the weight's largest moves by at most 2^-16 of that largest step. Groups
+    far from zero (|z| above about 100 s) and scales beyond float16's range
+    keep the weight on float32.
 
     >>> s = torch.full((1, 1, 8), 0.01)
     >>> half_pairs_keep(torch.cat([s, 3 * s], dim=-1))
     True
     >>> half_pairs_keep(torch.cat([s, 100 + s], dim=-1))  # a group centred at 100
     False
+    >>> zeros = torch.cat([torch.full((1, 1, 8), 7e-9), torch.full((1, 1, 8), 5.6e-8)], -1)
+    >>> half_pairs_keep(torch.cat([torch.cat([s, 3 * s], -1), zeros], 1))  # a pruned group
+    True
     """
-    s, z = pairs[..., :8], pairs[..., 8:]
+    s, z = pairs[..., :8].abs(), pairs[..., 8:]
     moved = 8 * (s.half().float() - s).abs() + (z.half().float() - z).abs()
-    return bool((moved <= HALF_PAIRS_TOLERANCE * s.abs()).all())
+    floor = s.amax() * HALF_PAIRS_STEP_FLOOR if s.numel() else s.new_zeros(())
+    return bool((moved <= HALF_PAIRS_TOLERANCE * torch.maximum(s, floor)).all())
 
 
 def _pairs(scale: torch.Tensor, offset: torch.Tensor, groups: int) -> torch.Tensor:
