@@ -523,6 +523,23 @@ def test_w4a8_kernel_runs_in_a_frozen_compiled_graph():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("n", [200, 8])
+def test_per_channel_int4_of_any_width_compiles_with_frozen_weights(n):
+    """A per-channel weight whose outputs are not a multiple of 16 (torch's
+    packing pads them) compiles and gives the eager values (Inductor's
+    lowering of torch's product raised on it)."""
+    from dtype_policies import compile_for_inference
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, n))
+    quantize(model, "int4", Int4QuantizationConfig(block_size=-1))
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        eager = model(x)
+        compiled = compile_for_inference(model, autotune=False)(x)
+    assert torch.equal(compiled, eager)
+
+
 @needs_kernel
 @pytest.mark.parametrize("to_far_groups", [True, False])
 def test_a_frozen_graph_compiled_after_new_weights_takes_their_pairs(to_far_groups):

@@ -205,6 +205,11 @@ def int4_linear_traced(
     """
     plan = None if runtime is None or not freezing_weights() else runtime.plan
     path = None if plan is None else _path(plan, x2.shape[0], block_size)
+    if path == "packed" and block_size <= 0 and plan is not None and plan.n % 16:
+        # Inductor (torch 2.13) lowers torch's product of a per-channel weight
+        # padded to 16 columns with its scales unrealized: a LoweringException
+        # at compile time. Plain ops on the kernel's weight give its values.
+        path = None
     if plan is not None and path in KERNELS:
         order = None
         if plan.permuted:  # a permuting g_idx was given to the plan
