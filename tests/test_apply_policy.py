@@ -715,3 +715,16 @@ def test_a_compute_dtype_a_quantized_module_refuses_changes_nothing(policy):
     assert not handle.removed
     assert [type(m) for m in model.modules()] == classes
     assert torch.equal(model(x), before) and before.dtype == torch.bfloat16
+
+
+def test_int8_modules_a_float16_policy_keeps_as_float32_islands_take_it():
+    """The compute dtype a quantized module's mode must accept is the one it
+    computes in: a float32 island of a float16 policy is one int8 takes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    dtype_policies.quantize(model, "int8")
+    handle = apply_policy(model, "float16", float32_modules=[nn.Linear])
+    assert handle.float32_paths == ["0", "2"]
+    with torch.no_grad():
+        y = model(torch.randn(2, 64))
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()

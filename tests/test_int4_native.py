@@ -684,6 +684,25 @@ def test_a_pruned_row_keeps_w4a8_on_float16_pairs():
     assert (y[:, 5].abs() <= 2**-20 * x.abs().sum(dim=1)).all()
 
 
+def test_w4a8_is_named_in_reports_and_a_lookup_keeps_no_plan_when_compiled():
+    """`summary` tells W4A8 from weight-only int4 (as int8's variants); an
+    int4 embedding table, read by lookups, gets no packed copy when a
+    compiled model makes its kernels' plans current."""
+    from dtype_policies import compile_for_inference, summary
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 8))
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32, activation_block_size=32))
+    assert "int4/32 W4A8" in str(summary(model))
+    ids = torch.randint(0, 300, (2, 5))
+    with torch.no_grad():
+        eager = model(ids)
+        compiled = compile_for_inference(model, autotune=False)(ids)
+    assert torch.equal(compiled, eager)
+    runtime = quantization_of(model[0]).runtime
+    assert runtime is None or runtime.plan is None
+
+
 @needs_kernel
 def test_many_w4a8_rows_stay_on_the_kernel_on_every_class():
     """The W4A8 kernel's integer products beat the decoded float32 GEMMs at

@@ -230,3 +230,36 @@ def test_token_ids_outside_a_plain_models_first_embedding_are_named():
             GPTQConfig(ids, None, num_samples=2, sequence_length=8, group_size=16),
             progress=False,
         )
+
+
+def test_a_graph_compiled_after_new_gptq_weights_takes_their_block_order():
+    """The int4 plan's choice of a permuting `g_idx` is the new weights', not
+    the last eager call's: an eager call on a model of natural order, then a
+    `load_state_dict` of one calibrated with activation order on Keras's
+    grids (a permuting `g_idx`), then `compile_for_inference`. (The frozen
+    graph packed the permuted weight as if in natural order: off by 0.26 on
+    outputs of 0.7.)"""
+    from dtype_policies import compile_for_inference
+
+    def make(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 48), torch.nn.GELU(), torch.nn.Linear(48, 32)
+        )
+
+    torch.manual_seed(0)
+    samples = [torch.randn(16, 64) * torch.linspace(0.1, 3, 64) for _ in range(2)]
+    model, other = make(0), make(1)
+    quantize(model, config=GPTQConfig(samples, None, weight_bits=4, group_size=16), progress=False)
+    permuting = GPTQConfig(
+        samples, None, weight_bits=4, group_size=16, activation_order=True, grid="keras"
+    )
+    quantize(other, config=permuting, progress=False)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        model(x)
+        model.load_state_dict(other.state_dict())
+        compiled = compile_for_inference(model, autotune=False)(x)
+        eager = model(x)
+        assert torch.equal(eager, other(x))
+    assert torch.equal(compiled, eager)

@@ -736,11 +736,11 @@ def _plan_policies(
                 "quantize weights, use a quantized policy such as 'int8_from_mixed_bfloat16' "
                 "or 'int4_from_mixed_bfloat16', or call dtype_policies.quantize()."
             )
-        conflict = _quantized_conflict(path, submodule, resolved)
+        island = not explicit and matches_any(path, submodule, rules)
+        conflict = _quantized_conflict(path, submodule, resolved, island)
         if conflict is not None:
             conflicts.append(conflict)
             continue
-        island = not explicit and matches_any(path, submodule, rules)
         resolved = _FLOAT32 if island else resolved
         computes_weight = issubclass(original_class(submodule), parametrize.ParametrizationList)
         if computes_weight:
@@ -806,15 +806,15 @@ def _read_as(compute: torch.dtype | None, enclosing: torch.dtype | None) -> str 
 
 
 def _quantized_conflict(
-    path: str, module: torch.nn.Module, policy: DTypePolicy
+    path: str, module: torch.nn.Module, policy: DTypePolicy, island: bool = False
 ) -> tuple[str, str] | None:
     """`(path, why)` if `module` is quantized and cannot take `policy`: a
     quantized module takes float policies whose compute dtype its mode
-    accepts (it computes with them) or a quantized policy of its own mode and
-    settings, nothing else."""
+    accepts (it computes with them; a float32 `island` computes in float32)
+    or a quantized policy of its own mode and settings, nothing else."""
     quantized = attach.quantization_of(module)
     mode = policy.quantization_mode
-    if quantized is None:
+    if quantized is None or (mode is None and island):
         return None
     if mode is None:
         try:

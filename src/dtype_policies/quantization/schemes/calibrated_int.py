@@ -37,7 +37,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -368,8 +368,9 @@ class CalibratedIntScheme(Scheme):
             return self._int4_linear(module, qw, x2, bias, compute)
         return self._int8_linear(module, qw, x2, bias, compute)
 
-    def _int4_linear(self, module, qw, x2, bias, compute):
-        """As round-to-nearest int4: the same runtime, kernel and paths."""
+    def _current_int4_runtime(self, module, qw) -> tuple[int4_kernels.Int4Runtime, Any]:
+        """The weight's int4 runtime with a plan of its stored tensors, and
+        their integer values when this call read them."""
         _, scale, zero, g_idx, *_ = self._stored(module, qw)
         block = qw.config.block_size(qw.spec.in_features)
         runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
@@ -380,6 +381,25 @@ class CalibratedIntScheme(Scheme):
         if (key := runtime.stale_key(stored)) is not None:
             q_nk = self.integer_values(module, qw)
             runtime.refresh(q_nk, scale, zero, block, stored, g_idx, key=key)
+        return runtime, q_nk
+
+    def refresh_kept(self, module, qw):
+        # A frozen graph packs the weight itself but takes the plan's choice of
+        # whether `g_idx` permutes the blocks: it must be of these values.
+        if (
+            self.bits(qw.config) <= 4
+            and qw.spec.role == "linear"
+            and qw.placeholder is None
+            and self._stored(module, qw)[1].device.type == "cpu"
+        ):
+            with torch.no_grad():
+                self._current_int4_runtime(module, qw)
+
+    def _int4_linear(self, module, qw, x2, bias, compute):
+        """As round-to-nearest int4: the same runtime, kernel and paths."""
+        _, scale, zero, g_idx, *_ = self._stored(module, qw)
+        block = qw.config.block_size(qw.spec.in_features)
+        runtime, q_nk = self._current_int4_runtime(module, qw)
         path = int4_kernels.int4_path(runtime, x2.shape[0], block)
         if path not in int4_kernels.KERNELS and q_nk is None:
             q_nk = self.integer_values(module, qw)

@@ -172,7 +172,8 @@ class Int4Scheme(Scheme):
         # A frozen graph packs the weight itself but takes the plan's choices
         # (W4A8's float16 pairs, a permuting g_idx): they must be of these values.
         if (
-            qw.config.activation_quantizer is None
+            qw.spec.role == "linear"  # a lookup reads no plan
+            and qw.config.activation_quantizer is None
             and self._stored(module, qw)[1].device.type == "cpu"
         ):
             with torch.no_grad():
@@ -280,6 +281,8 @@ register_mode(
         policy_for_config=lambda config, source: Int4DTypePolicy(
             f"int4/{config.group_size}", source
         ),
-        label=lambda config: f"int4/{config.group_size}",
+        label=lambda config: (
+            f"int4/{config.group_size}" + (" W4A8" if config.activation_block_size else "")
+        ),
     )
 )
