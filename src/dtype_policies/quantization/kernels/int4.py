@@ -205,11 +205,6 @@ def int4_linear_traced(
     """
     plan = None if runtime is None or not freezing_weights() else runtime.plan
     path = None if plan is None else _path(plan, x2.shape[0], block_size)
-    if path == "packed" and block_size <= 0 and plan is not None and plan.n % 16:
-        # Inductor (torch 2.13) lowers torch's product of a per-channel weight
-        # padded to 16 columns with its scales unrealized: a LoweringException
-        # at compile time. Plain ops on the kernel's weight give its values.
-        path = None
     if plan is not None and path in KERNELS:
         order = None
         if plan.permuted:  # a permuting g_idx was given to the plan
@@ -441,9 +436,13 @@ def _pack(
         # from the rounded scale, so that (u - 8) * s + z departs from
         # (q - zero) * s only by the offset's own rounding
         scale_bf16 = group_scale.bfloat16()
-        pair = torch.stack([scale_bf16, (-zeros * scale_bf16.float()).bfloat16()], dim=-1)
-        if padded_n != n:
-            pair = F.pad(pair, (0, 0, 0, padded_n - n))
+        offset_bf16 = (-zeros * scale_bf16.float()).bfloat16()
+        if padded_n != n:  # padded before the stack: a graph's last op on them is a
+            # concatenation, a buffer Inductor's lowering of torch's product takes (a pad
+            # of it was left unrealized: a LoweringException for per-channel weights)
+            scale_bf16 = F.pad(scale_bf16, (0, padded_n - n))
+            offset_bf16 = F.pad(offset_bf16, (0, padded_n - n))
+        pair = torch.stack([scale_bf16, offset_bf16], dim=-1)
     permuted = order is not None
     positions = layout.positions(k, block_size) if layout.spread else None
     if order is not None and positions is not None:  # input order[j] goes to positions[j]
