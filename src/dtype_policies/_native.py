@@ -67,7 +67,7 @@ class KernelSource:
     def supports(self, cpu: Processor) -> bool:
         x86 = cpu.architecture in ("x86_64", "AMD64")
         if self.name == "avx2":  # AVX2, FMA and F16C (the callers choose per class)
-            return x86 and "avx2" in cpu.features and _has_fma()
+            return x86 and "avx2" in cpu.features and _has_fma_and_f16c()
         if self.name == "attention_bf16":  # vdpbf16ps
             # With AMX, torch's flash kernel multiplies bfloat16 on its tiles:
             # 1.3-2.9x this kernel at every shape measured (docs/speed.md).
@@ -89,16 +89,17 @@ KERNELS: dict[str, KernelSource] = {
 }
 
 
-_fma: list[bool] = []  # read once; a plain global, so that compiled graphs trace through it
+# read once; a plain global, so that compiled graphs trace through it
+_fma_and_f16c: list[bool] = []
 
 
-def _has_fma() -> bool:
-    """FMA and F16C (every x86 CPU with AVX2 and FMA has F16C: the W4A8
-    kernel reads float16 scales with it)."""
-    if not _fma:
+def _has_fma_and_f16c() -> bool:
+    """Whether the processor has FMA and F16C (every x86 CPU with AVX2 and
+    FMA has F16C: the W4A8 kernel reads float16 scales with it)."""
+    if not _fma_and_f16c:
         flags = hardware_flags()
-        _fma.append("fma" in flags and "f16c" in flags)
-    return _fma[0]
+        _fma_and_f16c.append("fma" in flags and "f16c" in flags)
+    return _fma_and_f16c[0]
 
 
 _lock = threading.Lock()
