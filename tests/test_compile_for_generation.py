@@ -86,6 +86,16 @@ def test_sets_a_static_cache_and_replaces_an_earlier_compiled_forward():
     assert compile_for_generation(model)._compiled_call is not first
 
 
+def test_the_decode_step_calls_its_kernels_from_cpp_unless_asked_for_python():
+    model = tiny_llama()
+    assert compile_for_generation(model)._compiled_call.inductor_options["cpp_wrapper"] is True
+    python = compile_for_generation(model, cpp_wrapper=False)._compiled_call
+    assert "cpp_wrapper" not in python.inductor_options
+    assert python.settings["cpp_wrapper"] is False
+    with pytest.raises(TypeError, match="cpp_wrapper"):
+        compile_for_generation(model, cpp_wrapper="yes")  # type: ignore[arg-type]
+
+
 def test_save_pretrained_writes_the_models_own_generation_settings(tmp_path):
     import copy
     import json
@@ -444,6 +454,23 @@ def test_float32_policy_gives_eager_tokens_across_calls_and_lengths():
     assert torch.equal(greedy(fast), expected)  # a new static cache per call
     # A longer generation (a larger cache) recompiles and stays right.
     assert torch.equal(greedy(fast, 10), greedy(model, 10))
+
+
+@pytest.mark.slow
+def test_the_default_decode_step_is_cpp_code_with_eager_tokens():
+    """The C++ wrapper (the default) calls Inductor's kernels and this
+    library's int8 product: eager's scores, from a compiled C++ step."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_llama()
+    apply_policy(model, "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    fast = compile_for_generation(copy.deepcopy(model), autotune=False)
+    scores, codes = run_and_get_code(step_scores, fast)
+    assert any('extern "C"' in code or "AOTI" in code for code in codes)
+    assert close(scores[1:], step_scores(model)[1:]) < 1e-2
 
 
 @pytest.mark.slow

@@ -30,6 +30,10 @@ model's own generation config, so that `model.generate(...)` stays the call:
   times its C++ GEMM template (float, weight-only int8, int4) against the
   eager kernel and keeps the faster; SmolLM2-135M decodes 1.1-1.6x faster,
   its first compilation takes up to 1.5x longer.
+* the step's kernels called from C++ (Inductor's C++ wrapper,
+  `cpp_wrapper=True`, the default here): at batch 1 a step is hundreds of
+  small calls, each a Python frame and a boxed dispatch from the Python
+  wrapper;
 * sibling products merged: where this library's packed int8 and int4
   operators multiply one input by several weights (query, key and value;
   gate and up), the compiled step makes one call on the concatenated weights
@@ -208,7 +212,7 @@ def compile_for_generation(
     *,
     freeze_weights: bool = True,
     autotune: bool = True,
-    cpp_wrapper: bool = False,
+    cpp_wrapper: bool = True,
 ) -> Any:
     """Makes `model.generate(...)` run its decode steps compiled, on a static
     KV cache (see the module docstring for what is compiled and its cost).
@@ -223,9 +227,15 @@ def compile_for_generation(
         autotune: Let Inductor time its C++ GEMM templates against ATen's
             kernels for each product shape and keep the faster (default):
             faster decode steps, a longer first compilation (docs/speed.md).
-        cpp_wrapper: Call the step's kernels from generated C++ instead of
-            Python: SmolLM2-135M's int8 decode 1.06-1.10x faster on a 2-core
-            AMD Zen 3, its first compilation 1.7x longer (docs/speed.md).
+        cpp_wrapper: Call the step's kernels and operators from generated
+            C++ (default) instead of Python. A decode step at batch 1 is
+            hundreds of small calls: SmolLM2-135M decodes 1.00-1.05x
+            (mixed_bfloat16), 1.06-1.08x (int4 W4A8) and 1.04-1.26x (int8)
+            faster than with the Python wrapper (AMD Zen 4, 2 threads, two
+            runs); its first
+            compilation takes up to 1.3x longer with a cold Inductor cache
+            (int4 W4A8: 127 s against 97 s), as long with the cache kept
+            (68 s each; docs/speed.md).
 
     Returns:
         `model`, changed in place: its generation config asks for a static

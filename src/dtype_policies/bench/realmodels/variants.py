@@ -143,27 +143,38 @@ def _int8_w8a8() -> Any:
     return Int8QuantizationConfig()  # Keras's int8: per-token activation quantizer
 
 
-def compiled(variant: Variant, *, autotune: bool = True, cpp_wrapper: bool = False) -> Variant:
+def compiled(
+    variant: Variant,
+    *,
+    autotune: bool = True,
+    cpp_wrapper: bool | None = None,
+    models: tuple[str, ...] | None = None,
+) -> Variant:
     """`variant` compiled: SmolLM2 with `compile_for_generation` (decode
     compiled on a static KV cache; prefill and quality stay eager), MiniLM
     with `compile_for_inference` (every call); without Inductor's GEMM
-    autotuning when `autotune` is off (named "... compiled (no autotune)"),
-    with its C++ wrapper when `cpp_wrapper` is on ("... compiled (C++
-    wrapper)")."""
+    autotuning when `autotune` is off (named "... compiled (no autotune)").
+    `cpp_wrapper`: `None` for each function's default (the C++ wrapper for
+    generation, the Python one for inference), else named "... compiled
+    (C++ wrapper)" or "(Python wrapper)". `models`: those of `variant` by
+    default."""
 
     def prepare(model: torch.nn.Module, calibration: Calibration) -> Any:
         from dtype_policies import compile_for_generation, compile_for_inference
 
         prepared = variant.prepare(model, calibration)
+        wrapper = {} if cpp_wrapper is None else {"cpp_wrapper": cpp_wrapper}
         if calibration.model == LM:
-            return compile_for_generation(prepared, autotune=autotune, cpp_wrapper=cpp_wrapper)
-        return compile_for_inference(prepared, autotune=autotune, cpp_wrapper=cpp_wrapper)
+            return compile_for_generation(prepared, autotune=autotune, **wrapper)
+        return compile_for_inference(prepared, autotune=autotune, **wrapper)
 
-    suffix = ("" if autotune else " (no autotune)") + (" (C++ wrapper)" if cpp_wrapper else "")
+    suffix = "" if autotune else " (no autotune)"
+    if cpp_wrapper is not None:
+        suffix += " (C++ wrapper)" if cpp_wrapper else " (Python wrapper)"
     return Variant(
         f"{variant.name} compiled" + suffix,
         prepare,
-        models=variant.models,
+        models=variant.models if models is None else models,
         note="compiled with frozen weights (the first call of each shape compiles)",
     )
 
@@ -300,11 +311,9 @@ OURS += [
 OURS += [
     compiled(v, autotune=False) for v in OURS if v.name in ("mixed_bfloat16", "int8", "int4/32")
 ]
-OURS += [
-    compiled(v, cpp_wrapper=True)
-    for v in OURS
-    if v.name in ("mixed_bfloat16", "int8", "int8 weight-only", "int4/32 W4A8")
-]
+_WRAPPED = ("mixed_bfloat16", "int8", "int8 weight-only", "int4/32 W4A8")
+OURS += [compiled(v, cpp_wrapper=False, models=(LM,)) for v in OURS if v.name in _WRAPPED]
+OURS += [compiled(v, cpp_wrapper=True, models=(ENCODER,)) for v in OURS if v.name in _WRAPPED]
 """This library's variants, in table order (the reference is `float32`)."""
 
 
