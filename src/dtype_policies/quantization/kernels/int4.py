@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -332,6 +333,35 @@ class Int4Runtime:
         key = (*tensor_key(*stored), processor())
         state = self._state
         return None if state is not None and state[0] == key else key
+
+    def current(
+        self,
+        stored: tuple[torch.Tensor, ...],
+        values: Callable[[], torch.Tensor],
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        block_size: int,
+        g_idx: torch.Tensor | None = None,
+        activation_block_size: int | None = None,
+    ) -> torch.Tensor | None:
+        """Makes the plan that of the `stored` tensors, refreshing it from
+        their (N, K) integer values, `values()`, where it is stale; returns
+        those values when this call read them, else None."""
+        key = self.stale_key(stored)
+        if key is None:
+            return None
+        q_nk = values()
+        self.refresh(
+            q_nk,
+            scale,
+            zero,
+            block_size,
+            stored,
+            g_idx,
+            activation_block_size=activation_block_size,
+            key=key,
+        )
+        return q_nk
 
     def refresh(
         self,

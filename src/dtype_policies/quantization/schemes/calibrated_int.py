@@ -376,11 +376,14 @@ class CalibratedIntScheme(Scheme):
         runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
         if not isinstance(runtime, int4_kernels.Int4Runtime):
             runtime = qw.runtime = int4_kernels.Int4Runtime()
-        stored = self._key_tensors(module, qw)
-        q_nk = None
-        if (key := runtime.stale_key(stored)) is not None:
-            q_nk = self.integer_values(module, qw)
-            runtime.refresh(q_nk, scale, zero, block, stored, g_idx, key=key)
+        q_nk = runtime.current(
+            self._key_tensors(module, qw),
+            lambda: self.integer_values(module, qw),
+            scale,
+            zero,
+            block,
+            g_idx,
+        )
         return runtime, q_nk
 
     def refresh_kept(self, module, qw):

@@ -152,20 +152,15 @@ class Int4Scheme(Scheme):
         runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
         if runtime is None:
             runtime = qw.runtime = self.new_runtime()
-        stored = self._key_tensors(module, qw)
-        q_nk = None
-        if (key := runtime.stale_key(stored)) is not None:
-            q_nk = self.integer_values(module, qw)
-            runtime.refresh(
-                q_nk,
-                scale,
-                zero,
-                qw.config.group_size,
-                stored,
-                self._g_idx(module, qw),
-                activation_block_size=qw.config.activation_block_size,
-                key=key,
-            )
+        q_nk = runtime.current(
+            self._key_tensors(module, qw),
+            lambda: self.integer_values(module, qw),
+            scale,
+            zero,
+            qw.config.group_size,
+            self._g_idx(module, qw),
+            activation_block_size=qw.config.activation_block_size,
+        )
         return runtime, q_nk
 
     def refresh_kept(self, module, qw):
