@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from dtype_policies import apply_policy, quantize, saving
+from dtype_policies import apply_policy, layers, quantize, saving
 from dtype_policies.policies import AWQDTypePolicy, GPTQDTypePolicy
 from dtype_policies.quantizers import AWQConfig, GPTQConfig
 from dtype_policies.saving import policy_map_from_keras
@@ -263,3 +263,37 @@ def test_a_graph_compiled_after_new_gptq_weights_takes_their_block_order():
         eager = model(x)
         assert torch.equal(eager, other(x))
     assert torch.equal(compiled, eager)
+
+
+def test_a_sequential_under_gptq_policies_builds_by_shape_and_takes_a_calibration():
+    """As Keras builds a Sequential symbolically: a layer awaiting calibrated
+    weights is built from its input shape (no values run through it), and
+    then takes a calibrated checkpoint."""
+    torch.manual_seed(0)
+    source = layers.Sequential(
+        [layers.Dense(32, dtype="float32"), layers.Dense(8, dtype="float32")]
+    )
+    source.build((None, 16))
+    data = [torch.randn(8, 16) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(source, config=GPTQConfig(data, None, group_size=8), progress=False)
+    names = [layer.dtype_policy.name for layer in source.layers]
+    assert names == ["gptq/4/8_from_float32"] * 2
+    target = layers.Sequential([layers.Dense(32, dtype=names[0]), layers.Dense(8, dtype=names[1])])
+    target.build((None, 16))
+    assert [layer.built for layer in target.layers] == [True, True]
+    assert target.layers[1].compute_output_shape((None, 32)) == (None, 8)
+    target.load_state_dict(source.state_dict())
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(target(x), source(x))
+
+
+def test_a_sequential_builds_layers_without_an_output_shape_on_zeros():
+    """From the first layer that cannot say its output shape, zeros of the
+    shape so far run through the rest of the stack."""
+    stack = layers.Sequential([layers.Dense(6), torch.nn.Tanh(), layers.Dense(3)])
+    stack.build((None, 4))
+    assert all(layer.built for layer in (stack.layers[0], stack.layers[2]))
+    assert tuple(stack.layers[2].kernel.shape) == (6, 3)

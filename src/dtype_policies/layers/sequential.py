@@ -84,15 +84,27 @@ class Sequential(Layer):
         return self.layers[index]
 
     def build(self, input_shape: Any = None) -> None:
-        """Builds every layer. Given an explicit shape (a `None` batch axis
-        means 1), runs zeros of that shape through the stack."""
+        """Builds every layer. Given an explicit shape, as Keras's symbolic
+        pass: each layer is built on its input shape and hands on its
+        `compute_output_shape`, no values computed (so a layer awaiting
+        calibrated GPTQ/AWQ weights builds too); from the first layer
+        without one, zeros of the shape so far (a `None` axis being 1) run
+        through the rest of the stack."""
         if input_shape is None or self.__dict__.get("_building_from_call"):
             return
-        shape = tuple(1 if d is None else d for d in input_shape)
-        device = self._build_device
+        shape = tuple(input_shape)
+        outputs: torch.Tensor | None = None
         with torch.no_grad():
-            outputs = torch.zeros(shape, device=device)
             for layer in self.layers:
+                if outputs is None and hasattr(layer, "compute_output_shape"):
+                    if not layer.built:
+                        layer._build_device = self._build_device
+                        layer.build(shape)
+                    shape = tuple(layer.compute_output_shape(shape))
+                    continue
+                if outputs is None:
+                    zeros_shape = tuple(1 if d is None else d for d in shape)
+                    outputs = torch.zeros(zeros_shape, device=self._build_device)
                 outputs = layer(outputs)
 
     def _build_on_first_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
