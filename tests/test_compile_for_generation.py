@@ -364,6 +364,57 @@ def test_the_model_is_read_once_per_generation_not_per_step(monkeypatch):
     assert len(ran) == 6
 
 
+def test_a_model_meeting_the_recompile_limit_in_every_generation_gives_up(monkeypatch):
+    """Gemma2's sliding-window cache: each generation's first step runs the
+    graph compiled for it and the next meets Dynamo's limit (the rest of the
+    generation runs eagerly). After a few such generations in a row, every
+    call runs eagerly, without asking Dynamo again."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from dtype_policies._frozen import GIVE_UP_AFTER_LIMIT_HITS
+
+    model = tiny_llama()
+    compile_for_generation(model)
+    step = model._compiled_call
+    attempts: list[object] = []
+
+    def compiled(**kwargs):
+        attempts.append(kwargs["past_key_values"])
+        if sum(cache is kwargs["past_key_values"] for cache in attempts) > 1:
+            raise FailOnRecompileLimitHit("recompile_limit reached: ___check_obj_id")
+        return "compiled"
+
+    step.compiled = compiled
+    monkeypatch.setattr(step, "eager", lambda *args, **kwargs: "eager")
+
+    def generation() -> list[str]:
+        assert model.get_compiled_call(model.generation_config.compile_config) is step
+        cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+        with torch.no_grad():
+            return [step(input_ids=ONE_TOKEN, past_key_values=cache) for _ in range(3)]
+
+    with pytest.warns(UserWarning, match="met its recompile limit on this call"):
+        assert generation() == ["compiled", "eager", "eager"]
+    for _ in range(GIVE_UP_AFTER_LIMIT_HITS - 2):
+        assert generation() == ["compiled", "eager", "eager"]
+    with pytest.warns(UserWarning, match="gave up"):
+        assert generation() == ["compiled", "eager", "eager"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generation() == ["eager"] * 3
+    assert len(attempts) == 2 * GIVE_UP_AFTER_LIMIT_HITS
+
+
+def test_beam_search_runs_transformers_eager_loop_as_documented():
+    model = tiny_llama()
+    expected = model.generate(PROMPT, max_new_tokens=4, num_beams=2, do_sample=False)
+    compile_for_generation(model)
+    calls: list[int] = []
+    model._compiled_call.compiled = lambda **kwargs: calls.append(1)
+    got = model.generate(PROMPT, max_new_tokens=4, num_beams=2, do_sample=False)
+    assert calls == [] and torch.equal(got, expected)
+
+
 def test_a_deep_copy_begins_its_own_generations():
     """The copy's hook begins sessions of the copy's compiled step, and
     outlives the original."""

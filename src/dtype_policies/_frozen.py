@@ -300,11 +300,12 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
 
 GIVE_UP_AFTER_LIMIT_HITS = 3
 """Sessions (generations; calls, without sessions) in a row meeting Dynamo's
-recompile limit (no compiled call between them) after which a compiled call
-runs eagerly for good: a call whose Python state changes at every step
-(Gemma2's sliding-window cache) meets it in every generation; a new batch
-size in one generation only (the rest of that generation runs eagerly), and
-the shapes compiled before still run compiled."""
+recompile limit (no session with a compiled step after its first, no
+compiled call, between them) after which a compiled call runs eagerly for
+good: a call whose Python state changes at every step (Gemma2's
+sliding-window cache) meets it in every generation, at its second step; a
+new batch size in one generation only (the rest of that generation runs
+eagerly), and the shapes compiled before still run compiled."""
 
 
 @functools.cache
@@ -545,7 +546,11 @@ class FrozenCompiledCall:
                     stacklevel=2,
                 )
             return self.eager(*args, **kwargs)
-        self.limit_hits = 0
+        if session is None or continuing:
+            # A session's first step may run the graph compiled for it while
+            # every next step meets the limit (Gemma2's sliding-window cache):
+            # a session counts as compiled from its second compiled step.
+            self.limit_hits = 0
         given_up = _EAGER_FRAMES.given_up_since(mark)
         if given_up:
             self.report_eager_frames(given_up)

@@ -44,6 +44,11 @@ compiled graph computes (the traced forms of the same products): on a float32
 model the tokens are those of eager `generate`; with bfloat16 compute they may
 differ where Inductor rounds differently (fused normalizations).
 
+What is compiled is the decode step of greedy and sampled generation
+(transformers' `_sample` loop, the only one transformers calls a compiled
+forward from). Beam search (`num_beams > 1`) runs transformers' eager loop,
+without a word, as under transformers' own compiled `generate`.
+
 Cost: the first `generate` compiles (tens of seconds to minutes for a
 30-layer model on 2 cores; measured in docs/speed.md); later calls with the
 same batch size and the same `max_new_tokens` bound reuse the graph. Inductor
@@ -243,7 +248,7 @@ def compile_for_generation(
         earlier compiled forward is dropped. A copy of the model (deepcopy,
         pickle, `torch.save`) has a compiled forward of its own with the same
         options, compiled at its first decode step (compiled graphs are not
-        copied).
+        copied). Beam search stays eager (see the module docstring).
 
     Raises:
         TypeError: `model` has no `generate` or no `generation_config`.
