@@ -96,7 +96,11 @@ class Sequential(Layer):
         outputs: torch.Tensor | None = None
         with torch.no_grad():
             for layer in self.layers:
-                if outputs is None and hasattr(layer, "compute_output_shape"):
+                if (
+                    outputs is None
+                    and isinstance(layer, Layer)
+                    and hasattr(layer, "compute_output_shape")
+                ):
                     if not layer.built:
                         layer._build_device = self._build_device
                         layer.build(shape)
