@@ -405,6 +405,39 @@ def test_a_model_meeting_the_recompile_limit_in_every_generation_gives_up(monkey
     assert len(attempts) == 2 * GIVE_UP_AFTER_LIMIT_HITS
 
 
+def test_limits_met_between_one_step_generations_are_not_in_a_row(monkeypatch):
+    """A new batch size meets the limit in its generation only; generations of
+    one decode step in between ran compiled and met none: the run of limits
+    is broken, the model never gives up."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from dtype_policies._frozen import GIVE_UP_AFTER_LIMIT_HITS
+
+    model = tiny_llama()
+    compile_for_generation(model)
+    step = model._compiled_call
+
+    def compiled(**kwargs):
+        if kwargs["input_ids"].shape[0] == 2:
+            raise FailOnRecompileLimitHit("recompile_limit reached: size mismatch at index 0")
+        return "compiled"
+
+    step.compiled = compiled
+    monkeypatch.setattr(step, "eager", lambda *args, **kwargs: "eager")
+
+    def generation(batch: int) -> str:
+        assert model.get_compiled_call(model.generation_config.compile_config) is step
+        cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+        with torch.no_grad():
+            return step(input_ids=ONE_TOKEN.expand(batch, 1), past_key_values=cache)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(GIVE_UP_AFTER_LIMIT_HITS + 1):
+            assert [generation(1), generation(1), generation(2)] == ["compiled"] * 2 + ["eager"]
+    assert step.given_up is None and generation(1) == "compiled"
+
+
 def test_beam_search_runs_transformers_eager_loop_as_documented():
     model = tiny_llama()
     expected = model.generate(PROMPT, max_new_tokens=4, num_beams=2, do_sample=False)
@@ -508,7 +541,7 @@ def test_float32_policy_gives_eager_tokens_across_calls_and_lengths():
 
 
 @pytest.mark.slow
-def test_the_default_decode_step_is_cpp_code_with_eager_tokens():
+def test_the_default_decode_step_is_cpp_code_with_eager_scores():
     """The C++ wrapper (the default) calls Inductor's kernels and this
     library's int8 product: eager's scores, from a compiled C++ step."""
     from torch._inductor.utils import run_and_get_code

@@ -840,3 +840,51 @@ def test_decoding_torch_packing_refuses_a_layout_it_cannot_read():
         torch.ops.dtype_policies.int4_packed_decoded_mm(x, packed, pairs[:, :, :1], 64, 64)
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.dtype_policies.int4_packed_decoded_mm(x.float(), packed, pairs, 64, 64)
+
+
+@pytest.mark.parametrize("mode", ["int4", "gptq"])
+def test_a_load_landing_before_the_plan_key_leaves_no_mixed_plan(mode, monkeypatch):
+    """Another thread's `load_state_dict(assign=True)` lands in a call just
+    before its plan's key is taken (replayed here without threads): the plan
+    is packed from scales read after the key, so later calls compute with
+    the loaded weights (scales read before it once packed the new integers
+    with the old scales, for good)."""
+    import warnings
+
+    from dtype_policies._core.module_state import STATE_KEY
+    from dtype_policies.quantizers import GPTQConfig
+
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(256, 64))
+        if mode == "gptq":
+            data = [torch.randn(8, 256) for _ in range(2)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                quantize(
+                    model, "gptq", config=GPTQConfig(data, None, group_size=32), progress=False
+                )
+        else:
+            config = Int4QuantizationConfig(activation_quantizer=None, block_size=32)
+            quantize(model, "int4", config=config, progress=False)
+        return model
+
+    model, other = make(0), make(1)
+    x = torch.randn(1, 256)
+    with torch.no_grad():
+        model(x)  # the plan of the first weights
+    stale_key = int4_kernels.Int4Runtime.stale_key
+
+    def load_first(self, stored):
+        monkeypatch.setattr(int4_kernels.Int4Runtime, "stale_key", stale_key)
+        model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+        names = model[0].__dict__[STATE_KEY].quantization.buffer_names
+        buffers = model[0]._buffers
+        return stale_key(self, tuple(buffers[n] for n in names if buffers.get(n) is not None))
+
+    monkeypatch.setattr(int4_kernels.Int4Runtime, "stale_key", load_first)
+    with torch.no_grad():
+        model(x)  # the call the load lands in
+        expected = other(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)

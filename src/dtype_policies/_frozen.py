@@ -239,8 +239,8 @@ CPP_WRAPPER_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 operators called from generated C++ instead of Python. At one row, where a
 step is hundreds of small calls, SmolLM2-135M's decode step is 1.01-1.05x
 (mixed_bfloat16), 1.03-1.08x (int4 W4A8) and 1.02-1.26x (int8) faster (AMD
-Zen 4, 2 threads, three runs of 2026-12-05; 1.06-1.10x for int8 on Zen 3): the default of
-`compile_for_generation`. The first compilation of a graph takes longer
+Zen 4, 2 threads, three runs of 2026-12-05; 1.06-1.10x for int8 on Zen 3):
+the default of `compile_for_generation`. The first compilation of a graph takes longer
 with a cold cache (a C++ file per graph: 127 s against 97 s for SmolLM2's
 int4 W4A8 step), as long with Inductor's cache kept (68 s each)."""
 
@@ -300,12 +300,12 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
 
 GIVE_UP_AFTER_LIMIT_HITS = 3
 """Sessions (generations; calls, without sessions) in a row meeting Dynamo's
-recompile limit (no session with a compiled step after its first, no
-compiled call, between them) after which a compiled call runs eagerly for
-good: a call whose Python state changes at every step (Gemma2's
-sliding-window cache) meets it in every generation, at its second step; a
-new batch size in one generation only (the rest of that generation runs
-eagerly), and the shapes compiled before still run compiled."""
+recompile limit (no session between them that met none, no compiled call)
+after which a compiled call runs eagerly for good: a call whose Python state
+changes at every step (Gemma2's sliding-window cache) meets it in every
+generation, at its second step; a new batch size in one generation only
+(the rest of that generation runs eagerly), and the shapes compiled before
+still run compiled."""
 
 
 @functools.cache
@@ -399,6 +399,7 @@ class FrozenCompiledCall:
         self.reported: set[str] = set()  # the reasons for eager frames told so far
         self.limit_hits = 0  # sessions (calls) in a row that met Dynamo's recompile limit
         self.eager_session: weakref.ref | None = None  # the session that met it last
+        self.session_met_limit = False  # the latest session (generation) met it
 
     def _set_up(self, model: torch.nn.Module, freeze_weights: bool) -> None:
         """The compiled step and Inductor's settings, with weights frozen or not
@@ -520,6 +521,7 @@ class FrozenCompiledCall:
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             self.session = None
             self.limit_hits += 1
+            self.session_met_limit = session is not None
             if session is not None:
                 try:
                     self.eager_session = weakref.ref(session)
@@ -546,11 +548,14 @@ class FrozenCompiledCall:
                     stacklevel=2,
                 )
             return self.eager(*args, **kwargs)
-        if session is None or continuing:
-            # A session's first step may run the graph compiled for it while
-            # every next step meets the limit (Gemma2's sliding-window cache):
-            # a session counts as compiled from its second compiled step.
+        # A session's first step may run the graph compiled for it while every
+        # next step meets the limit (Gemma2's sliding-window cache): a session
+        # breaks the run of limits from its second compiled step, or when the
+        # next one begins compiled and it had met none (one-step generations).
+        if session is None or continuing or not self.session_met_limit:
             self.limit_hits = 0
+        if not continuing:
+            self.session_met_limit = False
         given_up = _EAGER_FRAMES.given_up_since(mark)
         if given_up:
             self.report_eager_frames(given_up)

@@ -104,12 +104,34 @@ class Sequential(Layer):
                     if not layer.built:
                         layer._build_device = self._build_device
                         layer.build(shape)
-                    shape = tuple(layer.compute_output_shape(shape))
-                    continue
+                    try:
+                        shape = tuple(layer.compute_output_shape(shape))
+                        continue
+                    except NotImplementedError:  # a nested stack holding a torch module
+                        pass
                 if outputs is None:
                     zeros_shape = tuple(1 if d is None else d for d in shape)
                     outputs = torch.zeros(zeros_shape, device=self._build_device)
                 outputs = layer(outputs)
+
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
+        """Each layer's `compute_output_shape` in turn (a nested stack builds
+        by shape too); NotImplementedError at a layer without one.
+
+        >>> from dtype_policies import layers
+        >>> layers.Sequential([layers.Dense(8), layers.Dense(3)]).compute_output_shape((None, 4))
+        (None, 3)
+        """
+        shape = tuple(input_shape)
+        for layer in self.layers:
+            compute = getattr(layer, "compute_output_shape", None)
+            if compute is None:
+                raise NotImplementedError(
+                    f"Sequential.compute_output_shape: the layer {type(layer).__name__} has no "
+                    "compute_output_shape"
+                )
+            shape = tuple(compute(shape))
+        return shape
 
     def _build_on_first_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
         # Layers build themselves on their first call; nothing to run up front.

@@ -337,20 +337,22 @@ class Int4Runtime:
     def current(
         self,
         stored: tuple[torch.Tensor, ...],
-        values: Callable[[], torch.Tensor],
-        scale: torch.Tensor,
-        zero: torch.Tensor | None,
+        read: Callable[
+            [], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+        ],
         block_size: int,
-        g_idx: torch.Tensor | None = None,
         activation_block_size: int | None = None,
     ) -> torch.Tensor | None:
-        """Makes the plan that of the `stored` tensors, refreshing it from
-        their (N, K) integer values, `values()`, where it is stale; returns
-        those values when this call read them, else None."""
+        """Makes the plan that of the `stored` tensors where it is stale,
+        from what `read()` returns after the key is taken: their (N, K)
+        integer values, scale, zero and `g_idx` (a load that replaces the
+        tensors meanwhile files a mixed plan under the old key, refreshed at
+        the next call). Returns the integer values when this call read them,
+        else None."""
         key = self.stale_key(stored)
         if key is None:
             return None
-        q_nk = values()
+        q_nk, scale, zero, g_idx = read()
         self.refresh(
             q_nk,
             scale,

@@ -371,19 +371,16 @@ class CalibratedIntScheme(Scheme):
     def _current_int4_runtime(self, module, qw) -> tuple[int4_kernels.Int4Runtime, Any]:
         """The weight's int4 runtime with a plan of its stored tensors, and
         their integer values when this call read them."""
-        _, scale, zero, g_idx, *_ = self._stored(module, qw)
         block = qw.config.block_size(qw.spec.in_features)
         runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
         if not isinstance(runtime, int4_kernels.Int4Runtime):
             runtime = qw.runtime = int4_kernels.Int4Runtime()
-        q_nk = runtime.current(
-            self._key_tensors(module, qw),
-            lambda: self.integer_values(module, qw),
-            scale,
-            zero,
-            block,
-            g_idx,
-        )
+
+        def read() -> tuple[Any, Any, Any, Any]:
+            _, scale, zero, g_idx, *_ = self._stored(module, qw)
+            return self.integer_values(module, qw), scale, zero, g_idx
+
+        q_nk = runtime.current(self._key_tensors(module, qw), read, block)
         return runtime, q_nk
 
     def refresh_kept(self, module, qw):

@@ -148,17 +148,18 @@ class Int4Scheme(Scheme):
     def _current_runtime(self, module, qw) -> tuple[kernels.Int4Runtime, torch.Tensor | None]:
         """The weight's runtime with a plan of its stored tensors, and their
         integer values when this call read them."""
-        _, scale, zero = self._stored(module, qw)
         runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
         if runtime is None:
             runtime = qw.runtime = self.new_runtime()
+
+        def read() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            _, scale, zero = self._stored(module, qw)
+            return self.integer_values(module, qw), scale, zero, self._g_idx(module, qw)
+
         q_nk = runtime.current(
             self._key_tensors(module, qw),
-            lambda: self.integer_values(module, qw),
-            scale,
-            zero,
+            read,
             qw.config.group_size,
-            self._g_idx(module, qw),
             activation_block_size=qw.config.activation_block_size,
         )
         return runtime, q_nk
