@@ -405,6 +405,36 @@ def test_a_model_meeting_the_recompile_limit_in_every_generation_gives_up(monkey
     assert len(attempts) == 2 * GIVE_UP_AFTER_LIMIT_HITS
 
 
+def test_a_cache_passed_again_gets_a_compiled_try_in_each_generation(monkeypatch):
+    """A generation that met the limit runs its later steps eagerly; the next
+    generation on the same cache (a user's `past_key_values`) tries again."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    model = tiny_llama()
+    compile_for_generation(model)
+    step = model._compiled_call
+    calls: list[int] = []
+
+    def compiled(**kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise FailOnRecompileLimitHit("recompile_limit reached: ___check_obj_id")
+        return "compiled"
+
+    step.compiled = compiled
+    monkeypatch.setattr(step, "eager", lambda *args, **kwargs: "eager")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+
+    def generation() -> list[str]:
+        assert model.get_compiled_call(model.generation_config.compile_config) is step
+        with torch.no_grad():
+            return [step(input_ids=ONE_TOKEN, past_key_values=cache) for _ in range(2)]
+
+    with pytest.warns(UserWarning, match="met its recompile limit on this call"):
+        assert generation() == ["compiled", "eager"]
+    assert generation() == ["compiled", "compiled"]
+
+
 def test_limits_met_between_one_step_generations_are_not_in_a_row(monkeypatch):
     """A new batch size meets the limit in its generation only; generations of
     one decode step in between ran compiled and met none: the run of limits

@@ -473,8 +473,11 @@ class FrozenCompiledCall:
         return model(*args, **kwargs)
 
     def begin_session(self) -> None:
-        """The next call reads the model again (the start of a generation)."""
+        """The next call reads the model again (the start of a generation),
+        and tries its compiled graph again, on a cache passed to an earlier
+        generation that met the recompile limit too."""
         self.session = None
+        self.eager_session = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._inductor import config
