@@ -304,3 +304,22 @@ def test_a_sequential_builds_layers_without_an_output_shape_on_zeros():
     assert tuple(stack.layers[2].kernel.shape) == (6, 3)
     with pytest.raises(NotImplementedError, match="Tanh"):
         stack.compute_output_shape((None, 4))
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_a_built_sequential_config_builds_again_and_takes_its_state(mode):
+    """As Keras's: a built stack's config holds the shape it was built on, so
+    `from_config` gives a built stack that loads the original's state."""
+    torch.manual_seed(0)
+    stack = layers.Sequential([layers.Dense(8), layers.Dense(3)])
+    stack.build((None, 5))
+    if mode is not None:
+        quantize(stack, mode)
+    config = stack.get_config()
+    assert config["build_input_shape"] == (None, 5)
+    copy = layers.Sequential.from_config(json.loads(json.dumps(config)))
+    copy.load_state_dict(stack.state_dict())
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        assert torch.equal(copy(x), stack(x))
+    assert "build_input_shape" not in layers.Sequential([layers.Dense(2)]).get_config()

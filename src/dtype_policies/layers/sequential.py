@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.casting import first_tensor
 from dtype_policies.layers.layer import Layer
 from dtype_policies.layers.serialization import deserialize_layer, serialize_layer
 
@@ -93,6 +94,7 @@ class Sequential(Layer):
         if input_shape is None or self.__dict__.get("_building_from_call"):
             return
         shape = tuple(input_shape)
+        self.__dict__["_build_input_shape"] = shape  # in the config, as Keras's
         outputs: torch.Tensor | None = None
         with torch.no_grad():
             for layer in self.layers:
@@ -135,6 +137,9 @@ class Sequential(Layer):
 
     def _build_on_first_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
         # Layers build themselves on their first call; nothing to run up front.
+        first = first_tensor((args, kwargs))
+        if first is not None:
+            self.__dict__["_build_input_shape"] = tuple(first.shape)
         self.__dict__["_building_from_call"] = True
         try:
             super()._build_on_first_call(args, kwargs)
@@ -153,6 +158,9 @@ class Sequential(Layer):
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["layers"] = [serialize_layer(layer) for layer in self.layers]
+        shape = self.__dict__.get("_build_input_shape")
+        if shape is not None and self.built:  # `from_config` builds the stack again
+            config["build_input_shape"] = shape
         return config
 
     @classmethod
