@@ -300,12 +300,13 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
 
 GIVE_UP_AFTER_LIMIT_HITS = 3
 """Sessions (generations; calls, without sessions) in a row meeting Dynamo's
-recompile limit (no session between them that met none, no compiled call)
-after which a compiled call runs eagerly for good: a call whose Python state
-changes at every step (Gemma2's sliding-window cache) meets it in every
-generation, at its second step; a new batch size in one generation only
-(the rest of that generation runs eagerly), and the shapes compiled before
-still run compiled."""
+recompile limit at any step (no session between them that ran compiled and
+met none; without sessions, no compiled call) after which a compiled call
+runs eagerly for good: a call whose Python state changes at every step
+(Gemma2's sliding-window cache) meets it in every generation, after its
+first step; a new batch size in one generation only (the rest of that
+generation runs eagerly), and the shapes compiled before still run
+compiled."""
 
 
 @functools.cache
@@ -400,6 +401,7 @@ class FrozenCompiledCall:
         self.limit_hits = 0  # sessions (calls) in a row that met Dynamo's recompile limit
         self.eager_session: weakref.ref | None = None  # the session that met it last
         self.session_met_limit = False  # the latest session (generation) met it
+        self.session_ran = False  # the latest session ran a compiled step
 
     def _set_up(self, model: torch.nn.Module, freeze_weights: bool) -> None:
         """The compiled step and Inductor's settings, with weights frozen or not
@@ -491,6 +493,10 @@ class FrozenCompiledCall:
                 return self.eager(*args, **kwargs)
             self.eager_session = None
         continuing = session is not None and session is self.session
+        if session is not None and not continuing:  # a session begins: did the last meet none?
+            if self.session_ran and not self.session_met_limit:
+                self.limit_hits = 0
+            self.session_ran = self.session_met_limit = False
         if self.freeze_weights and model is not None:
             if torch.is_grad_enabled() or transform_active():  # a frozen graph has no derivatives
                 return self.eager(*args, **kwargs)
@@ -551,14 +557,13 @@ class FrozenCompiledCall:
                     stacklevel=2,
                 )
             return self.eager(*args, **kwargs)
-        # A session's first step may run the graph compiled for it while every
-        # next step meets the limit (Gemma2's sliding-window cache): a session
-        # breaks the run of limits from its second compiled step, or when the
-        # next one begins compiled and it had met none (one-step generations).
-        if session is None or continuing or not self.session_met_limit:
+        # A session's first steps may run the graph compiled for it while a
+        # later one meets the limit (Gemma2's sliding-window cache, every
+        # generation): a session breaks the run of limits only if it met none.
+        if session is None:
             self.limit_hits = 0
-        if not continuing:
-            self.session_met_limit = False
+        else:
+            self.session_ran = True
         given_up = _EAGER_FRAMES.given_up_since(mark)
         if given_up:
             self.report_eager_frames(given_up)

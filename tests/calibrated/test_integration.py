@@ -323,3 +323,34 @@ def test_a_built_sequential_config_builds_again_and_takes_its_state(mode):
     with torch.no_grad():
         assert torch.equal(copy(x), stack(x))
     assert "build_input_shape" not in layers.Sequential([layers.Dense(2)]).get_config()
+
+
+def test_a_nested_stack_holding_a_torch_module_runs_it_once_at_build():
+    calls: list[tuple] = []
+
+    class Counting(torch.nn.Module):
+        def forward(self, x):
+            calls.append(tuple(x.shape))
+            return x
+
+    stack = layers.Sequential([layers.Dense(4), layers.Sequential([Counting()]), layers.Dense(2)])
+    stack.build((None, 3))
+    assert calls == [(1, 4)] and all(layer.built for layer in stack.layers)
+
+
+def test_a_stack_first_called_on_a_pair_keeps_no_build_shape_in_its_config():
+    """Keras's Sequential takes one input: a first call on anything else
+    records no shape (`from_config` gives a stack built by its first call)."""
+
+    @layers.register_serializable("TestsIntegration")
+    class AddPair(layers.Layer):
+        def call(self, inputs):
+            return inputs[0] + inputs[1]
+
+    stack = layers.Sequential([AddPair(), layers.Dense(3)])
+    stack((torch.ones(2, 4), torch.ones(2, 4)))
+    config = json.loads(json.dumps(stack.get_config()))
+    assert stack.built and "build_input_shape" not in config
+    copy = layers.Sequential.from_config(config)  # built by its first call, as before
+    x = (torch.randn(5, 4), torch.randn(5, 4))
+    assert copy(x).shape == (5, 3)

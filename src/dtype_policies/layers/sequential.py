@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from dtype_policies._core.casting import first_tensor
 from dtype_policies.layers.layer import Layer
 from dtype_policies.layers.serialization import deserialize_layer, serialize_layer
 
@@ -103,14 +102,16 @@ class Sequential(Layer):
                     and isinstance(layer, Layer)
                     and hasattr(layer, "compute_output_shape")
                 ):
-                    if not layer.built:
-                        layer._build_device = self._build_device
-                        layer.build(shape)
                     try:
-                        shape = tuple(layer.compute_output_shape(shape))
-                        continue
+                        output_shape = tuple(layer.compute_output_shape(shape))
                     except NotImplementedError:  # a nested stack holding a torch module
-                        pass
+                        pass  # built by its call on zeros, below
+                    else:
+                        if not layer.built:
+                            layer._build_device = self._build_device
+                            layer.build(shape)
+                        shape = output_shape
+                        continue
                 if outputs is None:
                     zeros_shape = tuple(1 if d is None else d for d in shape)
                     outputs = torch.zeros(zeros_shape, device=self._build_device)
@@ -137,9 +138,8 @@ class Sequential(Layer):
 
     def _build_on_first_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
         # Layers build themselves on their first call; nothing to run up front.
-        first = first_tensor((args, kwargs))
-        if first is not None:
-            self.__dict__["_build_input_shape"] = tuple(first.shape)
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):  # Keras's one input
+            self.__dict__["_build_input_shape"] = tuple(args[0].shape)
         self.__dict__["_building_from_call"] = True
         try:
             super()._build_on_first_call(args, kwargs)
