@@ -185,3 +185,44 @@ def test_float8_on_one_side_of_a_tied_weight_keeps_the_other_float():
         "embed": "its weight is shared with 'head', which keeps it in floating point"
     }
     assert model.head.weight is model.embed.weight
+
+
+class LayerTiedLM(nn.Module):
+    """This library's `Embedding` whose table is a torch linear head's weight."""
+
+    def __init__(self):
+        super().__init__()
+        from dtype_policies import layers
+
+        self.embed = layers.Embedding(256, 64)
+        self.embed.build()
+        self.head = nn.Linear(64, 256, bias=False)
+        self.head.weight = self.embed.embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+@pytest.mark.parametrize("how", ["int8", "int4", "int8_from_float32"])
+def test_a_layer_table_tied_to_a_torch_head_is_stored_once_and_reloads(how, tmp_path):
+    from dtype_policies import saving
+
+    torch.manual_seed(0)
+    model = LayerTiedLM()
+    if "_from_" in how:
+        apply_policy(model, how)
+    else:
+        quantize(model, how)
+    state = model.state_dict()
+    # int4 stores a tied table as int8; one tensor under both names
+    assert state["embed.embeddings_int8"].data_ptr() == state["head.weight_int8"].data_ptr()
+    assert state["embed.embeddings_scale"].data_ptr() == state["head.weight_scale"].data_ptr()
+    expected = model(IDS)
+    table = model.head.weight  # dequantized
+    assert torch.equal(model.embed(IDS), table[IDS])
+    saving.save(model, tmp_path / "ckpt")
+    fresh = LayerTiedLM()
+    saving.load(fresh, tmp_path / "ckpt")
+    assert torch.equal(fresh(IDS), expected)
+    loaded = fresh.state_dict()
+    assert loaded["embed.embeddings_int8"].data_ptr() == loaded["head.weight_int8"].data_ptr()

@@ -211,21 +211,30 @@ def shared_tensors(
     """The stored tensors of an already planned module holding the same weight
     Parameter, stored the same way (tied weights), if any: `planned_weights`
     maps `id(weight)` to the first plan of that weight (`quantize()` and
-    `apply_policy` both store a tied table once)."""
+    `apply_policy` both store a tied table once). The tensors are named
+    after this module's weight (a layer's `embeddings` tied to a linear's
+    `weight`: `embeddings_int8` is its `weight_int8`)."""
     weight = module._parameters.get(spec.weight)
     earlier = planned_weights.get(id(weight)) if weight is not None else None
     if earlier is None:
         return None
+    renamed = _renamed(earlier.tensors, earlier.spec.weight, spec.weight)
     same = (
         earlier.config == config
         and earlier.spec.layout == spec.layout
         and earlier.spec.float_shape == spec.float_shape
-        and earlier.spec.weight == spec.weight
         and not earlier.scheme.keeps_float_weight
-        and earlier.scheme.stored_shapes(earlier.spec, earlier.config)
+        and {name: (tuple(t.shape), t.dtype) for name, t in renamed.items()}
         == earlier.scheme.stored_shapes(spec, config)
     )
-    return earlier.tensors if same else None
+    return renamed if same else None
+
+
+def _renamed(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    """`tensors` stored for the weight `old`, named as for the weight `new`."""
+    return {
+        new + name[len(old) :] if name.startswith(old) else name: t for name, t in tensors.items()
+    }
 
 
 def plan(
