@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from dtype_policies import layers, quantize
+from dtype_policies.quantizers import Int4QuantizationConfig
 
 WRITES = {
     "assign a parameter": lambda m: setattr(m, "weight", nn.Parameter(torch.randn(16, 32))),
@@ -105,3 +106,42 @@ def test_a_float_checkpoint_loads_into_an_int8_linear() -> None:
     quantize(reference, "int8")
     x = torch.randn(4, 32)
     assert torch.equal(linear(x), reference(x))
+
+
+def _quantized_stack(kind: str, mode: str, config, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "dense":
+        model = layers.Dense(40)
+        model.build((None, 72))
+        model.quantize(mode, config=config)
+        return model.eval()
+    model = nn.Sequential(nn.Linear(72, 96), nn.GELU(), nn.Linear(96, 40)).eval()
+    quantize(model, mode, config)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["torch", "dense"])
+@pytest.mark.parametrize(
+    ("mode", "config"),
+    [
+        ("int8", None),
+        ("int4", None),
+        ("int4", Int4QuantizationConfig(block_size=32)),
+        ("int4", Int4QuantizationConfig(block_size=32, activation_block_size=32)),
+    ],
+    ids=["int8", "int4", "int4/32", "W4A8"],
+)
+def test_a_load_into_inference_tensors_is_seen_by_the_kernels(kind, mode, config) -> None:
+    """Stored tensors loaded under inference_mode with `assign=True` are
+    inference tensors, without version counters: a second load writes them
+    in place unseen by a key of versions; the packed plans are dropped."""
+    first, second = (_quantized_stack(kind, mode, config, seed) for seed in (1, 2))
+    x = torch.randn(4, 72, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        first_state = {k: v.clone() for k, v in first.state_dict().items()}
+        second_state = {k: v.clone() for k, v in second.state_dict().items()}
+        model = _quantized_stack(kind, mode, config, 0)
+        model.load_state_dict(first_state, assign=True)
+        assert torch.equal(model(x), first(x))
+        model.load_state_dict(second_state)
+        assert torch.equal(model(x), second(x))

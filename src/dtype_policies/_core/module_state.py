@@ -213,6 +213,16 @@ def refresh_kept(model: torch.nn.Module) -> None:
             state.quantization.refresh_kept(module)
 
 
+def forget_kept_after_load(module: torch.nn.Module) -> None:
+    """Drops what the kernels keep of a quantized module's stored tensors
+    after a load into them: a load under `inference_mode` into inference
+    tensors (stored tensors loaded there with `assign=True`) writes them
+    without moving a version counter."""
+    quantization = quantization_of(module)
+    if quantization is not None:
+        quantization.forget_kept()
+
+
 def clear_cast_caches(model: torch.nn.Module) -> None:
     """Drops the compute-dtype casts kept by `model` and its submodules, and
     makes graphs compiled from it with frozen weights (`compile_for_inference`,

@@ -23,7 +23,13 @@ from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
 from dtype_policies._core.casting import first_tensor
 from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
-from dtype_policies._core.module_state import STATE_KEY, ModuleState, Token, replace_top
+from dtype_policies._core.module_state import (
+    STATE_KEY,
+    ModuleState,
+    Token,
+    forget_kept_after_load,
+    replace_top,
+)
 from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths
@@ -423,6 +429,7 @@ class Layer(LayerWeights, torch.nn.Module):
         check_before_loading(self, state_dict, prefix, args, kwargs)  # the whole subtree, once
         self._adapt_checkpoint(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        forget_kept_after_load(self)
 
     def _adapt_checkpoint(self, state_dict: dict, prefix: str) -> None:
         """Rewrites this layer's own entries of a checkpoint (quantized layers)."""

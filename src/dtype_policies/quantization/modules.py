@@ -25,7 +25,13 @@ import torch
 
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
-from dtype_policies._core.module_state import Token, ensure_state, quantization_of, state_of
+from dtype_policies._core.module_state import (
+    Token,
+    ensure_state,
+    forget_kept_after_load,
+    quantization_of,
+    state_of,
+)
 from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies._core.scope import current_scope
 from dtype_policies._modes import mode_record
@@ -94,6 +100,7 @@ class QuantizedForward(QuantizedWeightGuard):
             check_before_loading(self, state_dict, prefix, args, kwargs)
             adapt_state_dict(self, qw, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        forget_kept_after_load(self)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return apply_keeping_stored_dtypes(self, fn, super()._apply, args, kwargs)
