@@ -70,7 +70,10 @@ def test_causal_lm_generates_under_every_mode(build, mode, context):
     with context():
         logits = model(ids).logits
         out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert logits.dtype == torch.bfloat16
+    # quantize() computes an output head whose product rounds its inputs to
+    # int8 from float32 (int8; int4's int8 table of GPT-2's tied head)
+    float32_head = mode == "int8" or (mode == "int4" and build is gpt2)
+    assert logits.dtype == (torch.float32 if float32_head else torch.bfloat16)
     assert relative_error(logits, reference) < TOLERANCE[mode]
     assert out.shape == expected.shape
     assert torch.equal(out[:, :10], ids)

@@ -246,7 +246,8 @@ def test_a_policy_reaches_the_experts_linears_and_leaves_them_with_remove():
     quantize_quietly(model, "int8")
     linear = experts_modules(model)[0].gate_up_proj[3]
     assert state_of(linear).call.policy.name == "int8_from_mixed_bfloat16"
-    assert model(TOKENS).logits.dtype == torch.bfloat16
+    assert model.lm_head.dtype_policy.name == "int8_from_float32"  # float32 logits
+    assert model.model.norm(model.model.embed_tokens(TOKENS)).dtype == torch.bfloat16
     handle.remove()
     assert state_of(linear).call.compute == torch.float32
     assert model(TOKENS).logits.dtype == torch.float32
@@ -508,6 +509,7 @@ def test_apply_policy_with_a_quantized_policy_quantizes_the_experts_too(policy, 
     source, mode = policy.split("_from_")[1], policy.split("_from_")[0]
     apply_policy(by_quantize, source)
     quantize_quietly(by_quantize, mode)
+    apply_policy(by_quantize.lm_head, source)  # the head as the policy says (int8: from float32)
     experts = experts_modules(model)
     assert all(expanded(m) for m in experts)
     assert "model/layers/0/mlp/experts/down_proj/3" in handle.quantized_paths

@@ -7,6 +7,7 @@ import inspect
 import re
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,15 +16,18 @@ from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
 from dtype_policies._core.module_state import quantization_of, state_of
+from dtype_policies._core.policy_module import install, top_options
 from dtype_policies._core.sharded import refuse_replicated, refuse_sharded
 from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
+from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.adapters import adapter_modules
-from dtype_policies.quantization.attach import check, commit, plan, shared_tensors
+from dtype_policies.quantization.attach import Plan, check, commit, plan, shared_tensors
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
+from dtype_policies.quantization.modules import OUTPUT_HEAD_TOKEN
 from dtype_policies.quantization.report import (
     ADAPTER_DETAIL,
     ROUTER_DETAIL,
@@ -184,7 +188,14 @@ def quantize(
 
     A module's policy becomes `"<mode>_from_<its float policy>"`; under
     `apply_policy(model, "mixed_bfloat16")` that is e.g.
-    `int8_from_mixed_bfloat16`, which computes in bfloat16.
+    `int8_from_mixed_bfloat16`, which computes in bfloat16. One exception:
+    the model's output head (transformers' `get_output_embeddings()`), when
+    its product rounds its inputs to int8 (the default int8, W4A8, the int8
+    table of a tied head under int4), becomes `"<mode>_from_float32"` and
+    stays so when the model is converted: the same integer product, with
+    logits in float32 (bfloat16 logits changed SmolLM2-135M's most likely
+    token at 0.5% of positions). `apply_policy` afterwards sets it as any
+    other module.
 
     Args:
         model: Any module (built, for this library's layers: an unbuilt layer
@@ -359,8 +370,11 @@ def quantize(
         report.skipped += outside
         report.outside_linears = _outside_linears(model, modules, calibration.outside)
     ExpertsExpansion.claim_all(plans, expansions)
+    head = _output_head(model)
     for module_plan in plans:  # nothing above changed the model
         commit(module_plan)
+        if module_plan.module is head:
+            _logits_in_float32(module_plan)
         label = module_plan.path or "(root)"
         report.quantized.append(
             (label, module_plan.mode, state_of(module_plan.module).call.policy.name)
@@ -439,8 +453,7 @@ def _outside_linears(
 ) -> list[str]:
     """The linear modules of `outside` other than the model's output head
     (`get_output_embeddings()`, which Keras's calibrated modes leave float)."""
-    head_of = getattr(model, "get_output_embeddings", None)
-    head = head_of() if callable(head_of) else None
+    head = _output_head(model)
     linears = []
     for path in outside:
         module = modules.get(path)
@@ -451,6 +464,33 @@ def _outside_linears(
         if kind is not None and kind.role == "linear" and module is not head:
             linears.append(path or "(root)")
     return linears
+
+
+_HEAD_FROM_FLOAT32 = ("float32", "bfloat16", "float16")
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module computing the model's outputs over its vocabulary
+    (transformers' `get_output_embeddings()`), if it says."""
+    head_of = getattr(model, "get_output_embeddings", None)
+    head = head_of() if callable(head_of) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+def _logits_in_float32(module_plan: Plan) -> None:
+    """Puts a float32 application on top of a just-quantized output head
+    whose product rounds its inputs to integers: the same product, with
+    float32 logits, also after a conversion of the model (`.to(bfloat16)`)
+    or a later 16-bit load (a float64 head is left as it is)."""
+    options = top_options(module_plan.module)
+    if options is None or not module_plan.config.rounds_inputs:
+        return
+    if (options.outputs or options.policy.compute_dtype) not in _HEAD_FROM_FLOAT32:
+        return
+    float32 = replace(
+        options, policy=DTypePolicy("float32"), island=False, half_inputs_ok=False, outputs=None
+    )
+    install(module_plan.module, OUTPUT_HEAD_TOKEN, float32)
 
 
 def _examples(paths: list[str], count: int = 3) -> str:

@@ -43,6 +43,10 @@ from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 # The application `quantize()` puts at the bottom of a quantized module's
 # stack: its own float dtype, in force when no policy application is above it.
 QUANTIZE_TOKEN = Token("QUANTIZE_TOKEN")
+# The application `quantize()` puts on top of a model's output head whose
+# product rounds its inputs to integers: it computes from float32, so that its
+# logits keep float32's resolution at no cost (`quantization.api`).
+OUTPUT_HEAD_TOKEN = Token("OUTPUT_HEAD_TOKEN")
 
 
 def own_options(mode: str, dtype: torch.dtype) -> ModuleOptions:

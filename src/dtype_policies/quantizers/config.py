@@ -248,6 +248,12 @@ class QuantizationConfig:
         embedding table and a linear (a tied LM head); this one by default."""
         return self
 
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether the product rounds its inputs to integers (W8A8, W4A8), so
+        that it costs the same from any float dtype; `False` by default."""
+        return False
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
         return cls(**config)
@@ -387,6 +393,11 @@ class Int8QuantizationConfig(QuantizationConfig):
     def weight_only(self) -> bool:
         """True without activation quantization (the product runs in the compute dtype)."""
         return self.activation_quantizer is None
+
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether the product rounds its inputs to int8 (every int8 but weight-only)."""
+        return not self.weight_only
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
@@ -548,6 +559,12 @@ class Int4QuantizationConfig(QuantizationConfig):
     def group_size(self) -> int:
         """The block size as a number: `-1` for per channel (`block_size` None or -1)."""
         return -1 if self.block_size is None else self.block_size
+
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether the product rounds its inputs to int8 (W4A8: per block of
+        `activation_block_size`, or per row with an `activation_quantizer`)."""
+        return self.activation_block_size is not None or self.activation_quantizer is not None
 
     def tied_embeddings_config(self) -> QuantizationConfig:
         """The config `quantize()` gives a weight shared by an embedding table and a linear."""
