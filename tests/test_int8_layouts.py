@@ -75,3 +75,35 @@ def test_keras_w8a8_under_bfloat16_compute_rounds_once_after_the_bias():
     exact = inputs @ layer.weight.detach().double().t() + layer.bias.detach().bfloat16().double()
     ulps = (got - exact).abs() / 2.0 ** (torch.floor(torch.log2(exact.abs())) - 7)
     assert float(ulps.max()) <= 1.5
+
+
+@pytest.mark.parametrize(
+    ("value_range", "epsilon"), [((-20, 20), 1e-7), ((-127, 127), 100.0), ((-20, 30), 1e-7)]
+)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_activation_quantizer_of_its_own_rounds_the_inputs_by_its_rule(
+    value_range, epsilon, compiled
+):
+    """Keras's rule, `q = clip(round(x * s), value_range)` with `s = high /
+    (max|x| + epsilon)` per row, for a quantizer other than the default
+    (the integer kernels implement only the default's)."""
+    from dtype_policies.quantizers import AbsMaxQuantizer
+
+    torch.manual_seed(0)
+    quantizer = AbsMaxQuantizer(axis=-1, value_range=value_range, epsilon=epsilon)
+    config = Int8QuantizationConfig(activation_quantizer=quantizer)
+    assert config.own_input_rounding and not Int8QuantizationConfig().own_input_rounding
+    linear = nn.Linear(32, 8)
+    quantize(linear, "int8", config)
+    x = torch.randn(5, 32)
+    step = value_range[1] / (x.abs().amax(-1, keepdim=True) + epsilon)
+    xq = torch.clamp(torch.round(x * step), *value_range)
+    weights = linear.weight_int8.float()
+    expected = (xq @ weights.t()) / (step * linear.weight_scale[None, :]) + linear.bias
+    run = torch.compile(linear, backend="aot_eager", fullgraph=True) if compiled else linear
+    with torch.no_grad():
+        assert torch.allclose(run(x), expected, rtol=1e-6, atol=1e-6)
+    x.requires_grad_()
+    run(x).sum().backward()  # straight through the rounding: the dequantized weight
+    dequantized = weights / linear.weight_scale[:, None]
+    assert torch.allclose(x.grad, dequantized.sum(0).expand_as(x), rtol=1e-5, atol=1e-6)

@@ -399,6 +399,15 @@ class Int8QuantizationConfig(QuantizationConfig):
         """Whether the product rounds its inputs to int8 (every int8 but weight-only)."""
         return not self.weight_only
 
+    @property
+    def own_input_rounding(self) -> bool:
+        """Whether the inputs are rounded by an activation quantizer other
+        than Keras's default (another `value_range` or `epsilon`): by the
+        quantizer itself, the product exact in float64, outside the integer
+        kernels (which implement the default's rule)."""
+        default = _stored_values(AbsMaxQuantizer())
+        return not self.weight_only and _stored_values(self.activation_quantizer) != default
+
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         if self.activation_block_size is not None:  # absent when off, as in Keras

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._core.casting import straight_through
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import int8 as kernels
@@ -100,6 +101,8 @@ class Int8Scheme(Scheme):
         return runtime
 
     def linear(self, module, qw, x2, bias, compute):
+        if qw.config.own_input_rounding:
+            return self._own_rounding_linear(module, qw, x2, bias, compute)
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)
         if qw.config.activation_block_size is not None:
@@ -112,6 +115,8 @@ class Int8Scheme(Scheme):
         return kernels.int8_linear(x2, self._runtime(module, qw, prepack=True), bias, compute)
 
     def traced_linear(self, module, qw, x2, bias, compute, needs_grad):
+        if qw.config.own_input_rounding:
+            return self._own_rounding_linear(module, qw, x2, bias, compute)
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)
         data, scale = self._stored(module, qw)
@@ -126,6 +131,22 @@ class Int8Scheme(Scheme):
             _block_size(qw),
             needs_grad,
         )
+
+    def _own_rounding_linear(self, module, qw, x2, bias, compute):
+        """W8A8 with the config's own activation quantizer (Keras's rule,
+        `q = clip(round(x * s), value_range)`, `s = high / (max|x| + eps)`
+        per row): the integer products exact in float64; the gradient passes
+        straight through the inputs' rounding."""
+        data, scale = self._stored(module, qw)  # per channel: blocks need the default rule
+        x = x2.float()
+        xq, x_scale = qw.config.activation_quantizer(x.detach(), axis=-1)
+        x_scale = x_scale.float()
+        xq = straight_through(x * x_scale, xq.float())
+        products = (xq.double() @ qw.spec.nk(data).double().t()).float()
+        y = products / (x_scale * scale.float()[None, :])
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(compute)
 
     def lookup(self, module, qw, ids, compute):
         data, scale = self._stored(module, qw)
