@@ -398,9 +398,9 @@ def test_load_in_bfloat16_keeps_stored_dtypes(tmp_path):
     in_memory = model.to(torch.bfloat16)
     assert in_memory.model.layers[0].self_attn.q_proj.dtype_policy.name == "int8_from_bfloat16"
     got = outputs(loaded)
-    # the int8 head (quantize()'s output head) computes from float32
-    assert loaded.lm_head.dtype_policy.name == "int8_from_float32"
-    assert got.dtype == torch.float32 and got.shape == (2, 9, VOCAB)
+    # a float32 model's head is quantized as any module: it follows the dtype too
+    assert loaded.lm_head.dtype_policy.name == "int8_from_bfloat16"
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 9, VOCAB)
     expected = outputs(in_memory).float()  # (its rotary buffers rounded to bfloat16 too)
     assert float((got.float() - expected).norm() / expected.norm()) < 0.02
 

@@ -95,6 +95,15 @@ def test_which_heads_compute_from_float32(mode, config, tie, head_policy):
     assert logits(model).dtype == expected
 
 
+def test_a_float32_model_is_quantized_as_before_and_follows_conversions():
+    from dtype_policies.quantization.modules import computes_in_own_dtype
+
+    model, _ = quantized("int8", policy=None)
+    assert computes_in_own_dtype(model.lm_head)  # no application of quantize()'s own above
+    model.to(torch.bfloat16)
+    assert model.lm_head.dtype_policy.name == "int8_from_bfloat16"  # as every module
+
+
 def test_a_model_in_bfloat16_without_a_policy_gets_float32_logits():
     model = tiny_decoder(tie=True).to(torch.bfloat16)
     quantize(model, "int8")
@@ -119,15 +128,16 @@ def test_a_later_policy_application_sets_the_head_and_its_removal_gives_it_back(
     assert logits(model).dtype == torch.float32
 
 
-def test_a_conversion_of_the_model_leaves_the_head_in_float32():
-    model, _ = quantized("int8", policy=None)
-    model.to(torch.bfloat16)
-    assert model.model.layers[0].mlp.down_proj.dtype_policy.name == "int8_from_bfloat16"
-    assert model.lm_head.dtype_policy.name == "int8_from_float32"  # never narrower
-    model, _ = quantized("int8")
+def test_a_conversion_to_bfloat16_keeps_the_float32_head_and_to_float64_widens_it():
+    model = tiny_decoder(tie=True).to(torch.bfloat16)
+    quantize(model, "int8")
     model.to(torch.bfloat16)
     assert model.lm_head.dtype_policy.name == "int8_from_float32"
     assert logits(model).dtype == torch.float32
+    model.double()  # never narrower than the model
+    assert model.lm_head.dtype_policy.name == "int8_from_float64"
+    assert model.model.layers[0].mlp.down_proj.dtype_policy.name == "int8_from_float64"
+    assert logits(model).dtype == torch.float64
 
 
 def test_a_filtered_out_head_and_a_quantized_body_alone_are_left_as_they_are():
@@ -140,6 +150,54 @@ def test_a_filtered_out_head_and_a_quantized_body_alone_are_left_as_they_are():
     apply_policy(model, "mixed_bfloat16")
     quantize(model.model, "int8")
     assert model.lm_head.dtype_policy.name == "mixed_bfloat16"
+
+
+class EmbeddingNamedHead(torch.nn.Module):
+    """A model naming a table as its output embeddings (FSMT's form): its
+    logits come from a linear tied to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 64)
+        self.project = torch.nn.Linear(64, 128, bias=False)
+        self.project.weight = self.embed.weight
+
+    def get_output_embeddings(self):
+        return self.embed
+
+    def forward(self, ids):
+        return self.project(self.embed(ids))
+
+
+class NoHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def get_output_embeddings(self):
+        raise NotImplementedError("no head here")
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class HeadAsProperty(NoHead):
+    get_output_embeddings = property(lambda self: self.linear)  # type: ignore[assignment]
+
+
+def test_only_a_linear_head_a_model_names_is_changed():
+    torch.manual_seed(0)
+    model = EmbeddingNamedHead()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    assert model.embed.dtype_policy.name == "int8_from_mixed_bfloat16"
+    assert model.project.dtype_policy.name == "int8_from_mixed_bfloat16"
+    assert model(IDS).dtype == torch.bfloat16
+    for kind in (NoHead, HeadAsProperty):
+        model = kind()
+        apply_policy(model, "mixed_bfloat16")
+        report = quantize(model, "int8")
+        assert report.quantized == [("linear", "int8", "int8_from_mixed_bfloat16")]
 
 
 def test_the_float32_head_saves_and_loads(tmp_path):

@@ -226,3 +226,55 @@ def test_a_layer_table_tied_to_a_torch_head_is_stored_once_and_reloads(how, tmp_
     assert torch.equal(fresh(IDS), expected)
     loaded = fresh.state_dict()
     assert loaded["embed.embeddings_int8"].data_ptr() == loaded["head.weight_int8"].data_ptr()
+
+
+class TiedAutoencoder(nn.Module):
+    """A torch linear (out, in) whose weight is a Keras-style Dense kernel (in, out)."""
+
+    def __init__(self):
+        super().__init__()
+        from dtype_policies import layers
+
+        self.encode = nn.Linear(32, 16, bias=False)
+        self.decode = layers.Dense(32, use_bias=False)
+        self.decode.build((None, 16))
+        self.decode.kernel = self.encode.weight
+        self.body = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.decode(torch.relu(self.encode(x))))
+
+
+@pytest.mark.parametrize("how", ["int8", "int4", "int8_from_float32"])
+def test_a_weight_its_holders_lay_out_otherwise_stays_float_in_both(how, tmp_path):
+    from dtype_policies import saving
+
+    torch.manual_seed(0)
+    model = TiedAutoencoder()
+    x = torch.randn(4, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = apply_policy(model, how) if "_from_" in how else quantize(model, how)
+    assert model.decode.kernel is model.encode.weight  # still one Parameter
+    assert isinstance(model.encode.weight, nn.Parameter)
+    if "_from_" in how:
+        assert "encode" not in result.quantized_paths and "decode" not in result.quantized_paths
+        assert "body" in result.quantized_paths
+    else:
+        reasons = dict(result.skipped)
+        assert "lays it out otherwise" in reasons["encode"] and "'decode'" in reasons["encode"]
+        assert "'encode'" in reasons["decode"]
+        assert [path for path, *_ in result.quantized] == ["body"]
+    # the tied pair computes as before; only `body` is quantized
+    body = model.body(model.decode(torch.relu(model.encode(x))))
+    assert torch.equal(model(x), body)
+    assert torch.equal(model.decode(torch.relu(model.encode(x))), expected_mid(model, x))
+    saving.save(model, tmp_path / "ckpt")
+    fresh = TiedAutoencoder()
+    saving.load(fresh, tmp_path / "ckpt")
+    assert torch.equal(fresh(x), model(x))
+
+
+def expected_mid(model: TiedAutoencoder, x: torch.Tensor) -> torch.Tensor:
+    weight = model.encode.weight
+    return torch.relu(x @ weight.t()) @ weight

@@ -40,7 +40,12 @@ from dtype_policies.quantization import attach, experts
 from dtype_policies.quantization.adapters import adapter_modules, watch_merges
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
-from dtype_policies.quantization.report import ADAPTER_DETAIL, ROUTER_DETAIL, shared_float_detail
+from dtype_policies.quantization.report import (
+    ADAPTER_DETAIL,
+    ROUTER_DETAIL,
+    shared_float_detail,
+    shared_layout_detail,
+)
 
 _FLOAT32 = DTypePolicy("float32")
 
@@ -909,6 +914,7 @@ def _stored_once(
                 kept_float.setdefault(id(parameter), step.path or "(root)")
     modes: dict[int, attach.Plan] = {}
     kept, declined = [], []
+    unshareable = attach.unshareable_ties(plans)
     for plan in plans:
         weight = plan.module._parameters.get(plan.spec.weight)
         if weight is None or plan.scheme.keeps_float_weight:
@@ -923,7 +929,11 @@ def _stored_once(
                 "to either."
             )
         holder = kept_float.get(id(weight))
-        if holder is None:
+        if id(plan) in unshareable:
+            if id(plan.module) in step_of:
+                detail = shared_layout_detail(unshareable[id(plan)])
+                declined.append((step_of[id(plan.module)], detail))
+        elif holder is None:
             kept.append(plan)
         elif id(plan.module) in step_of:
             declined.append((step_of[id(plan.module)], shared_float_detail(holder)))

@@ -23,7 +23,14 @@ from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization.adapters import adapter_modules
-from dtype_policies.quantization.attach import Plan, check, commit, plan, shared_tensors
+from dtype_policies.quantization.attach import (
+    Plan,
+    check,
+    commit,
+    plan,
+    shared_tensors,
+    unshareable_ties,
+)
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
@@ -42,6 +49,7 @@ from dtype_policies.quantization.report import (
     SKIP_ROUTER,
     QuantizationReport,
     shared_float_detail,
+    shared_layout_detail,
 )
 from dtype_policies.quantizers.config import validate_and_resolve_config
 
@@ -189,13 +197,13 @@ def quantize(
     A module's policy becomes `"<mode>_from_<its float policy>"`; under
     `apply_policy(model, "mixed_bfloat16")` that is e.g.
     `int8_from_mixed_bfloat16`, which computes in bfloat16. One exception:
-    the model's output head (transformers' `get_output_embeddings()`), when
-    its product rounds its inputs to int8 (the default int8, W4A8, the int8
-    table of a tied head under int4), becomes `"<mode>_from_float32"` and
-    stays so when the model is converted: the same integer product, with
-    logits in float32 (bfloat16 logits changed SmolLM2-135M's most likely
-    token at 0.5% of positions). `apply_policy` afterwards sets it as any
-    other module.
+    the model's linear output head (transformers' `get_output_embeddings()`),
+    when its product rounds its inputs to int8 (the default int8, W4A8, the
+    int8 table of a tied head under int4) and it would hand out 16-bit
+    logits, becomes `"<mode>_from_float32"`, also after `.to(bfloat16)`: the
+    same integer product, with logits in float32 (bfloat16 logits changed
+    SmolLM2-135M's most likely token at 0.5% of positions). `apply_policy`
+    afterwards sets it as any other module.
 
     Args:
         model: Any module (built, for this library's layers: an unbuilt layer
@@ -356,10 +364,18 @@ def quantize(
         weight = module._parameters[module_plan.spec.weight]
         planned_weights.setdefault(id(weight), module_plan)
         plans.append(module_plan)
+    unshareable = unshareable_ties(plans)
+    for module_plan in plans:
+        if id(module_plan) in unshareable:
+            label = module_plan.path or "(root)"
+            detail = shared_layout_detail(unshareable[id(module_plan)])
+            report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {detail}"))
+            leave_float(label, module_plan.module)
     plans = [
         p
         for p in plans
-        if stores_no_float_copy(p.path, p.scheme, p.module._parameters[p.spec.weight])
+        if id(p) not in unshareable
+        and stores_no_float_copy(p.path, p.scheme, p.module._parameters[p.spec.weight])
     ]
     checked = [(path, f) for path, f in checked if stores_no_float_copy(path, f.scheme, f.weight)]
     _refuse_shared_calibrated_weights(checked, mode)
@@ -466,26 +482,31 @@ def _outside_linears(
     return linears
 
 
-_HEAD_FROM_FLOAT32 = ("float32", "bfloat16", "float16")
-
-
 def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module computing the model's outputs over its vocabulary
-    (transformers' `get_output_embeddings()`), if it says."""
+    (transformers' `get_output_embeddings()`), if the model says (a model
+    whose method raises, or that has none, says nothing)."""
     head_of = getattr(model, "get_output_embeddings", None)
-    head = head_of() if callable(head_of) else None
+    if not inspect.ismethod(head_of):
+        return None
+    try:
+        head = head_of()
+    except Exception:  # a model class without a head (transformers' base classes raise)
+        return None
     return head if isinstance(head, torch.nn.Module) else None
 
 
 def _logits_in_float32(module_plan: Plan) -> None:
-    """Puts a float32 application on top of a just-quantized output head
-    whose product rounds its inputs to integers: the same product, with
-    float32 logits, also after a conversion of the model (`.to(bfloat16)`)
-    or a later 16-bit load (a float64 head is left as it is)."""
+    """Puts a float32 application on top of a just-quantized linear output
+    head whose product rounds its inputs to integers and that hands out
+    16-bit outputs: the same product, with float32 logits (a conversion to
+    float64 later drops it: `modules.own_options`)."""
     options = top_options(module_plan.module)
-    if options is None or not module_plan.config.rounds_inputs:
+    if options is None or module_plan.kind.role != "linear":
+        return  # this library's layers carry their own policies; tables are looked up
+    if not module_plan.config.rounds_inputs:
         return
-    if (options.outputs or options.policy.compute_dtype) not in _HEAD_FROM_FLOAT32:
+    if (options.outputs or options.policy.compute_dtype) not in ("bfloat16", "float16"):
         return
     float32 = replace(
         options, policy=DTypePolicy("float32"), island=False, half_inputs_ok=False, outputs=None

@@ -230,6 +230,27 @@ def shared_tensors(
     return renamed if same else None
 
 
+def unshareable_ties(plans: list[Plan]) -> dict[int, str]:
+    """The plans (by id) of weights that several plans store in tensors of
+    their own (holders laying the weight out otherwise: a torch linear's
+    (out, in) and a Keras kernel's (in, out)), each with the path of another
+    holder: one stored copy cannot serve them, two would untie the weight.
+    float8's plans keep the float weight and are left out."""
+    holders: dict[int, list[Plan]] = {}
+    for plan in plans:
+        weight = plan.module._parameters.get(plan.spec.weight)
+        if weight is not None and not plan.scheme.keeps_float_weight:
+            holders.setdefault(id(weight), []).append(plan)
+    found: dict[int, str] = {}
+    for group in holders.values():
+        stored = {frozenset(id(t) for t in plan.tensors.values()) for plan in group}
+        if len(stored) > 1:
+            for plan in group:
+                other = next(p for p in group if p is not plan)
+                found[id(plan)] = other.path or "(root)"
+    return found
+
+
 def _renamed(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
     """`tensors` stored for the weight `old`, named as for the weight `new`."""
     return {

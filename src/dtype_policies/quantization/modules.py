@@ -215,6 +215,8 @@ def _follow_float_dtype(module: torch.nn.Module, qw: QuantizedWeight, dtype: tor
     state.applications = [
         (token, own_options(qw.mode, dtype) if token is QUANTIZE_TOKEN else entry)
         for token, entry in state.applications
+        # an output head's float32 logits, never narrower than the model
+        if not (token is OUTPUT_HEAD_TOKEN and dtype.itemsize > 4)
     ]
     cast(Any, module)._refresh_policy_state()
 

@@ -23,6 +23,16 @@ def shared_float_detail(holder: str) -> str:
     return f"its weight is shared with {holder!r}, which keeps it in floating point"
 
 
+def shared_layout_detail(holder: str) -> str:
+    """Why a module is left float: its weight is shared with `holder`, which
+    lays it out otherwise (an (out, in) linear and an (in, out) kernel), so
+    that no one set of stored tensors serves both."""
+    return (
+        f"its weight is shared with {holder!r}, which lays it out otherwise (one quantized "
+        "copy cannot serve both; both keep it in floating point)"
+    )
+
+
 @dataclass
 class QuantizationReport:
     """The quantized modules `(path, mode, policy name)` and the skipped ones
