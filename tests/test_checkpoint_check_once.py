@@ -94,3 +94,29 @@ def test_a_bad_checkpoint_is_still_refused_before_anything_loads() -> None:
         model.load_state_dict(bad)
     after = model.state_dict()
     assert all(torch.equal(after[key], value) for key, value in before.items())
+
+
+def test_a_quantized_checkpoint_into_an_unbuilt_layer_says_to_build_it():
+    """A layer made by `from_config` of a quantized layer has its policy but
+    no weights until built: the error says so (quantizing it, as the generic
+    advice said, raises that it is not built)."""
+    from dtype_policies import layers
+    from dtype_policies.saving import CheckpointError
+
+    dense = layers.Dense(4)
+    dense.build((None, 8))
+    dense.quantize("int8")
+    for model, source in [
+        (layers.Dense.from_config(dense.get_config()), dense),
+        (
+            torch.nn.Sequential(layers.Dense.from_config(dense.get_config())),
+            torch.nn.Sequential(dense),
+        ),
+    ]:
+        with pytest.raises(CheckpointError, match=r"are not built yet .*layer\.build"):
+            model.load_state_dict(source.state_dict())
+        built = model if isinstance(model, layers.Dense) else model[0]
+        built.build((None, 8))
+        model.load_state_dict(source.state_dict())
+        x = torch.randn(2, 8)
+        assert torch.equal(model(x), source(x))

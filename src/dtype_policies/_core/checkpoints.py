@@ -140,11 +140,19 @@ def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> No
             problems += _shape_mismatches(module, state_dict, module_prefix, frozenset(own))
     if refused:
         paths = sorted({key.rsplit(".", 1)[0] if "." in key else "(root)" for key in refused})
+        unbuilt = [path for path in paths if _unbuilt_layer(root, _relative(path, prefix))]
+        advice = (
+            f"The layer(s) {unbuilt} are not built yet (no weights to load into): build "
+            "them first (`layer.build(input_shape)`; a layer made by from_config of a "
+            "quantized layer takes its quantized weights once built)"
+            if unbuilt
+            else "Quantize the model the same way (quantize() with the same mode and config) "
+            "before loading"
+        )
         problems.insert(
             0,
             f"The checkpoint holds quantized state {refused}, but the module(s) {paths} "
-            "are not quantized. Quantize the model the same way (quantize() with the same "
-            "mode and config) before loading; nothing was loaded.",
+            f"are not quantized. {advice}; nothing was loaded.",
         )
     if len(problems) == 1:
         raise CheckpointError(problems[0])
@@ -153,6 +161,22 @@ def check_checkpoint(root: torch.nn.Module, state_dict: dict, prefix: str) -> No
             "The checkpoint does not fit the module; nothing was loaded:\n  "
             + "\n  ".join(problems)
         )
+
+
+def _unbuilt_layer(root: torch.nn.Module, path: str) -> bool:
+    """Whether the module at `path` is a layer not built yet (Keras's `built`)."""
+    try:
+        return getattr(root.get_submodule(path), "built", True) is False
+    except AttributeError:
+        return False
+
+
+def _relative(path: str, prefix: str) -> str:
+    """The submodule path (torch's dotted) of a key's module `path` (the
+    checkpoint's, under `prefix`; "(root)" for the root)."""
+    if path == "(root)" or path == prefix[:-1]:
+        return ""
+    return path[len(prefix) :] if prefix and path.startswith(prefix) else path
 
 
 def _collect(problems: list[str], check: Callable[..., None], *args: Any) -> None:
