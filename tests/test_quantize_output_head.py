@@ -104,12 +104,14 @@ def test_a_float32_model_is_quantized_as_before_and_follows_conversions():
     assert model.lm_head.dtype_policy.name == "int8_from_bfloat16"  # as every module
 
 
-def test_a_model_in_bfloat16_without_a_policy_gets_float32_logits():
+def test_a_model_in_bfloat16_without_a_policy_computes_in_its_own_dtype_throughout():
+    from dtype_policies.quantization.modules import computes_in_own_dtype
+
     model = tiny_decoder(tie=True).to(torch.bfloat16)
     quantize(model, "int8")
-    assert model.lm_head.dtype_policy.name == "int8_from_float32"
-    assert model.model.embed_tokens.dtype_policy.name == "int8_from_bfloat16"
-    assert logits(model).dtype == torch.float32
+    assert model.lm_head.dtype_policy.name == "int8_from_bfloat16"
+    assert computes_in_own_dtype(model.lm_head)  # follows conversions as every module
+    assert logits(model).dtype == torch.bfloat16
 
 
 def test_a_float32_model_is_unchanged():
@@ -118,26 +120,35 @@ def test_a_float32_model_is_unchanged():
     assert logits(model).dtype == torch.float32
 
 
-def test_a_later_policy_application_sets_the_head_and_its_removal_gives_it_back():
+def test_a_later_policy_application_sets_the_head_as_any_module():
     model, _ = quantized("int8")
     handle = apply_policy(model, "mixed_bfloat16")
     assert model.lm_head.dtype_policy.name == "int8_from_mixed_bfloat16"
     assert logits(model).dtype == torch.bfloat16
     handle.remove()
-    assert model.lm_head.dtype_policy.name == "int8_from_float32"
+    assert model.lm_head.dtype_policy.name == "int8_from_float32"  # its own dtype
     assert logits(model).dtype == torch.float32
 
 
-def test_a_conversion_to_bfloat16_keeps_the_float32_head_and_to_float64_widens_it():
-    model = tiny_decoder(tie=True).to(torch.bfloat16)
+def test_the_head_is_the_application_s_own_entry_for_its_handle_and_for_saving(tmp_path):
+    converted = tiny_decoder(tie=True)
+    apply_policy(converted, "mixed_bfloat16")
+    quantize(converted, "int8")
+    converted.to(torch.bfloat16)  # policies do not follow conversions
+    assert converted.lm_head.dtype_policy.name == "int8_from_float32"
+    model = tiny_decoder(tie=True)
+    apply_policy(model, "mixed_bfloat16")
     quantize(model, "int8")
-    model.to(torch.bfloat16)
-    assert model.lm_head.dtype_policy.name == "int8_from_float32"
-    assert logits(model).dtype == torch.float32
-    model.double()  # never narrower than the model
-    assert model.lm_head.dtype_policy.name == "int8_from_float64"
-    assert model.model.layers[0].mlp.down_proj.dtype_policy.name == "int8_from_float64"
-    assert logits(model).dtype == torch.float64
+    saving.save(model, tmp_path / "ckpt")
+    fresh = tiny_decoder(tie=True)
+    saving.load(fresh, tmp_path / "ckpt")
+    for each in (model, fresh):  # the live and the reloaded model, step by step
+        assert each.lm_head.dtype_policy.name == "int8_from_float32"
+        again = apply_policy(each, "mixed_bfloat16")  # in place of the one in force
+        assert each.lm_head.dtype_policy.name == "int8_from_mixed_bfloat16"
+        again.remove()  # every module computes in its own dtype again
+        assert each.lm_head.dtype_policy.name == "int8_from_float32"
+        assert each.model.layers[0].mlp.down_proj.dtype_policy.name == "int8_from_float32"
 
 
 def test_a_filtered_out_head_and_a_quantized_body_alone_are_left_as_they_are():

@@ -278,3 +278,15 @@ def test_a_weight_its_holders_lay_out_otherwise_stays_float_in_both(how, tmp_pat
 def expected_mid(model: TiedAutoencoder, x: torch.Tensor) -> torch.Tensor:
     weight = model.encode.weight
     return torch.relu(x @ weight.t()) @ weight
+
+
+def test_a_third_holder_laid_out_otherwise_is_the_one_named_and_counted():
+    torch.manual_seed(0)
+    model = TiedAutoencoder()
+    model.encode_again = nn.Linear(32, 16, bias=False)
+    model.encode_again.weight = model.encode.weight
+    with pytest.warns(UserWarning, match="stay in floating point"):
+        report = quantize(model, "int8")
+    reasons = dict(report.skipped)
+    assert "'decode'" in reasons["encode"] and "'decode'" in reasons["encode_again"]
+    assert report.unsupported_parameters == model.encode.weight.numel()

@@ -15,8 +15,8 @@ import torch
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.module_state import quantization_of, state_of
-from dtype_policies._core.policy_module import install, top_options
+from dtype_policies._core.module_state import quantization_of, replace_top, state_of
+from dtype_policies._core.policy_module import refresh, top_options
 from dtype_policies._core.sharded import refuse_replicated, refuse_sharded
 from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
@@ -34,7 +34,7 @@ from dtype_policies.quantization.attach import (
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
-from dtype_policies.quantization.modules import OUTPUT_HEAD_TOKEN
+from dtype_policies.quantization.modules import computes_in_own_dtype
 from dtype_policies.quantization.report import (
     ADAPTER_DETAIL,
     ROUTER_DETAIL,
@@ -199,11 +199,11 @@ def quantize(
     `int8_from_mixed_bfloat16`, which computes in bfloat16. One exception:
     the model's linear output head (transformers' `get_output_embeddings()`),
     when its product rounds its inputs to int8 (the default int8, W4A8, the
-    int8 table of a tied head under int4) and it would hand out 16-bit
-    logits, becomes `"<mode>_from_float32"`, also after `.to(bfloat16)`: the
-    same integer product, with logits in float32 (bfloat16 logits changed
-    SmolLM2-135M's most likely token at 0.5% of positions). `apply_policy`
-    afterwards sets it as any other module.
+    int8 table of a tied head under int4) and the policy applied to it would
+    hand out 16-bit logits, becomes `"<mode>_from_float32"`: the same integer
+    product, with logits in float32 (bfloat16 logits changed SmolLM2-135M's
+    most likely token at 0.5% of positions). The application's handle and a
+    later `apply_policy` treat it as any other module.
 
     Args:
         model: Any module (built, for this library's layers: an unbuilt layer
@@ -369,8 +369,7 @@ def quantize(
         if id(module_plan) in unshareable:
             label = module_plan.path or "(root)"
             detail = shared_layout_detail(unshareable[id(module_plan)])
-            report.skipped.append((label, f"{SKIP_NO_SUPPORT}: {detail}"))
-            leave_float(label, module_plan.module)
+            unsupported(label, module_plan.module, detail)
     plans = [
         p
         for p in plans
@@ -497,21 +496,25 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _logits_in_float32(module_plan: Plan) -> None:
-    """Puts a float32 application on top of a just-quantized linear output
-    head whose product rounds its inputs to integers and that hands out
-    16-bit outputs: the same product, with float32 logits (a conversion to
-    float64 later drops it: `modules.own_options`)."""
-    options = top_options(module_plan.module)
+    """Makes the policy application in force on a just-quantized linear
+    output head whose product rounds its inputs to integers compute in
+    float32 where it hands out 16-bit outputs: the same product, with float32
+    logits. The entry stays the application's own (its handle's `remove()`
+    takes it off, saving writes it as any other); a head computing in its
+    own dtype (no application above `quantize()`'s own) is left as it is."""
+    module = module_plan.module
+    options = top_options(module)
     if options is None or module_plan.kind.role != "linear":
         return  # this library's layers carry their own policies; tables are looked up
-    if not module_plan.config.rounds_inputs:
+    if computes_in_own_dtype(module) or not module_plan.config.rounds_inputs:
         return
     if (options.outputs or options.policy.compute_dtype) not in ("bfloat16", "float16"):
         return
     float32 = replace(
         options, policy=DTypePolicy("float32"), island=False, half_inputs_ok=False, outputs=None
     )
-    install(module_plan.module, OUTPUT_HEAD_TOKEN, float32)
+    replace_top(module, float32)
+    refresh(module)
 
 
 def _examples(paths: list[str], count: int = 3) -> str:

@@ -243,10 +243,10 @@ def unshareable_ties(plans: list[Plan]) -> dict[int, str]:
             holders.setdefault(id(weight), []).append(plan)
     found: dict[int, str] = {}
     for group in holders.values():
-        stored = {frozenset(id(t) for t in plan.tensors.values()) for plan in group}
-        if len(stored) > 1:
+        stored = {id(plan): frozenset(id(t) for t in plan.tensors.values()) for plan in group}
+        if len(set(stored.values())) > 1:
             for plan in group:
-                other = next(p for p in group if p is not plan)
+                other = next(p for p in group if stored[id(p)] != stored[id(plan)])
                 found[id(plan)] = other.path or "(root)"
     return found
 

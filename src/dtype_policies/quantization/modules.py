@@ -43,10 +43,6 @@ from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 # The application `quantize()` puts at the bottom of a quantized module's
 # stack: its own float dtype, in force when no policy application is above it.
 QUANTIZE_TOKEN = Token("QUANTIZE_TOKEN")
-# The application `quantize()` puts on top of a model's output head whose
-# product rounds its inputs to integers: it computes from float32, so that its
-# logits keep float32's resolution at no cost (`quantization.api`).
-OUTPUT_HEAD_TOKEN = Token("OUTPUT_HEAD_TOKEN")
 
 
 def own_options(mode: str, dtype: torch.dtype) -> ModuleOptions:
@@ -215,8 +211,6 @@ def _follow_float_dtype(module: torch.nn.Module, qw: QuantizedWeight, dtype: tor
     state.applications = [
         (token, own_options(qw.mode, dtype) if token is QUANTIZE_TOKEN else entry)
         for token, entry in state.applications
-        # an output head's float32 logits, never narrower than the model
-        if not (token is OUTPUT_HEAD_TOKEN and dtype.itemsize > 4)
     ]
     cast(Any, module)._refresh_policy_state()
 
