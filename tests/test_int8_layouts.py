@@ -107,3 +107,35 @@ def test_an_activation_quantizer_of_its_own_rounds_the_inputs_by_its_rule(
     run(x).sum().backward()  # straight through the rounding: the dequantized weight
     dequantized = weights / linear.weight_scale[:, None]
     assert torch.allclose(x.grad, dequantized.sum(0).expand_as(x), rtol=1e-5, atol=1e-6)
+
+
+def test_an_activation_quantizer_of_its_own_compiles_to_eager_s_values_in_bfloat16():
+    """Inductor drops a fused bfloat16 cast pair: the inputs are rounded to
+    the compute dtype's values before the quantizer sees them, as eager."""
+    from dtype_policies.apply.kernel_report import kernel_of
+    from dtype_policies.quantizers import AbsMaxQuantizer
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    apply_policy(linear, "mixed_bfloat16")
+    quantizer = AbsMaxQuantizer(axis=-1, value_range=(-20, 30))
+    quantize(linear, "int8", Int8QuantizationConfig(activation_quantizer=quantizer))
+    assert kernel_of(linear).startswith("inputs rounded to int8 by the config's")
+    x = torch.randn(7, 64) * 100
+    torch._dynamo.reset()  # the tests above compiled nn.Linear's forward already
+    with torch.no_grad():
+        assert torch.equal(torch.compile(linear, fullgraph=True)(x), linear(x))
+
+
+def test_a_default_quantizer_written_otherwise_is_the_default():
+    import numpy as np
+
+    from dtype_policies.quantizers import AbsMaxQuantizer
+
+    for quantizer in (
+        AbsMaxQuantizer(axis=-1),
+        AbsMaxQuantizer(value_range=[-127, 127], epsilon=1e-7),
+    ):
+        config = Int8QuantizationConfig(activation_quantizer=quantizer, activation_block_size=32)
+        assert not config.own_input_rounding
+    assert AbsMaxQuantizer(epsilon=np.float32(1e-3)).epsilon == pytest.approx(1e-3)

@@ -63,6 +63,8 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
     on_cpu = device is not None and device.type == "cpu"
     cpu = processor()
     blocks = getattr(config, "activation_block_size", None)
+    if qw.mode == "int8" and config.own_input_rounding:
+        return "inputs rounded to int8 by the config's activation quantizer, float64 products"
     if qw.mode == "int8" and blocks is not None:
         weight_block = getattr(config, "block_size", None)
         weights = "" if weight_block is None else f", weight steps per {weight_block}"

@@ -9,6 +9,7 @@ dtypes each refuses come from the mode records (`dtype_policies._modes`).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, ClassVar
 
 import torch
@@ -121,7 +122,7 @@ class AbsMaxQuantizer(Quantizer):
             raise ValueError(
                 f"value_range {value_range} does not fit output_dtype='int8' ([-128, 127])."
             )
-        if not isinstance(epsilon, (int, float)) or not epsilon > 0:
+        if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not epsilon > 0:
             raise ValueError(f"`epsilon` must be a positive number. Received: {epsilon!r}")
         if axis is not None:  # Keras keeps a tuple: AbsMaxQuantizer(axis=0).axis == (0,)
             axes = (axis,) if isinstance(axis, int) else axis
@@ -360,9 +361,9 @@ class Int8QuantizationConfig(QuantizationConfig):
                 f"Received: output_dtype={self.weight_quantizer.output_dtype}"
             )
         _check_activation_block_size(activation_block_size)
-        if activation_block_size is not None and _quantizer_config(
+        if activation_block_size is not None and _stored_values(
             self.activation_quantizer
-        ) != _quantizer_config(AbsMaxQuantizer()):
+        ) != _stored_values(AbsMaxQuantizer()):
             raise ValueError(
                 "`activation_block_size` rounds the inputs by its own rule (step = max|x| / 127 "
                 "per block) and needs the default activation quantizer. Received: "

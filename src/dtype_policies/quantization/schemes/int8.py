@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dtype_policies._core.casting import straight_through
+from dtype_policies._core.casting import bfloat16_rounded, straight_through
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import int8 as kernels
@@ -138,7 +138,8 @@ class Int8Scheme(Scheme):
         per row): the integer products exact in float64; the gradient passes
         straight through the inputs' rounding."""
         data, scale = self._stored(module, qw)  # per channel: blocks need the default rule
-        x = x2.float()
+        # in the compute dtype's values (Inductor drops a fused bfloat16 cast pair)
+        x = bfloat16_rounded(x2) if x2.dtype == torch.bfloat16 else x2.float()
         xq, x_scale = qw.config.activation_quantizer(x.detach(), axis=-1)
         x_scale = x_scale.float()
         xq = straight_through(x * x_scale, xq.float())
