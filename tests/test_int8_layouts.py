@@ -121,10 +121,11 @@ def test_an_activation_quantizer_of_its_own_compiles_to_eager_s_values_in_bfloat
     quantizer = AbsMaxQuantizer(axis=-1, value_range=(-20, 30))
     quantize(linear, "int8", Int8QuantizationConfig(activation_quantizer=quantizer))
     assert kernel_of(linear).startswith("inputs rounded to int8 by the config's")
-    x = torch.randn(7, 64) * 100
     torch._dynamo.reset()  # the tests above compiled nn.Linear's forward already
-    with torch.no_grad():
-        assert torch.equal(torch.compile(linear, fullgraph=True)(x), linear(x))
+    compiled = torch.compile(linear, fullgraph=True)
+    with torch.no_grad():  # the bias's bfloat16 values too: small outputs, 3-D inputs
+        for x in (torch.randn(7, 64) * 100, torch.randn(3, 7, 64) * 2):
+            assert torch.equal(compiled(x), linear(x))
 
 
 def test_a_default_quantizer_written_otherwise_is_the_default():

@@ -134,8 +134,8 @@ class AbsMaxQuantizer(Quantizer):
                 )
             axis = tuple(axes)
         self.axis: tuple[int, ...] | None = axis
-        self.value_range = value_range
-        self.epsilon = float(epsilon)
+        self.value_range: tuple[int, int] = (value_range[0], value_range[1])
+        self.epsilon: float = float(epsilon)
         self.output_dtype = output_dtype
 
     def __call__(
@@ -253,6 +253,12 @@ class QuantizationConfig:
     def rounds_inputs(self) -> bool:
         """Whether the product rounds its inputs to integers (W8A8, W4A8), so
         that it costs the same from any float dtype; `False` by default."""
+        return False
+
+    @property
+    def own_input_rounding(self) -> bool:
+        """Whether an activation quantizer of the config's own rounds the
+        inputs (int8's); `False` by default."""
         return False
 
     @classmethod

@@ -146,7 +146,7 @@ class Int8Scheme(Scheme):
         products = (xq.double() @ qw.spec.nk(data).double().t()).float()
         y = products / (x_scale * scale.float()[None, :])
         if bias is not None:
-            y = y + bias.float()
+            y = y + (bfloat16_rounded(bias) if bias.dtype == torch.bfloat16 else bias.float())
         return y.to(compute)
 
     def lookup(self, module, qw, ids, compute):
