@@ -223,3 +223,14 @@ def test_the_float32_head_saves_and_loads(tmp_path):
     loaded = type(model).from_pretrained(tmp_path / "hf").eval()
     assert loaded.lm_head.dtype_policy.name == "int8_from_float32"
     assert torch.equal(logits(loaded), expected)
+
+
+def test_every_16_bit_application_on_the_head_computes_from_float32():
+    model = tiny_decoder(tie=True)
+    apply_policy(model, "mixed_bfloat16")
+    inner = apply_policy(model.lm_head, "mixed_bfloat16")
+    quantize(model, "int8")
+    assert model.lm_head.dtype_policy.name == "int8_from_float32"
+    inner.remove()  # the application below is in force again: its head entry too
+    assert model.lm_head.dtype_policy.name == "int8_from_float32"
+    assert logits(model).dtype == torch.float32

@@ -15,8 +15,8 @@ import torch
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.module_state import quantization_of, replace_top, state_of
-from dtype_policies._core.policy_module import refresh, top_options
+from dtype_policies._core.module_state import quantization_of, state_of
+from dtype_policies._core.policy_module import ModuleOptions, refresh, top_options
 from dtype_policies._core.sharded import refuse_replicated, refuse_sharded
 from dtype_policies._memory import release_freed_memory
 from dtype_policies._modes import mode_record
@@ -34,7 +34,7 @@ from dtype_policies.quantization.attach import (
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
 from dtype_policies.quantization.kinds import kind_of, owns_matrix
-from dtype_policies.quantization.modules import computes_in_own_dtype
+from dtype_policies.quantization.modules import QUANTIZE_TOKEN, computes_in_own_dtype
 from dtype_policies.quantization.report import (
     ADAPTER_DETAIL,
     ROUTER_DETAIL,
@@ -496,25 +496,35 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _logits_in_float32(module_plan: Plan) -> None:
-    """Makes the policy application in force on a just-quantized linear
-    output head whose product rounds its inputs to integers compute in
-    float32 where it hands out 16-bit outputs: the same product, with float32
-    logits. The entry stays the application's own (its handle's `remove()`
-    takes it off, saving writes it as any other); a head computing in its
-    own dtype (no application above `quantize()`'s own) is left as it is."""
+    """Makes the policy applications on a just-quantized linear output head
+    whose product rounds its inputs to integers compute in float32 where they
+    hand out 16-bit outputs: the same product, with float32 logits. Each
+    entry stays its application's own (its handle's `remove()` takes it off,
+    saving writes it as any other); a head computing in its own dtype (no
+    application above `quantize()`'s own) is left as it is."""
     module = module_plan.module
-    options = top_options(module)
-    if options is None or module_plan.kind.role != "linear":
+    if top_options(module) is None or module_plan.kind.role != "linear":
         return  # this library's layers carry their own policies; tables are looked up
     if computes_in_own_dtype(module) or not module_plan.config.rounds_inputs:
         return
-    if (options.outputs or options.policy.compute_dtype) not in ("bfloat16", "float16"):
-        return
-    float32 = replace(
-        options, policy=DTypePolicy("float32"), island=False, half_inputs_ok=False, outputs=None
-    )
-    replace_top(module, float32)
-    refresh(module)
+    state = state_of(module)
+    assert state is not None
+    changed = False
+    for at, (token, options) in enumerate(state.applications):
+        if token is QUANTIZE_TOKEN or not isinstance(options, ModuleOptions):
+            continue
+        if (options.outputs or options.policy.compute_dtype) in ("bfloat16", "float16"):
+            float32 = replace(
+                options,
+                policy=DTypePolicy("float32"),
+                island=False,
+                half_inputs_ok=False,
+                outputs=None,
+            )
+            state.applications[at] = (token, float32)
+            changed = True
+    if changed:
+        refresh(module)
 
 
 def _examples(paths: list[str], count: int = 3) -> str:
