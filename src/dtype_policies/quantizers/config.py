@@ -304,6 +304,10 @@ def _stored_values(quantizer: AbsMaxQuantizer | None) -> tuple | None:
     return (quantizer.value_range, quantizer.epsilon, quantizer.output_dtype)
 
 
+_DEFAULT_ROUNDING = _stored_values(AbsMaxQuantizer())
+"""What Keras's default activation quantizer rounds by (the kernels' rule)."""
+
+
 def _check_activation_block_size(value: Any) -> None:
     if value is not None and (isinstance(value, bool) or value not in ACTIVATION_BLOCK_SIZES):
         raise ValueError(
@@ -367,9 +371,10 @@ class Int8QuantizationConfig(QuantizationConfig):
                 f"Received: output_dtype={self.weight_quantizer.output_dtype}"
             )
         _check_activation_block_size(activation_block_size)
-        if activation_block_size is not None and _stored_values(
-            self.activation_quantizer
-        ) != _stored_values(AbsMaxQuantizer()):
+        if (
+            activation_block_size is not None
+            and _stored_values(self.activation_quantizer) != _DEFAULT_ROUNDING
+        ):
             raise ValueError(
                 "`activation_block_size` rounds the inputs by its own rule (step = max|x| / 127 "
                 "per block) and needs the default activation quantizer. Received: "
@@ -412,8 +417,9 @@ class Int8QuantizationConfig(QuantizationConfig):
         than Keras's default (another `value_range` or `epsilon`): by the
         quantizer itself, the product exact in float64, outside the integer
         kernels (which implement the default's rule)."""
-        default = _stored_values(AbsMaxQuantizer())
-        return not self.weight_only and _stored_values(self.activation_quantizer) != default
+        return not self.weight_only and (
+            _stored_values(self.activation_quantizer) != _DEFAULT_ROUNDING
+        )
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -23,7 +23,12 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from dtype_policies._core.casting import functorch_wrapped, tracing
+from dtype_policies._core.casting import (
+    bfloat16_rounded,
+    functorch_wrapped,
+    straight_through,
+    tracing,
+)
 from dtype_policies._core.checkpoints import foreign_module_buffers
 from dtype_policies._derivatives import derivative_free, functorch_active
 from dtype_policies._modes import stored_suffixes
@@ -494,6 +499,31 @@ def _dequantized(ctx: Any) -> torch.Tensor:
     qw = ctx.qw
     stored = _StoredTensors(dict(zip(qw.buffer_names, ctx.saved_tensors)))
     return qw.scheme.dequantize(stored, qw)  # type: ignore[arg-type]
+
+
+def quantizer_rounded_product(
+    x2: torch.Tensor,
+    quantizer: Any,
+    q_nk: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    compute: torch.dtype,
+) -> torch.Tensor:
+    """`x2 @ W.T + bias` with `x2`'s rows rounded by an activation
+    quantizer's own rule (Keras's: `q = clip(round(x * s), value_range)`,
+    `x ~= q / s`) and `W ~= q_nk / scale[:, None]` per output channel: the
+    integer products exact in float64, the gradient straight through the
+    inputs' rounding. bfloat16 inputs and bias enter by their values
+    (Inductor drops a fused bfloat16 cast pair otherwise)."""
+    x = bfloat16_rounded(x2) if x2.dtype == torch.bfloat16 else x2.float()
+    xq, x_scale = quantizer(x.detach(), axis=-1)
+    x_scale = x_scale.float()
+    xq = straight_through(x * x_scale, xq.float())
+    products = (xq.double() @ q_nk.double().t()).float()
+    y = products / (x_scale * scale.float()[None, :])
+    if bias is not None:
+        y = y + (bfloat16_rounded(bias) if bias.dtype == torch.bfloat16 else bias.float())
+    return y.to(compute)
 
 
 def check_finite(weight: torch.Tensor, name: str) -> None:

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from dtype_policies._core.casting import bfloat16_rounded, straight_through
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import int8 as kernels
-from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantization.schemes.base import (
+    QuantizedWeight,
+    Scheme,
+    WeightSpec,
+    quantizer_rounded_product,
+)
 from dtype_policies.quantizers.config import (
     AbsMaxQuantizer,
     Int8QuantizationConfig,
@@ -134,20 +138,10 @@ class Int8Scheme(Scheme):
 
     def _own_rounding_linear(self, module, qw, x2, bias, compute):
         """W8A8 with the config's own activation quantizer (Keras's rule,
-        `q = clip(round(x * s), value_range)`, `s = high / (max|x| + eps)`
-        per row): the integer products exact in float64; the gradient passes
-        straight through the inputs' rounding."""
+        `s = high / (max|x| + eps)` per row), off the kernels."""
         data, scale = self._stored(module, qw)  # per channel: blocks need the default rule
-        # in the compute dtype's values (Inductor drops a fused bfloat16 cast pair)
-        x = bfloat16_rounded(x2) if x2.dtype == torch.bfloat16 else x2.float()
-        xq, x_scale = qw.config.activation_quantizer(x.detach(), axis=-1)
-        x_scale = x_scale.float()
-        xq = straight_through(x * x_scale, xq.float())
-        products = (xq.double() @ qw.spec.nk(data).double().t()).float()
-        y = products / (x_scale * scale.float()[None, :])
-        if bias is not None:
-            y = y + (bfloat16_rounded(bias) if bias.dtype == torch.bfloat16 else bias.float())
-        return y.to(compute)
+        quantizer = qw.config.activation_quantizer
+        return quantizer_rounded_product(x2, quantizer, qw.spec.nk(data), scale, bias, compute)
 
     def lookup(self, module, qw, ids, compute):
         data, scale = self._stored(module, qw)
