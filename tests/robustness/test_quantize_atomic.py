@@ -246,3 +246,30 @@ def test_an_empty_weight_is_left_float_with_its_reason(mode, shape):
     assert any("its weight is empty" in reason for _, reason in report.skipped)
     x = torch.randn(2, shape[0])
     assert model(x).shape == (2, shape[1])
+
+
+@pytest.mark.parametrize(
+    ("mode", "taken"),
+    [("int8", "weight_scale"), ("int4", "weight_int4"), ("float8", "inputs_scale")],
+)
+@pytest.mark.parametrize("how", ["buffer", "parameter", "attribute"])
+def test_a_name_the_quantized_tensors_take_is_refused_before_anything_changes(mode, taken, how):
+    """A module already holding a tensor (or attribute) under a name its
+    quantized tensors take: storing them would overwrite a buffer, or hide a
+    parameter from `state_dict` behind a buffer of the same name."""
+    model = _three_linears()
+    holder = model.second.inner
+    if how == "buffer":
+        holder.register_buffer(taken, torch.tensor([3.0]))
+    elif how == "parameter":
+        holder.register_parameter(taken, nn.Parameter(torch.tensor([3.0])))
+    else:
+        setattr(holder, taken, 3.0)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"'second/inner'.*'{taken}'.*Nothing was changed"):
+        quantize(model, mode)
+    assert_unchanged(model, before)
+    with pytest.raises(ValueError, match=rf"'{taken}'"):
+        apply_policy(model, f"{mode}_from_float32")
+    assert_unchanged(model, before)
+    assert float(getattr(holder, taken)) == 3.0

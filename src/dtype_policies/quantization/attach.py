@@ -196,6 +196,7 @@ def check(
             f"({', '.join(able) or 'no mode'} is)."
         )
     scheme.check_shapes(spec, config)
+    _check_names_free(module, scheme.stored_shapes(spec, config))
     weight = _check_weight(module, spec.weight, needs_values=needs_values)
     if weight.numel() == 0:  # (the kernels and scales assume a row and a column)
         raise NotImplementedError(f"its weight is empty (shape {tuple(weight.shape)})")
@@ -203,6 +204,25 @@ def check(
         source = _source_policy(module, weight)
     record.check_compute_dtype(source.compute_dtype)
     return Checked(module, kind, record, spec, weight, source)
+
+
+def _check_names_free(module: torch.nn.Module, stored: Mapping[str, Any]) -> None:
+    """Refuses a module that already has a parameter, buffer, submodule or
+    attribute under a name the quantized tensors would take: storing them
+    would overwrite it (a buffer) or hide it from `state_dict` (a parameter)."""
+    for name in stored:
+        if (
+            name in module._parameters
+            or name in module._buffers
+            or name in module._modules
+            or name in module.__dict__
+            or hasattr(type(module), name)
+        ):
+            raise ValueError(
+                f"The {type(module).__name__} already has an attribute '{name}', a name its "
+                f"quantized tensors take ({', '.join(stored)}): "
+                "rename it, or leave the module out (`filters=`). Nothing was changed."
+            )
 
 
 def shared_tensors(
