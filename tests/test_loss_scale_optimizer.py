@@ -807,6 +807,51 @@ def test_complex_gradients_are_unscaled_and_checked():
     assert optimizer.last_step_skipped and optimizer.dynamic_scale == 2.0
 
 
+def test_gradients_that_cannot_be_written_in_place_are_unscaled_as_copies():
+    """An expanded gradient (`torch.autograd.grad` of `p.sum()`: stride 0)
+    and a lazily conjugated complex one: the fused in-place unscale raised
+    part-way, after dividing the gradients before them, and a retried step
+    divided those again. Plain SGD steps with such gradients; so does this."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(3, 3))
+    b = nn.Parameter(torch.randn(4))
+    c = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    coefficients = torch.randn(3, 3)
+    plain = [p.detach().clone() for p in (a, b, c)]
+    optimizer = LossScaleOptimizer(torch.optim.SGD([a, b, c], lr=0.1), initial_scale=8.0)
+    loss = (a * coefficients).sum() + b.sum() + (c.conj() * (1 + 2j)).real.sum()
+    grads = torch.autograd.grad(optimizer.scale_loss(loss), [a, b, c])
+    assert grads[1].stride() == (0,) and grads[2].is_conj()
+    expected = [g.resolve_conj() / 8.0 for g in grads]
+    a.grad, b.grad, c.grad = grads
+    optimizer.step()
+    for parameter, before, grad in zip((a, b, c), plain, expected):
+        torch.testing.assert_close(parameter.detach(), before - 0.1 * grad, atol=1e-6, rtol=0)
+    assert not optimizer.last_step_skipped
+
+
+def test_scale_loss_called_inside_a_compiled_function_counts_as_called():
+    """Dynamo drops attribute writes on an optimizer: a compiled
+    forward-backward that scaled its loss left the flag unset, and step()
+    warned that the loss was never scaled."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), initial_scale=64.0)
+
+    @torch.compile(backend="eager")
+    def forward_backward(x):
+        optimizer.scale_loss(model(x).square().mean()).backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            optimizer.zero_grad()
+            forward_backward(torch.randn(8, 4))
+            optimizer.step()
+    assert not [w for w in caught if "scale_loss() was not called" in str(w.message)]
+    assert optimizer.iterations == 2
+
+
 def test_a_step_after_backward_on_the_unscaled_loss_warns_once():
     """A loop that never calls scale_loss (Hugging Face's Trainer calls
     `backward()` on the loss itself) would train on gradients divided by the

@@ -195,7 +195,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._found_inf: list[torch.Tensor] | None = None  # set by `unscale_()`
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
         self._last_step_skipped = False
-        self._scaled = False  # scale_loss() called since the last step
+        # scale_loss() called since the last step, in a plain object: under
+        # torch.compile, Dynamo drops attribute writes on an optimizer (a
+        # compiled forward-backward calling scale_loss() left the flag unset)
+        self._since_step = _SinceStep()
 
     # ------------------------------------------------------------ delegation
 
@@ -363,7 +366,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         >>> optimizer.scale_loss(torch.tensor(0.5))
         tensor(4.)
         """
-        self._scaled = True
+        self._since_step.scaled = True
         scaled = loss * self._scale
         scaled_loss_backward(scaled, self._inner)
         return scaled
@@ -400,13 +403,23 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._found_inf = self._unscale_grads()
 
     def _unscale_grads(self) -> list[torch.Tensor]:
-        """Unscales every gradient in place; returns one found-inf flag per device."""
+        """Unscales every gradient in place; returns one found-inf flag per device.
+
+        A gradient that cannot be written in place (elements sharing memory,
+        as an expanded one from `torch.autograd.grad`; a lazily conjugated
+        complex one) is replaced by a copy first, before any is written: the
+        fused unscale raised part-way otherwise, some gradients divided and
+        not recorded as such, so that a retried step divided them again."""
         grads = []
         for group in self._inner.param_groups:
             for param in group["params"]:
                 grad = param.grad
                 if grad is None:
                     continue
+                if not grad.is_sparse and type(grad) is torch.Tensor and _not_writable(grad):
+                    param.grad = grad = grad.resolve_conj().clone(
+                        memory_format=torch.contiguous_format
+                    )
                 if grad.is_sparse:
                     if grad.dtype is torch.float16:  # duplicates may overflow when summed
                         param.grad = grad = grad.coalesce()
@@ -418,7 +431,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 grads.append(grad)
         if not grads:
             return []
-        if not self._scaled and not self.__dict__.get("_warned_unscaled", False):
+        if not self._since_step.scaled and not self.__dict__.get("_warned_unscaled", False):
             # as Keras's `apply(grads)`, gradients set by hand are taken as scaled
             self.__dict__["_warned_unscaled"] = True
             warnings.warn(
@@ -510,7 +523,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         distributed-checkpoint helpers (`get_optimizer_state_dict`, ...) call
         `step()` so to create an empty optimizer's state; that is no update:
         it counts neither as an iteration nor towards the scale's growth."""
-        if self._scaled or self._found_inf is not None:
+        if self._since_step.scaled or self._found_inf is not None:
             return False
         groups = self._inner.param_groups
         if any(float(group.get("lr", 1.0)) != 0.0 for group in groups):
@@ -523,7 +536,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _step_done(self, skipped: bool) -> None:
         self._found_inf = None
-        self._scaled = False
+        self._since_step.scaled = False
         self._last_step_skipped = skipped
 
     def _all_finite(self, found_infs: list[torch.Tensor]) -> bool:
@@ -675,6 +688,18 @@ def _inner_from_config(described: Any, params: Any) -> torch.optim.Optimizer:
             "torch.optim.Optimizer subclass."
         )
     return found(params, **{key: _snapshot(value) for key, value in described["config"].items()})
+
+
+class _SinceStep:
+    """What happened since the last step (a plain object: see `_reset_runtime_state`)."""
+
+    scaled = False
+
+
+def _not_writable(grad: torch.Tensor) -> bool:
+    """Whether an in-place unscale of `grad` would fail: a lazily conjugated
+    tensor, or one whose elements may share memory (0: they do not)."""
+    return grad.is_conj() or torch._debug_has_internal_overlap(grad) != 0
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
