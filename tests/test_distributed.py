@@ -803,6 +803,31 @@ def test_a_layer_s_policy_cannot_change_under_fsdp2(policy, tmp_path):
         assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in state.items())
 
 
+@distributed
+@fsdp_on_cpu
+@pytest.mark.parametrize("mode", ["int8", "float8"])
+def test_a_layer_s_own_quantize_is_refused_under_fsdp2(mode, tmp_path):
+    """`layer.quantize(mode)` on a sharded model: float8 went through (a unit
+    planned to gather bfloat16 weights trained as float8) and int8 failed
+    inside DTensor after a misleading `type_check` error; refused as
+    `quantize()` is, nothing changed."""
+    from dtype_policies import layers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(layers.Dense(16), layers.Dense(4))
+    model(torch.randn(1, 8))
+    with _group_of_one(tmp_path):
+        fully_shard(model, "mixed_bfloat16")
+        weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        for type_check in (True, False):
+            with pytest.raises(ValueError, match=r"quantizing '1': the model is sharded by FSDP2"):
+                model[1].quantize(mode, type_check=type_check)
+        assert model[1].dtype_policy.name == "mixed_bfloat16"
+        state = model.state_dict()
+        assert set(state) == set(weights)
+        assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in state.items())
+
+
 def test_float32_modules_without_a_policy_is_refused():
     """With None no policy is applied, so float32_modules could not act."""
     model = _called_model()

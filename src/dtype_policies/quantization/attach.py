@@ -21,6 +21,7 @@ from dtype_policies._core.module_state import (
     state_of,
 )
 from dtype_policies._core.policy_module import install
+from dtype_policies._core.sharded import refuse_sharded
 from dtype_policies._modes import QuantizationMode, mode_record, registered_modes
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization import kernels
@@ -144,8 +145,10 @@ def check(
     """
     mode = config.mode
     record = mode_record(mode)
-    kind = kind or kind_of(module)
     name = type(module).__name__
+    # every route (quantize(), apply_policy, a layer's quantize() or policy) comes here
+    refuse_sharded(module, f"quantizing {path or name!r}")
+    kind = kind or kind_of(module)
     if kind is None:
         raise NotImplementedError(f"{name} does not support quantization")
     if not getattr(module, "built", True):
