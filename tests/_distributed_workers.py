@@ -363,6 +363,25 @@ def unwritable_save_on_rank_zero(rank: int, tmp: str) -> dict:
     return {"raised": _raised(lambda: saving.save(model, os.path.join(blocker, "checkpoint")))}
 
 
+def save_to_a_directory_per_rank(rank: int, tmp: str) -> dict:
+    """Each rank passes its own directory (`tempfile.mkdtemp()` on every
+    rank): rank 1 returned a path to a file never written."""
+    import warnings
+
+    model = make_model()
+    dp_distributed.fully_shard(model, POLICY)
+    mine = os.path.join(tmp, f"per-rank-{rank}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = saving.save(model, mine)
+    dist.barrier()
+    return {
+        "path": str(path),
+        "exists": os.path.exists(path),
+        "warned": [str(w.message) for w in caught if "rank 0" in str(w.message)],
+    }
+
+
 def step_without_gradients_on_one_rank(rank: int, tmp: str) -> dict:
     """Rank 1 had an empty micro-batch (no backward), rank 0 overflowed:
     both skip (rank 1 stepped alone and left rank 0 in the collective)."""
@@ -418,6 +437,7 @@ SCENARIOS = (
     refused_on_one_rank,
     refused_before_planning_on_one_rank,
     unwritable_save_on_rank_zero,
+    save_to_a_directory_per_rank,
     step_without_gradients_on_one_rank,
 )
 

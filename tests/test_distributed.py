@@ -373,6 +373,16 @@ def test_a_save_rank_zero_cannot_write_raises_on_every_rank(runs):
 
 
 @distributed
+@fsdp_on_cpu
+def test_a_save_given_other_paths_on_other_ranks_returns_the_written_one(runs):
+    results = outcome(runs, "save_to_a_directory_per_rank")
+    assert results[0]["path"] == results[1]["path"] and "per-rank-0" in results[0]["path"]
+    assert results[0]["exists"] and results[1]["exists"]
+    assert not results[0]["warned"]
+    assert "per-rank-1" in results[1]["warned"][0] and "per-rank-0" in results[1]["warned"][0]
+
+
+@distributed
 def test_a_rank_without_gradients_joins_the_loss_scale_agreement(runs):
     results = outcome(runs, "step_without_gradients_on_one_rank")
     for rank in (0, 1):
@@ -826,6 +836,48 @@ def test_a_layer_s_own_quantize_is_refused_under_fsdp2(mode, tmp_path):
         state = model.state_dict()
         assert set(state) == set(weights)
         assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in state.items())
+
+
+class _WithTemperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.linear(x) / self.temperature
+
+
+@distributed
+@fsdp_on_cpu
+def test_a_scalar_parameter_is_refused_before_any_unit_is_sharded(tmp_path):
+    """torch's fully_shard refuses scalar parameters, in the unit holding
+    one: the units before it were sharded and the new policy in force, with
+    no way back (sharding again and apply_policy both refused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _WithTemperature(), nn.Linear(8, 8))
+    earlier = apply_policy(model, "float32")
+    scalar = r"'1\.temperature' is a scalar.*Nothing was changed"
+    with _group_of_one(tmp_path), pytest.raises(ValueError, match=scalar):
+        fully_shard(model, "mixed_bfloat16")
+    assert not any("FSDP" in type(m).__name__ for m in model.modules())
+    assert model[2].dtype_policy.name == "float32" and not earlier.removed
+
+
+@distributed
+@fsdp_on_cpu
+def test_torch_refusing_the_first_unit_leaves_the_policies_as_they_were(tmp_path):
+    """An option torch's fully_shard refuses (`reshard_after_forward` not a
+    factor of the group's size) raises at the first unit, after the policy
+    was applied: it is lifted again, the earlier one in force."""
+    model = _called_model()
+    earlier = apply_policy(model, "float32")
+    before, policies = _policy_state(model)
+    with _group_of_one(tmp_path), pytest.raises(ValueError, match="reshard_after_forward"):
+        fully_shard(model, "mixed_bfloat16", reshard_after_forward=3)
+    after, policies_after = _policy_state(model)
+    assert policies_after == policies and torch.equal(after, before) and not earlier.removed
+    assert not any("FSDP" in type(m).__name__ for m in model.modules())
 
 
 def test_float32_modules_without_a_policy_is_refused():

@@ -114,6 +114,12 @@ def mismatch_message(descriptions: list[dict[str, str]], ranks: list[int]) -> st
     shown = "; ".join(differing[:5]) + (
         f"; and {len(differing) - 5} more" if len(differing) > 5 else ""
     )
+    if all(line.startswith("(option)") for line in differing):
+        return (
+            f"fully_shard(): the ranks pass different options: {shown}. Ranks sharding "
+            "differently would wait for each other's collectives: pass the same options on "
+            "every rank."
+        )
     return (
         "fully_shard(): the ranks apply different policies, which would reduce gradients "
         f"computed in different dtypes. {shown}. Apply the same policies on every rank (the "

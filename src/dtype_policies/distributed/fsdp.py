@@ -37,6 +37,14 @@ def _refuse_before_planning(model: Any, policy_or_map: Any, float32_modules: Any
             f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
             "dtype_policies.distributed.fully_shard to the unsharded model."
         )
+    scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
+    if scalars:  # torch's fully_shard refuses them part-way through the units
+        raise ValueError(
+            f"fully_shard(): FSDP2 shards every parameter along its first dimension, and "
+            f"{', '.join(repr(name) for name in scalars[:3])} "
+            f"{'is a scalar' if len(scalars) == 1 else 'are scalars'}: make each a 1-D tensor "
+            "of one element (torch.nn.Parameter(value.reshape(1))). Nothing was changed."
+        )
     if policy_or_map is None and float32_modules is not None:
         raise ValueError(
             "fully_shard(): float32_modules is an option of the policy's application, and "
@@ -189,11 +197,17 @@ def fully_shard(
         refusal = fsdp_refusal(sharding_device_type(mesh))
         if refusal is not None:
             raise RuntimeError(f"fully_shard(): {refusal}")
-    for unit in plan:
-        torch_fully_shard(
-            unit.module,
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mixed_precision_policy(unit.param_dtype, unit.reduce_dtype, False),
-        )
+        # torch refusing the first unit (its options) leaves the policies as they were
+        _shard(torch_fully_shard, plan[0], mesh, reshard_after_forward)
+    for unit in plan[1:]:
+        _shard(torch_fully_shard, unit, mesh, reshard_after_forward)
     return model
+
+
+def _shard(torch_fully_shard: Any, unit: Any, mesh: Any, reshard_after_forward: Any) -> None:
+    torch_fully_shard(
+        unit.module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mixed_precision_policy(unit.param_dtype, unit.reduce_dtype, False),
+    )

@@ -15,6 +15,7 @@ import functools
 import itertools
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,8 +95,10 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
 
     A model sharded with FSDP2 (its parameters are DTensors) is saved whole:
     call `save` on every rank; each tensor is all-gathered in turn, rank 0
-    alone writes the file, and every rank returns once it is written. Load
-    the file into the unsharded model (`load`, then shard it again).
+    alone writes the file, at the path rank 0 was given, and every rank
+    returns that path once it is written (a rank given another path is told
+    so by a warning). Load the file into the unsharded model (`load`, then
+    shard it again).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
@@ -105,7 +108,7 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     if not sharded:
         _write(file, path, tensors, manifest)
         return file
-    failure: list[Any] = [None]
+    failure: list[Any] = [None, str(file)]
     cause = None
     if _rank() == 0:
         try:
@@ -114,9 +117,20 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
             cause, failure[0] = error, f"{type(error).__name__}: {error}"
     # the file exists on return, on every rank; or every rank raises
     torch.distributed.broadcast_object_list(failure, src=0)
+    written = Path(failure[1])
     if failure[0] is not None:
-        raise CheckpointError(f"save(): rank 0 could not write '{file}': {failure[0]}") from cause
-    return file
+        raise CheckpointError(
+            f"save(): rank 0 could not write '{written}': {failure[0]}"
+        ) from cause
+    if written != file:
+        warnings.warn(
+            f"save(): this rank ({_rank()}) was given '{file}', and rank 0, which writes the "
+            f"file, '{written}': returning the path rank 0 wrote. Pass the same path on every "
+            "rank (a directory made on rank 0 and broadcast, or a fixed one).",
+            UserWarning,
+            stacklevel=2,
+        )
+    return written
 
 
 def _write(file: Path, path: str | os.PathLike, tensors: dict, manifest: Manifest) -> None:
