@@ -234,3 +234,35 @@ def test_clearing_the_caches_during_a_call_leaves_the_call_consistent(mode, monk
     monkeypatch.setattr(owner, name, original)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("second", ["int8", "int4"])
+def test_a_second_quantize_of_a_model_being_quantized_is_refused_clearly(second):
+    """Two threads quantizing one model: each planned from the float weights
+    the other replaced, and the later one failed with a bare
+    `KeyError: 'weight'`. The second call is refused by name, the first
+    quantizes the whole model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    inside, tried = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def waiting_filter(path, module):
+        inside.set()
+        tried.wait(10)
+        return True
+
+    def first():
+        outcome["first"] = quantize(model, "int8", filters=waiting_filter)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(10)
+    try:
+        with pytest.raises(RuntimeError, match=r"being quantized by another quantize\(\) call"):
+            quantize(model[2], second)
+    finally:
+        tried.set()
+        thread.join(10)
+    assert all(m.weight_int8.dtype == torch.int8 for m in (model[0], model[2]))
+    assert "weight" not in model[0]._parameters and "weight" not in model[2]._parameters

@@ -670,16 +670,17 @@ def commit_application(
     (modules registered later are planned from it). Cannot fail."""
     previous = getattr(state_of(module), "handle", None)
     handle = PolicyHandle(module, _planning=planning)
-    if replace and previous is not None and not previous.removed:
-        previous._hand_over(handle, steps)
-        previous._remove(stacklevel=4)
-    handle._install(steps)
-    for plan in plans:
-        attach.commit(plan)
-        handle._quantized.append((plan.path, plan.module))
-        if plan.expansion is not None and plan.expansion not in handle._expansions:
-            handle._expansions.append(plan.expansion)
-        handle.quantized_paths.append(plan.path or "(root)")
+    with attach.committing(plans):  # (raises before any change, when it does)
+        if replace and previous is not None and not previous.removed:
+            previous._hand_over(handle, steps)
+            previous._remove(stacklevel=4)
+        handle._install(steps)
+        for plan in plans:
+            attach.commit(plan)
+            handle._quantized.append((plan.path, plan.module))
+            if plan.expansion is not None and plan.expansion not in handle._expansions:
+                handle._expansions.append(plan.expansion)
+            handle.quantized_paths.append(plan.path or "(root)")
     # a transformers model's bfloat16 attention on this library's kernel where the CPU has it
     handle._hooks = attention.attend_on_kernel(module)
     watch_merges(module)  # peft's merges write through `.data`

@@ -3,10 +3,14 @@ all or nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import re
+import threading
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -27,6 +31,7 @@ from dtype_policies.quantization.attach import (
     Plan,
     check,
     commit,
+    committing,
     plan,
     shared_tensors,
     unshareable_ties,
@@ -165,6 +170,47 @@ def _calibrates(config: Any) -> bool:
     return getattr(config, "dataset", None) is not None
 
 
+_quantizing_lock = threading.Lock()
+_being_quantized: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def _alone(model: Any) -> Iterator[None]:
+    """Refuses a `quantize()` of a model sharing a module with one another
+    thread is quantizing: each plans from the float weights the other
+    replaces (the loser failed with a bare `KeyError`)."""
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
+    modules = list(model.modules())
+    with _quantizing_lock:
+        busy = next((m for m in modules if m in _being_quantized), None)
+        if busy is not None:
+            what = "" if busy is model else f"'s {type(busy).__name__} module"
+            raise RuntimeError(
+                f"quantize(): the {type(model).__name__}{what} is being quantized by another "
+                "quantize() call (another thread): quantize one model once at a time. "
+                "Nothing was changed."
+            )
+        _being_quantized.update(modules)
+    try:
+        yield
+    finally:
+        with _quantizing_lock:
+            for module in modules:
+                _being_quantized.discard(module)
+
+
+def _one_at_a_time(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def quantize(model: Any, *args: Any, **kwargs: Any) -> Any:
+        with _alone(model):
+            return function(model, *args, **kwargs)
+
+    return quantize
+
+
+@_one_at_a_time
 def quantize(
     model: torch.nn.Module,
     mode: str | None = None,
@@ -386,14 +432,15 @@ def quantize(
         report.outside_linears = _outside_linears(model, modules, calibration.outside)
     ExpertsExpansion.claim_all(plans, expansions)
     head = _output_head(model)
-    for module_plan in plans:  # nothing above changed the model
-        commit(module_plan)
-        if module_plan.module is head:
-            _logits_in_float32(module_plan)
-        label = module_plan.path or "(root)"
-        report.quantized.append(
-            (label, module_plan.mode, state_of(module_plan.module).call.policy.name)
-        )
+    with committing(plans):
+        for module_plan in plans:  # nothing above changed the model
+            commit(module_plan)
+            if module_plan.module is head:
+                _logits_in_float32(module_plan)
+            label = module_plan.path or "(root)"
+            report.quantized.append(
+                (label, module_plan.mode, state_of(module_plan.module).call.policy.name)
+            )
     if plans:
         guard_loading(model)
         model_changed(model)

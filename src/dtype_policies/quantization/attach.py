@@ -6,7 +6,9 @@ everything (and raises on any problem) without touching the module;
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,10 +159,7 @@ def check(
             f"Layer '{getattr(module, 'name', path)}' (of type '{name}') is not built yet."
         )
     if quantization_of(module) is not None:
-        raise ValueError(
-            f"Layer '{getattr(module, 'name', path or name)}' is already quantized with "
-            f"dtype_policy='{state_of(module).call.policy.name}'. Received: mode={mode}"
-        )
+        raise _already_quantized(module, path or name, mode)
     if not kind.supports(mode):
         raise NotImplementedError(
             f"Invalid quantization mode. Expected one of {kind.modes}. "
@@ -329,8 +328,37 @@ def plan(
     )
 
 
+def _already_quantized(module: torch.nn.Module, label: str, mode: str) -> ValueError:
+    return ValueError(
+        f"Layer '{getattr(module, 'name', label)}' is already quantized with "
+        f"dtype_policy='{state_of(module).call.policy.name}'. Received: mode={mode}"
+    )
+
+
+_commit_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def committing(plans: Sequence[Plan]) -> Iterator[None]:
+    """Holds the lock every commit of plans is made under, after checking that
+    no module of `plans` was quantized since it was planned (another thread's
+    `quantize()` of the same model): raises as `check` would, before anything
+    is committed."""
+    with _commit_lock:
+        for plan in plans:
+            if quantization_of(plan.module) is not None:
+                raise _already_quantized(plan.module, plan.path or "(root)", plan.mode)
+        yield
+
+
 def commit(plan: Plan) -> QuantizedWeight:
-    """Applies a plan (cannot fail)."""
+    """Applies a plan (cannot fail, but for another thread having quantized
+    its module since it was planned: see `committing`)."""
+    with committing((plan,)):
+        return _commit(plan)
+
+
+def _commit(plan: Plan) -> QuantizedWeight:
     module, spec = plan.module, plan.spec
     if plan.expansion is not None:
         plan.expansion.attach()
