@@ -2,6 +2,7 @@
 frozen weights gives the eager values, follows the eager product rules of
 this CPU, and runs eagerly when it would be stale or asked for gradients."""
 
+import contextlib
 import copy
 import io
 import pickle
@@ -551,3 +552,36 @@ def test_a_model_not_built_yet_is_refused_before_compiling():
     mixed = torch.nn.ModuleDict({"dense": layers.Dense(4), "drop": layers.Dropout(0.5)})
     mixed["dense"](torch.ones(1, 3))
     assert isinstance(compile_for_inference(mixed), CompiledInference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiler", ["compile_for_inference", "torch.compile"])
+@pytest.mark.parametrize("cpu_class", [None, "avx2"])
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_compiled_int8_products_round_their_float32_inputs_to_bfloat16_as_eager(
+    weight_only, cpu_class, compiler
+):
+    """A float32 input cast to bfloat16 by the policy and read back in float32
+    by the traced product (Keras's per-token W8A8; weight-only int8 where
+    bfloat16 products are emulated): Inductor dropped the cast pair's
+    rounding, so per-token int8 rounding of the unrounded inputs put compiled
+    outputs whole int8 steps off eager (`casting.float32_values`)."""
+    from dtype_policies import _cpu
+    from dtype_policies.quantization import Int8QuantizationConfig
+
+    if cpu_class is not None and not _cpu.CPU_CLASSES[cpu_class] <= _cpu.processor().features:
+        pytest.skip(f"this CPU cannot stand in for {cpu_class}")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(144, 200))
+    apply_policy(model, "mixed_bfloat16")
+    config = Int8QuantizationConfig(activation_quantizer=None) if weight_only else None
+    quantize(model, "int8", config or Int8QuantizationConfig())
+    x = torch.randn(7, 144, generator=torch.Generator().manual_seed(1)) * 3
+    context = _cpu.emulate(cpu_class) if cpu_class else contextlib.nullcontext()
+    with context, torch.no_grad():
+        if compiler == "torch.compile":  # its epilogues' bfloat16 roundings fused away
+            got, expected = torch.compile(model)(x).float(), model(x).float()
+            assert (got - expected).norm() < 1.5e-3 * expected.norm()  # 6e-3 before
+        else:  # the eager kernels on frozen weights: the same values
+            fast = compile_for_inference(model, autotune=False)
+            torch.testing.assert_close(fast(x), model(x), atol=0, rtol=0)

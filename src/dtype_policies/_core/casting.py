@@ -96,6 +96,26 @@ def bfloat16_rounded(x: torch.Tensor) -> torch.Tensor:
     return straight_through(x, rounded)
 
 
+def float32_values(x: torch.Tensor) -> torch.Tensor:
+    """`x` in float32 with exactly its own values: a bfloat16 tensor through
+    `bfloat16_rounded`. Under `torch.compile`, a bfloat16 activation a policy
+    cast from float32 and a traced product reads back in float32 would
+    otherwise be the unrounded float32 one: Inductor drops the fused cast
+    pair's rounding (a per-token int8 rounding then put compiled outputs whole
+    steps off eager's).
+
+    >>> import torch
+    >>> float32_values(torch.tensor([1.00390625]).bfloat16()).dtype
+    torch.float32
+    """
+    return bfloat16_rounded(x) if x.dtype is torch.bfloat16 else x.float()
+
+
+def as_product_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, through `float32_values` when `dtype` is float32."""
+    return float32_values(x) if dtype is torch.float32 else x.to(dtype)
+
+
 def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """`rounded`'s values with `x`'s derivative (the identity through a
     rounding) wherever one can be asked for: a tensor that requires

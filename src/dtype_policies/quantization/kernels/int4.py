@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import bfloat16_rounded, straight_through
+from dtype_policies._core.casting import as_product_input, bfloat16_rounded, straight_through
 from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
@@ -678,9 +678,9 @@ def int4_linear(
     dtype = product_dtype(x2.dtype, x2.device)
     if block_size > 0:
         weight = dequantize_int4(q_nk, scale, zero, block_size, g_idx).to(dtype)
-        y = F.linear(x2.to(dtype), weight).to(out_dtype)
+        y = F.linear(as_product_input(x2, dtype), weight).to(out_dtype)
         return y if bias is None else y + bias.to(out_dtype)
-    y = F.linear(x2.to(dtype), q_nk.to(dtype))  # exact integer weights, scaled after
+    y = F.linear(as_product_input(x2, dtype), q_nk.to(dtype))  # exact integer weights
     return epilogues.rescale(y, (1.0 / scale.float())[None, :], None, bias, out_dtype)
 
 

@@ -54,7 +54,13 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies._compat import ONEDNN_QLINEAR_TAKES_INT8_ACTIVATIONS
-from dtype_policies._core.casting import bfloat16_rounded, exporting, straight_through
+from dtype_policies._core.casting import (
+    as_product_input,
+    bfloat16_rounded,
+    exporting,
+    float32_values,
+    straight_through,
+)
 from dtype_policies._core.products import native_half_products, product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
@@ -522,19 +528,19 @@ def int8_linear_traceable(
                 y = F.linear(x2.bfloat16(), q_nk.bfloat16())
         else:
             dtype = product_dtype(x2.dtype, x2.device)
-            y = F.linear(x2.to(dtype), q_nk.to(dtype))
+            y = F.linear(as_product_input(x2, dtype), q_nk.to(dtype))
         return epilogues.rescale(y, column_step[None, :], None, bias, out_dtype)
     m, k = x2.shape
     if needs_grad or exporting():
         # the integer activations in floating point: the same integer sums
         # (`exact_float_product`), in ops every exporter knows
         row_step = epilogues.row_steps(x2.detach())
-        scaled = x2.float() / row_step
+        scaled = float32_values(x2) / row_step
         xq = straight_through(scaled, torch.round(scaled))
         dtype = torch.float32 if k <= FLOAT32_EXACT_TERMS else torch.float64
         accumulated = F.linear(xq.to(dtype), q_nk.to(dtype)).float()
         return epilogues.rescale(accumulated, row_step, column_step, bias, out_dtype)
-    xq, row_step = epilogues.quantize_rows_int8(x2)
+    xq, row_step = epilogues.quantize_rows_int8(float32_values(x2))
     if frozen and native_applies(x2.device, processor()):
         # the eager path's kernel, on a layout the frozen graph folds into a constant
         accumulated = int8_native.int8_mm(xq, int8_native.pack(q_nk), q_nk.shape[0])

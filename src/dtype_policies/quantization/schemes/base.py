@@ -25,6 +25,7 @@ import torch
 
 from dtype_policies._core.casting import (
     bfloat16_rounded,
+    float32_values,
     functorch_wrapped,
     straight_through,
     tracing,
@@ -515,7 +516,7 @@ def quantizer_rounded_product(
     integer products exact in float64, the gradient straight through the
     inputs' rounding. bfloat16 inputs and bias enter by their values
     (Inductor drops a fused bfloat16 cast pair otherwise)."""
-    x = bfloat16_rounded(x2) if x2.dtype == torch.bfloat16 else x2.float()
+    x = float32_values(x2)
     xq, x_scale = quantizer(x.detach(), axis=-1)
     x_scale = x_scale.float()
     xq = straight_through(x * x_scale, xq.float())

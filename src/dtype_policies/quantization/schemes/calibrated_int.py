@@ -42,6 +42,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._core.casting import float32_values
 from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
@@ -416,7 +417,7 @@ class CalibratedIntScheme(Scheme):
             bias = bias.to(compute)
         if state.zero_step is not None:  # per channel: int8 weight-only, then the zero points
             y = int8_kernels.int8_weight_only_linear(x2, state.int8, None, torch.float32)
-            y = y - x2.float().sum(-1, keepdim=True) * state.zero_step[None, :]
+            y = y - float32_values(x2).sum(-1, keepdim=True) * state.zero_step[None, :]
             y = y.to(compute)
             return y if bias is None else y + bias
         return F.linear(x2.to(compute), self._grouped_weight(module, qw).to(compute), bias)
@@ -433,7 +434,7 @@ class CalibratedIntScheme(Scheme):
         if self.bits(qw.config) > 4 or x2.device.type != "cpu":
             return super().traced_linear(module, qw, x2, bias, compute, needs_grad)
         if divisor is not None:
-            x2 = (x2.float() / divisor.float()).to(compute)
+            x2 = (float32_values(x2) / divisor.float()).to(compute)
         _, scale, zero, g_idx, *_ = self._stored(module, qw)
         block = qw.config.block_size(qw.spec.in_features)
         q_nk = self.integer_values(module, qw)
