@@ -312,3 +312,26 @@ def test_weights_read_by_attribute_compile_in_one_graph(mode):
         eager = model(x)  # kept casts made, handed to the scope
         compiled = torch.compile(model, backend="eager", fullgraph=True)(x)
     assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_16_bit_roundings_are_the_casts_values(dtype):
+    """`float32_values` of a 16-bit tensor under torch.compile: Inductor
+    drops a fused cast pair's rounding (every value of a compiled
+    `x.half().float()` comes back unrounded), the integer-op rounding keeps
+    the cast's values: ties to even, float16's subnormals, overflow to inf,
+    signed zeros, NaN."""
+    from dtype_policies._core.casting import float32_values
+
+    torch.manual_seed(0)
+    scales = (1e-8, 1e-6, 6e-5, 1e-3, 1.0, 300.0, 3e4, 6.5e4, 7e4, 1e38)
+    x = torch.cat([torch.randn(20000) * s for s in scales])
+    edges = [0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 2**-14, 2**-24, 2**-25]
+    edges += [3 * 2**-25, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8]
+    x = torch.cat([x, torch.tensor([*edges, float("inf"), -float("inf"), float("nan")])])
+    got = torch.compile(lambda t: float32_values(t.to(dtype)), fullgraph=True)(x)
+    expected = x.to(dtype).float()
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    finite = ~torch.isnan(expected)
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(expected[finite]))

@@ -96,19 +96,46 @@ def bfloat16_rounded(x: torch.Tensor) -> torch.Tensor:
     return straight_through(x, rounded)
 
 
+def float16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to float16's values, in float32 (nearest, ties to even;
+    beyond float16's range, inf), as `bfloat16_rounded` is for bfloat16: in
+    integer ops under `torch.compile`, where Inductor would skip the rounding
+    of a fused cast pair.
+
+    >>> import torch
+    >>> float16_rounded(torch.tensor([1.0 + 2**-11, 65520.0, 2**-25 * 3])).tolist()
+    [1.0, inf, 1.1920928955078125e-07]
+    """
+    x = x.float()
+    if not torch.compiler.is_compiling() or exporting():
+        rounded = x.half().float()
+    else:
+        bits = x.view(torch.int32)
+        normal = ((bits + (0xFFF + ((bits >> 13) & 1))) & -8192).view(torch.float32)
+        subnormal = torch.round(x * 2.0**24) * 2.0**-24  # multiples of float16's smallest step
+        rounded = torch.where(x.abs() < 2.0**-14, subnormal, normal)
+        rounded = torch.where(rounded.abs() > 65504.0, rounded * float("inf"), rounded)
+        rounded = torch.where(torch.isnan(x), x, rounded)
+    return straight_through(x, rounded)
+
+
 def float32_values(x: torch.Tensor) -> torch.Tensor:
-    """`x` in float32 with exactly its own values: a bfloat16 tensor through
-    `bfloat16_rounded`. Under `torch.compile`, a bfloat16 activation a policy
-    cast from float32 and a traced product reads back in float32 would
-    otherwise be the unrounded float32 one: Inductor drops the fused cast
-    pair's rounding (a per-token int8 rounding then put compiled outputs whole
-    steps off eager's).
+    """`x` in float32 with exactly its own values: a bfloat16 or float16
+    tensor through `bfloat16_rounded` / `float16_rounded`. Under
+    `torch.compile`, a 16-bit activation a policy cast from float32 and a
+    traced product reads back in float32 would otherwise be the unrounded
+    float32 one: Inductor drops the fused cast pair's rounding (a per-token
+    int8 rounding then put compiled outputs whole steps off eager's).
 
     >>> import torch
     >>> float32_values(torch.tensor([1.00390625]).bfloat16()).dtype
     torch.float32
     """
-    return bfloat16_rounded(x) if x.dtype is torch.bfloat16 else x.float()
+    if x.dtype is torch.bfloat16:
+        return bfloat16_rounded(x)
+    if x.dtype is torch.float16:
+        return float16_rounded(x)
+    return x.float()
 
 
 def as_product_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
