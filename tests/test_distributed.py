@@ -791,47 +791,34 @@ def test_loading_into_a_sharded_model_is_refused_before_changing_it(tmp_path):
 
 @distributed
 @fsdp_on_cpu
-@pytest.mark.parametrize("policy", ["float32", "int8_from_mixed_bfloat16"])
-def test_a_layer_s_policy_cannot_change_under_fsdp2(policy, tmp_path):
+@pytest.mark.parametrize(
+    "change",
+    ["dtype_policy float32", "dtype_policy int8_from_mixed_bfloat16", "quantize int8",
+     "quantize float8"],
+)  # fmt: skip
+def test_a_layer_s_policy_cannot_change_under_fsdp2(change, tmp_path):
     """`layer.dtype_policy = ...` on a sharded model: accepted, the layer
     computed from bfloat16-gathered weights in float32 (and an int8 policy
-    failed inside DTensor); refused as `apply_policy` is, nothing changed."""
+    failed inside DTensor); `layer.quantize(mode)`: float8 went through (a
+    unit planned to gather bfloat16 weights trained as float8), int8 failed
+    inside DTensor after a misleading `type_check` error. Both refused as
+    `apply_policy` and `quantize()` are, nothing changed."""
     from dtype_policies import layers
 
+    how, value = change.split()
     torch.manual_seed(0)
     model = nn.Sequential(layers.Dense(16), layers.Dense(4))
     model(torch.randn(1, 8))
     with _group_of_one(tmp_path):
         fully_shard(model, "mixed_bfloat16")
         weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
-        refused = rf"Dense.dtype_policy = '{policy}': the model is sharded"
-        with pytest.raises(ValueError, match=refused):
-            model[1].dtype_policy = policy
-        assert model[1].dtype_policy.name == "mixed_bfloat16"
-        state = model.state_dict()
-        assert set(state) == set(weights)
-        assert all(torch.equal(v.full_tensor(), weights[k]) for k, v in state.items())
-
-
-@distributed
-@fsdp_on_cpu
-@pytest.mark.parametrize("mode", ["int8", "float8"])
-def test_a_layer_s_own_quantize_is_refused_under_fsdp2(mode, tmp_path):
-    """`layer.quantize(mode)` on a sharded model: float8 went through (a unit
-    planned to gather bfloat16 weights trained as float8) and int8 failed
-    inside DTensor after a misleading `type_check` error; refused as
-    `quantize()` is, nothing changed."""
-    from dtype_policies import layers
-
-    torch.manual_seed(0)
-    model = nn.Sequential(layers.Dense(16), layers.Dense(4))
-    model(torch.randn(1, 8))
-    with _group_of_one(tmp_path):
-        fully_shard(model, "mixed_bfloat16")
-        weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
-        for type_check in (True, False):
-            with pytest.raises(ValueError, match=r"quantizing '1': the model is sharded by FSDP2"):
-                model[1].quantize(mode, type_check=type_check)
+        if how == "dtype_policy":
+            with pytest.raises(ValueError, match=rf"Dense.dtype_policy = '{value}': the model is"):
+                model[1].dtype_policy = value
+        else:
+            for type_check in (True, False):
+                with pytest.raises(ValueError, match=r"quantizing '1': the model is sharded by"):
+                    model[1].quantize(value, type_check=type_check)
         assert model[1].dtype_policy.name == "mixed_bfloat16"
         state = model.state_dict()
         assert set(state) == set(weights)

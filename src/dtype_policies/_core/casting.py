@@ -86,14 +86,12 @@ def bfloat16_rounded(x: torch.Tensor) -> torch.Tensor:
     >>> bfloat16_rounded(torch.tensor([1.00390625, 1.01171875])).tolist()  # ties to even
     [1.0, 1.015625]
     """
-    x = x.float()
-    if not torch.compiler.is_compiling() or exporting():
-        rounded = x.bfloat16().float()
-    else:
-        bits = x.view(torch.int32)
-        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
-        rounded = torch.where(torch.isnan(x), x, rounded)
-    return straight_through(x, rounded)
+    return _rounded(x, torch.bfloat16, _bfloat16_in_integer_ops)
+
+
+def _bfloat16_in_integer_ops(x: torch.Tensor) -> torch.Tensor:
+    bits = x.view(torch.int32)
+    return ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
 
 
 def float16_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -106,16 +104,27 @@ def float16_rounded(x: torch.Tensor) -> torch.Tensor:
     >>> float16_rounded(torch.tensor([1.0 + 2**-11, 65520.0, 2**-25 * 3])).tolist()
     [1.0, inf, 1.1920928955078125e-07]
     """
+    return _rounded(x, torch.float16, _float16_in_integer_ops)
+
+
+def _float16_in_integer_ops(x: torch.Tensor) -> torch.Tensor:
+    bits = x.view(torch.int32)
+    normal = ((bits + (0xFFF + ((bits >> 13) & 1))) & -8192).view(torch.float32)
+    subnormal = torch.round(x * 2.0**24) * 2.0**-24  # multiples of float16's smallest step
+    rounded = torch.where(x.abs() < 2.0**-14, subnormal, normal)
+    return torch.where(rounded.abs() > 65504.0, rounded * float("inf"), rounded)
+
+
+def _rounded(
+    x: torch.Tensor, dtype: torch.dtype, in_integer_ops: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """`x` cast to `dtype` and back to float32; under `torch.compile` (not
+    exporting) `in_integer_ops(x)`, the same values; NaN kept."""
     x = x.float()
     if not torch.compiler.is_compiling() or exporting():
-        rounded = x.half().float()
+        rounded = x.to(dtype).float()
     else:
-        bits = x.view(torch.int32)
-        normal = ((bits + (0xFFF + ((bits >> 13) & 1))) & -8192).view(torch.float32)
-        subnormal = torch.round(x * 2.0**24) * 2.0**-24  # multiples of float16's smallest step
-        rounded = torch.where(x.abs() < 2.0**-14, subnormal, normal)
-        rounded = torch.where(rounded.abs() > 65504.0, rounded * float("inf"), rounded)
-        rounded = torch.where(torch.isnan(x), x, rounded)
+        rounded = torch.where(torch.isnan(x), x, in_integer_ops(x))
     return straight_through(x, rounded)
 
 
