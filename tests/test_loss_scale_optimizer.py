@@ -830,6 +830,33 @@ def test_gradients_that_cannot_be_written_in_place_are_unscaled_as_copies():
     assert not optimizer.last_step_skipped
 
 
+@pytest.mark.parametrize("sharing", ["one tensor", "overlapping views", "disjoint views"])
+def test_a_gradient_tensor_several_parameters_share_is_unscaled_once(sharing):
+    """`torch.autograd.grad` of `((p + q) * x).sum()` returns one tensor for
+    both; set by hand, it was unscaled once per parameter (divided by the
+    scale squared), as were the common elements of overlapping views.
+    Disjoint views of one buffer (DDP's bucket views) stay views."""
+    p, q = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([p, q], lr=1.0), initial_scale=8.0)
+    if sharing == "one tensor":
+        x = torch.tensor([1.0, 2.0, 3.0])
+        p.grad, q.grad = torch.autograd.grad(optimizer.scale_loss(((p + q) * x).sum()), [p, q])
+        assert p.grad is q.grad
+        expected_p = expected_q = -x
+    else:
+        buffer = torch.arange(1.0, 7.0) * 8.0
+        if sharing == "overlapping views":
+            p.grad, q.grad = buffer[0:3], buffer[2:5]
+            expected_p, expected_q = -torch.tensor([1.0, 2, 3]), -torch.tensor([3.0, 4, 5])
+        else:
+            p.grad, q.grad = buffer[0:3], buffer[3:6]
+            expected_p, expected_q = -torch.tensor([1.0, 2, 3]), -torch.tensor([4.0, 5, 6])
+    optimizer.step()
+    assert torch.equal(p.detach(), expected_p) and torch.equal(q.detach(), expected_q)
+    if sharing == "disjoint views":
+        assert p.grad.data_ptr() == buffer.data_ptr()  # unscaled in place, still the views
+
+
 def test_scale_loss_called_inside_a_compiled_function_counts_as_called():
     """Dynamo drops attribute writes on an optimizer: a compiled
     forward-backward that scaled its loss left the flag unset, and step()

@@ -411,6 +411,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         fused unscale raised part-way otherwise, some gradients divided and
         not recorded as such, so that a retried step divided them again."""
         grads = []
+        spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # by storage: the written
         for group in self._inner.param_groups:
             for param in group["params"]:
                 grad = param.grad
@@ -420,15 +421,21 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     param.grad = grad = grad.resolve_conj().clone(
                         memory_format=torch.contiguous_format
                     )
-                if grad.is_sparse:
+                written = _written(grad)
+                if written is None:
                     if grad.dtype is torch.float16:  # duplicates may overflow when summed
                         param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                else:
-                    grad = _local(grad)  # a DTensor (FSDP2): this rank's shard, in place
-                if grad.is_complex():  # the fused op takes its real view, in place
-                    grad = torch.view_as_real(grad)
-                grads.append(grad)
+                    grads.append(_real(grad._values()))
+                    continue
+                shared = _shared(written, spans)
+                if shared == "same":  # one gradient of several parameters: unscaled once
+                    continue
+                if shared == "overlapping":  # their common elements would be divided twice
+                    param.grad = grad = grad.clone()
+                    written = _written(grad)
+                    assert written is not None
+                    _shared(written, spans)
+                grads.append(_real(written))
         if not grads:
             return []
         if not self._since_step.scaled and not self.__dict__.get("_warned_unscaled", False):
@@ -688,6 +695,41 @@ def _inner_from_config(described: Any, params: Any) -> torch.optim.Optimizer:
             "torch.optim.Optimizer subclass."
         )
     return found(params, **{key: _snapshot(value) for key, value in described["config"].items()})
+
+
+def _written(grad: torch.Tensor) -> torch.Tensor | None:
+    """The dense tensor unscaling `grad` writes (a DTensor's local shard);
+    `None` for a sparse gradient."""
+    return None if grad.is_sparse else _local(grad)
+
+
+def _real(grad: torch.Tensor) -> torch.Tensor:
+    """`grad`, a complex one as its real view (the fused op writes through it)."""
+    return torch.view_as_real(grad) if grad.is_complex() else grad
+
+
+def _shared(tensor: torch.Tensor, spans: dict[int, list[tuple[int, int, torch.Tensor]]]) -> str:
+    """Whether `tensor` is one already in `spans` (`"same"`), overlaps one
+    (`"overlapping"`), or neither (`""`, and it is added): gradients set by
+    hand may be one tensor for two parameters, or views of one buffer."""
+    if tensor.numel() == 0:
+        return ""
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
+    end = start + extent * size
+    seen = spans.setdefault(tensor.untyped_storage().data_ptr(), [])
+    for other_start, other_end, other in seen:
+        if start < other_end and other_start < end:
+            same = (
+                start == other_start
+                and tensor.shape == other.shape
+                and tensor.stride() == other.stride()
+                and tensor.dtype == other.dtype
+            )
+            return "same" if same else "overlapping"
+    seen.append((start, end, tensor))
+    return ""
 
 
 class _SinceStep:
