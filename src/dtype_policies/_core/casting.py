@@ -140,6 +140,8 @@ def float32_values(x: torch.Tensor) -> torch.Tensor:
     >>> float32_values(torch.tensor([1.00390625]).bfloat16()).dtype
     torch.float32
     """
+    if not torch.compiler.is_compiling() or exporting():
+        return x.float()  # exact
     if x.dtype is torch.bfloat16:
         return bfloat16_rounded(x)
     if x.dtype is torch.float16:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import _native as native
-from dtype_policies._core.casting import exporting, tracing
+from dtype_policies._core.casting import exporting, float32_values, tracing
 from dtype_policies._cpu import Processor, hardware_flags, processor
 from dtype_policies._derivatives import derivative_free
 
@@ -259,7 +259,7 @@ class LinearProduct:
         weight32 = self._float32
         if weight32 is None:
             if self.traced or self.weight.requires_grad:
-                return self.weight.float()
+                return float32_values(self.weight)
             with torch.inference_mode(False), torch.no_grad():
                 weight32 = self.weight.float()
             self._float32 = weight32
@@ -268,7 +268,11 @@ class LinearProduct:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.portable:  # the values of every path below, whatever the rows
-            out = F.linear(x2.float(), self.weight.float(), None if bias is None else bias.float())
+            out = F.linear(
+                float32_values(x2),
+                float32_values(self.weight),
+                None if bias is None else float32_values(bias),
+            )
             out = out.to(self.dtype)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
         rows = x2.shape[0]
@@ -288,7 +292,9 @@ class LinearProduct:
             out = F.linear(x2, self.weight, bias)
         else:
             out = F.linear(
-                x2.float(), self.float32_weight(), None if bias is None else bias.float()
+                float32_values(x2),
+                self.float32_weight(),
+                None if bias is None else float32_values(bias),
             ).to(self.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
