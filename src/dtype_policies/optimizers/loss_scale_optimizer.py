@@ -410,7 +410,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         complex one) is replaced by a copy first, before any is written: the
         fused unscale raised part-way otherwise, some gradients divided and
         not recorded as such, so that a retried step divided them again."""
-        grads = []
+        grads: list[torch.Tensor | None] = []  # (the grouping helper's type)
         spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # by storage: the written
         for group in self._inner.param_groups:
             for param in group["params"]:
@@ -715,8 +715,8 @@ def _shared(tensor: torch.Tensor, spans: dict[int, list[tuple[int, int, torch.Te
     if tensor.numel() == 0:
         return ""
     size = tensor.element_size()
-    start = tensor.storage_offset() * size
-    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
+    start = int(tensor.storage_offset()) * size
+    extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(tensor.shape, tensor.stride()))
     end = start + extent * size
     seen = spans.setdefault(tensor.untyped_storage().data_ptr(), [])
     for other_start, other_end, other in seen:
