@@ -266,3 +266,60 @@ def test_a_second_quantize_of_a_model_being_quantized_is_refused_clearly(second)
         thread.join(10)
     assert all(m.weight_int8.dtype == torch.int8 for m in (model[0], model[2]))
     assert "weight" not in model[0]._parameters and "weight" not in model[2]._parameters
+
+
+def test_a_policy_set_while_another_thread_quantizes_the_layer_changes_nothing(monkeypatch):
+    """`layer.dtype_policy = "int8_from_float32"` planned, then another
+    thread quantized the layer to int4 before the commit: the commit's
+    re-check refused, but the setter had already set the int8 policy over
+    the int4 tensors (a checkpoint of it then failed to load)."""
+    from dtype_policies.layers import _quantizable
+    from dtype_policies.quantization import attach
+
+    torch.manual_seed(0)
+    dense = layers.Dense(8)
+    dense.build((None, 16))
+    planned, elsewhere = attach.plan, []
+
+    def plan_then_quantized_elsewhere(*args, **kwargs):
+        made = planned(*args, **kwargs)
+        if not elsewhere:  # (the other thread's quantize plans through here too)
+            elsewhere.append(threading.Thread(target=lambda: dense.quantize("int4")))
+            elsewhere[0].start()
+            elsewhere[0].join()
+        return made
+
+    monkeypatch.setattr(_quantizable.attach, "plan", plan_then_quantized_elsewhere)
+    with pytest.raises(ValueError, match="already quantized"):
+        dense.dtype_policy = "int8_from_float32"
+    assert dense.dtype_policy.name.startswith("int4") and "float32" in dense.dtype_policy.name
+    assert dense.quantization_config.mode == "int4"
+
+
+def test_a_save_while_another_thread_quantizes_writes_one_consistent_model(tmp_path, monkeypatch):
+    """The manifest was described before another thread's quantize()
+    committed and the tensors collected after: save() succeeded and wrote a
+    file load() refused, over the earlier good one."""
+    from dtype_policies import saving
+    from dtype_policies.saving import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    described, described_with = threading.Event(), checkpoint.describe
+
+    def slow_describe(*args, **kwargs):
+        manifest = described_with(*args, **kwargs)
+        described.set()
+        threading.Event().wait(0.3)  # the other thread's quantize() comes to commit here
+        return manifest
+
+    monkeypatch.setattr(checkpoint, "describe", slow_describe)
+    saved: dict[str, object] = {}
+    saver = threading.Thread(target=lambda: saved.update(path=saving.save(model, tmp_path)))
+    saver.start()
+    assert described.wait(10)
+    quantize(model, "int8")
+    saver.join(10)
+    fresh = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    saving.load(fresh, saved["path"])  # the float model, whole
+    assert not hasattr(fresh[0], "weight_int8") and fresh[0].weight.dtype == torch.float32

@@ -222,8 +222,9 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         module_plan = attach.plan(
             self, config, path=self._path or "", type_check=False, source=resolved.source_policy
         )
-        self._set_policy(policy)
-        attach.commit(module_plan)
+        with attach.committing((module_plan,)):  # raises before the policy changes, if at all
+            self._set_policy(policy)
+            attach.commit(module_plan)
 
     def __getattr__(self, name: str) -> Any:
         quantized = quantization_of(self)

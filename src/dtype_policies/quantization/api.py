@@ -171,7 +171,8 @@ def _calibrates(config: Any) -> bool:
 
 
 _quantizing_lock = threading.Lock()
-_being_quantized: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_being_quantized: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+"""The modules of the models `quantize()` calls are quantizing, each with its caller's thread."""
 
 
 @contextlib.contextmanager
@@ -187,18 +188,22 @@ def _alone(model: Any) -> Iterator[None]:
         busy = next((m for m in modules if m in _being_quantized), None)
         if busy is not None:
             what = "" if busy is model else f"'s {type(busy).__name__} module"
-            raise RuntimeError(
-                f"quantize(): the {type(model).__name__}{what} is being quantized by another "
-                "quantize() call (another thread): quantize one model once at a time. "
-                "Nothing was changed."
+            caller = (
+                "the quantize() call this one runs inside (a filter or callback of it)"
+                if _being_quantized.get(busy) == threading.get_ident()
+                else "another quantize() call (another thread)"
             )
-        _being_quantized.update(modules)
+            raise RuntimeError(
+                f"quantize(): the {type(model).__name__}{what} is being quantized by {caller}: "
+                "quantize one model once at a time. Nothing was changed."
+            )
+        _being_quantized.update(dict.fromkeys(modules, threading.get_ident()))
     try:
         yield
     finally:
         with _quantizing_lock:
             for module in modules:
-                _being_quantized.discard(module)
+                _being_quantized.pop(module, None)
 
 
 def _one_at_a_time(function: Callable[..., Any]) -> Callable[..., Any]:

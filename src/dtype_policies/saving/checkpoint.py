@@ -103,8 +103,9 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
     file = model_file(path)
-    manifest = describe(module, __version__)
-    tensors, sharded = _collect_tensors(module, manifest)
+    with attach.committing(()):  # no quantization commits between the two (another thread's)
+        manifest = describe(module, __version__)
+        tensors, sharded = _collect_tensors(module, manifest)
     if not sharded:
         _write(file, path, tensors, manifest)
         return file

@@ -348,8 +348,9 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
         the quantized buffers shared by tied modules once, and a sentinel
         under each int8/int4 module's float weight name. Also refreshes the
         manifest (written to `config.json` after this)."""
-        manifest = describe(model, __version__)
-        state = model.state_dict()
+        with attach.committing(()):  # no quantization commits between the two
+            manifest = describe(model, __version__)
+            state = model.state_dict()
         first: dict[tuple, str] = {}
         for name, record in manifest.quantized.items():
             prefix = f"{name}." if name else ""
