@@ -67,6 +67,28 @@ def test_float_checkpoint_into_quantized_model_requantizes(mode, kind, strict):
 
 @pytest.mark.parametrize("kind", ["torch", "layers"])
 @pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_an_integer_weight_in_a_float_checkpoint_loads_as_a_float_model_would(mode, kind):
+    """A checkpoint whose float weight was stored as integers: a float model
+    casts it on copy; a quantized one failed with torch's missing/unexpected
+    keys after loading the other modules' tensors. It quantizes the cast
+    weight, as the float model's quantization would."""
+    trained = _float_model(kind, seed=1)
+    checkpoint = {k: v.clone() for k, v in trained.state_dict().items()}
+    for key in _weight_keys(trained):
+        checkpoint[key] = (checkpoint[key] * 100).round().to(torch.int32)
+    expected = _float_model(kind, seed=2)
+    expected.load_state_dict(checkpoint)  # torch casts the integers
+    quantize_with(expected, mode)
+    target = _float_model(kind, seed=2)
+    quantize_with(target, mode)
+    target.load_state_dict(checkpoint)
+    assert torch.equal(target(X), expected(X))
+    for key, value in expected.state_dict().items():
+        assert torch.equal(target.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("kind", ["torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
 def test_a_float_checkpoint_with_a_non_finite_weight_is_refused(mode, kind):
     """quantize() refuses NaN/inf weights; a float checkpoint loaded into a
     quantized model was quantized anyway (NaN rows, NaN outputs)."""

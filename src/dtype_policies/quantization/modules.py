@@ -241,8 +241,10 @@ def adapt_state_dict(
         return
     if weight_key in state_dict and not present:
         value = state_dict[weight_key]
-        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+        if not isinstance(value, torch.Tensor) or value.is_complex():
             return
+        if not value.is_floating_point():  # an integer weight: cast, as a float parameter's copy_
+            value = value.to(qw.float_dtype)
         # its shape and values were checked with the stored tensors (check_checkpoint)
         with torch.no_grad(), torch.inference_mode(False):
             tensors = qw.scheme.quantize(value.detach(), qw.spec, qw.config)
