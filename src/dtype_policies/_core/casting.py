@@ -140,13 +140,13 @@ def float32_values(x: torch.Tensor) -> torch.Tensor:
     >>> float32_values(torch.tensor([1.00390625]).bfloat16()).dtype
     torch.float32
     """
-    if not torch.compiler.is_compiling() or exporting():
+    in_integer_ops = _IN_INTEGER_OPS.get(x.dtype)
+    if in_integer_ops is None or not torch.compiler.is_compiling() or exporting():
         return x.float()  # exact
-    if x.dtype is torch.bfloat16:
-        return bfloat16_rounded(x)
-    if x.dtype is torch.float16:
-        return float16_rounded(x)
-    return x.float()
+    return _rounded(x, x.dtype, in_integer_ops)
+
+
+_IN_INTEGER_OPS = {torch.bfloat16: _bfloat16_in_integer_ops, torch.float16: _float16_in_integer_ops}
 
 
 def as_product_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,6 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from dtype_policies._core.casting import (
-    bfloat16_rounded,
     float32_values,
     functorch_wrapped,
     straight_through,
@@ -523,7 +522,7 @@ def quantizer_rounded_product(
     products = (xq.double() @ q_nk.double().t()).float()
     y = products / (x_scale * scale.float()[None, :])
     if bias is not None:
-        y = y + (bfloat16_rounded(bias) if bias.dtype == torch.bfloat16 else bias.float())
+        y = y + float32_values(bias)
     return y.to(compute)
 
 
