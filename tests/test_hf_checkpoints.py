@@ -701,10 +701,8 @@ def test_without_dtype_policies_quantized_raises_and_policies_load_as_float(tmp_
 
 FRESH = textwrap.dedent(
     """
-    import sys, time, torch
-    start = time.perf_counter()
+    import sys, torch
     import dtype_policies
-    seconds = time.perf_counter() - start
     assert "transformers" not in sys.modules, "import dtype_policies imported transformers"
     from transformers import AutoModelForCausalLM
     transformers = sys.modules["transformers"]
@@ -713,7 +711,7 @@ FRESH = textwrap.dedent(
     ids = torch.load(sys.argv[1] + "/ids.pt")
     with torch.no_grad():
         torch.save(model(ids).logits, sys.argv[1] + "/fresh_logits.pt")
-    print(type(model.hf_quantizer).__name__, f"{seconds:.3f}")
+    print(type(model.hf_quantizer).__name__)
     """
 )
 
@@ -726,9 +724,8 @@ def test_fresh_process_import_dtype_policies_then_from_pretrained(tmp_path):
     quantize(model, "int4")
     model.save_pretrained(tmp_path)
     torch.save(IDS, tmp_path / "ids.pt")
-    name, seconds = _in_a_fresh_process(FRESH, tmp_path).split()
+    name = _in_a_fresh_process(FRESH, tmp_path).strip()
     assert name == "DTypePoliciesHfQuantizer"
-    assert float(seconds) < 2.0  # no transformers import (that alone takes seconds)
     assert torch.equal(torch.load(tmp_path / "fresh_logits.pt"), outputs(model))
 
 

@@ -427,3 +427,55 @@ def test_a_float8_checkpoint_missing_part_of_its_scaling_state_reports_it(droppe
     before = fresh.state_dict()[dropped].clone()
     fresh.load_state_dict({"0.weight": torch.randn(16, 32), "0.bias": torch.zeros(16)})
     assert torch.equal(fresh.state_dict()[dropped], before)
+
+
+def _quantized_pair(kind, mode):
+    """A quantized checkpoint (seed 1) and a model quantized the same way (seed 2)."""
+    source = _float_model(kind, seed=1)
+    quantize_with(source, mode)
+    target = _float_model(kind, seed=2)
+    quantize_with(target, mode)
+    return {k: v.clone() for k, v in source.state_dict().items()}, target
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", ["torch", "layers"])
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+def test_a_quantized_weight_missing_one_of_its_stored_tensors_is_refused(mode, kind, strict):
+    """With `strict=False` the new integers loaded beside the module's old
+    scales (another weight, silently); with `strict=True` torch raised only
+    after copying them."""
+    checkpoint, target = _quantized_pair(kind, mode)
+    scale_key = [k for k in checkpoint if k.endswith("_scale")][-1]
+    del checkpoint[scale_key]
+    before = snapshot(target)
+    with pytest.raises(ValueError, match=r"holds \[.*\] but not \[" + re.escape(f"'{scale_key}'")):
+        target.load_state_dict(checkpoint, strict=strict)
+    assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("mode", (*INTEGER_MODES, "float8"))
+def test_a_quantized_checkpoint_with_a_non_finite_scale_is_refused(mode, bad):
+    checkpoint, target = _quantized_pair("torch", mode)
+    scale_key = sorted(k for k in checkpoint if k.endswith("_scale"))[0]
+    checkpoint[scale_key].view(-1)[0] = bad
+    before = snapshot(target)
+    refused = re.escape(f"Cannot load '{scale_key}'") + r".*1 non-finite"
+    with pytest.raises(ValueError, match=refused):
+        target.load_state_dict(checkpoint)
+    assert_unchanged(target, before)
+
+
+def test_a_float_checkpoint_with_a_non_finite_weight_is_refused_by_float8_too():
+    """float8 keeps the float weight and quantizes it at each call; quantize()
+    refuses a NaN weight, loading one made every output NaN."""
+    checkpoint = {k: v.clone() for k, v in _float_model("torch", seed=1).state_dict().items()}
+    checkpoint["2.weight"][3, 5] = float("nan")
+    target = _float_model("torch", seed=2)
+    quantize(target, "float8")
+    before = snapshot(target)
+    with pytest.raises(ValueError, match=r"Cannot load '2.weight' .* 1 non-finite value\(s\)"):
+        target.load_state_dict(checkpoint)
+    assert_unchanged(target, before)
+    assert torch.isfinite(target(X)).all()

@@ -380,20 +380,58 @@ class QuantizedWeight:
                 f"quantized in mode '{self.mode}' ({self.config}): it was quantized with another "
                 "configuration. Quantize the model the same way before loading; nothing was loaded."
             )
+        self._check_complete(state_dict, prefix)
+        self._check_stored_finite(state_dict, prefix)
         self._check_float_weight(state_dict, prefix)
+
+    def _check_complete(self, state_dict: dict, prefix: str) -> None:
+        """A quantized weight's stored tensors load together: integers beside
+        the module's old scales (a checkpoint missing one of them, loaded
+        with `strict=False`) would be another weight, silently."""
+        if self.scheme.keeps_float_weight:  # float8's scaling state: torch's missing keys
+            return
+        present = sorted(prefix + n for n in self.stored_names if prefix + n in state_dict)
+        missing = sorted(prefix + n for n in self.stored_names if prefix + n not in state_dict)
+        if present and missing:
+            raise ValueError(
+                f"The checkpoint holds {present} but not {missing} of the weight of the module "
+                f"at '{prefix[:-1] or '(root)'}', quantized in mode '{self.mode}': a quantized "
+                "weight's stored tensors load together (new integers beside the old scales "
+                "would be another weight), even with strict=False; nothing was loaded."
+            )
+
+    def _check_stored_finite(self, state_dict: dict, prefix: str) -> None:
+        """Stored scales, offsets and scaling state are finite: one inf or NaN
+        poisons every output its row or group reaches."""
+        for name in sorted(self.stored_names):
+            value = state_dict.get(prefix + name)
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            found = non_finite_values(value)
+            if found is not None:
+                raise ValueError(
+                    f"Cannot load '{prefix + name}' into the quantized module: it holds "
+                    f"{found}; stored scales, offsets and scaling state are finite (a "
+                    "corrupted checkpoint?); nothing was loaded."
+                )
 
     def _check_float_weight(self, state_dict: dict, prefix: str) -> None:
         """A float checkpoint's weight (no stored tensors beside it), which
         loading quantizes (`modules.adapt_state_dict`): the float shape the
-        module was quantized from, finite values."""
+        module was quantized from, finite values; the float weight a mode
+        keeps (float8's, quantized at each call): finite values, as
+        `quantize()` asks."""
         key = prefix + self.weight_name
         value = state_dict.get(key)
-        if (
-            self.scheme.keeps_float_weight
-            or not isinstance(value, torch.Tensor)
-            or not value.is_floating_point()
-            or any(prefix + name in state_dict for name in self.stored_names)
-        ):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return
+        if self.scheme.keeps_float_weight:  # quantized at each call, as quantize() would
+            try:
+                check_finite(value, self.weight_name)
+            except ValueError as e:
+                raise ValueError(f"Cannot load '{key}' into the quantized module: {e}.") from None
+            return
+        if any(prefix + name in state_dict for name in self.stored_names):
             return
         if tuple(value.shape) != self.spec.float_shape:
             raise ValueError(
@@ -526,17 +564,24 @@ def quantizer_rounded_product(
     return y.to(compute)
 
 
+def non_finite_values(values: torch.Tensor) -> str | None:
+    """How many of `values` are inf or NaN and where the first is, or `None`
+    if all are finite."""
+    with torch.no_grad():
+        finite = torch.isfinite(values)
+        if bool(finite.all()):
+            return None
+        bad = ~finite
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        return (
+            f"{int(bad.sum())} non-finite value(s) (first: {float(values[index])} at index "
+            f"{list(index)})"
+        )
+
+
 def check_finite(weight: torch.Tensor, name: str) -> None:
     """Every mode derives its scales from the weight's range, so one NaN or
     infinity would silently poison the whole row or group it sits in: refused."""
-    with torch.no_grad():
-        finite = torch.isfinite(weight)
-        if bool(finite.all()):
-            return
-        bad = ~finite
-        index = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"its weight '{name}' holds {int(bad.sum())} non-finite value(s) (first: "
-            f"{float(weight[index])} at index {list(index)}); quantization needs finite "
-            "weights"
-        )
+    found = non_finite_values(weight)
+    if found is not None:
+        raise ValueError(f"its weight '{name}' holds {found}; quantization needs finite weights")
