@@ -137,6 +137,29 @@ def test_einsum_dense_non_matmul_equation():
     assert relative_error(layer(x), reference) < TOLERANCE["float8"]
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic", "weight_only"])
+@pytest.mark.parametrize("equation", ["abc,bcd->abd", "ab...,bc->ac..."])
+def test_einsum_dense_non_matmul_equation_float8_without_autograd(equation, scaling):
+    """The kept kernel of a call without autograd had no (N, K) view for a
+    general contraction and raised `TypeError` in every `no_grad` /
+    `inference_mode` call; it gives the graph path's values."""
+    from dtype_policies.quantizers import Float8QuantizationConfig
+
+    torch.manual_seed(0)
+    general = "..." not in equation
+    shape, x = ((5, 8), torch.randn(2, 5, 3)) if general else (8, torch.randn(2, 3, 4))
+    layer = layers.EinsumDense(equation, shape)
+    reference = layer(x)
+    layer.quantize("float8", config=Float8QuantizationConfig(scaling=scaling))
+    layer.eval()
+    graph = layer(x)
+    with torch.no_grad():
+        assert torch.equal(layer(x), graph)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), graph)
+    assert relative_error(graph, reference) < TOLERANCE["float8"]
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_embedding_modes(mode, policy):

@@ -73,7 +73,8 @@ def float8_kernel(
 ) -> tuple[torch.Tensor, LinearProduct | None]:
     """`(kernel, product)`: the kernel quantize-dequantized in `compute`, in
     the weight's own shape, and the product path of its (N, K) view
-    `to_nk(kernel)` (`None`: `F.linear` or the layer's contraction), kept in
+    `to_nk(kernel)` (`None`, or `to_nk` itself `None` for a contraction with
+    no (N, K) view: `F.linear` or the layer's contraction), kept in
     `store` under `name` (see the module docstring). `scale` is the stored
     kernel scale, `None` for scales of the weight's own: per tensor, or by
     `quantize` (the weight in `compute` to its quantize-dequantized kernel)
@@ -89,7 +90,7 @@ def float8_kernel(
                 if kernel_scale is None:
                     kernel_scale = compute_float8_dynamic_scale(cast, FLOAT8_E4M3_MAX)
                 kernel = quantize_dequantize_e4m3(cast, kernel_scale, compute)
-            nk = to_nk(kernel)
+            nk = None if to_nk is None else to_nk(kernel)
             product = None
             if nk is not None:
                 product = linear_product(nk.contiguous(), kept=True)
