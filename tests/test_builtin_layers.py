@@ -258,6 +258,24 @@ def test_mha_errors():
         mha(torch.randn(2, 8), torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("scores", [False, True])
+def test_mha_a_key_and_value_of_different_lengths_raise_as_keras(scores):
+    """torch's fused attention took a value shorter or longer than the key
+    without a word (outputs of neither); Keras raises in `build`."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 4, 8), torch.randn(3, 6, 8), torch.randn(3, 7, 8)
+    unbuilt = layers.MultiHeadAttention(2, 4)
+    with pytest.raises(ValueError, match=r"must be equal. Received: value_shape=\(3, 7, 8\)"):
+        unbuilt(query, value, key, return_attention_scores=scores)
+    assert not unbuilt.built
+    built = layers.MultiHeadAttention(2, 4)
+    built(query, value)
+    before = {k: v.clone() for k, v in built.state_dict().items()}
+    with pytest.raises(ValueError, match=r"key_shape=\(3, 6, 8\)"):
+        built(query, value, key, return_attention_scores=scores)
+    assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())
+
+
 def test_dropout_modes_and_noise_shape():
     layer = layers.Dropout(0.5, seed=1)
     x = torch.ones(4, 1000)

@@ -18,6 +18,14 @@ from dtype_policies.layers.layer import Layer
 _MASK_VALUE = -1e9
 
 
+def _check_key_fits_value(value_shape: tuple, key_shape: tuple) -> None:
+    if value_shape[1:-1] != key_shape[1:-1]:
+        raise ValueError(
+            "All dimensions of `value` and `key`, except the last one, must be equal. "
+            f"Received: value_shape={value_shape} and key_shape={key_shape}"
+        )
+
+
 def _output_shape(value: Any) -> tuple[int, ...] | None:
     """Keras's `output_shape`: None (the query's features), an int or a
     sequence of ints, kept as a tuple."""
@@ -182,11 +190,7 @@ class MultiHeadAttention(Layer):
         """
         query_shape, value_shape = tuple(query_shape), tuple(value_shape)
         key_shape = value_shape if key_shape is None else tuple(key_shape)
-        if value_shape[1:-1] != key_shape[1:-1]:
-            raise ValueError(
-                "All dimensions of `value` and `key`, except the last one, must be equal. "
-                f"Received: value_shape={value_shape} and key_shape={key_shape}"
-            )
+        _check_key_fits_value(value_shape, key_shape)
         return (*query_shape[:-1], *(self._output_shape or query_shape[-1:]))
 
     def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
@@ -197,6 +201,7 @@ class MultiHeadAttention(Layer):
                     f"MultiHeadAttention expects {label} of shape (batch, sequence, features). "
                     f"Received: {label}_shape={shape}"
                 )
+        _check_key_fits_value(tuple(value_shape), tuple(key_shape))
         heads, key_dim, value_dim = self.num_heads, self.key_dim, self.value_dim
         self.query = self._projection("query", "abc,cde->abde", (None, heads, key_dim), "de")
         self.key = self._projection("key", "abc,cde->abde", (None, heads, key_dim), "de")
@@ -250,6 +255,9 @@ class MultiHeadAttention(Layer):
         use_causal_mask: bool = False,
     ) -> Any:
         key = value if key is None else key
+        # torch's fused attention reads a value shorter or longer than the key
+        # without a word
+        _check_key_fits_value(tuple(value.shape), tuple(key.shape))
         if training is None:
             training = self.training
         # (batch, heads, sequence, head_dim), all in this layer's compute dtype
