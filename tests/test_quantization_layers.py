@@ -126,6 +126,29 @@ def test_einsum_dense_every_mode(mode):
     assert relative_error(second(y), reference) < TOLERANCE[mode]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_quantized_einsum_dense_checks_its_input_as_the_float_one(mode):
+    """The quantized product flattened the contracted axes: a transposed
+    (2, 5, 4, 2) input into 'abcd,cde->abe' (c=2, d=4), or an input of
+    another rank, gave scrambled outputs where the float layer raises."""
+    torch.manual_seed(0)
+    layer = layers.EinsumDense("abcd,cde->abe", (None, 6), bias_axes="e")
+    layer(torch.randn(2, 5, 2, 4))
+    layer.quantize(mode)
+    for shape in [(2, 5, 4, 2), (2, 5, 8, 1), (2, 5, 1, 8), (5, 2, 4), (3, 2, 5, 2, 4)]:
+        with pytest.raises(
+            RuntimeError, match=r"asks for rank 4, ending in the contracted axes \(2, 4\)"
+        ):
+            layer(torch.randn(*shape))
+    assert layer(torch.randn(3, 7, 2, 4)).shape == (3, 7, 6)
+    left = layers.EinsumDense("...b,bc->...c", 6)
+    left(torch.randn(3, 8))
+    left.quantize(mode)
+    assert left(torch.randn(8)).shape == (6,) and left(torch.randn(2, 3, 8)).shape == (2, 3, 6)
+    with pytest.raises(RuntimeError, match="rank 1 or more"):
+        left(torch.randn(2, 4, 2))
+
+
 def test_einsum_dense_non_matmul_equation():
     layer = layers.EinsumDense("abc,bcd->abd", (5, 8))  # b is shared by all three
     x = torch.randn(2, 5, 3)

@@ -242,6 +242,7 @@ class EinsumDense(QuantizableLayer):
         else:
             # The output is the input's leading axes (any number under `...`,
             # not only the build-time ones) followed by the kernel's free axes.
+            self._check_quantized_input(inputs, plan)
             lead = inputs.shape[: inputs.dim() - plan[1]]
             free_count = len(self.spec.kernel) - plan[1]
             free = self.full_output_shape[len(self.full_output_shape) - free_count :]
@@ -251,6 +252,25 @@ class EinsumDense(QuantizableLayer):
         if self.bias is not None:
             outputs = outputs + self.bias
         return self.activation(outputs)
+
+    def _check_quantized_input(self, inputs: torch.Tensor, plan: tuple) -> None:
+        """What `torch.einsum` checks of the float call: the input's rank and
+        the sizes of its contracted axes (the quantized product reads them
+        flattened, so a transposed input would pass)."""
+        permutation, count = plan
+        explicit = len(self.spec.inputs)
+        kernel_shape = self._quantized.spec.float_shape
+        contracted = tuple(kernel_shape[axis] for axis in permutation[:count])
+        rank_fits = inputs.dim() == explicit or (
+            self.spec.ellipsis is not None and inputs.dim() >= explicit
+        )
+        if not rank_fits or tuple(inputs.shape[inputs.dim() - count :]) != contracted:
+            raise RuntimeError(
+                f"EinsumDense('{self.equation}') got an input of shape {tuple(inputs.shape)}: "
+                f"its spec '{self.spec.inputs}' asks for rank {explicit}"
+                f"{' or more' if self.spec.ellipsis is not None else ''}, ending in the "
+                f"contracted axes {contracted}"
+            )
 
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
         if self._quantized is not None:
