@@ -318,6 +318,23 @@ def test_a_closed_stdout_ends_the_command_quietly(factory):
     assert "error" not in err and "BrokenPipe" not in err, err
 
 
+def test_the_map_is_written_when_stdout_was_closed_before_the_table(factory, tmp_path):
+    """`advise ... --output map.json | true`: the table's write raised before
+    the map was saved: minutes of measuring lost, exit 141 the only sign."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(factory), os.environ.get("PYTHONPATH", "")])
+    )
+    target = tmp_path / "map.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dtype_policies", *ADVISE, "--quiet", "--output", str(target)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=factory, env=env,
+    )  # fmt: skip
+    process.stdout.close()  # the reader is gone before anything is printed
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 141, err
+    assert isinstance(saving.load_policy(target), DTypePolicyMap)
+
+
 def test_usage_errors_exit_2(in_process):
     assert cli("no-such-command").returncode == 2
     assert in_process("inspect")[0] == 2

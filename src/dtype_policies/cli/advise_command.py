@@ -107,18 +107,20 @@ def run(args: argparse.Namespace) -> int:
             "returns them (e.g. the logits, not their argmax), or call "
             "dtype_policies.advise(model, inputs, metric=...) in Python"
         ) from e
-    if args.json:
-        output.print_json({"target": args.target, **advice.to_dict()})
-    else:
-        print(advice.table())
-    if args.output is not None:  # after printing: a failed write loses no results
-        try:
-            advice.save(args.output)
-        except OSError as e:
-            sys.stdout.flush()
-            raise CLIError(
-                f"--output {args.output!r}: cannot write the map: {e.strerror or e}"
-            ) from e
-        if not args.json:
-            print(f"map written to {args.output}")
+    try:
+        if args.json:
+            output.print_json({"target": args.target, **advice.to_dict()})
+        else:
+            print(advice.table())
+    finally:  # printed first, so a failed write loses no results; written if printing failed
+        if args.output is not None:
+            try:
+                advice.save(args.output)
+            except OSError as e:
+                sys.stdout.flush()
+                raise CLIError(
+                    f"--output {args.output!r}: cannot write the map: {e.strerror or e}"
+                ) from e
+    if args.output is not None and not args.json:
+        print(f"map written to {args.output}")
     return 0
