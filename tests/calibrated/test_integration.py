@@ -133,6 +133,35 @@ def test_the_advisor_offers_calibrated_int4_and_applies_it_as_measured(tmp_path)
         advice.save(tmp_path / "map.json")
 
 
+def test_an_advice_that_cannot_calibrate_on_a_model_changes_nothing():
+    """`advice.apply(other)` with a gptq entry and an int8 one: the int8
+    module was quantized and the policies applied before the gptq
+    calibration failed with a bare shape error."""
+    import copy
+
+    from dtype_policies import advise
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+    ).eval()
+    x = torch.randn(8, 32)
+    advice = advise(
+        model, x, max_error=0.05, candidates=("int8", "gptq"), objective="memory",
+        progress=False, repeats=1,
+    )  # fmt: skip
+    choices = {path: policy.quantization_mode for path, policy in advice.policy_map.items()}
+    assert choices == {"0": "gptq", "2": "int8"}
+    other = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=r"cannot calibrate '0' \(Linear\) by gptq/4/128.*"
+                       r"mat1 and mat2 shapes.*nothing was changed"):  # fmt: skip
+        advice.apply(other)
+    assert other.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    assert not hasattr(other[2], "dtype_policy")
+
+
 def _calibrated_mlp(mode):
     model = _mlp(seed=3)
     apply_policy(model, "mixed_bfloat16")

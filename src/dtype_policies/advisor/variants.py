@@ -66,7 +66,7 @@ def build_variant(
     elif mode is not None:
         quantized = attach.quantization_of(variant)
         if quantized is None or quantized.config != policy.quantization_config:
-            return f"{candidate.label}: {_why_not_quantized(module, candidate)}"
+            return f"{candidate.label}: {_why_not_quantized(module, policy)}"
     return variant
 
 
@@ -93,31 +93,40 @@ def apply_advised(
     **kwargs: Any,
 ) -> PolicyHandle:
     """`apply_policy(model, policy_map)`, where each module under a gptq/awq
-    entry gets the entry's source policy and is then calibrated on its
-    recorded inputs (`inputs[path]`), as the advisor measured it."""
+    entry is calibrated on its recorded inputs (`inputs[path]`), as the
+    advisor measured it: all or nothing. Each calibration runs first, on a
+    copy of its module under the entry's source policy (as the advisor
+    measured); then the map is applied (gptq/awq entries rounded to nearest
+    in their layout) and each copy's stored tensors are loaded in."""
     entries = policy_map.policy_map
     calibrated = {key for key, policy in entries.items() if _is_calibrated(policy)}
     if not calibrated and not _is_calibrated(policy_map.default_policy):
         return apply_policy(model, policy_map, **kwargs)
-    plain = {
-        key: policy.source_policy if key in calibrated else policy
-        for key, policy in entries.items()
-    }
-    targets = []
+    results = []
     for path, module in named_module_paths(model, root_path_of(model)):
         key = policy_map.matching_key(path)
-        if key in calibrated:
-            first = _first_input(inputs.get(path))
-            if first is None:
-                raise ValueError(
-                    f"advise(): no recorded input of '{path}' to calibrate {entries[key].name} on."
-                )
-            targets.append((module, _calibrated_config(entries[key], first)))
-    handle = apply_policy(model, DTypePolicyMap(policy_map.default_policy, plain), **kwargs)
+        if key not in calibrated:
+            continue
+        policy = entries[key]
+        first = _first_input(inputs.get(path))
+        if first is None:
+            raise ValueError(
+                f"advise(): no recorded input of '{path}' to calibrate {policy.name} on; "
+                "nothing was changed."
+            )
+        copied = _calibrated_copy(module, policy, first)
+        if isinstance(copied, str):
+            raise ValueError(
+                f"advice.apply(): cannot calibrate '{path}' ({type(module).__name__}) by "
+                f"{policy.name} on the input the advisor recorded there (is this the model "
+                f"that was advised?): {copied}; nothing was changed."
+            )
+        results.append((module, copied))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        for module, config in targets:
-            quantize(module, config=config, progress=False)
+        warnings.filterwarnings("ignore", r".* without calibration data", UserWarning)
+        handle = apply_policy(model, policy_map, **kwargs)
+    for module, copied in results:
+        module.load_state_dict(copied.state_dict())
     return handle
 
 
@@ -127,10 +136,20 @@ def _calibrated_variant(
     first = _first_input(inputs)
     if first is None:
         return f"{candidate.label}: no recorded floating-point input to calibrate on"
+    variant = _calibrated_copy(module, candidate.policy, first)
+    if isinstance(variant, str):
+        return f"{candidate.label}: {variant}"
+    return variant
+
+
+def _calibrated_copy(
+    module: torch.nn.Module, policy: Any, first: torch.Tensor
+) -> torch.nn.Module | str:
+    """A copy of `module` under `policy`'s source policy, calibrated by
+    `policy` on `first`, or why it cannot be."""
     kind = kind_of(module)
-    if kind is None or candidate.mode not in kind.modes:
-        return f"{type(module).__name__} cannot be quantized by {candidate.mode}"
-    policy = candidate.policy
+    if kind is None or policy.quantization_mode not in kind.modes:
+        return f"{type(module).__name__} cannot be quantized by {policy.quantization_mode}"
     config = _calibrated_config(policy, first)
     variant = copy.deepcopy(module).eval()
     try:
@@ -139,19 +158,19 @@ def _calibrated_variant(
             apply_policy(variant, DTypePolicyMap("float32", {"": policy.source_policy}))
             quantize(variant, config=config, progress=False)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
-        return f"{candidate.label}: {e}"
+        return str(e)
     if attach.quantization_of(variant) is None:
-        return f"{candidate.label}: {_why_not_quantized(module, candidate)}"
+        return _why_not_quantized(module, policy)
     return variant
 
 
-def _why_not_quantized(module: torch.nn.Module, candidate: Candidate) -> str:
+def _why_not_quantized(module: torch.nn.Module, policy: Any) -> str:
     try:
         attach.plan(
             module,
-            candidate.policy.quantization_config,
+            policy.quantization_config,
             type_check=False,
-            source=candidate.policy.source_policy,
+            source=policy.source_policy,
         )
     except (NotImplementedError, ValueError) as e:
         return str(e)
