@@ -17,6 +17,7 @@ import torch
 
 from dtype_policies._core.module_state import quantization_of, state_of
 from dtype_policies._core.products import FEW_ROWS, native_half_products
+from dtype_policies._core.slots import own_parameters
 from dtype_policies._cpu import processor
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.advisor.advice import Advice, ModuleAdvice
@@ -201,7 +202,7 @@ def advise(
             f"advise(): calling the model on the inputs failed: {type(e).__name__}: {e}"
         ) from e
     meter = ErrorMeter(batches, references, metric)
-    called = [unit for unit in units if unit.calls > 0]
+    called = _called_or_tied(units)
     groups = group_units(called, shared)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -370,10 +371,13 @@ def _measure_group(
         raise RuntimeError(f"advise(): cannot apply float32 to {result.unavailable.get(0)}")
     for unit in group:
         per_rank = {rank: built[unit.path] for rank, built in variants.items()}
-        try:
-            seconds = time_variants(per_rank, unit.args, unit.kwargs, repeats)
-        except Exception:
-            seconds = _time_each(per_rank, unit, repeats, result)
+        if unit.calls == 0:  # a holder of the group's weight the model never calls
+            seconds = dict.fromkeys(per_rank, 0.0)
+        else:
+            try:
+                seconds = time_variants(per_rank, unit.args, unit.kwargs, repeats)
+            except Exception:
+                seconds = _time_each(per_rank, unit, repeats, result)
         result.micros[unit.path] = {rank: s * 1e6 for rank, s in seconds.items()}
         result.bytes[unit.path] = {rank: stored_bytes(v) for rank, v in per_rank.items()}
     members = {unit.path: originals[unit.path] for unit in group}
@@ -411,6 +415,8 @@ def _retime(
     """Times each member's variants again (built afresh), keeping for each
     the faster of the two passes."""
     for unit in group:
+        if unit.calls == 0:
+            continue
         micros = measure.micros[unit.path]
         per_rank = {
             rank: build_variant(originals[unit.path], choices[rank], unit.args, unit.router)
@@ -519,7 +525,7 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
                 ),
             )
     for unit in units:
-        if unit.calls == 0:
+        if unit.calls == 0 and unit.path not in by_path:  # not in a group
             by_path[unit.path] = ModuleAdvice(
                 unit.path,
                 unit.class_name,
@@ -534,6 +540,19 @@ def _rows(originals, units, skipped, groups, measurements, state, choices) -> li
             item.path, item.class_name, None, 0, item.policy, item.policy, note=item.reason
         )
     return [by_path[path] for path in originals if path in by_path]
+
+
+def _called_or_tied(units: list[Unit]) -> list[Unit]:
+    """The units called in the recorded pass, and the others holding one of
+    their weights (a table tied to called modules that the model never calls
+    through this one, T5's and BART's `shared`): a weight takes one policy in
+    every module holding it, so they join the called holders' group."""
+    called = {id(p) for unit in units if unit.calls > 0 for p in own_parameters(unit.module)}
+    return [
+        unit
+        for unit in units
+        if unit.calls > 0 or any(id(p) in called for p in own_parameters(unit.module))
+    ]
 
 
 def _with_common_default(
