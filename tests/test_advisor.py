@@ -780,3 +780,27 @@ def test_an_uncalled_module_holding_a_tied_weight_takes_its_holders_policy():
     size = sum(t.nbytes for t in stored.values())
     assert advice.model_bytes["chosen"] == size
     assert measured_error(model, advice, [ids]) == pytest.approx(advice.error, rel=1e-3)
+
+
+@pytest.mark.parametrize("form", ["layers.Sequential", "layers.Dense", "nn.Sequential of layers"])
+def test_a_model_of_this_librarys_layers_is_advised_as_a_torch_one(form):
+    """Their paths start with the root layer's name: every candidate was
+    marked unavailable ("the model failed: 'dense'", "not quantized by
+    apply_policy") and the advice kept float32 everywhere, silently."""
+    from dtype_policies import layers
+
+    torch.manual_seed(0)
+    model = {
+        "layers.Sequential": lambda: layers.Sequential([layers.Dense(128), layers.Dense(16)]),
+        "layers.Dense": lambda: layers.Dense(16),
+        "nn.Sequential of layers": lambda: torch.nn.Sequential(layers.Dense(128), layers.Dense(16)),
+    }[form]()
+    x = torch.randn(16, 64)
+    model(x)
+    advice = advise(model, x, max_error=0.5, candidates=("int8",), objective="memory", **FAST)
+    assert set(choices(advice).values()) == {"int8"}
+    assert all(row.note == "" for row in advice.modules)
+    applied = copy.deepcopy(model)
+    advice.apply(applied)
+    assert all(quantization_of(m) is not None for m in applied.modules() if hasattr(m, "kernel"))
+    assert measured_error(model, advice, [x]) == pytest.approx(advice.error, rel=1e-3)

@@ -57,7 +57,7 @@ def build_variant(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            apply_policy(variant, DTypePolicyMap("float32", {"": policy}))
+            apply_policy(variant, DTypePolicyMap("float32", {root_path_of(variant): policy}))
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         return f"{candidate.label}: {e}"
     if mode is not None and layout is not None:
@@ -155,7 +155,8 @@ def _calibrated_copy(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            apply_policy(variant, DTypePolicyMap("float32", {"": policy.source_policy}))
+            source = policy.source_policy
+            apply_policy(variant, DTypePolicyMap("float32", {root_path_of(variant): source}))
             quantize(variant, config=config, progress=False)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         return str(e)
