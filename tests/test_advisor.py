@@ -249,7 +249,9 @@ def test_table_and_json(tmp_path):
         ({"candidates": ("int8", "int3")}, ValueError, "unknown candidate 'int3'"),
         ({"candidates": ("float8_e4m3fn",)}, ValueError, "unknown candidate"),
         ({"candidates": ()}, ValueError, "empty"),
-        ({"candidates": 8}, ValueError, "candidates"),
+        ({"candidates": 8}, TypeError, "candidates"),
+        ({"candidates": None}, TypeError, "candidates"),
+        ({"candidates": (8,)}, TypeError, "unknown candidate 8"),
         ({"objective": "speed"}, ValueError, "objective"),
         ({"inputs": []}, ValueError, "empty"),
         ({"inputs": iter(())}, ValueError, "empty"),
@@ -804,3 +806,32 @@ def test_a_model_of_this_librarys_layers_is_advised_as_a_torch_one(form):
     advice.apply(applied)
     assert all(quantization_of(m) is not None for m in applied.modules() if hasattr(m, "kernel"))
     assert measured_error(model, advice, [x]) == pytest.approx(advice.error, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("metric", "error", "match"),
+    [
+        (lambda out, ref: None, TypeError, r"must return a number .* it returned None"),
+        (lambda out, ref: "0.1", TypeError, r"it returned '0.1'"),
+        (lambda out, ref: (out - ref).abs().amax(0)[:2], TypeError, r"it returned tensor"),
+        (lambda out, ref: -1.0, ValueError, r"returned -1.0: .* never negative"),
+    ],
+)
+def test_a_metric_returning_no_error_value_is_refused_naming_it(metric, error, match):
+    """A string was taken (and the warning blamed the model), a negative
+    value became the advice's error, None and a two-element tensor raised
+    float()'s messages, which do not name `metric`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(error, match=match):
+        advise(model, torch.randn(8, 16), metric=metric, objective="memory", **FAST)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    tensor_metric = advise(
+        model,
+        torch.randn(8, 16),
+        metric=lambda out, ref: (out - ref).norm() / ref.norm(),
+        objective="memory",
+        **FAST,
+    )
+    assert 0 <= tensor_metric.error < 0.02

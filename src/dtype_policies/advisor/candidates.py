@@ -69,7 +69,7 @@ def parse_candidate(spec: object) -> DTypePolicy:
     elif isinstance(spec, torch.dtype):  # as wherever a policy name is taken
         policy = get(spec)
     else:
-        raise ValueError(
+        raise TypeError(
             f"advise(): unknown candidate {spec!r}: expected a policy name such as 'int8' or "
             "'mixed_bfloat16', a torch dtype, or a DTypePolicy."
         )
@@ -111,7 +111,7 @@ def parse_candidates(specs: Iterable[object] | str) -> list[Candidate]:
     try:
         specs = list(specs)
     except TypeError:
-        raise ValueError(
+        raise TypeError(
             f"advise(): `candidates` must be a sequence of policy names. Received: {specs!r}"
         ) from None
     if not specs:

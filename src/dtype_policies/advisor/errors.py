@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from numbers import Real
 from typing import Any
 
 import torch
@@ -59,6 +60,25 @@ def _ratio(diff: float, norm: float) -> float:
     return math.sqrt(diff / norm)
 
 
+def _metric_value(metric: Metric, outputs: Any, reference: Any) -> float:
+    """`metric(outputs, reference)` as a float: a number or a one-element
+    tensor, not negative (NaN and inf are kept: the variant failed)."""
+    value = metric(outputs, reference)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(
+            "advise(): `metric` must return a number (a float or a one-element tensor); "
+            f"it returned {value!r}"
+        )
+    if value < 0:
+        raise ValueError(
+            f"advise(): `metric` returned {value!r}: an error, 0 for outputs equal to the "
+            "reference and larger for worse ones, is never negative"
+        )
+    return float(value)
+
+
 class NoFloatingOutputs(ValueError):
     """The model's outputs hold no floating tensor to compare, and no
     `metric` replaces the relative error."""
@@ -84,7 +104,7 @@ class ErrorMeter:
         with torch.inference_mode():
             if self.metric is not None:
                 values = [
-                    float(self.metric(batch(model), reference))
+                    _metric_value(self.metric, batch(model), reference)
                     for batch, reference in zip(self.batches, self.references)
                 ]
                 value = sum(values) / len(values)
