@@ -140,9 +140,15 @@ def test_a_failing_policy_quantization_leaves_the_layer_and_its_policy_unchanged
         layer.dtype_policy = "int8_from_float32"
     assert layer.dtype_policy.name == "float32" and not layer.is_quantized
     assert torch.equal(layer.kernel, kernel)
-    # built under such a policy, the layer computes with its float source
+    # built under such a policy, the layer computes with its float source, and says so
     fallback = layers.EinsumDense("ab,ab->a", output_shape=(), dtype="int8_from_mixed_bfloat16")
-    assert fallback(torch.ones(2, 4)).dtype == torch.bfloat16 and not fallback.is_quantized
+    with pytest.warns(UserWarning, match=r"cannot take its policy 'int8_from_mixed_bfloat16'"):
+        assert fallback(torch.ones(2, 4)).dtype == torch.bfloat16
+    assert not fallback.is_quantized
+    with dtype_policies.policy_scope("int8_from_mixed_bfloat16"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a quantized default policy: quietly float
+        by_default = layers.EinsumDense("ab,ab->a", output_shape=())
+        assert by_default(torch.ones(2, 4)).dtype == torch.bfloat16
 
 
 def test_gated_attention_multiplies_each_head_by_the_sigmoid_gate():

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from dtype_policies._core.module_state import STATE_KEY, quantization_of
@@ -141,7 +142,15 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             config = self._resolve_policy().quantization_config
         try:
             checked = attach.check(self, config, path=self._path or "", type_check=False)
-        except NotImplementedError:
+        except NotImplementedError as e:
+            if self._policy_given and not self._dtype_policy.is_map:  # asked of this layer
+                warnings.warn(
+                    f"Layer '{self.name}' cannot take its policy "
+                    f"'{self._resolve_policy().name}': {e} It computes with the policy's "
+                    "float source.",
+                    UserWarning,
+                    stacklevel=3,
+                )
             return
         if mode_record(mode).calibrated:
             tensors = checked.scheme.placeholder_tensors(
