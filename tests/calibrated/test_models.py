@@ -115,6 +115,24 @@ def test_a_hugging_face_decoder_calibrates_block_by_block(mode):
     assert sum(row.split().count(f"{mode}/4/32") for row in rows) == 21  # the label column
 
 
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_an_embedding_holding_nan_is_blamed_not_the_first_blocks_weight(mode):
+    """The first block's q_proj was named, with advice to calibrate from
+    float32: the NaN came from the embedding table, before any block."""
+    model = llama(layers_count=2)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5, 3] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cls = GPTQConfig if mode == "gptq" else AWQConfig
+    config = cls(token_data(), None, num_samples=4, sequence_length=32, group_size=32)
+    with pytest.raises(ValueError, match=r"the inputs of the first block 'model.layers.0' hold "
+                       r"\d+ non-finite value\(s\) .*its embeddings"):  # fmt: skip
+        quiet_quantize(model, config)
+    state = model.state_dict()
+    for key, value in state.items():
+        assert torch.allclose(value, before[key], rtol=0, atol=0, equal_nan=True), key
+
+
 def rtn_copy(model: nn.Module, bits: int, group: int) -> nn.Module:
     """The same model, each weight of its blocks rounded to nearest on GPTQ's grid."""
     rounded = copy.deepcopy(model)

@@ -71,7 +71,11 @@ from dtype_policies.quantization.attach import Checked, Plan, is_quantized, plan
 from dtype_policies.quantization.experts import ExpertsExpansion
 from dtype_policies.quantization.kernels import attention
 from dtype_policies.quantization.progress import CalibrationProgress
-from dtype_policies.quantization.schemes.base import ActivationStatistics, QuantizedWeight
+from dtype_policies.quantization.schemes.base import (
+    ActivationStatistics,
+    QuantizedWeight,
+    non_finite_values,
+)
 from dtype_policies.quantization.structure import blocks_chain, find_blocks, first_input
 from dtype_policies.quantizers.config import QuantizationConfig
 
@@ -156,6 +160,8 @@ def plan_calibrated(
         report = CalibrationProgress(config.mode, last + 1, enabled=progress)
         try:
             calls = _first_block_calls(model, blocks[0][1], batches)
+            if blocks[0][1] is not model:
+                _check_first_inputs_finite(blocks[0][0], calls)
             for index, (_, block) in enumerate(blocks[: last + 1]):
                 plans = _plan_block(block, calls, members[index], config, limit)
                 result.plans += plans
@@ -443,6 +449,22 @@ def _first_block_calls(
     finally:
         handle.remove()
     return calls
+
+
+def _check_first_inputs_finite(path: str, calls: list[Call]) -> None:
+    """The first block's main input (its first positional argument, or
+    `hidden_states`) is finite: else what runs before the block (an
+    embedding table holding NaN) would be blamed on the block's first weight."""
+    for args, kwargs in calls:
+        value = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            found = non_finite_values(value)
+            if found is not None:
+                raise ValueError(
+                    f"quantize(): the inputs of the first block '{path}' hold {found}: the "
+                    "model computes them before any block (its embeddings; check their "
+                    "weights, and the calibration data)"
+                )
 
 
 def _as_call(batch: Any) -> Call:
