@@ -17,7 +17,7 @@ from dtype_policies.layers._weight_arguments import (
     kernel_bias_config,
     set_kernel_bias_arguments,
 )
-from dtype_policies.quantization.schemes import WeightSpec
+from dtype_policies.quantization.schemes import QuantizedWeight, WeightSpec
 
 _EQUATION = re.compile(
     r"^(\.\.\.)?([a-zA-Z]+)(\.\.\.)?,([a-zA-Z]+)->(\.\.\.)?([a-zA-Z]+)(\.\.\.)?$"
@@ -235,6 +235,7 @@ class EinsumDense(QuantizableLayer):
 
     def _quantized_call(self, inputs: torch.Tensor) -> torch.Tensor:
         quantized = self._quantized
+        assert quantized is not None  # called only when quantized
         compute = self._call_state.compute
         plan = self.spec.matmul_plan()
         if plan is None:  # float8 on a general equation: its own contraction
@@ -242,7 +243,7 @@ class EinsumDense(QuantizableLayer):
         else:
             # The output is the input's leading axes (any number under `...`,
             # not only the build-time ones) followed by the kernel's free axes.
-            self._check_quantized_input(inputs, plan)
+            self._check_quantized_input(inputs, plan, quantized)
             lead = inputs.shape[: inputs.dim() - plan[1]]
             free_count = len(self.spec.kernel) - plan[1]
             free = self.full_output_shape[len(self.full_output_shape) - free_count :]
@@ -253,13 +254,15 @@ class EinsumDense(QuantizableLayer):
             outputs = outputs + self.bias
         return self.activation(outputs)
 
-    def _check_quantized_input(self, inputs: torch.Tensor, plan: tuple) -> None:
+    def _check_quantized_input(
+        self, inputs: torch.Tensor, plan: tuple, quantized: QuantizedWeight
+    ) -> None:
         """What `torch.einsum` checks of the float call: the input's rank and
         the sizes of its contracted axes (the quantized product reads them
         flattened, so a transposed input would pass)."""
         permutation, count = plan
         explicit = len(self.spec.inputs)
-        kernel_shape = self._quantized.spec.float_shape
+        kernel_shape = quantized.spec.float_shape
         contracted = tuple(kernel_shape[axis] for axis in permutation[:count])
         rank_fits = inputs.dim() == explicit or (
             self.spec.ellipsis is not None and inputs.dim() >= explicit
