@@ -332,6 +332,14 @@ def test_a_checkpoint_of_another_module_class_is_refused(tmp_path, policy):
         (lambda m: m.__setitem__("policy_maps", ["ab"]), "'policy_maps' entry 0 must be an"),
         (lambda m: m.__setitem__("aliases", {"1.bias": "0.bias"}), "also a tensor of its own"),
         (lambda m: m.__setitem__("aliases", {"1.x": "1.x"}), "maps '1.x' to itself"),
+        (
+            lambda m: m["modules"]["0"]["policy"]["config"].__setitem__("name", "int3"),
+            "'modules' entry '0': Cannot convert 'int3'",
+        ),
+        (
+            lambda m: m["quantized"]["0"]["config"]["config"].__setitem__("weight_bits", 9),
+            "'quantized' entry '0': ",
+        ),
     ],
 )
 def test_a_manifest_edited_by_hand_is_refused_before_anything_changes(tmp_path, edit, message):

@@ -621,12 +621,10 @@ def _plan_quantized(
             f"the target {type(target).__name__} is not built, so it has no weights to "
             "quantize: call it on an input (or build(input_shape)) before loading"
         )
-    config = record.quantization_config
-    if getattr(config, "mode", record.mode) != record.mode:
-        raise CheckpointError(
-            f"the record's mode '{record.mode}' and its quantization config, one of mode "
-            f"'{config.mode}' ({config}), disagree"
-        )
+    try:
+        config = record.checked_config()
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     kind = kind_of(target)
     if kind is None or not kind.supports(record.mode):
         raise CheckpointError(

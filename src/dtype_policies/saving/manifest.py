@@ -10,6 +10,7 @@ keys use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -76,6 +77,16 @@ class QuantizedRecord:
     @property
     def quantization_config(self):
         return deserialize_config(self.config)
+
+    def checked_config(self) -> Any:
+        """The config, of the record's mode (`ValueError` otherwise)."""
+        config = self.quantization_config
+        if getattr(config, "mode", self.mode) != self.mode:
+            raise ValueError(
+                f"the record's mode '{self.mode}' and its quantization config, one of mode "
+                f"'{config.mode}' ({config}), disagree"
+            )
+        return config
 
 
 @dataclass
@@ -180,9 +191,31 @@ class Manifest:
                 f"1 to {FORMAT_VERSION}. Upgrade dtype_policies to read it."
             )
         try:
-            return cls._checked(data, version)
+            manifest = cls._checked(data, version)
+            manifest._check_policies()
         except _Malformed as e:
             raise CheckpointError(f"{source}: malformed dtype_policies manifest: {e}.") from None
+        return manifest
+
+    def _check_policies(self) -> None:
+        """Every policy and quantization config the manifest names can be
+        read (else the error would name neither the file nor the entry)."""
+        reads: list[tuple[str, Callable[[], Any]]] = [
+            *((f"'modules' entry '{k}'", record.options) for k, record in self.modules.items()),
+            *(
+                (f"'layers' entry '{k}'", functools.partial(layer_policy, record))
+                for k, record in self.layers.items()
+            ),
+            *(
+                (f"'quantized' entry '{k}'", record.checked_config)
+                for k, record in self.quantized.items()
+            ),
+        ]
+        for what, read in reads:
+            try:
+                read()
+            except (ValueError, TypeError, KeyError) as e:
+                raise _Malformed(f"{what}: {str(e).rstrip('.')}") from None
 
     @classmethod
     def _checked(cls, data: dict[str, Any], version: int) -> Manifest:
