@@ -742,3 +742,31 @@ def test_a_watch_made_while_writes_are_marked_is_no_error():
     watch = MakesAnother(model)
     dtype_policies.clear_cast_caches(model)
     assert watch.written and made  # (a watch made meanwhile may be marked too: conservative)
+
+
+@pytest.mark.slow  # compiles
+def test_a_generation_the_step_cannot_compile_runs_eagerly_with_a_warning():
+    """`generate(output_attentions=True)`: transformers' attention logs a
+    warning, which Dynamo cannot trace under `fullgraph=True`; the compiled
+    model raised `Unsupported` where the eager one runs."""
+    model = tiny_llama()
+
+    def with_attentions(model):
+        with torch.inference_mode():
+            return model.generate(
+                PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4,
+                min_new_tokens=4, do_sample=False, pad_token_id=0, output_attentions=True,
+                return_dict_in_generate=True,
+            ).sequences  # fmt: skip
+
+    want = with_attentions(model)
+    plain = greedy(model)
+    compile_for_generation(model, autotune=False)
+    assert torch.equal(greedy(model), plain)  # compiled
+    with pytest.warns(UserWarning, match=r"cannot compile this call \(Unsupported: .*eagerly"):
+        assert torch.equal(with_attentions(model), want)
+    compiled = model._compiled_call
+    assert compiled.given_up is None and compiled.eager_session is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(greedy(model), plain)  # the next generation runs compiled again

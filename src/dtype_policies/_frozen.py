@@ -319,6 +319,13 @@ def _recompile_limit() -> tuple[type[BaseException], ...]:
     return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
 
 
+def _cannot_trace() -> tuple[type[BaseException], ...]:
+    """Dynamo's error for what it cannot trace (with `fullgraph=True`)."""
+    from torch._dynamo import exc
+
+    return (exc.Unsupported,)
+
+
 def check_flags(function: str, **flags: Any) -> None:
     """Raises TypeError naming the first flag that is not a bool (`"no"` is
     truthy: it would have turned the option on)."""
@@ -542,9 +549,10 @@ class FrozenCompiledCall:
                     f"{self.name}: torch.compile met its recompile limit in "
                     f"{GIVE_UP_AFTER_LIMIT_HITS} calls in a row and gave up "
                     f"({type(error).__name__}: {reason}); it runs eagerly from "
-                    "now on. transformers' own compiled generate stops the same way on "
-                    "models whose cache changes its Python state at every step "
-                    "(sliding-window layers).",
+                    "now on, the shapes compiled before too. It happens when generations keep "
+                    "bringing new shapes (batch sizes, max_new_tokens: reuse a few) or a "
+                    "cache changes its Python state at every step (sliding-window layers; "
+                    "transformers' own compiled generate stops the same way).",
                     stacklevel=2,
                 )
             elif reason not in self.reported:
@@ -554,6 +562,26 @@ class FrozenCompiledCall:
                     f"({type(error).__name__}: {reason}); the call runs eagerly, calls of the "
                     "shapes compiled before stay compiled. Each new batch size or mode "
                     "compiles a graph of its own: reuse a few.",
+                    stacklevel=2,
+                )
+            return self.eager(*args, **kwargs)
+        except _cannot_trace() as error:
+            # raised while tracing, before the call ran (an option of this call the
+            # graph cannot hold: generate(output_attentions=True) logs from the
+            # attention); this generation runs eagerly, the next one tries again
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            self.session = None
+            if session is not None:
+                try:
+                    self.eager_session = weakref.ref(session)
+                except TypeError:
+                    self.eager_session = None
+            if reason not in self.reported:
+                self.reported.add(reason)
+                warnings.warn(
+                    f"{self.name}: torch.compile cannot compile this call "
+                    f"({type(error).__name__}: {reason}); it runs eagerly"
+                    f"{' (the rest of this generation too)' if session is not None else ''}.",
                     stacklevel=2,
                 )
             return self.eager(*args, **kwargs)
