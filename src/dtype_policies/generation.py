@@ -49,6 +49,12 @@ What is compiled is the decode step of greedy and sampled generation
 forward from). Beam search (`num_beams > 1`) runs transformers' eager loop,
 without a word, as under transformers' own compiled `generate`.
 
+A cache of your own (`generate(..., past_key_values=cache)`): pass
+`cache_implementation=None` with it, since the generation config now asks for
+a static cache and transformers refuses both. A call whose options the
+compiled step cannot hold (`output_attentions=True`, whose attention logs a
+warning Dynamo cannot trace) runs that generation eagerly, with a warning.
+
 Cost: the first `generate` compiles (tens of seconds to minutes for a
 30-layer model on 2 cores; measured in docs/speed.md); later calls with the
 same batch size and the same `max_new_tokens` bound reuse the graph. Inductor
