@@ -770,3 +770,40 @@ def test_a_generation_the_step_cannot_compile_runs_eagerly_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(greedy(model), plain)  # the next generation runs compiled again
+
+
+def test_a_cache_of_the_callers_own_is_used_in_place_of_the_static_one():
+    """transformers refuses a cache beside a `cache_implementation`, which
+    the generation config holds since `compile_for_generation`: passing one's
+    own cache raised where the eager model takes it. A static one runs the
+    compiled step, a dynamic one transformers' eager loop."""
+    model = tiny_llama()
+    want = greedy(model)
+    compile_for_generation(model)
+    step = model._compiled_call
+    calls = []
+
+    def compiled(*args, **kwargs):  # the eager step, counted: no compilation in this test
+        calls.append(kwargs.get("past_key_values", kwargs.get("cache")))
+        return step.eager(*args, **kwargs)
+
+    step.compiled = compiled
+
+    def with_cache(cache):
+        with torch.inference_mode():
+            return model.generate(
+                PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6,
+                min_new_tokens=6, do_sample=False, pad_token_id=0, past_key_values=cache,
+            )  # fmt: skip
+
+    static = transformers.StaticCache(config=model.config, max_cache_len=64)
+    assert torch.equal(with_cache(static), want)
+    assert len(calls) == 5 and all(cache is static for cache in calls)  # its decode steps
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers: the dynamic cache is not compileable
+        assert torch.equal(with_cache(transformers.DynamicCache(config=model.config)), want)
+    assert calls == []
+    assert model.generation_config.cache_implementation == "static"  # the model's own, kept
+    copied = copy.deepcopy(model)
+    assert copied._prepare_cache_for_generation.model() is copied

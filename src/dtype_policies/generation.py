@@ -49,9 +49,9 @@ What is compiled is the decode step of greedy and sampled generation
 forward from). Beam search (`num_beams > 1`) runs transformers' eager loop,
 without a word, as under transformers' own compiled `generate`.
 
-A cache of your own (`generate(..., past_key_values=cache)`): pass
-`cache_implementation=None` with it, since the generation config now asks for
-a static cache and transformers refuses both. A call whose options the
+A cache of your own (`generate(..., past_key_values=cache)`) is used in place
+of the static cache the generation config asks for (a static one of yours
+runs the compiled step; a dynamic one, transformers' eager loop). A call whose options the
 compiled step cannot hold (`output_attentions=True`, whose attention logs a
 warning Dynamo cannot trace) runs that generation eagerly, with a warning.
 
@@ -158,39 +158,62 @@ def _decode_step(
         yield
 
 
-class _GenerationStart:
-    """`model.get_compiled_call`, which transformers calls once before each
-    generation loop: the compiled decode step (`model._compiled_call`) begins
-    a session, so that it reads the model (its weights, policies, modes) at
-    the generation's first step and runs the later steps on the same cache
-    without reading it again. Holds the model weakly; a deep copy of the
-    model gets one of its own."""
+class _ModelMethod:
+    """A method of one model, set on the instance in place of its class's:
+    holds the model weakly; a copy of the model (deepcopy, pickle) gets one
+    of its own."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model_ref = weakref.ref(model)
 
-    def __call__(self, compile_config: Any) -> Callable[..., Any]:
+    def model(self) -> torch.nn.Module:
         model = self.model_ref()
         if model is None:
             raise ReferenceError("compile_for_generation: the model no longer exists")
+        return model
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return (type(self), (self.model(),))
+
+    def __deepcopy__(self, memo: dict) -> _ModelMethod:
+        model = self.model_ref()
+        if model is None:
+            return self
+        # The copy of the model is in `memo` before its attributes are copied.
+        return type(self)(memo.get(id(model), model))
+
+
+class _GenerationStart(_ModelMethod):
+    """`model.get_compiled_call`, which transformers calls once before each
+    generation loop: the compiled decode step (`model._compiled_call`) begins
+    a session, so that it reads the model (its weights, policies, modes) at
+    the generation's first step and runs the later steps on the same cache
+    without reading it again."""
+
+    def __call__(self, compile_config: Any) -> Callable[..., Any]:
+        model = self.model()
         compiled = model.__dict__.get(_COMPILED_CALL)
         if isinstance(compiled, FrozenCompiledCall):
             compiled.begin_session()
         hugging_face: Any = type(model)
         return hugging_face.get_compiled_call(model, compile_config)
 
-    def __reduce__(self) -> tuple[Any, tuple]:
-        model = self.model_ref()
-        if model is None:
-            raise ReferenceError("compile_for_generation: the model no longer exists")
-        return (_GenerationStart, (model,))
 
-    def __deepcopy__(self, memo: dict) -> _GenerationStart:
-        model = self.model_ref()
-        if model is None:
-            return self
-        # The copy of the model is in `memo` before its attributes are copied.
-        return _GenerationStart(memo.get(id(model), model))
+class _CallersCacheFirst(_ModelMethod):
+    """`model._prepare_cache_for_generation`: a cache the caller passes to
+    `generate` is used, in place of the static cache the generation config
+    asks for since `compile_for_generation` (transformers refuses a cache
+    and a `cache_implementation` together). `generation_config` is the
+    call's own copy."""
+
+    def __call__(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
+        model = self.model()
+        if _cache_of(model_kwargs) is not None:
+            generation_config.cache_implementation = None
+        hugging_face: Any = type(model)
+        return hugging_face._prepare_cache_for_generation(
+            model, generation_config, model_kwargs, *args, **kwargs
+        )
 
 
 class _DecodeStepContext:
@@ -303,5 +326,7 @@ def compile_for_generation(
     setattr(model, _COMPILED_CALL, compiled)
     # transformers asks for the compiled call once per generation loop.
     model.__dict__["get_compiled_call"] = _GenerationStart(model)
+    if hasattr(type(model), "_prepare_cache_for_generation"):
+        model.__dict__["_prepare_cache_for_generation"] = _CallersCacheFirst(model)
     setattr(model, "_last_compile_config", compile_config)  # noqa: B010 (a Module attribute)
     return model
