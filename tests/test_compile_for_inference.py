@@ -607,3 +607,26 @@ def test_compiled_float_products_round_their_inputs_as_eager(policy, cpu_class):
     with context, torch.no_grad():
         fast = compile_for_inference(model, autotune=False)
         torch.testing.assert_close(fast(x), model(x), atol=0, rtol=0)
+
+
+class _Breaks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.linear(x)
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+def test_fullgraph_refuses_a_graph_break_as_torch_compile_does():
+    """Generation's fallback for a step Dynamo cannot trace took it for
+    every compiled call: a graph break under `fullgraph=True` warned and
+    retraced at every call (3x slower than eager) instead of raising."""
+    from torch._dynamo.exc import Unsupported
+
+    torch.manual_seed(0)
+    fast = compile_for_inference(_Breaks().eval(), autotune=False, fullgraph=True)
+    with torch.no_grad(), pytest.raises(Unsupported, match="graph_break"):
+        fast(torch.randn(2, 8))

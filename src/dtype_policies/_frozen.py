@@ -568,7 +568,10 @@ class FrozenCompiledCall:
         except _cannot_trace() as error:
             # raised while tracing, before the call ran (an option of this call the
             # graph cannot hold: generate(output_attentions=True) logs from the
-            # attention); this generation runs eagerly, the next one tries again
+            # attention); this generation runs eagerly, the next one tries again.
+            # Outside a generation it raises, as torch.compile's fullgraph does.
+            if session is None:
+                raise
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             self.session = None
             if session is not None:
@@ -580,8 +583,8 @@ class FrozenCompiledCall:
                 self.reported.add(reason)
                 warnings.warn(
                     f"{self.name}: torch.compile cannot compile this call "
-                    f"({type(error).__name__}: {reason}); it runs eagerly"
-                    f"{' (the rest of this generation too)' if session is not None else ''}.",
+                    f"({type(error).__name__}: {reason}); it runs eagerly (the rest of this "
+                    "generation too).",
                     stacklevel=2,
                 )
             return self.eager(*args, **kwargs)
