@@ -8,6 +8,7 @@ that keeps `hf_quantizer` current, and the explicit meta-device route with
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -1029,3 +1030,37 @@ def test_a_model_of_ones_own_around_a_transformers_model_is_not_a_part():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         apply_policy(WithHead(), "mixed_bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("mode", "shard", "key"),
+    [
+        ("int8", None, "model.layers.1.mlp.up_proj.weight_scale"),
+        ("int4", "20KB", "model.layers.1.mlp.up_proj.weight_scale"),
+        ("float8", None, "model.layers.1.mlp.up_proj.weight"),  # the float weight it keeps
+    ],
+)
+def test_from_pretrained_refuses_a_non_finite_stored_value(mode, shard, key, tmp_path):
+    """transformers fills the tensors itself, so the checks of
+    `load_state_dict` and `saving.load` never ran: a NaN scale loaded
+    silently (every logit NaN)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = llama()
+    quantize(model, mode)
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    corrupted = 0
+    for file in sorted(tmp_path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as reader:
+            metadata = reader.metadata()
+            tensors = {name: reader.get_tensor(name) for name in reader.keys()}  # noqa: SIM118
+        if key in tensors:
+            tensors[key].view(-1)[0] = float("nan")
+            save_file(tensors, str(file), metadata)
+            corrupted += 1
+    assert corrupted == 1
+    with pytest.raises(saving.CheckpointError, match=re.escape(key.rpartition(".")[0]) + ".*"
+                       r"1 non-finite value\(s\) \(first: nan"):  # fmt: skip
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

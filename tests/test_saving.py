@@ -727,6 +727,7 @@ def test_layers_keep_the_saved_policy_the_target_had_only_by_apply_policy(tmp_pa
         "alien_version",
         "unknown_policy",
         "mode_unlike_config",
+        "non_finite_scale",
     ],
 )
 def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
@@ -751,6 +752,16 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
         manifest = metadata["dtype_policies"].replace('"mixed_bfloat16"', '"mixed_bfloat17"')
         assert manifest != metadata["dtype_policies"]
         save_file(tensors, str(path), metadata={**metadata, "dtype_policies": manifest})
+    elif damage == "non_finite_scale":  # refused only after the target was quantized
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(path), framework="pt") as reader:
+            metadata = reader.metadata()
+            tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118
+        scale = next(key for key in tensors if key.endswith("weight_scale"))
+        tensors[scale].view(-1)[0] = float("inf")
+        save_file(tensors, str(path), metadata=metadata)
     elif damage == "mode_unlike_config":  # int8's config under a record saying int4
         from safetensors import safe_open
         from safetensors.torch import save_file
@@ -779,6 +790,8 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
     assert_unchanged(target, before)
     if damage == "mode_unlike_config":
         assert "the record's mode 'int4' and its quantization config" in str(raised.value)
+    if damage == "non_finite_scale":
+        assert "1 non-finite value(s) (first: inf" in str(raised.value)
 
 
 def test_missing_file_and_bad_arguments(tmp_path):

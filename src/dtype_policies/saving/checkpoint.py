@@ -52,6 +52,7 @@ from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.modules import own_options
 from dtype_policies.quantization.schemes import scheme_for
+from dtype_policies.quantization.schemes.base import non_finite_values
 from dtype_policies.saving.atomic import write_atomically
 from dtype_policies.saving.manifest import (
     CheckpointError,
@@ -283,7 +284,7 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     # persistent or not as the target's class says (its buffers, not the file's)
     non_persistent = non_persistent_keys(module)
     fit = _state_fit(module, manifest, header, plans, expansions, unfit, non_persistent)
-    problems += fit.problems
+    problems += fit.problems + _non_finite_stored(manifest, state)
     if problems:
         raise_unfit(str(file), problems)
     if assign:  # the file's tensors become the target's: in the target's float dtypes
@@ -802,6 +803,23 @@ CONVERTIBLE_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 """The float dtypes a tensor loads into another of (as `load_state_dict` and
 `.to(dtype)` convert them); every other dtype, and a quantized module's stored
 tensors (int8 data, float32 scales), must be the file's."""
+
+
+def _non_finite_stored(manifest: Manifest, state: dict[str, torch.Tensor]) -> list[str]:
+    """The quantized weights' stored tensors (and a float weight float8
+    keeps) holding inf or NaN, which loading refuses
+    (`QuantizedWeight.check_checkpoint`): found here, before the target
+    changes, as that check runs only once the target is quantized."""
+    problems = []
+    for path, record in manifest.quantized.items():
+        for name in (*record.stored, record.weight):
+            key = f"{path}.{name}" if path else name
+            tensor = state.get(key)
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                found = non_finite_values(tensor)
+                if found is not None:
+                    problems.append(f"'{key}' holds {found}: a corrupted checkpoint?")
+    return problems
 
 
 def _state_fit(

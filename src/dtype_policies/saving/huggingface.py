@@ -325,6 +325,13 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
                 f"from_pretrained left {len(left)} quantized tensor(s) without values: {left[:10]}"
             )
         self._stored = []
+        for name, submodule in model.named_modules():
+            quantized = attach.quantization_of(submodule)
+            if quantized is not None:
+                try:
+                    quantized.check_values(submodule)
+                except ValueError as e:
+                    raise CheckpointError(f"from_pretrained: module '{name}': {e}") from None
         guard_loading(model)
         steps, self._steps = self._steps, []
         for submodule in model.modules():

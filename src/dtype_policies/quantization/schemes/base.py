@@ -384,6 +384,17 @@ class QuantizedWeight:
         self._check_stored_finite(state_dict, prefix)
         self._check_float_weight(state_dict, prefix)
 
+    def check_values(self, module: torch.nn.Module) -> None:
+        """What `check_checkpoint` asks of a checkpoint's values (finite
+        stored tensors; a kept float weight finite), read off `module`: for
+        loaders that fill its tensors themselves (transformers'
+        `from_pretrained`)."""
+        state = {n: module._buffers[n] for n in self.stored_names if n in module._buffers}
+        if self.scheme.keeps_float_weight:
+            state[self.weight_name] = module._parameters[self.weight_name]
+        self._check_stored_finite(state, "")
+        self._check_float_weight(state, "")
+
     def _check_complete(self, state_dict: dict, prefix: str) -> None:
         """A quantized weight's stored tensors load together: integers beside
         the module's old scales (a checkpoint missing one of them, loaded
