@@ -14,10 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dtype_policies._core.casting import bfloat16_rounded, tracing
-from dtype_policies.quantizers.math import EPSILON, expand_blocks
+from dtype_policies.quantizers.math import EPSILON, block_abs_max
 
 _compile_enabled = os.environ.get("DTYPE_POLICIES_COMPILE", "0") == "1"
 _compiled: dict[Callable, Callable] = {}
@@ -136,12 +135,7 @@ def round_activation_blocks(x2: torch.Tensor, block: int = 32) -> torch.Tensor:
     >>> round_activation_blocks(x, block=2)  # 0.5 is 31.75 steps of 2 / 127: 32
     tensor([[127.0000, -63.0000,   2.0000,   0.5039]])
     """
-    m, k = x2.shape
-    blocks = -(-k // block)
     x = bfloat16_rounded(x2)
-    step = F.pad(x, (0, blocks * block - k)).view(m, blocks, block).abs().amax(dim=-1) / 127.0
-    # each input's step by an index, not the padded blocks sliced back to k:
-    # torch 2.13's Inductor miscompiles that slice (`quantizers.math.expand_blocks`)
-    step = expand_blocks(step, block, k)
+    step = block_abs_max(x, block) / 127.0  # each input's block's (Inductor: see there)
     rounded = torch.where(step > 0, torch.round(x / step), torch.zeros_like(x))
     return rounded.clamp(-127, 127) * step
