@@ -574,11 +574,10 @@ class FrozenCompiledCall:
                 raise
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             self.session = None
-            if session is not None:
-                try:
-                    self.eager_session = weakref.ref(session)
-                except TypeError:
-                    self.eager_session = None
+            try:
+                self.eager_session = weakref.ref(session)
+            except TypeError:  # a session that takes no weak reference
+                self.eager_session = None
             if reason not in self.reported:
                 self.reported.add(reason)
                 warnings.warn(
