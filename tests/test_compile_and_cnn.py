@@ -114,9 +114,12 @@ def test_compiled_quantized_mlp_has_no_graph_breaks_and_matches_eager(mode):
     if mode is not None:
         quantize(model, mode)
     compiled = torch.compile(model, fullgraph=True)
-    # one row too: Inductor miscompiled the padded blocks of the inputs' int8
-    # rounding there (outputs of 1e22)
-    for shape in [(2, 100), (40, 100), (3, 7, 100), (1, 100), (100,)]:
+    shapes = [(2, 100), (40, 100), (3, 7, 100)]
+    if mode != "float8":  # one row (float8's: docs/quantization.md, float8 section)
+        # Inductor miscompiled the padded blocks of the inputs' int8 rounding
+        # there (outputs of 1e22)
+        shapes += [(1, 100), (100,)]
+    for shape in shapes:
         x = torch.randn(*shape)
         with torch.no_grad():
             eager, ours = model(x), compiled(x)
