@@ -535,14 +535,9 @@ class FrozenCompiledCall:
         except _recompile_limit() as error:
             # raised while compiling, before the call ran: the eager call is its first run
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            self.session = None
             self.limit_hits += 1
             self.session_met_limit = session is not None
-            if session is not None:
-                try:
-                    self.eager_session = weakref.ref(session)
-                except TypeError:  # a session that takes no weak reference
-                    self.eager_session = None
+            self._rest_of_session_eager(session)
             if self.limit_hits >= GIVE_UP_AFTER_LIMIT_HITS:
                 self.given_up = reason
                 warnings.warn(
@@ -573,11 +568,7 @@ class FrozenCompiledCall:
             if session is None:
                 raise
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            self.session = None
-            try:
-                self.eager_session = weakref.ref(session)
-            except TypeError:  # a session that takes no weak reference
-                self.eager_session = None
+            self._rest_of_session_eager(session)
             if reason not in self.reported:
                 self.reported.add(reason)
                 warnings.warn(
@@ -598,6 +589,15 @@ class FrozenCompiledCall:
         if given_up:
             self.report_eager_frames(given_up)
         return result
+
+    def _rest_of_session_eager(self, session: Any) -> None:
+        """The calls left of `session` (a generation's) run eagerly."""
+        self.session = None
+        if session is not None:
+            try:
+                self.eager_session = weakref.ref(session)
+            except TypeError:  # a session that takes no weak reference
+                self.eager_session = None
 
     def report_eager_frames(self, reasons: list[str]) -> None:
         """One warning per reason Dynamo gave up on a frame of this model's call."""

@@ -436,19 +436,14 @@ class QuantizedWeight:
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             return
-        if self.scheme.keeps_float_weight:  # quantized at each call, as quantize() would
-            try:
-                check_finite(value, self.weight_name)
-            except ValueError as e:
-                raise ValueError(f"Cannot load '{key}' into the quantized module: {e}.") from None
-            return
-        if any(prefix + name in state_dict for name in self.stored_names):
-            return
-        if tuple(value.shape) != self.spec.float_shape:
-            raise ValueError(
-                f"Cannot load '{key}' of shape {tuple(value.shape)} into the module "
-                f"quantized from a weight of shape {self.spec.float_shape}."
-            )
+        if not self.scheme.keeps_float_weight:  # a kept one is quantized at each call
+            if any(prefix + name in state_dict for name in self.stored_names):
+                return
+            if tuple(value.shape) != self.spec.float_shape:
+                raise ValueError(
+                    f"Cannot load '{key}' of shape {tuple(value.shape)} into the module "
+                    f"quantized from a weight of shape {self.spec.float_shape}."
+                )
         try:
             check_finite(value, self.weight_name)
         except ValueError as e:
