@@ -630,3 +630,25 @@ def test_fullgraph_refuses_a_graph_break_as_torch_compile_does():
     fast = compile_for_inference(_Breaks().eval(), autotune=False, fullgraph=True)
     with torch.no_grad(), pytest.raises(Unsupported, match="graph_break"):
         fast(torch.randn(2, 8))
+
+
+def test_a_refused_frame_is_not_reported_by_a_later_call(monkeypatch):
+    """Dynamo counts the reason of a frame refused under `fullgraph=True`
+    without counting the frame as tried: the counts read before the next
+    call were the stale copy of before the refusal, so the next model's
+    first compilation reported the earlier model's reason as its own
+    (`generate(output_attentions=True)` then any `compile_for_inference`)."""
+    from collections import Counter, defaultdict
+
+    from dtype_policies import _compiled_frames
+
+    counters: defaultdict = defaultdict(Counter)
+    monkeypatch.setattr(_compiled_frames, "_dynamo_counters", lambda: counters)
+    frames = _compiled_frames.EagerFrames()
+    frames.given_up_since(frames.mark())  # a first call: the copy is taken
+    counters["unimplemented"]["logging.Logger method not supported"] += 1  # refused
+    mark = frames.mark()  # the next model's call
+    counters["frames"]["total"] += 1  # it compiles, giving up on nothing
+    assert frames.given_up_since(mark) == []
+    counters["unimplemented"]["data-dependent branching"] += 1
+    assert frames.given_up_since(mark) == ["data-dependent branching"]

@@ -98,7 +98,9 @@ class EagerFrames:
     what stays new after a call is a frame that ran eagerly.
 
     Reading it costs a few lookups per call while nothing compiles: the
-    counts are copied only when Dynamo tried a frame since the last copy.
+    counts are copied only when Dynamo tried a frame, or counted an
+    unsupported construct, since the last copy (a frame refused under
+    `fullgraph=True` counts its reason without counting as tried).
 
     >>> frames = EagerFrames()
     >>> mark = frames.mark()
@@ -109,19 +111,23 @@ class EagerFrames:
     __slots__ = ("copy",)
 
     def __init__(self) -> None:
-        self.copy: tuple[int, dict[str, int]] = (-1, {})
+        self.copy: tuple[tuple[int, int], dict[str, int]] = ((-1, -1), {})
 
-    def mark(self) -> tuple[int, dict[str, int]]:
-        """Dynamo's counts now (the last copy, while no frame was tried since)."""
+    @staticmethod
+    def _state() -> tuple[int, int]:
         counters = _dynamo_counters()
-        tried = counters["frames"]["total"]
-        if tried != self.copy[0]:
-            self.copy = (tried, dict(counters["unimplemented"]))
+        return counters["frames"]["total"], sum(counters["unimplemented"].values())
+
+    def mark(self) -> tuple[tuple[int, int], dict[str, int]]:
+        """Dynamo's counts now (the last copy, while nothing was counted since)."""
+        state = self._state()
+        if state != self.copy[0]:
+            self.copy = (state, dict(_dynamo_counters()["unimplemented"]))
         return self.copy
 
-    def given_up_since(self, mark: tuple[int, dict[str, int]]) -> list[str]:
+    def given_up_since(self, mark: tuple[tuple[int, int], dict[str, int]]) -> list[str]:
         """The first line of each reason Dynamo gave up on a frame since `mark`."""
-        if _dynamo_counters()["frames"]["total"] == mark[0]:
+        if self._state() == mark[0]:
             return []
         before = mark[1]
         return [
