@@ -34,6 +34,18 @@ FACTORY = textwrap.dedent(
 
     def many():
         return torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3000)])
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.linear(x), 0.5, training=True)
+
+    def noisy():
+        torch.manual_seed(0)
+        return Noisy()
     """
 )
 
@@ -333,6 +345,21 @@ def test_the_map_is_written_when_stdout_was_closed_before_the_table(factory, tmp
     err = process.stderr.read()
     assert process.wait(timeout=300) == 141, err
     assert isinstance(saving.load_policy(target), DTypePolicyMap)
+
+
+def test_a_missed_budget_exits_3_after_printing_and_writing_the_map(in_process):
+    """A model whose float32 outputs differ from call to call cannot meet any
+    budget: the command exited 0, so a script took the advice for met."""
+    with pytest.warns(UserWarning, match="even float32 everywhere"):
+        code, out, err = in_process(
+            "advise", "cli_models:noisy", "--inputs", "4x32", "--quiet", "--output", "map.json"
+        )
+    assert code == 3, err
+    assert "the budget is not met" in err and "> --max-error 0.02" in err
+    assert "sensitivity" in out and "map written to map.json" in out
+    assert isinstance(saving.load_policy("map.json"), DTypePolicyMap)
+    code, _, err = in_process(*ADVISE, "--quiet")
+    assert code == 0 and "budget" not in err
 
 
 def test_usage_errors_exit_2(in_process):

@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs a command; returns the exit code (0 ok, 1 error, 2 bad arguments,
-    130 interrupted, 141 stdout closed by its reader)."""
+    3 `advise`'s budget missed, 130 interrupted, 141 stdout closed by its reader)."""
     root = parser()
     try:
         args = root.parse_args(argv)

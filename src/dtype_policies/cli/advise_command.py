@@ -18,6 +18,8 @@ from dtype_policies.cli.options import SEED_RANGE, check_range, common_options
 from dtype_policies.cli.output_paths import check_output_file
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 
+BUDGET_MISSED = 3  # the exit code when even the advice exceeds --max-error
+
 EPILOG = """examples:
   dtype-policies advise mymodels:mlp --inputs 32x1024 --max-error 0.02
   dtype-policies advise mymodels:tiny_llama --inputs input_ids=1x64:int64 \\
@@ -26,7 +28,8 @@ EPILOG = """examples:
 
 The map written by --output is a policy file: `dtype_policies.saving.load_policy`
 reads it, `inspect TARGET --policy-map map.json` shows it; the measurements are
-kept in it under "advice"."""
+kept in it under "advice". The exit code is 3 when even the advice (float32
+everywhere) exceeds --max-error: the results are printed and written all the same."""
 
 
 def add_parser(subparsers: Any) -> None:
@@ -123,4 +126,12 @@ def run(args: argparse.Namespace) -> int:
                 ) from e
     if args.output is not None and not args.json:
         print(f"map written to {args.output}")
+    if not advice.error <= advice.max_error:  # NaN is a miss too
+        print(
+            f"dtype-policies advise: the budget is not met: the advice measures an error of "
+            f"{advice.error:.4g} > --max-error {advice.max_error:g} (float32 everywhere "
+            f"measures {advice.baseline_error:.4g}: is the model deterministic?)",
+            file=sys.stderr,
+        )
+        return BUDGET_MISSED
     return 0
