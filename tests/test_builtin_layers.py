@@ -276,6 +276,40 @@ def test_mha_a_key_and_value_of_different_lengths_raise_as_keras(scores):
     assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())
 
 
+@pytest.mark.parametrize(
+    ("policy", "error"),
+    [
+        ("int8_from_float32", NotImplementedError),
+        ("int4_from_mixed_bfloat16", NotImplementedError),
+        ("float8_from_float32", NotImplementedError),
+        ("gptq/4/128_from_float32", ValueError),
+    ],
+)
+def test_a_built_layer_without_quantize_refuses_a_quantized_policy_as_keras(policy, error):
+    """`mha.dtype_policy = "int8_from_float32"` on a built attention layer set
+    the policy and quantized nothing, silently (its sublayers stayed float32);
+    Keras raises. Nothing changes; unbuilt, the policy reaches the sublayers."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    mha, norm = layers.MultiHeadAttention(2, 4), layers.LayerNormalization()
+    mha(x, x), norm(x)
+    for layer in (mha, norm):
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        with pytest.raises(error, match=r"does not have a `quantize`|Implicitly enabling GPTQ"):
+            layer.dtype_policy = policy
+        assert layer.dtype_policy.name == "float32"
+        assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+    assert [sub.dtype_policy.name for sub in (mha.query, mha.attention_output)] == ["float32"] * 2
+    mha.dtype_policy = "mixed_bfloat16"  # float policies change as before (as in Keras)
+    assert mha.dtype_policy.name == "mixed_bfloat16" and mha.query.dtype_policy.name == "float32"
+    if not policy.startswith("gptq"):
+        unbuilt = layers.MultiHeadAttention(2, 4)
+        unbuilt.dtype_policy = policy
+        with torch.no_grad():
+            unbuilt(x, x)
+        assert unbuilt.query.quantization_mode == policy.split("_")[0]
+
+
 def test_dropout_modes_and_noise_shape():
     layer = layers.Dropout(0.5, seed=1)
     x = torch.ones(4, 1000)

@@ -235,6 +235,9 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             self._set_policy(policy)
             attach.commit(module_plan)
 
+    def _refuse_quantized_policy_once_built(self, policy: Any) -> None:
+        """The setter above quantizes a built layer instead."""
+
     def __getattr__(self, name: str) -> Any:
         quantized = quantization_of(self)
         if (

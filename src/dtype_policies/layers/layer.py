@@ -177,10 +177,34 @@ class Layer(LayerWeights, torch.nn.Module):
 
     @dtype_policy.setter
     def dtype_policy(self, value: Any) -> None:
+        """Sets the policy. A quantized policy on a built layer that has no
+        `quantize` (a container such as `MultiHeadAttention`, a normalization
+        layer) raises as Keras's does, with the policy unchanged: the layer
+        would otherwise quantize nothing and say nothing. Unbuilt, such a layer
+        computes with the policy's float source (a container hands the policy
+        to the sublayers it builds)."""
         policy = get_policy(value)
         self._refuse_if_sharded(policy)
+        self._refuse_quantized_policy_once_built(policy)
         self._set_policy(policy)
         self._on_policy_change()
+
+    def _refuse_quantized_policy_once_built(self, policy: DTypePolicy) -> None:
+        """Layers with a `quantize` (`QuantizableLayer`) quantize instead."""
+        mode = None if policy.is_map else policy.quantization_mode
+        if mode is not None and self.built:
+            if mode == "gptq":  # Keras checks this one before calling `quantize`
+                raise ValueError(
+                    f"Implicitly enabling GPTQ quantization by setting `dtype_policy` to "
+                    f"'{policy.name}' is not supported. GPTQ requires a calibration dataset "
+                    "and a `GPTQConfig` object.\n\nPlease use the `.quantize('gptq', "
+                    "config=...)` method on the layer or model instead."
+                )
+            raise NotImplementedError(
+                f"Layer {type(self).__name__} does not have a `quantize` method "
+                f"implemented. Received: dtype_policy={policy.name!r} on the built layer "
+                f"'{self.name}'; quantize its sublayers, or give the policy before it is built."
+            )
 
     def _arguments_named_by(self) -> Callable[..., Any]:
         """The method whose signature names a call's arguments: `call` (the
