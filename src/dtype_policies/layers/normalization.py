@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import constraints, initializers, regularizers
+from dtype_policies._derivatives import derivative_free
 from dtype_policies.layers.layer import Layer
 
 
@@ -133,6 +134,8 @@ class LayerNormalization(Layer):
             and all(  # not after `.double()` or `.half()` of the layer
                 w is None or w.dtype == torch.float32 for w in self._parameters.values()
             )
+            # its gamma and beta gradients would be summed in the half dtype
+            and derivative_free(self.gamma, self.beta)
         ):
             # torch's mixed-dtype kernel: half-precision in and out, float32
             # statistics and float32 gamma/beta, with no extra pass over the data.
