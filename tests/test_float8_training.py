@@ -141,6 +141,26 @@ def test_a_layer_called_twice_in_one_step_records_the_larger_call():
     assert layer.inputs_scale.item() == pytest.approx(100.0 / 448.0)
 
 
+def test_a_step_under_functional_call_advances_the_state_it_was_given():
+    """`torch.func.functional_call` with the float8 state substituted (a
+    second replica's): the step advanced the module's own buffers, and the
+    substituted ones, which the forward read, stayed at their first scales
+    (as torch's batch norm, the running statistics given are updated)."""
+    layer = _dense()
+    own = _state(layer)
+    given = {name: value.clone() for name, value in own.items()}
+    kernel = layer.kernel.detach().clone().requires_grad_()
+    for value in (5.0, 7.0):
+        x = torch.full((2, 8), value)
+        torch.func.functional_call(layer, {"kernel": kernel, **given}, (x,)).sum().backward()
+    for name, value in _state(layer).items():
+        assert torch.equal(value, own[name]), name
+    assert given["inputs_amax_history"].tolist() == [7.0, 0.0, 0.0, 5.0]
+    assert given["inputs_scale"].item() == pytest.approx(5.0 / 448.0)
+    layer(torch.full((2, 8), 3.0)).sum().backward()  # its own state steps from its own
+    assert layer.inputs_amax_history.tolist() == [3.0, 0.0, 0.0, 0.0]
+
+
 def test_a_frozen_layer_in_training_mode_records_its_steps():
     layer = _dense()
     layer.kernel.requires_grad_(False)

@@ -225,35 +225,48 @@ _STATE_FORMATS = (
 class _CallMaxima:
     """One call's absolute maxima of its inputs and kernel, taken in the
     forward and handed to the module's step by the call's backward (a call
-    no backward reaches counts for nothing)."""
+    no backward reaches counts for nothing), with the state tensors that
+    forward read: the step advances those (under
+    `torch.func.functional_call`, the ones substituted for the module's own,
+    as torch's batch norm updates the running statistics it was given)."""
 
-    __slots__ = ("maxima", "module")
+    __slots__ = ("maxima", "module", "state")
 
-    def __init__(self, module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        maxima: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> None:
         self.module = module
         self.maxima = maxima
+        self.state = state
 
 
 class _PendingStep:
     """A module's step in the running backward pass: the largest absolute
-    maxima its calls have shown, the thread whose pass scheduled the commit,
-    and the optimizer whose scaled loss the pass started from
-    (`listeners.backward_owner`; None: no loss scaler's)."""
+    maxima its calls have shown, the state tensors they read, the module, the
+    thread whose pass scheduled the commit, and the optimizer whose scaled
+    loss the pass started from (`listeners.backward_owner`; None: no loss
+    scaler's)."""
 
-    __slots__ = ("maxima", "owner", "thread")
+    __slots__ = ("maxima", "module", "owner", "state", "thread")
 
-    def __init__(self, thread: int, owner: weakref.ref | None) -> None:
+    def __init__(self, call: _CallMaxima, thread: int, owner: weakref.ref | None) -> None:
         self.maxima: dict[str, torch.Tensor] = {}
+        self.module = weakref.ref(call.module)
+        self.state = call.state
         self.thread = thread
         self.owner = owner
 
 
 _lock = threading.Lock()
-_pending: weakref.WeakKeyDictionary[torch.nn.Module, _PendingStep] = weakref.WeakKeyDictionary()
-"""Per module, its step until the pass is over (`_commit`)."""
+_pending: weakref.WeakKeyDictionary[torch.Tensor, _PendingStep] = weakref.WeakKeyDictionary()
+"""Per module's state (keyed by the `inputs_scale` its calls read), its step
+until the pass is over (`_commit`)."""
 
 
-def _forward_outside_backward(module: torch.nn.Module) -> None:
+def _forward_outside_backward(key: torch.Tensor) -> None:
     """A training forward of `module` while this thread runs no backward
     pass: whatever a pass of this thread left behind is stale. Such a pass
     raised (a failing hook, an interrupt), and torch drops the callbacks
@@ -263,11 +276,11 @@ def _forward_outside_backward(module: torch.nn.Module) -> None:
     if backward_running():  # a recomputation inside a backward pass
         return
     clear_backward_owner()
-    held = _pending.get(module)
+    held = _pending.get(key)
     if held is not None and held.thread == threading.get_ident():
         with _lock:
-            if _pending.get(module) is held:
-                del _pending[module]
+            if _pending.get(key) is held:
+                del _pending[key]
 
 
 _undo: dict[int, tuple[weakref.ref, torch.Tensor, weakref.ref, weakref.ref | None]] = {}
@@ -281,12 +294,13 @@ lock: a weakref callback runs inside any allocation, in any thread (within
 an iteration over `_undo` too), so it only appends here."""
 
 
-def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
-    """Adds one call's maxima to `module`'s step; the first call of a backward
-    pass schedules the step's commit for the end of that pass."""
+def _record(call: _CallMaxima, maxima: dict[str, torch.Tensor]) -> None:
+    """Adds one call's maxima to its module's step; the first call of a
+    backward pass schedules the step's commit for the end of that pass."""
     thread = threading.get_ident()
+    key = call.state["inputs_scale"]
     with _lock:
-        held_step = _pending.get(module)
+        held_step = _pending.get(key)
         # another thread's held step: that thread's pass is running (its
         # commit takes this one's maxima too) or raised (its commit was
         # dropped): this pass commits at its end as well
@@ -294,16 +308,16 @@ def _record(module: torch.nn.Module, maxima: dict[str, torch.Tensor]) -> None:
             step = held_step
         else:
             owner = backward_owner()
-            step = _PendingStep(thread, None if owner is None else weakref.ref(owner))
+            step = _PendingStep(call, thread, None if owner is None else weakref.ref(owner))
             if held_step is not None:
                 step.maxima = held_step.maxima
-            _pending[module] = step
+            _pending[key] = step
         first = step is not held_step
         for name, amax in maxima.items():
             held = step.maxima.get(name)
             step.maxima[name] = amax if held is None else torch.maximum(held, amax)
     if first:
-        _commit_after_backward(lambda: _commit(module))
+        _commit_after_backward(lambda: _commit(key))
 
 
 def _commit_after_backward(commit: Any) -> None:
@@ -318,30 +332,29 @@ def _commit_after_backward(commit: Any) -> None:
         commit()
 
 
-def _commit(module: torch.nn.Module) -> None:
-    """Writes `module`'s pending step: each scale from its history before the
-    step, each history rolled with the step's maximum (a non-finite maximum
-    changes neither)."""
+def _commit(key: torch.Tensor) -> None:
+    """Writes the pending step of the state `key` names: each scale from its
+    history before the step, each history rolled with the step's maximum (a
+    non-finite maximum changes neither)."""
     with _lock:
         _drop_dead()
-        pending = _pending.pop(module, None)
+        pending = _pending.pop(key, None)
         if pending is None or not pending.maxima:
             return
-        step, owner = pending.maxima, pending.owner
+        step, owner, module = pending.maxima, pending.owner, pending.module
         with torch.no_grad():
             for name, fmt_max in _STATE_FORMATS:
                 amax = step.get(name)
                 if amax is None or not bool(torch.isfinite(amax)):
                     continue
-                scale = module.get_buffer(f"{name}_scale")
-                history = module.get_buffer(f"{name}_amax_history")
+                scale = pending.state[f"{name}_scale"]
+                history = pending.state[f"{name}_amax_history"]
                 for tensor in (scale, history):
                     record = _undo.get(id(tensor))
                     if record is None or record[0]() is not tensor:  # none, or a dead tensor's
-                        key = id(tensor)
-                        forget = functools.partial(_forget_dead, key)
+                        forget = functools.partial(_forget_dead, id(tensor))
                         old = tensor.detach().clone()
-                        _undo[key] = (weakref.ref(tensor, forget), old, weakref.ref(module), owner)
+                        _undo[id(tensor)] = (weakref.ref(tensor, forget), old, module, owner)
                 scale.copy_(compute_float8_scale(history.max(), scale, fmt_max))
                 history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
 
@@ -413,7 +426,9 @@ def _undo_since_last_step(optimizer: Any) -> None:
                 del _undo[key]
                 module = record[2]()
                 if module is not None:
-                    _pending.pop(module, None)
+                    for state, step in list(_pending.items()):
+                        if step.module() is module:
+                            del _pending[state]
         with torch.no_grad():
             for tensor, old in restores:
                 if tensor is not None:
@@ -481,7 +496,7 @@ class _QDQGradient(torch.autograd.Function):
             step, ctx.step = ctx.step, None  # a second backward records nothing
             with torch.no_grad():
                 maxima = {**step.maxima, "outputs_grad": grad.detach().abs().amax().float()}
-            _record(step.module, maxima)
+            _record(step, maxima)
         return (qdq if ctx.needs_input_grad[0] else None), None, None, None, None
 
 
@@ -551,9 +566,10 @@ def float8_contract(
                 "inputs": inputs.detach().abs().amax().float(),
                 "kernel": kernel.detach().abs().amax().float(),
             }
-        step = _CallMaxima(module, maxima)
+        read = {name: cast(torch.Tensor, state[name]) for name in STATE_NAMES}
+        step = _CallMaxima(module, maxima, read)
         if not tracing():  # (a compiled forward: no stale state to look for)
-            _forward_outside_backward(module)
+            _forward_outside_backward(state["inputs_scale"])
         if not (inputs.requires_grad or kernel.requires_grad):
             anchor = _ANCHOR  # a frozen call's backward still records its step
     x = _qdq_forward(inputs, state["inputs_scale"])
