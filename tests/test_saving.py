@@ -399,14 +399,23 @@ def test_a_buffer_whose_persistence_changed_loads_as_the_target_keeps_it(
     assert torch.equal(target(x), model(x))
 
 
-@pytest.mark.parametrize("on_meta", [False, True], ids=["cpu", "meta"])
+@pytest.mark.parametrize(
+    "built", ["cpu", "meta", "inference_mode"], ids=["cpu", "meta", "inference-tensors"]
+)
 @pytest.mark.parametrize("mode", [None, "int8", "int4"])
-def test_a_load_inside_inference_mode_leaves_a_model_that_trains(mode, on_meta, tmp_path):
+def test_a_load_inside_inference_mode_leaves_a_model_that_trains(mode, built, tmp_path):
+    """A target built inside `torch.inference_mode()` (a server's) holds
+    inference tensors, which no copy outside that mode may write: the load
+    raised torch's RuntimeError after applying the policies and quantizing."""
     torch.manual_seed(0)
     model = prepare(mlp(), "mixed_bfloat16", mode, None)
     path = saving.save(model, tmp_path / "m.safetensors")
-    with torch.device("meta" if on_meta else "cpu"):
-        target = mlp()
+    with torch.device("meta" if built == "meta" else "cpu"):
+        if built == "inference_mode":
+            with torch.inference_mode():
+                target = mlp()
+        else:
+            target = mlp()
     with torch.inference_mode():
         saving.load(target, path)
     tensors = [*target.parameters(), *target.buffers()]

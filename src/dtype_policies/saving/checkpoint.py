@@ -277,8 +277,11 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest, f"'{file}'")
-    # a tensor written once for keys the target keeps apart: one copy per key
-    assign = any(t.device.type == "meta" for t in _module_tensors(module))
+    # a tensor written once for keys the target keeps apart: one copy per key.
+    # The file's tensors become the target's where it has no storage (meta)
+    # or where no copy outside inference mode may write (inference tensors:
+    # built under `torch.inference_mode()`).
+    assign = any(t.device.type == "meta" or t.is_inference() for t in _module_tensors(module))
     state = _untied_copies(state, module, assign)
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
     # persistent or not as the target's class says (its buffers, not the file's)
