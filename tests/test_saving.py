@@ -803,6 +803,53 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
         assert "1 non-finite value(s) (first: inf" in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [(7.0, "first: 7.0"), (-1.0, "first: -1.0"), (0.5, "first: 0.5"), (None, None)],
+    ids=["past-the-last", "negative", "fraction", "permuted"],
+)
+def test_group_indices_out_of_range_are_refused_by_every_load(group, message, tmp_path):
+    """An int4 checkpoint whose `g_idx` names no group loaded without a word:
+    7 failed at the first call with a bare IndexError, -1 gathered the last
+    group's scales (wrong values), 0.5 was truncated. A permutation of the
+    groups (activation order's) is a valid weight and loads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dtype_policies.quantizers import Int4QuantizationConfig
+
+    torch.manual_seed(0)
+    config = Int4QuantizationConfig(block_size=32)
+    model = prepare(mlp(), "mixed_bfloat16", "int4", config)
+    path = saving.save(model, tmp_path / "m.safetensors")
+    with safe_open(str(path), framework="pt") as reader:
+        metadata = reader.metadata()
+        tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118
+    g_idx = tensors["3.weight_g_idx"]
+    if group is None:
+        g_idx.copy_(g_idx.flip(0))
+    else:
+        g_idx[5] = group
+    save_file(tensors, str(path), metadata=metadata)
+    target = mlp()
+    quantized = prepare(mlp(), "mixed_bfloat16", "int4", config)
+    if message is None:
+        saving.load(target, path)
+        quantized.load_state_dict(tensors)
+        x = torch.randn(2, 64)
+        assert torch.equal(target(x), quantized(x))
+        return
+    loads = [
+        (target, lambda: saving.load(target, path)),
+        (quantized, lambda: quantized.load_state_dict(tensors)),
+    ]
+    for module, load in loads:
+        before = snapshot(module)
+        with pytest.raises(ValueError, match=f"3.weight_g_idx.*{message}"):
+            load()
+        assert_unchanged(module, before)
+
+
 def test_missing_file_and_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         saving.load(mlp(), tmp_path / "nowhere")

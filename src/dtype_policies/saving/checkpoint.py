@@ -52,7 +52,7 @@ from dtype_policies.quantization.experts import ExpertsExpansion, experts_layout
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.modules import own_options
 from dtype_policies.quantization.schemes import scheme_for
-from dtype_policies.quantization.schemes.base import non_finite_values
+from dtype_policies.quantization.schemes.base import invalid_stored_values
 from dtype_policies.saving.atomic import write_atomically
 from dtype_policies.saving.manifest import (
     CheckpointError,
@@ -287,7 +287,7 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     # persistent or not as the target's class says (its buffers, not the file's)
     non_persistent = non_persistent_keys(module)
     fit = _state_fit(module, manifest, header, plans, expansions, unfit, non_persistent)
-    problems += fit.problems + _non_finite_stored(manifest, state)
+    problems += fit.problems + _invalid_stored(manifest, state)
     if problems:
         raise_unfit(str(file), problems)
     if assign:  # the file's tensors become the target's: in the target's float dtypes
@@ -808,20 +808,20 @@ CONVERTIBLE_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 tensors (int8 data, float32 scales), must be the file's."""
 
 
-def _non_finite_stored(manifest: Manifest, state: dict[str, torch.Tensor]) -> list[str]:
+def _invalid_stored(manifest: Manifest, state: dict[str, torch.Tensor]) -> list[str]:
     """The quantized weights' stored tensors (and a float weight float8
-    keeps) holding inf or NaN, which loading refuses
-    (`QuantizedWeight.check_checkpoint`): found here, before the target
-    changes, as that check runs only once the target is quantized."""
+    keeps) holding inf or NaN, or group indices out of range, which loading
+    refuses (`QuantizedWeight.check_checkpoint`): found here, before the
+    target changes, as that check runs only once the target is quantized."""
     problems = []
     for path, record in manifest.quantized.items():
+        prefix = f"{path}." if path else ""
         for name in (*record.stored, record.weight):
-            key = f"{path}.{name}" if path else name
-            tensor = state.get(key)
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                found = non_finite_values(tensor)
+            tensor = state.get(prefix + name)
+            if isinstance(tensor, torch.Tensor):
+                found = invalid_stored_values(name, tensor, state, prefix, record.layout)
                 if found is not None:
-                    problems.append(f"'{key}' holds {found}: a corrupted checkpoint?")
+                    problems.append(f"'{prefix + name}' holds {found}: a corrupted checkpoint?")
     return problems
 
 

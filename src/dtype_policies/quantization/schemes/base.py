@@ -381,7 +381,7 @@ class QuantizedWeight:
                 "configuration. Quantize the model the same way before loading; nothing was loaded."
             )
         self._check_complete(state_dict, prefix)
-        self._check_stored_finite(state_dict, prefix)
+        self._check_stored_values(state_dict, prefix)
         self._check_float_weight(state_dict, prefix)
 
     def check_values(self, module: torch.nn.Module) -> None:
@@ -392,7 +392,7 @@ class QuantizedWeight:
         state = {n: module._buffers[n] for n in self.stored_names if n in module._buffers}
         if self.scheme.keeps_float_weight:
             state[self.weight_name] = module._parameters[self.weight_name]
-        self._check_stored_finite(state, "")
+        self._check_stored_values(state, "")
         self._check_float_weight(state, "")
 
     def _check_complete(self, state_dict: dict, prefix: str) -> None:
@@ -411,19 +411,20 @@ class QuantizedWeight:
                 "would be another weight), even with strict=False; nothing was loaded."
             )
 
-    def _check_stored_finite(self, state_dict: dict, prefix: str) -> None:
-        """Stored scales, offsets and scaling state are finite: one inf or NaN
-        poisons every output its row or group reaches."""
+    def _check_stored_values(self, state_dict: dict, prefix: str) -> None:
+        """Stored scales, offsets and scaling state are finite (one inf or NaN
+        poisons every output its row or group reaches) and group indices
+        name groups that exist (`invalid_stored_values`)."""
         for name in sorted(self.stored_names):
             value = state_dict.get(prefix + name)
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            if not isinstance(value, torch.Tensor):
                 continue
-            found = non_finite_values(value)
+            found = invalid_stored_values(name, value, state_dict, prefix, self.spec.layout)
             if found is not None:
                 raise ValueError(
                     f"Cannot load '{prefix + name}' into the quantized module: it holds "
-                    f"{found}; stored scales, offsets and scaling state are finite (a "
-                    "corrupted checkpoint?); nothing was loaded."
+                    f"{found}; stored scales, offsets and scaling state are finite and group "
+                    "indices in range (a corrupted checkpoint?); nothing was loaded."
                 )
 
     def _check_float_weight(self, state_dict: dict, prefix: str) -> None:
@@ -568,6 +569,34 @@ def quantizer_rounded_product(
     if bias is not None:
         y = y + float32_values(bias)
     return y.to(compute)
+
+
+def invalid_stored_values(
+    name: str, values: torch.Tensor, state: dict, prefix: str, layout: str
+) -> str | None:
+    """What is wrong with the values of a quantized weight's stored tensor
+    `prefix + name` (`state` holds its siblings), or `None`: inf or NaN in a
+    float tensor; a group index (`<w>_g_idx`) that is no integer in `[0,
+    groups)`, the groups counted by its `<w>_scale` (laid out as `layout`),
+    which would gather another group's scales or fail deep in a kernel."""
+    if not values.is_floating_point():
+        return None
+    found = non_finite_values(values)
+    if found is not None or not name.endswith("_g_idx"):
+        return found
+    scale = state.get(prefix + name[: -len("_g_idx")] + "_scale")
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 2:
+        return None
+    groups = scale.shape[1 if layout == "out_in" else 0]
+    with torch.no_grad():
+        bad = (values != values.round()) | (values < 0) | (values >= groups)
+        if not bool(bad.any()):
+            return None
+        index = int(bad.nonzero()[0][0])
+        return (
+            f"{int(bad.sum())} group index(es) that are no integer from 0 to {groups - 1} "
+            f"(first: {float(values[index])} at index {index})"
+        )
 
 
 def non_finite_values(values: torch.Tensor) -> str | None:
