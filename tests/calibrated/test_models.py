@@ -587,6 +587,37 @@ def test_an_encoder_decoder_reading_features_says_what_to_pass_and_calibrates_on
     assert float((outputs() - before).abs().max() / before.abs().max()) < 0.2
 
 
+@pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
+def test_a_model_with_no_token_table_calibrates_on_its_own_inputs(config_class):
+    """Wav2Vec2 has no input embeddings: transformers' `get_input_embeddings`
+    raises NotImplementedError, which ended every calibration of it."""
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=40,
+        hidden_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=136,
+        conv_dim=(24, 24),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+    )
+    model = transformers.Wav2Vec2ForCTC(config).eval()
+    audio = [{"input_values": torch.randn(2, 800, generator=torch.Generator().manual_seed(i))}
+             for i in range(2)]  # fmt: skip
+    with torch.no_grad():
+        before = model(**audio[0]).logits
+    report = quiet_quantize(model, config_class(audio, None, num_samples=4, group_size=24))
+    quantized = {path for path, *_ in report.quantized}
+    assert "wav2vec2/encoder/layers/1/feed_forward/output_dense" in quantized
+    with torch.no_grad():
+        after = model(**audio[0]).logits
+    assert torch.isfinite(after).all()
+    assert float((after - before).abs().max() / before.abs().max()) < 0.2
+
+
 def test_a_second_call_keeps_the_structure_and_changes_nothing():
     # the first call skips what lies outside the decoder blocks (the LM head); a second call,
     # every block already quantized, once took the whole model as the block and calibrated it

@@ -23,6 +23,7 @@ from dtype_policies._core.module_state import quantization_of, state_of
 from dtype_policies._core.policy_module import ModuleOptions, refresh, top_options
 from dtype_policies._core.sharded import refuse_replicated, refuse_sharded
 from dtype_policies._memory import release_freed_memory
+from dtype_policies._model_tables import declared_table
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.policies import DTypePolicy
@@ -537,14 +538,7 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module computing the model's outputs over its vocabulary
     (transformers' `get_output_embeddings()`), if the model says (a model
     whose method raises, or that has none, says nothing)."""
-    head_of = getattr(model, "get_output_embeddings", None)
-    if not inspect.ismethod(head_of):
-        return None
-    try:
-        head = head_of()
-    except Exception:  # a model class without a head (transformers' base classes raise)
-        return None
-    return head if isinstance(head, torch.nn.Module) else None
+    return declared_table(model, "get_output_embeddings")
 
 
 def _logits_in_float32(module_plan: Plan) -> None:

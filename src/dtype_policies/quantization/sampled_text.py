@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._model_tables import declared_table
 from dtype_policies.quantizers.calibration_data import is_huggingface_model
 
 _CHUNK = 32
@@ -147,7 +148,7 @@ def _start_token(model: torch.nn.Module) -> int:
 
 
 def _check_in_vocabulary(model: torch.nn.Module, token: int, name: str) -> None:
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    embeddings = declared_table(model, "get_input_embeddings")
     size = getattr(embeddings, "num_embeddings", None)
     if isinstance(size, int) and token >= size:
         raise ValueError(

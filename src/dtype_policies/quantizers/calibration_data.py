@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dtype_policies._model_tables import declared_table
+
 
 def _is_text(item: Any) -> bool:
     return isinstance(item, (str, bytes))
@@ -231,9 +233,9 @@ def _vocabulary_size(model: torch.nn.Module) -> int | None:
     (`get_input_embeddings()`, as Hugging Face models do) or its first leaf
     module is an `nn.Embedding` (an `nn.Sequential` starting with one), else
     None."""
-    getter = getattr(model, "get_input_embeddings", None)
-    table = getter() if callable(getter) else None
-    if table is None and not callable(getter):
+    if callable(getattr(model, "get_input_embeddings", None)):
+        table = declared_table(model, "get_input_embeddings")  # None: a model without one
+    else:
         table = next((m for m in model.modules() if not next(m.children(), None)), None)
     return table.num_embeddings if isinstance(table, torch.nn.Embedding) else None
 
