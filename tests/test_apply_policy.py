@@ -248,6 +248,39 @@ def test_norm_islands_weight_gradients_are_float32_exact_over_many_rows(make, ha
                 assert torch.equal(norm(x), F.layer_norm(x, (72,), *weights, epsilon))
 
 
+def test_a_block_named_after_its_norms_takes_the_policy_and_its_norms_stay_float32():
+    """Wav2Vec2's `Wav2Vec2EncoderLayerStableLayerNorm` (attention and MLPs)
+    and `...EncoderStableLayerNorm` ended with "Norm": whole encoders became
+    float32 islands, their residual stream float32 under mixed_bfloat16."""
+
+    class MyRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(72))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    class EncoderLayerStableLayerNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer_norm, self.dense, self.rms = nn.LayerNorm(72), nn.Linear(72, 72), MyRMSNorm()
+
+        def forward(self, x):
+            return x + self.rms(self.dense(self.layer_norm(x)))
+
+    model = nn.Sequential(nn.Linear(72, 72), EncoderLayerStableLayerNorm(), nn.Linear(72, 8))
+    seen = {}
+    for name in ("1", "1.dense", "1.rms"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, name=name: seen.__setitem__(name, args[0].dtype)
+        )
+    handle = apply_policy(model, "mixed_bfloat16")
+    model(torch.randn(3, 72))
+    assert handle.float32_paths == ["1/layer_norm", "1/rms"]
+    assert seen == {"1": torch.bfloat16, "1.dense": torch.bfloat16, "1.rms": torch.float32}
+
+
 def test_map_keeps_one_block_in_float32():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)

@@ -57,10 +57,36 @@ DEFAULT_FLOAT32_MODULES: tuple[type[torch.nn.Module], ...] = (
     *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
 )
 """Normalization layers kept in float32 by default. Any module whose class name
-ends with "Norm" (Hugging Face's `LlamaRMSNorm`, `T5LayerNorm`, ...) counts too."""
+ends with "Norm" (Hugging Face's `LlamaRMSNorm`, `T5LayerNorm`, ...) and whose
+submodules hold no parameters counts too (`named_like_a_norm`)."""
 
-DEFAULT_FLOAT32_RULES: tuple[Any, ...] = (*DEFAULT_FLOAT32_MODULES, "Norm")
-"""`apply_policy`'s default `float32_modules`: those classes and the "Norm" suffix."""
+
+def named_like_a_norm(path: str, module: torch.nn.Module) -> bool:
+    """A normalization layer by its class name (`LlamaRMSNorm`): the name ends
+    with "Norm" and no submodule holds parameters, so that a block named after
+    the norms it places (Wav2Vec2's `Wav2Vec2EncoderLayerStableLayerNorm`, an
+    encoder layer of attention and MLPs) takes the policy it is given.
+
+    >>> import torch
+    >>> class T5LayerNorm(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.weight = torch.nn.Parameter(torch.ones(4))
+    >>> class EncoderLayerStableLayerNorm(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.attention = torch.nn.Linear(4, 4)
+    ...         self.layer_norm = torch.nn.LayerNorm(4)
+    >>> named_like_a_norm("", T5LayerNorm()), named_like_a_norm("", EncoderLayerStableLayerNorm())
+    (True, False)
+    """
+    if not original_class(module).__name__.endswith("Norm"):
+        return False
+    return not any(next(child.parameters(), None) is not None for child in module.children())
+
+
+DEFAULT_FLOAT32_RULES: tuple[Any, ...] = (*DEFAULT_FLOAT32_MODULES, named_like_a_norm)
+"""`apply_policy`'s default `float32_modules`: those classes and `named_like_a_norm`."""
 
 # Norm kernels that accept half inputs with float32 weights on CPU and compute
 # their statistics in float32 (so the upcast pass can be skipped).
@@ -412,7 +438,8 @@ def apply_policy(
         float32_modules: What runs in float32 unless a map entry says
             otherwise: module classes, class-name suffixes, or callables
             `(path, module) -> bool`. Defaults to `DEFAULT_FLOAT32_MODULES`
-            plus any class whose name ends with `"Norm"`. Pass `()` for none.
+            plus any class whose name ends with `"Norm"` and whose submodules
+            hold no parameters (`named_like_a_norm`). Pass `()` for none.
         cast_buffers: Whether floating buffers are read in the compute dtype
             too (never for float32 islands and normalization layers).
         weight_cache: Keep the compute-dtype copy of a weight between calls
