@@ -702,23 +702,27 @@ def test_a_structure_given_as_a_generator_is_read_once_and_kept():
         GPTQConfig(token_data(), None, quantization_layer_structure={"sequential_blocks": None})
 
 
-def test_windows_longer_than_the_models_positions_are_named():
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_windows_longer_than_the_models_positions_are_named(kind):
+    """Named before the model runs: BERT's positions failed on a tensor
+    expansion (a RuntimeError naming 512 and 64), not on an index."""
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        model, limit = transformers.GPT2LMHeadModel(config).eval(), "'n_positions': 32"
+    else:
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+        model = transformers.BertForSequenceClassification(config).eval()
+        limit = "'max_position_embeddings': 32"
     before = snapshot(model)
     data = GPTQConfig(token_data(), None, num_samples=2, sequence_length=48, group_size=32)
-    with pytest.raises(
-        ValueError, match=r"windows of 48 tokens .*'n_positions': 32.*sequence_length"
-    ):
+    with pytest.raises(ValueError, match=rf"windows of 48 tokens .*{limit}.*sequence_length"):
         quiet_quantize(model, data)
     assert_same(model, before)
 

@@ -77,6 +77,7 @@ from dtype_policies.quantization.schemes.base import (
     non_finite_values,
 )
 from dtype_policies.quantization.structure import blocks_chain, find_blocks, first_input
+from dtype_policies.quantizers.calibration_data import position_limits
 from dtype_policies.quantizers.config import QuantizationConfig
 
 Call = tuple[tuple, dict]
@@ -242,12 +243,7 @@ def _model_refused_windows(model: torch.nn.Module, batch: Any, error: Exception)
     failed on an index: most likely windows longer than its positions."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     length = f"{ids.shape[-1]} tokens" if isinstance(ids, torch.Tensor) else "its windows"
-    config = getattr(model, "config", None)
-    limits = {
-        name: value
-        for name in ("n_positions", "max_position_embeddings")
-        if isinstance(value := getattr(config, name, None), int)
-    }
+    limits = position_limits(model)
     named = f" (its config: {limits})" if limits else ""
     return ValueError(
         f"The model failed on the calibration windows of {length} with "

@@ -240,6 +240,17 @@ def _vocabulary_size(model: torch.nn.Module) -> int | None:
     return table.num_embeddings if isinstance(table, torch.nn.Embedding) else None
 
 
+def position_limits(model: torch.nn.Module) -> dict[str, int]:
+    """The most tokens a model's config says it takes (`n_positions`,
+    `max_position_embeddings`), by name; empty for a model with no config."""
+    config = getattr(model, "config", None)
+    return {
+        name: value
+        for name in ("n_positions", "max_position_embeddings")
+        if isinstance(value := getattr(config, name, None), int) and value > 0
+    }
+
+
 def _main_input(model: torch.nn.Module) -> str | None:
     """A Hugging Face model's main input (its `main_input_name`: `"input_ids"`,
     Whisper's `"input_features"`, ViT's `"pixel_values"`), else None."""
@@ -290,6 +301,13 @@ def calibration_inputs(
                 f"vocabulary (ids 0 to {vocabulary - 1}): was the dataset tokenized for "
                 "another model?"
             )
+    limits = position_limits(model)
+    if limits and sequence_length > min(limits.values()):
+        raise ValueError(
+            f"The calibration windows of {sequence_length} tokens are longer than "
+            f"{type(model).__name__} takes (its config: {limits}): lower `sequence_length` "
+            f"to {min(limits.values())} or less (Keras's default is 512)."
+        )
     batches = [windows[i : i + batch_size] for i in range(0, num_samples, batch_size)]
     if is_huggingface_model(model):
         return [{"input_ids": batch, "use_cache": False} for batch in batches]
