@@ -1064,3 +1064,28 @@ def test_from_pretrained_refuses_a_non_finite_stored_value(mode, shard, key, tmp
     with pytest.raises(saving.CheckpointError, match=re.escape(key.rpartition(".")[0]) + ".*"
                        r"1 non-finite value\(s\) \(first: nan"):  # fmt: skip
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_refuses_a_reshaped_float_weight_float8_keeps(tmp_path):
+    """The float weight float8 keeps was checked for presence only: reshaped,
+    transformers raised its own RuntimeError (ignore_mismatched_sizes)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = llama()
+    quantize(model, "float8")
+    model.save_pretrained(tmp_path)
+    key = "model.layers.1.mlp.up_proj.weight"
+    (file,) = tmp_path.glob("*.safetensors")
+    with safe_open(str(file), "pt") as reader:
+        metadata = reader.metadata()
+        tensors = {name: reader.get_tensor(name) for name in reader.keys()}  # noqa: SIM118
+    expected = tuple(tensors[key].shape)
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, str(file), metadata)
+    with pytest.raises(saving.CheckpointError, match=re.escape(
+        f"'{key}' (the float weight float8 keeps): checkpoint shape "
+        f"{(expected[0] - 1, expected[1])}, expected {expected}"
+    )):  # fmt: skip
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -836,8 +836,15 @@ def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) ->
         prefix = f"{plan.path}." if plan.path else ""
         if plan.scheme.keeps_float_weight:
             key = prefix + plan.spec.weight
-            if key not in header and manifest.aliases.get(key, tied.get(key)) not in header:
+            found = key if key in header else manifest.aliases.get(key, tied.get(key))
+            expected_shape = tuple(plan.spec.float_shape)
+            if found not in header:
                 problems.append(f"'{key}' (the float weight {plan.mode} keeps) is missing")
+            elif expected_shape and tuple(header[found][0]) != expected_shape:
+                problems.append(
+                    f"'{found}' (the float weight {plan.mode} keeps): checkpoint shape "
+                    f"{tuple(header[found][0])}, expected {expected_shape}"
+                )
         for buffer, tensor in plan.tensors.items():
             key = prefix + buffer
             if key in manifest.aliases:
