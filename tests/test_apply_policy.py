@@ -3,6 +3,7 @@
 import copy
 import io
 import re
+import sys
 import warnings
 
 import pytest
@@ -279,6 +280,34 @@ def test_a_block_named_after_its_norms_takes_the_policy_and_its_norms_stay_float
     model(torch.randn(3, 72))
     assert handle.float32_paths == ["1/layer_norm", "1/rms"]
     assert seen == {"1": torch.bfloat16, "1.dense": torch.bfloat16, "1.rms": torch.float32}
+
+
+def test_a_dtype_error_where_a_wider_modules_outputs_meet_others_names_it():
+    """CLIP with its text projection in float32: torch's matmul of float32
+    and bfloat16 embeddings failed with no word of the policy behind it."""
+
+    class TwoTowers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text, self.image = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.matmul(self.text(x), self.image(x).t())
+
+    model = TwoTowers()
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"text": "float32"}))
+    with pytest.raises(RuntimeError, match="same dtype") as raised:
+        model(torch.randn(2, 8))
+    notes = getattr(raised.value, "__notes__", [])
+    if sys.version_info >= (3, 11):
+        assert notes == [
+            "dtype_policies: inside TwoTowers, which computes in bfloat16, 'text' (float32) "
+            "computes in a wider dtype and keeps its outputs, as Keras's layers do; torch's ops "
+            "do not promote mixed float dtypes as Keras's do. Give the modules whose outputs "
+            "meet the same policy (or their parent the wider one)."
+        ]
+    apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"text|image": "float32"}))
+    assert model(torch.randn(2, 8)).dtype == torch.float32
 
 
 def test_map_keeps_one_block_in_float32():

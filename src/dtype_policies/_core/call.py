@@ -94,7 +94,11 @@ def run_call(
         if state.casts_own_weights
         else scope_for_call(state.compute, state.autocast, state.has_weights)
     )
-    outputs = call_in_scope(call, scope, args, kwargs)
+    try:
+        outputs = call_in_scope(call, scope, args, kwargs)
+    except RuntimeError as error:
+        _note_wider_outputs(error, module, state)
+        raise
     if restore is not None:
         return cast_floating(outputs, restore)
     if state.outputs is not None:
@@ -102,6 +106,48 @@ def run_call(
             return outputs
         return cast_floating(outputs, state.outputs)
     return outputs
+
+
+def _note_wider_outputs(
+    error: RuntimeError, module: torch.nn.Module | None, state: CallState
+) -> None:
+    """A dtype error inside `module`'s own code, where a submodule computing
+    in a wider dtype (a float32 map entry) kept its outputs, as Keras's do:
+    torch's ops (`matmul`, `cat`) refuse the mix that Keras's promote. The
+    error gets a note naming those submodules and the way out."""
+    if module is None or state.compute is None or not hasattr(error, "add_note"):
+        return
+    if "dtype" not in str(error) or getattr(error, "_wider_outputs_noted", False):
+        return
+    from dtype_policies._core.module_state import state_of  # the call path stays lean
+
+    wider = []
+    for path, submodule in module.named_modules():
+        sub_state = state_of(submodule) if path else None
+        call_state = getattr(sub_state, "call", None)
+        if (
+            call_state is not None
+            and not call_state.island
+            and call_state.outputs is None
+            and call_state.compute is not None
+            and call_state.compute.itemsize > state.compute.itemsize
+        ):
+            wider.append(f"'{path}' ({call_state.policy.name})")
+    if not wider:
+        return
+    error._wider_outputs_noted = True  # type: ignore[attr-defined]
+    named = ", ".join(wider[:3]) + (" and more" if len(wider) > 3 else "")
+    verbs = (
+        "computes in a wider dtype and keeps its"
+        if len(wider) == 1
+        else ("compute in a wider dtype and keep their")
+    )
+    error.add_note(
+        f"dtype_policies: inside {type(module).__name__}, which computes in "
+        f"{str(state.compute).removeprefix('torch.')}, {named} {verbs} outputs, as Keras's "
+        "layers do; torch's ops do not promote mixed float dtypes as Keras's do. Give the "
+        "modules whose outputs meet the same policy (or their parent the wider one)."
+    )
 
 
 def read_weight(
