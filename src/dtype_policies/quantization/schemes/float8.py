@@ -569,7 +569,7 @@ def float8_contract(
         read = {name: cast(torch.Tensor, state[name]) for name in STATE_NAMES}
         step = _CallMaxima(module, maxima, read)
         if not tracing():  # (a compiled forward: no stale state to look for)
-            _forward_outside_backward(state["inputs_scale"])
+            _forward_outside_backward(read["inputs_scale"])
         if not (inputs.requires_grad or kernel.requires_grad):
             anchor = _ANCHOR  # a frozen call's backward still records its step
     x = _qdq_forward(inputs, state["inputs_scale"])
