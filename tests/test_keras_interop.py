@@ -367,3 +367,29 @@ def test_a_keras_policy_object_reads_as_the_same_policy_here(make):
         assert ours["dense"].name == "float32" and ours.default_policy.name == "mixed_bfloat16"
     else:
         assert ours.get_config() == theirs.get_config()
+
+
+@pytest.mark.parametrize("keras_default", ["float32", "mixed_bfloat16"])
+def test_a_keras_map_with_a_deferred_default_reads_as_it_is_and_stays_as_it_was(keras_default):
+    """Read by its `get_config()`, a Keras map built with `default_policy=None`
+    set its entries' names to None in place (Keras's save-time deferral): the
+    caller's map was emptied and its entries read as this library's default."""
+    keras.config.set_dtype_policy(keras_default)
+    try:
+        theirs = keras.dtype_policies.DTypePolicyMap(
+            None,
+            {
+                "dense": keras.dtype_policies.QuantizedDTypePolicy("int8", "mixed_bfloat16"),
+                "head": keras.DTypePolicy("bfloat16"),
+                "tail": "float16",
+            },
+        )
+        ours = dtype_policies.get(theirs)
+        expected = {"dense": "int8_from_mixed_bfloat16", "head": "bfloat16", "tail": "float16"}
+        assert {key: ours[key].name for key in ours} == expected
+        assert ours.default_policy.name == keras_default
+        assert [theirs["dense"].name, theirs["head"].name, theirs["tail"]] == [
+            "int8_from_mixed_bfloat16", "bfloat16", "float16"
+        ]  # fmt: skip
+    finally:
+        keras.config.set_dtype_policy("float32")

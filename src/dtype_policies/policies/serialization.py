@@ -44,9 +44,10 @@ def get(identifier: Any) -> DTypePolicy:
     if isinstance(identifier, str):
         return parse_policy_name(identifier)
     cls = type(identifier)
-    if cls.__module__.startswith("keras") and cls.__name__.endswith(
-        ("DTypePolicy", "DTypePolicyMap")
-    ):  # a Keras policy object: the same policy here, by its config
+    if cls.__module__.startswith("keras") and cls.__name__ == "DTypePolicyMap":
+        return _from_keras_map(identifier)
+    if cls.__module__.startswith("keras") and cls.__name__.endswith("DTypePolicy"):
+        # a Keras policy object: the same policy here, by its config
         return deserialize({"class_name": cls.__name__, "config": identifier.get_config()})
     try:
         return DTypePolicy(standardize_dtype(identifier))
@@ -55,6 +56,18 @@ def get(identifier: Any) -> DTypePolicy:
             "Cannot interpret `dtype` argument. Expected a string or an instance of "
             f"DTypePolicy. Received: dtype={identifier!r}"
         ) from None
+
+
+def _from_keras_map(keras_map: Any) -> DTypePolicy:
+    """A Keras `DTypePolicyMap` as it is now: its default in force (Keras's
+    global policy where it was given none) and each entry's policy. Not by
+    its `get_config()`: where its default is deferred, that sets every
+    entry's name to None in place (resolved again at load), which emptied the
+    caller's map and read its entries as this library's default policy."""
+    from dtype_policies.policies.policy_map import DTypePolicyMap
+
+    entries = {key: get(keras_map[key]) for key in keras_map}
+    return DTypePolicyMap(get(keras_map.default_policy), entries)
 
 
 @overload
