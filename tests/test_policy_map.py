@@ -96,6 +96,22 @@ def test_bad_values_raise(bad):
     assert "a" not in policy_map
 
 
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("int8_from_mixed_float16", "float16"),
+        ("int4/0_from_float32", "int4/0"),
+        ("gptq/5/128_from_float32", "gptq/5/128"),
+    ],
+)
+def test_a_value_refused_names_its_key_and_the_reason(value, reason):
+    """The reason `get` gave was dropped and the key not named."""
+    with pytest.raises(ValueError, match="Cannot interpret the assigned value") as raised:
+        DTypePolicyMap(F32, {"decoder/.*": value})
+    message = str(raised.value)
+    assert "for the key 'decoder/.*': " in message and reason in message.split(": ", 2)[-1]
+
+
 def test_bad_keys_raise():
     policy_map = DTypePolicyMap(F32)
     with pytest.raises(TypeError, match="keys must be strings"):

@@ -179,10 +179,10 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
             ) from None
         try:
             policy = get(policy)
-        except Exception:
+        except Exception as e:  # Keras's message, with the key and the reason
             raise ValueError(
                 "Cannot interpret the assigned value by `dtype_policies.get`. "
-                f"Received: {policy!r} of type {type(policy)}"
+                f"Received: {policy!r} of type {type(policy)} for the key {key!r}: {e}"
             ) from None
         if isinstance(policy, DTypePolicyMap):
             raise ValueError(
