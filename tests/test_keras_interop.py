@@ -362,6 +362,15 @@ def test_a_keras_sequential_config_starting_with_an_input_reads_here_built():
 def test_a_keras_policy_object_reads_as_the_same_policy_here(make):
     theirs = make()
     ours = dtype_policies.get(theirs)
+    # the default policy takes it too (it was refused: "Expected ... a DTypePolicy
+    # instance. Received: policy=<DTypePolicy ...>")
+    with dtype_policies.policy_scope(theirs):
+        assert dtype_policies.dtype_policy() == ours
+    dtype_policies.set_dtype_policy(theirs)
+    try:
+        assert dtype_policies.dtype_policy() == ours
+    finally:
+        dtype_policies.set_dtype_policy("float32")
     assert ours.name == theirs.name
     if isinstance(ours, dtype_policies.DTypePolicyMap):
         assert ours["dense"].name == "float32" and ours.default_policy.name == "mixed_bfloat16"

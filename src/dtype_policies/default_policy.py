@@ -18,7 +18,11 @@ from dtype_policies.policies import DTypePolicy, _default_state, default_policy,
 def _to_policy(policy: object) -> DTypePolicy:
     if isinstance(policy, DTypePolicy):
         return policy
-    if isinstance(policy, (str, torch.dtype)):
+    cls = type(policy)
+    keras_policy = cls.__module__.startswith("keras") and cls.__name__.endswith(
+        ("DTypePolicy", "DTypePolicyMap")
+    )
+    if isinstance(policy, (str, torch.dtype)) or keras_policy:  # Keras's: the same one here
         return get(policy)
     raise ValueError(
         "Invalid `policy` argument. Expected the string name of a policy (such as "
