@@ -69,7 +69,9 @@ def policy_scope(policy: DTypePolicy | str | torch.dtype) -> Iterator[DTypePolic
     created inside the block keeps the override for its whole run, as
     context variables are copied; a block whose exit runs in another thread
     or task than its entry (a generator closed there) is undone where it
-    was entered too.
+    was entered too. A generator that yields inside the block leaves the
+    override in force for its consumer until it resumes (context variables
+    and generators, as `decimal.localcontext`): do not yield inside it.
 
     >>> import dtype_policies
     >>> with dtype_policies.policy_scope("mixed_bfloat16") as policy:
