@@ -648,6 +648,27 @@ def test_a_shard_over_an_earlier_application_replaces_it(tmp_path):
         assert model(torch.randint(0, 10, (2, 3))).dtype == torch.float32
 
 
+@distributed
+@fsdp_on_cpu
+def test_summary_of_a_sharded_model_counts_full_sizes_by_the_original_classes(tmp_path):
+    """`summary()` read a DTensor's storage pointer: torch's RuntimeError
+    ("invalid python storage") on every model `fully_shard` had sharded."""
+    from dtype_policies.apply.summary import model_totals, module_summaries
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    expected = [(r.class_name, r.parameters) for r in module_summaries(model)]
+    totals = model_totals(model)
+    with _group_of_one(tmp_path):
+        fully_shard(model, "mixed_bfloat16")
+        for _ in range(2):  # before and after a step
+            assert "Total: 212 parameters, 848 bytes" in dtype_policies.summary(model)
+            rows = module_summaries(model)
+            assert [(r.class_name, r.parameters) for r in rows] == expected
+            assert [r.policy for r in rows] == ["mixed_bfloat16"] * 3
+            assert model_totals(model) == totals
+            model(torch.randn(2, 8)).sum().backward()
+
+
 class _TiedLM(nn.Module):
     def __init__(self):
         super().__init__()

@@ -104,6 +104,12 @@ def as_is(d: dict[str, Any], value: torch.Tensor) -> bool:
     return type(value) not in _PLAIN_TYPES and bool(d.get(FSDP_MANAGED, False))
 
 
+def is_sharded_tensor(tensor: torch.Tensor) -> bool:
+    """A DTensor (FSDP2's sharded parameters): `full_tensor()` gathers it; it
+    has no storage of its own to read."""
+    return type(tensor) is not torch.Tensor and hasattr(tensor, "full_tensor")
+
+
 def class_under_fsdp(cls: type) -> type:
     """The class FSDP2's wrapper class `FSDP<cls>` (made by `fully_shard`) stands
     for; any other class itself."""

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dtype_policies._core.module_state import state_of
+from dtype_policies._core.sharded import class_under_fsdp, is_sharded_tensor
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import quantization_of
@@ -85,7 +86,7 @@ def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
         rows.append(
             ModuleSummary(
                 path=path or "(root)",
-                class_name=type(module).__name__,
+                class_name=class_under_fsdp(type(module)).__name__,
                 policy=policy,
                 compute_dtype=compute,
                 variable_dtype=_dtype_names(own + stored),
@@ -168,7 +169,9 @@ def _integer_data(module: torch.nn.Module, quantized: Any) -> Any:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
-    if tensor.device.type == "meta":
+    """What tells tensors sharing memory apart; a sharded DTensor (FSDP2's,
+    counted at its full size) and a meta tensor have no storage to read."""
+    if tensor.device.type == "meta" or is_sharded_tensor(tensor):
         return (id(tensor),)
     return (
         tensor.untyped_storage().data_ptr(),

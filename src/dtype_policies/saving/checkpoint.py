@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.listeners import model_changed
+from dtype_policies._core.sharded import is_sharded_tensor
 from dtype_policies._core.slots import (
     non_persistent_buffer_names,
     replace_buffer,
@@ -171,18 +172,13 @@ def _rank() -> int:
     return 0
 
 
-def _is_sharded(tensor: torch.Tensor) -> bool:
-    """A DTensor (FSDP2's sharded parameters): `full_tensor()` gathers it."""
-    return type(tensor) is not torch.Tensor and hasattr(tensor, "full_tensor")
-
-
 def _collect_tensors(
     module: torch.nn.Module, manifest: Manifest
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """The tensors to write, and whether the module is sharded (then every
     rank gathers each DTensor, in state-dict order, and only rank 0 keeps it)."""
     state = dict(module.state_dict(keep_vars=True))
-    sharded = any(_is_sharded(tensor) for tensor in state.values())
+    sharded = any(is_sharded_tensor(tensor) for tensor in state.values())
     keep = not sharded or _rank() == 0
     for key in manifest.non_persistent:
         state[key] = stored_buffer(module, key)
@@ -191,7 +187,7 @@ def _collect_tensors(
     storages: set[tuple] = set()
     for key, value in state.items():
         tensor = value.detach()
-        gather = _is_sharded(tensor)
+        gather = is_sharded_tensor(tensor)
         local = tensor.to_local() if gather else tensor
         if local.device.type == "meta":
             raise CheckpointError(
@@ -765,7 +761,7 @@ def _refuse_sharded(module: torch.nn.Module) -> None:
     saved policies under FSDP2 units planned for other dtypes, and the file's
     full tensors do not go into shards."""
     named_tensors = [*module.named_parameters(), *module.named_buffers()]
-    sharded = [name for name, tensor in named_tensors if _is_sharded(tensor)]
+    sharded = [name for name, tensor in named_tensors if is_sharded_tensor(tensor)]
     if sharded:
         shown = ", ".join(repr(name) for name in sharded[:3]) + (" ..." if len(sharded) > 3 else "")
         raise CheckpointError(
