@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import time
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import dtype_policies
 from dtype_policies import DTypePolicyMap, apply_policy, saving
@@ -667,6 +669,42 @@ def test_summary_of_a_sharded_model_counts_full_sizes_by_the_original_classes(tm
             assert [r.policy for r in rows] == ["mixed_bfloat16"] * 3
             assert model_totals(model) == totals
             model(torch.randn(2, 8)).sum().backward()
+
+
+class _HeadReadsTheTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.mlp = nn.Embedding(50, 16), nn.Linear(16, 16)
+
+    def forward(self, ids):
+        return F.linear(self.mlp(self.wte(ids)), self.wte.weight)
+
+
+@distributed
+@fsdp_on_cpu
+def test_a_module_its_parent_reads_shares_the_parents_unit_when_named(tmp_path):
+    """A tied head read as `F.linear(h, self.wte.weight)`: `wte`, a unit of
+    its own, stayed sharded when its parent read it (torch's "got mixed
+    torch.Tensor and DTensor", and `units=` could not avoid it)."""
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    reference = _HeadReadsTheTable()
+    apply_policy(reference, "mixed_bfloat16")
+    expected = reference(ids)
+    with _group_of_one(tmp_path):
+        model = fully_shard(_HeadReadsTheTable(), "mixed_bfloat16")
+        with pytest.raises(RuntimeError, match=r"mixed torch\.Tensor and DTensor") as raised:
+            model(ids)
+        if sys.version_info >= (3, 11):
+            assert "read_by_parent=[...]" in raised.value.__notes__[0]
+        model = fully_shard(
+            _HeadReadsTheTable(),
+            "mixed_bfloat16",
+            read_by_parent=[lambda name, module: name == "wte"],
+        )
+        assert torch.equal(model(ids), expected)
+        with pytest.warns(UserWarning, match="read_by_parent rule 'nothing' matches no module"):
+            shard_plan(_HeadReadsTheTable(), read_by_parent=["nothing"])
 
 
 class _TiedLM(nn.Module):

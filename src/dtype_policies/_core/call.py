@@ -98,6 +98,7 @@ def run_call(
         outputs = call_in_scope(call, scope, args, kwargs)
     except RuntimeError as error:
         _note_wider_outputs(error, module, state)
+        _note_sharded_read(error)
         raise
     if restore is not None:
         return cast_floating(outputs, restore)
@@ -147,6 +148,23 @@ def _note_wider_outputs(
         f"{str(state.compute).removeprefix('torch.')}, {named} {verbs} outputs, as Keras's "
         "layers do; torch's ops do not promote mixed float dtypes as Keras's do. Give the "
         "modules whose outputs meet the same policy (or their parent the wider one)."
+    )
+
+
+def _note_sharded_read(error: RuntimeError) -> None:
+    """FSDP2's "got mixed torch.Tensor and DTensor": a module's parameters
+    read outside its own forward (by its parent) while its unit keeps them
+    sharded. The error gets a note naming `fully_shard`'s way out."""
+    if not hasattr(error, "add_note") or getattr(error, "_sharded_read_noted", False):
+        return
+    if "mixed torch.Tensor and DTensor" not in str(error):
+        return
+    error._sharded_read_noted = True  # type: ignore[attr-defined]
+    error.add_note(
+        "dtype_policies: a parameter read here is still sharded. FSDP2 gathers a unit's "
+        "parameters around that unit's own forward; a module whose parent reads its "
+        "parameters itself (F.linear(h, self.wte.weight)) must share its parent's unit: "
+        "name it in dtype_policies.distributed.fully_shard(..., read_by_parent=[...])."
     )
 
 

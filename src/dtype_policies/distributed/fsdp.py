@@ -75,6 +75,7 @@ def fully_shard(
     reshard_after_forward: bool | int = True,
     units: Iterable[UnitRule] | None = None,
     float32_modules: Iterable[Float32Rule] | None = None,
+    read_by_parent: Iterable[UnitRule] | None = None,
 ) -> torch.nn.Module:
     """Shards `model` with FSDP2, each unit in the dtypes its policy says.
 
@@ -117,6 +118,14 @@ def fully_shard(
             Default: each direct child with parameters.
         float32_modules: As for `apply_policy`; only with a policy (with
             `None`, the policies applied before keep their own).
+        read_by_parent: Modules whose parent reads their parameters itself,
+            never calling them (rules as `units`): a tied head read as
+            `F.linear(h, self.wte.weight)`, a norm's weight passed to
+            `F.layer_norm` by its block. They share their parent's unit;
+            as units of their own they would stay sharded when read (torch:
+            "got mixed torch.Tensor and DTensor"). `nn.MultiheadAttention`'s
+            `out_proj` and the modules `quantize()` reports as "weight read
+            by its parent" are found without it.
 
     Returns:
         `model`, sharded (an `FSDPModule`).
@@ -172,7 +181,7 @@ def fully_shard(
                 applied.enter_context(
                     tentative_application(model, policy_or_map, float32_modules=float32_modules)
                 )
-            plan = plan_units(model, units, stacklevel=4)
+            plan = plan_units(model, units, stacklevel=4, read_by_parent=read_by_parent)
             description = describe_policies(model, plan)
         except Exception as error:
             problem = error

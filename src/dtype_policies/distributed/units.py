@@ -25,7 +25,7 @@ from dtype_policies._core.module_rules import ModuleRule, matches_any, module_ru
 from dtype_policies._core.module_state import state_of
 from dtype_policies.distributed.mixed_precision import quantized_error
 from dtype_policies.quantization.attach import quantization_of
-from dtype_policies.quantization.kinds import read_by_parent
+from dtype_policies.quantization.kinds import read_by_parent as read_by_parent_kind
 
 UnitRule = ModuleRule
 
@@ -122,17 +122,33 @@ def _read_dtypes(module: torch.nn.Module) -> set[torch.dtype | None]:
     return dtypes
 
 
-def read_by_parents(model: torch.nn.Module) -> dict[int, str]:
+def read_by_parents(
+    model: torch.nn.Module, named: Iterable[UnitRule] | None = None
+) -> dict[int, str]:
     """`{id(module): why}` for the modules whose parameters their parent
     reads itself, never calling their forward (`nn.MultiheadAttention`'s
-    `out_proj`): FSDP2 gathers a unit's parameters around the unit's own
-    forward, so such a module shares its parent's unit."""
+    `out_proj`, and those `named` rules pick: a tied head read by
+    `F.linear(h, self.wte.weight)`): FSDP2 gathers a unit's parameters
+    around the unit's own forward, so such a module shares its parent's
+    unit."""
     modules = {name.replace(".", "/"): module for name, module in model.named_modules()}
+    rules = module_rules(named, "read_by_parent") if named is not None else ()
     found = {}
     for path, module in modules.items():
-        why = read_by_parent(path, module, modules)
+        why = read_by_parent_kind(path, module, modules)
+        if why is None and path and matches_any(path.replace("/", "."), module, rules):
+            why = "named in read_by_parent="
         if why is not None:
             found[id(module)] = why
+    for rule in rules:
+        if not any(
+            path and matches_any(path.replace("/", "."), module, (rule,))
+            for path, module in modules.items()
+        ):
+            warnings.warn(
+                f"fully_shard(): the read_by_parent rule {rule!r} matches no module",
+                stacklevel=5,
+            )
     return found
 
 
@@ -214,7 +230,10 @@ def _example_blocks(candidates: list[tuple[str, torch.nn.Module]]) -> str:
 
 
 def shard_plan(
-    model: torch.nn.Module, *, units: Iterable[UnitRule] | None = None
+    model: torch.nn.Module,
+    *,
+    units: Iterable[UnitRule] | None = None,
+    read_by_parent: Iterable[UnitRule] | None = None,
 ) -> list[ShardUnit]:
     """The FSDP2 units `fully_shard` makes of a policied model, innermost
     first (the order `fully_shard` must be called in), the model last.
@@ -227,8 +246,10 @@ def shard_plan(
     Inside it, a module reading its parameters in another dtype (float32
     islands, modules of another policy, embedding tables) is a unit of its
     own, all-gathered as stored. A module whose parent reads its parameters
-    without calling it (`nn.MultiheadAttention.out_proj`) is never a unit:
-    its parameters count as its parent's. The model is the last unit, for the
+    without calling it (`nn.MultiheadAttention.out_proj`; any module
+    `read_by_parent` rules pick, as `units` rules do: a torch module cannot
+    tell that a parent reads a child's weight itself) is never a unit: its
+    parameters count as its parent's. The model is the last unit, for the
     parameters no block holds. A parameter tied between modules that would
     fall in two units (a tied embedding and LM head) is held by the
     innermost unit enclosing both, gathered as stored, the blocks between
@@ -244,15 +265,18 @@ def shard_plan(
     >>> [(u.name, u.param_dtype, u.reason) for u in shard_plan(model)]
     [('0', torch.bfloat16, 'block'), ('1', None, 'block'), ('', torch.bfloat16, 'root')]
     """
-    return plan_units(model, units, stacklevel=4)
+    return plan_units(model, units, stacklevel=4, read_by_parent=read_by_parent)
 
 
 def plan_units(
-    model: torch.nn.Module, units: Iterable[UnitRule] | None, stacklevel: int
+    model: torch.nn.Module,
+    units: Iterable[UnitRule] | None,
+    stacklevel: int,
+    read_by_parent: Iterable[UnitRule] | None = None,
 ) -> list[ShardUnit]:
     """`shard_plan`, its warnings attributed `stacklevel` frames up."""
     refuse_quantized(model, "shard_plan()")
-    folded = read_by_parents(model)
+    folded = read_by_parents(model, read_by_parent)
     if units is None:
         blocks = _default_blocks(model, folded)
     else:
