@@ -427,6 +427,19 @@ def test_a_load_inside_inference_mode_leaves_a_model_that_trains(mode, built, tm
     assert target[2].weight.grad is not None  # the LayerNorm trains
 
 
+def test_a_data_parallel_wrapper_saves_and_loads_the_model_it_wraps(tmp_path):
+    """`saving.save(ddp_model)` wrote `module.`-prefixed keys under the
+    wrapper's class: the model it wraps could not load the file."""
+    torch.manual_seed(0)
+    model = prepare(mlp(), "mixed_bfloat16", "int8", None)
+    path = saving.save(nn.DataParallel(model), tmp_path / "m.safetensors")
+    x = torch.randn(2, 64)
+    assert torch.equal(saving.load(mlp(), path)(x), model(x))
+    wrapped = nn.DataParallel(mlp())
+    assert saving.load(wrapped, path) is wrapped
+    assert torch.equal(wrapped(x), model(x))
+
+
 def test_every_dtype_safetensors_stores_round_trips_and_others_are_named(tmp_path):
     from dtype_policies.saving.checkpoint import _writable_dtypes, dtype_of_code
 

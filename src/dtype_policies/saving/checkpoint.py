@@ -74,6 +74,15 @@ def model_file(path: str | os.PathLike) -> Path:
     return path if path.suffix == ".safetensors" else path / MODEL_FILE
 
 
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The model a data-parallel wrapper holds (its keys carry `module.`, its
+    class is the wrapper's), or `module`."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while isinstance(module, wrappers):
+        module = module.module
+    return module
+
+
 def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     """Saves `module` with its policies and quantization.
 
@@ -100,10 +109,13 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     alone writes the file, at the path rank 0 was given, and every rank
     returns that path once it is written (a rank given another path is told
     so by a warning). Load the file into the unsharded model (`load`, then
-    shard it again).
+    shard it again). A `DistributedDataParallel` (or `DataParallel`) wrapper
+    saves the model it wraps, and `load` loads into the model it wraps: the
+    file is the model's, whatever wraps it.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
+    module = _unwrapped(module)
     file = model_file(path)
     with attach.committing(()):  # no quantization commits between the two (another thread's)
         manifest = describe(module, __version__)
@@ -258,7 +270,8 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load() expects a torch.nn.Module. Received: {type(module).__name__}")
-    _refuse_sharded(module)
+    target = _unwrapped(module)
+    _refuse_sharded(target)
     file = model_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"No dtype_policies checkpoint at '{file}'.")
@@ -266,7 +279,8 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     # would be inference tensors, which no later training or grad-enabled
     # call could use: the model loads as it does outside.
     with torch.inference_mode(False):
-        return _load(module, file)
+        _load(target, file)
+    return module
 
 
 def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
