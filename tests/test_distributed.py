@@ -671,6 +671,19 @@ def test_summary_of_a_sharded_model_counts_full_sizes_by_the_original_classes(tm
             model(torch.randn(2, 8)).sum().backward()
 
 
+@distributed
+@fsdp_on_cpu
+def test_a_data_parallel_wrapper_is_refused_by_fully_shard_with_nothing_changed(tmp_path):
+    model = nn.DataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    with (
+        _group_of_one(tmp_path),
+        pytest.raises(ValueError, match=r"\(model\) is a data-parallel wrapper"),
+    ):
+        fully_shard(model, "mixed_bfloat16")
+    assert not any(hasattr(m, "dtype_policy") for m in model.modules())
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
 class _HeadReadsTheTable(nn.Module):
     def __init__(self):
         super().__init__()

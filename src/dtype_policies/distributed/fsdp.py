@@ -37,6 +37,14 @@ def _refuse_before_planning(model: Any, policy_or_map: Any, float32_modules: Any
             f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
             "dtype_policies.distributed.fully_shard to the unsharded model."
         )
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    replicated = [name or "(model)" for name, m in model.named_modules() if isinstance(m, wrappers)]
+    if replicated:  # both would reduce the gradients, each its own way
+        raise ValueError(
+            f"fully_shard(): {', '.join(replicated[:3])} is a data-parallel wrapper "
+            "(DistributedDataParallel or DataParallel): shard the model it wraps instead of "
+            "wrapping it, fully_shard(ddp.module, ...). Nothing was changed."
+        )
     scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
     if scalars:  # torch's fully_shard refuses them part-way through the units
         raise ValueError(
