@@ -427,6 +427,29 @@ def test_a_load_inside_inference_mode_leaves_a_model_that_trains(mode, built, tm
     assert target[2].weight.grad is not None  # the LayerNorm trains
 
 
+def test_a_target_with_one_inference_tensor_keeps_its_other_parameters(tmp_path):
+    """One buffer made under inference_mode switched the whole load to
+    `assign`: every parameter became a new object, and an optimizer built
+    before the load stepped tensors the model no longer held, silently."""
+    torch.manual_seed(0)
+    model = prepare(mlp(), "mixed_bfloat16", "int8", None)
+    model[3].register_buffer("statistic", torch.ones(3))
+    path = saving.save(model, tmp_path / "m.safetensors")
+    target = mlp()
+    with torch.inference_mode():
+        target[3].register_buffer("statistic", torch.zeros(3))
+    first = target[0].weight
+    optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
+    saving.load(target, path)
+    assert target[0].weight is first and torch.equal(target[3].statistic, torch.ones(3))
+    assert not any(t.is_inference() for t in [*target.parameters(), *target.buffers()])
+    x = torch.randn(2, 64)
+    assert torch.equal(target(x), model(x))
+    target(x).float().square().mean().backward()
+    optimizer.step()
+    assert not torch.equal(target[0].weight, model[0].weight)  # the step reached the model
+
+
 def test_a_data_parallel_wrapper_saves_and_loads_the_model_it_wraps(tmp_path):
     """`saving.save(ddp_model)` wrote `module.`-prefixed keys under the
     wrapper's class: the model it wraps could not load the file."""

@@ -287,11 +287,9 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest, f"'{file}'")
-    # a tensor written once for keys the target keeps apart: one copy per key.
-    # The file's tensors become the target's where it has no storage (meta)
-    # or where no copy outside inference mode may write (inference tensors:
-    # built under `torch.inference_mode()`).
-    assign = any(t.device.type == "meta" or t.is_inference() for t in _module_tensors(module))
+    # a tensor written once for keys the target keeps apart: one copy per key;
+    # the file's tensors become the target's where it has no storage (meta)
+    assign = any(t.device.type == "meta" for t in _module_tensors(module))
     state = _untied_copies(state, module, assign)
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
     # persistent or not as the target's class says (its buffers, not the file's)
@@ -303,6 +301,8 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     if assign:  # the file's tensors become the target's: in the target's float dtypes
         state = _in_target_dtypes(state, fit.dtypes)
     # Nothing above changed `module`; nothing below can fail on a checked file.
+    if not assign:
+        _renew_inference_tensors(module)
     for expansion in expansions.values():
         expansion.attach()
     # the saved policies replace every application made on the target, as planned
@@ -327,6 +327,26 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
         guard_loading(module)
     model_changed(module)
     return module
+
+
+def _renew_inference_tensors(module: torch.nn.Module) -> None:
+    """Each inference tensor of `module` (made under `torch.inference_mode()`,
+    which no copy outside that mode may write) replaced by a normal one of
+    its shape and dtype, ties kept, for the load to copy into: the other
+    parameters stay the objects an optimizer holds."""
+    renewed: dict[int, torch.Tensor] = {}
+    for submodule in module.modules():
+        for slots in (submodule._parameters, submodule._buffers):
+            for name, tensor in slots.items():
+                if tensor is None or not tensor.is_inference():
+                    continue
+                fresh = renewed.get(id(tensor))
+                if fresh is None:
+                    fresh = torch.empty_like(tensor)
+                    if isinstance(tensor, torch.nn.Parameter):
+                        fresh = torch.nn.Parameter(fresh, requires_grad=tensor.requires_grad)
+                    renewed[id(tensor)] = fresh
+                slots[name] = fresh
 
 
 def tensor_headers(reader: Any) -> dict[str, tuple[tuple[int, ...], str]]:
