@@ -702,10 +702,11 @@ def test_a_structure_given_as_a_generator_is_read_once_and_kept():
         GPTQConfig(token_data(), None, quantization_layer_structure={"sequential_blocks": None})
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "roberta"])
 def test_windows_longer_than_the_models_positions_are_named(kind):
     """Named before the model runs: BERT's positions failed on a tensor
-    expansion (a RuntimeError naming 512 and 64), not on an index."""
+    expansion (a RuntimeError naming 512 and 64), not on an index; RoBERTa's
+    table starts past its padding index (34 rows hold 32 positions)."""
     torch.manual_seed(0)
     if kind == "gpt2":
         config = transformers.GPT2Config(
@@ -720,11 +721,28 @@ def test_windows_longer_than_the_models_positions_are_named(kind):
         )  # fmt: skip
         model = transformers.BertForSequenceClassification(config).eval()
         limit = "'max_position_embeddings': 32"
+    if kind == "roberta":
+        config = transformers.RobertaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=34, pad_token_id=1,
+        )  # fmt: skip
+        model = transformers.RobertaModel(config).eval()
+        limit = "'max_position_embeddings': 34}; its table of positions holds 32"
     before = snapshot(model)
-    data = GPTQConfig(token_data(), None, num_samples=2, sequence_length=48, group_size=32)
-    with pytest.raises(ValueError, match=rf"windows of 48 tokens .*{limit}.*sequence_length"):
+    length = 33 if kind == "roberta" else 48
+    data = GPTQConfig(token_data(), None, num_samples=2, sequence_length=length, group_size=32)
+    with pytest.raises(ValueError, match=rf"windows of {length} tokens .*{limit}.*sequence_length"):
         quiet_quantize(model, data)
     assert_same(model, before)
+
+
+def test_windows_past_a_rotary_models_configured_positions_calibrate():
+    """A Llama's `max_position_embeddings` is no table: it runs longer windows
+    (a first version of the check above refused them)."""
+    model = llama(layers_count=1)  # max_position_embeddings=64
+    config = GPTQConfig(token_data(), None, num_samples=2, sequence_length=96, group_size=32)
+    report = quiet_quantize(model, config)
+    assert report.quantized
 
 
 def test_one_model_calibrated_by_two_calls_at_once_is_refused():

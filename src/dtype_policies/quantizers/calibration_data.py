@@ -251,6 +251,19 @@ def position_limits(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
+def _learned_positions(model: torch.nn.Module, limits: dict[str, int]) -> int | None:
+    """The positions a model's learned table of positions holds (an
+    `nn.Embedding` of as many rows as its config's limit: GPT-2's `wpe`,
+    BERT's `position_embeddings`; RoBERTa's starts past its padding index),
+    or None: rotary and relative positions (Llama, T5) run past the limit."""
+    usable = [
+        module.num_embeddings - (0 if module.padding_idx is None else module.padding_idx + 1)
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module.num_embeddings in limits.values()
+    ]
+    return min(usable) if usable else None
+
+
 def _main_input(model: torch.nn.Module) -> str | None:
     """A Hugging Face model's main input (its `main_input_name`: `"input_ids"`,
     Whisper's `"input_features"`, ViT's `"pixel_values"`), else None."""
@@ -302,11 +315,13 @@ def calibration_inputs(
                 "another model?"
             )
     limits = position_limits(model)
-    if limits and sequence_length > min(limits.values()):
+    usable = _learned_positions(model, limits)
+    if usable is not None and sequence_length > usable:
         raise ValueError(
             f"The calibration windows of {sequence_length} tokens are longer than "
-            f"{type(model).__name__} takes (its config: {limits}): lower `sequence_length` "
-            f"to {min(limits.values())} or less (Keras's default is 512)."
+            f"{type(model).__name__} takes (its config: {limits}; its table of positions "
+            f"holds {usable}): lower `sequence_length` to {usable} or less (Keras's default "
+            "is 512)."
         )
     batches = [windows[i : i + batch_size] for i in range(0, num_samples, batch_size)]
     if is_huggingface_model(model):
