@@ -281,6 +281,14 @@ def test_a_block_named_after_its_norms_takes_the_policy_and_its_norms_stay_float
     assert handle.float32_paths == ["1/layer_norm", "1/rms"]
     assert seen == {"1": torch.bfloat16, "1.dense": torch.bfloat16, "1.rms": torch.float32}
 
+    class PlusOne(nn.Module):
+        def forward(self, weight):
+            return weight + 1
+
+    parametrized = MyRMSNorm()  # its own weight parametrized (Gemma's 1 + w): still a norm
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", PlusOne())
+    assert apply_policy(parametrized, "mixed_bfloat16").float32_paths == [""]
+
 
 def test_a_dtype_error_where_a_wider_modules_outputs_meet_others_names_it():
     """CLIP with its text projection in float32: torch's matmul of float32

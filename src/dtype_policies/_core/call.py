@@ -39,8 +39,8 @@ def half_input_kernel_usable(module: torch.nn.Module | None, first: torch.Tensor
         return False
     if functorch_active():  # those kernels have no batching rule (they have derivatives)
         return False
-    if isinstance(module, _HALF_INPUT_WEIGHT_GRADS_INEXACT):
-        return derivative_free(*module.parameters(recurse=False))
+    if torch.is_grad_enabled() and isinstance(module, _HALF_INPUT_WEIGHT_GRADS_INEXACT):
+        return derivative_free(*module._parameters.values())
     return True
 
 

@@ -82,7 +82,11 @@ def named_like_a_norm(path: str, module: torch.nn.Module) -> bool:
     """
     if not original_class(module).__name__.endswith("Norm"):
         return False
-    return not any(next(child.parameters(), None) is not None for child in module.children())
+    return not any(  # torch's parametrizations of its own weights are no submodules of it
+        next(child.parameters(), None) is not None
+        for name, child in module.named_children()
+        if name != "parametrizations"
+    )
 
 
 DEFAULT_FLOAT32_RULES: tuple[Any, ...] = (*DEFAULT_FLOAT32_MODULES, named_like_a_norm)

@@ -135,7 +135,7 @@ class LayerNormalization(Layer):
                 w is None or w.dtype == torch.float32 for w in self._parameters.values()
             )
             # its gamma and beta gradients would be summed in the half dtype
-            and derivative_free(self.gamma, self.beta)
+            and (not torch.is_grad_enabled() or derivative_free(self.gamma, self.beta))
         ):
             # torch's mixed-dtype kernel: half-precision in and out, float32
             # statistics and float32 gamma/beta, with no extra pass over the data.
