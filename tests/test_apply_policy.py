@@ -317,6 +317,16 @@ def test_a_dtype_error_where_a_wider_modules_outputs_meet_others_names_it():
     apply_policy(model, DTypePolicyMap("mixed_bfloat16", {"text|image": "float32"}))
     assert model(torch.randn(2, 8)).dtype == torch.float32
 
+    class Block(nn.Module):  # a dtype error of its own, nothing to do with 'head'
+        def forward(self, x):
+            return torch.matmul(x, torch.ones(8, 8, dtype=torch.float64))
+
+    other = nn.Sequential(Block(), nn.Linear(8, 4))
+    apply_policy(other, DTypePolicyMap("mixed_bfloat16", {"1": "float32"}))
+    with pytest.raises(RuntimeError, match="same dtype") as raised:
+        other(torch.randn(2, 8))
+    assert not getattr(raised.value, "__notes__", [])
+
 
 def test_map_keeps_one_block_in_float32():
     torch.manual_seed(0)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -97,8 +98,11 @@ def run_call(
     try:
         outputs = call_in_scope(call, scope, args, kwargs)
     except RuntimeError as error:
-        _note_wider_outputs(error, module, state)
-        _note_sharded_read(error)
+        # the innermost policied call the error leaves says what its own code met
+        if not getattr(error, "_policied_call_seen", False):
+            error._policied_call_seen = True  # type: ignore[attr-defined]
+            _note_wider_outputs(error, module, state)
+            _note_sharded_read(error)
         raise
     if restore is not None:
         return cast_floating(outputs, restore)
@@ -118,7 +122,7 @@ def _note_wider_outputs(
     error gets a note naming those submodules and the way out."""
     if module is None or state.compute is None or not hasattr(error, "add_note"):
         return
-    if "dtype" not in str(error) or getattr(error, "_wider_outputs_noted", False):
+    if "dtype" not in str(error) and "type" not in str(error):
         return
     from dtype_policies._core.module_state import state_of  # the call path stays lean
 
@@ -132,11 +136,11 @@ def _note_wider_outputs(
             and call_state.outputs is None
             and call_state.compute is not None
             and call_state.compute.itemsize > state.compute.itemsize
+            and _names_dtype(str(error), call_state.compute)
         ):
             wider.append(f"'{path}' ({call_state.policy.name})")
     if not wider:
         return
-    error._wider_outputs_noted = True  # type: ignore[attr-defined]
     named = ", ".join(wider[:3]) + (" and more" if len(wider) > 3 else "")
     verbs = (
         "computes in a wider dtype and keeps its"
@@ -151,15 +155,26 @@ def _note_wider_outputs(
     )
 
 
+_DTYPE_WORDS = {
+    torch.float32: r"\b(float|float32)\b",
+    torch.float64: r"\b(double|float64)\b",
+    torch.float16: r"\b(half|float16)\b",
+    torch.bfloat16: r"\bbfloat16\b",
+}
+
+
+def _names_dtype(message: str, dtype: torch.dtype) -> bool:
+    """Whether a torch error message names `dtype` ("Float", "c10::BFloat16")."""
+    words = _DTYPE_WORDS.get(dtype)
+    return words is not None and re.search(words, message, re.IGNORECASE) is not None
+
+
 def _note_sharded_read(error: RuntimeError) -> None:
     """FSDP2's "got mixed torch.Tensor and DTensor": a module's parameters
     read outside its own forward (by its parent) while its unit keeps them
     sharded. The error gets a note naming `fully_shard`'s way out."""
-    if not hasattr(error, "add_note") or getattr(error, "_sharded_read_noted", False):
+    if not hasattr(error, "add_note") or "mixed torch.Tensor and DTensor" not in str(error):
         return
-    if "mixed torch.Tensor and DTensor" not in str(error):
-        return
-    error._sharded_read_noted = True  # type: ignore[attr-defined]
     error.add_note(
         "dtype_policies: a parameter read here is still sharded. FSDP2 gathers a unit's "
         "parameters around that unit's own forward; a module whose parent reads its "
