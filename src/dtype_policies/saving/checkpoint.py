@@ -336,7 +336,8 @@ def _renew_inference_tensors(module: torch.nn.Module) -> None:
     parameters stay the objects an optimizer holds."""
     renewed: dict[int, torch.Tensor] = {}
     for submodule in module.modules():
-        for slots in (submodule._parameters, submodule._buffers):
+        tables: tuple[dict[str, Any], ...] = (submodule._parameters, submodule._buffers)
+        for slots in tables:
             for name, tensor in slots.items():
                 if tensor is None or not tensor.is_inference():
                     continue
