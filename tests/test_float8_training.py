@@ -161,6 +161,36 @@ def test_a_step_under_functional_call_advances_the_state_it_was_given():
     assert layer.inputs_amax_history.tolist() == [3.0, 0.0, 0.0, 0.0]
 
 
+def test_functional_call_state_steps_per_pair_and_a_skip_undoes_it():
+    """Only the output gradient's pair substituted, beside a plain call in the
+    same backward: the merged step went to the module's own pair. And a loss
+    scaler's skip left a substituted pair advanced (its optimizer holds the
+    substituted parameters, not the module's)."""
+    layer = _dense()
+    given = {name: getattr(layer, name).clone() for name in STATE if "outputs_grad" in name}
+    x = torch.full((2, 8), 1.0)
+    substituted = torch.func.functional_call(layer, given, (x,)).sum() * 1000.0
+    (substituted + layer(x).sum()).backward()
+    assert given["outputs_grad_amax_history"][0].item() == 1000.0
+    assert layer.outputs_grad_amax_history[0].item() == 1.0
+    assert layer.inputs_amax_history.tolist() == [1.0, 0.0, 0.0, 0.0]  # both calls: one step
+
+    layer = _dense()
+    given = {name: value.clone() for name, value in _state(layer).items()}
+    kernel = layer.kernel.detach().clone().requires_grad_()
+    optimizer = LossScaleOptimizer(torch.optim.SGD([kernel], lr=1e-3))
+    before = {name: value.clone() for name, value in given.items()}
+    spike = torch.full((2, 8), 5.0)
+    spike[0, 0] = float("nan")  # the kernel's pair still steps (a finite maximum)
+    out = torch.func.functional_call(layer, {"kernel": kernel, **given}, (spike,))
+    optimizer.scale_loss(out.sum()).backward()
+    assert not torch.equal(given["kernel_amax_history"], before["kernel_amax_history"])
+    optimizer.step()  # skipped: the gradients are not finite
+    assert optimizer.last_step_skipped
+    for name, value in given.items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_a_frozen_layer_in_training_mode_records_its_steps():
     layer = _dense()
     layer.kernel.requires_grad_(False)
@@ -244,7 +274,7 @@ def test_an_undo_record_of_a_dead_tensor_is_not_taken_for_a_new_one_s():
     optimizer = LossScaleOptimizer(torch.optim.SGD(layer.parameters(), lr=1e-3))
     before = _state(layer)
     dead = torch.zeros(1)
-    stale = (weakref.ref(dead), dead.clone(), weakref.ref(layer), None)
+    stale = (weakref.ref(dead), dead.clone(), weakref.ref(layer), None, ())
     del dead  # a dead tensor's record under each buffer's id
     for name in ("inputs_amax_history", "kernel_amax_history"):
         float8._undo[id(getattr(layer, name))] = stale

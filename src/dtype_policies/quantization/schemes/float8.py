@@ -228,9 +228,10 @@ class _CallMaxima:
     no backward reaches counts for nothing), with the state tensors that
     forward read: the step advances those (under
     `torch.func.functional_call`, the ones substituted for the module's own,
-    as torch's batch norm updates the running statistics it was given)."""
+    as torch's batch norm updates the running statistics it was given), and
+    the parameters it read (those an optimizer of that state steps)."""
 
-    __slots__ = ("maxima", "module", "state")
+    __slots__ = ("maxima", "module", "parameters", "state")
 
     def __init__(
         self,
@@ -241,34 +242,45 @@ class _CallMaxima:
         self.module = module
         self.maxima = maxima
         self.state = state
+        self.parameters = tuple(p for p in module._parameters.values() if p is not None)
 
 
 class _PendingStep:
-    """A module's step in the running backward pass: the largest absolute
-    maxima its calls have shown, the state tensors they read, the module, the
-    thread whose pass scheduled the commit, and the optimizer whose scaled
-    loss the pass started from (`listeners.backward_owner`; None: no loss
-    scaler's)."""
+    """The step of one (scale, history) pair in the running backward pass:
+    the largest absolute maximum its calls have shown, the pair, the module
+    and the parameters those calls read, the thread whose pass scheduled the
+    commit, and the optimizer whose scaled loss the pass started from
+    (`listeners.backward_owner`; None: no loss scaler's)."""
 
-    __slots__ = ("maxima", "module", "owner", "state", "thread")
+    __slots__ = (
+        "fmt_max", "history", "maximum", "module", "owner", "parameters", "scale", "thread"
+    )  # fmt: skip
 
-    def __init__(self, call: _CallMaxima, thread: int, owner: weakref.ref | None) -> None:
-        self.maxima: dict[str, torch.Tensor] = {}
+    def __init__(
+        self, call: _CallMaxima, name: str, thread: int, owner: weakref.ref | None
+    ) -> None:
+        self.maximum: torch.Tensor | None = None
+        self.fmt_max = dict(_STATE_FORMATS)[name]
+        self.scale = call.state[f"{name}_scale"]
+        self.history = call.state[f"{name}_amax_history"]
         self.module = weakref.ref(call.module)
-        self.state = call.state
+        self.parameters = tuple(weakref.ref(p) for p in call.parameters)
         self.thread = thread
         self.owner = owner
 
 
 _lock = threading.Lock()
 _pending: weakref.WeakKeyDictionary[torch.Tensor, _PendingStep] = weakref.WeakKeyDictionary()
-"""Per module's state (keyed by the `inputs_scale` its calls read), its step
-until the pass is over (`_commit`)."""
+"""Per (scale, history) pair a call read (keyed by the scale), its step
+until the pass is over (`_commit`): each pair steps alone, so a call that
+read a substituted pair and one that read the module's own each advance
+their own."""
 
 
 def _forward_outside_backward(key: torch.Tensor) -> None:
-    """A training forward of `module` while this thread runs no backward
-    pass: whatever a pass of this thread left behind is stale. Such a pass
+    """A training forward reading the pair whose scale is `key` while this
+    thread runs no backward pass: whatever a pass of this thread left
+    behind for it is stale. Such a pass
     raised (a failing hook, an interrupt), and torch drops the callbacks
     queued in it: the commit of `module`'s step (which would then never be
     scheduled again: its scales would stay) and the end of a loss scaler's
@@ -283,11 +295,12 @@ def _forward_outside_backward(key: torch.Tensor) -> None:
                 del _pending[key]
 
 
-_undo: dict[int, tuple[weakref.ref, torch.Tensor, weakref.ref, weakref.ref | None]] = {}
+_undo: dict[int, tuple[weakref.ref, torch.Tensor, weakref.ref, weakref.ref | None, tuple]] = {}
 """Per state buffer (by id): the buffer, its value before the first commit
 since the last step of an optimizer of its module (what a skipped step
-restores), its module, and the optimizer whose scaled loss's backward pass
-recorded it (None: not a loss scaler's). Changed only under `_lock`."""
+restores), its module, the optimizer whose scaled loss's backward pass
+recorded it (None: not a loss scaler's), and (weakly) the parameters the
+calls that advanced it read. Changed only under `_lock`."""
 _dead: list[tuple[int, weakref.ref]] = []
 """Records whose buffer died, dropped from `_undo` by the next holder of the
 lock: a weakref callback runs inside any allocation, in any thread (within
@@ -298,26 +311,29 @@ def _record(call: _CallMaxima, maxima: dict[str, torch.Tensor]) -> None:
     """Adds one call's maxima to its module's step; the first call of a
     backward pass schedules the step's commit for the end of that pass."""
     thread = threading.get_ident()
-    key = call.state["inputs_scale"]
+    owner = backward_owner()
+    firsts = []
     with _lock:
-        held_step = _pending.get(key)
-        # another thread's held step: that thread's pass is running (its
-        # commit takes this one's maxima too) or raised (its commit was
-        # dropped): this pass commits at its end as well
-        if held_step is not None and held_step.thread == thread:
-            step = held_step
-        else:
-            owner = backward_owner()
-            step = _PendingStep(call, thread, None if owner is None else weakref.ref(owner))
-            if held_step is not None:
-                step.maxima = held_step.maxima
-            _pending[key] = step
-        first = step is not held_step
         for name, amax in maxima.items():
-            held = step.maxima.get(name)
-            step.maxima[name] = amax if held is None else torch.maximum(held, amax)
-    if first:
-        _commit_after_backward(lambda: _commit(key))
+            key = call.state[f"{name}_scale"]
+            held_step = _pending.get(key)
+            # another thread's held step: that thread's pass is running (its
+            # commit takes this one's maxima too) or raised (its commit was
+            # dropped): this pass commits at its end as well
+            if held_step is not None and held_step.thread == thread:
+                step = held_step
+            else:
+                step = _PendingStep(
+                    call, name, thread, None if owner is None else weakref.ref(owner)
+                )
+                if held_step is not None:
+                    step.maximum = held_step.maximum
+                _pending[key] = step
+                firsts.append(key)
+            held = step.maximum
+            step.maximum = amax if held is None else torch.maximum(held, amax)
+    for key in firsts:
+        _commit_after_backward(functools.partial(_commit, key))
 
 
 def _commit_after_backward(commit: Any) -> None:
@@ -333,30 +349,30 @@ def _commit_after_backward(commit: Any) -> None:
 
 
 def _commit(key: torch.Tensor) -> None:
-    """Writes the pending step of the state `key` names: each scale from its
-    history before the step, each history rolled with the step's maximum (a
-    non-finite maximum changes neither)."""
+    """Writes the pending step of the pair whose scale is `key`: the scale
+    from its history before the step, the history rolled with the step's
+    maximum (a non-finite maximum changes neither)."""
     with _lock:
         _drop_dead()
         pending = _pending.pop(key, None)
-        if pending is None or not pending.maxima:
+        if pending is None or pending.maximum is None:
             return
-        step, owner, module = pending.maxima, pending.owner, pending.module
+        amax, scale, history = pending.maximum, pending.scale, pending.history
+        if not bool(torch.isfinite(amax)):
+            return
+        fmt_max = pending.fmt_max
         with torch.no_grad():
-            for name, fmt_max in _STATE_FORMATS:
-                amax = step.get(name)
-                if amax is None or not bool(torch.isfinite(amax)):
-                    continue
-                scale = pending.state[f"{name}_scale"]
-                history = pending.state[f"{name}_amax_history"]
-                for tensor in (scale, history):
-                    record = _undo.get(id(tensor))
-                    if record is None or record[0]() is not tensor:  # none, or a dead tensor's
-                        forget = functools.partial(_forget_dead, id(tensor))
-                        old = tensor.detach().clone()
-                        _undo[id(tensor)] = (weakref.ref(tensor, forget), old, module, owner)
-                scale.copy_(compute_float8_scale(history.max(), scale, fmt_max))
-                history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
+            for tensor in (scale, history):
+                record = _undo.get(id(tensor))
+                if record is None or record[0]() is not tensor:  # none, or a dead tensor's
+                    forget = functools.partial(_forget_dead, id(tensor))
+                    old = tensor.detach().clone()
+                    _undo[id(tensor)] = (
+                        weakref.ref(tensor, forget), old, pending.module, pending.owner,
+                        pending.parameters,
+                    )  # fmt: skip
+            scale.copy_(compute_float8_scale(history.max(), scale, fmt_max))
+            history.copy_(compute_float8_amax_history(amax, history))  # |amax| is amax
 
 
 def _steps_for(record: tuple, optimizer: Any, optimized: set[int], undo: bool = False) -> bool:
@@ -369,7 +385,8 @@ def _steps_for(record: tuple, optimizer: Any, optimized: set[int], undo: bool = 
     module = record[2]()
     if module is None:
         return True
-    own = list(module.parameters(recurse=False))
+    # the parameters the calls read (substituted ones under functional_call)
+    own = [p for p in (ref() for ref in record[4]) if p is not None]
     if any(id(p) in optimized for p in own):
         return True
     if any(p.requires_grad for p in own):
@@ -569,7 +586,8 @@ def float8_contract(
         read = {name: cast(torch.Tensor, state[name]) for name in STATE_NAMES}
         step = _CallMaxima(module, maxima, read)
         if not tracing():  # (a compiled forward: no stale state to look for)
-            _forward_outside_backward(read["inputs_scale"])
+            for name, _ in _STATE_FORMATS:
+                _forward_outside_backward(read[f"{name}_scale"])
         if not (inputs.requires_grad or kernel.requires_grad):
             anchor = _ANCHOR  # a frozen call's backward still records its step
     x = _qdq_forward(inputs, state["inputs_scale"])
