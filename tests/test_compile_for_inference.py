@@ -652,3 +652,27 @@ def test_a_refused_frame_is_not_reported_by_a_later_call(monkeypatch):
     assert frames.given_up_since(mark) == []
     counters["unimplemented"]["data-dependent branching"] += 1
     assert frames.given_up_since(mark) == ["data-dependent branching"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int4", None])
+def test_a_model_compiled_after_another_of_another_width_compiles_its_own_shapes(mode):
+    """Dynamo keys what it learns of a frame's shapes by the code's file, line
+    and name: a second model's first call (576 inputs after 33) was compiled
+    with its width symbolic, which int4's kernel cannot take (an
+    AssertionError: 'Cannot construct ConstantVariable ... SymInt')."""
+    from dtype_policies.quantizers import Int4QuantizationConfig
+
+    first = torch.nn.Sequential(torch.nn.Linear(33, 100))
+    apply_policy(first, "mixed_bfloat16")
+    second = torch.nn.Sequential(torch.nn.Linear(576, 96))
+    apply_policy(second, "mixed_bfloat16")
+    if mode is not None:
+        quantize(second, mode, Int4QuantizationConfig(block_size=32))
+    with torch.inference_mode():
+        compile_for_inference(first, autotune=False)(torch.randn(1, 33))
+        x = torch.randn(1, 576)
+        before = compiled_graphs()
+        got = compile_for_inference(second, autotune=False)(x)
+        assert compiled_graphs() == before + 1
+        assert close(got.float(), second(x).float()) < 1e-2

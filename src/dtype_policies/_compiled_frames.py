@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,14 +43,25 @@ def _step(frozen_model_call: Callable[..., Any], /, *args: Any, **kwargs: Any) -
     return frozen_model_call(*args, **kwargs)
 
 
+_STEPS = itertools.count()
+
+
 def own_step() -> types.FunctionType:
     """`_step` with a code object of its own: Dynamo's compiled entries and
     their recompile limit are per code object, so one per compiled model.
+    Its name is its own too: Dynamo keys what it learns of a frame's shapes
+    (automatic dynamic) by file, line and name, and a second model's first
+    call, of another width, was compiled with that width symbolic.
 
-    >>> own_step().__code__ is own_step().__code__
-    False
+    >>> first, second = own_step(), own_step()
+    >>> first.__code__ is second.__code__, first.__code__.co_name == second.__code__.co_name
+    (False, False)
     """
-    return types.FunctionType(_step.__code__.replace(), _step.__globals__, "_step")
+    name = f"_step_{next(_STEPS)}"
+    code = _step.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):  # Python 3.11+
+        code = code.replace(co_qualname=name)
+    return types.FunctionType(code, _step.__globals__, name)
 
 
 @functools.cache

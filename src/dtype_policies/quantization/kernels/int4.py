@@ -98,7 +98,9 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     crashed the kernel ("expect A to be contiguous")."""
     x = x.contiguous()
     if _force_stride_order is not None and torch.compiler.is_compiling():
-        x = _force_stride_order(x, x.stride())
+        strides = x.stride()
+        if not any(isinstance(stride, torch.SymInt) for stride in strides):  # its ints only
+            x = _force_stride_order(x, strides)
     return x
 
 
