@@ -165,3 +165,17 @@ def test_quantize_and_dequantize_formats():
         torch.tensor([1e6]), torch.tensor(1.0), torch.float8_e5m2, torch.float32
     )
     assert big.item() == FLOAT8_E5M2_MAX  # clipped, not inf
+
+
+def test_straight_through_keeps_an_infinite_input_as_rounded():
+    """`x + (rounded - x)` is NaN where `x` is infinite: a +inf input row of
+    int8 weight-only (or float8) gave all-NaN outputs with gradients on, ±inf
+    without, on the CPU classes whose input rounding keeps inf."""
+    from dtype_policies._core.casting import straight_through
+
+    x = torch.tensor([1.3, float("inf"), -float("inf"), 2.6], requires_grad=True)
+    rounded = torch.tensor([1.0, float("inf"), -448.0, 3.0])  # float8 saturates -inf
+    out = straight_through(x, rounded)
+    assert torch.equal(out, rounded)
+    out.sum().backward()
+    assert x.grad.tolist() == [1.0, 0.0, 0.0, 1.0]

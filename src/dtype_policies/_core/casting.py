@@ -158,12 +158,13 @@ def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """`rounded`'s values with `x`'s derivative (the identity through a
     rounding) wherever one can be asked for: a tensor that requires
     gradients, forward mode, a `torch.func` transform (`transform_active`);
-    `rounded` itself otherwise. (`x + (rounded - x)` is `rounded` exactly:
-    the two are within a factor of two of each other or the rounding is zero,
-    so the difference is exact.)"""
+    `rounded` itself otherwise. (`x + (rounded - x)` is `rounded` exactly
+    where `x` is finite: the two are within a factor of two of each other or
+    the rounding is zero, so the difference is exact. An infinite `x` gives
+    `rounded` as it is, with no derivative: `inf + (rounded - inf)` is NaN.)"""
     if not x.requires_grad and not transform_active():
         return rounded
-    return x + (rounded - x).detach()
+    return torch.where(torch.isinf(x), rounded, x + (rounded - x).detach())
 
 
 def cast_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
