@@ -336,18 +336,20 @@ def _renew_inference_tensors(module: torch.nn.Module) -> None:
     parameters stay the objects an optimizer holds."""
     renewed: dict[int, torch.Tensor] = {}
     for submodule in module.modules():
-        tables: tuple[dict[str, Any], ...] = (submodule._parameters, submodule._buffers)
-        for slots in tables:
-            for name, tensor in slots.items():
-                if tensor is None or not tensor.is_inference():
-                    continue
-                fresh = renewed.get(id(tensor))
-                if fresh is None:
-                    fresh = torch.empty_like(tensor)
-                    if isinstance(tensor, torch.nn.Parameter):
-                        fresh = torch.nn.Parameter(fresh, requires_grad=tensor.requires_grad)
-                    renewed[id(tensor)] = fresh
-                slots[name] = fresh
+        own = [
+            *submodule.named_parameters(recurse=False, remove_duplicate=False),
+            *submodule.named_buffers(recurse=False, remove_duplicate=False),
+        ]
+        for name, tensor in own:
+            if not tensor.is_inference():
+                continue
+            fresh = renewed.get(id(tensor))
+            if fresh is None:
+                fresh = torch.empty_like(tensor)
+                if isinstance(tensor, torch.nn.Parameter):
+                    fresh = torch.nn.Parameter(fresh, requires_grad=tensor.requires_grad)
+                renewed[id(tensor)] = fresh
+            setattr(submodule, name, fresh)
 
 
 def tensor_headers(reader: Any) -> dict[str, tuple[tuple[int, ...], str]]:
