@@ -60,7 +60,8 @@ def own_step() -> types.FunctionType:
     name = f"_step_{next(_STEPS)}"
     code = _step.__code__.replace(co_name=name)
     if hasattr(code, "co_qualname"):  # Python 3.11+
-        code = code.replace(**{"co_qualname": name})
+        options: dict[str, Any] = {"co_qualname": name}
+        code = code.replace(**options)
     return types.FunctionType(code, _step.__globals__, name)
 
 
