@@ -6,7 +6,7 @@ exactly as Keras 3 writes it, so configs move between Keras and this library.
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import Any, cast, overload
 
 from dtype_policies._dtypes import standardize_dtype
 from dtype_policies._modes import KERAS_ONLY_MODES, keras_only_modes, refusal
@@ -64,10 +64,9 @@ def _from_keras_map(keras_map: Any) -> DTypePolicy:
     its `get_config()`: where its default is deferred, that sets every
     entry's name to None in place (resolved again at load), which emptied the
     caller's map and read its entries as this library's default policy."""
-    from dtype_policies.policies.policy_map import DTypePolicyMap
-
+    policy_map_class = POLICY_CLASSES["DTypePolicyMap"]  # registered when defined
     entries = {key: get(keras_map[key]) for key in keras_map}
-    return DTypePolicyMap(get(keras_map.default_policy), entries)
+    return cast(DTypePolicy, policy_map_class(get(keras_map.default_policy), entries))
 
 
 @overload
