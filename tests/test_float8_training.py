@@ -190,6 +190,18 @@ def test_functional_call_state_steps_per_pair_and_a_skip_undoes_it():
     for name, value in given.items():
         assert torch.equal(value, before[name]), name
 
+    # a meta-learning loop: copies of its own parameters, its own state, its optimizer
+    layer = _dense()
+    optimizer = LossScaleOptimizer(torch.optim.SGD(layer.parameters(), lr=1e-3))
+    before = _state(layer)
+    fast = {"kernel": layer.kernel * 1.0}
+    optimizer.scale_loss(torch.func.functional_call(layer, fast, (spike,)).sum()).backward()
+    assert not torch.equal(layer.kernel_amax_history, before["kernel_amax_history"])
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    for name, value in _state(layer).items():
+        assert torch.equal(value, before[name]), name
+
 
 def test_a_frozen_layer_in_training_mode_records_its_steps():
     layer = _dense()

@@ -438,10 +438,13 @@ def test_a_target_with_one_inference_tensor_keeps_its_other_parameters(tmp_path)
     target = mlp()
     with torch.inference_mode():
         target[3].register_buffer("statistic", torch.zeros(3))
+        # one the file does not hold (a rotary inv_freq): it keeps its values
+        target[3].register_buffer("frequencies", torch.arange(4.0), persistent=False)
     first = target[2].weight  # the LayerNorm's (the linears' are quantized by the load)
     optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
     saving.load(target, path)
     assert target[2].weight is first and torch.equal(target[3].statistic, torch.ones(3))
+    assert torch.equal(target[3].frequencies, torch.arange(4.0))
     assert not any(t.is_inference() for t in [*target.parameters(), *target.buffers()])
     x = torch.randn(2, 64)
     assert torch.equal(target(x), model(x))

@@ -702,7 +702,7 @@ def test_a_structure_given_as_a_generator_is_read_once_and_kept():
         GPTQConfig(token_data(), None, quantization_layer_structure={"sequential_blocks": None})
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "roberta"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "roberta", "opt"])
 def test_windows_longer_than_the_models_positions_are_named(kind):
     """Named before the model runs: BERT's positions failed on a tensor
     expansion (a RuntimeError naming 512 and 64), not on an index; RoBERTa's
@@ -728,6 +728,13 @@ def test_windows_longer_than_the_models_positions_are_named(kind):
         )  # fmt: skip
         model = transformers.RobertaModel(config).eval()
         limit = "'max_position_embeddings': 34}; its table of positions holds 32"
+    if kind == "opt":  # its table starts at 2: 34 rows for 32 positions
+        config = transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+        )  # fmt: skip
+        model = transformers.OPTForCausalLM(config).eval()
+        limit = "'max_position_embeddings': 32}; its table of positions holds 32"
     before = snapshot(model)
     length = 33 if kind == "roberta" else 48
     data = GPTQConfig(token_data(), None, num_samples=2, sequence_length=length, group_size=32)
@@ -742,6 +749,16 @@ def test_windows_past_a_rotary_models_configured_positions_calibrate():
     model = llama(layers_count=1)  # max_position_embeddings=64
     config = GPTQConfig(token_data(), None, num_samples=2, sequence_length=96, group_size=32)
     report = quiet_quantize(model, config)
+    assert report.quantized
+    # nor is a token table that happens to have as many rows
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = [torch.randint(0, 64, (512,), generator=torch.Generator().manual_seed(2))]
+    report = quiet_quantize(model, GPTQConfig(ids, None, num_samples=2, sequence_length=96))
     assert report.quantized
 
 

@@ -252,14 +252,22 @@ def position_limits(model: torch.nn.Module) -> dict[str, int]:
 
 
 def _learned_positions(model: torch.nn.Module, limits: dict[str, int]) -> int | None:
-    """The positions a model's learned table of positions holds (an
-    `nn.Embedding` of as many rows as its config's limit: GPT-2's `wpe`,
-    BERT's `position_embeddings`; RoBERTa's starts past its padding index),
-    or None: rotary and relative positions (Llama, T5) run past the limit."""
+    """The positions a model's learned table of positions holds, or None:
+    rotary and relative positions (Llama, T5) run past the config's limit.
+    Such a table is an `nn.Embedding` other than the token table, of the
+    limit's rows (GPT-2's `wpe`, BERT's; RoBERTa's starts past its padding
+    index) or up to 2 more (BART's and OPT's start at 2); it holds the
+    limit's positions at most."""
+    tokens = declared_table(model, "get_input_embeddings")
     usable = [
-        module.num_embeddings - (0 if module.padding_idx is None else module.padding_idx + 1)
+        min(
+            limit,
+            module.num_embeddings - (0 if module.padding_idx is None else module.padding_idx + 1),
+        )
         for module in model.modules()
-        if isinstance(module, torch.nn.Embedding) and module.num_embeddings in limits.values()
+        if isinstance(module, torch.nn.Embedding) and module is not tokens
+        for limit in limits.values()
+        if limit <= module.num_embeddings <= limit + 2
     ]
     return min(usable) if usable else None
 

@@ -344,8 +344,8 @@ def _renew_inference_tensors(module: torch.nn.Module) -> None:
             if not tensor.is_inference():
                 continue
             fresh = renewed.get(id(tensor))
-            if fresh is None:
-                fresh = torch.empty_like(tensor)
+            if fresh is None:  # its values, for what the file does not hold
+                fresh = tensor.clone()
                 if isinstance(tensor, torch.nn.Parameter):
                     fresh = torch.nn.Parameter(fresh, requires_grad=tensor.requires_grad)
                 renewed[id(tensor)] = fresh

@@ -385,8 +385,10 @@ def _steps_for(record: tuple, optimizer: Any, optimized: set[int], undo: bool = 
     module = record[2]()
     if module is None:
         return True
-    # the parameters the calls read (substituted ones under functional_call)
-    own = [p for p in (ref() for ref in record[4]) if p is not None]
+    # the parameters the calls read (substituted ones under functional_call,
+    # copies of its own in a meta-learning loop) and the module's own
+    read = [p for p in (ref() for ref in record[4]) if p is not None]
+    own = read + [p for p in module.parameters(recurse=False) if all(p is not q for q in read)]
     if any(id(p) in optimized for p in own):
         return True
     if any(p.requires_grad for p in own):
