@@ -122,7 +122,7 @@ def _note_wider_outputs(
     error gets a note naming those submodules and the way out."""
     if module is None or state.compute is None or not hasattr(error, "add_note"):
         return
-    if "dtype" not in str(error) and "type" not in str(error):
+    if "type" not in str(error):  # "same dtype", "expected scalar type Float"
         return
     from dtype_policies._core.module_state import state_of  # the call path stays lean
 
@@ -142,11 +142,9 @@ def _note_wider_outputs(
     if not wider:
         return
     named = ", ".join(wider[:3]) + (" and more" if len(wider) > 3 else "")
-    verbs = (
-        "computes in a wider dtype and keeps its"
-        if len(wider) == 1
-        else ("compute in a wider dtype and keep their")
-    )
+    verbs = "computes in a wider dtype and keeps its"
+    if len(wider) > 1:
+        verbs = "compute in a wider dtype and keep their"
     error.add_note(
         f"dtype_policies: inside {type(module).__name__}, which computes in "
         f"{str(state.compute).removeprefix('torch.')}, {named} {verbs} outputs, as Keras's "

@@ -308,8 +308,9 @@ an iteration over `_undo` too), so it only appends here."""
 
 
 def _record(call: _CallMaxima, maxima: dict[str, torch.Tensor]) -> None:
-    """Adds one call's maxima to its module's step; the first call of a
-    backward pass schedules the step's commit for the end of that pass."""
+    """Adds one call's maxima to the steps of the pairs it read; the first
+    call of a backward pass to read a pair schedules that pair's commit for
+    the end of the pass."""
     thread = threading.get_ident()
     owner = backward_owner()
     firsts = []
