@@ -76,14 +76,17 @@ def refuse_sharded(module: torch.nn.Module, action: str) -> None:
         )
 
 
+DATA_PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+"""The wrappers that replicate a model on every rank (their `module` is the model)."""
+
+
 def refuse_replicated(module: torch.nn.Module, action: str) -> None:
     """Raises `ValueError` when a `DistributedDataParallel` (or
     `DataParallel`) wrapper is in `module`'s tree and `action` quantizes: the
     wrapper holds the float weights quantization replaces (its gradient
     buckets would wait for them, and the ranks drift apart)."""
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     for name, submodule in module.named_modules():
-        if isinstance(submodule, wrappers):
+        if isinstance(submodule, DATA_PARALLEL_WRAPPERS):
             raise ValueError(
                 f"{action}: {name or 'the model'!r} is a {type(submodule).__name__}, which "
                 "keeps the float weights quantization replaces (its gradient reduction would "

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._core.sharded import DATA_PARALLEL_WRAPPERS
 from dtype_policies.apply.apply import Float32Rule, tentative_application
 from dtype_policies.distributed.agreement import (
     REFUSED,
@@ -37,8 +38,11 @@ def _refuse_before_planning(model: Any, policy_or_map: Any, float32_modules: Any
             f"fully_shard(): the model is sharded already ({', '.join(sharded[:3])}). Apply "
             "dtype_policies.distributed.fully_shard to the unsharded model."
         )
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    replicated = [name or "(model)" for name, m in model.named_modules() if isinstance(m, wrappers)]
+    replicated = [
+        name or "(model)"
+        for name, m in model.named_modules()
+        if isinstance(m, DATA_PARALLEL_WRAPPERS)
+    ]
     if replicated:  # both would reduce the gradients, each its own way
         raise ValueError(
             f"fully_shard(): {', '.join(replicated[:3])} is a data-parallel wrapper "

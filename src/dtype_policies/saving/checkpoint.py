@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.sharded import is_sharded_tensor
+from dtype_policies._core.sharded import DATA_PARALLEL_WRAPPERS, is_sharded_tensor
 from dtype_policies._core.slots import (
     non_persistent_buffer_names,
     replace_buffer,
@@ -77,8 +77,7 @@ def model_file(path: str | os.PathLike) -> Path:
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     """The model a data-parallel wrapper holds (its keys carry `module.`, its
     class is the wrapper's), or `module`."""
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    while isinstance(module, wrappers):
+    while isinstance(module, DATA_PARALLEL_WRAPPERS):
         module = module.module
     return module
 
@@ -331,9 +330,9 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
 
 def _renew_inference_tensors(module: torch.nn.Module) -> None:
     """Each inference tensor of `module` (made under `torch.inference_mode()`,
-    which no copy outside that mode may write) replaced by a normal one of
-    its shape and dtype, ties kept, for the load to copy into: the other
-    parameters stay the objects an optimizer holds."""
+    which no copy outside that mode may write) replaced by a normal copy,
+    ties kept, for the load to copy into (what the file does not hold keeps
+    its values); the other parameters stay the objects an optimizer holds."""
     renewed: dict[int, torch.Tensor] = {}
     for submodule in module.modules():
         own = [
