@@ -13,16 +13,13 @@ from collections.abc import Iterator
 import torch
 
 from dtype_policies.policies import DTypePolicy, _default_state, default_policy, get
+from dtype_policies.policies.serialization import is_keras_policy
 
 
 def _to_policy(policy: object) -> DTypePolicy:
     if isinstance(policy, DTypePolicy):
         return policy
-    cls = type(policy)
-    keras_policy = cls.__module__.startswith("keras") and cls.__name__.endswith(
-        ("DTypePolicy", "DTypePolicyMap")
-    )
-    if isinstance(policy, (str, torch.dtype)) or keras_policy:  # Keras's: the same one here
+    if isinstance(policy, (str, torch.dtype)) or is_keras_policy(policy):
         return get(policy)
     raise ValueError(
         "Invalid `policy` argument. Expected the string name of a policy (such as "

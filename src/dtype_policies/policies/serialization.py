@@ -43,12 +43,11 @@ def get(identifier: Any) -> DTypePolicy:
         return deserialize(identifier)
     if isinstance(identifier, str):
         return parse_policy_name(identifier)
-    cls = type(identifier)
-    if cls.__module__.startswith("keras") and cls.__name__ == "DTypePolicyMap":
-        return _from_keras_map(identifier)
-    if cls.__module__.startswith("keras") and cls.__name__.endswith("DTypePolicy"):
-        # a Keras policy object: the same policy here, by its config
-        return deserialize({"class_name": cls.__name__, "config": identifier.get_config()})
+    if is_keras_policy(identifier):  # the same policy here
+        if type(identifier).__name__ == "DTypePolicyMap":
+            return _from_keras_map(identifier)
+        config = identifier.get_config()
+        return deserialize({"class_name": type(identifier).__name__, "config": config})
     try:
         return DTypePolicy(standardize_dtype(identifier))
     except (ValueError, TypeError):
@@ -56,6 +55,16 @@ def get(identifier: Any) -> DTypePolicy:
             "Cannot interpret `dtype` argument. Expected a string or an instance of "
             f"DTypePolicy. Received: dtype={identifier!r}"
         ) from None
+
+
+def is_keras_policy(identifier: Any) -> bool:
+    """Whether `identifier` is a Keras policy object (a `keras.DTypePolicy`,
+    one of its quantized classes, a `DTypePolicyMap`), told apart without
+    importing Keras."""
+    cls = type(identifier)
+    return cls.__module__.startswith("keras") and cls.__name__.endswith(
+        ("DTypePolicy", "DTypePolicyMap")
+    )
 
 
 def _from_keras_map(keras_map: Any) -> DTypePolicy:
