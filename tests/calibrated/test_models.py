@@ -702,41 +702,46 @@ def test_a_structure_given_as_a_generator_is_read_once_and_kept():
         GPTQConfig(token_data(), None, quantization_layer_structure={"sequential_blocks": None})
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "roberta", "opt"])
+_SHARED = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+# (model, what the error names of its limit, a window one past it)
+_POSITION_TABLES = {
+    "gpt2": (
+        lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+            bos_token_id=0, eos_token_id=0,
+        )),
+        "'n_positions': 32", 48,
+    ),
+    "bert": (
+        lambda: transformers.BertForSequenceClassification(transformers.BertConfig(
+            **_SHARED, intermediate_size=64, max_position_embeddings=32,
+        )),
+        "'max_position_embeddings': 32", 48,
+    ),
+    "roberta": (  # its table starts past its padding index: 34 rows for 32 positions
+        lambda: transformers.RobertaModel(transformers.RobertaConfig(
+            **_SHARED, intermediate_size=64, max_position_embeddings=34, pad_token_id=1,
+        )),
+        "'max_position_embeddings': 34}; its table of positions holds 32", 33,
+    ),
+    "opt": (  # its table starts at 2: 34 rows for 32 positions
+        lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+            **_SHARED, ffn_dim=64, max_position_embeddings=32, word_embed_proj_dim=32,
+        )),
+        "'max_position_embeddings': 32}; its table of positions holds 32", 48,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(_POSITION_TABLES))
 def test_windows_longer_than_the_models_positions_are_named(kind):
     """Named before the model runs: BERT's positions failed on a tensor
     expansion (a RuntimeError naming 512 and 64), not on an index; RoBERTa's
     table starts past its padding index (34 rows hold 32 positions)."""
     torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-            bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        model, limit = transformers.GPT2LMHeadModel(config).eval(), "'n_positions': 32"
-    else:
-        config = transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=32,
-        )  # fmt: skip
-        model = transformers.BertForSequenceClassification(config).eval()
-        limit = "'max_position_embeddings': 32"
-    if kind == "roberta":
-        config = transformers.RobertaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=34, pad_token_id=1,
-        )  # fmt: skip
-        model = transformers.RobertaModel(config).eval()
-        limit = "'max_position_embeddings': 34}; its table of positions holds 32"
-    if kind == "opt":  # its table starts at 2: 34 rows for 32 positions
-        config = transformers.OPTConfig(
-            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
-        )  # fmt: skip
-        model = transformers.OPTForCausalLM(config).eval()
-        limit = "'max_position_embeddings': 32}; its table of positions holds 32"
+    make, limit, length = _POSITION_TABLES[kind]
+    model = make().eval()
     before = snapshot(model)
-    length = 33 if kind == "roberta" else 48
     data = GPTQConfig(token_data(), None, num_samples=2, sequence_length=length, group_size=32)
     with pytest.raises(ValueError, match=rf"windows of {length} tokens .*{limit}.*sequence_length"):
         quiet_quantize(model, data)
