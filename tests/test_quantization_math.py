@@ -179,3 +179,20 @@ def test_straight_through_keeps_an_infinite_input_as_rounded():
     assert torch.equal(out, rounded)
     out.sum().backward()
     assert x.grad.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_straight_through_sends_no_derivative_into_the_rounding():
+    """A rounding computed from `x` (a block's scale from its maximum) gets no
+    derivative, not even a zero one: Inductor's backward turned that zero
+    into NaN through the scale, and int8 training under `torch.compile`
+    ended in NaN at its second step."""
+    from dtype_policies._core.casting import straight_through
+
+    x = torch.tensor([[1.3, -0.2, 0.0, 2.6]], requires_grad=True)
+    reached = []
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    scale.register_hook(reached.append)
+    rounded = torch.round(x / scale) * scale
+    straight_through(x, rounded).sum().backward()
+    assert reached == []
+    assert x.grad.tolist() == [[1.0, 1.0, 1.0, 1.0]]

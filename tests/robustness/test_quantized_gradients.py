@@ -235,3 +235,37 @@ def test_activation_checkpointing_through_a_quantized_layer(mode, use_reentrant)
         grads.append(adapter.weight.grad.clone())
     assert grads[0].abs().sum() > 0
     assert torch.equal(grads[0], grads[1])
+
+
+class _GatedMLP(nn.Module):
+    """Llama's MLP: `down(silu(gate(x)) * up(x))`, at widths of no power of two."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(72, 200, bias=False)
+        self.up = nn.Linear(72, 200, bias=False)
+        self.down = nn.Linear(200, 72, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.slow  # Inductor compiles
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_compiled_training_gradients_through_a_quantized_layer_are_eager_ones(mode):
+    """Under `torch.compile`, the gradients of the float layers before a
+    quantized one are eager's (they were all NaN through int8's activation
+    blocks: the derivative reached the blocks' scales)."""
+    torch.manual_seed(0)
+    model = _GatedMLP()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, mode, filters=lambda path, module: path == "down")
+    x = torch.randn(4, 24, 72)
+    grads = []
+    for run in (model, torch.compile(model)):
+        model.zero_grad()
+        run(x).float().square().sum().backward()
+        grads.append(model.gate.weight.grad.clone())
+    eager, compiled = grads
+    assert torch.isfinite(compiled).all()
+    assert relative_error(compiled, eager) < 2e-2

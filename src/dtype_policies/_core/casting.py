@@ -161,9 +161,13 @@ def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     `rounded` itself otherwise. (`x + (rounded - x)` is `rounded` exactly
     where `x` is finite: the two are within a factor of two of each other or
     the rounding is zero, so the difference is exact. An infinite `x` gives
-    `rounded` as it is, with no derivative: `inf + (rounded - inf)` is NaN.)"""
+    `rounded` as it is, with no derivative: `inf + (rounded - inf)` is NaN.)
+    No derivative flows into `rounded`'s own computation: even a zero one
+    came out NaN through a block's scale in Inductor's backward (int8
+    training under `torch.compile` ended in NaN at its second step)."""
     if not x.requires_grad and not transform_active():
         return rounded
+    rounded = rounded.detach()
     return torch.where(torch.isinf(x), rounded, x + (rounded - x).detach())
 
 
