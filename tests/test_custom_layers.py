@@ -366,6 +366,38 @@ def test_a_parametrization_of_a_layers_own_weight_computes_in_the_variable_dtype
     assert layer.seen == (torch.bfloat16 if autocast else torch.float32)
 
 
+class Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("kind", ["Dense", "Embedding"])
+def test_a_parametrization_of_a_built_dense_or_embedding_weight(kind, policy):
+    """Dense and Embedding read their own weights by name in `call` (no
+    autocast scope): a parametrized weight (torch's property on the layer)
+    raised a bare KeyError; it is read as `call` reads a weight."""
+    torch.manual_seed(0)
+    if kind == "Dense":
+        layer, inputs, name = layers.Dense(5, dtype=policy), torch.randn(3, 4), "kernel"
+    else:
+        layer, inputs = layers.Embedding(7, 5, dtype=policy), torch.tensor([[1, 6]])
+        name = "embeddings"
+    layer(inputs)
+    nn.utils.parametrize.register_parametrization(layer, name, Doubled())
+    weight = getattr(layer, name).detach()  # outside `call`: as computed, in float32
+    out = layer(inputs)
+    compute = torch.float32 if policy == "float32" else torch.bfloat16
+    if kind == "Dense":
+        expected = inputs.to(compute) @ weight.to(compute) + layer.bias.to(compute)
+    else:
+        expected = weight[inputs].to(compute)
+    assert weight.dtype == torch.float32 and out.dtype == compute
+    torch.testing.assert_close(out, expected.detach())
+    out.float().sum().backward()
+    assert getattr(layer.parametrizations, name).original.grad.abs().sum() > 0
+
+
 def test_a_parametrization_of_a_torch_linear_inside_a_layer():
     torch.manual_seed(0)
     layer = WithLinear(dtype="mixed_bfloat16")

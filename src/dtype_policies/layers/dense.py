@@ -85,8 +85,9 @@ class Dense(QuantizableLayer):
     @property
     def _casts_own_weights(self) -> bool:
         # Dense's own `call` casts its weights itself (no autocast scope needed),
-        # which keeps small layers cheap; a subclass's `call` gets the scope.
-        return type(self).call is Dense.call
+        # which keeps small layers cheap; a subclass's `call` gets the scope, and
+        # so does a parametrized weight (a property of torch's class on the layer).
+        return type(self).call is Dense.call and "parametrizations" not in self._modules
 
     def compute_output_shape(self, input_shape: tuple) -> tuple:
         """The output shape for `input_shape`, as Keras's.
@@ -118,7 +119,8 @@ class Dense(QuantizableLayer):
         if not inputs.is_floating_point():  # not autocast; Keras's product promotes them
             inputs = inputs.to(compute or torch.promote_types(inputs.dtype, self._kernel_dtype()))
         if quantized is not None:
-            bias = self._parameters["bias"]
+            parametrized_bias = "bias" not in self._parameters
+            bias = self.bias if parametrized_bias else self._parameters["bias"]
             if bias is not None and compute is not None:
                 bias = leaf_weights(self.__dict__[STATE_KEY].casts, bias, None, compute, "bias")[0]
             outputs = quantized.linear(self, inputs, bias, compute)

@@ -82,7 +82,10 @@ class Embedding(QuantizableLayer):
         quantized = self._quantized
         if quantized is not None:
             return quantized.lookup(self, inputs, compute)
-        outputs = F.embedding(self._ids(inputs), self._parameters["embeddings"])
+        # the float table's rows, cast after the gather; a parametrized table
+        # (torch's property on the layer) as `call` reads it
+        table = self._parameters.get("embeddings")
+        outputs = F.embedding(self._ids(inputs), self.embeddings if table is None else table)
         return outputs if compute is None else outputs.to(compute)
 
     def compute_mask(self, inputs: torch.Tensor, mask: Any = None) -> torch.Tensor | None:
