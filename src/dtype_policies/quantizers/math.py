@@ -374,7 +374,9 @@ def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Ten
     """
     if x.numel() == 0:
         return torch.ones((), dtype=torch.float32, device=x.device)
-    amax = x.detach().abs().nan_to_num_(nan=0.0, posinf=0.0).amax().float()
+    # over every dimension by name: ONNX's exporter needs them (`aten_amax`)
+    everything = tuple(range(x.dim()))
+    amax = x.detach().abs().nan_to_num_(nan=0.0, posinf=0.0).amax(everything).float()
     return torch.where(amax > 0, amax / dtype_max, torch.ones_like(amax)).clamp_min(_SMALLEST_SCALE)
 
 

@@ -126,19 +126,30 @@ def kernel_weight(
     block_size: int,
     g_idx: torch.Tensor | None = None,
     bfloat16_pairs: bool = False,
+    q8_pairs: bool = False,
 ) -> torch.Tensor:
     """The float32 (N, K) weight a kernel multiplies by: `q * s + z` with the
     scale `s` and offset `z = -zero * s` (per channel: `q * (1 / scale)`), in
     float32 as this library's kernels take them (Keras's `(q - zero) *
     scale` up to float32 rounding), or with `bfloat16_pairs` as torch's kernel
-    takes them (`s` rounded to bfloat16, then `z` from it). Plain ops, for
-    compilers and tracers, so that they compute what the eager kernel
-    computes (`torch_kernel_here`)."""
-    if block_size > 0:
-        if g_idx is None:
-            block = torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
+    takes them (`s` rounded to bfloat16, then `z` from it), or with
+    `q8_pairs` as the W4A8 kernel takes them (`int4_native.q8_kernel_pairs`:
+    float16 where that keeps every weight). Plain ops, for compilers and
+    tracers, so that they compute what the eager kernel computes
+    (`torch_kernel_here`, `w4a8_kernel_here`)."""
+    if q8_pairs:
+        if block_size > 0:
+            assert zero is not None  # grouped grids have zero points
+            steps = scale.float()
+            steps, offsets = int4_native.q8_kernel_pairs(steps, -zero.float() * steps)
         else:
-            block = g_idx.long()
+            steps = 1.0 / scale.float()
+            steps, offsets = int4_native.q8_kernel_pairs(steps, torch.zeros_like(steps))
+            return q_nk.float() * steps[:, None] + offsets[:, None]
+        block = _input_blocks(q_nk, block_size, g_idx)
+        return q_nk.float() * steps[block].t() + offsets[block].t()
+    if block_size > 0:
+        block = _input_blocks(q_nk, block_size, g_idx)
         assert zero is not None  # grouped grids have zero points
         group_scale = scale.float()[block].t()  # (N, K)
         if bfloat16_pairs:
@@ -149,6 +160,20 @@ def kernel_weight(
         return q_nk.float() * group_scale - zero.float()[block].t() * group_scale
     step = 1.0 / scale.float()
     return q_nk.float() * (bfloat16_rounded(step) if bfloat16_pairs else step)[:, None]
+
+
+def _input_blocks(q_nk: torch.Tensor, block_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """Each input's block (its group in `g_idx`, if given)."""
+    if g_idx is None:
+        return torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
+    return g_idx.long()
+
+
+def w4a8_kernel_here(activation_block_size: int | None) -> bool:
+    """Whether this processor's eager W4A8 products run on the W4A8 kernel,
+    whose scales and offsets may be float16: the traced ones then compute
+    with those (`kernel_weight`'s `q8_pairs`)."""
+    return activation_block_size is not None and cpu_kernel(activation_block_size) == "native_q8"
 
 
 def torch_kernel_here(activation_block_size: int | None = None) -> bool:
@@ -216,7 +241,8 @@ def int4_linear_traced(
         traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel, plan.half_pairs)
         return _packed(x2, traced, plan.n, bias, out_dtype, decoded=path == "decoded_bf16")
     bfloat16_pairs = torch_kernel_here(activation_block_size)
-    weight = kernel_weight(q_nk, scale, zero, block_size, g_idx, bfloat16_pairs)
+    q8_pairs = w4a8_kernel_here(activation_block_size)
+    weight = kernel_weight(q_nk, scale, zero, block_size, g_idx, bfloat16_pairs, q8_pairs)
     return int4_linear_traceable(x2, weight, bias, out_dtype, activation_block_size)
 
 
@@ -675,7 +701,8 @@ def int4_linear(
     if q_nk is None:
         raise ValueError(f"int4 path {path!r} needs the weight's integer values (q_nk)")
     if activation_block_size is not None:  # W4A8 off its kernel: the same values
-        weight = kernel_weight(q_nk, scale, zero, block_size, g_idx)
+        q8_pairs = w4a8_kernel_here(activation_block_size)
+        weight = kernel_weight(q_nk, scale, zero, block_size, g_idx, q8_pairs=q8_pairs)
         return int4_linear_traceable(x2, weight, bias, out_dtype, activation_block_size)
     dtype = product_dtype(x2.dtype, x2.device)
     if block_size > 0:

@@ -174,6 +174,28 @@ def half_pairs_keep(pairs: torch.Tensor) -> bool:
     return bool((moved <= HALF_PAIRS_TOLERANCE * torch.maximum(s, floor)).all())
 
 
+def q8_kernel_pairs(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 steps and offsets (any shapes alike) as the W4A8 kernel
+    multiplies by them: rounded to float16 where `half_pairs_keep` holds for
+    all of them, as `pack_q8` decides, in tensor ops (no branch on the
+    values), so that traced and eager products of one weight agree.
+
+    >>> s = torch.tensor([0.01, 0.3])
+    >>> [t.tolist() == t.half().float().tolist() for t in q8_kernel_pairs(s, 3 * s)]
+    [True, True]
+    >>> q8_kernel_pairs(s, 100 + s)[0].tolist() == s.tolist()  # a group centred at 100
+    True
+    """
+    s, z = scale.float(), offset.float()
+    s_half, z_half = s.half().float(), z.half().float()
+    moved = 8 * (s_half - s).abs() + (z_half - z).abs()
+    step = s.abs()
+    everything = tuple(range(step.dim()))  # by name: ONNX's exporter needs them
+    floor = step.amax(everything) * HALF_PAIRS_STEP_FLOOR if step.numel() else step.new_zeros(())
+    keep = (moved <= HALF_PAIRS_TOLERANCE * torch.maximum(step, floor)).all()
+    return torch.where(keep, s_half, s), torch.where(keep, z_half, z)
+
+
 def _pairs(scale: torch.Tensor, offset: torch.Tensor, groups: int) -> torch.Tensor:
     """The (N, groups, 2) float32 (scale, offset) pairs of (G, N) grids."""
     pairs = torch.stack([scale.float(), offset.float()], dim=-1).transpose(0, 1)  # (N, G, 2)
