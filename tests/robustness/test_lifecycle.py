@@ -4,9 +4,11 @@ pickles after use (forward and backward), dtype moves and conversions of
 quantized models, and buffers a forward updates in place."""
 
 import copy
+import gc
 import io
 import pickle
 import warnings
+import weakref
 from collections import OrderedDict
 
 import pytest
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from dtype_policies import DTypePolicyMap, _cpu, apply_policy, layers, quantize
 from dtype_policies._core.module_state import quantization_of
+from dtype_policies.layers import Layer
 from dtype_policies.quantizers import Int8QuantizationConfig
 
 from .helpers import (
@@ -791,3 +794,71 @@ def test_buffers_updated_in_place_by_a_forward_are_written_back():
     module(torch.ones(2, 4))
     assert module.total.dtype == torch.float32
     assert torch.equal(module.total, torch.full((4,), 4.0))
+
+
+def _collected(refs: list) -> bool:
+    gc.collect()
+    return all(ref() is None for ref in refs)
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("how", ["apply_policy", "quantize", "Layer"])
+def test_a_class_defined_at_run_time_goes_with_its_last_module(how):
+    """Module-level caches keyed by class (the composed classes, a layer's
+    `training` argument) kept every class a factory or a notebook cell
+    defined, and all it refers to, for the life of the process."""
+    refs = []
+    for _ in range(3):
+        if how == "Layer":
+
+            class Block(Layer):
+                def build(self, input_shape):
+                    self.w = self.add_weight(shape=(input_shape[-1], 4))
+
+                def call(self, x, training=None):
+                    return x @ self.w
+
+            model = Block(dtype="mixed_bfloat16")
+        else:
+
+            class Block(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.fc = nn.Linear(8, 4)
+
+                def forward(self, x):
+                    return self.fc(x)
+
+            model = Block()
+            if how == "apply_policy":
+                apply_policy(model, "mixed_bfloat16").remove()
+                apply_policy(model, "mixed_bfloat16")
+            else:
+                quantize(model, "int8")
+        model(torch.ones(2, 8))
+        refs.append(weakref.ref(Block))
+        del Block, model
+    assert _collected(refs)
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("removed", [False, True])
+def test_parametrized_modules_and_their_classes_go(removed):
+    """torch's `parametrize` makes a class per module, whose properties hold
+    the module; the classes rebuilt on them for a policy were kept by a
+    plain dict (0.14 MB a small model), then, under weak keys, the modules
+    themselves by the class each rebuilt class came from."""
+    refs = []
+    for _ in range(3):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        for linear in model:
+            nn.utils.parametrizations.weight_norm(linear)
+            refs.append(weakref.ref(type(linear)))
+        handle = apply_policy(model, "mixed_bfloat16")
+        refs.extend(weakref.ref(module) for module in model)
+        refs.extend(weakref.ref(type(module)) for module in model)
+        model(torch.ones(2, 8))
+        if removed:
+            handle.remove()
+        del model, handle, linear
+    assert _collected(refs)

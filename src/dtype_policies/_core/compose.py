@@ -11,6 +11,7 @@ the same mixins.
 from __future__ import annotations
 
 import types
+import weakref
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -38,15 +39,24 @@ class ComposedModule:
         return (_rebuild, (cls._dp_original, cls._dp_mixins), state)
 
 
-_classes: dict[tuple, type] = {}
+_classes: weakref.WeakKeyDictionary[type, dict[tuple[type, ...], weakref.ref[type]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""original -> mixins -> the composed class, held weakly: a class defined at
+run time (by a factory, a notebook cell run again) goes with its last
+module, and its composed classes with it."""
 
 
 def composed_class(original: type[torch.nn.Module], mixins: tuple[type, ...]) -> type:
-    """`original` with `mixins` in front (cached); `original` itself for no mixins."""
+    """`original` with `mixins` in front (cached while a module or a caller
+    holds it); `original` itself for no mixins."""
     if not mixins:
         return original
-    key = (original, mixins)
-    cls = _classes.get(key)
+    by_mixins = _classes.get(original)
+    if by_mixins is None:
+        by_mixins = _classes[original] = {}
+    known = by_mixins.get(mixins)
+    cls = None if known is None else known()
     if cls is None:
         namespace = {
             "__module__": original.__module__,
@@ -58,7 +68,7 @@ def composed_class(original: type[torch.nn.Module], mixins: tuple[type, ...]) ->
             for name in getattr(mixin, "_dp_per_class", ()):
                 namespace[name] = _own_copy(mixin.__dict__[name], original)
         cls = type(original.__name__, (*mixins, ComposedModule, original), namespace)
-        _classes[key] = cls
+        by_mixins[mixins] = weakref.ref(cls)
     return cls
 
 
@@ -132,10 +142,14 @@ def set_mixins(module: torch.nn.Module, mixins: tuple[type, ...]) -> None:
     module.__class__ = composed
 
 
-_restacked_classes: dict[tuple[type, type], type] = {}
-_restacked_from: dict[type, type] = {}
-"""Each class built by `_restacked` -> the class other code made that it
-was built from (so that restacking back gives that very class)."""
+_restacked_classes: weakref.WeakKeyDictionary[type, weakref.WeakKeyDictionary[type, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The class other code made -> the composed class it was rebuilt on -> a
+weak reference to the class `_restacked` built (torch's `parametrize` makes
+a class per module, whose properties hold the module: they go with it).
+Each class built holds the class it was built from (`_dp_restacked_from`),
+so that restacking back gives that very class."""
 
 
 def _restacked(cls: type, original: type, composed: type) -> type:
@@ -144,18 +158,22 @@ def _restacked(cls: type, original: type, composed: type) -> type:
     the same other bases. The class other code made itself when it stands on
     `composed` (a module given back its own class gets back the very
     `Parametrized<cls>` torch made for it)."""
-    source = _restacked_from.get(cls, cls)
+    source = cls.__dict__.get("_dp_restacked_from", cls)
     bases = tuple(_base_for(base, original, composed) for base in source.__bases__)
     if bases == source.__bases__:
         return source
-    key = (source, composed)
-    result = _restacked_classes.get(key)
+    by_composed = _restacked_classes.get(source)
+    if by_composed is None:
+        by_composed = _restacked_classes[source] = weakref.WeakKeyDictionary()
+    known = by_composed.get(composed)
+    result = None if known is None else known()
     if result is None:
         namespace = {
             k: v for k, v in source.__dict__.items() if k not in ("__dict__", "__weakref__")
         }
-        result = _restacked_classes[key] = type(source.__name__, bases, namespace)
-        _restacked_from[result] = source
+        namespace["_dp_restacked_from"] = source
+        result = type(source.__name__, bases, namespace)
+        by_composed[composed] = weakref.ref(result)
     return result
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ def checked_losses(loss: Any) -> list[torch.Tensor]:
 
 
 _NOT_TAKEN = object()
-_TRAINING_ARGUMENT: dict[type, Any] = {}
+_TRAINING_ARGUMENT: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
 
 
 def training_argument(cls: type) -> Any:

@@ -19,9 +19,9 @@ Third-party linear-like classes join with `register_linear_kind`:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -198,13 +198,23 @@ _SCALED_FORWARD = re.compile(
 )
 
 
-@functools.cache
+_SCALED_EMBEDDINGS: weakref.WeakKeyDictionary[type, ModuleKind | None] = weakref.WeakKeyDictionary()
+"""`_scaled_embedding`'s answers, held weakly (a class defined at run time goes)."""
+
+
 def _scaled_embedding(cls: type) -> ModuleKind | None:
     """`SCALED_EMBEDDING` for an `nn.Embedding` subclass whose own forward is
     exactly transformers' scaled lookup (`super().forward(ids) *
     self.embed_scale`, the scale optionally cast to the weight's dtype),
     recognised from its source as transformers itself recognises which
     models take an attention interface; `None` for anything else."""
+    if cls in _SCALED_EMBEDDINGS:
+        return _SCALED_EMBEDDINGS[cls]
+    kind = _SCALED_EMBEDDINGS[cls] = _recognised_scaled_embedding(cls)
+    return kind
+
+
+def _recognised_scaled_embedding(cls: type) -> ModuleKind | None:
     forward = vars(cls).get("forward")
     if forward is None or not issubclass(cls, torch.nn.Embedding):
         return None
