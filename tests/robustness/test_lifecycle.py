@@ -862,3 +862,24 @@ def test_parametrized_modules_and_their_classes_go(removed):
             handle.remove()
         del model, handle, linear
     assert _collected(refs)
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_linear_whose_pre_hook_returns_float32_inputs_computes_by_its_policy(grad):
+    """A user's forward pre-hook runs after the call cast the inputs; one
+    that returned float32 ones crashed a policied linear (`mat1 and mat2
+    must have the same dtype`)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 8)
+    noise = torch.randn(3, 16)
+    linear.register_forward_pre_hook(lambda module, args: (args[0] + noise,))
+    apply_policy(linear, "mixed_bfloat16")
+    x = torch.randn(3, 16)
+    with torch.set_grad_enabled(grad):
+        out = linear(x)
+    expected = F.linear(
+        (x.bfloat16() + noise).bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 
 from dtype_policies._core import sharded
 from dtype_policies._core.call import read_weight, run_call
-from dtype_policies._core.casting import HALF_DTYPES, tracing
+from dtype_policies._core.casting import HALF_DTYPES, cast_tensor, tracing
 from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
 from dtype_policies._core.compose import ModuleMixin, mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import (
@@ -193,6 +193,9 @@ def linear_leaf(module: torch.nn.Module, input: torch.Tensor, transposed: bool) 
         weight, store = module.weight, None
     if "bias" not in parameters:  # the same, of the bias (None: a layer without one)
         bias, store = module.bias, None
+    inputs_dtype = None if call is None else call.inputs
+    if inputs_dtype is not None and input.dtype is not inputs_dtype and input.is_floating_point():
+        input = cast_tensor(input, inputs_dtype)  # cast by the call, then by a user's pre-hook
     if call is not None and call.autocast and weight.dtype is not call.compute:
         weight, bias, product = cast_pair(
             store, weight, bias, call.compute, pack=True, transposed=transposed
