@@ -69,12 +69,11 @@ class AutocastScope:
             if entry[2] == stamp(buffer):
                 return entry[1]
             self.settle(buffer)  # written directly: a write to its copy reaches it first
-        if torch.is_inference_mode_enabled():
-            # a normal tensor, whose version counter tells a write to it (an
-            # inference tensor has none: a running statistic's update was lost)
-            with torch.inference_mode(False):
-                cast = cast_tensor(buffer, self.dtype)
-        else:
+        # under inference_mode, a normal tensor, whose version counter tells a
+        # write to it (an inference tensor has none: a running statistic's
+        # update was lost)
+        normal = torch.inference_mode(False) if torch.is_inference_mode_enabled() else None
+        with normal or contextlib.nullcontext():
             cast = cast_tensor(buffer, self.dtype)
         self._casts[id(buffer)] = (buffer, cast, stamp(buffer))
         self.hand(buffer, cast, is_buffer=True)
