@@ -627,6 +627,41 @@ def test_checkpoint_contexts_recompute_in_the_forwards_scopes():
         assert torch.equal(plain, checkpointed)
 
 
+class _CheckpointsALinear(_CheckpointsAFunction):
+    """As `_CheckpointsAFunction`, with a linear where the norm was (the form
+    in which a compiled call met torch's error)."""
+
+    def __init__(self, context_fn=None):
+        super().__init__(context_fn)
+        self.norm = nn.Linear(HIDDEN, HIDDEN)
+
+
+@pytest.mark.slow  # Inductor compiles
+def test_checkpoint_contexts_under_torch_compile():
+    """The same code eagerly and under `torch.compile`: compiled, torch takes
+    only its own dispatch-mode contexts (`checkpoint_contexts` gave context
+    managers: an AssertionError from the backend at the first call)."""
+    x = torch.randn(8, IN, generator=torch.Generator().manual_seed(1))
+    projection = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for context_fn, compiled in (
+        (None, False),
+        (dtype_policies.checkpoint_contexts, True),
+        (None, True),
+    ):
+        model = _CheckpointsALinear(context_fn)
+        apply_policy(model, "mixed_bfloat16")
+        run = torch.compile(model) if compiled else model
+        out = run(x)
+        assert out.dtype == torch.bfloat16
+        (out.float() * projection).sum().backward()  # (a norm's output squared is ~constant)
+        grads.append([p.grad for p in model.parameters()])
+    eager, checkpointed, compiled = grads
+    for plain, kept, traced in zip(eager, checkpointed, compiled):
+        assert ((kept - plain).norm() / plain.norm()).item() < 2e-2
+        assert ((traced - plain).norm() / plain.norm()).item() < 2e-2
+
+
 @pytest.mark.parametrize("update", ["adam_fused", "sgd_fused"])
 @pytest.mark.parametrize("kind", MODELS)
 def test_a_fused_step_between_two_inference_calls_is_seen(kind, update):

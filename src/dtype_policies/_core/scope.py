@@ -193,8 +193,20 @@ def checkpoint_contexts() -> tuple[AbstractContextManager, AbstractContextManage
     >>> block.weight.grad.dtype
     torch.float32
     """
+    if torch.compiler.is_compiling():
+        # the traced region recomputes its own ops, casts included: torch's
+        # own contexts (it takes no others), recomputing everything
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        return create_selective_checkpoint_contexts(_recompute_everything)
     dtypes = [scope.dtype for scope in _state.scopes]
     return contextlib.nullcontext(), _scopes_of(dtypes)
+
+
+def _recompute_everything(context: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @contextlib.contextmanager
