@@ -293,6 +293,30 @@ def test_a_training_call_keeps_nothing_and_drops_what_inference_kept(kind):
     assert _kept(pair.model) == 0
 
 
+@pytest.mark.parametrize("scaling", ["dynamic", "weight_only"])
+def test_a_training_call_drops_a_float32_float8_kernel(scaling):
+    """float8 computing in float32 reads its weight with no cast, and that
+    read never told the store a training call was running: the float8
+    kernel an inference call kept survived a `.data` write followed by a
+    training call (33% off after the write)."""
+    from dtype_policies import quantize
+    from dtype_policies.quantizers import Float8QuantizationConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32))
+    quantize(model, "float8", Float8QuantizationConfig(scaling=scaling))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        model(x)  # keeps the float8 kernel
+    model[0].weight.data.mul_(1.5)  # not seen by the version counter
+    model(x).sum().backward()  # a training call
+    with torch.no_grad():
+        after = model(x)
+    dtype_policies.clear_cast_caches(model)
+    with torch.no_grad():
+        assert torch.equal(after, model(x))
+
+
 @pytest.mark.parametrize("switch", ["train", "eval"])
 @pytest.mark.parametrize("kind", MODELS)
 def test_a_mode_switch_drops_kept_casts(kind, switch):

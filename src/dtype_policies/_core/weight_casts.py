@@ -156,9 +156,10 @@ def cast_weight(
 ) -> torch.Tensor:
     """`weight` in `dtype`: a kept graph-free cast when still valid, else cast
     now (once per `scope` when one is given; kept when allowed)."""
+    uses_store = _uses_store(store)  # (a training call's read empties the store)
     if weight.dtype == dtype:
         return weight
-    if not _uses_store(store):
+    if not uses_store:
         return _call_cast(weight, dtype, scope)
     assert store is not None  # _uses_store says so
     entry = store.entries.get(name)
