@@ -156,10 +156,11 @@ def cast_weight(
 ) -> torch.Tensor:
     """`weight` in `dtype`: a kept graph-free cast when still valid, else cast
     now (once per `scope` when one is given; kept when allowed)."""
-    uses_store = _uses_store(store)  # (a training call's read empties the store)
     if weight.dtype == dtype:
+        if store is not None and (store.entries or store.pair is not None):
+            _uses_store(store)  # a training call's read empties it (float8's kernel)
         return weight
-    if not uses_store:
+    if not _uses_store(store):
         return _call_cast(weight, dtype, scope)
     assert store is not None  # _uses_store says so
     entry = store.entries.get(name)
