@@ -168,10 +168,17 @@ def half_pairs_keep(pairs: torch.Tensor) -> bool:
     >>> half_pairs_keep(torch.cat([torch.cat([s, 3 * s], -1), zeros], 1))  # a pruned group
     True
     """
-    s, z = pairs[..., :8].abs(), pairs[..., 8:]
-    moved = 8 * (s.half().float() - s).abs() + (z.half().float() - z).abs()
-    floor = s.amax() * HALF_PAIRS_STEP_FLOOR if s.numel() else s.new_zeros(())
-    return bool((moved <= HALF_PAIRS_TOLERANCE * torch.maximum(s, floor)).all())
+    return bool(_half_keeps(pairs[..., :8], pairs[..., 8:]))
+
+
+def _half_keeps(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """`half_pairs_keep`'s test of steps `s` and offsets `z` (float32, any
+    shapes alike), as a 0-dim bool tensor (traceable: no branch)."""
+    step = s.abs()
+    moved = 8 * (step.half().float() - step).abs() + (z.half().float() - z).abs()
+    everything = tuple(range(step.dim()))  # by name: ONNX's exporter needs them
+    floor = step.amax(everything) * HALF_PAIRS_STEP_FLOOR if step.numel() else step.new_zeros(())
+    return (moved <= HALF_PAIRS_TOLERANCE * torch.maximum(step, floor)).all()
 
 
 def q8_kernel_pairs(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,13 +194,8 @@ def q8_kernel_pairs(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Te
     True
     """
     s, z = scale.float(), offset.float()
-    s_half, z_half = s.half().float(), z.half().float()
-    moved = 8 * (s_half - s).abs() + (z_half - z).abs()
-    step = s.abs()
-    everything = tuple(range(step.dim()))  # by name: ONNX's exporter needs them
-    floor = step.amax(everything) * HALF_PAIRS_STEP_FLOOR if step.numel() else step.new_zeros(())
-    keep = (moved <= HALF_PAIRS_TOLERANCE * torch.maximum(step, floor)).all()
-    return torch.where(keep, s_half, s), torch.where(keep, z_half, z)
+    keep = _half_keeps(s, z)
+    return torch.where(keep, s.half().float(), s), torch.where(keep, z.half().float(), z)
 
 
 def _pairs(scale: torch.Tensor, offset: torch.Tensor, groups: int) -> torch.Tensor:
