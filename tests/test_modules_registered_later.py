@@ -108,6 +108,28 @@ def test_a_module_with_a_policy_of_its_own_is_left_as_it_is(kind):
         }
 
 
+@pytest.mark.parametrize("release", ["replaced", "removed"])
+def test_a_module_moved_from_another_policied_model_takes_this_ones_when_let_go(release):
+    """It keeps the other model's policy while that model holds it; once
+    that model lets it go (replaced out of it, or its application removed)
+    it computes with this model's, where it had none and broke the forward
+    (`mat1 and mat2 must have the same dtype`)."""
+    torch.manual_seed(0)
+    source, target = _model(), _model()
+    source_handle = apply_policy(source, "float32")
+    target_handle = apply_policy(target, "mixed_bfloat16")
+    target[2] = source[2]
+    assert target[2].dtype_policy.name == "float32"
+    if release == "replaced":
+        source[2] = nn.Identity()
+    else:
+        source_handle.remove()
+    assert target[2].dtype_policy.name == "mixed_bfloat16"
+    assert target(X).dtype == torch.bfloat16
+    target_handle.remove()
+    assert type(target[2]) is nn.Linear
+
+
 def test_a_planning_error_leaves_the_registration_undone():
     """Two keys matching the new module's path (and no path before it): the
     error apply_policy would raise there, from the assignment, which does

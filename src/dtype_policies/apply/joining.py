@@ -33,7 +33,10 @@ dtype and hands it back in the compute dtype inside a call, as
 Left as they are: the subtrees of the new module that carry a policy or
 quantization of their own (a `Layer`, a policied or quantized module moved
 from elsewhere or from the model itself, as peft's adapter wraps a
-policied linear: the adapter's own modules join around it), and what
+policied linear: the adapter's own modules join around it; a torch module
+moved in from another policied model takes this model's policy below that
+model's, in force once that model lets it go or its application is
+removed), and what
 torch writes into a container without
 registering it (`Sequential.insert`, `ModuleList.insert`: apply the policy
 again after them). `del model.x` runs no hook: the module keeps its policy
@@ -129,6 +132,7 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
     carried = set() if child is None else _subtrees(child, _carries_its_own)
     joins = child is not None and id(child) not in carried
     planned: list[tuple[object, PolicyHandle | None, str, list[torch.nn.Module], list]] = []
+    below: list[tuple[object, Any]] = []  # (token, step) under another model's application
     for token, entry in tuple(state.applications):  # the bottom one first: the top one wins
         if token is LAYER_OWN and isinstance(parent, Layer):
             leaving = _leaving(parent, parent, name, child, replaced)
@@ -148,6 +152,10 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
         path = f"{parent_path}/{name}" if parent_path else name
         leaving = [] if known is None else _leaving(known.module, parent, name, child, replaced)
         steps = [] if child is None or not joins else _steps(parent, child, path, entry, known)
+        moved_in = set() if child is None or known is None else _moved_in(child, carried, token)
+        if moved_in:
+            every = steps if joins else _steps(parent, child, path, entry, known)
+            below.extend((token, step) for step in every if id(step.module) in moved_in)
         planned.append((token, known, path, leaving, _outside(steps, carried)))
     if replaced is not None:
         merges_seen(replaced)  # peft's merge_and_unload: merged, then replaced by its base
@@ -170,6 +178,10 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
             continue
         known._leave(leaving, path, replaced)
         known._install(steps)
+        for below_token, step in below:
+            if below_token is token:  # under the application it carries from elsewhere
+                policy_module.install(step.module, token, step.options, bottom=True)
+                known._modules.append(step.module)
         if child is not None:
             known._record_under(child, path)  # modules moved within the model
         if steps or leaving or replaced is not None:
@@ -178,6 +190,25 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
     # describe the model when next read (a Hugging Face manifest), not now
     for handle in {id(k): k for k in changed}.values():
         model_changed(handle.module, minor=True)
+
+
+def _moved_in(child: torch.nn.Module, carried: set[int], token: object) -> set[int]:
+    """The ids of the torch modules of `child`'s tree that carry another
+    model's application and not `token`'s (moved in from a policied model):
+    `token`'s policy goes below theirs, in force once that model lets them
+    go or its application is removed. Quantized modules and this library's
+    layers keep only their own."""
+    found = set()
+    for module in child.modules():
+        state = state_of(module)
+        if id(module) not in carried or isinstance(module, Layer) or state is None:
+            continue
+        tokens = [entry[0] for entry in state.applications]
+        if state.quantization is not None or token in tokens:
+            continue
+        if any(not isinstance(other, Token) for other in tokens):
+            found.add(id(module))
+    return found
 
 
 def _outside(steps: list, carried: set[int]) -> list:
