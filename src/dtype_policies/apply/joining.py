@@ -178,12 +178,12 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
             continue
         known._leave(leaving, path, replaced)
         known._install(steps)
-        for below_token, step in below:
+        if child is not None:
+            known._record_under(child, path)  # modules moved within the model
+        for below_token, step in below:  # (not in the records: another policy is in force)
             if below_token is token:  # under the application it carries from elsewhere
                 policy_module.install(step.module, token, step.options, bottom=True)
                 known._modules.append(step.module)
-        if child is not None:
-            known._record_under(child, path)  # modules moved within the model
         if steps or leaving or replaced is not None:
             changed.append(known)
     # minor: torch runs this hook before it registers `child`, so the listeners
