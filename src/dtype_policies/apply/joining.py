@@ -153,7 +153,7 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
         leaving = [] if known is None else _leaving(known.module, parent, name, child, replaced)
         steps = [] if child is None or not joins else _steps(parent, child, path, entry, known)
         moved_in = set() if child is None or known is None else _moved_in(child, carried, token)
-        if moved_in:
+        if moved_in and child is not None:
             every = steps if joins else _steps(parent, child, path, entry, known)
             below.extend((token, step) for step in every if id(step.module) in moved_in)
         planned.append((token, known, path, leaving, _outside(steps, carried)))
