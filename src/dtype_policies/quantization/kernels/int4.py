@@ -137,36 +137,23 @@ def kernel_weight(
     float16 where that keeps every weight). Plain ops, for compilers and
     tracers, so that they compute what the eager kernel computes
     (`torch_kernel_here`, `w4a8_kernel_here`)."""
-    if q8_pairs:
-        if block_size > 0:
-            assert zero is not None  # grouped grids have zero points
-            steps = scale.float()
-            steps, offsets = int4_native.q8_kernel_pairs(steps, -zero.float() * steps)
-        else:
-            steps = 1.0 / scale.float()
-            steps, offsets = int4_native.q8_kernel_pairs(steps, torch.zeros_like(steps))
-            return q_nk.float() * steps[:, None] + offsets[:, None]
-        block = _input_blocks(q_nk, block_size, g_idx)
-        return q_nk.float() * steps[block].t() + offsets[block].t()
-    if block_size > 0:
-        block = _input_blocks(q_nk, block_size, g_idx)
-        assert zero is not None  # grouped grids have zero points
-        group_scale = scale.float()[block].t()  # (N, K)
-        if bfloat16_pairs:
-            group_scale = bfloat16_rounded(group_scale)
-            return q_nk.float() * group_scale + bfloat16_rounded(
-                -zero.float()[block].t() * group_scale
-            )
-        return q_nk.float() * group_scale - zero.float()[block].t() * group_scale
-    step = 1.0 / scale.float()
-    return q_nk.float() * (bfloat16_rounded(step) if bfloat16_pairs else step)[:, None]
-
-
-def _input_blocks(q_nk: torch.Tensor, block_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
-    """Each input's block (its group in `g_idx`, if given)."""
+    if block_size <= 0:  # per channel: steps only (W4A8 is grouped)
+        step = 1.0 / scale.float()
+        return q_nk.float() * (bfloat16_rounded(step) if bfloat16_pairs else step)[:, None]
+    assert zero is not None  # grouped grids have zero points
     if g_idx is None:
-        return torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
-    return g_idx.long()
+        block = torch.arange(q_nk.shape[1], device=q_nk.device) // block_size
+    else:
+        block = g_idx.long()
+    if q8_pairs:  # each group's pair rounded, then spread over its inputs
+        steps = scale.float()
+        steps, offsets = int4_native.q8_kernel_pairs(steps, -zero.float() * steps)
+        return q_nk.float() * steps[block].t() + offsets[block].t()
+    group_scale = scale.float()[block].t()  # (N, K)
+    if bfloat16_pairs:
+        group_scale = bfloat16_rounded(group_scale)
+        return q_nk.float() * group_scale + bfloat16_rounded(-zero.float()[block].t() * group_scale)
+    return q_nk.float() * group_scale - zero.float()[block].t() * group_scale
 
 
 def w4a8_kernel_here(activation_block_size: int | None) -> bool:
