@@ -183,19 +183,39 @@ def test_non_finite_weight_is_refused_and_changes_nothing(mode, bad):
     assert f"{bad} at index [5, 7]" in message
 
 
-@pytest.mark.parametrize("how", ["apply_policy", "layer"])
+@pytest.mark.parametrize(
+    "how", ["apply_policy", "layer.quantize", "layer.dtype_policy", "embedding.quantize"]
+)
 def test_non_finite_weight_is_refused_by_every_route(how):
+    """Each route names the module: `quantize()` and `apply_policy` by its
+    path, a layer's own routes by its name (a model of many alike layers)."""
     torch.manual_seed(0)
-    if how == "layer":
-        layer = layers.Dense(4, name="dense")
-        layer(torch.randn(2, 8))
+    if how != "apply_policy":
+        model = layers.Sequential(
+            [layers.Dense(8, name="encoder_proj"), layers.Dense(4, name="head")]
+        )
+        model(torch.randn(2, 8))
+        layer = model.layers[1]
+        weight = layer.kernel
+        if how == "embedding.quantize":
+            layer = layers.Embedding(10, 4, name="table")
+            layer(torch.tensor([1]))
+            weight = layer.embeddings
         with torch.no_grad():
-            layer.kernel[2, 1] = float("nan")
+            weight[2, 1] = float("nan")
         before = snapshot(layer)
-        expected = re.escape("1 non-finite value(s) (first: nan at index [2, 1])")
+        expected = (
+            re.escape(f"Layer '{layer.name}': its weight")
+            + ".*"
+            + re.escape("1 non-finite value(s) (first: nan at index [2, 1])")
+        )
         with pytest.raises(ValueError, match=expected):
-            layer.quantize("int8")
+            if how == "layer.dtype_policy":
+                layer.dtype_policy = "int8_from_float32"
+            else:
+                layer.quantize("int8")
         assert_unchanged(layer, before)
+        assert layer.dtype_policy.name == "float32"
         return
     model = _three_linears()
     with torch.no_grad():

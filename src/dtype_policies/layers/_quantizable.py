@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from dtype_policies._core.module_state import STATE_KEY, quantization_of
@@ -25,6 +27,7 @@ from dtype_policies.quantization.modules import (
     apply_keeping_stored_dtypes,
 )
 from dtype_policies.quantization.schemes import QuantizedWeight
+from dtype_policies.quantization.schemes.base import NonFiniteWeightError
 from dtype_policies.quantization.weight_copy import read_weight
 from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 from dtype_policies.quantizers.config import (
@@ -111,16 +114,27 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         """
         config = validate_and_resolve_config(mode, config)
         path = self._path or ""
-        if mode_record(config.mode).calibrated and getattr(config, "dataset", None) is not None:
-            checked = attach.check(self, config, path=path, type_check=type_check)
-            calibration = plan_calibrated(self, [(path, checked)], config)
-            if not calibration.plans:
-                raise ValueError(
-                    f"Layer '{self.name}' is outside its config's quantization_layer_structure."
-                )
-            attach.commit(calibration.plans[0])
-            return
-        attach.commit(attach.plan(self, config, path=path, type_check=type_check))
+        with self._naming_self():
+            if mode_record(config.mode).calibrated and getattr(config, "dataset", None) is not None:
+                checked = attach.check(self, config, path=path, type_check=type_check)
+                calibration = plan_calibrated(self, [(path, checked)], config)
+                if not calibration.plans:
+                    raise ValueError(
+                        f"Layer '{self.name}' is outside its config's quantization_layer_structure."
+                    )
+                planned = calibration.plans[0]
+            else:
+                planned = attach.plan(self, config, path=path, type_check=type_check)
+        attach.commit(planned)
+
+    @contextlib.contextmanager
+    def _naming_self(self) -> Iterator[None]:
+        """A weight refused for its values is named by this layer's name
+        (`quantize()` names it by its path)."""
+        try:
+            yield
+        except NonFiniteWeightError as e:
+            raise NonFiniteWeightError(f"Layer '{self.name}': {e}") from None
 
     def _quantize_from_policy(self) -> None:
         """Once built under a quantized policy: quantize the new weights as
@@ -228,9 +242,10 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             if type(resolved) is QuantizedDTypePolicy
             else resolved.quantization_config
         )
-        module_plan = attach.plan(
-            self, config, path=self._path or "", type_check=False, source=resolved.source_policy
-        )
+        with self._naming_self():
+            module_plan = attach.plan(
+                self, config, path=self._path or "", type_check=False, source=resolved.source_policy
+            )
         with attach.committing((module_plan,)):  # raises before the policy changes, if at all
             self._set_policy(policy)
             attach.commit(module_plan)

@@ -614,9 +614,17 @@ def non_finite_values(values: torch.Tensor) -> str | None:
         )
 
 
+class NonFiniteWeightError(ValueError):
+    """A weight to quantize holds inf or NaN. Its message names the weight;
+    each route that quantizes names the module (`quantize()` and
+    `apply_policy` by its path, a layer's own `quantize` by its name)."""
+
+
 def check_finite(weight: torch.Tensor, name: str) -> None:
     """Every mode derives its scales from the weight's range, so one NaN or
     infinity would silently poison the whole row or group it sits in: refused."""
     found = non_finite_values(weight)
     if found is not None:
-        raise ValueError(f"its weight '{name}' holds {found}; quantization needs finite weights")
+        raise NonFiniteWeightError(
+            f"its weight '{name}' holds {found}; quantization needs finite weights"
+        )
