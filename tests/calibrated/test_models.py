@@ -249,6 +249,10 @@ def test_every_width_stores_its_range_and_computes_its_dequantized_weight(bits, 
         out = proj(x)
     expected = x @ weight.t()
     assert torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+    # summary (and `inspect`) read the integer data under its width's name
+    label = f"gptq/{bits}/{group}"
+    row = next(r for r in summary(model).splitlines() if "mlp/up_proj" in r)
+    assert label in row.split() and str(64 * 128) in row.split()  # up_proj: no bias
 
 
 def test_a_keras_style_stack_calibrates_its_repeated_blocks():

@@ -165,7 +165,7 @@ def model_totals(model: torch.nn.Module) -> tuple[int, int]:
 
 def _integer_data(module: torch.nn.Module, quantized: Any) -> Any:
     """The buffer holding a quantized weight's integer values."""
-    return module._buffers[quantized.weight_name + (mode_record(quantized.mode).data_suffix or "")]
+    return module._buffers[quantized.data_name]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:

@@ -31,7 +31,7 @@ from dtype_policies._core.casting import (
 )
 from dtype_policies._core.checkpoints import foreign_module_buffers
 from dtype_policies._derivatives import derivative_free, functorch_active
-from dtype_policies._modes import stored_suffixes
+from dtype_policies._modes import mode_record, stored_suffixes
 from dtype_policies.quantizers.config import QuantizationConfig
 
 LAYOUTS = ("out_in", "in_out")
@@ -126,6 +126,12 @@ class Scheme(abc.ABC):
     @abc.abstractmethod
     def buffer_names(self, spec: WeightSpec, config: QuantizationConfig) -> tuple[str, ...]:
         """The names of the buffers this scheme registers on the module."""
+
+    def data_name(self, spec: WeightSpec, config: QuantizationConfig) -> str | None:
+        """The buffer holding the weight's integer values (`None`: a scheme
+        that keeps its weight in a float format)."""
+        suffix = mode_record(self.mode).data_suffix
+        return None if suffix is None else spec.weight + suffix
 
     @abc.abstractmethod
     def quantize(
@@ -295,6 +301,11 @@ class QuantizedWeight:
     @property
     def stored_names(self) -> frozenset[str]:
         return frozenset(self.buffer_names)
+
+    @property
+    def data_name(self) -> str | None:
+        """The buffer holding the integer values (`Scheme.data_name`)."""
+        return self.scheme.data_name(self.spec, self.config)
 
     def linear(
         self,

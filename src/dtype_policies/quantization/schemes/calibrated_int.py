@@ -242,6 +242,9 @@ class CalibratedIntScheme(Scheme):
     def data_suffix(self, config: TokenCalibrationConfig) -> str:
         return "_int8" if self.bits(config) == 8 else "_int4"
 
+    def data_name(self, spec: WeightSpec, config: TokenCalibrationConfig) -> str:  # type: ignore[override]
+        return spec.weight + self.data_suffix(config)
+
     def buffer_names(self, spec: WeightSpec, config: TokenCalibrationConfig) -> tuple[str, ...]:
         w = spec.weight
         names = (w + self.data_suffix(config), f"{w}_scale", f"{w}_zero", f"{w}_g_idx")
