@@ -541,6 +541,19 @@ def test_misuse():
     assert torch.equal(logits(model), before)
 
 
+@pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
+@pytest.mark.parametrize("dataset", [[torch.randn(0, 64)], [torch.randn(0, 64), torch.randn(2, 0, 64)]])
+def test_float_inputs_without_rows_are_refused_before_anything_changes(config_class, dataset):
+    """Calibrating on no rows was round to nearest under a calibrated label."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    with pytest.raises(ValueError, match=r"inputs hold no rows \(shapes \(0, 64\)"):
+        quantize(mlp, config=config_class(dataset, None, group_size=32), progress=False)
+    assert all(quantization_of(m) is None for m in mlp.modules())
+    assert all(torch.equal(v, before[k]) for k, v in mlp.state_dict().items())
+
+
 def _whisper() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.WhisperConfig(

@@ -65,6 +65,23 @@ def _is_model_input(item: Any) -> bool:
     return False
 
 
+def _floating_tensors(item: Any) -> list[Any]:
+    """The floating-point tensors and arrays of a ready model input."""
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        return [item] if _is_model_input(item) else []
+    values = item.values() if isinstance(item, Mapping) else item if isinstance(item, tuple) else ()
+    return [t for v in values for t in _floating_tensors(v)]
+
+
+def _holds_rows(item: Any) -> bool:
+    return any(t.size != 0 if isinstance(t, np.ndarray) else t.numel() != 0 for t in _floating_tensors(item))
+
+
+def _shapes(inputs: list[Any]) -> str:
+    shapes = [tuple(t.shape) for item in inputs[:3] for t in _floating_tensors(item)]
+    return "shapes " + ", ".join(map(str, shapes)) + (", ..." if len(inputs) > 3 else "")
+
+
 def _items(dataset: Any) -> list[Any]:
     if dataset is None:
         raise ValueError("The calibration `dataset` is None: pass text or token ids.")
@@ -306,7 +323,13 @@ def calibration_inputs(
                 "reads token ids: pass text with a tokenizer, integer token ids, or dicts of "
                 "model inputs (such as {'inputs_embeds': ...})."
             )
-        return inputs[:num_samples]
+        inputs = inputs[:num_samples]
+        if not any(_holds_rows(item) for item in inputs):
+            raise ValueError(
+                f"The calibration dataset's inputs hold no rows ({_shapes(inputs)}): "
+                "nothing to calibrate on."
+            )
+        return inputs
     if not reads_ids and main is not None:
         raise TypeError(
             f"The calibration dataset holds text or token ids, but {type(model).__name__} "
