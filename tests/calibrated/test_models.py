@@ -542,7 +542,9 @@ def test_misuse():
 
 
 @pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
-@pytest.mark.parametrize("dataset", [[torch.randn(0, 64)], [torch.randn(0, 64), torch.randn(2, 0, 64)]])
+@pytest.mark.parametrize(
+    "dataset", [[torch.randn(0, 64)], [torch.randn(0, 64), torch.randn(2, 0, 64)]]
+)
 def test_float_inputs_without_rows_are_refused_before_anything_changes(config_class, dataset):
     """Calibrating on no rows was round to nearest under a calibrated label."""
     torch.manual_seed(0)

@@ -74,7 +74,10 @@ def _floating_tensors(item: Any) -> list[Any]:
 
 
 def _holds_rows(item: Any) -> bool:
-    return any(t.size != 0 if isinstance(t, np.ndarray) else t.numel() != 0 for t in _floating_tensors(item))
+    return any(
+        t.size != 0 if isinstance(t, np.ndarray) else t.numel() != 0
+        for t in _floating_tensors(item)
+    )
 
 
 def _shapes(inputs: list[Any]) -> str:
