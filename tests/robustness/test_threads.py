@@ -4,12 +4,14 @@ evaluating under no_grad while another trains never changes the trainer's
 gradients (`.grad` is set and equals a single-threaded run's)."""
 
 import threading
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
 from dtype_policies import apply_policy, layers, quantize
+from dtype_policies.quantizers import Int4QuantizationConfig
 
 from .helpers import quantize_with
 
@@ -323,3 +325,42 @@ def test_a_save_while_another_thread_quantizes_writes_one_consistent_model(tmp_p
     fresh = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     saving.load(fresh, saved["path"])  # the float model, whole
     assert not hasattr(fresh[0], "weight_int8") and fresh[0].weight.dtype == torch.float32
+
+
+def test_compiling_a_quantized_model_while_another_thread_imports():
+    """A traced quantized product read whether weights are frozen by looking
+    Inductor's config up in `sys.modules`; Dynamo traced that lookup by
+    walking the dictionary, and another thread's import (any `sys.modules`
+    change) failed the compile: "dictionary changed size during iteration"."""
+    import sys
+    import types
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+    quantize(model, config=Int4QuantizationConfig(block_size=32, activation_block_size=32))
+    compiled = torch.compile(model, backend="inductor", dynamic=False)
+    x = torch.randn(3, 64)
+    torch.compile(torch.neg, backend="eager")(x)  # Dynamo's imports, before the window
+    stop = threading.Event()
+
+    def importing() -> None:
+        names = [f"_dtype_policies_test_module_{i}" for i in range(50)]
+        end = time.monotonic() + 3  # the tracing of the first products, not all the compile
+        while not stop.is_set() and time.monotonic() < end:
+            for name in names:
+                sys.modules[name] = types.ModuleType(name)
+            for name in names:
+                sys.modules.pop(name, None)
+
+    thread = threading.Thread(target=importing)
+    thread.start()
+    try:
+        with torch.no_grad():
+            out = compiled(x)
+    finally:
+        stop.set()
+        thread.join()
+    with torch.no_grad():
+        eager = model(x)
+    # W4A8: a traced sum may flip an activation's int8 step (docs: export differences)
+    assert torch.allclose(out, eager, rtol=0, atol=5e-3 * float(eager.abs().max()))

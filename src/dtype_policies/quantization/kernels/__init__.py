@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from dtype_policies._core.casting import exporting
 from dtype_policies._core.tensor_identity import tensor_key as tensor_key
 
@@ -30,5 +32,11 @@ def freezing_weights() -> bool:
     `freezing`, as `compile_for_generation` sets it): what depends on weights
     alone is then computed once, at compile time, and the traced products may
     call the eager kernels on layouts computed in the graph."""
-    config = sys.modules.get("torch._inductor.config")
+    if torch.compiler.is_compiling():
+        # Dynamo imported it. Not looked up in `sys.modules` here: Dynamo
+        # traces that lookup by walking the whole dictionary, which another
+        # thread's import changes under it ("dictionary changed size")
+        from torch._inductor import config
+    else:
+        config = sys.modules.get("torch._inductor.config")  # not imported: not frozen
     return bool(config is not None and config.freezing) and not exporting()
