@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -59,29 +58,27 @@ def checked_losses(loss: Any) -> list[torch.Tensor]:
 
 
 _NOT_TAKEN = object()
-_TRAINING_ARGUMENT: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
 
 
 def training_argument(cls: type) -> Any:
     """`(position, default)` of `cls.call`'s `training` argument (its index
     among the arguments after `self`, None when keyword-only; its default,
     None when it has none), or `_NOT_TAKEN` when it takes no `training`
-    (Keras's test: a `call(x, **kwargs)` is not given it)."""
-    found = _TRAINING_ARGUMENT.get(cls, _NOT_TAKEN)
-    if found is _NOT_TAKEN and cls not in _TRAINING_ARGUMENT:
-        parameters = list(inspect.signature(cls.call).parameters.values())  # type: ignore[attr-defined]
-        found = _NOT_TAKEN
-        for index, parameter in enumerate(parameters):
-            if parameter.name == "training":
-                default = (
-                    None if parameter.default is inspect.Parameter.empty else parameter.default
-                )
-                positional = parameter.kind in (
-                    inspect.Parameter.POSITIONAL_ONLY,
-                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                )
-                found = (index - 1 if positional else None, default)
-        _TRAINING_ARGUMENT[cls] = found
+    (Keras's test: a `call(x, **kwargs)` is not given it). A layer class
+    keeps it as `_call_training_argument`, set when the class is made: a
+    class attribute is a constant to a traced call, where a dictionary keyed
+    by class is not traceable on every torch (2.6's Dynamo refuses a
+    `WeakKeyDictionary`), and it lives exactly as long as its class."""
+    parameters = list(inspect.signature(cls.call).parameters.values())  # type: ignore[attr-defined]
+    found = _NOT_TAKEN
+    for index, parameter in enumerate(parameters):
+        if parameter.name == "training":
+            default = None if parameter.default is inspect.Parameter.empty else parameter.default
+            positional = parameter.kind in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+            found = (index - 1 if positional else None, default)
     return found
 
 
@@ -94,7 +91,7 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
     layers = calls.layers
     # a call while a backward pass runs: a checkpoint's replay, or a hook's
     recomputing = backward_running()
-    argument = training_argument(type(layer))
+    argument = layer._call_training_argument
     given = argument is not _NOT_TAKEN and argument[0] is not None and len(args) > argument[0]
     if given:
         training = args[argument[0]]  # passed by position: the caller's own

@@ -34,7 +34,7 @@ from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._dtypes import is_float_dtype
 from dtype_policies._paths import named_module_paths
 from dtype_policies.layers._build import BUILD_LOCK, build_arguments, wrap_build
-from dtype_policies.layers._call_context import call_in_context
+from dtype_policies.layers._call_context import call_in_context, training_argument
 from dtype_policies.layers._naming import auto_name
 from dtype_policies.layers._weights import LayerWeights
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap
@@ -129,9 +129,12 @@ class Layer(LayerWeights, torch.nn.Module):
     # Floating buffers in the variable dtype read in the compute dtype inside
     # `call` (not in quantizable layers, whose buffers are what they store).
     _casts_buffers: ClassVar[bool] = True
+    # `call`'s `training` argument (`_call_context.training_argument`), per class
+    _call_training_argument: ClassVar[Any]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls._call_training_argument = training_argument(cls)
         build = cls.__dict__.get("build")
         if build is not None and not getattr(build, "_dtype_policies_wrapped", False):
             cls.build = wrap_build(build)
@@ -533,6 +536,7 @@ class Layer(LayerWeights, torch.nn.Module):
 
 
 Layer.build = wrap_build(Layer.build)
+Layer._call_training_argument = training_argument(Layer)
 
 
 def resolved_policy(layer: Layer) -> DTypePolicy:
