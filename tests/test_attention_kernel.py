@@ -3,6 +3,7 @@ torch's SDPA values within torch's own bfloat16 error, on every mask form,
 head grouping and length; torch's kernel wherever it does not apply; and the
 transformers attention function that reaches it."""
 
+import copy
 import math
 
 import pytest
@@ -255,6 +256,47 @@ def test_apply_policy_makes_eager_calls_attend_on_the_kernel(monkeypatch):
     assert torch.equal(again, reference)
     error = (ours.float() - reference).norm() / reference.norm()
     assert error.item() < 3e-2
+
+
+@needs_kernel
+def test_a_policied_part_of_a_model_attends_on_the_kernel_after_its_config_is_replaced(
+    monkeypatch, tmp_path
+):
+    """`apply_policy(llm.model.layers[1], ...)`: the decoder layer holds no
+    config of its own; its attention reads the model's. It attended with
+    torch's kernel while the model reloaded from `save_pretrained` (the policy
+    recorded for the layer, applied from the root) attended with this
+    library's: the reloaded model's logits were not the saved model's on
+    torch 2.6. And `save_pretrained` replaces the model's config object:
+    the hooks read the config at each call."""
+    from dtype_policies import apply_policy
+
+    model = _tiny_llama().float()
+    tokens = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(4))
+    calls = []
+    original = attention.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "scaled_dot_product_attention", counted)
+    handle = apply_policy(model.model.layers[1], "mixed_bfloat16")
+    with torch.inference_mode():
+        before = model(tokens).logits
+        assert calls == [torch.bfloat16]  # the float32 layer 0 attends with torch's
+        model.config = copy.deepcopy(model.config)
+        for module in model.modules():
+            if hasattr(module, "config"):
+                module.config = model.config
+        calls.clear()
+        assert torch.equal(model(tokens).logits, before)
+        assert calls == [torch.bfloat16]
+        handle.remove()
+        calls.clear()
+        model(tokens)
+    assert not calls
+    assert not hasattr(model.config, SELECTION)
 
 
 @needs_kernel

@@ -194,10 +194,35 @@ def register(name: str, implementation: Callable[..., Any]) -> None:
     _IMPLEMENTATIONS[name] = implementation
 
 
-def selectable(model: torch.nn.Module) -> bool:
-    """Whether `model` is a transformers model on `"sdpa"` with one config
-    (a composite config's sub-configs are left alone)."""
-    config = getattr(model, "config", None)
+def config_holder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose `config` is the transformers config `model`'s
+    attention reads: `model` itself when it has one, else, for a part of a
+    model (a decoder layer, a stack of them), its first submodule holding
+    the one config they all share; `None` when they hold none or several.
+    (Read `holder.config` at each use: transformers may replace a model's
+    config object, `save_pretrained` among others.)"""
+    if getattr(model, "config", None) is not None:
+        return model
+    holders = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            holders.setdefault(id(config), module)
+    return next(iter(holders.values())) if len(holders) == 1 else None
+
+
+def attention_config(model: torch.nn.Module) -> Any:
+    """The config `model`'s attention reads (`config_holder`), or `None`."""
+    holder = config_holder(model)
+    return None if holder is None else holder.config
+
+
+def selectable(model: torch.nn.Module, config: Any = None) -> bool:
+    """Whether `model` is a transformers model, or a part of one, on
+    `"sdpa"` with one config (a composite config's sub-configs are left
+    alone); `config`: its `attention_config`, when known."""
+    if config is None:
+        config = attention_config(model)
     return (
         config is not None
         and getattr(config, "_attn_implementation", None) == "sdpa"
@@ -210,7 +235,7 @@ _ACTIVE: dict[int, list[tuple[object, str]]] = {}
 
 
 @contextlib.contextmanager
-def selecting(model: torch.nn.Module, name: str) -> Iterator[bool]:
+def selecting(model: torch.nn.Module, name: str, config: Any = None) -> Iterator[bool]:
     """Within the block, `model`'s attention modules (those that read the
     model's config and reach attention through transformers' interface) run
     the implementation registered as `name`; yields whether it was selected
@@ -218,13 +243,15 @@ def selecting(model: torch.nn.Module, name: str) -> Iterator[bool]:
     The selection ends with the block, also when it raises; blocks may nest
     and overlap across threads (each ends its own selection: when none is
     left the config is as it was). Another thread calling the model
-    meanwhile attends the same way (the same values, up to rounding)."""
+    meanwhile attends the same way (the same values, up to rounding).
+    `config`: the model's `attention_config`, when known."""
     if name not in _IMPLEMENTATIONS:
         raise KeyError(f"No attention implementation registered as {name!r}")
-    if not selectable(model):
+    if config is None:
+        config = attention_config(model)
+    if not selectable(model, config):
         yield False
         return
-    config = model.config
     token = object()
     with _LOCK:
         active = _ACTIVE.setdefault(id(config), [])

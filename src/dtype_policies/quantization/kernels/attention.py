@@ -36,6 +36,7 @@ import contextlib
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -177,16 +178,20 @@ def register() -> str:
 
 
 @contextlib.contextmanager
-def selected(model: torch.nn.Module) -> Iterator[None]:
+def selected(model: torch.nn.Module, config: Any = None) -> Iterator[None]:
     """Within the block, `model` (a transformers model on `"sdpa"`, one
     config) attends with `transformers_attention`, where this CPU has the
     kernel; otherwise (or for any other model) nothing changes. The model's
     own setting is back in force after the block. Another thread calling the
-    model meanwhile attends the same way (the same values, up to rounding)."""
-    if not (_attention_dispatch.selectable(model) and native.available(KERNEL)):
+    model meanwhile attends the same way (the same values, up to rounding).
+    A part of a transformers model (a decoder layer) attends so too.
+    `config`: the model's `_attention_dispatch.attention_config`, when known."""
+    if config is None:
+        config = _attention_dispatch.attention_config(model)
+    if not (_attention_dispatch.selectable(model, config) and native.available(KERNEL)):
         yield
         return
-    with _attention_dispatch.selecting(model, register()):
+    with _attention_dispatch.selecting(model, register(), config):
         yield
 
 
@@ -195,8 +200,11 @@ class _EagerCalls:
     while a compiler traces it: a traced call keeps the model's setting, and
     the compile helpers select the kernel outside their compiled calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, holder: torch.nn.Module | None = None) -> None:
         self.swapped = threading.local()
+        # the module holding the config the model's attention reads (found
+        # at the first call of a copy); its config is read at each call
+        self.holder = None if holder is None else weakref.ref(holder)
 
     # a copied or pickled model gets hooks of its own, with no call under way
     def __getstate__(self) -> dict:
@@ -208,7 +216,11 @@ class _EagerCalls:
     def before(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # nothing for the traced graph to replay
             return
-        context = selected(model)
+        holder = None if self.holder is None else self.holder()
+        if holder is None:  # a copy's: its own model's
+            holder = _attention_dispatch.config_holder(model)
+            self.holder = None if holder is None else weakref.ref(holder)
+        context = selected(model, None if holder is None else holder.config)
         context.__enter__()
         self.swapped.__dict__.setdefault("stack", []).append(context)
 
@@ -221,12 +233,14 @@ class _EagerCalls:
 
 
 def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
-    """Makes each eager call of `model`, a transformers model on `"sdpa"`,
-    attend with `transformers_attention` (as `selected`), and every call on
-    one dtype (`_attention_dispatch.promoted`); returns the hooks'
-    handles (`handle.remove()` undoes it), none for any other model. The
-    model's setting is restored after each call, also when it raises."""
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    """Makes each eager call of `model`, a transformers model on `"sdpa"` or
+    a part of one (`apply_policy(llm.model.layers[1], ...)`), attend with
+    `transformers_attention` (as `selected`), and every call on one dtype
+    (`_attention_dispatch.promoted`); returns the hooks' handles
+    (`handle.remove()` undoes it), none for any other model. The model's
+    setting is restored after each call, also when it raises."""
+    holder = _attention_dispatch.config_holder(model)
+    implementation = getattr(getattr(holder, "config", None), "_attn_implementation", None)
     if implementation in ("eager", "sdpa"):
         # both promote mixed dtypes, whichever the model is switched to later
         # (`set_attn_implementation`)
@@ -234,7 +248,7 @@ def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
         _attention_dispatch.transformers_sdpa()  # `dispatch` behind "sdpa"
     if implementation != "sdpa":
         return []
-    calls = _EagerCalls()
+    calls = _EagerCalls(holder)
     return [
         model.register_forward_pre_hook(calls.before, with_kwargs=True),
         model.register_forward_hook(calls.after, with_kwargs=True, always_call=True),
