@@ -113,6 +113,23 @@ def test_tiny_scale_unscaling_overflows(unscale_first):
     _assert_same(model, before)
 
 
+@pytest.mark.parametrize("exponent", [-126, -127, -128, -140, -149])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_scale_whose_reciprocal_overflows_float32_still_unscales(exponent, unscale_first):
+    """Below 2**-126, `1 / scale` is inf in float32: every gradient became
+    inf (0 * inf: NaN) and every step was skipped, for good (a run whose
+    scale halved 143 times never trained again). Keras divides by the scale:
+    the gradients come back as they were, and the step is applied."""
+    weight = nn.Parameter(torch.ones(3))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([weight], lr=0.5), initial_scale=2.0**exponent)
+    optimizer.scale_loss((weight * torch.tensor([1.0, 0.0, 2.0])).sum()).backward()
+    if unscale_first:
+        optimizer.unscale_()
+    optimizer.step()
+    assert not optimizer.last_step_skipped
+    assert torch.equal(weight.detach(), torch.tensor([0.5, 1.0, 0.0]))
+
+
 def test_tiny_scale_ordinary_training_stays_finite():
     """initial_scale=1e-30 on an ordinary loss: whatever is applied is finite."""
     model = _model()

@@ -88,7 +88,7 @@ def check_loss_scale_state(loss_scale: Any) -> tuple[float, int, int, int]:
             f"with the keys {sorted(expected)}. Received: {loss_scale!r}"
         )
     value = loss_scale["scale"]
-    # 0 and inf are states a run reaches (about 150 skipped steps; growth)
+    # 0 and inf are states a run reaches (about 165 skipped steps; growth)
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not _as_float(value) >= 0:
         raise ValueError(
             f"loss_scale['scale'] must be a number >= 0 (inf included). Received: {value!r}"

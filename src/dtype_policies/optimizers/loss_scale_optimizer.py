@@ -27,6 +27,9 @@ from dtype_policies.optimizers._checks import (
     to_float32,
 )
 
+# The second factor of a reciprocal too large for float32 (`_unscale_grads`)
+_SPLIT = 2.0**64
+
 
 class LossScaleOptimizer(torch.optim.Optimizer):
     """Dynamic loss scaling around a torch optimizer (Keras 3 semantics).
@@ -46,7 +49,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     Like Keras, the scale has no lower bound. A loss that is inf or NaN for
     reasons unrelated to scaling (bad data, divergence) halves the scale at
     every step, and it reaches 0 after about 165 consecutive skipped steps
-    (from the default 2**15); watch `dynamic_scale` or the loss. Unlike
+    (from the default 2**15); watch `dynamic_scale` or the loss. Until it
+    is 0, finite gradients are unscaled and applied, as Keras's division
+    does (also below 2**-126, where the scale's float32 reciprocal is inf). Unlike
     Keras (and as `torch.amp.GradScaler`), growth stops below float32's
     largest value: a scale grown to inf (gradients exactly 0 for thousands of
     steps) would skip every later step, inf halved being inf.
@@ -455,6 +460,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         found_infs: dict[torch.device, torch.Tensor] = {}
         inv_scales = self._inv_scales
         inverse = to_float32(1.0 / self._scale) if self._scale else math.inf
+        # Below 2**-126 the reciprocal overflows float32: the gradients are
+        # multiplied by two finite factors instead (Keras divides by the scale)
+        split = 0.0 < self._scale and not math.isfinite(inverse)
+        if split:
+            inverse = to_float32(1.0 / (self._scale * _SPLIT))
         for (device, _), ((device_grads,), _) in _group_tensors_by_device_and_dtype(
             [grads]
         ).items():
@@ -468,11 +478,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 )
             # The fused op checks the gradients before multiplying them.
             torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, inv_scale)
-            if not inverse <= 1.0:
+            if not inverse <= 1.0 or split:
                 # A scale below 1 (or 0) multiplies: the unscaled gradients may
-                # overflow, so they are checked again (multiplied by 1).
-                one = torch.ones(1, dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, one)
+                # overflow, so they are checked again (multiplied by 1, or by
+                # the second factor).
+                second = torch.full((1,), _SPLIT if split else 1.0, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, second)
         return list(found_infs.values())
 
     # ------------------------------------------------------------------ step
