@@ -857,6 +857,31 @@ def test_a_gradient_tensor_several_parameters_share_is_unscaled_once(sharing):
         assert p.grad.data_ptr() == buffer.data_ptr()  # unscaled in place, still the views
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_views_of_one_flat_gradient_buffer_in_any_order_are_each_unscaled_once(seed):
+    """Gradients that are views of one flat buffer (a contiguous gradient
+    buffer, DDP's bucket views), set in a shuffled order, some repeated or
+    overlapping their neighbours: each element is unscaled exactly once
+    (the check is by sorted spans since 2026-12-06; it was quadratic)."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 5, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    buffer = torch.arange(1.0, 1.0 + sum(sizes)) * 4.0
+    views = [(o, n) for o, n in zip(offsets, sizes)]
+    views += [views[3], (offsets[10] + 1, sizes[10] + sizes[11])]  # the same; overlapping
+    order = torch.randperm(len(views), generator=generator).tolist()
+    parameters = [nn.Parameter(torch.zeros(views[i][1])) for i in order]
+    for parameter, i in zip(parameters, order):
+        start, size = views[i]
+        parameter.grad = buffer[start : start + size]
+    optimizer = LossScaleOptimizer(torch.optim.SGD(parameters, lr=1.0), initial_scale=4.0)
+    optimizer.step()
+    assert torch.equal(buffer, torch.arange(1.0, 1.0 + sum(sizes)))
+    for parameter, i in zip(parameters, order):
+        start, size = views[i]
+        assert torch.equal(parameter.detach(), -torch.arange(1.0 + start, 1.0 + start + size))
+
+
 def test_scale_loss_called_inside_a_compiled_function_counts_as_called():
     """Dynamo drops attribute writes on an optimizer: a compiled
     forward-backward that scaled its loss left the flag unset, and step()

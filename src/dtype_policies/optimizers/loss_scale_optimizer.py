@@ -8,6 +8,7 @@ update when any of them overflowed, and adapts the factor as Keras does.
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import inspect
 import math
@@ -416,7 +417,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         fused unscale raised part-way otherwise, some gradients divided and
         not recorded as such, so that a retried step divided them again."""
         grads: list[torch.Tensor | None] = []  # (the grouping helper's type)
-        spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # by storage: the written
+        spans: dict[int, _Spans] = {}  # by storage: the written
         for group in self._inner.param_groups:
             for param in group["params"]:
                 grad = param.grad
@@ -719,19 +720,32 @@ def _real(grad: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(grad) if grad.is_complex() else grad
 
 
-def _shared(tensor: torch.Tensor, spans: dict[int, list[tuple[int, int, torch.Tensor]]]) -> str:
+class _Spans:
+    """The byte spans of one storage's tensors, disjoint, sorted by start."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.spans: list[tuple[int, int, torch.Tensor]] = []
+
+
+def _shared(tensor: torch.Tensor, spans: dict[int, _Spans]) -> str:
     """Whether `tensor` is one already in `spans` (`"same"`), overlaps one
     (`"overlapping"`), or neither (`""`, and it is added): gradients set by
-    hand may be one tensor for two parameters, or views of one buffer."""
+    hand may be one tensor for two parameters, or views of one buffer (a
+    flat gradient buffer: thousands of views, each checked in log time)."""
     if tensor.numel() == 0:
         return ""
     size = tensor.element_size()
     start = int(tensor.storage_offset()) * size
     extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(tensor.shape, tensor.stride()))
     end = start + extent * size
-    seen = spans.setdefault(tensor.untyped_storage().data_ptr(), [])
-    for other_start, other_end, other in seen:
-        if start < other_end and other_start < end:
+    seen = spans.setdefault(tensor.untyped_storage().data_ptr(), _Spans())
+    # the spans are disjoint, so their ends grow with their starts: only the
+    # last one starting before `end` can reach past `start`
+    index = bisect.bisect_left(seen.starts, end)
+    if index:
+        other_start, other_end, other = seen.spans[index - 1]
+        if start < other_end:
             same = (
                 start == other_start
                 and tensor.shape == other.shape
@@ -739,7 +753,8 @@ def _shared(tensor: torch.Tensor, spans: dict[int, list[tuple[int, int, torch.Te
                 and tensor.dtype == other.dtype
             )
             return "same" if same else "overlapping"
-    seen.append((start, end, tensor))
+    seen.starts.insert(index, start)
+    seen.spans.insert(index, (start, end, tensor))
     return ""
 
 
