@@ -177,6 +177,22 @@ def test_layer_norm_axes_and_rms():
         layers.LayerNormalization(axis=5)(x)
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_layer_norm_built_at_one_rank_normalizes_inputs_of_another(policy):
+    """Keras keeps `axis` as given: `-1` is the last axis at every call's
+    rank. Built on (2, 8), a (3, 5, 8) input normalized over axis 1 (the
+    build's last axis, read as a positive index) and failed."""
+    torch.manual_seed(0)
+    layer = layers.LayerNormalization(dtype=policy)
+    layer(torch.randn(2, 8))
+    x = torch.randn(3, 5, 8)
+    expected = F.layer_norm(x, (8,), eps=layer.epsilon)
+    tolerance = 1e-6 if policy == "float32" else 0.03
+    torch.testing.assert_close(layer(x).float(), expected, atol=tolerance, rtol=0)
+    with pytest.raises(ValueError, match=r"Invalid axis -1 for inputs of rank 0"):
+        layer(torch.tensor(1.0))
+
+
 def _mha_reference(mha, query, value, mask=None):
     q = torch.einsum("abc,cde->abde", query, mha.query.kernel) + mha.query.bias
     k = torch.einsum("abc,cde->abde", value, mha.key.kernel) + mha.key.bias

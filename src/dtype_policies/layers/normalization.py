@@ -89,10 +89,7 @@ class LayerNormalization(Layer):
             if not -rank <= axis < rank:
                 raise ValueError(f"Invalid axis {axis} for inputs of rank {rank}.")
             normalized.append(axis % rank)
-        self._axes = tuple(sorted(set(normalized)))
-        self._trailing = self._axes == tuple(range(rank - len(self._axes), rank))
-        param_shape = tuple(input_shape[a] for a in self._axes)
-        self._broadcast_shape = tuple(input_shape[i] if i in self._axes else 1 for i in range(rank))
+        param_shape = tuple(input_shape[a] for a in sorted(set(normalized)))
         if self.scale or self.rms_scaling:
             self.gamma = self.add_weight(
                 shape=param_shape,
@@ -124,10 +121,26 @@ class LayerNormalization(Layer):
         """
         return tuple(input_shape)
 
+    def _axes_of(self, inputs: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+        """The axes normalized for `inputs` (`axis` as given, read at the
+        call's rank, as Keras: `-1` is the last axis of any input, not the
+        build's rank's) and whether they are the trailing ones."""
+        rank = inputs.dim()
+        given = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        for axis in given:
+            if not -rank <= axis < rank:
+                raise ValueError(
+                    f"Invalid axis {axis} for inputs of rank {rank} (shape {tuple(inputs.shape)})."
+                )
+        axes = tuple(sorted({axis % rank for axis in given}))
+        return axes, axes == tuple(range(rank - len(axes), rank))
+
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
         compute = self._compute_torch_dtype
+        axes, trailing = self._axes_of(inputs)
+        broadcast = tuple(inputs.shape[i] if i in axes else 1 for i in range(inputs.dim()))
         if (
-            self._trailing
+            trailing
             and not self.rms_scaling
             and inputs.dtype == compute
             and compute in (torch.bfloat16, torch.float16)
@@ -139,28 +152,28 @@ class LayerNormalization(Layer):
         ):
             # torch's mixed-dtype kernel: half-precision in and out, float32
             # statistics and float32 gamma/beta, with no extra pass over the data.
-            shape = tuple(inputs.shape[a] for a in self._axes)
+            shape = tuple(inputs.shape[a] for a in axes)
             return F.layer_norm(inputs, shape, self.gamma, self.beta, self.epsilon)
         x = inputs if inputs.dtype in (torch.float32, torch.float64) else inputs.float()
         gamma = self.gamma.to(x.dtype) if self.gamma is not None else None
         beta = self.beta.to(x.dtype) if self.beta is not None else None
         if self.rms_scaling:
             # Keras's deprecated rule: the variance, with the mean left in the inputs.
-            variance = x.var(dim=self._axes, keepdim=True, correction=0)
+            variance = x.var(dim=axes, keepdim=True, correction=0)
             outputs = x * torch.rsqrt(variance + self.epsilon)
             if gamma is not None:
-                outputs = outputs * gamma.reshape(self._broadcast_shape)
-        elif self._trailing:
-            shape = tuple(x.shape[a] for a in self._axes)
+                outputs = outputs * gamma.reshape(broadcast)
+        elif trailing:
+            shape = tuple(x.shape[a] for a in axes)
             outputs = F.layer_norm(x, shape, gamma, beta, self.epsilon)
         else:
-            mean = x.mean(dim=self._axes, keepdim=True)
-            variance = (x - mean).square().mean(dim=self._axes, keepdim=True)
+            mean = x.mean(dim=axes, keepdim=True)
+            variance = (x - mean).square().mean(dim=axes, keepdim=True)
             outputs = (x - mean) * torch.rsqrt(variance + self.epsilon)
             if gamma is not None:
-                outputs = outputs * gamma.reshape(self._broadcast_shape)
+                outputs = outputs * gamma.reshape(broadcast)
             if beta is not None:
-                outputs = outputs + beta.reshape(self._broadcast_shape)
+                outputs = outputs + beta.reshape(broadcast)
         return outputs.to(compute)
 
     def get_config(self) -> dict[str, Any]:
