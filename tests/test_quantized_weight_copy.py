@@ -354,15 +354,32 @@ def test_a_strict_export_reads_the_weight_of_a_quantized_embedding() -> None:
     assert torch.allclose(exported.module()(ids), eager, atol=1e-6)
 
 
-def test_merging_peft_adapters_into_a_quantized_base_is_refused() -> None:
+@pytest.mark.parametrize("quantized", ["every base", "the second base"])
+@pytest.mark.parametrize("merge", ["merge_and_unload", "merge_adapter"])
+def test_merging_peft_adapters_into_a_quantized_base_is_refused(quantized, merge) -> None:
+    """peft merges tuner by tuner: with the first base float and the second
+    quantized, the first was merged and unloaded before the second's write
+    raised. peft's check before any merge refuses the model instead."""
     peft = pytest.importorskip("peft", reason="peft is not installed")
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))
     tuned = peft.get_peft_model(
         base, peft.LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights=False)
     )
-    quantize(tuned, "int4")
+    quantize(tuned, "int4", filters=None if quantized == "every base" else r".*2/base_layer")
     stored = _stored(tuned)
-    with pytest.raises(TypeError, match=r"int4-quantized Linear '.*0/base_layer'"):
-        tuned.merge_and_unload()  # it adds the adapters' product into `weight.data`
+    tuners = [type(m) for m in tuned.modules()]
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        before = tuned(x)
+    first = "0" if quantized == "every base" else "2"
+    with pytest.raises(TypeError, match=rf"tuner layer '{first}' is int4-quantized.*Nothing was"):
+        getattr(tuned, merge)()  # it adds the adapters' product into `weight.data`
+    _assert_bit_identical(tuned, stored)
+    assert [type(m) for m in tuned.modules()] == tuners
+    with torch.no_grad():
+        assert torch.equal(tuned(x), before)
+    tuner = tuned.base_model.model[2]
+    with pytest.raises(TypeError, match=r"int4-quantized Linear '.*2/base_layer'"):
+        tuner.merge()  # one tuner by hand: its write is refused
     _assert_bit_identical(tuned, stored)

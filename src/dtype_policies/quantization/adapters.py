@@ -29,12 +29,14 @@ imports `peft`.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from dtype_policies._core.module_state import clear_cast_caches
+from dtype_policies._core.module_state import clear_cast_caches, quantization_of
 
 
 def adapter_modules(modules: Iterable[torch.nn.Module]) -> set[int]:
@@ -99,6 +101,45 @@ def watch_merges(module: torch.nn.Module) -> None:
         merged = getattr(tuner, "merged_adapters", None)
         if isinstance(merged, list) and _watch_of(tuner) is None:
             tuner.register_forward_pre_hook(_MergeWatch(_merged_state(tuner)))
+
+
+_GUARDED = "_dtype_policies_refuses_quantized_bases"
+
+
+def refuse_merges_into_quantized_bases() -> None:
+    """peft merges a model's adapters tuner by tuner (`merge_and_unload()`,
+    `merge_adapter()`), and a tuner whose base this library quantized
+    refuses the write (`TypeError`): the tuners before it were merged, and
+    unloaded, already. peft checks that a model can be merged before
+    merging anything (`BaseTuner._check_merge_allowed`, where it refuses
+    GPTQ models of its own); if peft is imported, that check is extended,
+    once, to refuse a model holding a tuner on such a base, so that nothing
+    is merged. Called whenever a base is quantized (`attach`)."""
+    tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
+    base_tuner = getattr(tuners_utils, "BaseTuner", None)
+    check = getattr(base_tuner, "_check_merge_allowed", None)
+    if check is None or getattr(check, _GUARDED, False):
+        return
+
+    @functools.wraps(check)
+    def _check_merge_allowed(self: Any) -> None:
+        check(self)
+        for name, tuner in self.model.named_modules():
+            get_base = getattr(tuner, "get_base_layer", None)
+            if getattr(type(tuner), "adapter_layer_names", None) is None or get_base is None:
+                continue
+            quantized = quantization_of(get_base())
+            if quantized is not None and not quantized.scheme.keeps_float_weight:
+                raise TypeError(
+                    f"Cannot merge adapters into this model: the base of its tuner layer "
+                    f"'{name}' is {quantized.mode}-quantized (its weight is integer storage, "
+                    "which a merge cannot write). Nothing was merged. Merge into the float "
+                    "model, then quantize; or keep the adapters, which compute on the "
+                    "quantized base."
+                )
+
+    setattr(_check_merge_allowed, _GUARDED, True)
+    base_tuner._check_merge_allowed = _check_merge_allowed
 
 
 def merges_seen(tuner: torch.nn.Module) -> None:
