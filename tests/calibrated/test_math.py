@@ -406,6 +406,16 @@ def test_configs_take_numpy_numbers_as_keras_does_and_refuse_nan_damping():
         GPTQConfig(None, None, hessian_damping=float("nan"))
     with pytest.raises(ValueError, match=r"group_size must be an integer. Received: group_"):
         GPTQConfig(None, None, group_size=True)
+    # Keras's checks (`weight_bits in [2, 3, 4, 8]`, `group_size < -1`) take a
+    # float holding an integer; the config keeps the integer
+    floats = GPTQConfig(None, None, weight_bits=4.0, group_size=np.float64(64.0))
+    assert (floats.weight_bits, floats.group_size) == (4, 64)
+    assert type(floats.weight_bits) is int and floats == GPTQConfig(None, None, group_size=64)
+    assert AWQConfig(None, None, num_grid_points=10.0).num_grid_points == 10
+    for bad in (64.5, float("inf"), float("nan")):
+        expected = rf"group_size must be an integer. Received: group_size={bad}"
+        with pytest.raises(ValueError, match=expected):
+            GPTQConfig(None, None, group_size=bad)
 
 
 @pytest.mark.parametrize("structure", ["model.layers", 5, [3], {"sequential_blocks": "a.b"}])

@@ -23,9 +23,12 @@ def _is_bool(value: Any) -> bool:
 
 
 def as_int(name: str, value: Any) -> int:
-    """`value` as an int: Python's or NumPy's integers (as Keras takes them),
+    """`value` as an int: Python's or NumPy's integers, or a float holding
+    one (`4.0`: Keras's checks, `weight_bits in [2, 3, 4, 8]`, take it);
     never a bool."""
     if not _is_bool(value) and isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and not _is_bool(value) and float(value).is_integer():
         return int(value)
     raise ValueError(f"{name} must be an integer. Received: {name}={value!r}")
 
