@@ -882,6 +882,53 @@ def test_views_of_one_flat_gradient_buffer_in_any_order_are_each_unscaled_once(s
         assert torch.equal(parameter.detach(), -torch.arange(1.0 + start, 1.0 + start + size))
 
 
+def test_a_compiled_training_step_with_the_step_inside_compiles_each_frame_once():
+    """`torch.compile` of zero_grad, forward, backward and `step()`: the
+    overlap check of the gradients (storage addresses, strides) was traced,
+    and each parameter's shape recompiled its frame until Dynamo's recompile
+    limit. The unscaling runs eagerly; the values are eager's."""
+    import logging
+
+    limit_hit = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "_limit" in record.getMessage():  # recompile_limit (cache_size_limit on 2.6)
+                limit_hit.append(record.getMessage())
+
+    recorder = Recorder()
+    dynamo_logger = logging.getLogger("torch._dynamo")
+    dynamo_logger.addHandler(recorder)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    try:
+        with config.patch(**{name: 4}):
+            compiled = _three_steps(compiled=True)
+    finally:
+        dynamo_logger.removeHandler(recorder)
+    assert not limit_hit
+    torch.testing.assert_close(compiled, _three_steps(compiled=False))
+
+
+def _three_steps(compiled: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12), nn.Linear(12, 3))
+    optimizer = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 12), torch.randn(8, 3)
+
+    def step():
+        optimizer.zero_grad()
+        loss = (model(x) - y).square().mean()
+        optimizer.scale_loss(loss).backward()
+        optimizer.step()
+        return loss.detach()
+
+    run = torch.compile(step, backend="eager") if compiled else step
+    losses = torch.stack([run() for _ in range(3)])
+    assert optimizer.iterations == 3
+    return losses
+
+
 def test_scale_loss_called_inside_a_compiled_function_counts_as_called():
     """Dynamo drops attribute writes on an optimizer: a compiled
     forward-backward that scaled its loss left the flag unset, and step()

@@ -408,6 +408,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         self._found_inf = self._unscale_grads()
 
+    # Run eagerly in a compiled training step: it reads storage addresses and
+    # strides per gradient, which a trace would guard on (a recompile per
+    # parameter shape, then Dynamo's recompile limit)
+    @torch.compiler.disable
     def _unscale_grads(self) -> list[torch.Tensor]:
         """Unscales every gradient in place; returns one found-inf flag per device.
 
