@@ -203,7 +203,7 @@ def config_holder(model: torch.nn.Module) -> torch.nn.Module | None:
     config object, `save_pretrained` among others.)"""
     if getattr(model, "config", None) is not None:
         return model
-    holders = {}
+    holders: dict[int, torch.nn.Module] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):

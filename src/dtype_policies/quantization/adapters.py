@@ -139,7 +139,7 @@ def refuse_merges_into_quantized_bases() -> None:
                 )
 
     setattr(_check_merge_allowed, _GUARDED, True)
-    base_tuner._check_merge_allowed = _check_merge_allowed
+    setattr(base_tuner, "_check_merge_allowed", _check_merge_allowed)  # noqa: B010
 
 
 def merges_seen(tuner: torch.nn.Module) -> None:

@@ -29,7 +29,7 @@ def as_int(name: str, value: Any) -> int:
     if not _is_bool(value) and isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real) and not _is_bool(value) and float(value).is_integer():
-        return int(value)
+        return int(float(value))
     raise ValueError(f"{name} must be an integer. Received: {name}={value!r}")
 
 

@@ -36,7 +36,8 @@ def freezing_weights() -> bool:
         # Dynamo imported it. Not looked up in `sys.modules` here: Dynamo
         # traces that lookup by walking the whole dictionary, which another
         # thread's import changes under it ("dictionary changed size")
-        from torch._inductor import config
-    else:
-        config = sys.modules.get("torch._inductor.config")  # not imported: not frozen
+        from torch._inductor import config as inductor_config
+
+        return bool(inductor_config.freezing) and not exporting()
+    config = sys.modules.get("torch._inductor.config")  # not imported: not frozen
     return bool(config is not None and config.freezing) and not exporting()
