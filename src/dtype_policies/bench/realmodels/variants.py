@@ -280,6 +280,12 @@ OURS: list[Variant] = [
     ours("int4/32 scale_search", mode="int4", block_size=32, scale_search=True),
     ours("int4/128 scale_search", mode="int4", block_size=128, scale_search=True),
     ours("int4/-1 scale_search", mode="int4", block_size=-1, scale_search=True),
+    ours(
+        "int4 one group per row",
+        mode="int4",
+        block_size=1 << 20,
+        note="a block as wide as the input: per channel with a zero point",
+    ),
     calibrated("gptq", 4, 128, models=BOTH),
     calibrated("gptq", 4, 128, models=BOTH, suffix=" act-order", activation_order=True),
     calibrated("gptq", 4, 128, suffix=" Keras grids", grid="keras"),
