@@ -1054,8 +1054,10 @@ def test_importing_the_package_does_not_load_fsdp():
 
     code = (
         "import sys, dtype_policies, dtype_policies.distributed; "
-        "print('torch.distributed.fsdp' in sys.modules)"
+        "print('torch.distributed.fsdp' in sys.modules, 'torch._dynamo' in sys.modules)"
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert output.stdout.strip() == "False", output.stderr
+    # nor Dynamo (about a second; on torch 2.6 it imports FSDP): a decorator
+    # of the loss scale optimizer's did, at import
+    assert output.stdout.strip() == "False False", output.stderr
     assert dtype_policies.distributed.fully_shard is fully_shard

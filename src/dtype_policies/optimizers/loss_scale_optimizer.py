@@ -9,6 +9,7 @@ update when any of them overflowed, and adapts the factor as Keras does.
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 import inspect
 import math
@@ -30,6 +31,17 @@ from dtype_policies.optimizers._checks import (
 
 # The second factor of a reciprocal too large for float32 (`_unscale_grads`)
 _SPLIT = 2.0**64
+
+
+@functools.cache
+def _unscaling_runs_eagerly() -> None:
+    """Makes `_unscale_grads` run eagerly in a compiled training step: it
+    reads storage addresses and strides per gradient, which a trace would
+    guard on (a recompile per parameter shape, up to Dynamo's recompile
+    limit). Done when the first optimizer is made, not when the package is
+    imported: `torch.compiler.disable` imports Dynamo (about a second)."""
+    method = LossScaleOptimizer.__dict__["_unscale_grads"]
+    LossScaleOptimizer._unscale_grads = torch.compiler.disable(method)  # type: ignore[method-assign]
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -140,6 +152,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         check_kwargs(kwargs)
+        _unscaling_runs_eagerly()
         if isinstance(inner_optimizer, LossScaleOptimizer):
             raise ValueError(
                 "`inner_optimizer` is already a LossScaleOptimizer; wrapping it again "
@@ -408,10 +421,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         self._found_inf = self._unscale_grads()
 
-    # Run eagerly in a compiled training step: it reads storage addresses and
-    # strides per gradient, which a trace would guard on (a recompile per
-    # parameter shape, then Dynamo's recompile limit)
-    @torch.compiler.disable
     def _unscale_grads(self) -> list[torch.Tensor]:
         """Unscales every gradient in place; returns one found-inf flag per device.
 
