@@ -533,6 +533,25 @@ def test_names_with_regex_characters_are_escaped(tmp_path):
         assert policy_map.matching_key(path) is not None
 
 
+def test_a_name_with_regex_characters_that_an_archive_maps_regex_matches(tmp_path):
+    """`Dense(name="proj-in", dtype=DTypePolicyMap(..., {"proj-.*": ...}))`:
+    the layer's escaped key and the copied regex both matched its path, and
+    reading it raised "matches multiple keys"."""
+    keras_map = {
+        "module": "keras.dtype_policies",
+        "class_name": "DTypePolicyMap",
+        "config": {
+            "default_policy": _policy("mixed_bfloat16"),
+            "policy_map": {"proj-.*": _policy("float32")},
+        },
+    }
+    config = _sequential([_layer("Dense", "proj-in", keras_map)], name="m")
+    policy_map = policy_map_from_keras(_archive(tmp_path, config))
+    for path in ("proj-in", "m/proj-in"):
+        assert policy_map[path] == DTypePolicy("float32")
+    assert policy_map["proj-out"] == DTypePolicy("float32")  # the archive's regex, kept
+
+
 def test_most_common_default_counts_quantized_as_source(tmp_path):
     int8 = {
         "module": "keras.dtype_policies",

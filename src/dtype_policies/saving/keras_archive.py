@@ -455,9 +455,21 @@ class _Reader:
                         aliases.setdefault(key, policy)
             entries.update({k: p for k, p in aliases.items() if p is not None})
 
+        copied = []
         for archive_map in self.archive_maps:
             for key, policy in archive_map.policy_map.items():
-                entries.setdefault(key, policy)
+                if key not in entries:
+                    entries[key] = policy
+                    copied.append(key)
+        # A layer keyed by its escaped path ("proj\-in") that a copied regex
+        # also matches ("proj-.*") would match two keys: keyed by its path as
+        # it is, the exact key is found first
+        for layer in self.layers:
+            for path in (layer.saved_path, *layer.other_paths):
+                key = _key(path)
+                escaped = key != path and key in entries and path not in entries
+                if escaped and any(re.fullmatch(other, path) for other in copied):
+                    entries[path] = entries.pop(key)
 
         return DTypePolicyMap(self._default_policy(), entries)
 
