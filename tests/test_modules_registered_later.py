@@ -204,6 +204,35 @@ def test_a_copy_and_a_pickle_of_the_model_take_new_modules_in_too():
     assert model[2].out_features == 4  # the original is untouched
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "fuse_linear_bn_eval"])
+def test_a_copy_of_a_policied_part_put_back_joins_and_leaves_with_remove(how):
+    """`model[0] = copy.deepcopy(model[0])` (torch's fusion helpers copy so):
+    the copy carried an application no handle owned, so it did not join, and
+    after `remove()` it still computed in bfloat16 and the model failed."""
+    from torch.nn.utils.fusion import fuse_linear_bn_eval
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model.eval()
+    with torch.no_grad():
+        reference = model(X)
+    handle = apply_policy(model, "mixed_bfloat16")
+    if how == "fuse_linear_bn_eval":
+        model[0], model[1] = fuse_linear_bn_eval(model[0], model[1]), nn.Identity()
+    else:
+        copied = (
+            copy.deepcopy(model[0]) if how == "deepcopy" else pickle.loads(pickle.dumps(model[0]))
+        )
+        model[0] = copied
+    assert handle.policies["0"].name == "mixed_bfloat16"
+    assert model(X).dtype == torch.bfloat16
+    handle.remove()
+    assert getattr(model[0], "dtype_policy", None) is None
+    with torch.no_grad():
+        out = model(X)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)  # fusion: float32 sums
+
+
 def test_a_submodule_kept_after_its_model_takes_its_own_policy_in():
     def backbone():
         model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8)))

@@ -99,11 +99,29 @@ def _subtrees(module: torch.nn.Module, rooted_at: Any) -> set[int]:
 
 
 def _carries_its_own(module: torch.nn.Module) -> bool:
-    """A `Layer`, or a module policied or quantized already."""
+    """A `Layer`, or a module policied (by an application in force) or
+    quantized already."""
     state = state_of(module)
-    return isinstance(module, Layer) or (
-        state is not None and (bool(state.applications) or state.quantization is not None)
-    )
+    if isinstance(module, Layer):
+        return True
+    if state is None:
+        return False
+    tokens = [entry[0] for entry in state.applications]
+    live = any(isinstance(t, Token) or live_handle(t) is not None for t in tokens)
+    return live or state.quantization is not None
+
+
+def _orphans(module: torch.nn.Module) -> list[object]:
+    """The applications on `module` that no application in force owns: a
+    copy's (`copy.deepcopy` or pickle of a policied part of a model, as
+    torch's `fuse_conv_bn_eval` makes), whose handle stayed with the model
+    it was copied from. A copy joining a policied model leaves them, so that
+    the model's `remove()` takes off everything it computes with."""
+    state = state_of(module)
+    if state is None:
+        return []
+    tokens = [entry[0] for entry in state.applications]
+    return [t for t in tokens if not isinstance(t, Token) and live_handle(t) is None]
 
 
 # One registration plans and commits at a time: two threads registering
@@ -161,6 +179,10 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
         merges_seen(replaced)  # peft's merge_and_unload: merged, then replaced by its base
     if child is not None and planned:
         watch_merges(child)
+        for module in child.modules():
+            if id(module) not in carried:
+                for orphan in _orphans(module):
+                    pop_application(module, orphan)
     changed = []
     for token, known, path, leaving, steps in planned:
         if token is IN_LAYER:
