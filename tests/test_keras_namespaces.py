@@ -323,6 +323,22 @@ def test_grouped_zero_point_quantization_as_keras(shape, block_size, value_range
         _close(mine, keras_value)
 
 
+@pytest.mark.parametrize(("shape", "axis"), [((3, 2), 0), ((2, 3), 1), ((4, 5), -1), ((5,), 0)])
+def test_pack_int4_returns_what_keras_returns(shape, axis):
+    """Keras's `(packed, packed_shape, orig_rows)`: the mirror returned the
+    packed tensor alone, which Keras-style unpacking bound row by row."""
+    from dtype_policies import quantizers
+
+    values = np.random.default_rng(3).integers(-8, 8, shape).astype(np.int8)
+    theirs = keras.quantizers.pack_int4(values, axis=axis)
+    ours = quantizers.pack_int4(torch.from_numpy(values), axis=axis)
+    assert len(ours) == len(theirs) == 3
+    assert np.array_equal(ours[0].numpy(), _numpy(theirs[0]))
+    assert ours[1] == tuple(int(n) for n in theirs[1]) and ours[2] == int(theirs[2])
+    unpacked = quantizers.unpack_int4(ours[0], ours[2], axis=axis)
+    assert np.array_equal(unpacked.numpy(), values)
+
+
 @pytest.mark.parametrize(
     ("axis", "num_bits", "narrow_range"), [(None, 8, False), (None, 4, True), (-1, 8, False)]
 )

@@ -112,14 +112,14 @@ def test_grouped_quantization_of_constant_groups_is_exact():
 def test_pack_unpack_round_trip(rows, columns, axis, seed):
     generator = torch.Generator().manual_seed(seed)
     values = torch.randint(-8, 8, (rows, columns), generator=generator, dtype=torch.int8)
-    packed = pack_int4(values, axis=axis)
-    length = values.shape[axis]
+    packed, packed_shape, length = pack_int4(values, axis=axis)
+    assert packed_shape == tuple(packed.shape) and length == values.shape[axis]
     assert packed.shape[axis] == (length + 1) // 2 and packed.dtype == torch.int8
     torch.testing.assert_close(unpack_int4(packed, length, axis=axis), values)
 
 
 def test_pack_layout_low_nibble_first_and_errors():
-    packed = pack_int4(torch.tensor([1, 2], dtype=torch.int8))
+    packed, _, _ = pack_int4(torch.tensor([1, 2], dtype=torch.int8))
     assert packed.view(torch.uint8).item() == 0x21
     with pytest.raises(TypeError, match="Expected int8 tensor for packing"):
         pack_int4(torch.tensor([1, 2], dtype=torch.int32))

@@ -9,8 +9,7 @@ tests/test_keras_namespaces.py) and GPTQ's primitives
 `abs_max_quantize_grouped_with_zero_point` is
 `grouped_quantize_with_zero_point` in this library's int4 path (Keras's
 function, with its numerics, is here too) and its `dequantize_with_sz_map`
-over a `g_idx` is `dequantize_grouped`; `pack_int4` returns the packed tensor
-alone (Keras: `(packed, packed_shape, orig_len)`).
+over a `g_idx` is `dequantize_grouped`.
 """
 
 import math
@@ -110,8 +109,8 @@ class TestQuantizersTest:
     )
     def test_pack_unpack_int4(self, shape, axis, dtype, minval, maxval):
         arr = torch.floor(uniform(shape, low=minval, high=maxval)).to(getattr(torch, dtype))
-        packed = quantizers.pack_int4(arr, axis=axis)
-        orig_len = arr.shape[axis]
+        packed, packed_shape, orig_len = quantizers.pack_int4(arr, axis=axis)
+        assert packed_shape == tuple(packed.shape) and orig_len == arr.shape[axis]
         unpacked = quantizers.unpack_int4(packed, orig_len, axis=axis, dtype=dtype)
         assert_dtype(packed, dtype)
         assert_dtype(unpacked, dtype)

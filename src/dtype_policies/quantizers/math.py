@@ -273,19 +273,21 @@ def dequantize_grouped(
     return (q.float() - zero.float()[group_of_row]) * scale.float()[group_of_row]
 
 
-def pack_int4(arr: torch.Tensor, axis: int = 0, dtype: str | torch.dtype = "int8") -> torch.Tensor:
+def packed_int4(
+    arr: torch.Tensor, axis: int = 0, dtype: str | torch.dtype = "int8"
+) -> torch.Tensor:
     """Packs int8 values in [-8, 7] (or uint8 values in [0, 15]) two per byte
     along `axis` (Keras layout).
 
     Element `2i` goes to the low nibble and `2i+1` to the high nibble of byte
     `i`; an odd length is zero-padded. Returns the input's dtype with
-    `ceil(n/2)` along `axis`.
+    `ceil(n/2)` along `axis` (`pack_int4`'s packed tensor alone).
 
     >>> import torch
-    >>> packed = pack_int4(torch.tensor([1, -2, 7], dtype=torch.int8))
+    >>> packed = packed_int4(torch.tensor([1, -2, 7], dtype=torch.int8))
     >>> packed, unpack_int4(packed, 3)
     (tensor([-31,   7], dtype=torch.int8), tensor([ 1, -2,  7], dtype=torch.int8))
-    >>> unpack_int4(pack_int4(torch.tensor([15, 0, 9], dtype=torch.uint8)), 3, dtype="uint8")
+    >>> unpack_int4(packed_int4(torch.tensor([15, 0, 9], dtype=torch.uint8)), 3, dtype="uint8")
     tensor([15,  0,  9], dtype=torch.uint8)
     """
     if arr.dtype not in (torch.int8, torch.uint8):
@@ -303,6 +305,26 @@ def pack_int4(arr: torch.Tensor, axis: int = 0, dtype: str | torch.dtype = "int8
     if arr.dtype == torch.int8:
         packed = packed.view(torch.int8)
     return packed.movedim(0, axis)
+
+
+def pack_int4(
+    arr: torch.Tensor, axis: int = 0, dtype: str | torch.dtype = "int8"
+) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """Keras's `pack_int4`: `(packed, packed_shape, orig_rows)`, the packed
+    tensor (`packed_int4`), its shape and the length along `axis` before
+    padding (what `unpack_int4` takes back).
+
+    >>> import torch
+    >>> packed, packed_shape, orig_rows = pack_int4(torch.tensor([[-3, 7], [2, -8], [1, 0]],
+    ...                                                          dtype=torch.int8))
+    >>> packed, packed_shape, orig_rows
+    (tensor([[  45, -121],
+            [   1,    0]], dtype=torch.int8), (2, 2), 3)
+    >>> unpack_int4(packed, orig_rows).tolist()
+    [[-3, 7], [2, -8], [1, 0]]
+    """
+    packed = packed_int4(arr, axis=axis, dtype=dtype)
+    return packed, tuple(packed.shape), int(arr.shape[axis])
 
 
 def unpack_int4(

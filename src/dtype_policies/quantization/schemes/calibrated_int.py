@@ -51,7 +51,7 @@ from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, We
 from dtype_policies.quantization.schemes.int4 import _laid_out, default_g_idx
 from dtype_policies.quantizers.gptq import quantize_rtn
 from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig
-from dtype_policies.quantizers.math import dequantize_grouped, pack_int4, unpack_int4
+from dtype_policies.quantizers.math import dequantize_grouped, packed_int4, unpack_int4
 
 
 class InputStatistics:
@@ -292,7 +292,7 @@ class CalibratedIntScheme(Scheme):
         q_nk = (levels.to(torch.int32) - offset).to(torch.int8)
         data = q_nk.t() if spec.layout == "in_out" else q_nk
         if self.bits(config) <= 4:
-            data = pack_int4(data.contiguous(), axis=-1)
+            data = packed_int4(data.contiguous(), axis=-1)
         names = self.buffer_names(spec, config)
         tensors = {
             names[0]: data.contiguous(),

@@ -35,7 +35,7 @@ from dtype_policies.quantizers.math import (
     codes_within_float32,
     dequantize_grouped,
     grouped_quantize_with_zero_point,
-    pack_int4,
+    packed_int4,
     unpack_int4,
 )
 from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
@@ -77,7 +77,7 @@ class Int4Scheme(Scheme):
             )
             extra = {names[1]: scale.reshape(-1)}
         data = q_nk.t() if spec.layout == "in_out" else q_nk
-        stored = {names[0]: pack_int4(data.contiguous(), axis=-1)}
+        stored = {names[0]: packed_int4(data.contiguous(), axis=-1)}
         stored.update({name: tensor.contiguous() for name, tensor in extra.items()})
         return stored
 
