@@ -323,6 +323,19 @@ def test_grouped_zero_point_quantization_as_keras(shape, block_size, value_range
         _close(mine, keras_value)
 
 
+@pytest.mark.parametrize("axis", [0, -1])
+def test_abs_max_quantize_scales_and_integers_are_keras_bits(axis):
+    """Keras divides `qmax` by the maxima; `qmax / tensor` in torch is the
+    reciprocal times `qmax`: a quarter of the scales were 1 ulp off."""
+    from dtype_policies import quantizers
+
+    x = _random((256, 64), seed=9, scale=1.0)
+    theirs = keras.quantizers.abs_max_quantize(x, axis=axis)
+    ours = quantizers.abs_max_quantize(torch.from_numpy(x), axis=axis)
+    assert np.array_equal(ours[1].numpy(), _numpy(theirs[1]))
+    assert np.array_equal(ours[0].numpy(), _numpy(theirs[0]))
+
+
 @pytest.mark.parametrize(("shape", "axis"), [((3, 2), 0), ((2, 3), 1), ((4, 5), -1), ((5,), 0)])
 def test_pack_int4_returns_what_keras_returns(shape, axis):
     """Keras's `(packed, packed_shape, orig_rows)`: the mirror returned the

@@ -54,7 +54,9 @@ def abs_max_quantize(
     dtype = _torch_dtype(dtype)
     x32 = inputs.float()
     qmax = float(value_range[1])
-    scale = qmax / (x32.abs().amax(dim=axis, keepdim=True) + epsilon)
+    # a true division, as Keras's: `qmax / tensor` is torch's reciprocal
+    # times qmax, one rounding more (1 ulp off in a quarter of the scales)
+    scale = torch.div(x32.new_tensor(qmax), x32.abs().amax(dim=axis, keepdim=True) + epsilon)
     if inputs.is_floating_point() and inputs.dtype != torch.float32:
         scale = scale.to(inputs.dtype)
     q = torch.round(x32 * scale.float()).clamp_(value_range[0], value_range[1]).to(dtype)
