@@ -173,6 +173,36 @@ def test_a_keras_multi_head_attention_with_a_sliding_window_computes_as_keras(ca
 @pytest.mark.parametrize(
     "name",
     [
+        "Dense",
+        "EinsumDense",
+        "Embedding",
+        "LayerNormalization",
+        "MultiHeadAttention",
+        "Dropout",
+        "Activation",
+    ],
+)
+def test_the_layers_take_keras_positional_arguments_in_keras_order(name):
+    """A positional call written for Keras configures the same: ours had
+    `rms_scaling` fifth in LayerNormalization (Keras 3.15 takes it by name
+    only), `seed, use_gate` in MultiHeadAttention (Keras: `use_gate, seed`)
+    and `activity_regularizer` among EinsumDense's (Keras: by name)."""
+    import inspect
+
+    from dtype_policies import layers
+
+    def positional(cls):
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        return [p.name for p in parameters if p.kind == kind and p.name != "self"]
+
+    ours, theirs = positional(getattr(layers, name)), positional(getattr(keras.layers, name))
+    assert ours == theirs[: len(ours)]  # Keras's later ones (LoRA, ...) are not mirrored
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
         "abs_max_quantize",
         "pack_int4",
         "unpack_int4",

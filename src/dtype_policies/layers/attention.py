@@ -112,8 +112,8 @@ class MultiHeadAttention(Layer):
         activity_regularizer: Any = None,
         kernel_constraint: Any = None,
         bias_constraint: Any = None,
-        seed: int | None = None,
         use_gate: bool = False,
+        seed: int | None = None,
         **kwargs: Any,
     ) -> None:
         # Keras's: the projections' activity regularizer, not the layer's own

@@ -192,9 +192,10 @@ class EinsumDense(QuantizableLayer):
         bias_initializer: Any = "zeros",
         kernel_regularizer: Any = None,
         bias_regularizer: Any = None,
-        activity_regularizer: Any = None,
         kernel_constraint: Any = None,
         bias_constraint: Any = None,
+        *,
+        activity_regularizer: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)

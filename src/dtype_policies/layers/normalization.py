@@ -46,13 +46,14 @@ class LayerNormalization(Layer):
         epsilon: float = 1e-3,
         center: bool = True,
         scale: bool = True,
-        rms_scaling: bool = False,
         beta_initializer: Any = "zeros",
         gamma_initializer: Any = "ones",
         beta_regularizer: Any = None,
         gamma_regularizer: Any = None,
         beta_constraint: Any = None,
         gamma_constraint: Any = None,
+        *,
+        rms_scaling: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs["autocast"] = False
