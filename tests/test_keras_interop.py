@@ -209,14 +209,39 @@ def test_the_layers_take_keras_positional_arguments_in_keras_order(name):
         "compute_float8_amax_history",
         "compute_float8_scale",
         "quantize_and_dequantize",
+        "serialize",
+        "deserialize",
+        "get",
+        "dtype_policies.serialize",
+        "dtype_policies.deserialize",
+        "dtype_policies.get",
     ],
 )
 def test_the_quantizers_mirror_takes_keras_arguments(name):
+    """The same names in the same order: positional and keyword calls
+    written for Keras agree (`serialize(dtype_policy=...)`,
+    `quantizers.deserialize(config, custom_objects=...)` raised here)."""
     import inspect
 
-    ours = list(inspect.signature(getattr(dtype_policies.quantizers, name)).parameters)
-    theirs = list(inspect.signature(getattr(keras.quantizers, name)).parameters)
-    assert ours == theirs  # the same names in the same order: positional calls agree
+    namespace, _, function = name.rpartition(".")
+    ours_module = dtype_policies if namespace else dtype_policies.quantizers
+    keras_module = keras.dtype_policies if namespace else keras.quantizers
+    ours = list(inspect.signature(getattr(ours_module, function)).parameters)
+    theirs = list(inspect.signature(getattr(keras_module, function)).parameters)
+    assert ours == theirs
+
+
+def test_quantizers_get_and_deserialize_take_keras_extra_arguments():
+    from dtype_policies import quantizers
+
+    assert quantizers.get("abs_max_quantizer", axis=0).axis == (0,)
+
+    class Custom(quantizers.AbsMaxQuantizer):
+        pass
+
+    config = {**quantizers.serialize(Custom(axis=-1)), "class_name": "Custom"}
+    restored = quantizers.deserialize(config, custom_objects={"Custom": Custom})
+    assert type(restored) is Custom and restored.axis == (-1,)
 
 
 @pytest.mark.parametrize("axis", [-1, 1])

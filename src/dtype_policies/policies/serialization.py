@@ -79,17 +79,19 @@ def _from_keras_map(keras_map: Any) -> DTypePolicy:
 
 
 @overload
-def serialize(policy: None) -> None: ...
+def serialize(dtype_policy: None) -> None: ...
 @overload
-def serialize(policy: DTypePolicy) -> dict[str, Any]: ...
-def serialize(policy: DTypePolicy | None) -> dict[str, Any] | None:
-    """Returns the Keras 3 dict form of `policy` (`None` for `None`, as Keras).
+def serialize(dtype_policy: DTypePolicy) -> dict[str, Any]: ...
+def serialize(dtype_policy: DTypePolicy | None) -> dict[str, Any] | None:
+    """Returns the Keras 3 dict form of `dtype_policy` (`None` for `None`, as
+    Keras; the argument's name is Keras's).
 
     >>> from dtype_policies import serialize, QuantizedDTypePolicy
     >>> serialize(QuantizedDTypePolicy("int8", "float32"))  # doctest: +NORMALIZE_WHITESPACE
     {'module': 'keras.dtype_policies', 'class_name': 'QuantizedDTypePolicy',
      'config': {'mode': 'int8', 'source_name': 'float32'}, 'registered_name': None}
     """
+    policy = dtype_policy
     if policy is None:
         return None
     if not isinstance(policy, DTypePolicy):

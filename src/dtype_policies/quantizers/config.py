@@ -833,35 +833,37 @@ def _snake_case(name: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
 
 
-def serialize(obj: Any) -> dict[str, Any] | None:
+def serialize(initializer: Any) -> dict[str, Any] | None:
     """A quantizer's or a quantization config's serialized form, as Keras's
     `keras.quantizers.serialize` writes it (so that each library reads the
-    other's).
+    other's; the argument's name is Keras's).
 
     >>> serialize(AbsMaxQuantizer(axis=0))
     {'module': 'keras.quantizers', 'class_name': 'AbsMaxQuantizer', \
 'config': {'value_range': (-127, 127), 'epsilon': 1e-07, 'output_dtype': 'int8', 'axis': (0,)}, \
 'registered_name': None}
     """
-    if obj is None:
+    if initializer is None:
         return None
     return {
         "module": "keras.quantizers",
-        "class_name": type(obj).__name__,
-        "config": obj.get_config(),
+        "class_name": type(initializer).__name__,
+        "config": initializer.get_config(),
         "registered_name": None,
     }
 
 
-def deserialize(config: Any) -> Any:
-    """Inverse of `serialize` (Keras's `keras.quantizers.deserialize`).
+def deserialize(config: Any, custom_objects: dict[str, Any] | None = None) -> Any:
+    """Inverse of `serialize` (Keras's `keras.quantizers.deserialize`);
+    `custom_objects` maps class names to classes of your own, looked up
+    first.
 
     >>> deserialize(serialize(Int4QuantizationConfig(block_size=64)))
     Int4QuantizationConfig(block_size=64)
     """
     if config is None:
         return None
-    classes = _quantizer_classes()
+    classes = {**_quantizer_classes(), **(custom_objects or {})}
     cls = classes.get(config.get("class_name")) if isinstance(config, dict) else None
     if cls is None:
         raise ValueError(
@@ -871,11 +873,11 @@ def deserialize(config: Any) -> Any:
     return cls.from_config(dict(config.get("config", {})))
 
 
-def get(identifier: Any) -> Any:
+def get(identifier: Any, **kwargs: Any) -> Any:
     """A quantizer or quantization config from an identifier (Keras's
     `keras.quantizers.get`): `None`, an object (returned as is), a serialized
     dict, or a class name (`"abs_max_quantizer"`, `"Int8QuantizationConfig"`)
-    giving a default instance.
+    giving an instance made with `kwargs`.
 
     >>> get("abs_max_quantizer")
     AbsMaxQuantizer(value_range=(-127, 127), epsilon=1e-07)
@@ -890,7 +892,7 @@ def get(identifier: Any) -> Any:
         cls = _quantizer_classes().get(identifier)
         if cls is None:
             raise ValueError(f"Could not interpret quantizer identifier: {identifier}")
-        return cls()
+        return cls(**kwargs)
     if callable(identifier) or isinstance(identifier, (AbsMaxQuantizer, QuantizationConfig)):
         return identifier
     raise ValueError(f"Could not interpret quantizer identifier: {identifier}")
