@@ -170,6 +170,43 @@ class SmallCNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class _WithLosses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 40)
+        self.cross_entropy = nn.CrossEntropyLoss()
+        self.mse = nn.MSELoss()
+
+    def forward(self, x, labels, targets):
+        logits = self.fc(x)
+        return self.cross_entropy(logits, labels), self.mse(logits[:, :4], targets)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_loss_modules_a_model_holds_compute_in_float32(policy):
+    """As Keras's losses: an `MSELoss` of targets near 100 under
+    mixed_bfloat16 computed in bfloat16 and returned 9984 for 9992. (The
+    targets the model itself is given are cast by its own call, as Keras
+    casts every floating argument of a layer's call.)"""
+    torch.manual_seed(0)
+    model = _WithLosses()
+    x, labels = torch.randn(64, 16), torch.randint(0, 40, (64,))
+    targets = torch.randn(64, 4) + 100
+    handle = apply_policy(model, policy)
+    assert handle.float32_paths == ["cross_entropy", "mse"]
+    cross_entropy, mse = model(x, labels, targets)
+    assert cross_entropy.dtype == mse.dtype == torch.float32
+    logits = model.fc(x).detach().float()  # the same call's logits, then float32 losses
+    compute = getattr(torch, handle.policies[""].compute_dtype)
+    given = targets.to(compute).float()  # cast by the model's own call
+    torch.testing.assert_close(cross_entropy, F.cross_entropy(logits, labels), rtol=1e-6, atol=0)
+    torch.testing.assert_close(mse, F.mse_loss(logits[:, :4], given), rtol=1e-6, atol=0)
+    (cross_entropy + mse).backward()
+    assert model.fc.weight.grad.dtype == torch.float32
+    handle.remove()
+    assert apply_policy(model, policy, float32_modules=()).float32_paths == []
+
+
 def test_small_cnn_with_batchnorm_islands():
     torch.manual_seed(0)
     model = SmallCNN()

@@ -89,8 +89,15 @@ def named_like_a_norm(path: str, module: torch.nn.Module) -> bool:
     )
 
 
-DEFAULT_FLOAT32_RULES: tuple[Any, ...] = (*DEFAULT_FLOAT32_MODULES, named_like_a_norm)
-"""`apply_policy`'s default `float32_modules`: those classes and `named_like_a_norm`."""
+_NORM_RULES: tuple[Any, ...] = (*DEFAULT_FLOAT32_MODULES, named_like_a_norm)
+
+_LOSSES = torch.nn.modules.loss._Loss
+
+DEFAULT_FLOAT32_RULES: tuple[Any, ...] = (*_NORM_RULES, _LOSSES)
+"""`apply_policy`'s default `float32_modules`: those classes, `named_like_a_norm`,
+and torch's loss modules held by a model (a loss computes in float32, as
+Keras's losses do: its inputs, targets included, are not rounded to the
+compute dtype, and it returns a float32 value)."""
 
 # Norm kernels that accept half inputs with float32 weights on CPU and compute
 # their statistics in float32 (so the upcast pass can be skipped).
@@ -107,7 +114,7 @@ Float32Rule = ModuleRule
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
-    return matches_any("", module, DEFAULT_FLOAT32_RULES)
+    return matches_any("", module, _NORM_RULES)
 
 
 @dataclass(frozen=True)
@@ -799,7 +806,8 @@ def _plan_policies(
         if not isinstance(submodule, Layer):
             options = policy_module.ModuleOptions(
                 policy=resolved,
-                island=island,
+                # a loss keeps its float32 value (an island hands outputs back)
+                island=island and not issubclass(original_class(submodule), _LOSSES),
                 half_inputs_ok=island and issubclass(original_class(submodule), _HALF_INPUT_NORMS),
                 norm=_is_norm(submodule),
                 gather=issubclass(original_class(submodule), _GATHER_MODULES),
