@@ -910,6 +910,26 @@ def test_a_compiled_training_step_with_the_step_inside_compiles_each_frame_once(
     torch.testing.assert_close(compiled, _three_steps(compiled=False))
 
 
+def test_an_optimizer_unpickled_in_a_fresh_process_unscales_eagerly_when_compiled(tmp_path):
+    """The unscaling is made eager (`torch.compiler.disable`) when the first
+    optimizer is made; an optimizer unpickled in a fresh process was never
+    made there, and its compiled step recompiled per parameter shape."""
+    import pickle
+    import subprocess
+    import sys
+
+    optimizer = LossScaleOptimizer(torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1))
+    path = tmp_path / "optimizer.pkl"
+    path.write_bytes(pickle.dumps(optimizer))
+    code = (
+        "import pickle, sys; from dtype_policies.optimizers import LossScaleOptimizer; "
+        f"pickle.loads(open({str(path)!r}, 'rb').read()); "
+        "print(hasattr(LossScaleOptimizer._unscale_grads, '_torchdynamo_orig_callable'))"
+    )
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert output.stdout.strip() == "True", output.stderr
+
+
 def _three_steps(compiled: bool) -> torch.Tensor:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12), nn.Linear(12, 3))

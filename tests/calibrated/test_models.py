@@ -543,7 +543,12 @@ def test_misuse():
 
 @pytest.mark.parametrize("config_class", [GPTQConfig, AWQConfig])
 @pytest.mark.parametrize(
-    "dataset", [[torch.randn(0, 64)], [torch.randn(0, 64), torch.randn(2, 0, 64)]]
+    "dataset",
+    [
+        [torch.randn(0, 64)],
+        [torch.randn(0, 64), torch.randn(2, 0, 64)],
+        [(torch.randn(0, 64), torch.tensor(1.0))],  # a 0-d argument (a timestep) is no row
+    ],
 )
 def test_float_inputs_without_rows_are_refused_before_anything_changes(config_class, dataset):
     """Calibrating on no rows was round to nearest under a calibrated label."""

@@ -12,6 +12,7 @@ import torch.nn as nn
 from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize
 from dtype_policies._core.module_state import state_of
 from dtype_policies.quantization import Int8QuantizationConfig
+from dtype_policies.quantization.schemes.base import NonFiniteWeightError
 
 from .helpers import (
     assert_unchanged,
@@ -221,7 +222,7 @@ def test_non_finite_weight_is_refused_by_every_route(how):
     with torch.no_grad():
         model.first.weight[0, 0] = float("inf")
     before = snapshot(model)
-    with pytest.raises(ValueError, match=r"first.*non-finite"):
+    with pytest.raises(NonFiniteWeightError, match=r"first.*non-finite"):
         apply_policy(model, "int8_from_float32")
     assert_unchanged(model, before)
 

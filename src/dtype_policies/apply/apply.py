@@ -1026,8 +1026,8 @@ def _plan_one(
         return module_plan, None
     except NotImplementedError as e:
         return None, str(e)  # computes with the policy's float source
-    except ValueError as e:
-        raise ValueError(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
+    except ValueError as e:  # its own type (NonFiniteWeightError) kept
+        raise type(e)(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
 
 
 def _example_paths(steps: list[Step]) -> str:

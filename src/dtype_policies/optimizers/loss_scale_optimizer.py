@@ -679,6 +679,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        _unscaling_runs_eagerly()  # a fresh process's first optimizer may be unpickled
         self.__dict__.update(state)
         self.__dict__.setdefault("_process_group", None)
         self._reset_runtime_state()

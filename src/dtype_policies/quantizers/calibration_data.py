@@ -74,8 +74,10 @@ def _floating_tensors(item: Any) -> list[Any]:
 
 
 def _holds_rows(item: Any) -> bool:
+    """Whether a batch-carrying tensor of `item` holds rows (a 0-d argument,
+    a timestep or a temperature, carries none)."""
     return any(
-        t.size != 0 if isinstance(t, np.ndarray) else t.numel() != 0
+        len(t.shape) >= 1 and (t.size if isinstance(t, np.ndarray) else t.numel()) != 0
         for t in _floating_tensors(item)
     )
 
