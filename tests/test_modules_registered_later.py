@@ -233,6 +233,28 @@ def test_a_copy_of_a_policied_part_put_back_joins_and_leaves_with_remove(how):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)  # fusion: float32 sums
 
 
+@pytest.mark.parametrize("kind", ["quantized", "layer"])
+def test_a_copy_of_a_quantized_module_or_layer_put_back_leaves_its_copied_application(kind):
+    """The copy keeps what is its own (its quantization, its layer policy),
+    as any such module registered later, and not the application it was
+    copied with, which no handle owns: after `remove()` it computed bfloat16."""
+    torch.manual_seed(0)
+    if kind == "quantized":
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+        quantize(model[1], "int8")
+    else:
+        model = nn.Sequential(nn.Linear(8, 16), layers.Dense(16), nn.Linear(16, 4))
+        model(X)
+    handle = apply_policy(model, "mixed_bfloat16")
+    copied = copy.deepcopy(model[1])
+    model.append(copied)
+    model[2] = nn.Linear(16, 16)
+    handle.remove()
+    assert [m(torch.randn(2, 16)).dtype for m in (model[1], copied)] == [torch.float32] * 2
+    assert model[1].dtype_policy.name == copied.dtype_policy.name
+    assert model(X).dtype == torch.float32
+
+
 def test_a_submodule_kept_after_its_model_takes_its_own_policy_in():
     def backbone():
         model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8)))

@@ -179,10 +179,9 @@ def _join(parent: torch.nn.Module, name: str, child: torch.nn.Module | None, sta
         merges_seen(replaced)  # peft's merge_and_unload: merged, then replaced by its base
     if child is not None and planned:
         watch_merges(child)
-        for module in child.modules():
-            if id(module) not in carried:
-                for orphan in _orphans(module):
-                    pop_application(module, orphan)
+        for module in child.modules():  # a copied quantized module or layer too
+            for orphan in _orphans(module):
+                pop_application(module, orphan)
     changed = []
     for token, known, path, leaving, steps in planned:
         if token is IN_LAYER:
