@@ -354,6 +354,37 @@ def test_a_strict_export_reads_the_weight_of_a_quantized_embedding() -> None:
     assert torch.allclose(exported.module()(ids), eager, atol=1e-6)
 
 
+@pytest.mark.parametrize("merge", ["merge_adapter", "merge_and_unload"])
+def test_merging_peft_adapters_into_a_float8_base_computes_the_merged_weight(merge) -> None:
+    """float8 keeps its float weight, so a merge is written; under plain
+    `quantize()` (no application watching the tuners) the base went on
+    computing from its kept cast of the unmerged weight: the adapter was
+    silently dropped (53% off on a 64 x 64 layer)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    tuned = peft.get_peft_model(
+        nn.Sequential(nn.Linear(64, 64)),
+        peft.LoraConfig(target_modules=["0"], init_lora_weights=False),
+    )
+    quantize(tuned, "float8")
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        adapted = tuned(x)
+        with tuned.disable_adapter():
+            base = tuned(x)
+    model = tuned.merge_and_unload() if merge == "merge_and_unload" else tuned
+    if merge == "merge_adapter":
+        tuned.base_model.merge_adapter()
+    with torch.no_grad():
+        merged = model(x)
+    error = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert error(merged, adapted) < 0.1 < error(merged, base)  # float8's rounding of the sum
+    if merge == "merge_adapter":
+        tuned.base_model.unmerge_adapter()
+        with torch.no_grad():
+            assert error(tuned(x), adapted) < 0.1
+
+
 @pytest.mark.parametrize("quantized", ["every base", "the second base"])
 @pytest.mark.parametrize("merge", ["merge_and_unload", "merge_adapter"])
 def test_merging_peft_adapters_into_a_quantized_base_is_refused(quantized, merge) -> None:

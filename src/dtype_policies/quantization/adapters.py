@@ -103,18 +103,24 @@ def watch_merges(module: torch.nn.Module) -> None:
             tuner.register_forward_pre_hook(_MergeWatch(_merged_state(tuner)))
 
 
-_GUARDED = "_dtype_policies_refuses_quantized_bases"
+_GUARDED = "_dtype_policies_guards_merges"
 
 
-def refuse_merges_into_quantized_bases() -> None:
+def guard_peft_merges() -> None:
     """peft merges a model's adapters tuner by tuner (`merge_and_unload()`,
-    `merge_adapter()`), and a tuner whose base this library quantized
-    refuses the write (`TypeError`): the tuners before it were merged, and
-    unloaded, already. peft checks that a model can be merged before
-    merging anything (`BaseTuner._check_merge_allowed`, where it refuses
-    GPTQ models of its own); if peft is imported, that check is extended,
-    once, to refuse a model holding a tuner on such a base, so that nothing
-    is merged. Called whenever a base is quantized (`attach`)."""
+    `merge_adapter()`) through `.data`, which moves no version counter.
+    Before merging anything it checks the model can be merged
+    (`BaseTuner._check_merge_allowed`, where it refuses GPTQ models of its
+    own); if peft is imported, that check is extended, once, so that:
+
+    * a model holding a tuner on a base whose weight this library stores
+      quantized is refused (its write would raise `TypeError` after the
+      tuners before it were merged, and unloaded, already): nothing merges;
+    * every tuner's base drops its kept casts (a float8 base keeps its float
+      weight, and would go on computing from the cast of the unmerged one),
+      and tuners are watched, so that a later `unmerge_adapter()` is seen.
+
+    Called whenever a weight is quantized (`attach`)."""
     tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
     base_tuner = getattr(tuners_utils, "BaseTuner", None)
     check = getattr(base_tuner, "_check_merge_allowed", None)
@@ -124,11 +130,14 @@ def refuse_merges_into_quantized_bases() -> None:
     @functools.wraps(check)
     def _check_merge_allowed(self: Any) -> None:
         check(self)
+        bases = []
         for name, tuner in self.model.named_modules():
             get_base = getattr(tuner, "get_base_layer", None)
             if getattr(type(tuner), "adapter_layer_names", None) is None or get_base is None:
                 continue
-            quantized = quantization_of(get_base())
+            base = get_base()
+            bases.append(base)
+            quantized = quantization_of(base)
             if quantized is not None and not quantized.scheme.keeps_float_weight:
                 raise TypeError(
                     f"Cannot merge adapters into this model: the base of its tuner layer "
@@ -137,6 +146,9 @@ def refuse_merges_into_quantized_bases() -> None:
                     "model, then quantize; or keep the adapters, which compute on the "
                     "quantized base."
                 )
+        for base in bases:  # the merge writes next, through `.data`
+            clear_cast_caches(base)
+        watch_merges(self.model)
 
     setattr(_check_merge_allowed, _GUARDED, True)
     setattr(base_tuner, "_check_merge_allowed", _check_merge_allowed)  # noqa: B010
