@@ -259,8 +259,9 @@ def test_apply_policy_makes_eager_calls_attend_on_the_kernel(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("part", ["a decoder layer", "the layers' ModuleList"])
 def test_a_policied_part_of_a_model_attends_on_the_kernel_after_its_config_is_replaced(
-    monkeypatch, tmp_path
+    monkeypatch, part
 ):
     """`apply_policy(llm.model.layers[1], ...)`: the decoder layer holds no
     config of its own; its attention reads the model's. It attended with
@@ -281,17 +282,20 @@ def test_a_policied_part_of_a_model_attends_on_the_kernel_after_its_config_is_re
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attention, "scaled_dot_product_attention", counted)
-    handle = apply_policy(model.model.layers[1], "mixed_bfloat16")
+    layers = model.model.layers
+    handle = apply_policy(layers[1] if part == "a decoder layer" else layers, "mixed_bfloat16")
+    # a ModuleList is never called: its layers are hooked (none attended so before)
+    expected = [torch.bfloat16] * (1 if part == "a decoder layer" else 2)
     with torch.inference_mode():
         before = model(tokens).logits
-        assert calls == [torch.bfloat16]  # the float32 layer 0 attends with torch's
+        assert calls == expected  # a float32 layer 0 attends with torch's
         model.config = copy.deepcopy(model.config)
         for module in model.modules():
             if hasattr(module, "config"):
                 module.config = model.config
         calls.clear()
         assert torch.equal(model(tokens).logits, before)
-        assert calls == [torch.bfloat16]
+        assert calls == expected
         handle.remove()
         calls.clear()
         model(tokens)

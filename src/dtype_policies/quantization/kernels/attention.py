@@ -238,7 +238,11 @@ def attend_on_kernel(model: torch.nn.Module) -> list[Any]:
     `transformers_attention` (as `selected`), and every call on one dtype
     (`_attention_dispatch.promoted`); returns the hooks' handles
     (`handle.remove()` undoes it), none for any other model. The model's
-    setting is restored after each call, also when it raises."""
+    setting is restored after each call, also when it raises. A container
+    that is never called itself (`llm.model.layers`, a `ModuleList`) has its
+    called children hooked instead."""
+    if isinstance(model, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        return [handle for child in model.children() for handle in attend_on_kernel(child)]
     holder = _attention_dispatch.config_holder(model)
     implementation = getattr(getattr(holder, "config", None), "_attn_implementation", None)
     if implementation in ("eager", "sdpa"):
