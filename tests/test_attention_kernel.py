@@ -226,10 +226,9 @@ def test_selected_leaves_other_models_alone():
         assert not hasattr(llama.config, SELECTION)
 
 
-@needs_kernel
-def test_apply_policy_makes_eager_calls_attend_on_the_kernel(monkeypatch):
-    from dtype_policies import apply_policy
-
+def _llama_counting_kernel_calls(monkeypatch):
+    """A float32 tiny Llama, its tokens, and the list the kernel's calls
+    append their query's dtype to."""
     model = _tiny_llama().float()
     tokens = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(4))
     calls = []
@@ -240,6 +239,14 @@ def test_apply_policy_makes_eager_calls_attend_on_the_kernel(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attention, "scaled_dot_product_attention", counted)
+    return model, tokens, calls
+
+
+@needs_kernel
+def test_apply_policy_makes_eager_calls_attend_on_the_kernel(monkeypatch):
+    from dtype_policies import apply_policy
+
+    model, tokens, calls = _llama_counting_kernel_calls(monkeypatch)
     with torch.inference_mode():
         reference = model(tokens).logits
         handle = apply_policy(model, "mixed_bfloat16")
@@ -272,16 +279,7 @@ def test_a_policied_part_of_a_model_attends_on_the_kernel_after_its_config_is_re
     the hooks read the config at each call."""
     from dtype_policies import apply_policy
 
-    model = _tiny_llama().float()
-    tokens = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(4))
-    calls = []
-    original = attention.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "scaled_dot_product_attention", counted)
+    model, tokens, calls = _llama_counting_kernel_calls(monkeypatch)
     layers = model.model.layers
     handle = apply_policy(layers[1] if part == "a decoder layer" else layers, "mixed_bfloat16")
     # a ModuleList is never called: its layers are hooked (none attended so before)
