@@ -95,9 +95,10 @@ _LOSSES = torch.nn.modules.loss._Loss
 
 DEFAULT_FLOAT32_RULES: tuple[Any, ...] = (*_NORM_RULES, _LOSSES)
 """`apply_policy`'s default `float32_modules`: those classes, `named_like_a_norm`,
-and torch's loss modules held by a model (a loss computes in float32, as
-Keras's losses do: its inputs, targets included, are not rounded to the
-compute dtype, and it returns a float32 value)."""
+and torch's loss modules held by a model (a loss computes in float32 and
+returns a float32 value, as Keras's losses do; what the model's own call was
+given, targets included, was cast at that call, as Keras casts a call's
+floating arguments)."""
 
 # Norm kernels that accept half inputs with float32 weights on CPU and compute
 # their statistics in float32 (so the upcast pass can be skipped).
