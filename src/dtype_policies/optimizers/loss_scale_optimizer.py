@@ -490,14 +490,18 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 inv_scale = inv_scales[device] = torch.full(
                     (1,), inverse, dtype=torch.float32, device=device
                 )
-            # The fused op checks the gradients before multiplying them.
-            torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, inv_scale)
-            if not inverse <= 1.0 or split:
+            # The fused op checks the gradients before multiplying them. Split,
+            # 2**64 first: the scaled gradients are small, and dividing them
+            # by 2**64 first would take their low bits into subnormals.
+            factors = [inv_scale]
+            if split:
+                factors.insert(0, torch.full((1,), _SPLIT, device=device))
+            elif not inverse <= 1.0:
                 # A scale below 1 (or 0) multiplies: the unscaled gradients may
-                # overflow, so they are checked again (multiplied by 1, or by
-                # the second factor).
-                second = torch.full((1,), _SPLIT if split else 1.0, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, second)
+                # overflow, so they are checked again (multiplied by 1).
+                factors.append(torch.ones(1, dtype=torch.float32, device=device))
+            for factor in factors:
+                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, factor)
         return list(found_infs.values())
 
     # ------------------------------------------------------------------ step
