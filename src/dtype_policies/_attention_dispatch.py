@@ -211,18 +211,14 @@ def config_holder(model: torch.nn.Module) -> torch.nn.Module | None:
     return next(iter(holders.values())) if len(holders) == 1 else None
 
 
-def attention_config(model: torch.nn.Module) -> Any:
-    """The config `model`'s attention reads (`config_holder`), or `None`."""
-    holder = config_holder(model)
-    return None if holder is None else holder.config
-
-
 def selectable(model: torch.nn.Module, config: Any = None) -> bool:
-    """Whether `model` is a transformers model, or a part of one, on
-    `"sdpa"` with one config (a composite config's sub-configs are left
-    alone); `config`: its `attention_config`, when known."""
+    """Whether `model` is a transformers model on `"sdpa"` with one config
+    (a composite config's sub-configs are left alone); `config`: the one its
+    attention reads when it is not its own (a part of a model: its
+    `config_holder`'s), else the model's `config` (not searched for: this
+    is read at each call)."""
     if config is None:
-        config = attention_config(model)
+        config = getattr(model, "config", None)
     return (
         config is not None
         and getattr(config, "_attn_implementation", None) == "sdpa"
@@ -244,11 +240,11 @@ def selecting(model: torch.nn.Module, name: str, config: Any = None) -> Iterator
     and overlap across threads (each ends its own selection: when none is
     left the config is as it was). Another thread calling the model
     meanwhile attends the same way (the same values, up to rounding).
-    `config`: the model's `attention_config`, when known."""
+    `config`: as `selectable`'s."""
     if name not in _IMPLEMENTATIONS:
         raise KeyError(f"No attention implementation registered as {name!r}")
     if config is None:
-        config = attention_config(model)
+        config = getattr(model, "config", None)
     if not selectable(model, config):
         yield False
         return

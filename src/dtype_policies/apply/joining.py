@@ -106,9 +106,14 @@ def _carries_its_own(module: torch.nn.Module) -> bool:
         return True
     if state is None:
         return False
-    tokens = [entry[0] for entry in state.applications]
-    live = any(isinstance(t, Token) or live_handle(t) is not None for t in tokens)
+    live = any(_owned(entry[0]) for entry in state.applications)
     return live or state.quantization is not None
+
+
+def _owned(token: object) -> bool:
+    """A named token (a layer's own policy, `quantize()`'s entry) or an
+    application in force."""
+    return isinstance(token, Token) or live_handle(token) is not None
 
 
 def _orphans(module: torch.nn.Module) -> list[object]:
@@ -120,8 +125,7 @@ def _orphans(module: torch.nn.Module) -> list[object]:
     state = state_of(module)
     if state is None:
         return []
-    tokens = [entry[0] for entry in state.applications]
-    return [t for t in tokens if not isinstance(t, Token) and live_handle(t) is None]
+    return [entry[0] for entry in state.applications if not _owned(entry[0])]
 
 
 # One registration plans and commits at a time: two threads registering

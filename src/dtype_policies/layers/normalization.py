@@ -139,7 +139,6 @@ class LayerNormalization(Layer):
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
         compute = self._compute_torch_dtype
         axes, trailing = self._axes_of(inputs)
-        broadcast = tuple(inputs.shape[i] if i in axes else 1 for i in range(inputs.dim()))
         if (
             trailing
             and not self.rms_scaling
@@ -158,6 +157,7 @@ class LayerNormalization(Layer):
         x = inputs if inputs.dtype in (torch.float32, torch.float64) else inputs.float()
         gamma = self.gamma.to(x.dtype) if self.gamma is not None else None
         beta = self.beta.to(x.dtype) if self.beta is not None else None
+        broadcast = tuple(x.shape[i] if i in axes else 1 for i in range(x.dim()))
         if self.rms_scaling:
             # Keras's deprecated rule: the variance, with the mean left in the inputs.
             variance = x.var(dim=axes, keepdim=True, correction=0)

@@ -184,10 +184,10 @@ def selected(model: torch.nn.Module, config: Any = None) -> Iterator[None]:
     kernel; otherwise (or for any other model) nothing changes. The model's
     own setting is back in force after the block. Another thread calling the
     model meanwhile attends the same way (the same values, up to rounding).
-    A part of a transformers model (a decoder layer) attends so too.
-    `config`: the model's `_attention_dispatch.attention_config`, when known."""
+    `config`: the one a part of a model (a decoder layer) reads
+    (its `_attention_dispatch.config_holder`'s), else the model's own."""
     if config is None:
-        config = _attention_dispatch.attention_config(model)
+        config = getattr(model, "config", None)
     if not (_attention_dispatch.selectable(model, config) and native.available(KERNEL)):
         yield
         return
