@@ -30,8 +30,12 @@ imports `peft`.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -104,6 +108,7 @@ def watch_merges(module: torch.nn.Module) -> None:
 
 
 _GUARDED = "_dtype_policies_guards_merges"
+_TUNERS_UTILS = "peft.tuners.tuners_utils"
 
 
 def guard_peft_merges() -> None:
@@ -120,8 +125,12 @@ def guard_peft_merges() -> None:
       weight, and would go on computing from the cast of the unmerged one),
       and tuners are watched, so that a later `unmerge_adapter()` is seen.
 
-    Called whenever a weight is quantized (`attach`)."""
-    tuners_utils = sys.modules.get("peft.tuners.tuners_utils")
+    Called whenever a weight is quantized (`attach`); with peft not loaded
+    yet, the check is extended as soon as peft loads its tuners."""
+    tuners_utils = sys.modules.get(_TUNERS_UTILS)
+    if tuners_utils is None:
+        _GuardWhenPeftLoads.wait()
+        return
     base_tuner = getattr(tuners_utils, "BaseTuner", None)
     check = getattr(base_tuner, "_check_merge_allowed", None)
     if check is None or getattr(check, _GUARDED, False):
@@ -152,6 +161,65 @@ def guard_peft_merges() -> None:
 
     setattr(_check_merge_allowed, _GUARDED, True)
     setattr(base_tuner, "_check_merge_allowed", _check_merge_allowed)  # noqa: B010
+
+
+class _GuardWhenPeftLoads(importlib.abc.MetaPathFinder):
+    """An import hook, waiting in `sys.meta_path` from the first quantized
+    weight of a process that has not imported peft: when peft's tuners module
+    loads, it lets the other finders find the module, and runs
+    `guard_peft_merges` once the module has executed. It finds nothing
+    itself, and leaves `sys.meta_path` when the module has loaded."""
+
+    _lock = threading.Lock()
+    _waiting: _GuardWhenPeftLoads | None = None
+
+    @classmethod
+    def wait(cls) -> None:
+        with cls._lock:
+            if cls._waiting is None:
+                cls._waiting = cls()
+                sys.meta_path.insert(0, cls._waiting)
+
+    @classmethod
+    def stop(cls) -> None:
+        with cls._lock:
+            if cls._waiting in sys.meta_path:
+                sys.meta_path.remove(cls._waiting)
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _TUNERS_UTILS:
+            return None
+        for finder in [f for f in sys.meta_path if f is not self]:
+            find = getattr(finder, "find_spec", None)
+            spec = None if find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _GuardAfterExec(spec.loader)
+        return spec
+
+
+class _GuardAfterExec(importlib.abc.Loader):
+    """peft's own loader, which runs `guard_peft_merges` after executing
+    the module (everything else is the loader's)."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _GuardWhenPeftLoads.stop()
+        guard_peft_merges()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
 
 
 def merges_seen(tuner: torch.nn.Module) -> None:
