@@ -5,17 +5,27 @@ float32 (K,)) before the int4 kernel."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.calibrated import AWQDTypePolicy, bits_not_given
-from dtype_policies.quantization.schemes.base import QuantizedWeight, WeightSpec
-from dtype_policies.quantization.schemes.calibrated_int import CalibratedIntScheme, InputStatistics
+from dtype_policies.quantization.schemes.base import (
+    ActivationStatistics,
+    QuantizedWeight,
+    WeightSpec,
+)
+from dtype_policies.quantization.schemes.calibrated_int import (
+    CalibratedIntScheme,
+    InputStatistics,
+    input_statistics,
+)
 from dtype_policies.quantizers.awq import awq_quantize_matrix, awq_quantize_output
 from dtype_policies.quantizers.awq_config import AWQConfig
 
 
-class AWQScheme(CalibratedIntScheme):
+class AWQScheme(CalibratedIntScheme[AWQConfig]):
     mode = "awq"
     extra_buffers = ("awq_scales",)
     calibrated_on_quantized_outputs = True
@@ -30,11 +40,14 @@ class AWQScheme(CalibratedIntScheme):
         weight: torch.Tensor,
         spec: WeightSpec,
         config: AWQConfig,
-        statistics: InputStatistics,
+        statistics: ActivationStatistics,
     ) -> dict[str, torch.Tensor]:
+        statistics = input_statistics(statistics)
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
         group = config.block_size(spec.in_features)
         if config.objective == "weight":
+            if statistics.abs_max is None:  # `new_statistics` gathers it for this objective
+                raise RuntimeError("AWQ's weight objective needs the inputs' maximum |x|.")
             levels, scale, zero, scales, g_idx = awq_quantize_matrix(
                 w_nk,
                 statistics.abs_max,
@@ -53,8 +66,12 @@ class AWQScheme(CalibratedIntScheme):
             )
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx, (scales,))
 
-    def input_divisor(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
-        return module._buffers[qw.buffer_names[4]]  # `<w>_awq_scales`, after the int4 tensors
+    def input_divisor(
+        self, module: torch.nn.Module, qw: QuantizedWeight[AWQConfig]
+    ) -> torch.Tensor:
+        # `<w>_awq_scales`, after the int4 tensors: `attach` registers it as a
+        # tensor (torch types a module's buffers as optional)
+        return cast(torch.Tensor, module._buffers[qw.buffer_names[4]])
 
 
 register_mode(

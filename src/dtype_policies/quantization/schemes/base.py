@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -33,6 +33,10 @@ from dtype_policies._core.checkpoints import foreign_module_buffers
 from dtype_policies._derivatives import derivative_free, functorch_active
 from dtype_policies._modes import mode_record, stored_suffixes
 from dtype_policies.quantizers.config import QuantizationConfig
+
+# The configuration class a scheme is given (each mode has its own: a scheme
+# reads its fields, e.g. int4's `group_size`).
+ConfigT = TypeVar("ConfigT", bound=QuantizationConfig)
 
 LAYOUTS = ("out_in", "in_out")
 ROLES = ("linear", "embedding")
@@ -103,7 +107,7 @@ class ActivationStatistics(Protocol):
         sink's rows up; see `quantization.calibration`)."""
 
 
-class Scheme(abc.ABC):
+class Scheme(abc.ABC, Generic[ConfigT]):
     """One quantization mode: storage, dequantization and products.
 
     Class attributes:
@@ -124,10 +128,10 @@ class Scheme(abc.ABC):
     calibrated_on_quantized_outputs: ClassVar[bool] = True
 
     @abc.abstractmethod
-    def buffer_names(self, spec: WeightSpec, config: QuantizationConfig) -> tuple[str, ...]:
+    def buffer_names(self, spec: WeightSpec, config: ConfigT) -> tuple[str, ...]:
         """The names of the buffers this scheme registers on the module."""
 
-    def data_name(self, spec: WeightSpec, config: QuantizationConfig) -> str | None:
+    def data_name(self, spec: WeightSpec, config: ConfigT) -> str | None:
         """The buffer holding the weight's integer values (`None`: a scheme
         that keeps its weight in a float format)."""
         suffix = mode_record(self.mode).data_suffix
@@ -135,17 +139,17 @@ class Scheme(abc.ABC):
 
     @abc.abstractmethod
     def quantize(
-        self, weight: torch.Tensor, spec: WeightSpec, config: QuantizationConfig
+        self, weight: torch.Tensor, spec: WeightSpec, config: ConfigT
     ) -> dict[str, torch.Tensor]:
         """The buffers to store for the float `weight` (a pure function)."""
 
     @abc.abstractmethod
     def stored_shapes(
-        self, spec: WeightSpec, config: QuantizationConfig
+        self, spec: WeightSpec, config: ConfigT
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The shape and dtype of each buffer `quantize` stores for `spec`."""
 
-    def new_statistics(self, spec: WeightSpec, config: QuantizationConfig) -> ActivationStatistics:
+    def new_statistics(self, spec: WeightSpec, config: ConfigT) -> ActivationStatistics:
         """A calibrated scheme's fresh accumulator for the inputs of the weight `spec`."""
         raise NotImplementedError(f"mode '{self.mode}' does not calibrate on activations")
 
@@ -153,7 +157,7 @@ class Scheme(abc.ABC):
         self,
         weight: torch.Tensor,
         spec: WeightSpec,
-        config: QuantizationConfig,
+        config: ConfigT,
         statistics: ActivationStatistics,
     ) -> dict[str, torch.Tensor]:
         """A calibrated scheme's buffers for the float `weight`, given the
@@ -161,7 +165,7 @@ class Scheme(abc.ABC):
         raise NotImplementedError(f"mode '{self.mode}' does not calibrate on activations")
 
     def placeholder_tensors(
-        self, spec: WeightSpec, config: QuantizationConfig, device: torch.device | None = None
+        self, spec: WeightSpec, config: ConfigT, device: torch.device | None = None
     ) -> dict[str, torch.Tensor]:
         """Stored tensors of the right shapes holding no quantization (integers
         0, floats 1): what a layer built with a calibrated mode's policy holds
@@ -174,7 +178,7 @@ class Scheme(abc.ABC):
         }
 
     def upgrade_checkpoint(
-        self, spec: WeightSpec, config: QuantizationConfig, state_dict: dict, prefix: str
+        self, spec: WeightSpec, config: ConfigT, state_dict: dict, prefix: str
     ) -> None:
         """Rewrites, in `state_dict`, this weight's tensors stored by an
         earlier version into today's format (default: nothing to do)."""
@@ -184,23 +188,23 @@ class Scheme(abc.ABC):
         """Derived per-module data (packed kernel layouts); rebuilt after copies."""
         return None
 
-    def refresh_kept(self, module: torch.nn.Module, qw: QuantizedWeight) -> None:
+    def refresh_kept(self, module: torch.nn.Module, qw: QuantizedWeight[ConfigT]) -> None:
         """Makes the derived data of `new_runtime` current for the stored
         tensors, eagerly, where a traced product reads choices of it that a
         trace cannot make from the values (the int4 kernels' plans)."""
         return None
 
-    def check_shapes(self, spec: WeightSpec, config: QuantizationConfig) -> None:
+    def check_shapes(self, spec: WeightSpec, config: ConfigT) -> None:
         """Raises `NotImplementedError` for shapes this scheme cannot handle."""
         return None
 
     @abc.abstractmethod
-    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight[ConfigT]) -> torch.Tensor:
         """The float32 (N, K) weight the stored tensors stand for, read from
         `module._buffers` alone (a backward hands it the tensors its forward
         read in a stand-in for the module)."""
 
-    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight[ConfigT]) -> torch.Tensor:
         """The stored integer values as an (N, K) int8 matrix."""
         raise NotImplementedError(f"mode '{self.mode}' keeps a float weight")
 
@@ -208,7 +212,7 @@ class Scheme(abc.ABC):
     def linear(
         self,
         module: torch.nn.Module,
-        qw: QuantizedWeight,
+        qw: QuantizedWeight[ConfigT],
         x2: torch.Tensor,
         bias: torch.Tensor | None,
         compute: torch.dtype,
@@ -218,7 +222,7 @@ class Scheme(abc.ABC):
     def forward(
         self,
         module: torch.nn.Module,
-        qw: QuantizedWeight,
+        qw: QuantizedWeight[ConfigT],
         x: torch.Tensor,
         bias: torch.Tensor | None,
         compute: torch.dtype,
@@ -248,7 +252,7 @@ class Scheme(abc.ABC):
     def traced_linear(
         self,
         module: torch.nn.Module,
-        qw: QuantizedWeight,
+        qw: QuantizedWeight[ConfigT],
         x2: torch.Tensor,
         bias: torch.Tensor | None,
         compute: torch.dtype,
@@ -261,21 +265,25 @@ class Scheme(abc.ABC):
         return torch.nn.functional.linear(x2, weight, None if bias is None else bias.to(compute))
 
     def lookup(
-        self, module: torch.nn.Module, qw: QuantizedWeight, ids: torch.Tensor, compute: torch.dtype
+        self,
+        module: torch.nn.Module,
+        qw: QuantizedWeight[ConfigT],
+        ids: torch.Tensor,
+        compute: torch.dtype,
     ) -> torch.Tensor:
         """The rows `ids` of an embedding table, in `compute`."""
         raise NotImplementedError(f"mode '{self.mode}' does not quantize embeddings")
 
 
-class QuantizedWeight:
+class QuantizedWeight(Generic[ConfigT]):
     """The quantization of one module's weight: scheme, spec and config, plus
     derived runtime data. Stored tensors live in the module's buffers."""
 
     def __init__(
         self,
-        scheme: Scheme,
+        scheme: Scheme[ConfigT],
         spec: WeightSpec,
-        config: QuantizationConfig,
+        config: ConfigT,
         float_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.scheme = scheme
@@ -489,7 +497,7 @@ class QuantizedWeight:
         if "buffer_names" not in state:  # pickled by an earlier version
             self.buffer_names = tuple(self.scheme.buffer_names(self.spec, self.config))
 
-    def __deepcopy__(self, memo: dict) -> QuantizedWeight:
+    def __deepcopy__(self, memo: dict) -> QuantizedWeight[ConfigT]:
         copied = QuantizedWeight(self.scheme, self.spec, self.config, self.float_dtype)
         copied.path = self.path
         return copied

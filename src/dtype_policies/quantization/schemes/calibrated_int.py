@@ -37,7 +37,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +47,19 @@ from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
 from dtype_policies.quantization.kernels import tensor_key
-from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantization.schemes.base import (
+    ActivationStatistics,
+    QuantizedWeight,
+    Scheme,
+    WeightSpec,
+)
 from dtype_policies.quantization.schemes.int4 import _laid_out, default_g_idx
 from dtype_policies.quantizers.gptq import quantize_rtn
 from dtype_policies.quantizers.gptq_config import TokenCalibrationConfig
 from dtype_policies.quantizers.math import dequantize_grouped, packed_int4, unpack_int4
+
+# The mode's configuration (GPTQConfig, AWQConfig): both calibrate on tokens.
+TokenConfigT = TypeVar("TokenConfigT", bound=TokenCalibrationConfig)
 
 
 class InputStatistics:
@@ -108,10 +116,14 @@ class InputStatistics:
     def hessian(self) -> torch.Tensor:
         """`2 XᵀDX / sum(D)` (Keras's and the reference GPTQ's `2 XᵀX / n`
         when every weight is 1), symmetrised as Keras does."""
+        if self.gram is None:
+            raise RuntimeError("These statistics were gathered without XᵀX (gram=False).")
         return (self.gram + self.gram.t()) / 2 * (2.0 / max(self.weight_sum, 1.0))
 
     @property
     def mean_abs(self) -> torch.Tensor:
+        if self.abs_sum is None:
+            raise RuntimeError("These statistics were gathered without |x| (mean_abs=False).")
         return (self.abs_sum / max(self.rows, 1)).float()
 
     def check_finite(self) -> None:
@@ -126,6 +138,17 @@ class InputStatistics:
                 "the model overflows on the calibration data in its compute dtype; check "
                 "the data, or calibrate from a float32 model"
             )
+
+
+def input_statistics(statistics: ActivationStatistics) -> InputStatistics:
+    """`statistics` as the `InputStatistics` that GPTQ's and AWQ's
+    `new_statistics` make, which their `quantize_calibrated` reads."""
+    if not isinstance(statistics, InputStatistics):
+        raise TypeError(
+            "GPTQ and AWQ quantize from the InputStatistics their `new_statistics` makes; "
+            f"got {type(statistics).__name__}"
+        )
+    return statistics
 
 
 GRAM_CHUNK = 512
@@ -166,7 +189,9 @@ class _Moments:
     def __init__(self, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> None:
         self._rows = weakref.ref(rows)
         self.row_weights = row_weights
-        self._gram = self._abs_sum = self._abs_max = None
+        self._gram: torch.Tensor | None = None
+        self._abs_sum: torch.Tensor | None = None
+        self._abs_max: torch.Tensor | None = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -228,7 +253,7 @@ def signed_offset(bits: int) -> int:
     return 2 ** (bits - 1)
 
 
-class CalibratedIntScheme(Scheme):
+class CalibratedIntScheme(Scheme[TokenConfigT]):
     """Storage and products of GPTQ and AWQ (see the module docstring);
     subclasses compute the stored values (`quantize_calibrated`)."""
 
@@ -236,21 +261,21 @@ class CalibratedIntScheme(Scheme):
     extra_buffers: ClassVar[tuple[str, ...]] = ()  # AWQ: ("awq_scales",)
 
     # -- storage ---------------------------------------------------------
-    def bits(self, config: TokenCalibrationConfig) -> int:
+    def bits(self, config: TokenConfigT) -> int:
         return config.weight_bits
 
-    def data_suffix(self, config: TokenCalibrationConfig) -> str:
+    def data_suffix(self, config: TokenConfigT) -> str:
         return "_int8" if self.bits(config) == 8 else "_int4"
 
-    def data_name(self, spec: WeightSpec, config: TokenCalibrationConfig) -> str:  # type: ignore[override]
+    def data_name(self, spec: WeightSpec, config: TokenConfigT) -> str:
         return spec.weight + self.data_suffix(config)
 
-    def buffer_names(self, spec: WeightSpec, config: TokenCalibrationConfig) -> tuple[str, ...]:
+    def buffer_names(self, spec: WeightSpec, config: TokenConfigT) -> tuple[str, ...]:
         w = spec.weight
         names = (w + self.data_suffix(config), f"{w}_scale", f"{w}_zero", f"{w}_g_idx")
         return names + tuple(f"{w}_{extra}" for extra in self.extra_buffers)
 
-    def stored_shapes(self, spec: WeightSpec, config: TokenCalibrationConfig) -> dict:
+    def stored_shapes(self, spec: WeightSpec, config: TokenConfigT) -> dict:
         k, n = spec.in_features, spec.out_features
         rows, columns = (k, n) if spec.layout == "in_out" else (n, k)
         if self.bits(config) <= 4:
@@ -268,7 +293,7 @@ class CalibratedIntScheme(Scheme):
         return shapes
 
     def placeholder_tensors(
-        self, spec: WeightSpec, config: TokenCalibrationConfig, device: torch.device | None = None
+        self, spec: WeightSpec, config: TokenConfigT, device: torch.device | None = None
     ) -> dict[str, torch.Tensor]:
         tensors = super().placeholder_tensors(spec, config, device)
         g_idx = self.buffer_names(spec, config)[3]
@@ -279,7 +304,7 @@ class CalibratedIntScheme(Scheme):
     def stored_tensors(
         self,
         spec: WeightSpec,
-        config: TokenCalibrationConfig,
+        config: TokenConfigT,
         levels: torch.Tensor,
         scale: torch.Tensor,
         zero: torch.Tensor,
@@ -304,7 +329,7 @@ class CalibratedIntScheme(Scheme):
         return tensors
 
     def quantize(
-        self, weight: torch.Tensor, spec: WeightSpec, config: TokenCalibrationConfig
+        self, weight: torch.Tensor, spec: WeightSpec, config: TokenConfigT
     ) -> dict[str, torch.Tensor]:
         """Without calibration data: round to nearest on the mode's grid (what
         the calibrated algorithm gives with no information about the inputs)."""
@@ -326,19 +351,25 @@ class CalibratedIntScheme(Scheme):
         extras = tuple(torch.ones(spec.in_features) for _ in self.extra_buffers)
         return self.stored_tensors(spec, config, levels, scale, zero, g_idx, extras)
 
-    def new_statistics(self, spec: WeightSpec, config: TokenCalibrationConfig) -> InputStatistics:
+    def new_statistics(self, spec: WeightSpec, config: TokenConfigT) -> InputStatistics:
         return InputStatistics(spec.in_features)  # XᵀX (GPTQ's Hessian)
 
     # -- reading ---------------------------------------------------------
-    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight) -> list[torch.Tensor]:
+    def _stored(
+        self, module: torch.nn.Module, qw: QuantizedWeight[TokenConfigT]
+    ) -> list[torch.Tensor]:
         """The stored tensors, scale and zero as (G, N) (views for an (out, in) weight)."""
         buffers = module._buffers
-        stored = [buffers[name] for name in qw.buffer_names]
+        # `attach` registers each of `qw.buffer_names` as a tensor (torch types
+        # a module's buffers as optional: a plain buffer may be set to None)
+        stored = cast(list[torch.Tensor], [buffers[name] for name in qw.buffer_names])
         if qw.spec.layout == "out_in":
             stored[1], stored[2] = stored[1].t(), stored[2].t()
         return stored
 
-    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def integer_values(
+        self, module: torch.nn.Module, qw: QuantizedWeight[TokenConfigT]
+    ) -> torch.Tensor:
         data = self._stored(module, qw)[0]
         spec = qw.spec
         if self.bits(qw.config) <= 4:
@@ -346,11 +377,15 @@ class CalibratedIntScheme(Scheme):
             data = unpack_int4(data, length, axis=-1)
         return spec.nk(data)
 
-    def input_divisor(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
+    def input_divisor(
+        self, module: torch.nn.Module, qw: QuantizedWeight[TokenConfigT]
+    ) -> torch.Tensor | None:
         """A per-input-feature divisor of the activations (AWQ's scales)."""
         return None
 
-    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def dequantize(
+        self, module: torch.nn.Module, qw: QuantizedWeight[TokenConfigT]
+    ) -> torch.Tensor:
         weight = self._grouped_weight(module, qw)
         divisor = self.input_divisor(module, qw)
         return weight if divisor is None else weight / divisor.float()[None, :]
@@ -359,7 +394,7 @@ class CalibratedIntScheme(Scheme):
     def new_runtime(self) -> None:
         return None  # made on first use, by width (`_int4_linear`, `_int8_linear`)
 
-    def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight) -> tuple:
+    def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight[TokenConfigT]) -> tuple:
         """The module's own stored buffers (never per-call views)."""
         buffers = module._buffers
         return tuple(buffers[name] for name in qw.buffer_names)

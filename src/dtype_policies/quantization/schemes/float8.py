@@ -81,7 +81,7 @@ STATE_NAMES = (
 )
 
 
-class Float8Scheme(Scheme):
+class Float8Scheme(Scheme[Float8QuantizationConfig]):
     mode = "float8"
     keeps_float_weight = True
     general_contraction = True
@@ -107,9 +107,13 @@ class Float8Scheme(Scheme):
             for name in STATE_NAMES
         }
 
-    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def dequantize(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Float8QuantizationConfig]
+    ) -> torch.Tensor:
         spec = qw.spec
-        return spec.nk(spec.matrix(module._parameters[spec.weight].detach().float()))
+        # float8 keeps the float weight as a parameter (`keeps_float_weight`)
+        weight = cast(torch.nn.Parameter, module._parameters[spec.weight])
+        return spec.nk(spec.matrix(weight.detach().float()))
 
     def linear(self, module, qw, x2, bias, compute):
         return self.forward(module, qw, x2, bias, compute)

@@ -15,13 +15,16 @@ import torch
 
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.calibrated import GPTQDTypePolicy, bits_not_given
-from dtype_policies.quantization.schemes.base import WeightSpec
-from dtype_policies.quantization.schemes.calibrated_int import CalibratedIntScheme, InputStatistics
+from dtype_policies.quantization.schemes.base import ActivationStatistics, WeightSpec
+from dtype_policies.quantization.schemes.calibrated_int import (
+    CalibratedIntScheme,
+    input_statistics,
+)
 from dtype_policies.quantizers.gptq import gptq_quantize
 from dtype_policies.quantizers.gptq_config import GPTQConfig
 
 
-class GPTQScheme(CalibratedIntScheme):
+class GPTQScheme(CalibratedIntScheme[GPTQConfig]):
     mode = "gptq"
     calibrated_on_quantized_outputs = True
 
@@ -30,8 +33,9 @@ class GPTQScheme(CalibratedIntScheme):
         weight: torch.Tensor,
         spec: WeightSpec,
         config: GPTQConfig,
-        statistics: InputStatistics,
+        statistics: ActivationStatistics,
     ) -> dict[str, torch.Tensor]:
+        statistics = input_statistics(statistics)
         w_nk = spec.nk(spec.matrix(weight.detach())).float()
         levels, scale, zero, g_idx = gptq_quantize(
             w_nk,

@@ -17,6 +17,8 @@ point, (G, N) grids, no `g_idx`) load unchanged in value.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from dtype_policies._modes import QuantizationMode, register_mode
@@ -42,7 +44,7 @@ from dtype_policies.quantizers.scale_search import search_grouped_int4, search_p
 from dtype_policies.quantizers.zero_points import refine_zero_points
 
 
-class Int4Scheme(Scheme):
+class Int4Scheme(Scheme[Int4QuantizationConfig]):
     mode = "int4"
     roles = ("linear", "embedding")
 
@@ -81,11 +83,15 @@ class Int4Scheme(Scheme):
         stored.update({name: tensor.contiguous() for name, tensor in extra.items()})
         return stored
 
-    def stored_shapes(self, spec: WeightSpec, config: Int4QuantizationConfig) -> dict:
+    def stored_shapes(
+        self, spec: WeightSpec, config: Int4QuantizationConfig
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         k, n = spec.in_features, spec.out_features
         rows, columns = (k, n) if spec.layout == "in_out" else (n, k)
         names = self.buffer_names(spec, config)
-        shapes = {names[0]: ((rows, (columns + 1) // 2), torch.int8)}
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            names[0]: ((rows, (columns + 1) // 2), torch.int8)
+        }
         if config.group_size > 0:
             groups = -(-k // config.group_size)
             grid = (n, groups) if spec.layout == "out_in" else (groups, n)
@@ -113,22 +119,35 @@ class Int4Scheme(Scheme):
     def new_runtime(self) -> kernels.Int4Runtime:
         return kernels.Int4Runtime()
 
-    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight):
-        """`(packed, scale, zero)`, grouped scale and zero as (G, N) views."""
+    def _stored(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Int4QuantizationConfig]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(packed, scale, zero)`, grouped scale and zero as (G, N) views
+        (`zero` None per channel)."""
         buffers = module._buffers
         w = qw.spec.weight
-        scale, zero = buffers[f"{w}_scale"], buffers.get(f"{w}_zero")
+        # `attach` registers the packed values and the scale as tensors (torch
+        # types a module's buffers as optional); only a grouped weight has a zero
+        packed, scale = (
+            cast(torch.Tensor, buffers[f"{w}_int4"]),
+            cast(torch.Tensor, buffers[f"{w}_scale"]),
+        )
+        zero = buffers.get(f"{w}_zero")
         if zero is not None and qw.spec.layout == "out_in":
             scale, zero = scale.t(), zero.t()
-        return buffers[f"{w}_int4"], scale, zero
+        return packed, scale, zero
 
-    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def integer_values(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Int4QuantizationConfig]
+    ) -> torch.Tensor:
         packed, _, _ = self._stored(module, qw)
         spec = qw.spec
         length = spec.out_features if spec.layout == "in_out" else spec.in_features
         return spec.nk(unpack_int4(packed, length, axis=-1))
 
-    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def dequantize(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Int4QuantizationConfig]
+    ) -> torch.Tensor:
         _, scale, zero = self._stored(module, qw)
         q_nk = self.integer_values(module, qw)
         if zero is None:
@@ -136,13 +155,17 @@ class Int4Scheme(Scheme):
         g_idx = module._buffers[f"{qw.spec.weight}_g_idx"]
         return dequantize_grouped(q_nk.t(), scale, zero, qw.config.group_size, g_idx).t()
 
-    def _key_tensors(self, module: torch.nn.Module, qw: QuantizedWeight) -> tuple:
+    def _key_tensors(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Int4QuantizationConfig]
+    ) -> tuple:
         """The module's own stored buffers (never per-call views: a view is a
         new object on every call)."""
         buffers = module._buffers
         return tuple(buffers[name] for name in qw.buffer_names if buffers.get(name) is not None)
 
-    def _g_idx(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor | None:
+    def _g_idx(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Int4QuantizationConfig]
+    ) -> torch.Tensor | None:
         """The stored `g_idx` of a grouped weight (the kernel's plan tells a
         natural order from a permuted one), None per channel."""
         if qw.config.group_size <= 0:

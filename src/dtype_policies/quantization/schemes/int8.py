@@ -33,7 +33,7 @@ from dtype_policies.quantizers.math import (
 )
 
 
-class Int8Scheme(Scheme):
+class Int8Scheme(Scheme[Int8QuantizationConfig]):
     mode = "int8"
     roles = ("linear", "embedding")
 
@@ -75,7 +75,7 @@ class Int8Scheme(Scheme):
     def new_runtime(self) -> kernels.Int8Runtime:
         return kernels.Int8Runtime()
 
-    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight):
+    def _stored(self, module: torch.nn.Module, qw: QuantizedWeight[Int8QuantizationConfig]):
         """`(data, scale)`: the data in its stored layout, the scale (N,) or
         (N, blocks)."""
         name = qw.spec.weight
@@ -85,17 +85,25 @@ class Int8Scheme(Scheme):
             scale = qw.spec.nk(scale)
         return data, scale
 
-    def integer_values(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def integer_values(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Int8QuantizationConfig]
+    ) -> torch.Tensor:
         data, _ = self._stored(module, qw)
         return qw.spec.nk(data)
 
-    def dequantize(self, module: torch.nn.Module, qw: QuantizedWeight) -> torch.Tensor:
+    def dequantize(
+        self, module: torch.nn.Module, qw: QuantizedWeight[Int8QuantizationConfig]
+    ) -> torch.Tensor:
         data, scale = self._stored(module, qw)
         q_nk = qw.spec.nk(data)
         return q_nk.float() / _per_input(scale.float(), _block_size(qw), q_nk.shape[1])
 
     def _runtime(
-        self, module: torch.nn.Module, qw: QuantizedWeight, prepack: bool, blocked: bool = False
+        self,
+        module: torch.nn.Module,
+        qw: QuantizedWeight[Int8QuantizationConfig],
+        prepack: bool,
+        blocked: bool = False,
     ):
         data, scale = self._stored(module, qw)
         runtime = qw.runtime  # once: `clear_cast_caches` may replace it meanwhile
@@ -149,7 +157,7 @@ class Int8Scheme(Scheme):
         return (rows / _per_input(scale[ids].float(), _block_size(qw), rows.shape[-1])).to(compute)
 
 
-def _block_size(qw: QuantizedWeight) -> int | None:
+def _block_size(qw: QuantizedWeight[Int8QuantizationConfig]) -> int | None:
     """The weight's block of inputs per step, `None` per channel."""
     config = qw.config
     assert isinstance(config, Int8QuantizationConfig)
