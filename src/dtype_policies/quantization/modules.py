@@ -26,6 +26,7 @@ import torch
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.checkpoints import check_before_loading, loads_as_torch
 from dtype_policies._core.module_state import (
+    ModuleState,
     Token,
     ensure_state,
     forget_kept_after_load,
@@ -69,12 +70,25 @@ def computes_in_own_dtype(module: torch.nn.Module) -> bool:
     )
 
 
-def _bias(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtype):
+def _bias(
+    module: torch.nn.Module, state: ModuleState, qw: QuantizedWeight, compute: torch.dtype
+) -> torch.Tensor | None:
     name = qw.spec.bias
-    bias = module._parameters.get(name) if name else None
+    if not name:
+        return None
+    bias = module._parameters.get(name)
     if bias is None or bias.dtype == compute:
         return bias
-    return leaf_weights(state_of(module).casts, bias, None, compute, weight_name=name)[0]
+    return leaf_weights(state.casts, bias, None, compute, weight_name=name)[0]
+
+
+def _not_prepared(module: torch.nn.Module) -> RuntimeError:
+    """The error of a quantized forward without the state `quantize()` gives
+    its module (a call state of a quantized policy, with a float compute dtype)."""
+    return RuntimeError(
+        f"This {type(module).__name__} has a quantized forward but no call state of a "
+        "quantized policy: quantize modules with `dtype_policies.quantize`."
+    )
 
 
 class QuantizedForward(QuantizedWeightGuard):
@@ -111,9 +125,12 @@ class QuantizedLinearForward(QuantizedForward):
 
     def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         state = state_of(self)
+        call = None if state is None else state.call
+        if state is None or call is None or call.compute is None:
+            raise _not_prepared(self)
+        compute = call.compute
         qw: QuantizedWeight = state.quantization
-        compute = state.call.compute
-        return qw.linear(self, input, _bias(self, qw, compute), compute)
+        return qw.linear(self, input, _bias(self, state, qw, compute), compute)
 
     def extra_repr(self) -> str:
         qw = quantization_of(self)
@@ -135,7 +152,10 @@ class QuantizedEmbeddingForward(QuantizedForward):
                 "arguments for embedding)"
             )
         state = state_of(self)
-        return state.quantization.lookup(self, input, state.call.compute)
+        call = None if state is None else state.call
+        if state is None or call is None or call.compute is None:
+            raise _not_prepared(self)
+        return state.quantization.lookup(self, input, call.compute)
 
     def extra_repr(self) -> str:
         qw = quantization_of(self)
@@ -175,7 +195,7 @@ def apply_keeping_stored_dtypes(
     if qw is None:
         return module_apply(fn, *args, **kwargs)
     buffers = module._buffers
-    stored = {name: buffers[name] for name in qw.stored_names if buffers.get(name) is not None}
+    stored = {name: tensor for name in qw.stored_names if (tensor := buffers.get(name)) is not None}
     device = next((t.device for t in stored.values() if t is not None), None)
     # what the float weight would become (an empty probe: nothing is touched yet)
     float_dtype = fn(torch.empty(0, dtype=qw.float_dtype, device=device)).dtype
@@ -237,7 +257,8 @@ def adapt_state_dict(
     if qw.scheme.keeps_float_weight:
         if not present:
             for name in qw.stored_names:
-                state_dict[prefix + name] = module._buffers[name].detach()
+                # `attach` registers float8's scaling state as tensors
+                state_dict[prefix + name] = cast(torch.Tensor, module._buffers[name]).detach()
         return
     if weight_key in state_dict and not present:
         value = state_dict[weight_key]
