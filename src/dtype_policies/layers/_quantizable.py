@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 from dtype_policies._core.module_state import STATE_KEY, quantization_of
 from dtype_policies._modes import mode_record
 from dtype_policies.layers.layer import Layer
-from dtype_policies.policies import QuantizedDTypePolicy, policy_for_config
+from dtype_policies.policies import (
+    DTypePolicy,
+    DTypePolicyMap,
+    QuantizedDTypePolicy,
+    policy_for_config,
+)
 from dtype_policies.policies import get as get_policy
 from dtype_policies.quantization import attach
 from dtype_policies.quantization.calibration import plan_calibrated
@@ -27,7 +32,7 @@ from dtype_policies.quantization.modules import (
     apply_keeping_stored_dtypes,
 )
 from dtype_policies.quantization.schemes import QuantizedWeight
-from dtype_policies.quantization.schemes.base import NonFiniteWeightError
+from dtype_policies.quantization.schemes.base import NonFiniteWeightError, WeightSpec
 from dtype_policies.quantization.weight_copy import read_weight
 from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 from dtype_policies.quantizers.config import (
@@ -76,7 +81,27 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
     def _policy_mode(self) -> str | None:
         """The policy's quantization mode, if this kind of layer takes it."""
         mode = self._resolve_policy().quantization_mode
-        return mode if mode is not None and kind_of(self).supports(mode) else None
+        if mode is None:
+            return None
+        kind = kind_of(self)
+        if kind is None:  # each QuantizableLayer class registers one (`register_layer_kind`)
+            raise TypeError(
+                f"{type(self).__name__} has no quantizable kind: register it with "
+                "`register_layer_kind`."
+            )
+        return mode if kind.supports(mode) else None
+
+    def _no_float_compute(self) -> RuntimeError:
+        """The error of a quantized call without a floating compute dtype
+        (a quantized policy computes in its float source's)."""
+        return RuntimeError(
+            f"Layer '{self.name}' is quantized but its policy "
+            f"'{self._resolve_policy().name}' has no floating compute dtype."
+        )
+
+    def _missing_weight(self, name: str) -> RuntimeError:
+        """The error of a built layer's weight found missing (deleted)."""
+        return RuntimeError(f"Layer '{self.name}' has no '{name}' parameter: was it deleted?")
 
     def _check_before_build(self) -> None:
         """Keras's error for a mode this kind of layer cannot take, raised
@@ -153,7 +178,7 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             return
         given = config = self.quantization_config
         if config is None or config.mode != mode:
-            config = self._resolve_policy().quantization_config
+            config = _quantized(self._resolve_policy()).quantization_config
         try:
             checked = attach.check(self, config, path=self._path or "", type_check=False)
         except NotImplementedError as e:
@@ -190,7 +215,7 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
 
     @property
     def dtype_policy(self) -> Any:
-        return Layer.dtype_policy.fget(self)
+        return super().dtype_policy
 
     @dtype_policy.setter
     def dtype_policy(self, value: Any) -> None:
@@ -211,12 +236,16 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
                 f"Layer '{self.name}' is quantized in mode '{quantized.mode}'; it cannot "
                 f"take the policy '{policy.name}'. Build a new layer instead."
             )
-        resolved = policy[self._path] if policy.is_map and self._path is not None else policy
+        resolved = (
+            policy[self._path]
+            if isinstance(policy, DTypePolicyMap) and self._path is not None
+            else policy
+        )
         mode = resolved.quantization_mode
         if policy.is_map and self._path is None:
             mode = None
         if not self.built or quantized is not None or mode is None:
-            Layer.dtype_policy.fset(self, policy)
+            self._assign_policy(policy)
             return
         kind = kind_of(self)
         if kind is not None and not kind.supports(mode) and not policy.is_map:
@@ -226,7 +255,7 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
                 f"Received: quantization_mode={mode}"
             )
         if kind is None or not kind.supports(mode):
-            Layer.dtype_policy.fset(self, policy)  # computes with the policy's float source
+            self._assign_policy(policy)  # computes with the policy's float source
             return
         record = mode_record(mode)
         if record.calibrated:
@@ -237,6 +266,7 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
                 f"Please use the `.quantize('{mode}', config=...)` method on the layer or "
                 "model instead."
             )
+        resolved = _quantized(resolved)
         config = (
             record.default_config()
             if type(resolved) is QuantizedDTypePolicy
@@ -282,6 +312,17 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         return config
 
 
+def _quantized(policy: DTypePolicy) -> QuantizedDTypePolicy:
+    """`policy`, which has a quantization mode: every policy with one is a
+    `QuantizedDTypePolicy` (a map's mode is its default's, never asked here)."""
+    if not isinstance(policy, QuantizedDTypePolicy):
+        raise TypeError(
+            f"The policy '{policy.name}' has the quantization mode "
+            f"'{policy.quantization_mode}' but is no QuantizedDTypePolicy."
+        )
+    return policy
+
+
 def _after_quantized(layer: QuantizableLayer, plan: attach.Plan) -> None:
     """Keras's bookkeeping once a layer's weight is quantized: the float
     weight's tracking goes, the config is kept, and the policy becomes
@@ -302,11 +343,24 @@ def _after_quantized(layer: QuantizableLayer, plan: attach.Plan) -> None:
     layer._refresh_policy_state()
 
 
-def register_layer_kind(cls: type[QuantizableLayer], spec: SpecFunction, role: str) -> None:
+LayerT = TypeVar("LayerT", bound=QuantizableLayer)
+
+
+def register_layer_kind(
+    cls: type[LayerT], spec: Callable[[LayerT, str], WeightSpec], role: str
+) -> None:
     """Registers a quantizable layer class whose weight has `role` (`"linear"`,
     `"embedding"`): it supports every mode that quantizes such weights.
     Subclasses need `type_check=False`."""
+    # A kind's functions are called with modules of its class (`kind_of`), and
+    # `after_commit` with the `attach.Plan` that quantized them.
     register_module_kind(
         cls,
-        ModuleKind(spec, role, exact=True, forward=None, after_commit=_after_quantized),
+        ModuleKind(
+            cast(SpecFunction, spec),
+            role,
+            exact=True,
+            forward=None,
+            after_commit=cast(Callable[[Any, object], None], _after_quantized),
+        ),
     )

@@ -116,17 +116,23 @@ class Dense(QuantizableLayer):
     def call(self, inputs: torch.Tensor) -> torch.Tensor:
         quantized = self._quantized
         compute = self._call_state.compute
+        bias: torch.Tensor | None
         if not inputs.is_floating_point():  # not autocast; Keras's product promotes them
             inputs = inputs.to(compute or torch.promote_types(inputs.dtype, self._kernel_dtype()))
         if quantized is not None:
+            if compute is None:
+                raise self._no_float_compute()
             parametrized_bias = "bias" not in self._parameters
             bias = self.bias if parametrized_bias else self._parameters["bias"]
             if bias is not None and compute is not None:
                 bias = leaf_weights(self.__dict__[STATE_KEY].casts, bias, None, compute, "bias")[0]
             outputs = quantized.linear(self, inputs, bias, compute)
             return outputs if self._linear_activation else self.activation(outputs)
+        kernel: torch.Tensor | None
         if self._casts_own_weights:
             kernel, bias = self._parameters["kernel"], self._parameters["bias"]
+            if kernel is None:
+                raise self._missing_weight("kernel")
             if self._autocast and compute is not None and kernel.dtype is not compute:
                 kernel, bias, product = cast_pair(
                     self.__dict__[STATE_KEY].casts,
@@ -141,7 +147,9 @@ class Dense(QuantizableLayer):
                     return outputs if self._linear_activation else self.activation(outputs)
         else:
             kernel, bias = self.kernel, self.bias
-        if kernel is not None and inputs.dtype is not kernel.dtype:
+            if kernel is None:
+                raise self._missing_weight("kernel")
+        if inputs.dtype is not kernel.dtype:
             # `autocast=False`: promoted, as Keras's product
             inputs = inputs.to(torch.promote_types(inputs.dtype, kernel.dtype))
             kernel, bias = _as(kernel, inputs.dtype), _as(bias, inputs.dtype)
@@ -168,7 +176,10 @@ class Dense(QuantizableLayer):
 
 
 def _dense_spec(layer: Dense, mode: str) -> WeightSpec:
-    in_features, units = layer._parameters["kernel"].shape
+    kernel = layer._parameters["kernel"]
+    if kernel is None:
+        raise layer._missing_weight("kernel")
+    in_features, units = kernel.shape
     return WeightSpec(
         weight="kernel",
         layout="in_out",

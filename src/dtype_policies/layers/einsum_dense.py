@@ -141,7 +141,7 @@ class EinsumSpec:
                 )
             kernel_shape.append(int(sizes[letter]))
 
-        bias_shape = None
+        bias_shape: tuple[int, ...] | None = None
         if bias_axes:
             for letter in bias_axes:
                 if letter not in self.outputs:
@@ -149,12 +149,12 @@ class EinsumSpec:
                         f"Bias axis '{letter}' is not in the output spec '{self.outputs}'."
                     )
             first = min(self.outputs.index(letter) for letter in bias_axes)
-            bias_shape = [
+            bias_dims = [
                 int(sizes[letter]) if letter in bias_axes else 1 for letter in self.outputs[first:]
             ]
             if self.ellipsis == "right":
-                bias_shape += [1] * elided_count
-            bias_shape = tuple(bias_shape)
+                bias_dims += [1] * elided_count
+            bias_shape = tuple(bias_dims)
 
         full = (*elided, *output_dims) if self.ellipsis == "left" else (*output_dims, *elided)
         return tuple(kernel_shape), bias_shape, full
@@ -238,6 +238,8 @@ class EinsumDense(QuantizableLayer):
         quantized = self._quantized
         assert quantized is not None  # called only when quantized
         compute = self._call_state.compute
+        if compute is None:
+            raise self._no_float_compute()
         plan = self.spec.matmul_plan()
         if plan is None:  # float8 on a general equation: its own contraction
             outputs = quantized.linear(self, inputs, None, compute)
@@ -247,7 +249,10 @@ class EinsumDense(QuantizableLayer):
             self._check_quantized_input(inputs, plan, quantized)
             lead = inputs.shape[: inputs.dim() - plan[1]]
             free_count = len(self.spec.kernel) - plan[1]
-            free = self.full_output_shape[len(self.full_output_shape) - free_count :]
+            full = self.full_output_shape
+            if full is None:  # set by `build`, before any weight is made
+                raise RuntimeError(f"Layer '{self.name}' is quantized but was never built.")
+            free = full[len(full) - free_count :]
             flat = inputs.reshape(*lead, quantized.spec.in_features)
             outputs = quantized.linear(self, flat, None, compute)
             outputs = outputs.reshape(*lead, *free)
@@ -298,7 +303,10 @@ class EinsumDense(QuantizableLayer):
 
 
 def _einsum_spec(layer: EinsumDense, mode: str) -> WeightSpec:
-    kernel_shape = tuple(layer._parameters["kernel"].shape)
+    kernel = layer._parameters["kernel"]
+    if kernel is None:
+        raise layer._missing_weight("kernel")
+    kernel_shape = tuple(kernel.shape)
     plan = layer.spec.matmul_plan()
     if plan is None:  # only modes with a general contraction take it (float8)
         equation = layer.equation

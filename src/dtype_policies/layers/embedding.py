@@ -81,6 +81,8 @@ class Embedding(QuantizableLayer):
         compute = self._call_state.compute
         quantized = self._quantized
         if quantized is not None:
+            if compute is None:
+                raise self._no_float_compute()
             return quantized.lookup(self, inputs, compute)
         # the float table's rows, cast after the gather; a parametrized table
         # (torch's property on the layer) as `call` reads it

@@ -123,14 +123,17 @@ class Layer(LayerWeights, torch.nn.Module):
 
     # Containers neither cast inputs nor open autocast scopes: their sublayers do.
     _is_container: ClassVar[bool] = False
-    # Leaf layers whose own `call` reads its weights in the compute dtype
-    # directly need no autocast scope.
-    _casts_own_weights: ClassVar[bool] = False
     # Floating buffers in the variable dtype read in the compute dtype inside
     # `call` (not in quantizable layers, whose buffers are what they store).
     _casts_buffers: ClassVar[bool] = True
     # `call`'s `training` argument (`_call_context.training_argument`), per class
     _call_training_argument: ClassVar[Any]
+
+    @property
+    def _casts_own_weights(self) -> bool:
+        """Leaf layers whose own `call` reads its weights in the compute dtype
+        directly need no autocast scope."""
+        return False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -186,6 +189,11 @@ class Layer(LayerWeights, torch.nn.Module):
         would otherwise quantize nothing and say nothing. Unbuilt, such a layer
         computes with the policy's float source (a container hands the policy
         to the sublayers it builds)."""
+        self._assign_policy(value)
+
+    def _assign_policy(self, value: Any) -> None:
+        """The `dtype_policy` setter's body (subclasses overriding the
+        property call it as the base setter)."""
         policy = get_policy(value)
         self._refuse_if_sharded(policy)
         self._refuse_quantized_policy_once_built(policy)
