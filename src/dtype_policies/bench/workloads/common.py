@@ -7,6 +7,7 @@ import copy
 import os
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -48,13 +49,16 @@ def inference_call(model, x) -> Callable[[], object]:
     return run
 
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
 def policied_copy(
-    base: nn.Module,
+    base: ModuleT,
     policy: str,
     mode: str | None = None,
     config: object | None = None,
     **apply_options: object,
-) -> nn.Module:
+) -> ModuleT:
     """A deep copy of `base` under `apply_policy(policy)`, then quantized to
     `mode` (with `config`) when one is given."""
     from dtype_policies import apply_policy, quantize

@@ -94,6 +94,8 @@ def _float_paths(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype):
         )
     if products.kind_for(dtype, weight.device, weight.numel()) == "onednn_prepacked":
         packed = products.linear_product(weight, kept=True)
+        if packed is None:  # a graph-free weight of this kind is prepacked
+            raise RuntimeError("linear_product gave no oneDNN prepacked product")
         paths["oneDNN prepacked"] = lambda: packed(xd, bias)
     chosen = products.linear_product(weight, kept=True)
     if chosen is None:
@@ -101,7 +103,7 @@ def _float_paths(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype):
     return paths, None, lambda: chosen(xd, bias)
 
 
-def _quantized_paths(layer: nn.Module, x: torch.Tensor, compute: torch.dtype):
+def _quantized_paths(layer: nn.Linear, x: torch.Tensor, compute: torch.dtype):
     """`(paths, chosen name or None, chosen callable or None)` for a quantized linear."""
     qw = quantization_of(layer)
     scheme, config = qw.scheme, qw.config
@@ -110,6 +112,7 @@ def _quantized_paths(layer: nn.Module, x: torch.Tensor, compute: torch.dtype):
     with torch.inference_mode():
         layer(x)  # builds the runtime
     runtime = qw.runtime
+    paths: dict[str, Callable[..., torch.Tensor]]  # lambdas bind their path by default
     if qw.mode == "int8" and config.activation_block_size is not None:
         paths = {
             name: (lambda name=name: int8_kernels.int8_blocked_linear(
@@ -206,7 +209,7 @@ def sweep(quick: bool = False) -> tuple[str, list[dict], list[harness.Result]]:
             x = torch.randn(rows, k)
             w32, b32 = base.weight.detach(), base.bias.detach()
             wb, bb, xb = w32.bfloat16(), b32.bfloat16(), x.bfloat16()
-            references = {
+            references: dict[str, Callable[..., torch.Tensor]] = {
                 "float32": lambda x=x, w=w32, b=b32: F.linear(x, w, b),
                 "whole bf16": lambda x=xb, w=wb, b=bb: F.linear(x, w, b),
             }
@@ -214,12 +217,15 @@ def sweep(quick: bool = False) -> tuple[str, list[dict], list[harness.Result]]:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     layer = policied_copy(base, source, mode, config)
-                compute = state_of(layer).call.compute
+                state = state_of(layer)
+                compute = None if state is None or state.call is None else state.call.compute
+                if compute is None:  # `policied_copy` applied a float policy
+                    raise RuntimeError(f"{label}: the layer has no floating compute dtype")
                 if mode is None:
                     paths, chosen_name, chosen = _float_paths(base, x, compute)
                 else:
                     paths, chosen_name, chosen = _quantized_paths(layer, x, compute)
-                calls = dict(references)
+                calls: dict[str, Callable[[], object]] = dict(references)
                 calls.update({f"path: {name}": fn for name, fn in paths.items()})
                 if chosen is not None:
                     calls["chosen"] = chosen
@@ -228,7 +234,7 @@ def sweep(quick: bool = False) -> tuple[str, list[dict], list[harness.Result]]:
                     chosen_label = f"path: {chosen_name}"
                 times = _measure(calls, quick)
                 path_times = {name: times[f"path: {name}"] for name in paths}
-                best_name = min(path_times, key=path_times.get)
+                best_name = min(path_times, key=path_times.__getitem__)
                 chosen_time = times[chosen_label]
                 if chosen_label == "chosen":
                     # the chosen product is one of the paths, by its rows rule
