@@ -253,6 +253,30 @@ def paired_ratio(samples: dict[str, list[list[float]]], baseline: str, variant: 
     return statistics.median(ratios)
 
 
+def judged(
+    value: float, bound: float, at_least: bool, digits: int = 2, percent: bool = False
+) -> str:
+    """`value` as a target's table shows it: with `digits` decimals, or as
+    many more as keep the shown figure on the same side of `bound` as the
+    value itself (a ratio of 0.7953 against 0.8 reads `0.795x`, not a
+    `0.80x` beside "not met"). `percent`: `value` is a ratio to a
+    reference, shown as its change in percent.
+
+    >>> judged(0.7953, 0.8, at_least=True), judged(0.8123, 0.8, at_least=True)
+    ('0.795x', '0.81x')
+    >>> judged(1.0604, 1.06, at_least=False, digits=1, percent=True)
+    '+6.04%'
+    """
+    met = value >= bound if at_least else value <= bound
+    for places in range(digits, digits + 6):
+        shown = round(value - 1, places + 2) + 1 if percent else round(value, places)
+        if (shown >= bound if at_least else shown <= bound) == met:
+            break
+    if percent:
+        return f"{(value - 1) * 100:+.{places}f}%"
+    return f"{value:.{places}f}x"
+
+
 def summarize(
     workload: str,
     samples: dict[str, list[list[float]]],

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,51 +118,24 @@ def _run(
     context = RunContext(
         args.quick, Path(args.output), info, args.variants, args.speed_only, charts, args.skip
     )
+    crashed: list[str] = []
     for key in selected:
         workload = workloads.WORKLOADS[key]
         print(f"\n== {workload.title}", flush=True)
-        if workload.run is not None:
-            section = workload.run(context)
-            real_models[key] = section.data
-            self_timed_targets += section.data.get("targets", [])
-            sections.append(section.markdown)
-            print(section.markdown, flush=True)
-            continue
-        variants, notes = workload.build()
-        if workload.heavy:
-            # Each variant was called once when built; two more warm-up calls
-            # cover the shapes torch.compile specializes on.
-            heavy_repeats, heavy_rounds = (4, 2) if args.quick else (12, 4)
-            samples = harness.measure_interleaved(
-                variants, warmup=2, repeats=heavy_repeats, rounds=heavy_rounds, label=key
-            )
-        else:
-            samples = harness.measure_interleaved(
-                variants, repeats=repeats, rounds=rounds, label=key
-            )
-        results = harness.summarize(key, samples, notes)
-        all_results.extend(results)
-        all_samples[key] = samples
-        if workload.first_call is not None:
-            del variants
-            calls = (
-                {}
-                if args.no_first_call
-                else first_calls(workload.first_call, list(samples), args.threads)
-            )
-            for r in results:
-                if isinstance(calls.get(r.variant), tuple):
-                    r.extra["first_call_s"], r.extra["later_call_s"] = calls[r.variant]
-            for name, note in notes.items():
-                if note.startswith("failed"):
-                    all_results.append(harness.Result(key, name, float("nan"), 0, 0, note))
-            unit = "ms/token" if workload.first_call == "decode" else "ms"
-            section = llm_table(workload, results, samples, notes, calls, unit)
-        else:
-            section = markdown_table(workload, results, samples)
-        sections.append(section)
-        print(section, flush=True)
-        variants = None
+        try:
+            if workload.run is not None:
+                section = workload.run(context)
+                real_models[key] = section.data
+                self_timed_targets += section.data.get("targets", [])
+                sections.append(section.markdown)
+                print(section.markdown, flush=True)
+                continue
+            _time_workload(key, workload, args, repeats, rounds, all_results, all_samples, sections)
+        except Exception as error:  # one workload's failure is a line of the report
+            crashed.append(key)
+            sections.append(f"**{workload.title}**: failed: {type(error).__name__}: {error}")
+            print(sections[-1], flush=True)
+            traceback.print_exc()
 
     accuracy = []
     if "mlp_inference" in selected or "mlp_decode" in selected:
@@ -198,20 +173,21 @@ def _run(
         print("\n" + sections[-1], flush=True)
 
     target_rows = list(self_timed_targets)
-    for workload, variant, baseline, kind, bound, label in TARGETS:
-        samples = all_samples.get(workload, {})
-        if workload in all_samples and baseline in samples and variant not in samples:
-            target_rows.append({"target": label, "measured": "failed", "met": False})
+    for timed_workload, variant, baseline, kind, bound, label in TARGETS:
+        if timed_workload not in all_samples:
             continue
-        if variant not in samples or baseline not in samples:
+        samples = all_samples[timed_workload]
+        missing = [name for name in (variant, baseline) if name not in samples]
+        if missing:  # both are built by the workload: one failed
+            measured = "not measured: " + ", ".join(f"{name} failed" for name in missing)
+            target_rows.append({"target": label, "measured": measured, "met": False})
             continue
-        if kind == "speedup":
-            value = harness.paired_ratio(samples, baseline, variant)
-            met = value >= bound
-        else:
-            value = 1.0 / harness.paired_ratio(samples, baseline, variant)
-            met = value <= bound
-        target_rows.append({"target": label, "measured": f"{value:.2f}x", "met": met})
+        at_least = kind == "speedup"
+        value = harness.paired_ratio(samples, baseline, variant)
+        value = value if at_least else 1.0 / value
+        met = value >= bound if at_least else value <= bound
+        measured = harness.judged(value, bound, at_least)
+        target_rows.append({"target": label, "measured": measured, "met": met})
     lines = ["**Targets**", "", "| target | measured | met |", "|---|---:|:---:|"]
     lines += [
         f"| {row['target']} | {row['measured']} | {'yes' if row['met'] else 'no'} |"
@@ -250,7 +226,61 @@ def _run(
     )
     (output / "latest.md").write_text(header + "\n\n" + "\n\n".join(sections) + "\n")
     print(f"\nWrote {output / 'latest.json'} and {output / 'latest.md'}")
+    timed = any(all_samples.values()) or any(
+        data.get("samples", {}).get(name)
+        for data in real_models.values()
+        for name in data.get("workloads", [])
+    )
+    if crashed or not timed:
+        print("Failed: " + (f"workloads {', '.join(crashed)}" if crashed else "nothing was timed"))
+        return 1
     return 0
+
+
+def _time_workload(
+    key: str,
+    workload: Any,
+    args: argparse.Namespace,
+    repeats: int,
+    rounds: int,
+    all_results: list[harness.Result],
+    all_samples: dict[str, dict],
+    sections: list[str],
+) -> None:
+    """Builds and times one of the suite's own workloads, adding its results,
+    samples and table to the run's."""
+    variants, notes = workload.build()
+    if workload.heavy:
+        # Each variant was called once when built; two more warm-up calls
+        # cover the shapes torch.compile specializes on.
+        heavy_repeats, heavy_rounds = (4, 2) if args.quick else (12, 4)
+        samples = harness.measure_interleaved(
+            variants, warmup=2, repeats=heavy_repeats, rounds=heavy_rounds, label=key
+        )
+    else:
+        samples = harness.measure_interleaved(variants, repeats=repeats, rounds=rounds, label=key)
+    results = harness.summarize(key, samples, notes)
+    all_results.extend(results)
+    all_samples[key] = samples
+    if workload.first_call is not None:
+        del variants
+        calls = (
+            {}
+            if args.no_first_call
+            else first_calls(workload.first_call, list(samples), args.threads)
+        )
+        for r in results:
+            if isinstance(calls.get(r.variant), tuple):
+                r.extra["first_call_s"], r.extra["later_call_s"] = calls[r.variant]
+        for name, note in notes.items():
+            if note.startswith("failed"):
+                all_results.append(harness.Result(key, name, float("nan"), 0, 0, note))
+        unit = "ms/token" if workload.first_call == "decode" else "ms"
+        section = llm_table(workload, results, samples, notes, calls, unit)
+    else:
+        section = markdown_table(workload, results, samples)
+    sections.append(section)
+    print(section, flush=True)
 
 
 def load_section(log: list[tuple[str, harness.Samples]]) -> str:
@@ -263,8 +293,11 @@ def load_section(log: list[tuple[str, harness.Samples]]) -> str:
     '**Machine load**: other processes took under 5% of the CPU while 1 of 2 timed tables ran.'
     >>> second.split(" (contended")[0]
     'Not quiet, so their figures are unreliable: smollm2 decode'
+    >>> load_section([("minilm b1x32", harness.Samples())]).splitlines()[1]
+    'Nothing timed (every variant failed): minilm b1x32'
     """
-    notes = [(label or "a table", samples.contention_note()) for label, samples in log]
+    empty = [label or "a table" for label, samples in log if not samples]
+    notes = [(label or "a table", samples.contention_note()) for label, samples in log if samples]
     unknown = [label for label, note in notes if note.startswith("load unknown")]
     busy = [f"{label} ({note})" for label, note in notes if note and label not in unknown]
     quiet = len(notes) - len(busy) - len(unknown)
@@ -276,4 +309,6 @@ def load_section(log: list[tuple[str, harness.Samples]]) -> str:
         line += "\nNot quiet, so their figures are unreliable: " + "; ".join(busy) + "."
     if unknown:
         line += "\nLoad not measured (no /proc/stat, or rounds too short): " + ", ".join(unknown)
+    if empty:
+        line += "\nNothing timed (every variant failed): " + ", ".join(empty)
     return line

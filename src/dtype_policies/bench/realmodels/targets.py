@@ -4,7 +4,9 @@ Speed targets compare two variants timed in the same interleaved rounds
 (`harness.paired_ratio`: the median over rounds of the ratio of their
 medians); quality targets compare a variant's score with float32's (the
 table's reference row). A target whose variants were not in the run is left
-out; one whose variant failed is reported as failed.
+out; one whose variant, or peer, failed is reported as not met, with why.
+A figure is shown with as many decimals as keep it on its side of the bound
+(`harness.judged`).
 
 >>> table = {
 ...     "model": "minilm",
@@ -166,24 +168,45 @@ QUALITY_TARGETS = (
 )
 
 
+def _why_untimed(row: dict, workload: str) -> str:
+    """Why a variant of the run has no time for `workload`."""
+    for reason in (row.get(f"{workload}_status"), row.get("status")):
+        if isinstance(reason, str) and reason != "ok":
+            return reason
+    return "not timed"
+
+
 def _speed(target: SpeedTarget, rows: dict[str, dict], samples: dict) -> dict | None:
-    timed = samples.get(target.workload, {})
-    if target.peer not in timed or target.ours not in rows:
-        return None
-    if target.ours not in timed:
-        row, peer = rows[target.ours], rows.get(target.peer, {})
-        ours_ms, peer_ms = row.get(f"{target.workload}_ms"), peer.get(f"{target.workload}_ms")
-        if ours_ms is None or peer_ms is None:  # failed before it could be timed
-            return {"target": target.label, "measured": f"failed ({row['status']})", "met": False}
-        # timed once, too slow to time in every round
-        value = peer_ms / ours_ms
+    if target.ours not in rows or target.peer not in rows or target.workload not in samples:
+        return None  # not both in the run, or the run did not time this workload
+    timed = samples[target.workload]
+    if target.ours in timed and target.peer in timed:
+        value = harness.paired_ratio(timed, target.peer, target.ours)  # peer time / ours
+        measured = harness.judged(value, target.bound, at_least=True)
+        return {"target": target.label, "measured": measured, "met": value >= target.bound}
+    times = {name: rows[name].get(f"{target.workload}_ms") for name in (target.ours, target.peer)}
+    untimed = [
+        f"{name} {_why_untimed(rows[name], target.workload)}"
+        for name, ms in times.items()
+        if ms is None
+    ]
+    if untimed:
         return {
             "target": target.label,
-            "measured": f"{value:.2f}x ({row.get(f'{target.workload}_status', 'one call')})",
-            "met": value >= target.bound,
+            "measured": "not measured: " + "; ".join(untimed),
+            "met": False,
         }
-    value = harness.paired_ratio(timed, target.peer, target.ours)  # peer time / ours
-    return {"target": target.label, "measured": f"{value:.2f}x", "met": value >= target.bound}
+    # one of them timed once, too slow to time in every round
+    ours_ms, peer_ms = times[target.ours], times[target.peer]
+    assert ours_ms is not None and peer_ms is not None  # `untimed` is empty
+    value = peer_ms / ours_ms
+    once = next(name for name in times if name not in timed)
+    note = rows[once].get(f"{target.workload}_status", "one call")
+    return {
+        "target": target.label,
+        "measured": f"{harness.judged(value, target.bound, at_least=True)} ({once}: {note})",
+        "met": value >= target.bound,
+    }
 
 
 def _quality(target: QualityTarget, rows: dict[str, dict]) -> dict | None:
@@ -202,10 +225,11 @@ def _quality(target: QualityTarget, rows: dict[str, dict]) -> dict | None:
         change = value / float(reference)
         return {
             "target": target.label,
-            "measured": f"{change - 1:+.1%}",
+            "measured": harness.judged(change, target.bound, False, digits=1, percent=True),
             "met": change <= target.bound,
         }
-    return {"target": target.label, "measured": f"{value:.4f}", "met": value >= target.bound}
+    measured = harness.judged(value, target.bound, at_least=True, digits=4).removesuffix("x")
+    return {"target": target.label, "measured": measured, "met": value >= target.bound}
 
 
 def evaluate(table: dict[str, Any]) -> list[dict]:

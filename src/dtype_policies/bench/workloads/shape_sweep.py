@@ -31,7 +31,7 @@ from dtype_policies.quantization.attach import quantization_of
 from dtype_policies.quantization.kernels import float8 as float8_kernels
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
-from dtype_policies.quantizers.math import quantize_and_dequantize
+from dtype_policies.quantization.schemes.float8 import weight_only_kernel
 
 # (K, N): MiniLM, SmolLM2 (MLP and K/V), Qwen2.5-0.5B, Llama-3.2-1B, 7B-class, BERT-base.
 SHAPES = (
@@ -159,25 +159,35 @@ def _quantized_paths(layer: nn.Linear, x: torch.Tensor, compute: torch.dtype):
 
             int4_paths["packed"] = torchs_kernel
         return int4_paths, int4_kernels.int4_path(runtime, xd.shape[0], block), None
-    # float8: the kept quantize-dequantized kernel, or both per call (the
-    # training path's work)
-    weight = layer.weight
-    scale = layer._buffers["kernel_scale"]
-    input_scale = layer._buffers["inputs_scale"]
-    kernel, product = runtime.kernel(weight, scale, compute, lambda k: k)
-    cast = weight.detach().to(compute)
+    # float8, by its config's scaling: the kernel quantize-dequantized once
+    # and kept with its product (the scheme's calls without gradients), or
+    # quantize-dequantized at each call (the work of a call with gradients)
+    spec, scaling = qw.spec, config.scaling
+    weight = layer.weight.detach()
+    kernel_scale = layer._buffers["kernel_scale"] if scaling == "delayed" else None
+    input_scale = layer._buffers["inputs_scale"] if scaling == "delayed" else None
+    quantize_kernel = (lambda k: weight_only_kernel(spec, k)) if scaling == "weight_only" else None
+    quantize_inputs = scaling != "weight_only"
 
-    def per_call():
-        xq = quantize_and_dequantize(xd, input_scale, torch.float8_e4m3fn, compute)
-        k = quantize_and_dequantize(cast, scale, torch.float8_e4m3fn, compute)
-        y = F.linear(xq, k)
-        return y if bias is None else y + bias
+    def to_nk(kernel: torch.Tensor) -> torch.Tensor:
+        return spec.nk(spec.matrix(kernel))
 
+    def float8_kernel(nk: Callable[[torch.Tensor], torch.Tensor] | None):
+        return float8_kernels.float8_kernel(
+            None, "shape sweep", weight, kernel_scale, compute, nk, quantize_kernel
+        )
+
+    def contract(a: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        return F.linear(a, to_nk(kernel))
+
+    kept, product = float8_kernel(to_nk)
     paths = {
         "kept float8 weight": lambda: float8_kernels.float8_linear(
-            xd, input_scale, kernel, product, F.linear, bias
+            xd, input_scale, kept, product, contract, bias, quantize_inputs
         ),
-        "quantize-dequantize per call": per_call,
+        "quantize-dequantize per call": lambda: float8_kernels.float8_linear(
+            xd, input_scale, float8_kernel(None)[0], None, contract, bias, quantize_inputs
+        ),
     }
     return paths, "kept float8 weight", None
 
