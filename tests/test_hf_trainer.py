@@ -136,7 +136,9 @@ def scaled_training_step(trainer, model, inputs, num_items_in_batch=None):
     if not averaged:
         loss = loss / trainer.current_gradient_accumulation_steps
     scaler = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
-    scaler.scale_loss(loss).backward()
+    scaler.scale_loss(loss.float()).backward()
+    if trainer.accelerator.sync_gradients:  # the step's last backward: Trainer clips next
+        scaler.unscale_()
     return loss.detach()
 
 
@@ -179,6 +181,37 @@ def test_the_scaled_training_step_accumulates_as_trainer_s_own(tmp_path, average
         ).train()
         moved.append(float((model.lm_head.weight.detach() - before).norm()))
     assert moved[0] == pytest.approx(moved[1], rel=0.05)
+
+
+def test_the_recipe_lets_trainer_clip_and_log_the_real_gradients(tmp_path):
+    """With Trainer's default `max_grad_norm=1.0`, Trainer clipped the scaled
+    gradients to 1 before the scaler divided them by 2**15 again: the model
+    all but stopped training (6e-6 against 0.2 of weight change), silently."""
+    from dtype_policies.optimizers import LossScaleOptimizer
+
+    class ScaledTrainer(transformers.Trainer):
+        training_step = scaled_training_step
+
+    data = Repeated(16)
+    moved, norms = [], []
+    for trainer_class, policy in ((ScaledTrainer, "mixed_float16"), (transformers.Trainer, None)):
+        model = tiny_models.tiny_decoder()
+        if policy:
+            apply_policy(model, policy)
+        before = model.lm_head.weight.detach().clone()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+        optimizer = LossScaleOptimizer(sgd) if policy else sgd
+        arguments = _arguments(tmp_path / str(policy), gradient_accumulation_steps=2, max_steps=2)
+        assert arguments.max_grad_norm == 1.0
+        trainer = trainer_class(
+            model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None)
+        )
+        trainer.train()
+        moved.append(float((model.lm_head.weight.detach() - before).norm()))
+        norms.append([log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log])
+    assert moved[0] == pytest.approx(moved[1], rel=0.05)
+    assert norms[0] == pytest.approx(norms[1], rel=0.05)
+    assert min(norms[1]) > 1.0  # Trainer clipped every step
 
 
 def test_trainer_with_mixed_float16_and_the_loss_scaler_through_training_step(tmp_path):
