@@ -439,6 +439,49 @@ def test_merging_into_a_float8_base_with_peft_imported_after_quantizing() -> Non
     assert "tuner layer '0' is int4-quantized" in refusal and "Nothing was merged" in refusal
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_peft_training_a_copy_of_an_integer_quantized_head_warns(mode, recwarn) -> None:
+    """`task_type="SEQ_CLS"` trains a copy of the classifier (peft's
+    `modules_to_save`); a copy of an int8 head trained its bias alone, its
+    random weight frozen, silently. float8 keeps a float weight, which trains."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config)
+    quantize(model, mode, filters=r".*classifier")
+    lora = peft.LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query"])
+    tuned = peft.get_peft_model(model, lora)
+    warned = [str(w.message) for w in recwarn if "peft trains a copy" in str(w.message)]
+    trained = {
+        n.rsplit(".", 1)[-1]
+        for n, p in tuned.named_parameters()
+        if "classifier" in n and p.requires_grad
+    }
+    if mode == "float8":
+        assert warned == [] and trained == {"weight", "bias"}
+    else:
+        assert trained == {"bias"}
+        assert (
+            warned
+            and f"module 'classifier' (`modules_to_save`), whose weight is {mode}-quantized"
+            in warned[0]
+        )
+    recwarn.clear()
+    peft_first = peft.get_peft_model(transformers.BertForSequenceClassification(config), lora)
+    quantize(peft_first, mode)  # peft's copies are adapters: left float
+    assert not [w for w in recwarn if "peft trains a copy" in str(w.message)]
+    trained = {
+        n.rsplit(".", 1)[-1]
+        for n, p in peft_first.named_parameters()
+        if "classifier" in n and p.requires_grad
+    }
+    assert trained == {"weight", "bias"}
+
+
 @pytest.mark.parametrize("quantized", ["every base", "the second base"])
 @pytest.mark.parametrize("merge", ["merge_and_unload", "merge_adapter"])
 def test_merging_peft_adapters_into_a_quantized_base_is_refused(quantized, merge) -> None:

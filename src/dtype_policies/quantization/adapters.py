@@ -34,6 +34,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any
@@ -109,28 +110,70 @@ def watch_merges(module: torch.nn.Module) -> None:
 
 _GUARDED = "_dtype_policies_guards_merges"
 _TUNERS_UTILS = "peft.tuners.tuners_utils"
+_OTHER_UTILS = "peft.utils.other"
 
 
-def guard_peft_merges() -> None:
+def guard_peft() -> None:
+    """Extends, once peft is imported, the two places where peft meets a
+    module this library quantized: its merges (`guard_merges`) and its
+    trained copies (`modules_to_save`: `guard_trained_copies`).
+
+    Called whenever a weight is quantized (`attach`); with peft not loaded
+    yet, as soon as peft loads its tuners."""
+    tuners_utils = sys.modules.get(_TUNERS_UTILS)
+    if tuners_utils is None:
+        _GuardWhenPeftLoads.wait()
+        return
+    guard_merges(tuners_utils)
+    guard_trained_copies(sys.modules.get(_OTHER_UTILS))
+
+
+def guard_trained_copies(other_utils: ModuleType | None) -> None:
+    """peft trains a copy of each module named in `modules_to_save` (a
+    sequence classifier's head, with `task_type="SEQ_CLS"`), made when it
+    wraps the model: a copy of a module whose weight this library stores as
+    integers trains its float parameters alone (a bias), its weight frozen.
+    peft's wrapper is extended, once, to warn, naming the module (a warning,
+    not an error: peft has wrapped other modules by then)."""
+    wrapper = getattr(other_utils, "ModulesToSaveWrapper", None)
+    update = getattr(wrapper, "update", None)
+    if update is None or getattr(update, _GUARDED, False):
+        return
+
+    @functools.wraps(update)
+    def _update(self: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        result = update(self, adapter_name, *args, **kwargs)
+        copies = getattr(self, "modules_to_save", {})
+        quantized = quantization_of(copies[adapter_name]) if adapter_name in copies else None
+        if quantized is not None and not quantized.scheme.keeps_float_weight:
+            warnings.warn(
+                f"peft trains a copy of the module '{quantized.path or type(self).__name__}' "
+                f"(`modules_to_save`), whose weight is {quantized.mode}-quantized: its integer "
+                "weight is frozen, so only its float parameters (a bias) will train. Keep the "
+                "module out of `quantize()` (`filters=`), or quantize after `get_peft_model` "
+                "(peft's copies are left in floating point).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return result
+
+    setattr(_update, _GUARDED, True)
+    setattr(wrapper, "update", _update)  # noqa: B010
+
+
+def guard_merges(tuners_utils: ModuleType) -> None:
     """peft merges a model's adapters tuner by tuner (`merge_and_unload()`,
     `merge_adapter()`) through `.data`, which moves no version counter.
     Before merging anything it checks the model can be merged
     (`BaseTuner._check_merge_allowed`, where it refuses GPTQ models of its
-    own); if peft is imported, that check is extended, once, so that:
+    own); that check is extended, once, so that:
 
     * a model holding a tuner on a base whose weight this library stores
       quantized is refused (its write would raise `TypeError` after the
       tuners before it were merged, and unloaded, already): nothing merges;
     * every tuner's base drops its kept casts (a float8 base keeps its float
       weight, and would go on computing from the cast of the unmerged one),
-      and tuners are watched, so that a later `unmerge_adapter()` is seen.
-
-    Called whenever a weight is quantized (`attach`); with peft not loaded
-    yet, the check is extended as soon as peft loads its tuners."""
-    tuners_utils = sys.modules.get(_TUNERS_UTILS)
-    if tuners_utils is None:
-        _GuardWhenPeftLoads.wait()
-        return
+      and tuners are watched, so that a later `unmerge_adapter()` is seen."""
     base_tuner = getattr(tuners_utils, "BaseTuner", None)
     check = getattr(base_tuner, "_check_merge_allowed", None)
     if check is None or getattr(check, _GUARDED, False):
@@ -167,7 +210,7 @@ class _GuardWhenPeftLoads(importlib.abc.MetaPathFinder):
     """An import hook, waiting in `sys.meta_path` from the first quantized
     weight of a process that has not imported peft: when peft's tuners module
     loads, it lets the other finders find the module, and runs
-    `guard_peft_merges` once the module has executed. It finds nothing
+    `guard_peft` once the module has executed. It finds nothing
     itself, and leaves `sys.meta_path` when the module has loaded."""
 
     _lock = threading.Lock()
@@ -204,7 +247,7 @@ class _GuardWhenPeftLoads(importlib.abc.MetaPathFinder):
 
 
 class _GuardAfterExec(importlib.abc.Loader):
-    """peft's own loader, which runs `guard_peft_merges` after executing
+    """peft's own loader, which runs `guard_peft` after executing
     the module (everything else is the loader's)."""
 
     def __init__(self, loader: Any) -> None:
@@ -216,7 +259,7 @@ class _GuardAfterExec(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         _GuardWhenPeftLoads.stop()
-        guard_peft_merges()
+        guard_peft()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)

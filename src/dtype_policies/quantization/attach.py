@@ -27,7 +27,7 @@ from dtype_policies._core.sharded import refuse_sharded
 from dtype_policies._modes import QuantizationMode, mode_record, registered_modes
 from dtype_policies.policies import DTypePolicy
 from dtype_policies.quantization import kernels
-from dtype_policies.quantization.adapters import guard_peft_merges
+from dtype_policies.quantization.adapters import guard_peft
 from dtype_policies.quantization.kinds import ModuleKind, kind_of, kind_of_class, read_by_parent
 from dtype_policies.quantization.modules import (
     FORWARDS,
@@ -367,7 +367,7 @@ def _commit(plan: Plan) -> QuantizedWeight:
     qw.path = plan.path
     if not plan.scheme.keeps_float_weight:
         del module._parameters[spec.weight]
-    guard_peft_merges()  # a peft tuner's base, maybe
+    guard_peft()  # a peft tuner's base, maybe
     for name, tensor in plan.tensors.items():
         module._buffers[name] = tensor
     ensure_state(module).quantization = qw
