@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies._core.casting import bfloat16_rounded, tracing
+from dtype_policies._core.casting import bfloat16_rounded, bias_in, tracing
 from dtype_policies.quantizers.math import EPSILON, block_abs_max
 
 _compile_enabled = os.environ.get("DTYPE_POLICIES_COMPILE", "0") == "1"
@@ -119,7 +119,7 @@ def rescale(
     if column_step is not None:
         y.mul_(column_step)
     if bias is not None:
-        y.add_(bias)
+        y.add_(bias_in(bias, torch.float32) if tracing() else bias)
     return y.to(out_dtype)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dtype_policies._core.casting import cast_tensor
+from dtype_policies._core.casting import cast_tensor, plus_bias
 from dtype_policies._core.products import LinearProduct, linear_product
 from dtype_policies._core.weight_casts import WeightCasts, keep_derived
 from dtype_policies._cpu import processor
@@ -118,4 +118,4 @@ def float8_linear(
             input_scale = compute_float8_dynamic_scale(x, FLOAT8_E4M3_MAX)
         xq = quantize_dequantize_e4m3(x, input_scale, x.dtype)
     y = product(xq, None) if product is not None else contract(xq, kernel)
-    return y if bias is None else y + bias
+    return plus_bias(y, bias)

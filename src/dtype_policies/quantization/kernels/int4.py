@@ -62,7 +62,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import as_product_input, bfloat16_rounded, straight_through
+from dtype_policies._core.casting import (
+    as_product_input,
+    bfloat16_rounded,
+    plus_bias,
+    straight_through,
+)
 from dtype_policies._core.products import product_dtype
 from dtype_policies._cpu import Processor, processor
 from dtype_policies.quantization.kernels import (
@@ -187,7 +192,7 @@ def int4_linear_traceable(
             x2.float(), epilogues.round_activation_blocks(x2, activation_block_size)
         )
     y = bfloat16_rounded(F.linear(xk, weight)).to(out_dtype)  # the kernel's bfloat16 output
-    return y if bias is None else y + bias.to(out_dtype)
+    return plus_bias(y, bias)
 
 
 def int4_linear_traced(
@@ -695,7 +700,7 @@ def int4_linear(
     if block_size > 0:
         weight = dequantize_int4(q_nk, scale, zero, block_size, g_idx).to(dtype)
         y = F.linear(as_product_input(x2, dtype), weight).to(out_dtype)
-        return y if bias is None else y + bias.to(out_dtype)
+        return plus_bias(y, bias)
     y = F.linear(as_product_input(x2, dtype), q_nk.to(dtype))  # exact integer weights
     return epilogues.rescale(y, (1.0 / scale.float())[None, :], None, bias, out_dtype)
 
@@ -738,4 +743,4 @@ def _packed(
     if y.shape[1] != n:
         y = y[:, :n]
     y = y if y.dtype == out_dtype else y.to(out_dtype)
-    return y if bias is None else y + bias.to(out_dtype)
+    return plus_bias(y, bias)

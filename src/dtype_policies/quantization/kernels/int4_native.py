@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from dtype_policies import _native as native
+from dtype_policies._core.casting import float16_rounded
 from dtype_policies._cpu import Processor, processor
 
 KERNEL = "avx2"
@@ -175,7 +176,7 @@ def _half_keeps(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """`half_pairs_keep`'s test of steps `s` and offsets `z` (float32, any
     shapes alike), as a 0-dim bool tensor (traceable: no branch)."""
     step = s.abs()
-    moved = 8 * (step.half().float() - step).abs() + (z.half().float() - z).abs()
+    moved = 8 * (float16_rounded(step) - step).abs() + (float16_rounded(z) - z).abs()
     everything = tuple(range(step.dim()))  # by name: ONNX's exporter needs them
     floor = step.amax(everything) * HALF_PAIRS_STEP_FLOOR if step.numel() else step.new_zeros(())
     return (moved <= HALF_PAIRS_TOLERANCE * torch.maximum(step, floor)).all()
@@ -195,7 +196,10 @@ def q8_kernel_pairs(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Te
     """
     s, z = scale.float(), offset.float()
     keep = _half_keeps(s, z)
-    return torch.where(keep, s.half().float(), s), torch.where(keep, z.half().float(), z)
+    # float16's values by integer ops under torch.compile: Inductor skips the
+    # rounding of a fused `.half().float()` (its traced products multiplied by
+    # the float32 pairs)
+    return torch.where(keep, float16_rounded(s), s), torch.where(keep, float16_rounded(z), z)
 
 
 def _pairs(scale: torch.Tensor, offset: torch.Tensor, groups: int) -> torch.Tensor:

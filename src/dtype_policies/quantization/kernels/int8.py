@@ -59,6 +59,7 @@ from dtype_policies._core.casting import (
     bfloat16_rounded,
     exporting,
     float32_values,
+    plus_bias,
     straight_through,
 )
 from dtype_policies._core.products import native_half_products, product_dtype
@@ -448,7 +449,7 @@ def int8_blocked_linear(
 
 def _plus_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """`y + bias` (in `y`'s dtype) in `out_dtype`: the per-block weights' epilogue."""
-    return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
+    return plus_bias(y, bias).to(out_dtype)
 
 
 # Integer products of int8 values summed in float32 are exact while every
@@ -517,7 +518,7 @@ def int8_linear_traceable(
                 y = torch.ops.aten._weight_int8pack_mm(rows.bfloat16(), weight, ones)
                 return epilogues.rescale(y.float(), column_step[None, :], None, bias, out_dtype)
             y = torch.ops.aten._weight_int8pack_mm(rows, weight, column_step.to(x2.dtype))
-            return (y if bias is None else y + bias.to(y.dtype)).to(out_dtype)
+            return plus_bias(y, bias).to(out_dtype)
         if x2.dtype is torch.float32 and x2.device.type == "cpu":  # as the eager path
             if needs_grad or exporting() or not native_half_products(torch.bfloat16, processor()):
                 # float32 products, each rounding written out (a compiler
@@ -697,9 +698,7 @@ def int8_weight_only_linear(
     path = path or weight_only_path(x2, runtime)
     if path == "int8pack":
         y = torch.ops.aten._weight_int8pack_mm(_aligned(x2), q_nk, runtime.column_step.to(x2.dtype))
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.to(out_dtype)
+        return plus_bias(y, bias).to(out_dtype)
     if path == "int8pack_bfloat16":
         column_step = runtime.column_step
         assert column_step is not None  # set with q_nk by `refresh`

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar, cast
 import torch
 import torch.nn.functional as F
 
-from dtype_policies._core.casting import float32_values
+from dtype_policies._core.casting import float32_values, plus_bias
 from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import int4 as int4_kernels
 from dtype_policies.quantization.kernels import int8 as int8_kernels
@@ -457,7 +457,7 @@ class CalibratedIntScheme(Scheme[TokenConfigT]):
             y = int8_kernels.int8_weight_only_linear(x2, state.int8, None, torch.float32)
             y = y - float32_values(x2).sum(-1, keepdim=True) * state.zero_step[None, :]
             y = y.to(compute)
-            return y if bias is None else y + bias
+            return plus_bias(y, bias)
         return F.linear(x2.to(compute), self._grouped_weight(module, qw).to(compute), bias)
 
     def _grouped_weight(self, module, qw) -> torch.Tensor:

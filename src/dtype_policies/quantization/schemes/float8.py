@@ -43,7 +43,13 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dtype_policies._core.call import leaf_weights
-from dtype_policies._core.casting import bfloat16_rounded, exporting, straight_through, tracing
+from dtype_policies._core.casting import (
+    bfloat16_rounded,
+    exporting,
+    plus_bias,
+    straight_through,
+    tracing,
+)
 from dtype_policies._core.listeners import (
     add_step_skipped_listener,
     backward_owner,
@@ -151,9 +157,7 @@ class Float8Scheme(Scheme[Float8QuantizationConfig]):
         else:
             dynamic = qw.config.scaling == "dynamic"
             y = float8_contract(module, x, kernel, contract, module.training, dynamic)
-        if bias is not None:
-            y = y + bias
-        return y.to(compute)
+        return plus_bias(y, bias).to(compute)
 
     def _inference(self, module, qw, x, weight, bias, compute):
         """The forward of a call without autograd: the kept kernel (see
