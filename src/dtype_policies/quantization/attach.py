@@ -40,7 +40,7 @@ from dtype_policies.quantization.schemes import (
     Scheme,
     WeightSpec,
 )
-from dtype_policies.quantization.schemes.base import check_finite
+from dtype_policies.quantization.schemes.base import check_finite, quantize_by_outputs
 from dtype_policies.quantizers.config import QuantizationConfig
 
 
@@ -323,7 +323,7 @@ def plan(
             if checked.record.calibrated and statistics is not None:
                 tensors = scheme.quantize_calibrated(weight, spec, config, statistics)
             else:
-                tensors = scheme.quantize(weight, spec, config)
+                tensors = quantize_by_outputs(scheme, weight, spec, config)
     return Plan(
         module, path, checked.kind, scheme, spec, config, weight.dtype, checked.source, tensors
     )

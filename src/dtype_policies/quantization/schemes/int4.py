@@ -47,6 +47,8 @@ from dtype_policies.quantizers.zero_points import refine_zero_points
 class Int4Scheme(Scheme[Int4QuantizationConfig]):
     mode = "int4"
     roles = ("linear", "embedding")
+    # not `outputs_independent`: the zero points' solver stops by the mean
+    # error of a chunk of many outputs (`quantizers.zero_points`)
 
     def buffer_names(self, spec: WeightSpec, config: Int4QuantizationConfig) -> tuple[str, ...]:
         w = spec.weight

@@ -36,6 +36,7 @@ from dtype_policies.quantizers.math import (
 class Int8Scheme(Scheme[Int8QuantizationConfig]):
     mode = "int8"
     roles = ("linear", "embedding")
+    outputs_independent = True  # steps per output, or per block of an output's inputs
 
     def buffer_names(self, spec: WeightSpec, config: Int8QuantizationConfig) -> tuple[str, ...]:
         return (f"{spec.weight}_int8", f"{spec.weight}_scale")
