@@ -39,11 +39,11 @@ True
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
+from dtype_policies._cpu import single_threaded
 from dtype_policies.quantizers.math import grouped_quantize_with_zero_point
 from dtype_policies.quantizers.zero_points import refine_zero_points
 
@@ -195,19 +195,6 @@ def dequantize_with_sz_map(
     and the group of each column `g_idx` (Keras's, with `group_axis=-1`)."""
     groups = g_idx.long()
     return (q.float() - zero[:, groups].float()) * scale[:, groups].float()
-
-
-@contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
-    """One intra-op thread (restored after): the column loop is thousands of
-    small ops, which threads only slow down (18 s against 0.3 s for a
-    1536 x 576 weight on a loaded 2-core machine, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def stable_permutation(metric: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from dtype_policies._cpu import single_threaded
 from dtype_policies.quantizers.math import _ON_GRID_TOLERANCE, INT4_RANGE
 
 #: The `hqq` package's defaults for 4 bits.
@@ -92,6 +93,27 @@ def refine_zero_points(
         spans.append((whole, rows, rows - whole))
     refined_q = torch.empty(rows, columns, dtype=torch.int8, device=kernel.device)
     refined_zero = zero.float().clone()
+    with single_threaded():  # chunks of 64K elements: each op too small to share
+        _refine_spans(
+            kernel, q, scale, spans, refined_q, refined_zero, iterations, lp_norm, value_range
+        )
+    return refined_q, refined_zero
+
+
+def _refine_spans(
+    kernel: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    spans: list[tuple[int, int, int]],
+    refined_q: torch.Tensor,
+    refined_zero: torch.Tensor,
+    iterations: int,
+    lp_norm: float,
+    value_range: tuple[int, int],
+) -> None:
+    """`refine_zero_points`' loop over the groups of `spans`, chunk by
+    chunk of columns, into `refined_q` and `refined_zero`."""
+    columns = kernel.shape[1]
     group = 0
     for first, last, size in spans:
         groups = (last - first) // size
@@ -107,7 +129,6 @@ def refine_zero_points(
             codes = _codes(blocks, inverse, best, value_range)
             refined_q[first:last, part] = codes.reshape(last - first, -1)
         group += groups
-    return refined_q, refined_zero
 
 
 _CHUNK_ELEMENTS = 1 << 16  # one chunk's working set stays in the core's cache
