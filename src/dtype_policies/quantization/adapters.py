@@ -144,14 +144,16 @@ def guard_trained_copies(other_utils: ModuleType | None) -> None:
     def _update(self: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
         result = update(self, adapter_name, *args, **kwargs)
         copies = getattr(self, "modules_to_save", {})
-        quantized = quantization_of(copies[adapter_name]) if adapter_name in copies else None
-        if quantized is not None and not quantized.scheme.keeps_float_weight:
+        copy = copies[adapter_name] if adapter_name in copies else None  # noqa: SIM401 (a ModuleDict has no get)
+        frozen = [] if copy is None else _integer_quantized(copy)
+        if frozen:
+            names = ", ".join(f"'{name}' ({mode})" for name, mode in frozen)
             warnings.warn(
-                f"peft trains a copy of the module '{quantized.path or type(self).__name__}' "
-                f"(`modules_to_save`), whose weight is {quantized.mode}-quantized: its integer "
-                "weight is frozen, so only its float parameters (a bias) will train. Keep the "
-                "module out of `quantize()` (`filters=`), or quantize after `get_peft_model` "
-                "(peft's copies are left in floating point).",
+                f"peft trains a copy of a module (`modules_to_save`) that holds integer-"
+                f"quantized weights: {names}. Those weights are frozen, so only the copy's "
+                "float parameters (biases, norms) will train. Keep the module out of "
+                "`quantize()` (`filters=`); quantizing after `get_peft_model` leaves the "
+                "copies it made then in floating point, not those a later adapter makes.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -159,6 +161,17 @@ def guard_trained_copies(other_utils: ModuleType | None) -> None:
 
     setattr(_update, _GUARDED, True)
     setattr(wrapper, "update", _update)  # noqa: B010
+
+
+def _integer_quantized(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """`(path, mode)` of each module under `module` (itself included) whose
+    weight this library stores as integers."""
+    found = []
+    for name, child in module.named_modules():
+        quantized = quantization_of(child)
+        if quantized is not None and not quantized.scheme.keeps_float_weight:
+            found.append((quantized.path or name or type(child).__name__, quantized.mode))
+    return found
 
 
 def guard_merges(tuners_utils: ModuleType) -> None:
@@ -262,6 +275,8 @@ class _GuardAfterExec(importlib.abc.Loader):
         guard_peft()
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_loader" or name.startswith("__"):  # copies and pickles start empty
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
 

@@ -76,7 +76,9 @@ def _bias(
     name = qw.spec.bias
     if not name:
         return None
-    bias = module._parameters.get(name)
+    parameters = module._parameters
+    # a parametrized bias (`torch.nn.utils.parametrize`) is read through its property
+    bias = parameters[name] if name in parameters else getattr(module, name, None)
     if bias is None or bias.dtype == compute:
         return bias
     return leaf_weights(state.casts, bias, None, compute, weight_name=name)[0]

@@ -502,6 +502,9 @@ class QuantizedWeight(Generic[ConfigT]):
         self.runtime = self.scheme.new_runtime()
         if "buffer_names" not in state:  # pickled by an earlier version
             self.buffer_names = tuple(self.scheme.buffer_names(self.spec, self.config))
+        from dtype_policies.quantization.adapters import guard_peft  # above this module
+
+        guard_peft()  # a quantized weight unpickled in a fresh process: as `attach`'s
 
     def __deepcopy__(self, memo: dict) -> QuantizedWeight[ConfigT]:
         copied = QuantizedWeight(self.scheme, self.spec, self.config, self.float_dtype)
