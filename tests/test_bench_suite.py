@@ -694,6 +694,45 @@ def test_a_workload_that_raises_is_a_line_of_the_report_and_fails_the_run(
     assert "Failed: workloads broken" in capsys.readouterr().out
 
 
+def test_a_failing_accuracy_section_is_a_line_and_a_crashed_workload_s_targets_say_so(
+    tmp_path, monkeypatch, capsys
+):
+    """The MLP accuracy and memory sections ran outside the workloads'
+    guard (a failure wrote nothing), and a crashed workload's targets
+    vanished from the table."""
+    from dtype_policies.bench.workloads import mlp
+
+    def broken():
+        raise RuntimeError("no accuracy today")
+
+    monkeypatch.setattr(mlp, "quantization_accuracy", broken)
+    import dataclasses
+
+    train = dataclasses.replace(workloads.WORKLOADS["mlp_train"], build=broken)
+    monkeypatch.setitem(workloads.WORKLOADS, "mlp_train", train)
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--workloads", "mlp_inference,mlp_train", "--quick", "--threads", "1"]
+        assert runner.main([*argv, "--no-memory", "--output", str(tmp_path)]) == 1
+    finally:
+        torch.set_num_threads(threads)
+    report = (tmp_path / "latest.md").read_text()
+    assert "**MLP accuracy**: failed: RuntimeError: no accuracy today" in report
+    data = json.loads((tmp_path / "latest.json").read_text())
+    train_targets = [row for row in data["targets"] if "train" in row["target"].lower()]
+    assert train_targets and all(
+        row["measured"] == "not measured: the workload mlp_train failed" and not row["met"]
+        for row in train_targets
+    )
+    assert "Failed: workloads mlp_train, MLP accuracy" in capsys.readouterr().out
+
+
+def test_a_figure_at_its_bound_or_not_finite_is_judged_in_words():
+    assert harness.judged(0.7999999999, 0.8, at_least=True) == "0.7999999999x"
+    assert harness.judged(float("inf"), 1.0, at_least=True) == "not measured (inf)"
+    assert harness.judged(1.0600000001, 1.06, False, digits=1, percent=True) == "+6.00000001%"
+
+
 def test_a_failed_measurement_writes_null_not_nan(tmp_path):
     """`NaN` is no JSON for strict parsers (jq, JSON.parse)."""
     import json

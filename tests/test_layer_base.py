@@ -666,3 +666,24 @@ def test_the_first_float16_call_on_cpu_may_be_a_compiled_one(monkeypatch):
     assert out.dtype == torch.float16
     with pytest.warns(CPUFloat16Warning):
         layer(torch.randn(2, 8))  # the eager call warns, once
+
+
+def test_a_layer_may_say_per_instance_that_it_casts_its_own_weights():
+    """`_casts_own_weights` set on an instance (a class attribute until
+    2026-12-06, a read-only property for a few hours: the assignment raised)."""
+
+    class CastsItself(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self._casts_own_weights = True
+
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1], 4), name="w")
+
+        def call(self, x):
+            return x @ self.w.to(x.dtype)
+
+    torch.manual_seed(0)
+    layer = CastsItself(dtype="mixed_bfloat16")
+    assert layer(torch.randn(2, 3)).dtype == torch.bfloat16
+    assert layer._casts_own_weights is True and layers.Layer._casts_own_weights is False

@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -266,12 +267,18 @@ def judged(
     ('0.795x', '0.81x')
     >>> judged(1.0604, 1.06, at_least=False, digits=1, percent=True)
     '+6.04%'
+    >>> judged(float("nan"), 0.8, at_least=True)
+    'not measured (nan)'
     """
+    if not math.isfinite(value):
+        return f"not measured ({value})"
     met = value >= bound if at_least else value <= bound
-    for places in range(digits, digits + 6):
+    for places in range(digits, 17):
         shown = round(value - 1, places + 2) + 1 if percent else round(value, places)
         if (shown >= bound if at_least else shown <= bound) == met:
             break
+    else:  # closer to the bound than any shown figure: its exact value
+        return f"{value!r} ({'' if met else 'not '}{'above' if at_least else 'below'} {bound!r})"
     if percent:
         return f"{(value - 1) * 100:+.{places}f}%"
     return f"{value:.{places}f}x"

@@ -137,43 +137,36 @@ def _run(
             print(sections[-1], flush=True)
             traceback.print_exc()
 
-    accuracy = []
-    if "mlp_inference" in selected or "mlp_decode" in selected:
-        accuracy = mlp.quantization_accuracy()
-        lines = [
-            "**Quantized MLP: output error vs float32, stored weight bytes**",
-            "",
-            "| policy | relative error | weight bytes vs float32 |",
-            "|---|---:|---:|",
-        ]
-        lines += [
-            f"| {row['policy']} | {row['relative_error']:.4f} | "
-            f"{row['weight_bytes_vs_float32']:.3f} |"
-            for row in accuracy
-        ]
-        sections.append("\n".join(lines))
-        print("\n" + sections[-1], flush=True)
-
-    memory = []
-    if "mlp_train" in selected and not args.no_memory:
-        names = list(mlp.mlp_train_factories())
-        memory = memory_rows([n for n in names if "Keras" not in n], args.threads)
-        lines = [
-            "**MLP train step: peak resident memory of a process running it**",
-            "",
-            "| variant | peak RSS MiB |",
-            "|---|---:|",
-        ]
-        lines += [
-            f"| {row['variant']} | {row['peak_rss_mb']:.0f} |"
-            for row in memory
-            if row["peak_rss_mb"] is not None
-        ]
-        sections.append("\n".join(lines))
+    accuracy: list[dict] = []
+    memory: list[dict] = []
+    wants_accuracy = "mlp_inference" in selected or "mlp_decode" in selected
+    extras = (
+        (wants_accuracy, "MLP accuracy", _accuracy_section),
+        ("mlp_train" in selected and not args.no_memory, "MLP memory", _memory_section),
+    )
+    for wanted, title, section_of in extras:
+        if not wanted:
+            continue
+        try:
+            rows, markdown = section_of(args.threads)
+        except Exception as error:  # as a workload's: a line of the report
+            crashed.append(title)
+            markdown = f"**{title}**: failed: {type(error).__name__}: {error}"
+            rows = []
+            traceback.print_exc()
+        if title == "MLP accuracy":
+            accuracy = rows
+        else:
+            memory = rows
+        sections.append(markdown)
         print("\n" + sections[-1], flush=True)
 
     target_rows = list(self_timed_targets)
     for timed_workload, variant, baseline, kind, bound, label in TARGETS:
+        if timed_workload in crashed:
+            measured = f"not measured: the workload {timed_workload} failed"
+            target_rows.append({"target": label, "measured": measured, "met": False})
+            continue
         if timed_workload not in all_samples:
             continue
         samples = all_samples[timed_workload]
@@ -235,6 +228,40 @@ def _run(
         print("Failed: " + (f"workloads {', '.join(crashed)}" if crashed else "nothing was timed"))
         return 1
     return 0
+
+
+def _accuracy_section(threads: int) -> tuple[list[dict], str]:
+    """The quantized MLP's output error and weight bytes: `(rows, markdown)`."""
+    accuracy = mlp.quantization_accuracy()
+    lines = [
+        "**Quantized MLP: output error vs float32, stored weight bytes**",
+        "",
+        "| policy | relative error | weight bytes vs float32 |",
+        "|---|---:|---:|",
+    ]
+    lines += [
+        f"| {row['policy']} | {row['relative_error']:.4f} | {row['weight_bytes_vs_float32']:.3f} |"
+        for row in accuracy
+    ]
+    return accuracy, "\n".join(lines)
+
+
+def _memory_section(threads: int) -> tuple[list[dict], str]:
+    """The MLP train step's peak RSS per variant, each in its own process."""
+    names = list(mlp.mlp_train_factories())
+    memory = memory_rows([n for n in names if "Keras" not in n], threads)
+    lines = [
+        "**MLP train step: peak resident memory of a process running it**",
+        "",
+        "| variant | peak RSS MiB |",
+        "|---|---:|",
+    ]
+    lines += [
+        f"| {row['variant']} | {row['peak_rss_mb']:.0f} |"
+        for row in memory
+        if row["peak_rss_mb"] is not None
+    ]
+    return memory, "\n".join(lines)
 
 
 def _time_workload(

@@ -83,7 +83,7 @@ class Dense(QuantizableLayer):
         self._linear_activation = self.activation is activations.linear
 
     @property
-    def _casts_own_weights(self) -> bool:
+    def _casts_own_weights(self) -> bool:  # type: ignore[override]  # the base's attribute, per instance
         # Dense's own `call` casts its weights itself (no autocast scope needed),
         # which keeps small layers cheap; a subclass's `call` gets the scope, and
         # so does a parametrized weight (a property of torch's class on the layer).

@@ -129,11 +129,10 @@ class Layer(LayerWeights, torch.nn.Module):
     # `call`'s `training` argument (`_call_context.training_argument`), per class
     _call_training_argument: ClassVar[Any]
 
-    @property
-    def _casts_own_weights(self) -> bool:
-        """Leaf layers whose own `call` reads its weights in the compute dtype
-        directly need no autocast scope."""
-        return False
+    # Leaf layers whose own `call` reads its weights in the compute dtype
+    # directly need no autocast scope (a class's or an instance's setting;
+    # Dense decides per instance).
+    _casts_own_weights: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
