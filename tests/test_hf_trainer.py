@@ -150,23 +150,23 @@ def test_the_docs_recipe_is_the_one_tested():
     assert body in text
 
 
-@pytest.mark.parametrize("averaged_by_the_model", [True, False])
-def test_the_scaled_training_step_accumulates_as_trainer_s_own(tmp_path, averaged_by_the_model):
-    """With gradient accumulation, a mixed_float16 model trained through the
-    recipe moves its weights as the float32 model under Trainer's own step
-    (SGD: a gradient twice too large moves them twice as far)."""
+def _sgd_runs(tmp_path, loss_is_scaled_for_ga=None, **settings) -> tuple[list, list]:
+    """The recipe on a mixed_float16 model and Trainer's own step on a float32
+    one, SGD, accumulating 2 batches over 2 steps: `(moved, norms)`, each the
+    mixed_float16 run's then the float32 run's (how far the head moved; the
+    logged gradient norms)."""
     from dtype_policies.optimizers import LossScaleOptimizer
 
-    class ScaledTrainer(transformers.Trainer):
-        training_step = scaled_training_step
-        loss_is_scaled_for_ga = averaged_by_the_model
-
-    class FloatTrainer(transformers.Trainer):
-        loss_is_scaled_for_ga = averaged_by_the_model
-
+    extra = (
+        {} if loss_is_scaled_for_ga is None else {"loss_is_scaled_for_ga": loss_is_scaled_for_ga}
+    )
+    scaled = type(
+        "ScaledTrainer", (transformers.Trainer,), {"training_step": scaled_training_step, **extra}
+    )
+    plain = type("FloatTrainer", (transformers.Trainer,), extra)
     data = Repeated(16)
-    moved = []
-    for trainer_class, policy in ((ScaledTrainer, "mixed_float16"), (FloatTrainer, None)):
+    moved, norms = [], []
+    for trainer_class, policy in ((scaled, "mixed_float16"), (plain, None)):
         model = tiny_models.tiny_decoder()
         if policy:
             apply_policy(model, policy)
@@ -174,12 +174,23 @@ def test_the_scaled_training_step_accumulates_as_trainer_s_own(tmp_path, average
         sgd = torch.optim.SGD(model.parameters(), lr=0.05)
         optimizer = LossScaleOptimizer(sgd) if policy else sgd
         arguments = _arguments(
-            tmp_path / str(policy), max_grad_norm=0, gradient_accumulation_steps=2, max_steps=2
+            tmp_path / str(policy), gradient_accumulation_steps=2, max_steps=2, **settings
         )
-        trainer_class(
+        trainer = trainer_class(
             model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None)
-        ).train()
+        )
+        trainer.train()
         moved.append(float((model.lm_head.weight.detach() - before).norm()))
+        norms.append([log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log])
+    return moved, norms
+
+
+@pytest.mark.parametrize("averaged_by_the_model", [True, False])
+def test_the_scaled_training_step_accumulates_as_trainer_s_own(tmp_path, averaged_by_the_model):
+    """With gradient accumulation, a mixed_float16 model trained through the
+    recipe moves its weights as the float32 model under Trainer's own step
+    (SGD: a gradient twice too large moves them twice as far)."""
+    moved, _ = _sgd_runs(tmp_path, averaged_by_the_model, max_grad_norm=0)
     assert moved[0] == pytest.approx(moved[1], rel=0.05)
 
 
@@ -187,28 +198,8 @@ def test_the_recipe_lets_trainer_clip_and_log_the_real_gradients(tmp_path):
     """With Trainer's default `max_grad_norm=1.0`, Trainer clipped the scaled
     gradients to 1 before the scaler divided them by 2**15 again: the model
     all but stopped training (6e-6 against 0.2 of weight change), silently."""
-    from dtype_policies.optimizers import LossScaleOptimizer
-
-    class ScaledTrainer(transformers.Trainer):
-        training_step = scaled_training_step
-
-    data = Repeated(16)
-    moved, norms = [], []
-    for trainer_class, policy in ((ScaledTrainer, "mixed_float16"), (transformers.Trainer, None)):
-        model = tiny_models.tiny_decoder()
-        if policy:
-            apply_policy(model, policy)
-        before = model.lm_head.weight.detach().clone()
-        sgd = torch.optim.SGD(model.parameters(), lr=0.05)
-        optimizer = LossScaleOptimizer(sgd) if policy else sgd
-        arguments = _arguments(tmp_path / str(policy), gradient_accumulation_steps=2, max_steps=2)
-        assert arguments.max_grad_norm == 1.0
-        trainer = trainer_class(
-            model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None)
-        )
-        trainer.train()
-        moved.append(float((model.lm_head.weight.detach() - before).norm()))
-        norms.append([log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log])
+    assert _arguments(tmp_path).max_grad_norm == 1.0
+    moved, norms = _sgd_runs(tmp_path)
     assert moved[0] == pytest.approx(moved[1], rel=0.05)
     assert norms[0] == pytest.approx(norms[1], rel=0.05)
     assert min(norms[1]) > 1.0  # Trainer clipped every step
