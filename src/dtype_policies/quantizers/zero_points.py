@@ -26,6 +26,8 @@ grids are still reproduced exactly.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dtype_policies._cpu import single_threaded
@@ -117,7 +119,7 @@ def _refine_spans(
     group = 0
     for first, last, size in spans:
         groups = (last - first) // size
-        width = max(1, _CHUNK_ELEMENTS // (last - first))
+        width = _chunk_width(last - first)
         for start in range(0, columns, width):
             part = slice(start, min(columns, start + width))
             blocks = kernel[first:last, part].reshape(groups, size, -1)
@@ -132,6 +134,24 @@ def _refine_spans(
 
 
 _CHUNK_ELEMENTS = 1 << 16  # one chunk's working set stays in the core's cache
+
+
+def _chunk_width(rows: int) -> int:
+    """Columns per chunk of the solver for a span of `rows` rows."""
+    return max(1, _CHUNK_ELEMENTS // rows)
+
+
+def columns_per_chunk(rows: int, block_size: int) -> int:
+    """A number of consecutive columns (outputs) whose refined zero points and
+    codes `refine_zero_points` computes from those columns alone: its chunks
+    of columns (each stops by its own mean error) tile any run of columns
+    starting at a multiple of it.
+
+    >>> columns_per_chunk(2048, 32), columns_per_chunk(1000, 128)
+    (32, 45990)
+    """
+    whole = rows - rows % block_size
+    return math.lcm(*(_chunk_width(span) for span in (whole, rows - whole) if span))
 
 
 def _codes(

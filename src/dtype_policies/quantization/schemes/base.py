@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -120,10 +121,6 @@ class Scheme(abc.ABC, Generic[ConfigT]):
         calibrated_on_quantized_outputs: In calibration, the next block's
             inputs are this block's outputs with its weights quantized (GPTQ)
             rather than float (`False`).
-        outputs_independent: `quantize` computes each output's stored values
-            from that output's weights alone (no per-tensor value), so a
-            large weight is quantized a chunk of outputs at a time
-            (`quantize_by_outputs`).
     """
 
     mode: ClassVar[str]
@@ -131,7 +128,6 @@ class Scheme(abc.ABC, Generic[ConfigT]):
     keeps_float_weight: ClassVar[bool] = False
     general_contraction: ClassVar[bool] = False
     calibrated_on_quantized_outputs: ClassVar[bool] = True
-    outputs_independent: ClassVar[bool] = False
 
     @abc.abstractmethod
     def buffer_names(self, spec: WeightSpec, config: ConfigT) -> tuple[str, ...]:
@@ -154,6 +150,14 @@ class Scheme(abc.ABC, Generic[ConfigT]):
         self, spec: WeightSpec, config: ConfigT
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The shape and dtype of each buffer `quantize` stores for `spec`."""
+
+    def output_chunk(self, spec: WeightSpec, config: ConfigT) -> int | None:
+        """A number of consecutive outputs whose stored values `quantize`
+        computes from those outputs' weights alone, so that a large weight
+        is quantized chunks of a multiple of it at a time
+        (`quantize_by_outputs`); `None` (the default): from the whole
+        weight."""
+        return None
 
     def new_statistics(self, spec: WeightSpec, config: ConfigT) -> ActivationStatistics:
         """A calibrated scheme's fresh accumulator for the inputs of the weight `spec`."""
@@ -661,7 +665,7 @@ def quantize_by_outputs(
 ) -> dict[str, torch.Tensor]:
     """`scheme.quantize(weight, spec, config)`, the same tensors, computed a
     chunk of outputs at a time for a scheme whose outputs quantize
-    independently (`outputs_independent`), so that its float32 copies and
+    independently (`Scheme.output_chunk`), so that its float32 copies and
     per-input temporaries take a chunk's memory, not the weight's several
     times over (the default int8 on Llama-3.2-1B's 128256 x 2048 table: a
     peak of 4.5 GB for a 1 GB float32 weight, 5.5 GB for its bfloat16 half).
@@ -681,10 +685,14 @@ def quantize_by_outputs(
     >>> all(torch.equal(chunked[name], whole[name]) for name in whole)
     True
     """
-    n, k = spec.out_features, spec.in_features
+    n, k = spec.out_features, max(spec.in_features, 1)
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    outputs = max(64, chunk_bytes // (4 * max(k, 1)) // 64 * 64)  # even: int4's packed pairs
-    if not scheme.outputs_independent or n <= outputs:
+    unit = scheme.output_chunk(spec, config)
+    if unit is None or 4 * k * unit > 16 * chunk_bytes:
+        return scheme.quantize(weight, spec, config)
+    unit = math.lcm(unit, 64)  # even: int4's packed pairs of outputs
+    outputs = max(1, chunk_bytes // (4 * k) // unit) * unit
+    if n <= outputs:
         return scheme.quantize(weight, spec, config)
     matrix = spec.matrix(weight.detach())
     axis = 1 if spec.layout == "in_out" else 0

@@ -41,14 +41,12 @@ from dtype_policies.quantizers.math import (
     unpack_int4,
 )
 from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
-from dtype_policies.quantizers.zero_points import refine_zero_points
+from dtype_policies.quantizers.zero_points import columns_per_chunk, refine_zero_points
 
 
 class Int4Scheme(Scheme[Int4QuantizationConfig]):
     mode = "int4"
     roles = ("linear", "embedding")
-    # not `outputs_independent`: the zero points' solver stops by the mean
-    # error of a chunk of many outputs (`quantizers.zero_points`)
 
     def buffer_names(self, spec: WeightSpec, config: Int4QuantizationConfig) -> tuple[str, ...]:
         w = spec.weight
@@ -84,6 +82,12 @@ class Int4Scheme(Scheme[Int4QuantizationConfig]):
         stored = {names[0]: packed_int4(data.contiguous(), axis=-1)}
         stored.update({name: tensor.contiguous() for name, tensor in extra.items()})
         return stored
+
+    def output_chunk(self, spec: WeightSpec, config: Int4QuantizationConfig) -> int:
+        if config.group_size > 0 and config.refine_zero_points:
+            # the zero points' solver stops by the error of its chunks of outputs
+            return columns_per_chunk(spec.in_features, config.group_size)
+        return 1  # grids per output, or per group of an output's inputs
 
     def stored_shapes(
         self, spec: WeightSpec, config: Int4QuantizationConfig

@@ -36,7 +36,6 @@ from dtype_policies.quantizers.math import (
 class Int8Scheme(Scheme[Int8QuantizationConfig]):
     mode = "int8"
     roles = ("linear", "embedding")
-    outputs_independent = True  # steps per output, or per block of an output's inputs
 
     def buffer_names(self, spec: WeightSpec, config: Int8QuantizationConfig) -> tuple[str, ...]:
         return (f"{spec.weight}_int8", f"{spec.weight}_scale")
@@ -57,6 +56,9 @@ class Int8Scheme(Scheme[Int8QuantizationConfig]):
         data = q.t() if spec.layout == "in_out" else q
         names = self.buffer_names(spec, config)
         return {names[0]: data.contiguous(), names[1]: scale.contiguous()}
+
+    def output_chunk(self, spec: WeightSpec, config: Int8QuantizationConfig) -> int:
+        return 1  # steps per output, or per block of an output's inputs
 
     def stored_shapes(self, spec: WeightSpec, config: Int8QuantizationConfig) -> dict:
         rows, columns = (
