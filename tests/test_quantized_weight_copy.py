@@ -425,6 +425,7 @@ _PEFT_IMPORTED_AFTER_QUANTIZING = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh process importing torch and peft
 def test_a_quantized_model_unpickled_in_a_fresh_process_has_peft_s_merge_check(tmp_path) -> None:
     """`torch.load` of a whole quantized model never ran `attach`: peft's
     merge check was not extended, and merging into its float8 base dropped
@@ -454,6 +455,7 @@ def test_a_quantized_model_unpickled_in_a_fresh_process_has_peft_s_merge_check(t
     assert float(run.stdout.splitlines()[-1]) < 0.1
 
 
+@pytest.mark.slow  # a fresh process importing torch and peft
 def test_merging_into_a_float8_base_with_peft_imported_after_quantizing() -> None:
     """The merge check is extended when peft loads, not only when a weight is
     quantized with peft loaded: imported later, the float8 merge was dropped
