@@ -37,7 +37,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from typing import Any, ClassVar, NamedTuple, TypeVar, cast
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -362,7 +362,9 @@ class CalibratedIntScheme(Scheme[TokenConfigT]):
         buffers = module._buffers
         # `attach` registers each of `qw.buffer_names` as a tensor (torch types
         # a module's buffers as optional: a plain buffer may be set to None)
-        stored = cast(list[torch.Tensor], [buffers[name] for name in qw.buffer_names])
+        # (not `typing.cast(list[torch.Tensor], ...)`: torch 2.6's Dynamo cannot
+        # build the generic alias inside a compiled call)
+        stored: list[torch.Tensor] = [buffers[name] for name in qw.buffer_names]  # type: ignore[misc]
         if qw.spec.layout == "out_in":
             stored[1], stored[2] = stored[1].t(), stored[2].t()
         return stored
