@@ -475,16 +475,21 @@ def test_merging_into_a_float8_base_with_peft_imported_after_quantizing() -> Non
     assert "tuner layer '0' is int4-quantized" in refusal and "Nothing was merged" in refusal
 
 
+def _tiny_classifier_config(config_class):
+    """A one-layer sequence classifier's config (3 labels, hidden 32)."""
+    return config_class(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3,
+    )  # fmt: skip
+
+
 def test_peft_training_a_copy_of_a_head_holding_quantized_linears_warns(recwarn) -> None:
     """RoBERTa's classifier is a container (dense, out_proj): the warning
     looked at the copy alone and stayed quiet."""
     peft = pytest.importorskip("peft", reason="peft is not installed")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.RobertaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_labels=3,
-    )  # fmt: skip
+    config = _tiny_classifier_config(transformers.RobertaConfig)
     model = transformers.RobertaForSequenceClassification(config)
     quantize(model, "int8", filters=r".*classifier.*")
     peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query"]))
@@ -500,10 +505,7 @@ def test_peft_training_a_copy_of_an_integer_quantized_head_warns(mode, recwarn) 
     peft = pytest.importorskip("peft", reason="peft is not installed")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_labels=3,
-    )  # fmt: skip
+    config = _tiny_classifier_config(transformers.BertConfig)
     model = transformers.BertForSequenceClassification(config)
     quantize(model, mode, filters=r".*classifier")
     lora = peft.LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query"])

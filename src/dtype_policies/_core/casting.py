@@ -163,6 +163,11 @@ def bias_in(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if not torch.compiler.is_compiling() or exporting():
         return bias.to(dtype)
+    return _bias_rounded_in_integer_ops(bias, dtype)
+
+
+def _bias_rounded_in_integer_ops(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`bias_in` under `torch.compile`."""
     if bias.dtype in _IN_INTEGER_OPS:
         bias = float32_values(bias)
     in_integer_ops = _IN_INTEGER_OPS.get(dtype)
@@ -184,9 +189,11 @@ def plus_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """
     if bias is None:
         return y
-    if y.dtype in _IN_INTEGER_OPS and torch.compiler.is_compiling() and not exporting():
+    if not torch.compiler.is_compiling() or exporting():
+        return y + bias.to(y.dtype)
+    if y.dtype in _IN_INTEGER_OPS:
         y = float32_values(y).to(y.dtype)
-    return y + bias_in(bias, y.dtype)
+    return y + _bias_rounded_in_integer_ops(bias, y.dtype)
 
 
 def as_product_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -37,7 +37,7 @@ from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies._core.scope import current_scope
 from dtype_policies._modes import mode_record
 from dtype_policies.policies import DTypePolicy
-from dtype_policies.quantization.schemes.base import QuantizedWeight
+from dtype_policies.quantization.schemes.base import QuantizedWeight, quantize_by_outputs
 from dtype_policies.quantization.weight_copy import read_weight
 from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 
@@ -270,7 +270,7 @@ def adapt_state_dict(
             value = value.to(qw.float_dtype)
         # its shape and values were checked with the stored tensors (check_checkpoint)
         with torch.no_grad(), torch.inference_mode(False):
-            tensors = qw.scheme.quantize(value.detach(), qw.spec, qw.config)
+            tensors = quantize_by_outputs(qw.scheme, value.detach(), qw.spec, qw.config)
         del state_dict[weight_key]
         for name, tensor in tensors.items():
             state_dict[prefix + name] = tensor
