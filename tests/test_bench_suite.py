@@ -1,6 +1,7 @@
 """The benchmark suite's machinery (fast): the workload registry, the one
 timer, the real-model text rules, and failing variants becoming rows."""
 
+import itertools
 import json
 import os
 import runpy
@@ -49,12 +50,38 @@ def test_timer_interleaves_rounds_and_pairs_ratios_per_round():
     order = []
     calls = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
     samples = harness.measure_interleaved(calls, warmup=1, repeats=4, rounds=2)
-    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 2
+    # Warm-up, then per round and variant one untimed call and two samples.
+    assert order == ["a", "b"] + ["a", "a", "a", "b", "b", "b"] * 2
     assert [len(r) for r in samples["a"]] == [2, 2]
     # Each round's ratio first, then their median: drift between rounds cancels.
     drifting = {"ref": [[1.0], [4.0], [9.0]], "x": [[0.5], [2.0], [4.5]]}
     assert harness.paired_ratio(drifting, "ref", "x") == 2.0
     assert statistics.median([1.0, 4.0, 9.0]) / statistics.median([0.5, 2.0, 4.5]) == 2.0
+
+
+def test_timer_pauses_between_variants_so_spinning_pools_go_idle():
+    calls: list[tuple[str, float]] = []
+
+    def slow() -> None:  # a call too long to be made again untimed
+        calls.append(("slow", time.perf_counter()))
+        time.sleep(harness._REWARM_S + 0.01)
+        calls.append(("slow end", time.perf_counter()))
+
+    variants = {"fast": lambda: calls.append(("fast", time.perf_counter())), "slow": slow}
+    harness.measure_interleaved(variants, warmup=1, repeats=2, rounds=2)
+    names = [name for name, _ in calls if name != "slow end"]
+    assert names == ["fast", "slow"] + ["fast", "fast", "slow"] * 2
+    # Every switch of variant waits `SETTLE_S` after the previous variant's last call.
+    switches = [(a, b) for a, b in itertools.pairwise(calls) if a[0] != "slow" and a[0] != b[0]]
+    assert len(switches) == 5  # 4 in the rounds, 1 in the warm-up that is not paused
+    paused = [b[1] - a[1] for a, b in switches[1:]]
+    assert all(gap >= harness.SETTLE_S for gap in paused), paused
+    # A single variant is not paused.
+    alone: list[float] = []
+    harness.measure_interleaved(
+        {"a": lambda: alone.append(time.perf_counter())}, repeats=3, rounds=3
+    )
+    assert max(b - a for a, b in itertools.pairwise(alone)) < harness.SETTLE_S
 
 
 def test_timer_batches_fast_calls_to_the_minimum_sample_time():

@@ -168,12 +168,28 @@ def retiming_contended_rounds(
         _RETIMING.reset(token)
 
 
+# Pause before each variant's samples in a round: thread pools that
+# spin-wait after a call (ONNX Runtime's by default, OpenMP's, TBB's) go to
+# sleep, so that no variant is timed beside the previous one's spinning threads.
+SETTLE_S = 0.05
+# A variant whose call takes at most this long gets one untimed call after the
+# pause, so that its samples are of back-to-back calls as a user makes them.
+_REWARM_S = 0.2
+
+
 def _time_round(
-    variants: dict[str, Callable[[], object]], calls: dict[str, int], per_round: int
+    variants: dict[str, Callable[[], object]],
+    calls: dict[str, int],
+    per_round: int,
+    rewarm: frozenset[str] = frozenset(),
 ) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {}
     for name, fn in variants.items():
         times[name] = []
+        if len(variants) > 1:
+            time.sleep(SETTLE_S)
+            if name in rewarm:
+                fn()
         for _ in range(per_round):
             if calls[name] == 1:
                 times[name].append(time_call(fn)[0])
@@ -203,14 +219,19 @@ def measure_interleaved(
     A sample is one call, or, with `min_sample_s`, as many calls as take that
     long (counted once per variant after the warm-up; for microsecond
     kernels). A variant returning `Timed` is timed by that value instead.
+    Before each variant's samples in a round the timer pauses `SETTLE_S` (the
+    previous variant's spinning threads go idle) and, for a variant whose
+    warm-up call took at most `_REWARM_S`, makes one untimed call.
 
     >>> samples = measure_interleaved({"a": lambda: Timed(2.0)}, warmup=0, repeats=4, rounds=2)
     >>> samples, paired_ratio({"b": [[4.0], [2.0]], "a": [[2.0], [2.0]]}, "b", "a")
     ({'a': [[2.0, 2.0], [2.0, 2.0]]}, 1.5)
     """
-    for fn in variants.values():
+    rewarm = set()
+    for name, fn in variants.items():
         for _ in range(warmup):
-            fn()
+            if time_call(fn)[0] <= _REWARM_S:
+                rewarm.add(name)
     calls = {name: _calls_per_sample(fn, min_sample_s) for name, fn in variants.items()}
     retiming = _RETIMING.get()
     samples = Samples({name: [] for name in variants})
@@ -219,7 +240,7 @@ def measure_interleaved(
     whole_table = contention.LoadWindow()
     for _ in range(rounds):
         window = contention.LoadWindow()
-        times = _time_round(variants, calls, per_round)
+        times = _time_round(variants, calls, per_round, frozenset(rewarm))
         share = window.others_share()
         for _ in range(retiming.retries if retiming else 0):
             if share is None or share < contention.QUIET_SHARE:
@@ -227,7 +248,7 @@ def measure_interleaved(
             quiet = contention.wait_until_quiet(retiming.max_wait_s)  # type: ignore[union-attr]
             samples.retimed += 1
             window.restart()
-            again = _time_round(variants, calls, per_round)
+            again = _time_round(variants, calls, per_round, frozenset(rewarm))
             again_share = window.others_share()
             if again_share is not None and again_share < share:
                 times, share = again, again_share

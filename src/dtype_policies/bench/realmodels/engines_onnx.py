@@ -63,9 +63,9 @@ class OnnxRuntimeEncoder:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
-        # Idle pool threads would spin on the cores the other variants timed
-        # in the same rounds need.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Its pool spin-waits between calls, as by default (turned off, it ran
+        # 1.45-1.6x slower at 1 x 32); the timer pauses between variants so
+        # that the spinning does not land on the next one (`harness.SETTLE_S`).
         self.session = onnxruntime.InferenceSession(
             str(path), options, providers=["CPUExecutionProvider"]
         )
