@@ -303,10 +303,15 @@ at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor
   if (copy == Copy::amx && !tiles) copy = Copy::vnni;  // the same values
   // the AMX copy reads whole tiles of 16 rows: rows and steps zero-padded
   const int64_t mp = tiles ? (m + 15) / 16 * 16 : m;
-  at::Tensor scratch = at::empty({mp * blocks + mp * kq / 4 + mp}, x.options().dtype(at::kFloat));
+  const int64_t macs = m * n * kp;
+  const int threads = macs >= kParallelMinMacs ? at::get_num_threads() : 1;
+  // rounded rows: steps, bytes, finiteness; then each thread's column sums (int8_panels.inc)
+  at::Tensor scratch = at::empty({mp * blocks + mp * kq / 4 + mp + threads * blocks * kPanel},
+                                 x.options().dtype(at::kFloat));
   float* d = scratch.data_ptr<float>();
   int8_t* q = reinterpret_cast<int8_t*>(d + mp * blocks);
   char* finite = reinterpret_cast<char*>(q + mp * kq);
+  int32_t* offsets = reinterpret_cast<int32_t*>(d + mp * blocks + mp * kq / 4 + mp);
   if (mp > m) {
     std::memset(d + m * blocks, 0, static_cast<size_t>((mp - m) * blocks) * sizeof(float));
     std::memset(q + m * kq, 0, static_cast<size_t>((mp - m) * kq));
@@ -322,8 +327,6 @@ at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor
     std::memcpy(tail_step, step + (panels - 1) * kPanel, static_cast<size_t>(tail) * sizeof(float));
   if (has_bias)
     std::memcpy(tail_shift, shift + (panels - 1) * kPanel, static_cast<size_t>(tail) * sizeof(float));
-  const int64_t macs = m * n * kp;
-  const int threads = macs >= kParallelMinMacs ? at::get_num_threads() : 1;
   const int status = dtype_policies_round_rows_q8(reinterpret_cast<const uint16_t*>(x.data_ptr()),
                                                   m, k, kq, q, d, finite,
                                                   m >= 64 ? threads : 1);
@@ -335,13 +338,13 @@ at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor
   const int64_t chunk_rows = packed.numel() > kLargeWeightBytes ? kLargeWeightChunk : kSmallWeightChunk;
   if (copy == Copy::vnni) {
     for (int64_t i = 0; i < m * kq; ++i) q[i] = static_cast<int8_t>(q[i] ^ 0x80);  // xq + 128, unsigned
-    vnni::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads);
+    vnni::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads, offsets);
   } else if (copy == Copy::amx) {
 #if DTYPE_POLICIES_HAS_AMX
     amx::tiled_product(in, m, weight, out, bf16_out, threads);
 #endif
   } else {
-    madd::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads);
+    madd::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads, offsets);
   }
   for (int64_t r = 0; r < m; ++r)
     if (!finite[r]) y.select(0, r).fill_(std::numeric_limits<float>::quiet_NaN());
