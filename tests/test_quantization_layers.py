@@ -3,6 +3,7 @@ state_dict round trips, reports, and the float8 delayed-scaling oracle."""
 
 import copy
 import io
+import re
 import warnings
 
 import pytest
@@ -785,3 +786,57 @@ def test_int4_products_follow_a_stored_g_idx():
     assert not torch.allclose(wrong, expected, rtol=0.1, atol=0.1)
     assert torch.allclose(swapped, expected, rtol=0.02, atol=0.02)
     assert model[0].weight_g_idx[0].item() == 1.0
+
+
+def _replace_entry(policy_map: DTypePolicyMap, key: str, policy: str) -> None:
+    del policy_map[key]  # Keras's maps refuse to overwrite a key
+    policy_map[key] = policy
+
+
+@pytest.mark.parametrize(
+    ("built_under", "edited_to"),
+    [
+        ("int8_from_float32", "int4/32_from_float32"),  # another mode
+        ("int4/32_from_float32", "int4/128_from_float32"),  # another configuration
+        ("int8_from_float32", "float32"),  # float again
+        ("float32", "int8_from_float32"),  # quantizing a float layer
+    ],
+)
+def test_a_map_edit_of_a_built_layer_s_quantization_is_refused_until_restored(
+    built_under, edited_to
+):
+    """A built layer follows its map's edits of float dtypes. An edit of its
+    quantization was ignored: the layer kept computing as built while its
+    resolved policy, summary and config said the entry (a config that could
+    not reload the layer's own weights)."""
+    torch.manual_seed(0)
+    policy_map = DTypePolicyMap("float32", {"dense": built_under})
+    dense = layers.Dense(48, name="dense", dtype=policy_map)
+    x = torch.randn(3, 64)
+    expected = dense(x)
+    mode = dense.quantization_mode
+    _replace_entry(policy_map, "dense", edited_to)
+    with pytest.raises(ValueError, match=rf"'dense'.*changed to '{re.escape(edited_to)}'"):
+        dense(x)
+    with pytest.raises(ValueError, match="restore the entry"):
+        dense.get_config()
+    _replace_entry(policy_map, "dense", built_under)
+    assert torch.equal(dense(x), expected)
+    assert dense.quantization_mode == mode
+    policy_map["other"] = "bfloat16"  # an entry of another layer: followed silently
+    _replace_entry(
+        policy_map, "dense", "int8_from_mixed_bfloat16" if mode == "int8" else "mixed_bfloat16"
+    )
+    if mode != "int4":  # a change of float dtypes: followed at once
+        assert dense(x).dtype == torch.bfloat16
+
+
+def test_a_float_layer_is_quantized_through_its_own_policy_not_a_map_edit():
+    torch.manual_seed(0)
+    policy_map = DTypePolicyMap("float32")
+    dense = layers.Dense(8, name="dense", dtype=policy_map)
+    dense(torch.randn(2, 16))
+    dense.dtype_policy = "int8_from_float32"  # quantizes, and writes the entry
+    assert dense.quantization_mode == "int8"
+    assert policy_map["dense"].name == "int8_from_float32"
+    assert dense(torch.randn(2, 16)).dtype == torch.float32

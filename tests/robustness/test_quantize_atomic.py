@@ -184,6 +184,37 @@ def test_non_finite_weight_is_refused_and_changes_nothing(mode, bad):
     assert f"{bad} at index [5, 7]" in message
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "gptq"])
+def test_a_non_finite_last_weight_fails_before_any_module_is_planned(mode, monkeypatch):
+    """Planning quantizes each weight (minutes for a large model; a
+    calibration first runs the model on its data): a NaN in the last layer
+    was reported only after every layer before it was planned."""
+    from dtype_policies.quantization import GPTQConfig, api
+
+    model = _three_linears()
+    with torch.no_grad():
+        model.third.weight[1, 2] = float("nan")
+    planned: list[str] = []
+    real_plan = api.plan
+    monkeypatch.setattr(
+        api,
+        "plan",
+        lambda module, *a, **k: planned.append(k.get("path")) or real_plan(module, *a, **k),
+    )
+    real_calibration = api.plan_calibrated
+    monkeypatch.setattr(
+        api,
+        "plan_calibrated",
+        lambda *a, **k: planned.append("calibration") or real_calibration(*a, **k),
+    )
+    config = GPTQConfig(dataset=[torch.randn(2, 16)], tokenizer=None) if mode == "gptq" else None
+    before = snapshot(model)
+    with pytest.raises(NonFiniteWeightError, match=r"module 'third'.*1 non-finite"):
+        quantize(model, mode, config=config)
+    assert planned == []
+    assert_unchanged(model, before)
+
+
 @pytest.mark.parametrize(
     "how", ["apply_policy", "layer.quantize", "layer.dtype_policy", "embedding.quantize"]
 )

@@ -91,6 +91,35 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             )
         return mode if kind.supports(mode) else None
 
+    def _check_map_edit(self) -> None:
+        """A built layer follows its map's edits of float dtypes; an edit of
+        its quantization (quantizing a float layer, another mode or
+        configuration, or float again) would leave the entry saying one thing
+        and the layer computing another: refused, until the entry is restored."""
+        if not self.built:
+            return
+        before = self.__dict__[STATE_KEY].call.policy
+        entry = self._resolve_policy()
+        mode = self._policy_mode()
+        had = quantization_of(self)
+        if (mode, mode and entry.quantization_config) == (
+            had.mode if had is not None else None,
+            before.quantization_config if had is not None and before.quantization_mode else None,
+        ):
+            return
+        built = f"quantized as '{before.name}'" if had is not None else f"as '{before.name}'"
+        raise ValueError(
+            f"Layer '{self.name}': its DTypePolicyMap entry ('{self._path}') was changed to "
+            f"'{entry.name}' after the layer was built {built}. An edit of the map changes "
+            "a built layer's float dtypes, not its quantization: restore the entry"
+            + (
+                f", or set `layer.dtype_policy = '{entry.name}'` (which quantizes the layer "
+                "and writes the entry)."
+                if had is None
+                else "; a quantized layer keeps its mode and configuration."
+            )
+        )
+
     def _no_float_compute(self) -> RuntimeError:
         """The error of a quantized call without a floating compute dtype
         (a quantized policy computes in its float source's)."""

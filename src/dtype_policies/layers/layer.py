@@ -327,9 +327,14 @@ class Layer(LayerWeights, torch.nn.Module):
             if name in registered if registered is not None else buffer.dtype == variable:
                 yield name
 
+    def _check_map_edit(self) -> None:
+        """Raises when an edit of the policy map asks of this built layer what
+        only its own routes do (`QuantizableLayer`: a change of quantization)."""
+
     @property
     def _call_state(self) -> CallState:
         if self._map_version is not None and self._dtype_policy._version != self._map_version:
+            self._check_map_edit()
             self._refresh_policy_state()
             self._plan_children()  # the map may give them other entries now
         return self.__dict__[STATE_KEY].call
@@ -518,6 +523,7 @@ class Layer(LayerWeights, torch.nn.Module):
 
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments of this layer, JSON-friendly."""
+        _ = self._call_state  # a map edited since: followed, or refused as a call would
         config: dict[str, Any] = {
             "name": self.name,
             "trainable": self.trainable,

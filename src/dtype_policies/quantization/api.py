@@ -57,6 +57,7 @@ from dtype_policies.quantization.report import (
     shared_float_detail,
     shared_layout_detail,
 )
+from dtype_policies.quantization.schemes.base import check_finite
 from dtype_policies.quantizers.config import validate_and_resolve_config
 
 Filters = str | list | tuple | Callable[[str, torch.nn.Module], bool] | None
@@ -313,6 +314,7 @@ def quantize(
     modules = dict(named_module_paths(model, root_path_of(model)))
     plans = []
     checked = []
+    to_plan: list[tuple[str, torch.nn.Module, Any, Any, Any]] = []
     quantizable: list[str] = []
     planned_weights: dict[int, Any] = {}
     # weights that stay float: one module holding each, and the kind of reason
@@ -401,9 +403,21 @@ def quantize(
                 kind=kind,
                 modules=modules,
             )
-            if calibrated and module_config is config:
-                checked.append((path, found))
-                continue
+            # every weight before any is quantized: a NaN in the last layer
+            # fails at once, not after minutes of planning the others
+            check_finite(found.weight, found.spec.weight)
+        except NotImplementedError as e:
+            unsupported(label, module, str(e))
+            continue
+        except Exception as e:
+            raise type(e)(f"quantize(): module '{label}': {e}") from e
+        if calibrated and module_config is config:
+            checked.append((path, found))
+        else:
+            to_plan.append((path, module, module_config, kind, found))
+    for path, module, module_config, kind, found in to_plan:
+        label = path or "(root)"
+        try:
             shared = shared_tensors(module, found.spec, module_config, planned_weights)
             module_plan = plan(
                 module, module_config, path=path, type_check=type_check, kind=kind, tensors=shared
