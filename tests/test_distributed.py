@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dtype_policies
-from dtype_policies import DTypePolicyMap, apply_policy, saving
+from dtype_policies import DTypePolicyMap, apply_policy, layers, quantize, saving
 from dtype_policies._core.module_state import state_of
 from dtype_policies.distributed import (
     describe_plan,
@@ -1061,3 +1061,68 @@ def test_importing_the_package_does_not_load_fsdp():
     # of the loss scale optimizer's did, at import
     assert output.stdout.strip() == "False False", output.stderr
     assert dtype_policies.distributed.fully_shard is fully_shard
+
+
+@distributed
+@fsdp_on_cpu
+def test_a_layer_not_built_yet_is_refused_by_fully_shard(tmp_path):
+    """A Keras-style layer creates its weights at its first call, after the
+    sharding: they stayed whole on every rank, their gradients never
+    reduced, and the ranks drifted apart (0.5 after 3 SGD steps), silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), layers.Dense(4))
+    with (
+        _group_of_one(tmp_path),
+        pytest.raises(ValueError, match=r"'1' not built yet.*Nothing was changed"),
+    ):
+        fully_shard(model, "mixed_bfloat16")
+    assert not any(hasattr(m, "dtype_policy") and m is not model[1] for m in model.modules())
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+@distributed
+def test_loading_a_quantizing_checkpoint_under_ddp_is_refused_before_changing_it(tmp_path):
+    """DDP's gradient buckets hold the float weights the checkpoint's int8
+    replaces: the load passed, and the second training step failed inside
+    DDP ("Expected to have finished reduction in the prior iteration")."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    quantize(source[0], "int8")
+    path = saving.save(source, tmp_path / "model")
+    float_path = saving.save(nn.Sequential(nn.Linear(16, 32), nn.GELU()), tmp_path / "float")
+    with _group_of_one(tmp_path):
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ddp = DistributedDataParallel(model)
+        with pytest.raises(ValueError, match=r"load\(\).*DistributedDataParallel.*saving\.load"):
+            saving.load(ddp, path)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        assert model[0].__class__ is nn.Linear and not hasattr(model[0], "dtype_policy")
+        plain = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.GELU()))
+        saving.load(plain, float_path)  # a float checkpoint loads under DDP as before
+
+
+def test_a_loss_scale_optimizer_can_keep_its_skips_to_its_own_rank():
+    from dtype_policies import optimizers
+    from dtype_policies.optimizers.loss_scale_optimizer import _sync_group
+
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert optimizers.LossScaleOptimizer(sgd, process_group=False)._process_group is False
+    assert _sync_group(False) is None
+    with pytest.raises(TypeError, match=r"process_group.*Received: process_group='world'"):
+        optimizers.LossScaleOptimizer(sgd, process_group="world")
+
+
+def test_a_peft_model_s_default_unit_is_the_model_its_tuner_holds():
+    """PeftModel calls `base_model.model` directly: the default unit
+    `base_model` (LoraModel) was never called, its shards never gathered,
+    and the first forward failed ("got mixed torch.Tensor and DTensor")."""
+    peft = pytest.importorskip("peft")
+    from dtype_policies.distributed import shard_plan
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["0", "2"]))
+    assert [unit.name for unit in shard_plan(model)] == ["base_model.model", ""]

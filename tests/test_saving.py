@@ -461,9 +461,13 @@ def test_a_data_parallel_wrapper_saves_and_loads_the_model_it_wraps(tmp_path):
     path = saving.save(nn.DataParallel(model), tmp_path / "m.safetensors")
     x = torch.randn(2, 64)
     assert torch.equal(saving.load(mlp(), path)(x), model(x))
-    wrapped = nn.DataParallel(mlp())
+    # quantized before it was wrapped, as quantize() asks (a float model is
+    # refused: the file would quantize under the wrapper)
+    wrapped = nn.DataParallel(prepare(mlp(), "mixed_bfloat16", "int8", None))
     assert saving.load(wrapped, path) is wrapped
     assert torch.equal(wrapped(x), model(x))
+    with pytest.raises(ValueError, match="DataParallel"):
+        saving.load(nn.DataParallel(mlp()), path)
 
 
 def test_every_dtype_safetensors_stores_round_trips_and_others_are_named(tmp_path):

@@ -74,8 +74,7 @@ from typing import Any
 import torch
 
 from dtype_policies._frozen import FrozenCompiledCall, check_flags
-from dtype_policies.layers.layer import Layer
-from dtype_policies.layers.sequential import Sequential
+from dtype_policies.layers._unbuilt import unbuilt_paths
 from dtype_policies.quantization.kernels import attention
 
 
@@ -181,11 +180,7 @@ def compile_for_inference(
         raise TypeError(
             f"compile_for_inference needs a torch.nn.Module, got {type(model).__name__}"
         )
-    unbuilt = [
-        name or "(model)"
-        for name, module in model.named_modules()
-        if _creates_weights_when_called(module)
-    ]
+    unbuilt = unbuilt_paths(model)
     if unbuilt:
         shown = ", ".join(repr(name) for name in unbuilt[:3])
         raise ValueError(
@@ -202,16 +197,3 @@ def compile_for_inference(
         cpp_wrapper=cpp_wrapper,
     )
     return CompiledInference(model, freeze_weights, fullgraph, autotune, cpp_wrapper)
-
-
-def _creates_weights_when_called(module: torch.nn.Module) -> bool:
-    """A torch lazy module not initialized, or a Keras-style layer not built
-    whose class builds something (a `Dropout` builds nothing)."""
-    uninitialized = getattr(module, "has_uninitialized_params", None)
-    if callable(uninitialized) and uninitialized():
-        return True
-    if not (isinstance(module, Layer) and module.built is False):
-        return False
-    if isinstance(module, Sequential):  # built by its layers
-        return any(_creates_weights_when_called(layer) for layer in module.layers)
-    return type(module).build is not Layer.build

@@ -80,7 +80,11 @@ DATA_PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.Da
 """The wrappers that replicate a model on every rank (their `module` is the model)."""
 
 
-def refuse_replicated(module: torch.nn.Module, action: str) -> None:
+def refuse_replicated(
+    module: torch.nn.Module,
+    action: str,
+    remedy: str = "quantize(module, ...), then DistributedDataParallel(module)",
+) -> None:
     """Raises `ValueError` when a `DistributedDataParallel` (or
     `DataParallel`) wrapper is in `module`'s tree and `action` quantizes: the
     wrapper holds the float weights quantization replaces (its gradient
@@ -91,8 +95,7 @@ def refuse_replicated(module: torch.nn.Module, action: str) -> None:
                 f"{action}: {name or 'the model'!r} is a {type(submodule).__name__}, which "
                 "keeps the float weights quantization replaces (its gradient reduction would "
                 "wait for them, and the ranks drift apart). Quantize the module before "
-                "wrapping it: quantize(module, ...), then DistributedDataParallel(module). "
-                "Nothing was changed."
+                f"wrapping it: {remedy}. Nothing was changed."
             )
 
 

@@ -14,6 +14,7 @@ them).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -63,8 +64,14 @@ class ShardUnit:
 
 
 def _never_called(module: torch.nn.Module) -> bool:
-    """Containers (`ModuleList`, `ModuleDict`, parameter lists) have no forward."""
-    return original_class(module).forward is torch.nn.Module.forward
+    """Containers (`ModuleList`, `ModuleDict`, parameter lists) have no
+    forward; peft's tuner models (`LoraModel`, ...) are passed by: their
+    `PeftModel` calls the model they hold (its `base_model.model`) directly."""
+    if original_class(module).forward is torch.nn.Module.forward:
+        return True
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # loaded if a peft model exists
+    tuner = getattr(tuners, "BaseTuner", None)
+    return isinstance(tuner, type) and isinstance(module, tuner)
 
 
 def _has_parameters(module: torch.nn.Module) -> bool:

@@ -103,9 +103,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         dynamic_growth_steps: How many consecutive finite steps double the
             scale, a positive int. Defaults to 2000.
         name: A name, for Keras parity. Defaults to `"loss_scale_optimizer"`.
-        process_group: The ranks that agree on skipping a step. Defaults to
-            the default group whenever `torch.distributed` is initialized
-            with more than one process (looked up at each `step()`).
+        process_group: The ranks that agree on skipping a step: each
+            `step()` all-reduces whether any of them found inf/NaN, so every
+            rank of the group must call `step()` as often. Defaults to the
+            default group whenever `torch.distributed` is initialized with
+            more than one process (looked up at each `step()`). `False`: this
+            rank alone, with no collective (an optimizer that only some ranks
+            step, or a model each rank trains on its own).
         **kwargs: Only Keras's backward-compatibility arguments are accepted:
             `dynamic=True`, and Keras's base optimizer arguments
             (`weight_decay`, `clipnorm`, ...) at their default values.
@@ -172,6 +176,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 "Use it without loss scaling (bfloat16 needs none)."
             )
         scale = check_scale(initial_scale, "initial_scale")
+        group_type = getattr(torch.distributed, "ProcessGroup", None)
+        if not (
+            process_group is None
+            or process_group is False
+            or (group_type is not None and isinstance(process_group, group_type))
+        ):
+            raise TypeError(
+                "`process_group` must be None (the default group), False (this rank alone) "
+                f"or a torch.distributed.ProcessGroup. Received: process_group={process_group!r}"
+            )
         if not isinstance(dynamic_growth_steps, numbers.Integral) or isinstance(
             dynamic_growth_steps, bool
         ):
@@ -831,6 +845,8 @@ def _sync_group(process_group: Any) -> Any:
     agree with (torch.distributed not initialized, or one process)."""
     distributed = torch.distributed
     if not (distributed.is_available() and distributed.is_initialized()):
+        return None
+    if process_group is False:  # this rank alone
         return None
     group = process_group if process_group is not None else distributed.group.WORLD
     return group if distributed.get_world_size(group) > 1 else None

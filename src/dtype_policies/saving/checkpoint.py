@@ -27,7 +27,11 @@ from safetensors.torch import save_file
 
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.listeners import model_changed
-from dtype_policies._core.sharded import DATA_PARALLEL_WRAPPERS, is_sharded_tensor
+from dtype_policies._core.sharded import (
+    DATA_PARALLEL_WRAPPERS,
+    is_sharded_tensor,
+    refuse_replicated,
+)
 from dtype_policies._core.slots import (
     non_persistent_buffer_names,
     replace_buffer,
@@ -278,11 +282,15 @@ def load(module: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
     # would be inference tensors, which no later training or grad-enabled
     # call could use: the model loads as it does outside.
     with torch.inference_mode(False):
-        _load(target, file)
+        _load(target, file, module)
     return module
 
 
-def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
+def _load(
+    module: torch.nn.Module, file: Path, given: torch.nn.Module | None = None
+) -> torch.nn.Module:
+    """Loads `file` into `module` (`given`: the module `load` was given, a
+    data-parallel wrapper of it or itself)."""
     manifest, header = read_header(file)
     with safe_open(str(file), framework="pt") as reader:
         state = _read_state(reader, header, manifest, f"'{file}'")
@@ -291,6 +299,12 @@ def _load(module: torch.nn.Module, file: Path) -> torch.nn.Module:
     assign = any(t.device.type == "meta" for t in _module_tensors(module))
     state = _untied_copies(state, module, assign)
     steps, plans, expansions, problems, unfit = _plan(module, manifest, _saved_tensors(state))
+    if plans:  # float modules the file quantizes: not under DDP's gradient buckets
+        refuse_replicated(
+            given if given is not None else module,
+            "load() of a checkpoint that quantizes modules of the model",
+            "saving.load(module, path), then DistributedDataParallel(module)",
+        )
     # persistent or not as the target's class says (its buffers, not the file's)
     non_persistent = non_persistent_keys(module)
     fit = _state_fit(module, manifest, header, plans, expansions, unfit, non_persistent)
