@@ -416,6 +416,16 @@ def test_the_mismatch_message_names_each_differing_module_and_rank():
     assert "module '2.0': rank 0 float32, rank 3 mixed_bfloat16" in message
     assert "module '1.1': rank 0 float32, rank 3 mixed_bfloat16" in message  # an island
     assert "module '0'" not in message  # agreeing modules are not named
+    # another width on one rank: named (gloo aborted the process mid-collective)
+    wider = nn.Sequential(nn.Linear(8, 18))
+    descriptions = [
+        describe_policies(m, shard_plan(m)) for m in (nn.Sequential(nn.Linear(8, 16)), wider)
+    ]
+    message = mismatch_message(descriptions, [0, 1])
+    assert (
+        "hold different models: parameter '0.bias': rank 0 shape (16,), rank 1 shape (18,)"
+        in message
+    )
 
 
 def test_to_mixed_precision_policy():

@@ -32,7 +32,8 @@ class PolicyMismatchError(ValueError):
 
 def describe_policies(model: torch.nn.Module, plan: list[ShardUnit]) -> dict[str, str]:
     """`{what: how}` for each module's policy (its quantization config
-    included) and each unit of `plan`: what the ranks must agree on.
+    included), each parameter's shape, and each unit of `plan`:
+    what the ranks must agree on.
 
     >>> import torch
     >>> import dtype_policies
@@ -50,6 +51,8 @@ def describe_policies(model: torch.nn.Module, plan: list[ShardUnit]) -> dict[str
         if config is not None:
             how += f" {json.dumps(serialize_config(config), sort_keys=True, default=str)}"
         description[f"module '{name or '(model)'}'"] = how
+    for name, parameter in model.named_parameters():  # else gloo aborts mid-collective
+        description[f"parameter '{name}'"] = f"shape {tuple(parameter.shape)}"
     for unit in plan:
         description[f"unit '{unit.name or '(model)'}'"] = (
             f"param {dtype_name(unit.param_dtype)}, reduce {dtype_name(unit.reduce_dtype)}"
@@ -114,6 +117,11 @@ def mismatch_message(descriptions: list[dict[str, str]], ranks: list[int]) -> st
     shown = "; ".join(differing[:5]) + (
         f"; and {len(differing) - 5} more" if len(differing) > 5 else ""
     )
+    if any(line.startswith("parameter") for line in differing):
+        return (
+            f"fully_shard(): the ranks hold different models: {shown}. Build the same model "
+            "on every rank (the same configuration, then the same seed or saving.load)."
+        )
     if all(line.startswith("(option)") for line in differing):
         return (
             f"fully_shard(): the ranks pass different options: {shown}. Ranks sharding "
