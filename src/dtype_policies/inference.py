@@ -74,7 +74,7 @@ from typing import Any
 import torch
 
 from dtype_policies._frozen import FrozenCompiledCall, check_flags
-from dtype_policies.layers._unbuilt import unbuilt_paths
+from dtype_policies.layers._unbuilt import refuse_unbuilt
 from dtype_policies.quantization.kernels import attention
 
 
@@ -180,15 +180,11 @@ def compile_for_inference(
         raise TypeError(
             f"compile_for_inference needs a torch.nn.Module, got {type(model).__name__}"
         )
-    unbuilt = unbuilt_paths(model)
-    if unbuilt:
-        shown = ", ".join(repr(name) for name in unbuilt[:3])
-        raise ValueError(
-            f"compile_for_inference: {shown}{' and more' if len(unbuilt) > 3 else ''} not "
-            "built yet: their weights are created by the first call, inside the compiled "
-            "call, and frozen weights need them before. Call the model once on an input "
-            "(or build(input_shape)) before compiling it."
-        )
+    refuse_unbuilt(
+        model,
+        "compile_for_inference",
+        "inside the compiled call, and frozen weights need them before",
+    )
     check_flags(
         "compile_for_inference",
         freeze_weights=freeze_weights,

@@ -19,7 +19,7 @@ from dtype_policies.distributed.agreement import (
 from dtype_policies.distributed.mixed_precision import mixed_precision_policy, quantized_error
 from dtype_policies.distributed.support import fsdp_refusal, sharding_device_type
 from dtype_policies.distributed.units import UnitRule, plan_units, refuse_quantized
-from dtype_policies.layers._unbuilt import unbuilt_paths
+from dtype_policies.layers._unbuilt import refuse_unbuilt
 from dtype_policies.policies import get as get_policy
 
 
@@ -50,16 +50,12 @@ def _refuse_before_planning(model: Any, policy_or_map: Any, float32_modules: Any
             "(DistributedDataParallel or DataParallel): shard the model it wraps instead of "
             "wrapping it, fully_shard(ddp.module, ...). Nothing was changed."
         )
-    unbuilt = unbuilt_paths(model)
-    if unbuilt:  # created after the sharding: whole on every rank, never reduced
-        shown = ", ".join(repr(name) for name in unbuilt[:3])
-        raise ValueError(
-            f"fully_shard(): {shown}{' and more' if len(unbuilt) > 3 else ''} not built yet: "
-            "their weights are created by the first call, after the sharding, and would stay "
-            "whole on every rank with their gradients never reduced (the ranks drift apart). "
-            "Call the model once on an input (or build(input_shape)) before sharding it. "
-            "Nothing was changed."
-        )
+    refuse_unbuilt(
+        model,
+        "fully_shard()",
+        "after the sharding, and would stay whole on every rank with their gradients never "
+        "reduced (the ranks drift apart)",
+    )
     scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
     if scalars:  # torch's fully_shard refuses them part-way through the units
         raise ValueError(

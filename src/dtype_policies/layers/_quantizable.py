@@ -102,9 +102,10 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         entry = self._resolve_policy()
         mode = self._policy_mode()
         had = quantization_of(self)
-        if (mode, mode and entry.quantization_config) == (
+        config = getattr(entry, "quantization_config", None) if mode else None
+        if (mode, config) == (
             had.mode if had is not None else None,
-            before.quantization_config if had is not None and before.quantization_mode else None,
+            getattr(before, "quantization_config", None) if had is not None else None,
         ):
             return
         built = f"quantized as '{before.name}'" if had is not None else f"as '{before.name}'"

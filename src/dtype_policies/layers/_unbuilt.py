@@ -26,11 +26,18 @@ def creates_weights_when_called(module: torch.nn.Module) -> bool:
     return type(module).build is not Layer.build
 
 
-def unbuilt_paths(model: torch.nn.Module) -> list[str]:
-    """The paths (torch's dotted; "(model)" for the root) of the modules of
-    `model` whose weights its first call will create."""
-    return [
+def refuse_unbuilt(model: torch.nn.Module, action: str, why: str) -> None:
+    """Raises `ValueError` naming the modules of `model` whose first call will
+    create their weights (`why`: what goes wrong if `action` runs first)."""
+    unbuilt = [
         name or "(model)"
         for name, module in model.named_modules()
         if creates_weights_when_called(module)
     ]
+    if unbuilt:
+        shown = ", ".join(repr(name) for name in unbuilt[:3])
+        raise ValueError(
+            f"{action}: {shown}{' and more' if len(unbuilt) > 3 else ''} not built yet: their "
+            f"weights are created by the first call, {why}. Call the model once on an input "
+            f"(or build(input_shape)) first. Nothing was changed."
+        )
