@@ -84,6 +84,24 @@ def test_timer_pauses_between_variants_so_spinning_pools_go_idle():
     assert max(b - a for a, b in itertools.pairwise(alone)) < harness.SETTLE_S
 
 
+def test_a_variant_timed_by_its_own_clock_is_rewarmed_by_its_wall_time():
+    """A decode step returns its per-token `Timed` (0.04 s) from a call of
+    seconds: it was made again untimed in every round, doubling the table's
+    time."""
+    calls = {"decode": 0, "other": 0}
+
+    def decode() -> harness.Timed:
+        calls["decode"] += 1
+        time.sleep(harness._REWARM_S + 0.01)
+        return harness.Timed(0.01)
+
+    def other() -> None:
+        calls["other"] += 1
+
+    harness.measure_interleaved({"decode": decode, "other": other}, warmup=1, repeats=2, rounds=2)
+    assert calls == {"decode": 1 + 2, "other": 1 + 2 * 2}
+
+
 def test_timer_batches_fast_calls_to_the_minimum_sample_time():
     count = []
     samples = harness.measure_interleaved(

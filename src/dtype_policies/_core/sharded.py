@@ -83,7 +83,7 @@ DATA_PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.Da
 def refuse_replicated(
     module: torch.nn.Module,
     action: str,
-    remedy: str = "quantize(module, ...), then DistributedDataParallel(module)",
+    remedy: str = "Quantize the module before wrapping it: quantize(module, ...), then wrap it",
 ) -> None:
     """Raises `ValueError` when a `DistributedDataParallel` (or
     `DataParallel`) wrapper is in `module`'s tree and `action` quantizes: the
@@ -94,8 +94,7 @@ def refuse_replicated(
             raise ValueError(
                 f"{action}: {name or 'the model'!r} is a {type(submodule).__name__}, which "
                 "keeps the float weights quantization replaces (its gradient reduction would "
-                "wait for them, and the ranks drift apart). Quantize the module before "
-                f"wrapping it: {remedy}. Nothing was changed."
+                f"wait for them, and the ranks drift apart). {remedy}. Nothing was changed."
             )
 
 

@@ -219,9 +219,10 @@ def measure_interleaved(
     A sample is one call, or, with `min_sample_s`, as many calls as take that
     long (counted once per variant after the warm-up; for microsecond
     kernels). A variant returning `Timed` is timed by that value instead.
-    Before each variant's samples in a round the timer pauses `SETTLE_S` (the
-    previous variant's spinning threads go idle) and, for a variant whose
-    warm-up call took at most `_REWARM_S`, makes one untimed call.
+    With more than one variant, before each variant's samples in a round the
+    timer pauses `SETTLE_S` (the previous variant's spinning threads go idle)
+    and, for a variant whose warm-up call took at most `_REWARM_S` of wall
+    time, makes one untimed call.
 
     >>> samples = measure_interleaved({"a": lambda: Timed(2.0)}, warmup=0, repeats=4, rounds=2)
     >>> samples, paired_ratio({"b": [[4.0], [2.0]], "a": [[2.0], [2.0]]}, "b", "a")
@@ -230,7 +231,9 @@ def measure_interleaved(
     rewarm = set()
     for name, fn in variants.items():
         for _ in range(warmup):
-            if time_call(fn)[0] <= _REWARM_S:
+            start = time.perf_counter()  # the call's own time, not a `Timed` it returns
+            fn()
+            if time.perf_counter() - start <= _REWARM_S:
                 rewarm.add(name)
     calls = {name: _calls_per_sample(fn, min_sample_s) for name, fn in variants.items()}
     retiming = _RETIMING.get()

@@ -78,9 +78,10 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             return None
         return self._policy_mode()
 
-    def _policy_mode(self) -> str | None:
-        """The policy's quantization mode, if this kind of layer takes it."""
-        mode = self._resolve_policy().quantization_mode
+    def _policy_mode(self, policy: DTypePolicy | None = None) -> str | None:
+        """The quantization mode of `policy` (default: the policy in force),
+        if this kind of layer takes it."""
+        mode = (policy if policy is not None else self._resolve_policy()).quantization_mode
         if mode is None:
             return None
         kind = kind_of(self)
@@ -91,31 +92,43 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
             )
         return mode if kind.supports(mode) else None
 
+    def _keeps_quantization(self, policy: DTypePolicy) -> bool:
+        """Whether `policy` (a policy for this built layer, or its map's entry)
+        asks the quantization the layer has: none for a float layer; for a
+        quantized one its mode and configuration, the float source free (a
+        name that changes the source alone, or one whose configuration, as a
+        built layer reads it, is the layer's)."""
+        mode = self._policy_mode(policy)
+        had = quantization_of(self)
+        if had is None:
+            return mode is None
+        if mode != had.mode:
+            return False
+        before = self.__dict__[STATE_KEY].call.policy
+        if _mode_string(policy) == _mode_string(before):
+            return True
+        return _config_asked_by(policy) == had.config
+
     def _check_map_edit(self) -> None:
         """A built layer follows its map's edits of float dtypes; an edit of
         its quantization (quantizing a float layer, another mode or
-        configuration, or float again) would leave the entry saying one thing
-        and the layer computing another: refused, until the entry is restored."""
+        configuration, or float again) would leave the map saying one thing
+        and the layer computing another: refused, until the edit is undone."""
         if not self.built:
             return
-        before = self.__dict__[STATE_KEY].call.policy
         entry = self._resolve_policy()
-        mode = self._policy_mode()
-        had = quantization_of(self)
-        config = getattr(entry, "quantization_config", None) if mode else None
-        if (mode, config) == (
-            had.mode if had is not None else None,
-            getattr(before, "quantization_config", None) if had is not None else None,
-        ):
+        if self._keeps_quantization(entry):
             return
+        before = self.__dict__[STATE_KEY].call.policy
+        had = quantization_of(self)
         built = f"quantized as '{before.name}'" if had is not None else f"as '{before.name}'"
         raise ValueError(
-            f"Layer '{self.name}': its DTypePolicyMap entry ('{self._path}') was changed to "
-            f"'{entry.name}' after the layer was built {built}. An edit of the map changes "
-            "a built layer's float dtypes, not its quantization: restore the entry"
+            f"Layer '{self.name}': its DTypePolicyMap now resolves its path '{self._path}' to "
+            f"'{entry.name}', edited since the layer was built {built}. An edit of the map "
+            "changes a built layer's float dtypes, not its quantization: undo the edit"
             + (
                 f", or set `layer.dtype_policy = '{entry.name}'` (which quantizes the layer "
-                "and writes the entry)."
+                "and writes its entry)."
                 if had is None
                 else "; a quantized layer keeps its mode and configuration."
             )
@@ -257,20 +270,19 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         policy = get_policy(value)
         self._refuse_if_sharded(policy)
         quantized = self._quantized
-        if (
-            quantized is not None
-            and not policy.is_map
-            and policy.quantization_mode != quantized.mode
-        ):
-            raise ValueError(
-                f"Layer '{self.name}' is quantized in mode '{quantized.mode}'; it cannot "
-                f"take the policy '{policy.name}'. Build a new layer instead."
-            )
         resolved = (
             policy[self._path]
             if isinstance(policy, DTypePolicyMap) and self._path is not None
             else policy
         )
+        entry = resolved.default_policy if isinstance(resolved, DTypePolicyMap) else resolved
+        if quantized is not None and self.built and not self._keeps_quantization(entry):
+            asked = f"a map resolving it to '{entry.name}'" if policy.is_map else f"'{policy.name}'"
+            raise ValueError(
+                f"Layer '{self.name}' is quantized in mode '{quantized.mode}' "
+                f"('{self.__dict__[STATE_KEY].call.policy.name}'); it cannot take the policy "
+                f"{asked}. Build a new layer instead."
+            )
         mode = resolved.quantization_mode
         if policy.is_map and self._path is None:
             mode = None
@@ -297,11 +309,7 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
                 "model instead."
             )
         resolved = _quantized(resolved)
-        config = (
-            record.default_config()
-            if type(resolved) is QuantizedDTypePolicy
-            else resolved.quantization_config
-        )
+        config = _config_asked_by(resolved)
         with self._naming_self():
             module_plan = attach.plan(
                 self, config, path=self._path or "", type_check=False, source=resolved.source_policy
@@ -340,6 +348,21 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         config = super().get_config()
         config["quantization_config"] = serialize_config(self.quantization_config)
         return config
+
+
+def _mode_string(policy: DTypePolicy) -> str:
+    """The part of a quantized policy's name before `_from_` ("" for a float one)."""
+    return policy.name.rpartition("_from_")[0] if policy.quantization_mode else ""
+
+
+def _config_asked_by(policy: DTypePolicy) -> Any:
+    """The configuration a built layer given `policy` quantizes by: the bare
+    legacy `"int4_from_X"` (and every plain `<mode>_from_X`) its mode's
+    default, a policy carrying settings (`"int4/64_from_X"`) its own."""
+    quantized = _quantized(policy)
+    if type(quantized) is QuantizedDTypePolicy:
+        return mode_record(quantized.quantization_mode).default_config()
+    return quantized.quantization_config
 
 
 def _quantized(policy: DTypePolicy) -> QuantizedDTypePolicy:

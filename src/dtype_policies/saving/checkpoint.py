@@ -303,7 +303,7 @@ def _load(
         refuse_replicated(
             given if given is not None else module,
             "load() of a checkpoint that quantizes modules of the model",
-            "saving.load(module, path), then DistributedDataParallel(module)",
+            "Load into the module before wrapping it: saving.load(module, path), then wrap it",
         )
     # persistent or not as the target's class says (its buffers, not the file's)
     non_persistent = non_persistent_keys(module)
