@@ -549,6 +549,25 @@ def test_a_cliff_is_timed_by_its_probes_alone_and_a_compiling_first_call_is_not_
     assert rows["compiles"] == {"b1x32_ms": 500.0, "b1x32_x_float32": 2.0}
 
 
+def test_a_call_of_milliseconds_is_timed_in_samples_of_many_calls(monkeypatch):
+    from dtype_policies.bench.realmodels import speed
+
+    calls = {"float32": 0, "fast": 0}
+
+    def call_of(engine, workload, tokens=0):
+        def call():
+            calls[engine] += 1
+            time.sleep(0.002 if engine == "float32" else 0.001)
+
+        return call
+
+    monkeypatch.setattr(speed, "call_of", call_of)
+    rows = {name: {} for name in calls}
+    realtable.time_workload({n: n for n in calls}, "b1x32", rows, True, lambda *a, **k: None)
+    assert calls["fast"] > 2 * realtable.MIN_SAMPLE_S / 0.002  # several calls per sample
+    assert 1.0 <= rows["fast"]["b1x32_ms"] < 3.0  # per call, not per sample
+
+
 def test_selection_skips_variants_by_pattern_but_keeps_the_reference():
     names = [v.name for v in catalogue.select(None, "smollm2", skip="gptq/*,awq/*,float32")]
     assert names[0] == "float32" and "int4/32" in names

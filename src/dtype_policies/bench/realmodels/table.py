@@ -20,6 +20,12 @@ from dtype_policies.bench.realmodels.variants import Calibration
 REFERENCE = "float32"
 
 
+# A sample of a one-call workload lasts at least this long (MiniLM's 1 x 32
+# calls take 3-6 ms: one call per sample gave round-to-round ratios 0.64-0.97x
+# apart in one table); decode and prefill calls are one call a sample.
+MIN_SAMPLE_S = 0.05
+
+
 def _timed_calls(
     engines: dict[str, Any], workload: str, rows: dict[str, dict], quick: bool
 ) -> dict[str, Callable[[], object]]:
@@ -75,7 +81,12 @@ def time_workload(
     calls = _timed_calls(engines, workload, rows, quick)
     rounds = 2 if quick else 5
     samples = harness.measure_interleaved(
-        calls, warmup=1, repeats=rounds, rounds=rounds, label=label or workload
+        calls,
+        warmup=1,
+        repeats=rounds,
+        rounds=rounds,
+        min_sample_s=MIN_SAMPLE_S,
+        label=label or workload,
     )
     for name, per_round in samples.items():
         rows[name][f"{workload}_ms"] = statistics.median(t for r in per_round for t in r) * 1e3
