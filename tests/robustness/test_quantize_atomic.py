@@ -215,6 +215,34 @@ def test_a_non_finite_last_weight_fails_before_any_module_is_planned(mode, monke
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("policy", ["int8_from_float32", "int4/32_from_mixed_bfloat16"])
+def test_apply_policy_refuses_a_non_finite_last_weight_before_planning_any(policy, monkeypatch):
+    """`apply_policy` planned module by module, so a NaN in the last layer
+    was found only after every layer before it was rounded (as `quantize()`
+    did before it checked every weight first)."""
+    from dtype_policies.quantization import attach
+
+    model = _three_linears()
+    with torch.no_grad():
+        model.third.weight[3, 4] = float("nan")
+    planned: list[str] = []
+    real_plan = attach.plan
+    monkeypatch.setattr(
+        attach,
+        "plan",
+        lambda module, *a, **k: planned.append(k.get("path")) or real_plan(module, *a, **k),
+    )
+    before = snapshot(model)
+    with pytest.raises(NonFiniteWeightError, match=r"module 'third'.*nan at index \[3, 4\]"):
+        apply_policy(model, policy)
+    assert planned == []
+    assert_unchanged(model, before)
+    policy_map = DTypePolicyMap(default_policy=policy)
+    policy_map["third"] = "float32"  # the bad module left float: the others are planned
+    apply_policy(model, policy_map)
+    assert sorted(planned) == ["first", "second/inner"]
+
+
 @pytest.mark.parametrize(
     "how", ["apply_policy", "layer.quantize", "layer.dtype_policy", "embedding.quantize"]
 )

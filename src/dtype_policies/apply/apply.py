@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -895,9 +894,11 @@ def _plan_quantization(
     plans, expert_steps, declined = [], [], []
     planned_weights: dict[int, attach.Plan] = {}  # id(weight) -> its first plan
     modules = {step.path: step.module for step in steps}
-    plan_one = functools.partial(_plan_one, planned_weights=planned_weights, modules=modules)
     routers = experts.expert_routers(step.module for step in steps)
     adapters = adapter_modules(step.module for step in steps)
+    # every module checked (a NaN weight in the last one refused at once)
+    # before any is planned (minutes of rounding for a large model)
+    jobs: list[tuple[Step, list[_Checked], experts.ExpertsExpansion | None]] = []
     for step in steps:
         mode = step.policy.quantization_mode
         if mode is None:
@@ -918,13 +919,18 @@ def _plan_quantization(
                 Step(path, linear, step.policy, step.island, inner)
                 for path, linear in expansion.linears(under=step.path)
             ]
-            linear_plans = [p for p, _ in map(plan_one, linear_steps) if p is not None]
+            jobs.append((step, [_check_one(s, modules) for s in linear_steps], expansion))
+        else:
+            jobs.append((step, [_check_one(step, modules)], None))
+    for step, checked, expansion in jobs:
+        if expansion is not None:
+            linear_plans = [p for p, _ in (_plan_one(c, planned_weights) for c in checked) if p]
             experts.ExpertsExpansion.claim_all(linear_plans, [expansion])
             if linear_plans:
                 plans += linear_plans
-                expert_steps += linear_steps
+                expert_steps += [c.step for c in checked]
             continue
-        module_plan, why = plan_one(step)
+        module_plan, why = _plan_one(checked[0], planned_weights)
         if module_plan is not None:
             plans.append(module_plan)
         elif why is not None:
@@ -981,26 +987,35 @@ def _stored_once(
     return kept, declined
 
 
-def _plan_one(
-    step: Step, planned_weights: dict[int, attach.Plan], modules: dict[str, torch.nn.Module]
-) -> tuple[attach.Plan | None, str | None]:
-    """The plan of one step's quantized policy, or `None` and why the module
-    computes with the policy's float source (no kind, the mode unsupported,
-    its weight read by its parent; no reason when quantized already)."""
+@dataclass(frozen=True)
+class _Checked:
+    """One step's quantized policy, checked (`found`, with the config and the
+    float source to plan with), or why its module computes with the policy's
+    float source (`why`; `None` for a module quantized already)."""
+
+    step: Step
+    found: attach.Checked | None = None
+    config: Any = None
+    why: str | None = None
+
+
+def _check_one(step: Step, modules: dict[str, torch.nn.Module]) -> _Checked:
+    """`attach.check` of one step's quantized policy (its weight's values
+    among the checks). Raises `ValueError` (its own type kept, such as
+    `NonFiniteWeightError`) naming the module."""
     mode = step.policy.quantization_mode
     kind = kind_of(step.module)
     if mode is None or attach.quantization_of(step.module) is not None:
-        return None, None
+        return _Checked(step)
     if kind is None:
-        return None, f"{original_class(step.module).__name__}, not a quantizable kind"
+        return _Checked(step, why=f"{original_class(step.module).__name__}, not a quantizable kind")
     if not kind.supports(mode):
-        return None, f"{kind.role} weights take {', '.join(kind.modes) or 'no mode'}"
+        return _Checked(step, why=f"{kind.role} weights take {', '.join(kind.modes) or 'no mode'}")
     config = step.policy.quantization_config
     if isinstance(step.module, Layer):
         existing = getattr(step.module, "quantization_config", None)
         if existing is not None and existing.mode == mode:
             config = existing
-    source = step.policy.source_policy
     try:
         found = attach.check(
             step.module,
@@ -1008,27 +1023,44 @@ def _plan_one(
             path=step.path,
             type_check=False,
             kind=kind,
-            source=source,
+            source=step.policy.source_policy,
             modules=modules,
         )
+    except NotImplementedError as e:
+        return _Checked(step, why=str(e))  # computes with the policy's float source
+    except ValueError as e:
+        raise type(e)(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
+    return _Checked(step, found, config)
+
+
+def _plan_one(
+    checked: _Checked, planned_weights: dict[int, attach.Plan]
+) -> tuple[attach.Plan | None, str | None]:
+    """The plan of one checked step, or `None` and why the module computes
+    with the policy's float source (no kind, the mode unsupported, its weight
+    read by its parent; no reason when quantized already)."""
+    found, step = checked.found, checked.step
+    if found is None:
+        return None, checked.why
+    try:
         module_plan = attach.plan(
             step.module,
-            config,
+            checked.config,
             path=step.path,
             type_check=False,
-            kind=kind,
-            source=source,
+            kind=found.kind,
+            source=found.source,
             # a table tied to a head: quantized once, its stored tensors shared
-            tensors=attach.shared_tensors(step.module, found.spec, config, planned_weights),
+            tensors=attach.shared_tensors(step.module, found.spec, checked.config, planned_weights),
         )
-        weight = step.module._parameters.get(module_plan.spec.weight)
-        if weight is not None:
-            planned_weights.setdefault(id(weight), module_plan)
-        return module_plan, None
     except NotImplementedError as e:
         return None, str(e)  # computes with the policy's float source
     except ValueError as e:  # its own type (NonFiniteWeightError) kept
         raise type(e)(f"apply_policy(): module '{step.path or '(root)'}': {e}") from None
+    weight = step.module._parameters.get(module_plan.spec.weight)
+    if weight is not None:
+        planned_weights.setdefault(id(weight), module_plan)
+    return module_plan, None
 
 
 def _example_paths(steps: list[Step]) -> str:

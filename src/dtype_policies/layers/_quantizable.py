@@ -223,7 +223,14 @@ class QuantizableLayer(QuantizedWeightGuard, Layer):
         if config is None or config.mode != mode:
             config = _quantized(self._resolve_policy()).quantization_config
         try:
-            checked = attach.check(self, config, path=self._path or "", type_check=False)
+            checked = attach.check(
+                self,
+                config,
+                path=self._path or "",
+                type_check=False,
+                # a calibrated mode's placeholders do not read the float weights
+                needs_values=not mode_record(mode).calibrated,
+            )
         except NotImplementedError as e:
             if self._policy_given and not self._dtype_policy.is_map:  # asked of this layer
                 warnings.warn(

@@ -203,6 +203,8 @@ def check(
     weight = _check_weight(module, spec.weight, needs_values=needs_values)
     if weight.numel() == 0:  # (the kernels and scales assume a row and a column)
         raise NotImplementedError(f"its weight is empty (shape {tuple(weight.shape)})")
+    if needs_values:
+        check_finite(weight, spec.weight)
     if source is None:
         source = _source_policy(module, weight)
     record.check_compute_dtype(source.compute_dtype)
@@ -318,7 +320,6 @@ def plan(
     if weight.device.type == "cpu":
         kernels.prepare()  # never on a first product a compiler may be tracing
     if tensors is None:
-        check_finite(weight, spec.weight)
         with torch.no_grad(), torch.inference_mode(False):
             if checked.record.calibrated and statistics is not None:
                 tensors = scheme.quantize_calibrated(weight, spec, config, statistics)
