@@ -619,6 +619,33 @@ def test_errors_name_the_file_and_the_problem(tmp_path):
         policy_map_from_keras(not_a_model)
 
 
+@pytest.mark.parametrize("damage", ["compressed", "encrypted"])
+def test_a_damaged_compressed_or_encrypted_entry_is_a_value_error(tmp_path, damage):
+    """zipfile raises `zlib.error` for a damaged deflated entry and
+    `RuntimeError` for an encrypted one: both escaped as themselves."""
+    file = tmp_path / "damaged.keras"
+    config = json.dumps(_sequential([_layer("Dense", "a", "float32")])).encode() * 8
+    with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("config.json", config)
+    raw = bytearray(file.read_bytes())
+    if damage == "compressed":  # the deflated bytes after the 30-byte local header and name
+        start = 30 + len("config.json")
+        raw[start + 4 : start + 24] = bytes(20)
+    else:  # the general-purpose flag's encryption bit, in the local and the central header
+        raw[6] |= 1
+        central = raw.rfind(b"PK\x01\x02")
+        raw[central + 8] |= 1
+    file.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"damaged\.keras.*cannot read config\.json"):
+        policy_map_from_keras(file)
+
+
+def test_tf_keras_policy_dicts_with_a_loss_scale_or_as_policy_v1(tmp_path):
+    old = {"class_name": "PolicyV1", "config": {"name": "mixed_float16", "loss_scale": "dynamic"}}
+    file = _archive(tmp_path, _sequential([_layer("Dense", "a", old)]))
+    assert policy_map_from_keras(file)["sequential/a"] == DTypePolicy("mixed_float16")
+
+
 @pytest.mark.parametrize(
     "dtype, message",
     [

@@ -780,6 +780,7 @@ def test_layers_keep_the_saved_policy_the_target_had_only_by_apply_policy(tmp_pa
         "unknown_policy",
         "mode_unlike_config",
         "non_finite_scale",
+        "zero_scale",
     ],
 )
 def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
@@ -804,7 +805,7 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
         manifest = metadata["dtype_policies"].replace('"mixed_bfloat16"', '"mixed_bfloat17"')
         assert manifest != metadata["dtype_policies"]
         save_file(tensors, str(path), metadata={**metadata, "dtype_policies": manifest})
-    elif damage == "non_finite_scale":  # refused only after the target was quantized
+    elif damage in ("non_finite_scale", "zero_scale"):  # refused before the target changes
         from safetensors import safe_open
         from safetensors.torch import save_file
 
@@ -812,7 +813,7 @@ def test_corrupted_files_raise_clearly_and_change_nothing(damage, tmp_path):
             metadata = reader.metadata()
             tensors = {key: reader.get_tensor(key) for key in reader.keys()}  # noqa: SIM118
         scale = next(key for key in tensors if key.endswith("weight_scale"))
-        tensors[scale].view(-1)[0] = float("inf")
+        tensors[scale].view(-1)[0] = float("inf") if damage == "non_finite_scale" else 0.0
         save_file(tensors, str(path), metadata=metadata)
     elif damage == "mode_unlike_config":  # int8's config under a record saying int4
         from safetensors import safe_open
@@ -891,6 +892,33 @@ def test_group_indices_out_of_range_are_refused_by_every_load(group, message, tm
         with pytest.raises(ValueError, match=f"3.weight_g_idx.*{message}"):
             load()
         assert_unchanged(module, before)
+
+
+def test_a_file_not_named_safetensors(tmp_path):
+    """An existing file is read as a checkpoint whatever its suffix (a foreign
+    one refused by its header, naming it); it was taken for a directory
+    ("No checkpoint at 'model.keras/model.safetensors'"), and `save` onto it
+    failed with NotADirectoryError. `save` overwrites no file not named
+    `.safetensors`."""
+    torch.manual_seed(0)
+    model = mlp()
+    quantize(model, "int8")
+    renamed = tmp_path / "checkpoint.st"
+    saving.save(model, tmp_path / "c.safetensors").rename(renamed)
+    x = torch.randn(3, 64)
+    assert torch.equal(saving.load(mlp(), renamed)(x), model(x))
+    foreign = tmp_path / "model.keras"
+    foreign.write_bytes(b"PK\x03\x04" + bytes(64))
+    target = mlp()
+    before = snapshot(target)
+    with pytest.raises(
+        saving.CheckpointError, match=r"model\.keras' is not a readable safetensors"
+    ):
+        saving.load(target, foreign)
+    assert_unchanged(target, before)
+    with pytest.raises(ValueError, match=r"model\.keras' is an existing file.*Nothing was written"):
+        saving.save(model, foreign)
+    assert foreign.read_bytes() == b"PK\x03\x04" + bytes(64)
 
 
 def test_missing_file_and_bad_arguments(tmp_path):

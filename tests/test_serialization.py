@@ -126,6 +126,27 @@ def test_keras2_policy_class_name_accepted():
     )
 
 
+@pytest.mark.parametrize("class_name", ["Policy", "PolicyV1"])
+@pytest.mark.parametrize("loss_scale", ["dynamic", None, {"class_name": "DynamicLossScale"}])
+def test_tf_keras_policies_read_as_tf_keras_reads_them(class_name, loss_scale):
+    """TF 2.3 and earlier wrote a `loss_scale` into a policy's config, and its
+    experimental policy as `PolicyV1`: tf.keras reads both as a `Policy`,
+    dropping the loss scale. `get` and `deserialize` refused them (a `.keras`
+    archive's reader did not)."""
+    config = {
+        "class_name": class_name,
+        "config": {"name": "mixed_float16", "loss_scale": loss_scale},
+    }
+    assert deserialize(config) == DTypePolicy("mixed_float16")
+    assert get(config) == DTypePolicy("mixed_float16")
+    with pytest.raises(
+        TypeError, match=rf"Cannot rebuild {class_name}.*unexpected keys \['scale'\]"
+    ):
+        deserialize({"class_name": class_name, "config": {"name": "float32", "scale": 1}})
+    with pytest.raises(ValueError, match=rf"tf.keras {class_name} needs a 'config' with a 'name'"):
+        deserialize({"class_name": class_name, "config": {"name": 16}})
+
+
 def test_a_config_without_its_config_gives_the_class_defaults_as_keras_reads_it():
     assert deserialize({"class_name": "DTypePolicy"}) == DTypePolicy()
     with policy_scope("mixed_bfloat16"):

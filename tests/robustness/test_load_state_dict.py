@@ -454,14 +454,22 @@ def test_a_quantized_weight_missing_one_of_its_stored_tensors_is_refused(mode, k
     assert_unchanged(target, before)
 
 
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.0, -0.5])
 @pytest.mark.parametrize("mode", (*INTEGER_MODES, "float8"))
-def test_a_quantized_checkpoint_with_a_non_finite_scale_is_refused(mode, bad):
+def test_a_quantized_checkpoint_with_a_non_finite_or_non_positive_scale_is_refused(mode, bad):
+    """Every mode's scales are positive (an all-zero row's too): 0 divides to
+    inf (int8's and per-channel int4's weights are their integers over the
+    scale), a negative one flips the weight's sign; both loaded silently."""
     checkpoint, target = _quantized_pair("torch", mode)
     scale_key = sorted(k for k in checkpoint if k.endswith("_scale"))[0]
     checkpoint[scale_key].view(-1)[0] = bad
     before = snapshot(target)
-    refused = re.escape(f"Cannot load '{scale_key}'") + r".*1 non-finite"
+    found = (
+        "1 non-finite"
+        if bad != bad or abs(bad) == float("inf")
+        else "1 scale.s. that are not positive"
+    )
+    refused = re.escape(f"Cannot load '{scale_key}'") + ".*" + found
     with pytest.raises(ValueError, match=refused):
         target.load_state_dict(checkpoint)
     assert_unchanged(target, before)

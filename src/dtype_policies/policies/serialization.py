@@ -140,6 +140,8 @@ def deserialize(
             f"A serialized dtype policy needs the key 'class_name'. Received: {config!r}"
         )
     class_name = config["class_name"]
+    if class_name in _TF_KERAS_CLASSES and class_name not in (custom_objects or {}):
+        return _from_tf_keras(class_name, config.get("config"))
     cls = (custom_objects or {}).get(class_name) or POLICY_CLASSES.get(class_name)
     if cls is None and config.get("registered_name"):
         cls = (custom_objects or {}).get(config["registered_name"])
@@ -162,6 +164,27 @@ def deserialize(
         return cls.from_config(inner)
     except TypeError as e:
         raise TypeError(f"Cannot rebuild {class_name} from config={inner!r}: {e}") from None
+
+
+# tf.keras's `mixed_precision.Policy` and its experimental `PolicyV1`, as its
+# own `deserialize` reads them: one class, the loss scale of TF 2.3 and
+# earlier configs dropped (loss scaling is the optimizer's).
+_TF_KERAS_CLASSES = ("Policy", "PolicyV1")
+
+
+def _from_tf_keras(class_name: str, inner: Any) -> DTypePolicy:
+    if not isinstance(inner, dict) or not isinstance(inner.get("name"), str):
+        raise ValueError(
+            f"A serialized tf.keras {class_name} needs a 'config' with a 'name' string. "
+            f"Received: config={inner!r}"
+        )
+    unknown = sorted(set(inner) - {"name", "loss_scale"})
+    if unknown:
+        raise TypeError(
+            f"Cannot rebuild {class_name} from config={inner!r}: unexpected keys {unknown} "
+            "(a tf.keras policy has 'name' and, before TF 2.4, 'loss_scale')"
+        )
+    return POLICY_CLASSES["Policy"](inner["name"])
 
 
 def default_policy() -> DTypePolicy:

@@ -74,8 +74,11 @@ METADATA_KEY = "dtype_policies"
 
 
 def model_file(path: str | os.PathLike) -> Path:
+    """The checkpoint file `path` names: itself if it ends in `.safetensors`
+    or is an existing file (read as one: a foreign file is refused by its
+    header), else the `model.safetensors` of the directory `path`."""
     path = Path(path)
-    return path if path.suffix == ".safetensors" else path / MODEL_FILE
+    return path if path.suffix == ".safetensors" or path.is_file() else path / MODEL_FILE
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
@@ -119,6 +122,12 @@ def save(module: torch.nn.Module, path: str | os.PathLike) -> Path:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"save() expects a torch.nn.Module. Received: {type(module).__name__}")
     module = _unwrapped(module)
+    if Path(path).suffix != ".safetensors" and Path(path).is_file():
+        raise ValueError(
+            f"save(): '{path}' is an existing file, not a '.safetensors' one: save() writes "
+            "a '<name>.safetensors' file, or a directory holding model.safetensors and "
+            "dtype_policies.json, and overwrites no other file. Nothing was written."
+        )
     file = model_file(path)
     with attach.committing(()):  # no quantization commits between the two (another thread's)
         manifest = describe(module, __version__)

@@ -56,6 +56,7 @@ import json
 import os
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,7 +214,15 @@ def _read_config(name: str) -> dict[str, Any]:
                     f"{_MAX_CONFIG_BYTES} bytes a model config can reasonably be."
                 )
             raw = archive.read(info)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, OSError) as e:
+    # zlib.error: a damaged compressed entry; RuntimeError: an encrypted one
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        NotImplementedError,
+        OSError,
+        zlib.error,
+        RuntimeError,
+    ) as e:
         raise ValueError(f"'{name}': cannot read {_CONFIG_NAME} from the zip file: {e}") from None
     try:
         config = json.loads(raw.decode("utf-8"))
@@ -393,8 +402,6 @@ class _Reader:
             if isinstance(value, dict):
                 class_name = value.get("class_name")
                 inner = value.get("config")
-                if class_name == "Policy" and isinstance(inner, dict):  # Keras 2
-                    return get(inner.get("name"))
                 if class_name == "DTypePolicyMap" and isinstance(inner, dict):
                     policy_map = deserialize(_with_compilable_keys(value))
                     self.archive_maps.append(policy_map)

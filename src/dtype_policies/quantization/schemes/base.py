@@ -452,8 +452,8 @@ class QuantizedWeight(Generic[ConfigT]):
             if found is not None:
                 raise ValueError(
                     f"Cannot load '{prefix + name}' into the quantized module: it holds "
-                    f"{found}; stored scales, offsets and scaling state are finite and group "
-                    "indices in range (a corrupted checkpoint?); nothing was loaded."
+                    f"{found}; stored scales are positive, offsets and scaling state finite "
+                    "and group indices in range (a corrupted checkpoint?); nothing was loaded."
                 )
 
     def _check_float_weight(self, state_dict: dict, prefix: str) -> None:
@@ -608,12 +608,17 @@ def invalid_stored_values(
 ) -> str | None:
     """What is wrong with the values of a quantized weight's stored tensor
     `prefix + name` (`state` holds its siblings), or `None`: inf or NaN in a
-    float tensor; a group index (`<w>_g_idx`) that is no integer in `[0,
-    groups)`, the groups counted by its `<w>_scale` (laid out as `layout`),
-    which would gather another group's scales or fail deep in a kernel."""
+    float tensor; a scale (`*_scale`, `*_scales`: every mode's are positive,
+    a weight's all-zero row or group included) that is 0, which divides to
+    inf, or negative, which flips the weight's sign; a group index
+    (`<w>_g_idx`) that is no integer in `[0, groups)`, the groups counted by
+    its `<w>_scale` (laid out as `layout`), which would gather another
+    group's scales or fail deep in a kernel."""
     if not values.is_floating_point():
         return None
     found = non_finite_values(values)
+    if found is None and name.endswith(("_scale", "_scales")):
+        found = _not_positive(values)
     if found is not None or not name.endswith("_g_idx"):
         return found
     scale = state.get(prefix + name[: -len("_g_idx")] + "_scale")
@@ -628,6 +633,18 @@ def invalid_stored_values(
         return (
             f"{int(bad.sum())} group index(es) that are no integer from 0 to {groups - 1} "
             f"(first: {float(values[index])} at index {index})"
+        )
+
+
+def _not_positive(values: torch.Tensor) -> str | None:
+    with torch.no_grad():
+        bad = values <= 0
+        if not bool(bad.any()):
+            return None
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        return (
+            f"{int(bad.sum())} scale(s) that are not positive (first: {float(values[index])} "
+            f"at index {list(index)})"
         )
 
 
