@@ -131,6 +131,27 @@ def test_native_path_gives_the_exact_paths_values_bit_for_bit(rows):
     assert torch.equal(native_out, float_out)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 9, 64])
+def test_every_w8a8_path_of_a_large_weight_gives_the_exact_paths_values(rows):
+    """oneDNN applied the column steps inside its product, then the row
+    steps: the other paths multiply by the row steps first. A row's outputs
+    then depended on how many rows shared its call (1-3 rows ran another
+    path than 4 and more: 326 of 1,000 outputs a float32 bit apart)."""
+    runtime = _runtime(1000, 577, rows)  # 2**18 elements and more: oneDNN's
+    x = torch.randn(rows, 577)
+    bias = torch.randn(1000)
+    exact = int8_kernels.int8_linear(x, runtime, bias, torch.float32, "float")
+    for path in runtime.w8a8_paths():
+        out = int8_kernels.int8_linear(x, runtime, bias, torch.float32, path)
+        assert torch.equal(out, exact), path
+    for out_dtype in (torch.bfloat16, torch.float32):
+        batched = int8_kernels.int8_linear(x, runtime, bias, out_dtype)
+        alone = torch.cat(
+            [int8_kernels.int8_linear(x[i : i + 1], runtime, bias, out_dtype) for i in range(rows)]
+        )
+        assert torch.equal(batched, alone)
+
+
 @needs_kernel
 def test_rows_with_nan_or_inf_give_nan_rows():
     with _cpu.emulate("avx2"):

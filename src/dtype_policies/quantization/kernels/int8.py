@@ -308,16 +308,16 @@ def _onednn(x2, runtime, bias, out_dtype, signed=False):
         xq, row_step = epilogues.run(epilogues.quantize_rows_int8, x2)
     else:  # u8 activations, zero point 128
         xq, row_step = epilogues.run(epilogues.quantize_rows_uint8, x2)
-    # oneDNN applies the per-channel weight steps in float32; the per-row steps
-    # and the bias follow in place, and the result is rounded once, to the
-    # output dtype (written in bfloat16 by oneDNN, it was rounded three times
-    # and the bias added to a rounded product: not the other classes' values).
+    # oneDNN writes the integer sums in float32 (steps of 1), and the steps
+    # and the bias follow as on every other path, in the same order: a row's
+    # values do not depend on how many rows share the call (with oneDNN's
+    # column steps inside, 4 rows and more differed from 1-3 rows in the last
+    # bit; written in bfloat16 by oneDNN, rounded three times).
     zero_point = 0 if signed else 128
-    y = _qlinear(xq, zero_point, runtime, runtime.column_step, torch.float32)
-    y.mul_(row_step)
-    if bias is not None:
-        y.add_(bias)
-    return y if out_dtype is torch.float32 else y.to(out_dtype)
+    accumulated = _qlinear(xq, zero_point, runtime, runtime.ones, torch.float32)
+    return epilogues.run(
+        epilogues.rescale, accumulated, row_step, runtime.column_step, bias, out_dtype
+    )
 
 
 def _onednn_split(x2, runtime, bias, out_dtype):
