@@ -384,3 +384,75 @@ def test_a_stack_first_called_on_a_pair_keeps_no_build_shape_in_its_config():
     copy = layers.Sequential.from_config(config)  # built by its first call, as before
     x = (torch.randn(5, 4), torch.randn(5, 4))
     assert copy(x).shape == (5, 3)
+
+
+@pytest.mark.parametrize("mode", ["gptq", "awq"])
+def test_calls_from_another_thread_during_calibration_are_not_observed(mode):
+    """A server thread calling the model while it calibrates: the
+    calibration's hooks took its inputs into the statistics (every stored
+    tensor then differed from calibrating alone) and raised the calibration's
+    private exceptions into it. Its calls now pass through unobserved."""
+    import threading
+
+    transformers = pytest.importorskip("transformers")
+
+    def model_and_config():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        model = transformers.LlamaForCausalLM(config).eval()
+        generator = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, 256, (2, 16), generator=generator) for _ in range(3)]
+        calibration = (
+            GPTQConfig(data, None, group_size=32)
+            if mode == "gptq"
+            else AWQConfig(data, None, group_size=32)
+        )
+        return model, calibration
+
+    alone, calibration = model_and_config()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        quantize(alone, config=calibration, progress=False)
+    served, calibration = model_and_config()
+    server_ids = (
+        torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(2)) * 3 % 256
+    )
+    calibrating, outcomes = threading.get_ident(), []
+
+    def serve_once(module, args):
+        if threading.get_ident() != calibrating or len(outcomes) >= 6:
+            return
+
+        def call():
+            try:
+                with torch.inference_mode():
+                    served(server_ids)
+                outcomes.append("ok")
+            except BaseException as error:  # the test reports what the server saw
+                outcomes.append(repr(error))
+
+        server = threading.Thread(target=call)
+        server.start()
+        server.join(timeout=120)
+        assert not server.is_alive()
+
+    handles = [layer.register_forward_pre_hook(serve_once) for layer in served.model.layers]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            quantize(served, config=calibration, progress=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert outcomes == ["ok"] * 6
+    expected, state = alone.state_dict(), served.state_dict()
+    assert sorted(state) == sorted(expected)
+    assert all(torch.equal(state[key], expected[key]) for key in expected)

@@ -76,7 +76,12 @@ from dtype_policies.quantization.schemes.base import (
     QuantizedWeight,
     non_finite_values,
 )
-from dtype_policies.quantization.structure import blocks_chain, find_blocks, first_input
+from dtype_policies.quantization.structure import (
+    blocks_chain,
+    find_blocks,
+    first_input,
+    in_this_thread,
+)
 from dtype_policies.quantizers.calibration_data import position_limits
 from dtype_policies.quantizers.config import QuantizationConfig
 
@@ -428,7 +433,7 @@ def _first_block_calls(
         calls.append((args, kwargs))
         raise _Captured
 
-    handle = first.register_forward_pre_hook(capture, with_kwargs=True)
+    handle = first.register_forward_pre_hook(in_this_thread(capture), with_kwargs=True)
     try:
         for batch in batches:
             args, kwargs = _as_call(batch)
@@ -578,12 +583,16 @@ def _observing(
         if order and called == order[0]:
             raise _Observed
 
-    handles = [block.register_forward_pre_hook(enter_block, with_kwargs=True)]
+    handles = [block.register_forward_pre_hook(in_this_thread(enter_block), with_kwargs=True)]
     try:
         for module in {id(p): p for p in parents.values()}.values():
-            handles.append(module.register_forward_pre_hook(enter_attention, with_kwargs=True))
+            handles.append(
+                module.register_forward_pre_hook(in_this_thread(enter_attention), with_kwargs=True)
+            )
         for _, checked in group:
-            handles.append(checked.module.register_forward_pre_hook(observe, with_kwargs=True))
+            handles.append(
+                checked.module.register_forward_pre_hook(in_this_thread(observe), with_kwargs=True)
+            )
         yield
     finally:
         for handle in handles:

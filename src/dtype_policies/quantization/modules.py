@@ -89,7 +89,9 @@ def _not_prepared(module: torch.nn.Module) -> RuntimeError:
     its module (a call state of a quantized policy, with a float compute dtype)."""
     return RuntimeError(
         f"This {type(module).__name__} has a quantized forward but no call state of a "
-        "quantized policy: quantize modules with `dtype_policies.quantize`."
+        "quantized policy: quantize modules with `dtype_policies.quantize`. (If another "
+        "thread is quantizing this model or applying a policy to it now, this call raced "
+        "it: make such changes while no other thread calls the model.)"
     )
 
 

@@ -40,6 +40,25 @@ class _LastBlockDone(Exception):
     """Stops the model's forward once the last block has run."""
 
 
+_Hook = Callable[..., Any]
+
+
+def in_this_thread(hook: _Hook) -> _Hook:
+    """`hook`, acting only in the thread that made it: a calibration's hooks
+    see its own runs of the model, and calls of the same model from other
+    threads meanwhile (a server) pass through them unobserved (they had
+    added their inputs to the statistics and got the calibration's private
+    exceptions)."""
+    thread = threading.get_ident()
+
+    def only_in_its_thread(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == thread:
+            return hook(*args, **kwargs)
+        return None
+
+    return only_in_its_thread
+
+
 def _is_container(module: torch.nn.Module) -> bool:
     return isinstance(module, _CONTAINERS) or getattr(module, "_is_container", False)
 
@@ -119,12 +138,11 @@ def blocks_chain(
     unchained: list[int] = []  # the first block whose input is not the previous output
     first_others: list[Any] = []  # the first block's other arguments
     differing: list[str] = []  # which of them a later block got otherwise
-    thread = threading.get_ident()
     block_ids = {id(block) for block in blocks}
     after_last: list[Any] = []  # the global hook that stops the run after the last block
 
     def stop(module: torch.nn.Module, args: tuple) -> None:
-        if threading.get_ident() == thread and id(module) not in block_ids:
+        if id(module) not in block_ids:
             raise _LastBlockDone
 
     def again(index: int):
@@ -152,15 +170,17 @@ def blocks_chain(
             previous[0] = first_output(output)
             after_block()
             if index == len(blocks) - 1 and not after_last:
-                after_last.append(register_module_forward_pre_hook(stop))
+                after_last.append(register_module_forward_pre_hook(in_this_thread(stop)))
 
         return hook
 
     handles = []
     try:
         for index, block in enumerate(blocks):
-            handles.append(block.register_forward_pre_hook(again(index)))
-            handles.append(block.register_forward_hook(record(index), with_kwargs=True))
+            handles.append(block.register_forward_pre_hook(in_this_thread(again(index))))
+            handles.append(
+                block.register_forward_hook(in_this_thread(record(index)), with_kwargs=True)
+            )
         run_model()
     except _LastBlockDone:
         pass
