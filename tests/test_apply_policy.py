@@ -138,6 +138,53 @@ def test_cast_buffers_false_keeps_buffers():
     assert module.seen == torch.float32
 
 
+def test_non_persistent_buffers_keep_their_dtype_and_persistent_ones_are_cast():
+    """A non-persistent buffer is a constant of the module's own code, not
+    model state: transformers' rotary embedding keeps `inv_freq` so and
+    multiplies it in float32 on purpose. Read in bfloat16, its cos/sin table
+    was 0.34 off at position 1,000 and a Llama's logits drifted from
+    position 500 on (worse than transformers' own bfloat16 load)."""
+
+    class WithBuffers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.rand(4), persistent=False)
+            self.register_buffer("running", torch.rand(4))
+
+        def forward(self, x):
+            self.seen = (self.inv_freq.dtype, self.running.dtype)
+            return x
+
+    module = WithBuffers()
+    apply_policy(module, "mixed_bfloat16")
+    module(torch.ones(1))
+    assert module.seen == (torch.float32, torch.bfloat16)
+
+
+def test_a_llama_rotary_table_under_mixed_bfloat16_is_transformers_bfloat16s():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    x = torch.randn(1, 4, 64)
+    positions = torch.tensor([[0, 500, 1000, 2000]])
+    with torch.no_grad():
+        cos32, sin32 = model.model.rotary_emb(x, positions)
+        apply_policy(model, "mixed_bfloat16")
+        cos, sin = model.model.rotary_emb(x, positions)
+    # the float32 table rounded once to bfloat16, as transformers' bfloat16 model gives it
+    assert cos.dtype == sin.dtype == torch.bfloat16
+    assert torch.equal(cos, cos32.bfloat16()) and torch.equal(sin, sin32.bfloat16())
+
+
 def test_transformer_encoder_close_to_float32():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)

@@ -372,6 +372,41 @@ def test_masked_lm_with_int4_tied_embeddings_round_trip(architecture, tmp_path):
     assert policies(loaded) == policies(model)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_modernbert_masked_lm_with_a_quantized_tied_decoder_round_trip(mode, tmp_path):
+    """ModernBERT's root initializes its tied decoder's weight itself
+    (`_init_weights` of the whole model, which loading leaves uninitialized
+    while the decoder's tensors are shared only after it): the write to the
+    decoder's dequantized weight was refused ("Cannot write to the weight of
+    the int8-quantized Linear 'decoder'"). A module whose every tensor comes
+    from the file reads its weight as loaded, which transformers' init skips."""
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(
+        vocab_size=160,
+        hidden_size=96,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        global_attn_every_n_layers=2,
+        local_attention=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+    model = transformers.ModernBertForMaskedLM(config).eval()
+    assert model.decoder.weight is model.model.embeddings.tok_embeddings.weight
+    quantize(model, mode)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path).eval()
+    assert loaded.decoder.weight_scale is loaded.model.embeddings.tok_embeddings.weight_scale
+    ids = torch.randint(3, 160, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert policies(loaded) == policies(model)
+
+
 def test_sharded_checkpoint_and_resave(tmp_path):
     torch.manual_seed(0)
     model = llama()
@@ -808,10 +843,15 @@ def test_an_int8_model_loads_in_float16_as_it_converts(policy, tmp_path):
     quantize(model, "int8")
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (2, 9))
+    rotary = model.model.rotary_emb.inv_freq
     converted = model.to(torch.float16)  # int8 does not compute in float16
+    # ... except the non-persistent rotary frequencies, which transformers
+    # computes in float32 and leaves so (a policy reads them as stored)
+    converted.model.rotary_emb.inv_freq = rotary
     with torch.no_grad():
         expected = converted(ids).logits
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16)
+    assert loaded.model.rotary_emb.inv_freq.dtype == torch.float32
     up_proj = loaded.model.layers[0].mlp.up_proj
     assert up_proj.dtype_policy == converted.model.layers[0].mlp.up_proj.dtype_policy
     assert up_proj.dtype_policy.name == f"int8_from_{policy or 'float32'}"

@@ -46,7 +46,7 @@ class ModuleOptions:
             cast (running statistics stay float32 and keep updating); its
             outputs are in the compute dtype.
         gather: Its weights are looked up, not multiplied (embeddings).
-        cast_buffers: Read floating buffers in the compute dtype too.
+        cast_buffers: Read persistent floating buffers in the compute dtype too.
         weight_cache: Keep graph-free casts between calls (see `weight_casts`).
         outputs: The name of the dtype its floating outputs are handed back
             in (`None`: its compute dtype): the enclosing module's compute
@@ -367,7 +367,14 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
         # disable casting), but a parent reading a table gets it cast.
         weight_names.update(n for n, p in parameters.items() if p.is_floating_point())
     if options.cast_buffers and not (options.norm or options.gather or options.island):
-        buffer_names.update(n for n, b in buffers.items() if b.is_floating_point())
+        # A non-persistent buffer is no model state but a constant of the module's own
+        # code (rotary frequencies, which transformers multiplies in float32 on purpose:
+        # rounded to bfloat16, logits drifted from position 500 on): it keeps its dtype,
+        # as transformers' `from_pretrained(dtype=...)` leaves it.
+        constants = module._non_persistent_buffers_set
+        buffer_names.update(
+            n for n, b in buffers.items() if b.is_floating_point() and n not in constants
+        )
         weight_names |= buffer_names
     stored_dtype = None
     if options.norm:

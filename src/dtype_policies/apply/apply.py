@@ -452,7 +452,9 @@ def apply_policy(
             plus any class whose name ends with `"Norm"` and whose submodules
             hold no parameters (`named_like_a_norm`). Pass `()` for none.
         cast_buffers: Whether floating buffers are read in the compute dtype
-            too (never for float32 islands and normalization layers).
+            too (never for float32 islands and normalization layers, nor
+            non-persistent buffers: constants of a module's own code, such
+            as rotary frequencies, read as stored).
         weight_cache: Keep the compute-dtype copy of a weight between calls
             when that copy carries no autograd graph (inference, frozen
             weights), until the weight changes. It costs the copies' memory
@@ -922,10 +924,10 @@ def _plan_quantization(
             jobs.append((step, [_check_one(s, modules) for s in linear_steps], expansion))
         else:
             jobs.append((step, [_check_one(step, modules)], None))
-    for step, checked, expansion in jobs:
-        if expansion is not None:
+    for step, checked, expanded in jobs:
+        if expanded is not None:
             linear_plans = [p for p, _ in (_plan_one(c, planned_weights) for c in checked) if p]
-            experts.ExpertsExpansion.claim_all(linear_plans, [expansion])
+            experts.ExpertsExpansion.claim_all(linear_plans, [expanded])
             if linear_plans:
                 plans += linear_plans
                 expert_steps += [c.step for c in checked]

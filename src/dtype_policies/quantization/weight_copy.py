@@ -227,6 +227,10 @@ def read_weight(module: torch.nn.Module, qw: Any, tensor: torch.Tensor, reads: s
     view = any(_shares_memory(tensor, buffer) for buffer in stored)
     copy_of = CopyOf(describe(module, qw), qw.mode, qw.weight_name, qw.buffer_names, reads, view)
     guarded = guarded_copy(tensor, copy_of)
-    if stored and all(getattr(buffer, _LOADED_FLAG, False) for buffer in stored):
+    # loaded: its stored tensors, or the module as a whole (a tied module's, shared with
+    # another's once loaded; ModernBERT's root initialized its tied decoder's weight)
+    if getattr(module, _LOADED_FLAG, False) or (
+        stored and all(getattr(buffer, _LOADED_FLAG, False) for buffer in stored)
+    ):
         setattr(guarded, _LOADED_FLAG, True)
     return guarded
