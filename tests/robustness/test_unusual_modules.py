@@ -122,6 +122,59 @@ def test_apply_policy_keeps_weights_their_parent_reads_float_and_says_why(policy
     assert sorted(handle.unquantized) == ["linear1", "linear2", "self_attn", "self_attn/out_proj"]
 
 
+class ComputesWithItsChildsWeight(nn.Module):
+    """As transformers' `MambaMixer` with `dt_proj`: the parent multiplies by
+    its child's weight itself and never calls the child (and reads another
+    child's weight's metadata only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x):
+        if isinstance(self.step.weight, torch.Tensor) and x.dtype != self.out.weight.dtype:
+            x = x.to(self.out.weight.dtype)
+        return self.out(x @ self.step.weight.t())
+
+
+@pytest.mark.parametrize("how", ["quantize", "apply_policy"])
+def test_a_child_whose_weight_its_parents_code_reads_and_never_calls_stays_float(how):
+    """Such a child was reported quantized while its quantized forward never
+    ran (the parent read a dequantized copy at every call). Found in the
+    parent's source: left float, with why, the other child quantized."""
+    torch.manual_seed(0)
+    model = ComputesWithItsChildsWeight().eval()
+    with torch.no_grad():
+        reference = model(X3)
+    if how == "quantize":
+        report = quantize(model, "int8")
+        skipped = dict(report.skipped)
+    else:
+        skipped = apply_policy(model, "int8_from_float32").unquantized
+    assert (
+        "weight read by its parent (ComputesWithItsChildsWeight, in its own code)"
+        in skipped["step"]
+    )
+    assert not hasattr(model.step, "weight_int8") and hasattr(model.out, "weight_int8")
+    with torch.no_grad():
+        assert relative_error(model(X3), reference) < TOLERANCE["int8"]
+
+
+def test_mambas_time_step_projection_is_read_by_its_mixer():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(
+        vocab_size=64, hidden_size=72, state_size=8, num_hidden_layers=1, expand=2
+    )
+    model = transformers.MambaForCausalLM(config).eval()
+    report = quantize(model, "int8")
+    skipped = dict(report.skipped)
+    assert "read by its parent (MambaMixer" in skipped["backbone/layers/0/mixer/dt_proj"]
+    mixer = model.backbone.layers[0].mixer
+    assert not hasattr(mixer.dt_proj, "weight_int8") and hasattr(mixer.in_proj, "weight_int8")
+
+
 class ReadsChildWeight(nn.Module):
     """A parent computing with its child's weight directly (as tied heads do)."""
 

@@ -19,8 +19,10 @@ Third-party linear-like classes join with `register_linear_kind`:
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import textwrap
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -284,4 +286,97 @@ def read_by_parent(
     for cls, children in _PARENT_READS.items():
         if issubclass(original_class(parent), cls) and name in children:
             return f"weight read by its parent ({cls.__name__})"
+    if name in _children_whose_weight_is_read(original_class(parent)):
+        return f"weight read by its parent ({original_class(parent).__name__}, in its own code)"
     return None
+
+
+# What a parent's code may read of a child's weight without reading its
+# values, and the methods that set weights up rather than compute with them.
+_WEIGHT_METADATA = frozenset(
+    {"dtype", "device", "shape", "size", "ndim", "dim", "requires_grad", "is_floating_point",
+     "numel", "nelement", "element_size", "layout", "is_meta", "is_cuda", "_is_hf_initialized"}
+)  # fmt: skip
+_SETUP_METHODS = frozenset(
+    {"__init__", "_init_weights", "init_weights", "reset_parameters", "_reset_parameters",
+     "extra_repr", "__repr__", "tie_weights", "_tie_weights", "_tie_or_clone_weights"}
+)  # fmt: skip
+_NON_READING_CALLS = frozenset({"isinstance", "hasattr", "getattr", "type", "id"})
+
+
+# by class, weakly: a class defined at run time goes with its last module
+_READ_CHILDREN: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _children_whose_weight_is_read(cls: type) -> frozenset[str]:
+    found = _READ_CHILDREN.get(cls)
+    if found is None:
+        found = _READ_CHILDREN[cls] = _read_and_never_called(cls)
+    return found
+
+
+def _read_and_never_called(cls: type) -> frozenset[str]:
+    """The children whose `weight` the code of `cls` (and of its bases other
+    than torch's, listed above) reads itself and never calls: transformers'
+    `MambaMixer` computes `self.dt_proj.weight @ ...` and never calls
+    `dt_proj`, whose quantized forward would never run. A read is
+    `self.<child>.weight` used as a value: not its metadata (`.dtype`,
+    `.shape`), not in `isinstance`/`hasattr`, not in the methods that build
+    or tie weights. A child the code also calls (`self.<child>(...)`: one
+    path reads, another calls) computes through its own forward where it is
+    called. A class without source (defined at run time) reads none."""
+    read: set[str] = set()
+    called: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for method in body:
+            if (
+                isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and method.name not in _SETUP_METHODS
+            ):
+                read |= _weights_read(method)
+                called |= _children_called(method)
+    return frozenset(read - called)
+
+
+def _children_called(function: ast.AST) -> set[str]:
+    return {
+        node.func.attr
+        for node in ast.walk(function)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    }
+
+
+def _weights_read(function: ast.AST) -> set[str]:
+    parents = {child: node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+    read = set()
+    for node in ast.walk(function):
+        if not (
+            isinstance(node, ast.Attribute)
+            and node.attr == "weight"
+            and isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        ):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Attribute) and parent.attr in _WEIGHT_METADATA:
+            continue
+        if (
+            isinstance(parent, ast.Call)
+            and isinstance(parent.func, ast.Name)
+            and parent.func.id in _NON_READING_CALLS
+        ):
+            continue
+        read.add(node.value.attr)
+    return read
