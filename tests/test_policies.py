@@ -231,6 +231,27 @@ def test_invalid_quantization_mode(mode):
         QuantizedDTypePolicy(mode, "float32")
 
 
+@pytest.mark.parametrize(
+    "mode, hint",
+    [
+        ("int4/32", "quantize(model, 'int4', Int4QuantizationConfig(block_size=32))"),
+        ("int4/32_from_mixed_bfloat16", "apply_policy(model, 'int4/32_from_mixed_bfloat16')"),
+        ("int8_from_float32", "quantize(model, 'int8') "),
+        ("gptq/4/128", "quantize(model, 'gptq', config=GPTQConfig(...))"),
+    ],
+)
+def test_a_policy_name_given_to_quantize_as_its_mode_says_what_to_pass(mode, hint):
+    """A new user's first try ("int4/32" is a policy name in the README) was
+    refused with Keras's list of modes alone."""
+    layer = torch.nn.Linear(64, 8)
+    with pytest.raises(ValueError, match="Invalid quantization mode") as raised:
+        dtype_policies.quantize(layer, mode)
+    assert f"'{mode}' names a policy, not a mode" in str(raised.value)
+    assert hint in str(raised.value)
+    assert ("apply_policy" in str(raised.value)) is not mode.startswith("gptq")
+    assert not hasattr(layer, "weight_int8") and not hasattr(layer, "weight_int4")
+
+
 @pytest.mark.parametrize("mode", [["int8"], {"int8": 1}, {"int8"}])
 def test_unhashable_quantization_mode_is_named_in_a_value_error(mode):
     with pytest.raises(ValueError, match=r"Invalid quantization mode.*Received: mode="):

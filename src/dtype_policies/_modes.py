@@ -207,6 +207,31 @@ def mode_record(name: Any) -> QuantizationMode:
     )
 
 
+def policy_name_hint(name: Any) -> str:
+    """What to pass to `quantize()` instead of a policy name given as its
+    mode ("int4/32"), to add to its error; "" for other names."""
+    if not isinstance(name, str):
+        return ""
+    base, _, source = name.partition("_from_")
+    mode, _, block = base.partition("/")
+    if mode not in _MODES or not (block or source):
+        return ""
+    record = _MODES[mode]
+    if mode == "int4" and block.lstrip("-").isdigit():
+        config = f", Int4QuantizationConfig(block_size={block})"
+    elif block or record.calibrated:
+        config = f", config={record.config_class.__name__}(...)"
+    else:
+        config = ""
+    hint = (
+        f". '{name}' names a policy, not a mode: quantize(model, '{mode}'{config}) (the "
+        "configs are in dtype_policies.quantization)"
+    )
+    if record.calibrated:  # a policy alone holds no calibrated weights
+        return hint
+    return f"{hint}, or apply the policy: apply_policy(model, '{base}_from_{source or 'float32'}')"
+
+
 def quantized_suffixes() -> tuple[str, ...]:
     """The data suffixes (`"_int8"`, `"_int4"`) that mark quantized weights,
     each once."""

@@ -14,7 +14,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from dtype_policies._modes import mode_record, module_attribute, registered_modes
+from dtype_policies._modes import (
+    mode_record,
+    module_attribute,
+    policy_name_hint,
+    registered_modes,
+)
 from dtype_policies.quantizers.math import EPSILON, INT4_RANGE, INT8_RANGE, abs_max_quantize
 
 
@@ -767,7 +772,10 @@ def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
     if mode is None and config is None:
         raise ValueError("You must provide either `mode` or `config` to `quantize`.")
     if mode is not None:
-        mode_record(mode)  # an unknown mode is the first error, as in Keras
+        try:
+            mode_record(mode)  # an unknown mode is the first error, as in Keras
+        except ValueError as error:
+            raise ValueError(f"{error}{policy_name_hint(mode)}") from None
     if config is None:
         return mode_record(mode).default_config()
     if not isinstance(config, QuantizationConfig):
