@@ -29,6 +29,8 @@ FACTORY = textwrap.dedent(
     def not_a_model():
         return 42
 
+    ready = mlp()  # a model, not a factory
+
     def broken():
         raise RuntimeError("factory exploded")
 
@@ -145,6 +147,49 @@ def test_inspect_a_factory_with_policy_and_quantization(factory):
     assert data["total_parameters"] == 32 * 64 + 64 + 128 + 64 * 8 + 8
     text = cli("inspect", "cli_models:mlp", env_path=factory)
     assert text.returncode == 0 and "Total: " in text.stdout and "LayerNorm" in text.stdout
+
+
+def test_inspect_quantizes_int4_with_a_block_size_and_takes_a_model_as_target(in_process):
+    """`--quantize` took the mode names alone ("int4/32" was an invalid
+    choice, while `advise --candidates int4/32` took it), and a TARGET naming
+    a model rather than a factory was called, failing inside its forward."""
+    code, out, err = in_process("inspect", "cli_models:ready", "--quantize", "int4/32", "--json")
+    assert code == 0, err
+    rows = {row["path"]: row for row in json.loads(out)["modules"]}
+    assert rows["0"]["quantization"].startswith("int4/32")
+    code, out, err = in_process("inspect", "cli_models:mlp", "--quantize", "int4/-1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["modules"][1]["quantization"].startswith("int4/-1")
+    code, _, err = in_process("inspect", "cli_models:mlp", "--quantize", "int4/0")
+    assert code == 2 and "Invalid block_size" in err
+
+
+def test_inspect_a_save_pretrained_directory_in_shards(in_process, tmp_path):
+    """The README recommends `save_pretrained` for sharing, and `inspect`
+    refused its directories ("without a dtype_policies manifest": it is in
+    config.json there)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int8")
+    directory = tmp_path / "pretrained"
+    model.save_pretrained(directory, max_shard_size="20KB")
+    assert len(list(directory.glob("*.safetensors"))) > 1
+    code, out, err = in_process("inspect", str(directory), "--json")
+    assert code == 0, err
+    rows = {row["path"]: row for row in json.loads(out)["modules"]}
+    up = rows["model/layers/0/mlp/up_proj"]
+    assert up["policy"] == "int8_from_mixed_bfloat16" and up["quantization"].startswith("int8")
+    assert rows["model/norm"]["policy"] == "float32"
 
 
 def test_inspect_a_checkpoint(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Any
 
 from dtype_policies._cpu import processor
@@ -16,9 +17,15 @@ from dtype_policies.cli import output
 from dtype_policies.cli.options import common_options
 from dtype_policies.cli.targets import CLIError, build_model, is_checkpoint
 from dtype_policies.policies import QuantizedDTypePolicy, deserialize, policy_for_config
-from dtype_policies.quantization import quantize
+from dtype_policies.policies.quantized import parse_int4_mode
+from dtype_policies.quantization import Int4QuantizationConfig, quantize
 from dtype_policies.saving import load_policy
-from dtype_policies.saving.checkpoint import dtype_of_code, model_file, read_header
+from dtype_policies.saving.checkpoint import (
+    dtype_of_code,
+    model_file,
+    read_header,
+    read_pretrained_header,
+)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -39,7 +46,11 @@ def add_parser(subparsers: Any) -> None:
     policy.add_argument("--policy", help="apply this policy first (e.g. mixed_bfloat16)")
     policy.add_argument("--policy-map", metavar="FILE", help="apply a policy file (JSON) first")
     parser.add_argument(
-        "--quantize", metavar="MODE", choices=quantize_choices(), help="then quantize"
+        "--quantize",
+        metavar="MODE",
+        type=quantize_mode,
+        help=f"then quantize: {', '.join(quantize_choices())}, or int4/<block size> "
+        "(int4/32, int4/-1: per channel)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=run)
@@ -48,6 +59,22 @@ def add_parser(subparsers: Any) -> None:
 def quantize_choices() -> tuple[str, ...]:
     """The modes `--quantize` offers: those that quantize without calibration data."""
     return tuple(record.name for record in registered_modes() if not record.calibrated)
+
+
+def quantize_mode(text: str) -> str:
+    """`--quantize`'s value: a mode of `quantize_choices()` or `int4/<block>`."""
+    if text in quantize_choices():
+        return text
+    if text.startswith("int4/"):
+        try:
+            parse_int4_mode(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid MODE {text!r}: choose from {', '.join(quantize_choices())} or "
+        "int4/<block size> (int4/32, int4/-1)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
             policy = load_policy(args.policy_map) if args.policy_map is not None else args.policy
             apply_policy(model, policy)
         if args.quantize:
-            quantize(model, args.quantize)
+            mode, _, block = args.quantize.partition("/")
+            config = Int4QuantizationConfig(block_size=int(block)) if block else None
+            quantize(model, mode, config)
         rows = [row.as_dict() for row in module_summaries(model)]
         for row, (_, module) in zip(rows, named_module_paths(model, root_path_of(model))):
             row["kernel"] = kernel_of(module)
@@ -96,11 +125,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
-    """The table of a checkpoint, from its manifest and tensor header alone."""
-    file = model_file(target)
-    if not file.is_file():
-        raise CLIError(f"no checkpoint at '{file}'")
-    manifest, header = read_header(file)
+    """The table of a checkpoint, from its manifest and tensor header alone
+    (`saving.save`'s, or a Hugging Face model's `save_pretrained`)."""
+    pretrained = read_pretrained_header(Path(target)) if Path(target).is_dir() else None
+    if pretrained is not None:
+        manifest, header = pretrained
+    else:
+        file = model_file(target)
+        if not file.is_file():
+            raise CLIError(f"no checkpoint at '{file}'")
+        manifest, header = read_header(file)
     buffers = set(manifest.buffers or ())  # none known in checkpoints before 2026-12-03
     names = set(manifest.classes) | set(manifest.modules) | set(manifest.layers)
     rows = []

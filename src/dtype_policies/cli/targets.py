@@ -17,8 +17,13 @@ class CLIError(Exception):
 
 
 def is_checkpoint(target: str) -> bool:
+    """A `saving.save` file or directory, or a `save_pretrained` directory."""
     path = Path(target)
-    return path.suffix == ".safetensors" or (path / "model.safetensors").is_file()
+    return (
+        path.suffix == ".safetensors"
+        or (path / "model.safetensors").is_file()
+        or ((path / "config.json").is_file() and any(path.glob("*.safetensors")))
+    )
 
 
 def _put_working_directory_on_path() -> None:
@@ -53,7 +58,8 @@ def load_callable(target: str, what: str = "TARGET") -> Any:
 
 
 def build_model(target: str) -> torch.nn.Module:
-    """Calls the factory `package.module:callable` and returns its model."""
+    """Calls the factory `package.module:callable` and returns its model (or
+    returns the model `package.module:name` names)."""
     module_name, colon, attribute = target.partition(":")
     if not colon or not module_name or not attribute:
         raise CLIError(
@@ -61,6 +67,8 @@ def build_model(target: str) -> torch.nn.Module:
             "(a .safetensors file or a directory written by dtype_policies.saving.save)."
         )
     factory = load_callable(target)
+    if isinstance(factory, torch.nn.Module):  # callable too, but the model itself
+        return factory
     try:
         model = factory()
     except Exception as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import os
 import threading
 import warnings
@@ -381,6 +382,36 @@ def tensor_headers(reader: Any) -> dict[str, tuple[tuple[int, ...], str]]:
         piece = reader.get_slice(key)
         headers[key] = (tuple(piece.get_shape()), piece.get_dtype())
     return headers
+
+
+def read_pretrained_header(
+    directory: Path,
+) -> tuple[Manifest, dict[str, tuple[tuple[int, ...], str]]] | None:
+    """The manifest and tensor headers of a directory written by a Hugging
+    Face model's `save_pretrained` (its manifest in `config.json`'s
+    `quantization_config`, its tensors in one or more safetensors shards),
+    or `None` where `directory` holds no such checkpoint."""
+    config_file = directory / "config.json"
+    shards = sorted(directory.glob("*.safetensors"))
+    if not config_file.is_file() or not shards:
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"'{config_file}' is not readable JSON: {e}") from None
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "dtype_policies":
+        return None
+    where = f"'{config_file}'"
+    manifest = Manifest.from_json(json.dumps(quantization.get("manifest")), where)
+    header: dict[str, tuple[tuple[int, ...], str]] = {}
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as reader:
+                header.update(tensor_headers(reader))
+        except SafetensorError as e:
+            raise CheckpointError(f"'{shard}' is not a readable safetensors file: {e}") from None
+    return manifest, header
 
 
 def read_header(file: Path) -> tuple[Manifest, dict[str, tuple[tuple[int, ...], str]]]:
