@@ -65,6 +65,31 @@ def test_a_module_of_no_quantizable_kind_is_named_with_its_share_of_the_paramete
     assert "88.3% of the model's parameters stay in floating point" in message
 
 
+def test_parametrized_weights_are_reported_at_their_module_with_their_share():
+    """`weight_norm` moves a weight into `<module>.parametrizations.weight`:
+    its convolution was reported as having "no weight matrix" (false), and
+    torch's internal `ParametrizationList` was named as a module of no
+    quantizable kind instead of the user's layer."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        weight_norm(nn.Linear(96, 96)), weight_norm(nn.Conv1d(96, 96, 3, groups=4), dim=2),
+        nn.Linear(96, 8),
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = quantize(model, "int8")
+    assert dict(report.skipped) == {
+        "0": "no quantize support: its weights are parametrized (torch.nn.utils.parametrize)",
+        "1": "no quantize support: Conv1d, not a quantizable kind",
+    }
+    floating = sum(p.numel() for p in (*model[0].parameters(), *model[1].parameters()))
+    assert report.unsupported_parameters == floating
+    message = str(next(w.message for w in caught if "holding weight matrices" in str(w.message)))
+    assert "2 module(s)" in message and "ParametrizationList" not in message
+
+
 def test_quantizing_again_in_another_mode_says_that_nothing_changed():
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
     quantize(model, "int8")

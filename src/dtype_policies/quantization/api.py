@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 
 from dtype_policies._core.checkpoints import guard_loading
 from dtype_policies._core.compose import original_class
@@ -146,7 +147,22 @@ def _two_argument_form(function: Callable) -> Callable[[str, torch.nn.Module], b
 
 
 def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in module._parameters.values() if p is not None]
+    """`module`'s parameters, those its parametrizations hold for it
+    (`weight_norm`'s `original0`, `original1`) included."""
+    own = [p for p in module._parameters.values() if p is not None]
+    if parametrize.is_parametrized(module):
+        own += [p for held in module.parametrizations.values() for p in held.parameters()]
+    return own
+
+
+def _parametrized_matrix(module: torch.nn.Module) -> bool:
+    """Whether a weight of 2 or more dimensions of `module` is parametrized
+    (`weight_norm`'s: its parameters then sit in `module.parametrizations`)."""
+    return parametrize.is_parametrized(module) and any(
+        p.dim() >= 2 and p.shape[0] > 1
+        for held in module.parametrizations.values()
+        for p in held.parameters()
+    )
 
 
 def _unique_elements(parameters: Any, seen: set[int]) -> int:
@@ -355,7 +371,9 @@ def quantize(
             leave_float(label, module, SKIP_NOT_IN_MODE)
             continue
         if kind is None:
-            if not owns_matrix(module):
+            if isinstance(module, parametrize.ParametrizationList):
+                continue  # the parametrized module holding it is reported, with why
+            if not (owns_matrix(module) or _parametrized_matrix(module)):
                 if _own_parameters(module):
                     report.skipped.append((label, SKIP_NO_MATRIX))
             elif keep(path, module, False):
