@@ -49,6 +49,7 @@ def add_parser(subparsers: Any) -> None:
         "--quantize",
         metavar="MODE",
         type=quantize_mode,
+        choices=_QuantizeChoices(quantize_choices()),
         help=f"then quantize: {', '.join(quantize_choices())}, or int4/<block size> "
         "(int4/32, int4/-1: per channel)",
     )
@@ -59,6 +60,16 @@ def add_parser(subparsers: Any) -> None:
 def quantize_choices() -> tuple[str, ...]:
     """The modes `--quantize` offers: those that quantize without calibration data."""
     return tuple(record.name for record in registered_modes() if not record.calibrated)
+
+
+class _QuantizeChoices(tuple):
+    """The modes (what listing `--quantize`'s choices shows), holding
+    `int4/<block>` too (what `quantize_mode` let through)."""
+
+    def __contains__(self, value: object) -> bool:
+        return tuple.__contains__(self, value) or (
+            isinstance(value, str) and value.startswith("int4/")
+        )
 
 
 def quantize_mode(text: str) -> str:

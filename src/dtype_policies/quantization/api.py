@@ -151,17 +151,19 @@ def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     (`weight_norm`'s `original0`, `original1`) included."""
     own = [p for p in module._parameters.values() if p is not None]
     if parametrize.is_parametrized(module):
-        own += [p for held in module.parametrizations.values() for p in held.parameters()]
+        lists: Any = module.parametrizations  # a ModuleDict (typed as nn.Module's attributes)
+        own += [p for held in lists.values() for p in held.parameters()]
     return own
 
 
 def _parametrized_matrix(module: torch.nn.Module) -> bool:
     """Whether a weight of 2 or more dimensions of `module` is parametrized
     (`weight_norm`'s: its parameters then sit in `module.parametrizations`)."""
-    return parametrize.is_parametrized(module) and any(
-        p.dim() >= 2 and p.shape[0] > 1
-        for held in module.parametrizations.values()
-        for p in held.parameters()
+    if not parametrize.is_parametrized(module):
+        return False
+    lists: Any = module.parametrizations  # a ModuleDict (typed as nn.Module's attributes)
+    return any(
+        p.dim() >= 2 and p.shape[0] > 1 for held in lists.values() for p in held.parameters()
     )
 
 
