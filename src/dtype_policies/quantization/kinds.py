@@ -324,7 +324,8 @@ def _read_and_never_called(cls: type) -> frozenset[str]:
     `.shape`), not in `isinstance`/`hasattr`, not in the methods that build
     or tie weights. A child the code also calls (`self.<child>(...)`: one
     path reads, another calls) computes through its own forward where it is
-    called. A class without source (defined at run time) reads none."""
+    called. A class whose source cannot be read (defined by `exec` or in an
+    interactive session) reads none."""
     read: set[str] = set()
     called: set[str] = set()
     for klass in cls.__mro__:
