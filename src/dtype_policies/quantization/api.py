@@ -40,7 +40,7 @@ from dtype_policies.quantization.attach import (
 )
 from dtype_policies.quantization.calibration import plan_calibrated
 from dtype_policies.quantization.experts import ExpertsExpansion, expert_routers, experts_layout
-from dtype_policies.quantization.kinds import kind_of, owns_matrix
+from dtype_policies.quantization.kinds import is_weight_matrix, kind_of, owns_matrix
 from dtype_policies.quantization.modules import QUANTIZE_TOKEN, computes_in_own_dtype
 from dtype_policies.quantization.report import (
     ADAPTER_DETAIL,
@@ -162,9 +162,7 @@ def _parametrized_matrix(module: torch.nn.Module) -> bool:
     if not parametrize.is_parametrized(module):
         return False
     lists: Any = module.parametrizations  # a ModuleDict (typed as nn.Module's attributes)
-    return any(
-        p.dim() >= 2 and p.shape[0] > 1 for held in lists.values() for p in held.parameters()
-    )
+    return any(is_weight_matrix(p) for held in lists.values() for p in held.parameters())
 
 
 def _unique_elements(parameters: Any, seen: set[int]) -> int:

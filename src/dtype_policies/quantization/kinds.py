@@ -249,9 +249,12 @@ def owns_matrix(module: torch.nn.Module) -> bool:
     """Whether a module holds a weight of 2 or more dimensions (what a mode
     could quantize), not only scales and offsets (norms) or tensors added to
     every row (ViT's class token and position embeddings, shaped (1, ...))."""
-    return any(
-        p is not None and p.dim() >= 2 and p.shape[0] > 1 for p in module._parameters.values()
-    )
+    return any(p is not None and is_weight_matrix(p) for p in module._parameters.values())
+
+
+def is_weight_matrix(parameter: torch.Tensor) -> bool:
+    """2 or more dimensions and more than one row (`owns_matrix`'s rule)."""
+    return parameter.dim() >= 2 and parameter.shape[0] > 1
 
 
 # Parents whose forward reads these children's weights directly (so a

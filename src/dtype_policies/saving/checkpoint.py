@@ -404,14 +404,23 @@ def read_pretrained_header(
         return None
     where = f"'{config_file}'"
     manifest = Manifest.from_json(json.dumps(quantization.get("manifest")), where)
+    return manifest, shard_headers(shards)
+
+
+def shard_headers(files: list[str] | list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`{key: (shape, dtype code)}` of a checkpoint's safetensors shards,
+    from their headers alone."""
     header: dict[str, tuple[tuple[int, ...], str]] = {}
-    for shard in shards:
+    for file in files:
         try:
-            with safe_open(str(shard), framework="pt") as reader:
+            with safe_open(str(file), framework="pt") as reader:
                 header.update(tensor_headers(reader))
-        except SafetensorError as e:
-            raise CheckpointError(f"'{shard}' is not a readable safetensors file: {e}") from None
-    return manifest, header
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(
+                f"'{file}' is not a readable safetensors file ({error}): the checkpoint's "
+                "shard is damaged or incomplete."
+            ) from error
+    return header
 
 
 def read_header(file: Path) -> tuple[Manifest, dict[str, tuple[tuple[int, ...], str]]]:

@@ -98,7 +98,11 @@ from dtype_policies.quantization import attach
 from dtype_policies.quantization.kinds import kind_of
 from dtype_policies.quantization.schemes import scheme_for
 from dtype_policies.saving._hf_hooks import has_policies
-from dtype_policies.saving.checkpoint import dtype_code, plan_from_manifest, tensor_headers
+from dtype_policies.saving.checkpoint import (
+    dtype_code,
+    plan_from_manifest,
+    shard_headers,
+)
 from dtype_policies.saving.manifest import CheckpointError, Manifest, describe
 
 QUANT_METHOD = "dtype_policies"
@@ -614,19 +618,7 @@ def _read_headers(files: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
     files = [str(f) for f in (files or [])]
     if not files or not all(f.endswith(".safetensors") for f in files):
         return None
-    from safetensors import SafetensorError, safe_open
-
-    header: dict[str, tuple[tuple[int, ...], str]] = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as reader:
-                header.update(tensor_headers(reader))
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(
-                f"'{file}' is not a readable safetensors file ({error}): the checkpoint's "
-                "shard is damaged or incomplete."
-            ) from error
-    return header
+    return shard_headers(files)
 
 
 def _target_names(model: Any, manifest: Manifest, saved_as: list[str]) -> Any:
