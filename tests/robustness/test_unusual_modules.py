@@ -161,6 +161,47 @@ def test_a_child_whose_weight_its_parents_code_reads_and_never_calls_stays_float
         assert relative_error(model(X3), reference) < TOLERANCE["int8"]
 
 
+_TWO_DEFINITIONS = """
+import torch
+from torch import nn
+
+USE_FIRST = False
+if USE_FIRST:
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.step = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return x @ self.step.weight.t()
+
+else:
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.step = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.step(x)
+"""
+
+
+def test_the_parents_code_read_is_the_definition_that_ran(tmp_path, monkeypatch):
+    """A file defining a class twice under `if`/`else` (transformers' xLSTM
+    does): `inspect.getsource` gave the first definition, so the child of a
+    parent that calls it would have been left float for a read in code that
+    never ran. The definition holding the class's methods is read."""
+    (tmp_path / "two_definitions.py").write_text(_TWO_DEFINITIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import two_definitions
+
+    model = two_definitions.Parent().eval()
+    report = quantize(model, "int8")
+    assert report.skipped == [] and hasattr(model.step, "weight_int8")
+
+
 def test_mambas_time_step_projection_is_read_by_its_mixer():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

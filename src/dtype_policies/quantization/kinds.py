@@ -20,9 +20,11 @@ Third-party linear-like classes join with `register_linear_kind`:
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
+import linecache
+import os
 import re
-import textwrap
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -332,21 +334,90 @@ def _read_and_never_called(cls: type) -> frozenset[str]:
     read: set[str] = set()
     called: set[str] = set()
     for klass in cls.__mro__:
-        if klass.__module__.split(".")[0] in ("torch", "builtins"):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for method in body:
+        if klass.__module__.split(".")[0] not in ("torch", "builtins"):
+            own_read, own_called = _own_reads(klass)
+            read |= own_read
+            called |= own_called
+    return frozenset(read - called)
+
+
+# by class, weakly, as `_READ_CHILDREN`: a base's own code is read once for all its subclasses
+_OWN_READS: weakref.WeakKeyDictionary[type, tuple[frozenset[str], frozenset[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _own_reads(klass: type) -> tuple[frozenset[str], frozenset[str]]:
+    """The children whose weight `klass`'s own methods read, and those they call."""
+    found = _OWN_READS.get(klass)
+    if found is None:
+        read: set[str] = set()
+        called: set[str] = set()
+        definition = _class_definition(klass)
+        for method in definition.body if definition is not None else ():
             if (
                 isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef))
                 and method.name not in _SETUP_METHODS
             ):
                 read |= _weights_read(method)
                 called |= _children_called(method)
-    return frozenset(read - called)
+        found = _OWN_READS[klass] = (frozenset(read), frozenset(called))
+    return found
+
+
+def _class_definition(klass: type) -> ast.ClassDef | None:
+    """The `class` statement that defined `klass`, from its file parsed once
+    (`inspect.getsource` parses the whole file again for every class: 0.2-0.5 s
+    a class of transformers, whose models' bases live in 5,000-line files), or
+    `None` where the source cannot be read. Of two definitions of one name
+    (`if ...: class X` / `else: class X`), the one holding its methods' code."""
+    try:
+        filename = inspect.getsourcefile(klass)
+    except TypeError:  # built in
+        return None
+    if filename is None:
+        return None
+    candidates = _class_definitions(filename, _modified(filename)).get(klass.__qualname__, ())
+    functions = [inspect.unwrap(f) for f in vars(klass).values() if inspect.isfunction(f)]
+    lines = {f.__code__.co_firstlineno for f in functions if f.__code__.co_filename == filename}
+    if functions and not lines:
+        return None  # defined elsewhere (`exec`) under a name the file also defines
+    for candidate in candidates:
+        end = candidate.end_lineno or candidate.lineno
+        if not lines or any(candidate.lineno <= line <= end for line in lines):
+            return candidate
+    return None
+
+
+def _modified(filename: str) -> int | None:
+    try:
+        return os.stat(filename).st_mtime_ns
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _class_definitions(filename: str, modified: int | None) -> dict[str, list[ast.ClassDef]]:
+    """Every class statement of the file, by qualified name (`modified` keys
+    the cache on the file's version)."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return {}
+    found: dict[str, list[ast.ClassDef]] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                found.setdefault(prefix + child.name, []).append(child)
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, f"{prefix}{child.name}.<locals>.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return found
 
 
 def _children_called(function: ast.AST) -> set[str]:
@@ -361,26 +432,32 @@ def _children_called(function: ast.AST) -> set[str]:
 
 
 def _weights_read(function: ast.AST) -> set[str]:
-    parents = {child: node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
-    read = set()
-    for node in ast.walk(function):
-        if not (
-            isinstance(node, ast.Attribute)
-            and node.attr == "weight"
-            and isinstance(node.ctx, ast.Load)
-            and isinstance(node.value, ast.Attribute)
-            and isinstance(node.value.value, ast.Name)
-            and node.value.value.id == "self"
-        ):
-            continue
-        parent = parents.get(node)
-        if isinstance(parent, ast.Attribute) and parent.attr in _WEIGHT_METADATA:
-            continue
-        if (
-            isinstance(parent, ast.Call)
-            and isinstance(parent.func, ast.Name)
-            and parent.func.id in _NON_READING_CALLS
-        ):
-            continue
-        read.add(node.value.attr)
+    read: set[str] = set()
+    for parent in ast.walk(function):
+        for node in ast.iter_child_nodes(parent):
+            child = _weight_value_read(node, parent)
+            if child is not None:
+                read.add(child)
     return read
+
+
+def _weight_value_read(node: ast.AST, parent: ast.AST) -> str | None:
+    """`<child>` where `node` (in `parent`) is `self.<child>.weight` used as a value."""
+    if not (
+        isinstance(node, ast.Attribute)
+        and node.attr == "weight"
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Attribute)
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "self"
+    ):
+        return None
+    if isinstance(parent, ast.Attribute) and parent.attr in _WEIGHT_METADATA:
+        return None
+    if (
+        isinstance(parent, ast.Call)
+        and isinstance(parent.func, ast.Name)
+        and parent.func.id in _NON_READING_CALLS
+    ):
+        return None
+    return node.value.attr
