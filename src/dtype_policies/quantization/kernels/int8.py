@@ -569,7 +569,10 @@ def bfloat16_rounded_product(
     """`product(x, q_nk)` of float32 activations on a CPU as every weight-only
     int8 path computes it, on every class and at every row count: the inputs
     rounded to bfloat16, times the integer weight (exact in bfloat16), summed
-    in float32 and rounded to bfloat16 (before the per-channel step). Where
+    in float32 and rounded to bfloat16 (before the per-channel step). The
+    GEMMs' summation orders differ between paths (`_weight_int8pack_mm` up
+    to 16 rows, a bfloat16 GEMM from 17), so a few outputs can land one
+    bfloat16 step apart with the batch (docs/cpu_classes.md). Where
     bfloat16 products are native that is a bfloat16 product (1.6-2.6x a
     float32 one with the weight cast per call at 16-128 rows, 2 threads, Zen 4,
     576 x 1536 to 5632 x 2048); elsewhere float32 products of the rounded
