@@ -161,6 +161,38 @@ def test_a_child_whose_weight_its_parents_code_reads_and_never_calls_stays_float
         assert relative_error(model(X3), reference) < TOLERANCE["int8"]
 
 
+class HandsItsChildToAHelper(nn.Module):
+    """As transformers' `LayoutLMv3Encoder`: the parent hands its child to a
+    method of its own, which reads the child's weight (a lookup table), and
+    another child to a method that calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Linear(64, 64, bias=False)
+        self.called = nn.Linear(64, 64)
+
+    def _lookup(self, positions, bias):
+        return bias.weight[:, positions]
+
+    def _run(self, x, *, layer):
+        return layer(x)
+
+    def forward(self, x):
+        return self._run(x, layer=self.called) + self._lookup(torch.arange(64), self.table).sum(0)
+
+
+def test_a_child_handed_to_a_method_that_reads_its_weight_stays_float():
+    torch.manual_seed(0)
+    model = HandsItsChildToAHelper().eval()
+    with torch.no_grad():
+        reference = model(X3)
+    skipped = dict(quantize(model, "int8").skipped)
+    assert "in its own code" in skipped["table"] and "called" not in skipped
+    assert not hasattr(model.table, "weight_int8") and hasattr(model.called, "weight_int8")
+    with torch.no_grad():
+        assert relative_error(model(X3), reference) < TOLERANCE["int8"]
+
+
 _TWO_DEFINITIONS = """
 import torch
 from torch import nn

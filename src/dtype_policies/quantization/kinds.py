@@ -28,6 +28,7 @@ import re
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -331,38 +332,102 @@ def _read_and_never_called(cls: type) -> frozenset[str]:
     path reads, another calls) computes through its own forward where it is
     called. A class whose source cannot be read (defined by `exec` or in an
     interactive session) reads none."""
-    read: set[str] = set()
-    called: set[str] = set()
-    for klass in cls.__mro__:
-        if klass.__module__.split(".")[0] not in ("torch", "builtins"):
-            own_read, own_called = _own_reads(klass)
-            read |= own_read
-            called |= own_called
+    codes = [
+        _own_code(klass)
+        for klass in cls.__mro__
+        if klass.__module__.split(".")[0] not in ("torch", "builtins")
+    ]
+    read = {child for code in codes for child in code.read}
+    called = {child for code in codes for child in code.called}
+    reading: dict[str, frozenset[int | str]] = {}  # each method as the class resolves it
+    for code in codes:
+        for method, parameters in code.parameters_read.items():
+            reading.setdefault(method, parameters)
+    for code in codes:
+        for method, parameter, child in code.handed:
+            if parameter in reading.get(method, ()):
+                read.add(child)
     return frozenset(read - called)
 
 
+@dataclass(frozen=True)
+class _OwnCode:
+    """What a class's own methods (not the setup ones) do with its children."""
+
+    read: frozenset[str]  # children whose weight is read as a value
+    called: frozenset[str]  # children called
+    # `self.<method>(..., self.<child>, ...)`: (method, parameter position or keyword, child)
+    handed: tuple[tuple[str, int | str, str], ...]
+    # method -> its parameters (positions after `self`, and names) whose weight it reads
+    parameters_read: dict[str, frozenset[int | str]]
+
+
 # by class, weakly, as `_READ_CHILDREN`: a base's own code is read once for all its subclasses
-_OWN_READS: weakref.WeakKeyDictionary[type, tuple[frozenset[str], frozenset[str]]] = (
-    weakref.WeakKeyDictionary()
-)
+_OWN_CODE: weakref.WeakKeyDictionary[type, _OwnCode] = weakref.WeakKeyDictionary()
 
 
-def _own_reads(klass: type) -> tuple[frozenset[str], frozenset[str]]:
-    """The children whose weight `klass`'s own methods read, and those they call."""
-    found = _OWN_READS.get(klass)
+def _own_code(klass: type) -> _OwnCode:
+    found = _OWN_CODE.get(klass)
     if found is None:
         read: set[str] = set()
         called: set[str] = set()
+        handed: list[tuple[str, int | str, str]] = []
+        parameters_read: dict[str, frozenset[int | str]] = {}
         definition = _class_definition(klass)
         for method in definition.body if definition is not None else ():
             if (
                 isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef))
                 and method.name not in _SETUP_METHODS
             ):
-                read |= _weights_read(method)
+                children, names = _weights_read(method)
+                read |= children
                 called |= _children_called(method)
-        found = _OWN_READS[klass] = (frozenset(read), frozenset(called))
+                handed += _children_handed(method)
+                parameters_read[method.name] = _parameters(method, names)
+        found = _OWN_CODE[klass] = _OwnCode(
+            frozenset(read), frozenset(called), tuple(handed), parameters_read
+        )
     return found
+
+
+def _parameters(
+    method: ast.FunctionDef | ast.AsyncFunctionDef, names: set[str]
+) -> frozenset[int | str]:
+    """The positions (after `self`) and names of `method`'s parameters in `names`."""
+    positional = [argument.arg for argument in (*method.args.posonlyargs, *method.args.args)][1:]
+    keyword = [argument.arg for argument in method.args.kwonlyargs]
+    found: set[int | str] = {i for i, name in enumerate(positional) if name in names}
+    return frozenset(found | {name for name in (*positional, *keyword) if name in names})
+
+
+def _self_attribute(node: ast.AST) -> str | None:
+    """`<name>` where `node` is `self.<name>`."""
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    ):
+        return node.attr
+    return None
+
+
+def _children_handed(function: ast.AST) -> list[tuple[str, int | str, str]]:
+    """`(method, position or keyword, child)` of each `self.<method>(..., self.<child>, ...)`."""
+    handed: list[tuple[str, int | str, str]] = []
+    for node in ast.walk(function):
+        method = _self_attribute(node.func) if isinstance(node, ast.Call) else None
+        if method is None:
+            continue
+        call = cast(ast.Call, node)
+        for position, argument in enumerate(call.args):
+            child = _self_attribute(argument)
+            if child is not None:
+                handed.append((method, position, child))
+        for keyword in call.keywords:
+            child = _self_attribute(keyword.value)
+            if child is not None and keyword.arg is not None:
+                handed.append((method, keyword.arg, child))
+    return handed
 
 
 def _class_definition(klass: type) -> ast.ClassDef | None:
@@ -431,25 +496,25 @@ def _children_called(function: ast.AST) -> set[str]:
     }
 
 
-def _weights_read(function: ast.AST) -> set[str]:
-    read: set[str] = set()
+def _weights_read(function: ast.AST) -> tuple[set[str], set[str]]:
+    """The children whose weight `function` reads as a value (`self.<child>.weight`),
+    and the plain names whose weight it reads (`<name>.weight`: its parameters')."""
+    children: set[str] = set()
+    names: set[str] = set()
     for parent in ast.walk(function):
         for node in ast.iter_child_nodes(parent):
-            child = _weight_value_read(node, parent)
-            if child is not None:
-                read.add(child)
-    return read
+            owner = _weight_value_read(node, parent)
+            if isinstance(owner, ast.Name):
+                names.add(owner.id)
+            elif owner is not None and _self_attribute(owner) is not None:
+                children.add(cast(ast.Attribute, owner).attr)
+    return children, names
 
 
-def _weight_value_read(node: ast.AST, parent: ast.AST) -> str | None:
-    """`<child>` where `node` (in `parent`) is `self.<child>.weight` used as a value."""
+def _weight_value_read(node: ast.AST, parent: ast.AST) -> ast.expr | None:
+    """`<owner>` where `node` (in `parent`) is `<owner>.weight` used as a value."""
     if not (
-        isinstance(node, ast.Attribute)
-        and node.attr == "weight"
-        and isinstance(node.ctx, ast.Load)
-        and isinstance(node.value, ast.Attribute)
-        and isinstance(node.value.value, ast.Name)
-        and node.value.value.id == "self"
+        isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.ctx, ast.Load)
     ):
         return None
     if isinstance(parent, ast.Attribute) and parent.attr in _WEIGHT_METADATA:
@@ -460,4 +525,4 @@ def _weight_value_read(node: ast.AST, parent: ast.AST) -> str | None:
         and parent.func.id in _NON_READING_CALLS
     ):
         return None
-    return node.value.attr
+    return node.value
