@@ -364,3 +364,18 @@ def test_compiling_a_quantized_model_while_another_thread_imports():
         eager = model(x)
     # W4A8: a traced sum may flip an activation's int8 step (docs: export differences)
     assert torch.allclose(out, eager, rtol=0, atol=5e-3 * float(eager.abs().max()))
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
+def test_a_float8_call_racing_its_removal_says_so(scaling):
+    """`remove()` in another thread takes float8's scales away module by
+    module while a call may still run the float8 forward: that call raised a
+    bare `KeyError: 'inputs_scale'`; it now raises the race's own error (the
+    state a concurrent removal leaves, made here without threads)."""
+    from dtype_policies.quantization import Float8QuantizationConfig
+
+    linear = nn.Linear(16, 8)
+    quantize(linear, config=Float8QuantizationConfig(scaling=scaling))
+    del linear._buffers["inputs_scale"]
+    with pytest.raises(RuntimeError, match="raced it"):
+        linear(torch.randn(2, 16))

@@ -37,7 +37,11 @@ from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies._core.scope import current_scope
 from dtype_policies._modes import mode_record
 from dtype_policies.policies import DTypePolicy
-from dtype_policies.quantization.schemes.base import QuantizedWeight, quantize_by_outputs
+from dtype_policies.quantization.schemes.base import (
+    QuantizedWeight,
+    not_prepared,
+    quantize_by_outputs,
+)
 from dtype_policies.quantization.weight_copy import read_weight
 from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 
@@ -84,17 +88,6 @@ def _bias(
     return leaf_weights(state.casts, bias, None, compute, weight_name=name)[0]
 
 
-def _not_prepared(module: torch.nn.Module) -> RuntimeError:
-    """The error of a quantized forward without the state `quantize()` gives
-    its module (a call state of a quantized policy, with a float compute dtype)."""
-    return RuntimeError(
-        f"This {type(module).__name__} has a quantized forward but no call state of a "
-        "quantized policy: quantize modules with `dtype_policies.quantize`. (If another "
-        "thread is quantizing this model or applying a policy to it now, this call raced "
-        "it: make such changes while no other thread calls the model.)"
-    )
-
-
 class QuantizedForward(QuantizedWeightGuard):
     """Shared by the quantized forwards: the weight attribute (read
     dequantized, a copy whose writes raise: `weight_copy`; assigning it
@@ -131,7 +124,7 @@ class QuantizedLinearForward(QuantizedForward):
         state = state_of(self)
         call = None if state is None else state.call
         if state is None or call is None or call.compute is None:
-            raise _not_prepared(self)
+            raise not_prepared(self)
         compute = call.compute
         qw: QuantizedWeight = state.quantization
         return qw.linear(self, input, _bias(self, state, qw, compute), compute)
@@ -158,7 +151,7 @@ class QuantizedEmbeddingForward(QuantizedForward):
         state = state_of(self)
         call = None if state is None else state.call
         if state is None or call is None or call.compute is None:
-            raise _not_prepared(self)
+            raise not_prepared(self)
         return state.quantization.lookup(self, input, call.compute)
 
     def extra_repr(self) -> str:

@@ -744,6 +744,18 @@ def quantize_by_outputs(
     return joined
 
 
+def not_prepared(module: torch.nn.Module) -> RuntimeError:
+    """The error of a quantized forward without the state `quantize()` gives
+    its module (a call state of a quantized policy, with a float compute
+    dtype; float8's scales)."""
+    return RuntimeError(
+        f"This {type(module).__name__} has a quantized forward but no call state of a "
+        "quantized policy: quantize modules with `dtype_policies.quantize`. (If another "
+        "thread is quantizing this model or applying a policy to it now, this call raced "
+        "it: make such changes while no other thread calls the model.)"
+    )
+
+
 def check_finite(weight: torch.Tensor, name: str) -> None:
     """Every mode derives its scales from the weight's range, so one NaN or
     infinity would silently poison the whole row or group it sits in: refused."""

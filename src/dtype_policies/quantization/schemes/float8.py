@@ -65,7 +65,12 @@ from dtype_policies._derivatives import (
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
 from dtype_policies.quantization.kernels.float8 import float8_kernel, float8_linear
-from dtype_policies.quantization.schemes.base import QuantizedWeight, Scheme, WeightSpec
+from dtype_policies.quantization.schemes.base import (
+    QuantizedWeight,
+    Scheme,
+    WeightSpec,
+    not_prepared,
+)
 from dtype_policies.quantizers.config import Float8QuantizationConfig
 from dtype_policies.quantizers.math import (
     FLOAT8_E4M3_MAX,
@@ -126,6 +131,11 @@ class Float8Scheme(Scheme[Float8QuantizationConfig]):
 
     def forward(self, module, qw, x, bias, compute):
         spec = qw.spec
+        stored = module._buffers
+        if qw.config.scaling != "weight_only" and any(
+            stored.get(name) is None for name in STATE_NAMES
+        ):  # its scales removed meanwhile (`remove()` in another thread)
+            raise not_prepared(module)
         weight = module._parameters[spec.weight]
         records_step = (
             qw.config.scaling == "delayed" and module.training and torch.is_grad_enabled()
