@@ -169,6 +169,7 @@ class HandsItsChildToAHelper(nn.Module):
     def __init__(self):
         super().__init__()
         self.table = nn.Linear(64, 64, bias=False)
+        self.static_table = nn.Linear(64, 64, bias=False)
         self.called = nn.Linear(64, 64)
 
     def _lookup(self, positions, bias):
@@ -177,8 +178,15 @@ class HandsItsChildToAHelper(nn.Module):
     def _run(self, x, *, layer):
         return layer(x)
 
+    @staticmethod
+    def _static_lookup(positions, bias):
+        return bias.weight[:, positions]
+
     def forward(self, x):
-        return self._run(x, layer=self.called) + self._lookup(torch.arange(64), self.table).sum(0)
+        table = self._lookup(torch.arange(64), self.table) + self._static_lookup(
+            torch.arange(64), self.static_table
+        )
+        return self._run(x, layer=self.called) + table.sum(0)
 
 
 def test_a_child_handed_to_a_method_that_reads_its_weight_stays_float():
@@ -188,6 +196,7 @@ def test_a_child_handed_to_a_method_that_reads_its_weight_stays_float():
         reference = model(X3)
     skipped = dict(quantize(model, "int8").skipped)
     assert "in its own code" in skipped["table"] and "called" not in skipped
+    assert "in its own code" in skipped["static_table"]
     assert not hasattr(model.table, "weight_int8") and hasattr(model.called, "weight_int8")
     with torch.no_grad():
         assert relative_error(model(X3), reference) < TOLERANCE["int8"]

@@ -326,7 +326,9 @@ def _read_and_never_called(cls: type) -> frozenset[str]:
     than torch's, listed above) reads itself and never calls: transformers'
     `MambaMixer` computes `self.dt_proj.weight @ ...` and never calls
     `dt_proj`, whose quantized forward would never run. A read is
-    `self.<child>.weight` used as a value: not its metadata (`.dtype`,
+    `self.<child>.weight` used as a value, or the child handed to a method of
+    the class that uses its parameter's `.weight` so (LayoutLMv3's
+    `self._relative_position_lookup(..., self.rel_pos_bias, ...)`): not its metadata (`.dtype`,
     `.shape`), not in `isinstance`/`hasattr`, not in the methods that build
     or tie weights. A child the code also calls (`self.<child>(...)`: one
     path reads, another calls) computes through its own forward where it is
@@ -394,7 +396,9 @@ def _parameters(
     method: ast.FunctionDef | ast.AsyncFunctionDef, names: set[str]
 ) -> frozenset[int | str]:
     """The positions (after `self`) and names of `method`'s parameters in `names`."""
-    positional = [argument.arg for argument in (*method.args.posonlyargs, *method.args.args)][1:]
+    positional = [argument.arg for argument in (*method.args.posonlyargs, *method.args.args)]
+    static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in method.decorator_list)
+    positional = positional if static else positional[1:]  # `self` (or `cls`) is not passed
     keyword = [argument.arg for argument in method.args.kwonlyargs]
     found: set[int | str] = {i for i, name in enumerate(positional) if name in names}
     return frozenset(found | {name for name in (*positional, *keyword) if name in names})
