@@ -465,10 +465,11 @@ def _modified(filename: str) -> int | None:
         return None
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)  # a tree is ~6 MB for transformers' modeling_utils.py
 def _class_definitions(filename: str, modified: int | None) -> dict[str, list[ast.ClassDef]]:
     """Every class statement of the file, by qualified name (`modified` keys
-    the cache on the file's version)."""
+    the cache on the file's version; a model's classes and their bases span a
+    few files, and each class's reading is kept apart, in `_OWN_CODE`)."""
     try:
         tree = ast.parse("".join(linecache.getlines(filename)))
     except (SyntaxError, ValueError):
