@@ -28,7 +28,6 @@ import re
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
@@ -326,14 +325,14 @@ def _read_and_never_called(cls: type) -> frozenset[str]:
     than torch's, listed above) reads itself and never calls: transformers'
     `MambaMixer` computes `self.dt_proj.weight @ ...` and never calls
     `dt_proj`, whose quantized forward would never run. A read is
-    `self.<child>.weight` used as a value, or the child handed to a method of
-    the class that uses its parameter's `.weight` so (LayoutLMv3's
-    `self._relative_position_lookup(..., self.rel_pos_bias, ...)`): not its metadata (`.dtype`,
-    `.shape`), not in `isinstance`/`hasattr`, not in the methods that build
-    or tie weights. A child the code also calls (`self.<child>(...)`: one
-    path reads, another calls) computes through its own forward where it is
-    called. A class whose source cannot be read (defined by `exec` or in an
-    interactive session) reads none."""
+    `self.<child>.weight` used as a value (not its metadata, `.dtype` or
+    `.shape`; not in `isinstance`/`hasattr`; not in the methods that build or
+    tie weights), or the child handed to a method of the class that reads its
+    parameter's weight so (LayoutLMv3's
+    `self._relative_position_lookup(..., self.rel_pos_bias, ...)`). A child
+    the code also calls (`self.<child>(...)`: one path reads, another calls)
+    computes through its own forward where it is called. A class whose source
+    cannot be read (defined by `exec` or in an interactive session) reads none."""
     codes = [
         _own_code(klass)
         for klass in cls.__mro__
@@ -418,11 +417,9 @@ def _self_attribute(node: ast.AST) -> str | None:
 def _children_handed(function: ast.AST) -> list[tuple[str, int | str, str]]:
     """`(method, position or keyword, child)` of each `self.<method>(..., self.<child>, ...)`."""
     handed: list[tuple[str, int | str, str]] = []
-    for node in ast.walk(function):
-        method = _self_attribute(node.func) if isinstance(node, ast.Call) else None
-        if method is None:
+    for call in ast.walk(function):
+        if not isinstance(call, ast.Call) or (method := _self_attribute(call.func)) is None:
             continue
-        call = cast(ast.Call, node)
         for position, argument in enumerate(call.args):
             child = _self_attribute(argument)
             if child is not None:
@@ -491,14 +488,11 @@ def _class_definitions(filename: str, modified: int | None) -> dict[str, list[as
 
 
 def _children_called(function: ast.AST) -> set[str]:
-    return {
-        node.func.attr
-        for node in ast.walk(function)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Name)
-        and node.func.value.id == "self"
-    }
+    """The `<name>` of each `self.<name>(...)` (children and methods alike)."""
+    called = (
+        _self_attribute(node.func) for node in ast.walk(function) if isinstance(node, ast.Call)
+    )
+    return {name for name in called if name is not None}
 
 
 def _weights_read(function: ast.AST) -> tuple[set[str], set[str]]:
@@ -511,8 +505,8 @@ def _weights_read(function: ast.AST) -> tuple[set[str], set[str]]:
             owner = _weight_value_read(node, parent)
             if isinstance(owner, ast.Name):
                 names.add(owner.id)
-            elif owner is not None and _self_attribute(owner) is not None:
-                children.add(cast(ast.Attribute, owner).attr)
+            elif owner is not None and (child := _self_attribute(owner)) is not None:
+                children.add(child)
     return children, names
 
 
