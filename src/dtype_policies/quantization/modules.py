@@ -37,12 +37,12 @@ from dtype_policies._core.policy_module import ModuleOptions
 from dtype_policies._core.scope import current_scope
 from dtype_policies._modes import mode_record
 from dtype_policies.policies import DTypePolicy
+from dtype_policies.quantization.deferred_read import compute_pending_reads, deferred
 from dtype_policies.quantization.schemes.base import (
     QuantizedWeight,
     not_prepared,
     quantize_by_outputs,
 )
-from dtype_policies.quantization.weight_copy import read_weight
 from dtype_policies.quantization.weight_guard import QuantizedWeightGuard
 
 # The application `quantize()` puts at the bottom of a quantized module's
@@ -98,16 +98,16 @@ class QuantizedForward(QuantizedWeightGuard):
     def __getattr__(self, name: str) -> Any:
         qw = quantization_of(self)
         if qw is not None and name == qw.weight_name and not qw.scheme.keeps_float_weight:
-            weight = qw.spec.from_nk(qw.scheme.dequantize(self, qw))
             scope = current_scope()
             dtype = scope.dtype if scope is not None and scope.dtype is not None else None
-            return read_weight(self, qw, weight.to(dtype or qw.float_dtype), "dequantized from")
+            return deferred(self, qw, dtype or qw.float_dtype)
         return super().__getattr__(name)
 
     @loads_as_torch
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         qw = quantization_of(self)
         if qw is not None:
+            compute_pending_reads(self)  # before the stored tensors are written
             check_before_loading(self, state_dict, prefix, args, kwargs)
             adapt_state_dict(self, qw, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -47,10 +47,11 @@ _WRITING_DUNDERS = frozenset(f"__i{op}__" for op in (*_IN_PLACE_OPERATORS, *_IN_
     "__setitem__"
 }
 _WRITTEN_ATTRIBUTES = frozenset({"data", "real", "imag"})  # `t.<name> = ...` writes its values
-_LOADED_FLAG = "_is_hf_initialized"
+LOADED_FLAG = "_is_hf_initialized"
 """transformers' mark on the tensors `from_pretrained` loaded, which its
 weight initialization (`init.normal_(module.weight)`, also from a parent's
 `_init_weights`) leaves alone: a weight made from loaded tensors is loaded."""
+_BASE = frozenset({torch.Tensor._base.__get__})  # type: ignore[union-attr]  # equal, not identical
 COPY_FLAGS = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream"})
 """Ops whose schemas write their tensor but which change only the copy's own
 autograd flags or where its memory lives: they stay allowed
@@ -83,12 +84,12 @@ class WeightCopy(torch.Tensor):
         kwargs = kwargs or {}
         written = written_copy(func, args, kwargs)
         if written is not None and (not written._dp_copy_of.view or rebinds(func)):
-            raise TypeError(_refusal(written._dp_copy_of, _op_name(func)))
+            raise TypeError(refusal(written._dp_copy_of, _op_name(func)))
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         source = args[0] if args and type(args[0]) is cls else None
-        if source is None or source.__dict__.get("_is_param"):
-            return result
+        if source is None or source.__dict__.get("_is_param") or func in _BASE:
+            return result  # `_base`: the tensor it was made from (guarded, a chain of views)
         return _aliases_guarded(result, source)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -171,14 +172,14 @@ def _aliases_guarded(result: Any, source: WeightCopy) -> Any:
 
 
 def _guard_alias(tensor: torch.Tensor, source: WeightCopy) -> torch.Tensor:
-    if type(tensor) is not torch.Tensor or not _shares_memory(tensor, source):
+    if type(tensor) is not torch.Tensor or not shares_memory(tensor, source):
         return tensor
     guarded = tensor.as_subclass(WeightCopy)
     guarded._dp_copy_of = source._dp_copy_of
     return guarded
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     with torch._C.DisableTorchFunctionSubclass():
         try:
             return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
@@ -193,7 +194,7 @@ def _op_name(func: Any) -> str:
     return name
 
 
-def _refusal(copy_of: CopyOf, op: str) -> str:
+def refusal(copy_of: CopyOf, op: str) -> str:
     stored = ", ".join(f"'{name}'" for name in copy_of.stored)
     if copy_of.view:
         return (
@@ -223,14 +224,28 @@ def read_weight(module: torch.nn.Module, qw: Any, tensor: torch.Tensor, reads: s
     if torch.compiler.is_compiling():
         return tensor  # a compiled forward reads it; compilers do not trace the subclass
     buffers = module.__dict__["_buffers"]
-    stored = [buffers[name] for name in qw.buffer_names if buffers.get(name) is not None]
-    view = any(_shares_memory(tensor, buffer) for buffer in stored)
-    copy_of = CopyOf(describe(module, qw), qw.mode, qw.weight_name, qw.buffer_names, reads, view)
-    guarded = guarded_copy(tensor, copy_of)
-    # loaded: its stored tensors, or the module as a whole (a tied module's, shared with
-    # another's once loaded; ModernBERT's root initialized its tied decoder's weight)
-    if getattr(module, _LOADED_FLAG, False) or (
-        stored and all(getattr(buffer, _LOADED_FLAG, False) for buffer in stored)
-    ):
-        setattr(guarded, _LOADED_FLAG, True)
+    stored = tuple(buffers[name] for name in qw.buffer_names if buffers.get(name) is not None)
+    guarded = guarded_read(tensor, qw, describe(module, qw), reads, stored)
+    if loaded_read(module, stored):
+        setattr(guarded, LOADED_FLAG, True)
     return guarded
+
+
+def guarded_read(
+    tensor: torch.Tensor, qw: Any, module: str, reads: str, stored: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """`tensor` read from the `stored` tensors of `qw` (of the module
+    `module` names) as a `WeightCopy`."""
+    view = any(shares_memory(tensor, buffer) for buffer in stored)
+    copy_of = CopyOf(module, qw.mode, qw.weight_name, qw.buffer_names, reads, view)
+    return guarded_copy(tensor, copy_of)
+
+
+def loaded_read(module: torch.nn.Module, stored: Sequence[torch.Tensor]) -> bool:
+    """Whether a read of `module`'s weight from its `stored` tensors is of
+    loaded tensors: its stored tensors, or the module as a whole (a tied
+    module's, shared with another's once loaded; ModernBERT's root
+    initialized its tied decoder's weight)."""
+    return bool(getattr(module, LOADED_FLAG, False)) or bool(
+        stored and all(getattr(buffer, LOADED_FLAG, False) for buffer in stored)
+    )

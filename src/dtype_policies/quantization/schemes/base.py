@@ -561,7 +561,7 @@ class _StraightThrough(torch.autograd.Function):
         return tangent
 
 
-class _StoredTensors:
+class StoredTensors:
     """The stored tensors one forward read, standing in for their module in
     `Scheme.dequantize` (which reads a module's `_buffers` alone)."""
 
@@ -574,7 +574,7 @@ class _StoredTensors:
 def _dequantized(ctx: Any) -> torch.Tensor:
     """The float32 (N, K) weight of the stored tensors `ctx` saved."""
     qw = ctx.qw
-    stored = _StoredTensors(dict(zip(qw.buffer_names, ctx.saved_tensors)))
+    stored = StoredTensors(dict(zip(qw.buffer_names, ctx.saved_tensors)))
     return qw.scheme.dequantize(stored, qw)  # type: ignore[arg-type]
 
 
