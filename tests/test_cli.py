@@ -8,13 +8,16 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 from dtype_policies import DTypePolicyMap, apply_policy, quantize, saving
 from dtype_policies.apply import model_totals
+from dtype_policies.apply.summary import module_summaries
 from dtype_policies.cli import main
+from dtype_policies.quantizers import Int4QuantizationConfig
 
 FACTORY = textwrap.dedent(
     """
@@ -264,6 +267,47 @@ def test_inspect_a_checkpoint_counts_parameters_as_summary_does(tmp_path):
     for path, row in rows.items():
         if hasattr(live[path], "dtype_policy"):
             assert row["policy"] == live[path].dtype_policy.name, path
+
+
+SUMMARIZED = {
+    "float32": lambda m: None,
+    "mixed_bfloat16": lambda m: apply_policy(m, "mixed_bfloat16"),
+    "int8": lambda m: quantize(m, "int8"),
+    "int4/32": lambda m: quantize(m, "int4", Int4QuantizationConfig(block_size=32)),
+    "float8": lambda m: quantize(m, "float8"),
+    "mixed_bfloat16 + int8": lambda m: (apply_policy(m, "mixed_bfloat16"), quantize(m, "int8")),
+}
+
+
+@pytest.mark.parametrize("how", SUMMARIZED)
+def test_inspect_a_checkpoint_gives_summarys_rows(how, tmp_path, capsys):
+    """Compute and variable dtypes as `summary` names them: a float module
+    without a policy computes in its parameters' dtype; variables are the
+    parameters and the quantized weight, not scales or statistics. Bytes are
+    the file's: a non-persistent buffer is not saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 64),
+        torch.nn.Linear(64, 64),
+        torch.nn.Linear(64, 32, bias=False),
+        torch.nn.LayerNorm(32),
+        torch.nn.BatchNorm1d(32),
+    ).eval()
+    model.register_buffer("frequencies", torch.zeros(3), persistent=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        SUMMARIZED[how](model)
+    saving.save(model, tmp_path / "ckpt")
+    assert main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    rows = {row["path"]: row for row in json.loads(capsys.readouterr().out)["modules"]}
+    live = module_summaries(model)
+    assert set(rows) == {row.path for row in live}
+    for row in live:
+        listed = rows[row.path]
+        for column in ("class_name", "policy", "compute_dtype", "variable_dtype", "quantization"):
+            assert listed[column] == str(getattr(row, column)), (row.path, column)
+        assert listed["parameters"] == row.parameters, row.path
+        assert listed["bytes"] == row.bytes - (12 if row.path == "(root)" else 0), row.path
 
 
 ADVISE = ("advise", "cli_models:mlp", "--inputs", "4x32")

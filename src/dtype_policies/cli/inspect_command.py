@@ -34,7 +34,9 @@ def add_parser(subparsers: Any) -> None:
         parents=[common_options()],
         help="print the per-layer table of a model or a checkpoint",
         description="Prints every module's path, class, policy, compute and variable "
-        "dtypes, quantization, parameters and bytes, with totals.",
+        "dtypes, quantization, parameters and bytes, with totals: the rows of "
+        "dtype_policies.summary(model); of a checkpoint, its bytes are those it holds "
+        "(non-persistent buffers, such as rotary frequencies, are not saved).",
     )
     parser.add_argument(
         "target",
@@ -163,11 +165,19 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
         quantized = manifest.quantized.get(name)
         stored = set(quantized.stored) if quantized is not None else set()
         prefix = f"{name}." if name else ""
-        parameters = sum(
-            math.prod(shape)
-            for tensor, (shape, code) in own.items()
+        own_parameters = {
+            tensor: code
+            for tensor, (_, code) in own.items()
             if tensor not in stored and prefix + tensor not in buffers
-        )
+        }
+        parameters = sum(math.prod(own[tensor][0]) for tensor in own_parameters)
+        variables = set(own_parameters.values())  # as `summary`: parameters and the weight
+        if quantized is not None:
+            record = mode_record(quantized.mode)
+            suffix = record.scheme.data_suffix(quantized.quantization_config)
+            weight = [] if suffix is None else [quantized.weight + suffix]
+            kept = stored if record.keeps_float_weight else set(weight) & set(own)
+            variables |= {own[tensor][1] for tensor in kept if tensor in own}
         if quantized is not None:  # the policy it computes by, as `summary` shows it
             if isinstance(policy, QuantizedDTypePolicy):
                 policy = policy.source_policy
@@ -183,9 +193,10 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
                 "path": name.replace(".", "/") or "(root)",
                 "class_name": manifest.classes.get(name, "?"),
                 "policy": policy.name if policy is not None else "-",
-                "compute_dtype": policy.compute_dtype if policy is not None else "-",
-                "variable_dtype": ",".join(sorted({_dtype_name(code) for _, code in own.values()}))
-                or "-",
+                "compute_dtype": policy.compute_dtype
+                if policy is not None
+                else _dtype_names(set(own_parameters.values())),
+                "variable_dtype": _dtype_names(variables),
                 "quantization": "-"
                 if quantized is None
                 else label_of(quantized.mode, quantized.quantization_config),
@@ -194,6 +205,11 @@ def _checkpoint_rows(target: str) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _dtype_names(codes: set[str]) -> str:
+    """The dtypes of tensors by their header codes, as `summary` names them."""
+    return ",".join(sorted({_dtype_name(code) for code in codes})) or "-"
 
 
 def _dtype_name(code: str) -> str:

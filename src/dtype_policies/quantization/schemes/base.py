@@ -136,8 +136,12 @@ class Scheme(abc.ABC, Generic[ConfigT]):
     def data_name(self, spec: WeightSpec, config: ConfigT) -> str | None:
         """The buffer holding the weight's integer values (`None`: a scheme
         that keeps its weight in a float format)."""
-        suffix = mode_record(self.mode).data_suffix
+        suffix = self.data_suffix(config)
         return None if suffix is None else spec.weight + suffix
+
+    def data_suffix(self, config: ConfigT) -> str | None:
+        """What `data_name` appends to the weight's name (its record's)."""
+        return mode_record(self.mode).data_suffix
 
     @abc.abstractmethod
     def quantize(

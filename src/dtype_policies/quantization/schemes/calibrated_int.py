@@ -267,9 +267,6 @@ class CalibratedIntScheme(Scheme[TokenConfigT]):
     def data_suffix(self, config: TokenConfigT) -> str:
         return "_int8" if self.bits(config) == 8 else "_int4"
 
-    def data_name(self, spec: WeightSpec, config: TokenConfigT) -> str:
-        return spec.weight + self.data_suffix(config)
-
     def buffer_names(self, spec: WeightSpec, config: TokenConfigT) -> tuple[str, ...]:
         w = spec.weight
         names = (w + self.data_suffix(config), f"{w}_scale", f"{w}_zero", f"{w}_g_idx")
