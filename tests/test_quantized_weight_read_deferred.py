@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtype_policies import quantize, quantizers
+from dtype_policies import layers, quantize, quantizers
 from dtype_policies._core.module_state import quantization_of
 from tiny_models import tiny_decoder
 
@@ -310,3 +310,9 @@ def test_reads_handed_to_a_compiled_function_compute(tmp_path, monkeypatch) -> N
     assert torch.equal(compiled(x, linear.weight), expected)  # a pending read
     view = linear.weight.t()  # a computed one's view (a chain of bases before)
     assert torch.equal(compiled(x, view.t()), expected)
+    dense = layers.Dense(24)
+    dense.build((None, 80))
+    dense.quantize("int8")
+    kernel = dense.kernel  # a view of the stored integers (read at once, as Keras's)
+    integer = torch.compile(lambda x, k: x @ k.float(), backend="eager")
+    assert torch.equal(integer(x, kernel), x @ kernel.as_subclass(torch.Tensor).float())
