@@ -33,10 +33,21 @@ MODES = {
         dataset=None, tokenizer=None, weight_bits=4, group_size=8
     ),
 }
-KINDS = ("nn.Linear", "nn.Embedding", "layers.Dense", "layers.Embedding")
+KINDS = (
+    "nn.Linear",
+    "nn.Embedding",
+    "nn.Linear, deferred",
+    "nn.Embedding, deferred",
+    "layers.Dense",
+    "layers.Embedding",
+)
+"""Torch modules' reads of at least `DEFERRED_MIN_ELEMENTS` are computed at
+their first use (`deferred_read`), smaller ones at the read."""
 DESCRIBED = {
     "nn.Linear": "Linear",
     "nn.Embedding": "Embedding",
+    "nn.Linear, deferred": "Linear",
+    "nn.Embedding, deferred": "Embedding",
     "layers.Dense": "Dense 'dense",
     "layers.Embedding": "Embedding 'embedding",
 }
@@ -53,6 +64,10 @@ def _quantized(kind: str, mode: str) -> tuple[nn.Module, str, torch.Tensor]:
         module, name, x = nn.Linear(64, 16), "weight", torch.randn(3, 64)
     elif kind == "nn.Embedding":
         module, name, x = nn.Embedding(16, 64), "weight", torch.tensor([[0, 5, 15]])
+    elif kind == "nn.Linear, deferred":
+        module, name, x = nn.Linear(64, 256), "weight", torch.randn(3, 64)
+    elif kind == "nn.Embedding, deferred":
+        module, name, x = nn.Embedding(256, 64), "weight", torch.tensor([[0, 5, 15]])
     elif kind == "layers.Dense":
         module, name, x = layers.Dense(16), "kernel", torch.randn(3, 64)
         module.build((None, 64))

@@ -7,6 +7,7 @@ write to a stored tensor by any other route makes its use raise."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 from dtype_policies import layers, quantize, quantizers
 from dtype_policies._core.module_state import quantization_of
+from dtype_policies.quantization.weight_copy import WeightCopy
 from tiny_models import tiny_decoder
 
 
@@ -43,8 +45,9 @@ class _CountingDequantize:
 
 
 def _linear(mode: str = "int8", config=None, in_features: int = 80) -> nn.Linear:
+    """Large enough to be deferred (`DEFERRED_MIN_ELEMENTS`)."""
     torch.manual_seed(0)
-    linear = nn.Linear(in_features, 24)
+    linear = nn.Linear(in_features, 256)
     quantize(linear, mode, config)
     return linear
 
@@ -89,7 +92,7 @@ class _ReadsItsChildsDtype(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.wo = nn.Linear(32, 16)
+        self.wo = nn.Linear(128, 256)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.wo.weight.dtype and self.wo.weight.dtype != torch.int8:
@@ -103,7 +106,7 @@ def test_a_parent_reading_its_quantized_childs_dtype_in_forward_dequantizes_noth
 ) -> None:
     torch.manual_seed(0)
     model = _ReadsItsChildsDtype()
-    x = torch.randn(3, 32, dtype=torch.float64)
+    x = torch.randn(3, 128, dtype=torch.float64)
     quantize(model, "int8")
     counter = _CountingDequantize(monkeypatch, model.wo)
     context = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}.get(grad)
@@ -130,10 +133,10 @@ def _kinds(mode: str, make_config):
 
     torch.manual_seed(0)
     modules = {
-        "Linear": nn.Linear(80, 24),  # 80: 2.5 blocks of 32
-        "Linear, no bias": nn.Linear(96, 40, bias=False),
-        "Embedding": nn.Embedding(24, 64),
-        "Conv1D (in, out)": Conv1D(24, 80),
+        "Linear": nn.Linear(80, 256),  # 80: 2.5 blocks of 32
+        "Linear, no bias": nn.Linear(96, 256, bias=False),
+        "Embedding": nn.Embedding(256, 64),
+        "Conv1D (in, out)": Conv1D(256, 80),
     }
     for module in modules.values():
         quantize(module, mode, make_config() if make_config else None)
@@ -202,7 +205,7 @@ def test_a_read_keeps_its_values_across_load_state_dict_and_to_and_outlives_its_
     before = _eager(linear)
     other = _linear()
     torch.manual_seed(5)
-    fresh = nn.Linear(80, 24)
+    fresh = nn.Linear(80, 256)
     quantize(fresh, "int8")
     new_state = fresh.state_dict()
 
@@ -232,7 +235,7 @@ def test_a_read_keeps_its_values_across_load_state_dict_and_to_and_outlives_its_
 def test_an_in_place_write_to_a_stored_tensor_after_a_read_makes_its_use_raise(write) -> None:
     linear = _linear()
     read = linear.weight
-    assert read.shape == (24, 80)  # the layout is still answered
+    assert read.shape == (256, 80)  # the layout is still answered
     with torch.no_grad():
         write(linear.weight_int8)
     stale = r"int8-quantized Linear.*'weight_int8'.*Read the weight again"
@@ -247,7 +250,7 @@ def test_a_parameter_made_from_a_read_is_the_callers_own_and_trains() -> None:
     quantized = _linear()
     stored = {k: v.clone() for k, v in quantized.state_dict().items()}
     expected = _eager(quantized)
-    trained = nn.Linear(80, 24)
+    trained = nn.Linear(80, 256)
     trained.weight = nn.Parameter(quantized.weight)
     assert isinstance(trained.weight, nn.Parameter) and trained.weight.requires_grad
     assert torch.equal(trained.weight, expected)
@@ -290,7 +293,7 @@ def test_a_read_made_under_inference_mode_is_used_outside_it() -> None:
         read = linear.weight
     h = torch.randn(2, 80, requires_grad=True)
     F.linear(h, read).sum().backward()
-    assert torch.equal(h.grad, torch.ones(2, 24) @ _eager(linear))
+    assert torch.equal(h.grad, torch.ones(2, 256) @ _eager(linear))
 
 
 def test_ops_that_skip_torch_function_see_the_values() -> None:
@@ -316,3 +319,142 @@ def test_reads_handed_to_a_compiled_function_compute(tmp_path, monkeypatch) -> N
     kernel = dense.kernel  # a view of the stored integers (read at once, as Keras's)
     integer = torch.compile(lambda x, k: x @ k.float(), backend="eager")
     assert torch.equal(integer(x, kernel), x @ kernel.as_subclass(torch.Tensor).float())
+
+
+class _MatMul(torch.autograd.Function):
+    """A custom product, as fused kernels are written: autograd sees its
+    inputs themselves, not what `__torch_function__` would hand over."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+@pytest.mark.parametrize("route", ["custom Function", "reentrant checkpoint", "F.linear"])
+def test_a_parameter_made_from_a_read_gets_its_gradient_by_every_route(route) -> None:
+    quantized = _linear()
+    expected = _eager(quantized)
+    weight = nn.Parameter(quantized.weight)
+    x = torch.randn(5, 80, requires_grad=True)
+    if route == "custom Function":
+        y = _MatMul.apply(x, weight)
+    elif route == "reentrant checkpoint":
+        y = torch.utils.checkpoint.checkpoint(F.linear, x, weight, use_reentrant=True)
+    else:
+        y = F.linear(x, weight)
+    y.sum().backward()
+    assert torch.equal(weight.grad, torch.ones(5, 256).t() @ x.detach())
+    assert torch.equal(x.grad, torch.ones(5, 256) @ expected)
+    torch.optim.SGD([weight], lr=0.5).step()
+    assert torch.equal(weight, expected - 0.5 * weight.grad)
+
+
+def test_a_module_holding_a_parameter_made_from_a_read_copies_saves_and_converts(tmp_path):
+    quantized = _linear()
+    module = nn.Linear(80, 256)
+    module.weight = nn.Parameter(quantized.weight)
+    module(torch.randn(2, 80)).sum().backward()
+    twin = copy.deepcopy(module)
+    assert isinstance(twin.weight, nn.Parameter) and twin.weight.requires_grad
+    assert torch.equal(twin.weight, module.weight)
+    assert torch.equal(twin.weight.grad, module.weight.grad)
+    torch.save(module, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert isinstance(loaded.weight, nn.Parameter) and torch.equal(loaded.weight, module.weight)
+    state = module.state_dict()
+    torch.save(state, tmp_path / "state.pt")
+    reloaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert torch.equal(reloaded["weight"], module.weight)
+    module.zero_grad(set_to_none=True)  # torch's `_apply` keeps a grad only for a kept tensor
+    module.to(torch.float64)
+    assert module.weight.dtype == torch.float64 and isinstance(module.weight, nn.Parameter)
+    with torch.no_grad():
+        module.weight.data.mul_(0)  # the caller's own: writes go through
+    assert module.weight.abs().sum() == 0
+
+
+def test_a_detached_read_is_a_copy_whose_writes_raise_and_whose_grad_is_its_own() -> None:
+    linear = _linear()
+    stored = {k: v.clone() for k, v in linear.state_dict().items()}
+    detached = linear.weight.detach()
+    for write in (lambda: detached.zero_(), lambda: detached.data.mul_(2)):
+        with torch.no_grad(), pytest.raises(TypeError, match="int8-quantized Linear"):
+            write()
+    with pytest.raises(TypeError, match="int8-quantized Linear"):
+        torch._foreach_mul_([detached], 2)
+    for key, value in linear.state_dict().items():
+        assert torch.equal(value, stored[key]), key
+    assert torch.equal(detached, _eager(linear)) and type(detached * 1) is torch.Tensor
+
+
+def test_loading_a_tied_table_leaves_reads_through_either_module_their_values() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=512,  # a table large enough to be deferred
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    other = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.5)
+    quantize(model, "int8")
+    quantize(other, "int8")
+    head, table = model.lm_head.weight, model.model.embed_tokens.weight
+    expected_head, expected_table = _eager(model.lm_head), _eager(model.model.embed_tokens)
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(head, expected_head) and torch.equal(table, expected_table)
+    assert not torch.equal(model.lm_head.weight, expected_head)  # new reads: the new values
+
+
+@pytest.mark.parametrize("transform", ["inference_mode", "torch.func.grad"])
+def test_a_read_first_used_inside_a_transform_is_a_plain_copy_after_it(transform) -> None:
+    linear = _linear()
+    read = linear.weight
+    x = torch.randn(5, 80)
+    if transform == "inference_mode":
+        with torch.inference_mode():
+            F.linear(x, read)
+    else:
+        torch.func.grad(lambda x: F.linear(x, read).sum())(x)
+    assert not read.is_inference() and read.data_ptr() != 0
+    h = x.clone().requires_grad_()
+    F.linear(h, read).sum().backward()
+    assert torch.equal(h.grad, torch.ones(5, 256) @ _eager(linear))
+    assert isinstance(nn.Parameter(read), nn.Parameter)
+
+
+def test_a_reads_hash_is_its_identity_before_and_after_its_first_use() -> None:
+    read = _linear().weight
+    cache = {read: "read"}
+    read * 1
+    assert hash(read) == id(read) and cache[read] == "read"
+
+
+def test_stored_inference_tensors_and_small_weights_are_read_at_once(monkeypatch) -> None:
+    linear = _linear()
+    with torch.inference_mode():
+        state = {key: value.clone() for key, value in linear.state_dict().items()}
+        linear.load_state_dict(state, assign=True)
+    assert linear.weight_scale.is_inference()
+    expected = _eager(linear)
+    read = linear.weight  # no version to tell a write by: computed now
+    with torch.inference_mode():
+        linear.weight_scale.mul_(2)
+    assert torch.equal(read, expected)
+    small = nn.Linear(16, 16)
+    quantize(small, "int8")
+    counter = _CountingDequantize(monkeypatch, small)
+    assert type(small.weight) is WeightCopy and counter.calls == 1

@@ -9,19 +9,27 @@ on every call (T5's feed-forward, Mamba's head, Llama 4's embedding): those
 reads no longer dequantize the whole weight.
 
 A read holds the stored tensors it was read from (until its first use), so
-`.to()`, `remove()` or a new quantization after it change nothing it gives.
-`load_state_dict` into the module computes its outstanding reads before
-writing. Any other in-place write to a stored tensor after a read and before
-its first use makes that use raise `RuntimeError` (as torch's saved
-tensors): read the weight again.
+`.to()` or a new quantization after it change nothing it gives.
+`load_state_dict` computes the outstanding reads of the stored tensors it
+writes (a tied table's, read through either module, too). Any other
+in-place write to a stored tensor after a read and before its first use
+makes that use raise `RuntimeError` (as torch's saved tensors): read the
+weight again. Stored tensors that are inference tensors keep no version, so
+their reads are computed at once, as are small weights (fewer than
+`DEFERRED_MIN_ELEMENTS`, for which computing costs less than deferring).
+
+`read.detach()`, and so `nn.Parameter(read)`, is a copy of the values of
+its own, an autograd leaf as any tensor (a custom `autograd.Function` sees
+it): its writes raise as the read's, but for a `Parameter`'s, which are the
+caller's own weight.
 
 >>> import torch
 >>> from dtype_policies import quantize
->>> linear = torch.nn.Linear(4, 2)
+>>> linear = torch.nn.Linear(256, 128)
 >>> _ = quantize(linear, "int8")
 >>> read = linear.weight
 >>> read.dtype, read.shape, read.device  # nothing dequantized yet
-(torch.float32, torch.Size([2, 4]), device(type='cpu'))
+(torch.float32, torch.Size([128, 256]), device(type='cpu'))
 >>> torch.equal(read, linear.weight)  # computed at its first use
 True
 """
@@ -29,13 +37,14 @@ True
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from dtype_policies.quantization.schemes.base import QuantizedWeight, StoredTensors
 from dtype_policies.quantization.weight_copy import (
@@ -45,11 +54,12 @@ from dtype_policies.quantization.weight_copy import (
     loaded_read,
     read_weight,
     refusal,
+    written_copy,
 )
 from dtype_policies.quantization.weight_guard import describe
 
 _T = torch.Tensor
-_LAYOUT = frozenset(
+_FIXED = frozenset(
     {
         *(
             getattr(_T, name).__get__
@@ -59,9 +69,6 @@ _LAYOUT = frozenset(
                 "device",
                 "ndim",
                 "layout",
-                "requires_grad",
-                "is_leaf",
-                "grad_fn",
                 "is_cuda",
                 "is_cpu",
                 "is_meta",
@@ -88,21 +95,26 @@ _LAYOUT = frozenset(
                 "is_signed",
                 "get_device",
                 "__len__",
-                "__hash__",
             )
         ),
     }
 )
-"""What a pending read answers from its layout (none of them reads values)."""
+"""What a read answers from its layout, which its values share."""
+_FRESH = frozenset(getattr(_T, name).__get__ for name in ("requires_grad", "is_leaf", "grad_fn"))
+"""What a read answers itself until computed (then its values': `requires_grad_`)."""
+_DETACH = frozenset({_T.detach})
+_DATA_GET = frozenset({_T.data.__get__})  # type: ignore[attr-defined]
+_DATA_SET = frozenset({_T.data.__set__})  # type: ignore[attr-defined]
 
-READS = "dequantized from"
+DEFERRED_MIN_ELEMENTS = 16384
+"""Weights with fewer elements are dequantized at the read (tens of
+microseconds, what deferring costs)."""
+
 _COMPUTING = threading.Lock()
 _LAYOUTS: weakref.WeakKeyDictionary[QuantizedWeight, dict[tuple, torch.Tensor | None]] = (
     weakref.WeakKeyDictionary()
 )
-_PENDING: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakValueDictionary] = (
-    weakref.WeakKeyDictionary()
-)
+READS = "dequantized from"
 
 
 class StaleRead(RuntimeError):
@@ -110,29 +122,36 @@ class StaleRead(RuntimeError):
 
 
 class _Read:
-    """What a pending `DeferredWeight` computes its values from."""
+    """What a pending read computes its values from, and then its values."""
 
-    __slots__ = ("described", "dtype", "qw", "stored", "versions")
+    __slots__ = ("__weakref__", "described", "dtype", "qw", "stored", "values", "versions")
 
     def __init__(
         self, module: torch.nn.Module, qw: QuantizedWeight, stored: dict, dtype: torch.dtype
     ) -> None:
-        self.qw = qw
-        self.stored = stored
-        self.versions = {name: _version(t) for name, t in stored.items()}
+        self.qw: QuantizedWeight | None = qw
+        self.stored: dict[str, torch.Tensor] = stored
+        self.versions = {name: t._version for name, t in stored.items()}
         self.dtype = dtype
         self.described = describe(module, qw)  # for errors: no module kept alive
+        self.values: WeightCopy | None = None
+
+
+_PENDING: weakref.WeakSet[_Read] = weakref.WeakSet()
 
 
 class DeferredWeight(WeightCopy):
     """A quantized module's weight as read, computed at its first use other
-    than its layout (see the module docstring)."""
+    than its layout; or a copy of its own (`detach()`, `nn.Parameter`): see
+    the module docstring."""
 
-    _dp_read: _Read | None
-    _dp_values: WeightCopy | None
+    _dp_read: _Read | None  # a read: ops act on its values
+    _dp_own: WeightCopy | None  # a copy of its own: an autograd leaf over these values
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, device: torch.device) -> DeferredWeight:
+    def __new__(
+        cls, like: torch.Tensor, device: torch.device, requires_grad: bool = False
+    ) -> DeferredWeight:
         shell = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls,
             like.shape,
@@ -140,160 +159,270 @@ class DeferredWeight(WeightCopy):
             storage_offset=like.storage_offset(),
             dtype=like.dtype,
             device=device,
-            requires_grad=False,
+            requires_grad=requires_grad,
         )
         shell._dp_read = None
-        shell._dp_values = None
+        shell._dp_own = None
         return shell
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def __hash__(self) -> int:
+        return id(self)
+
     @classmethod
-    @torch._disable_dynamo  # a read handed to a compiled function: run, not traced
     def __torch_function__(
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None
     ) -> Any:
-        kwargs = kwargs or {}
-        first = args[0] if args else None
-        if func in _LAYOUT and type(first) is cls and first._dp_values is None:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        args, kwargs = tree_map_only(cls, _values_of, (tuple(args), kwargs))
-        result = func(*args, **kwargs)
-        if type(first) is cls:
-            if result is first._dp_values:  # in place, or `float()` of float32: itself
-                return first
-            if func is _T.detach and type(result) is WeightCopy:
-                return _standing_for(result)  # `nn.Parameter(read)` needs its own type
-        return result
+        return _torch_function(cls, func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None
     ) -> Any:
-        """The ops that skip `__torch_function__` (`as_subclass`,
-        `torch.tensor(read)`, ...), on the values."""
+        """A copy's ops (and a read's that skip `__torch_function__`:
+        `as_subclass`, `torch.tensor(read)`), on the values."""
         kwargs = kwargs or {}
         for index, argument in enumerate(func._schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
             target = args[index] if index < len(args) else kwargs.get(argument.name)
-            if type(target) is cls and not target._takes_writes():
-                values = _values_of(target)
-                raise TypeError(refusal(values._dp_copy_of, func.__name__))
-        plain_args, plain_kwargs = tree_map_only(cls, _plain_values, (tuple(args), kwargs))
+            for tensor in target if isinstance(target, (list, tuple)) else (target,):
+                if type(tensor) is cls and not tensor._takes_writes():
+                    name = func.overloadpacket.__name__
+                    raise TypeError(refusal(_values_of(tensor)._dp_copy_of, name))
+        plain_args = tuple(_plain(a) for a in args)
+        plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
         return func(*plain_args, **plain_kwargs)
 
     def _takes_writes(self) -> bool:
-        values = _values_of(self)
-        return bool(self.__dict__.get("_is_param") or values._dp_copy_of.view)
+        """A `Parameter` made of a read, and what was detached from one, are
+        the caller's; a read of a view of the stored tensors writes them."""
+        if self.__dict__.get("_is_param") or self.__dict__.get("_dp_writable"):
+            return True
+        return self._dp_own is None and _values_of(self)._dp_copy_of.view
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return _values_of(self).__repr__(tensor_contents=tensor_contents)  # type: ignore[call-arg]
+        return _plain(self).__repr__(tensor_contents=tensor_contents)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._dp_own is not None and self.__dict__.get("_is_param"):
+            return (
+                torch._utils._rebuild_parameter,
+                (_plain(self), self.requires_grad, OrderedDict()),
+            )
         return _values_of(self).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
-        return _values_of(self).__deepcopy__(memo)
+        if self._dp_own is None:
+            return copy.deepcopy(_values_of(self), memo)
+        with torch.no_grad():
+            values = _plain(self).clone()
+        result: torch.Tensor
+        if self.__dict__.get("_is_param"):
+            result = torch.nn.Parameter(values, requires_grad=self.requires_grad)
+        else:
+            result = values.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            result.grad = copy.deepcopy(self.grad, memo)
+        memo[id(self)] = result
+        return result
 
 
-def _standing_for(values: WeightCopy) -> DeferredWeight:
-    """A `DeferredWeight` whose values are `values` already."""
-    shell = DeferredWeight(values, values.device)
-    shell._dp_values = values
-    return shell
+@torch.compiler.disable  # a read handed to a compiled function: run, not traced
+def _torch_function(cls: Any, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
+    first: Any = args[0] if args else None
+    if func is torch._has_compatible_shallow_copy_type:
+        return False  # `module._apply` makes a new parameter rather than set `.data`
+    if type(first) is cls:
+        read, own = first._dp_read, first._dp_own
+        if func in _FIXED or (read is not None and read.values is None and func in _FRESH):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if own is not None:
+            if func in _DETACH:  # `nn.Parameter(copy)` needs its type
+                return _own_copy(own.detach(), first._takes_writes())
+            if func in _DATA_GET:
+                return own.as_subclass(torch.Tensor) if first._takes_writes() else own.data
+            if func in _DATA_SET:
+                return _rebind(first, args[1])
+    copies = any(_is_copy(a) for a in args) or any(_is_copy(v) for v in kwargs.values())
+    args = tuple(_read_values(a) for a in args)
+    kwargs = {k: _read_values(v) for k, v in kwargs.items()}
+    if copies:  # autograd on the copies themselves, their ops on their values (dispatch)
+        written = written_copy(func, args, kwargs)  # a read's values, written by the op
+        if written is not None and not written._dp_copy_of.view:
+            raise TypeError(refusal(written._dp_copy_of, getattr(func, "__name__", "?")))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    result = func(*args, **kwargs)  # a read's values are a `WeightCopy`: its rules
+    if type(first) is cls and first._dp_read is not None:
+        if result is first._dp_read.values:  # in place, or `float()` of float32: itself
+            return first
+        if func in _DETACH and type(result) is WeightCopy:
+            return _own_copy(result, writable=False)  # `nn.Parameter(read)` needs its type
+    return result
 
 
-def _plain_values(shell: DeferredWeight) -> torch.Tensor:
-    return _values_of(shell).as_subclass(torch.Tensor)
+def _is_copy(value: Any) -> bool:
+    """Whether `value` is, or a list of it holds, a copy of its own."""
+    if type(value) is DeferredWeight:
+        return value._dp_own is not None
+    return isinstance(value, (list, tuple)) and any(_is_copy(v) for v in value)
+
+
+def _own_copy(values: WeightCopy, writable: bool) -> DeferredWeight:
+    """A copy of its own over `values` (an autograd leaf of its own)."""
+    copied = DeferredWeight(values, values.device, requires_grad=False)
+    copied._dp_own = values
+    if writable:
+        copied._dp_writable = True  # type: ignore[attr-defined]
+    return copied
+
+
+def _rebind(copied: DeferredWeight, new: Any) -> None:
+    """`copy.data = new` for a copy of its own: its values are `new`'s."""
+    own = copied._dp_own
+    assert own is not None
+    if not copied._takes_writes():
+        raise TypeError(refusal(own._dp_copy_of, "setting .data"))
+    if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (
+        copied.shape,
+        copied.dtype,
+        copied.device,
+    ):
+        raise TypeError(
+            f"`.data` of a weight made from a quantized read takes a tensor of its shape, "
+            f"dtype and device ({tuple(copied.shape)}, {copied.dtype}, {copied.device}). "
+            f"Received: {new!r:.80}"
+        )
+    rebound = new.detach().as_subclass(WeightCopy)
+    rebound._dp_copy_of = own._dp_copy_of
+    copied._dp_own = rebound
+
+
+def _read_values(value: Any) -> Any:
+    """`value` with the reads in it (one level of lists) replaced by their values."""
+    if type(value) is DeferredWeight and value._dp_read is not None:
+        return _values_of(value)
+    if isinstance(value, (list, tuple)) and any(type(v) is DeferredWeight for v in value):
+        return type(value)(_read_values(v) for v in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A read's or a copy's values as a plain tensor (a list's, one level)."""
+    if type(value) is DeferredWeight:
+        values = value._dp_own if value._dp_own is not None else _values_of(value)
+        return values.as_subclass(torch.Tensor)
+    if isinstance(value, (list, tuple)) and any(type(v) is DeferredWeight for v in value):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 def _values_of(shell: DeferredWeight) -> WeightCopy:
-    """`shell`'s values, computed at the first call."""
-    values = shell._dp_values
-    if values is None:
-        read = shell._dp_read
-        assert read is not None
+    """A read's values, computed at the first call."""
+    if shell._dp_own is not None:
+        return shell._dp_own
+    read = shell._dp_read
+    assert read is not None
+    return _computed(read, shell)
+
+
+def _computed(read: _Read, shell: DeferredWeight | None) -> WeightCopy:
+    if read.values is None:
         computed = _compute(read, shell)
         with _COMPUTING:  # one value for every thread
-            if shell._dp_values is None:
-                shell._dp_values, shell._dp_read = computed, None
-            values = shell._dp_values
-    if shell.__dict__.get("_is_param") and not values.__dict__.get("_is_param"):
-        values._is_param = True  # type: ignore[attr-defined]  # `nn.Parameter(read)`: the caller's
-    return values
+            if read.values is None:
+                read.values, read.stored, read.qw = computed, {}, None
+                _PENDING.discard(read)
+    return read.values  # type: ignore[return-value]
 
 
-def _compute(read: _Read, shell: DeferredWeight) -> WeightCopy:
+def _compute(read: _Read, shell: DeferredWeight | None) -> WeightCopy:
     qw = read.qw
+    assert qw is not None
     for name, tensor in read.stored.items():
-        if read.versions[name] is not None and _version(tensor) != read.versions[name]:
+        if tensor._version != read.versions[name]:
             raise StaleRead(
                 f"The weight of the {qw.mode}-quantized {read.described} was read before its "
                 f"stored tensor '{name}' was written in place, and not used until after: its "
                 "values at the read are gone. Read the weight again for the values it has now."
             )
-    with torch.no_grad():
+    # outside the caller's transforms: a cached value must not be a functorch
+    # wrapper or an inference tensor (it outlives them)
+    with torch.no_grad(), torch.inference_mode(False), torch._C._DisableFuncTorch():
         stand_in: Any = StoredTensors(read.stored)
         weight = qw.spec.from_nk(qw.scheme.dequantize(stand_in, qw))
         weight = weight.to(read.dtype)
-    values = guarded_read(weight, qw, read.described, READS, tuple(read.stored.values()))
-    told = (shell.shape, shell.stride(), shell.dtype, shell.device)
-    computed = (values.shape, values.stride(), values.dtype, values.device)
-    if told != computed:
-        raise RuntimeError(
-            f"A read of a {qw.mode}-quantized weight told its layout {told} and computed "
-            f"{computed}: a defect of dtype-policies, please report it."
-        )
-    if getattr(shell, LOADED_FLAG, False):
-        setattr(values, LOADED_FLAG, True)
+        values = guarded_read(weight, qw, read.described, READS, tuple(read.stored.values()))
+    if shell is not None:
+        told = (shell.shape, shell.stride(), shell.dtype, shell.device)
+        computed = (values.shape, values.stride(), values.dtype, values.device)
+        if told != computed:
+            raise RuntimeError(
+                f"A read of a {qw.mode}-quantized weight told its layout {told} and computed "
+                f"{computed}: a defect of dtype-policies, please report it."
+            )
+        if getattr(shell, LOADED_FLAG, False):
+            setattr(values, LOADED_FLAG, True)
     return values  # type: ignore[return-value]
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version
 
 
 def deferred(module: torch.nn.Module, qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight of the quantized `module` read in `dtype`: a pending
     `DeferredWeight`, or the dequantized weight at once where the read must
-    be computed now (under a compiler, a mode, a graph through the stored
-    tensors, stored tensors of another type)."""
+    be computed now (a small weight; under a compiler, a mode or a graph
+    through the stored tensors; stored tensors of another type or without
+    versions)."""
     buffers = module.__dict__["_buffers"]
     stored = {name: buffers[name] for name in qw.buffer_names if buffers.get(name) is not None}
-    like = None if not _can_defer(stored) else _layout(qw, stored, dtype)
+    like = None if not _can_defer(qw, stored) else _layout(qw, stored, dtype)
     if like is None:
         weight = qw.spec.from_nk(qw.scheme.dequantize(module, qw)).to(dtype)
         return read_weight(module, qw, weight, READS)
     shell = DeferredWeight(like, next(iter(stored.values())).device)
-    shell._dp_read = _Read(module, qw, stored, dtype)
+    read = shell._dp_read = _Read(module, qw, stored, dtype)
     if loaded_read(module, tuple(stored.values())):
         setattr(shell, LOADED_FLAG, True)
-    _PENDING.setdefault(module, weakref.WeakValueDictionary())[id(shell)] = shell
+    _PENDING.add(read)
     return shell
 
 
-def compute_pending_reads(module: torch.nn.Module) -> None:
-    """Computes the reads of `module`'s weight not used yet (before its
-    stored tensors are written in place: `load_state_dict`)."""
-    pending = _PENDING.pop(module, None)
-    for shell in list(pending.values()) if pending else ():
-        with contextlib.suppress(StaleRead):  # raises at its use, as it would have
-            _values_of(shell)
+def compute_pending_reads(module: torch.nn.Module, qw: QuantizedWeight) -> None:
+    """Computes the reads not used yet of the stored tensors of `module`
+    (`qw`, its quantization) before they are written in place
+    (`load_state_dict`), whichever module they were read through (tied
+    modules share stored tensors)."""
+    if not _PENDING:
+        return
+    buffers = module.__dict__["_buffers"]
+    stored = [buffers[name] for name in qw.stored_names if buffers.get(name) is not None]
+    memory = {_storage(t) for t in stored} - {0}
+    for read in list(_PENDING):
+        if any(_storage(t) in memory for t in read.stored.values()):
+            with contextlib.suppress(StaleRead):  # raises at its use, as it would have
+                _computed(read, None)
 
 
-def _can_defer(stored: dict[str, torch.Tensor]) -> bool:
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _can_defer(qw: QuantizedWeight, stored: dict[str, torch.Tensor]) -> bool:
     if not stored or torch.compiler.is_compiling():
         return False
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch.Size(qw.spec.float_shape).numel() < DEFERRED_MIN_ELEMENTS:
         return False
     grad = torch.is_grad_enabled()
     return all(
         type(t) is torch.Tensor
         and t.layout is torch.strided
         and t.device.type in ("cpu", "cuda")
+        and not t.is_inference()  # no version to tell an in-place write by
         and not (grad and t.requires_grad)
         and not torch._C._functorch.is_functorch_wrapped_tensor(t)
         for t in stored.values()

@@ -107,7 +107,7 @@ class QuantizedForward(QuantizedWeightGuard):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         qw = quantization_of(self)
         if qw is not None:
-            compute_pending_reads(self)  # before the stored tensors are written
+            compute_pending_reads(self, qw)  # before the stored tensors are written
             check_before_loading(self, state_dict, prefix, args, kwargs)
             adapt_state_dict(self, qw, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
