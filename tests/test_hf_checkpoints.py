@@ -1129,3 +1129,19 @@ def test_from_pretrained_refuses_a_reshaped_float_weight_float8_keeps(tmp_path):
         f"{(expected[0] - 1, expected[1])}, expected {expected}"
     )):  # fmt: skip
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "version, noted", [("5.20.2", True), ("5.23.0", False), ("6.0.dev0", False)]
+)
+def test_a_checkpoint_mismatch_under_an_untested_transformers_says_so(monkeypatch, version, noted):
+    """transformers 5.20 (the newest on Python 3.10) saves GPT-NeoX's, ViT's
+    and Mixtral's quantized heads under names of its own: the mismatch error
+    names the version and the tested one."""
+    import transformers
+
+    from dtype_policies.saving.huggingface import _old_transformers_note
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    note = _old_transformers_note()
+    assert ("transformers >= 5.23" in note and version in note) if noted else note == ""

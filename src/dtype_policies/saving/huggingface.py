@@ -850,7 +850,32 @@ def _check_headers(model: Any, manifest: Manifest, plans: list, header: dict) ->
         raise CheckpointError(
             "The checkpoint does not match its dtype_policies quantization_config:\n  "
             + "\n  ".join(problems[:25])
+            + _old_transformers_note()
         )
+
+
+TESTED_TRANSFORMERS = (5, 23)
+"""The oldest transformers this library's checkpoints were tested with
+(5.20 saves GPT-NeoX's, ViT's and Mixtral's quantized heads under names of
+its own, so they do not reload: measured 2026-12-06 on Python 3.10, whose
+newest transformers that is)."""
+
+
+def _old_transformers_note() -> str:
+    import transformers
+
+    version = transformers.__version__
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return ""
+    if (major, minor) >= TESTED_TRANSFORMERS:
+        return ""
+    return (
+        f"\n(transformers {version}: dtype_policies' Hugging Face checkpoints are tested "
+        f"with transformers >= {TESTED_TRANSFORMERS[0]}.{TESTED_TRANSFORMERS[1]}; older "
+        "releases save some models' tensors under other names. Upgrade transformers.)"
+    )
 
 
 def _all_keys_saved(plan: attach.Plan, header: dict, aliases: dict, tied: dict) -> bool:
