@@ -230,8 +230,19 @@ class DeferredWeight(WeightCopy):
         return result
 
 
-@torch.compiler.disable  # a read handed to a compiled function: run, not traced
+_UNTRACED: Any = None
+
+
 def _torch_function(cls: Any, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
+    """A read handed to a compiled function runs, untraced (Dynamo is
+    imported at the first call, not with the package)."""
+    global _UNTRACED
+    if _UNTRACED is None:
+        _UNTRACED = torch.compiler.disable(_ops_of)
+    return _UNTRACED(cls, func, args, kwargs)
+
+
+def _ops_of(cls: Any, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     first: Any = args[0] if args else None
     if func is torch._has_compatible_shallow_copy_type:
         return False  # `module._apply` makes a new parameter rather than set `.data`
