@@ -65,9 +65,9 @@ def _quantized(kind: str, mode: str) -> tuple[nn.Module, str, torch.Tensor]:
     elif kind == "nn.Embedding":
         module, name, x = nn.Embedding(16, 64), "weight", torch.tensor([[0, 5, 15]])
     elif kind == "nn.Linear, deferred":
-        module, name, x = nn.Linear(64, 256), "weight", torch.randn(3, 64)
+        module, name, x = nn.Linear(64, 4096), "weight", torch.randn(3, 64)
     elif kind == "nn.Embedding, deferred":
-        module, name, x = nn.Embedding(256, 64), "weight", torch.tensor([[0, 5, 15]])
+        module, name, x = nn.Embedding(4096, 64), "weight", torch.tensor([[0, 5, 15]])
     elif kind == "layers.Dense":
         module, name, x = layers.Dense(16), "kernel", torch.randn(3, 64)
         module.build((None, 64))

@@ -18,18 +18,16 @@ weight again. Stored tensors that are inference tensors keep no version, so
 their reads are computed at once, as are small weights (fewer than
 `DEFERRED_MIN_ELEMENTS`, for which computing costs less than deferring).
 
-`read.detach()`, and so `nn.Parameter(read)`, is a copy of the values of
-its own, an autograd leaf as any tensor (a custom `autograd.Function` sees
-it): its writes raise as the read's, but for a `Parameter`'s, which are the
-caller's own weight.
+A read cannot become a parameter itself: `nn.Parameter(read)` raises
+`TypeError` (`nn.Parameter(read.clone())` is a float weight of your own).
 
 >>> import torch
 >>> from dtype_policies import quantize
->>> linear = torch.nn.Linear(256, 128)
+>>> linear = torch.nn.Linear(1024, 256)
 >>> _ = quantize(linear, "int8")
 >>> read = linear.weight
 >>> read.dtype, read.shape, read.device  # nothing dequantized yet
-(torch.float32, torch.Size([128, 256]), device(type='cpu'))
+(torch.float32, torch.Size([256, 1024]), device(type='cpu'))
 >>> torch.equal(read, linear.weight)  # computed at its first use
 True
 """
@@ -40,11 +38,11 @@ import contextlib
 import copy
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dtype_policies.quantization.schemes.base import QuantizedWeight, StoredTensors
 from dtype_policies.quantization.weight_copy import (
@@ -54,7 +52,6 @@ from dtype_policies.quantization.weight_copy import (
     loaded_read,
     read_weight,
     refusal,
-    written_copy,
 )
 from dtype_policies.quantization.weight_guard import describe
 
@@ -103,12 +100,10 @@ _FIXED = frozenset(
 _FRESH = frozenset(getattr(_T, name).__get__ for name in ("requires_grad", "is_leaf", "grad_fn"))
 """What a read answers itself until computed (then its values': `requires_grad_`)."""
 _DETACH = frozenset({_T.detach})
-_DATA_GET = frozenset({_T.data.__get__})  # type: ignore[attr-defined]
-_DATA_SET = frozenset({_T.data.__set__})  # type: ignore[attr-defined]
 
-DEFERRED_MIN_ELEMENTS = 16384
-"""Weights with fewer elements are dequantized at the read (tens of
-microseconds, what deferring costs)."""
+DEFERRED_MIN_ELEMENTS = 1 << 18
+"""Weights with fewer elements are dequantized at the read (well under a
+millisecond: deferring saves little and costs some)."""
 
 _COMPUTING = threading.Lock()
 _LAYOUTS: weakref.WeakKeyDictionary[QuantizedWeight, dict[tuple, torch.Tensor | None]] = (
@@ -136,22 +131,25 @@ class _Read:
         self.described = describe(module, qw)  # for errors: no module kept alive
         self.values: WeightCopy | None = None
 
+    @classmethod
+    def computed(cls, values: WeightCopy, described: str) -> _Read:
+        read = cls.__new__(cls)
+        read.qw, read.stored, read.versions, read.dtype = None, {}, {}, values.dtype
+        read.described, read.values = described, values
+        return read
+
 
 _PENDING: weakref.WeakSet[_Read] = weakref.WeakSet()
 
 
 class DeferredWeight(WeightCopy):
     """A quantized module's weight as read, computed at its first use other
-    than its layout; or a copy of its own (`detach()`, `nn.Parameter`): see
-    the module docstring."""
+    than its layout (see the module docstring)."""
 
-    _dp_read: _Read | None  # a read: ops act on its values
-    _dp_own: WeightCopy | None  # a copy of its own: an autograd leaf over these values
+    _dp_read: _Read
 
     @staticmethod
-    def __new__(
-        cls, like: torch.Tensor, device: torch.device, requires_grad: bool = False
-    ) -> DeferredWeight:
+    def __new__(cls, like: torch.Tensor, device: torch.device, read: _Read) -> DeferredWeight:
         shell = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls,
             like.shape,
@@ -159,10 +157,9 @@ class DeferredWeight(WeightCopy):
             storage_offset=like.storage_offset(),
             dtype=like.dtype,
             device=device,
-            requires_grad=requires_grad,
+            requires_grad=False,
         )
-        shell._dp_read = None
-        shell._dp_own = None
+        shell._dp_read = read
         return shell
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -170,6 +167,11 @@ class DeferredWeight(WeightCopy):
 
     def __hash__(self) -> int:
         return id(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_is_param":  # `nn.Parameter(read)` marks what `read.detach()` gave
+            raise TypeError(_not_a_parameter(self))
+        super().__setattr__(name, value)
 
     @classmethod
     def __torch_function__(
@@ -181,53 +183,39 @@ class DeferredWeight(WeightCopy):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None
     ) -> Any:
-        """A copy's ops (and a read's that skip `__torch_function__`:
-        `as_subclass`, `torch.tensor(read)`), on the values."""
+        """The ops that skip `__torch_function__` (`as_subclass`,
+        `torch.tensor(read)`), on the values."""
         kwargs = kwargs or {}
         for index, argument in enumerate(func._schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
             target = args[index] if index < len(args) else kwargs.get(argument.name)
             for tensor in target if isinstance(target, (list, tuple)) else (target,):
-                if type(tensor) is cls and not tensor._takes_writes():
+                if type(tensor) is cls and not _values_of(tensor)._dp_copy_of.view:
                     name = func.overloadpacket.__name__
                     raise TypeError(refusal(_values_of(tensor)._dp_copy_of, name))
         plain_args = tuple(_plain(a) for a in args)
         plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
         return func(*plain_args, **plain_kwargs)
 
-    def _takes_writes(self) -> bool:
-        """A `Parameter` made of a read, and what was detached from one, are
-        the caller's; a read of a view of the stored tensors writes them."""
-        if self.__dict__.get("_is_param") or self.__dict__.get("_dp_writable"):
-            return True
-        return self._dp_own is None and _values_of(self)._dp_copy_of.view
-
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return _plain(self).__repr__(tensor_contents=tensor_contents)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if self._dp_own is not None and self.__dict__.get("_is_param"):
-            return (
-                torch._utils._rebuild_parameter,
-                (_plain(self), self.requires_grad, OrderedDict()),
-            )
         return _values_of(self).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
-        if self._dp_own is None:
-            return copy.deepcopy(_values_of(self), memo)
-        with torch.no_grad():
-            values = _plain(self).clone()
-        result: torch.Tensor
-        if self.__dict__.get("_is_param"):
-            result = torch.nn.Parameter(values, requires_grad=self.requires_grad)
-        else:
-            result = values.requires_grad_(self.requires_grad)
-        if self.grad is not None:
-            result.grad = copy.deepcopy(self.grad, memo)
-        memo[id(self)] = result
-        return result
+        return copy.deepcopy(_values_of(self), memo)
+
+
+def _not_a_parameter(read: DeferredWeight) -> str:
+    copy_of = _values_of(read)._dp_copy_of
+    return (
+        f"nn.Parameter(module.{copy_of.attribute}) of the {copy_of.mode}-quantized "
+        f"{copy_of.module}: the read is computed at its first use and cannot become a "
+        f"parameter itself. Use nn.Parameter(module.{copy_of.attribute}.clone()) for a "
+        "float weight of your own."
+    )
 
 
 _UNTRACED: Any = None
@@ -243,79 +231,36 @@ def _torch_function(cls: Any, func: Any, args: Sequence[Any], kwargs: dict) -> A
 
 
 def _ops_of(cls: Any, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
+    """A read's ops: its layout from itself, the rest on its values (a
+    `WeightCopy`, by its rules)."""
     first: Any = args[0] if args else None
     if func is torch._has_compatible_shallow_copy_type:
-        return False  # `module._apply` makes a new parameter rather than set `.data`
+        return False
     if type(first) is cls:
-        read, own = first._dp_read, first._dp_own
-        if func in _FIXED or (read is not None and read.values is None and func in _FRESH):
+        read = first._dp_read
+        if func in _FIXED or (read.values is None and func in _FRESH):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if own is not None:
-            if func in _DETACH:  # `nn.Parameter(copy)` needs its type
-                return _own_copy(own.detach(), first._takes_writes())
-            if func in _DATA_GET:
-                return own.as_subclass(torch.Tensor) if first._takes_writes() else own.data
-            if func in _DATA_SET:
-                return _rebind(first, args[1])
-    copies = any(_is_copy(a) for a in args) or any(_is_copy(v) for v in kwargs.values())
     args = tuple(_read_values(a) for a in args)
     kwargs = {k: _read_values(v) for k, v in kwargs.items()}
-    if copies:  # autograd on the copies themselves, their ops on their values (dispatch)
-        written = written_copy(func, args, kwargs)  # a read's values, written by the op
-        if written is not None and not written._dp_copy_of.view:
-            raise TypeError(refusal(written._dp_copy_of, getattr(func, "__name__", "?")))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    result = func(*args, **kwargs)  # a read's values are a `WeightCopy`: its rules
-    if type(first) is cls and first._dp_read is not None:
+    result = func(*args, **kwargs)
+    if type(first) is cls:
         if result is first._dp_read.values:  # in place, or `float()` of float32: itself
             return first
         if func in _DETACH and type(result) is WeightCopy:
-            return _own_copy(result, writable=False)  # `nn.Parameter(read)` needs its type
+            return _standing_for(result, first)  # so that `nn.Parameter(read)` says why not
     return result
 
 
-def _is_copy(value: Any) -> bool:
-    """Whether `value` is, or a list of it holds, a copy of its own."""
-    if type(value) is DeferredWeight:
-        return value._dp_own is not None
-    return isinstance(value, (list, tuple)) and any(_is_copy(v) for v in value)
-
-
-def _own_copy(values: WeightCopy, writable: bool) -> DeferredWeight:
-    """A copy of its own over `values` (an autograd leaf of its own)."""
-    copied = DeferredWeight(values, values.device, requires_grad=False)
-    copied._dp_own = values
-    if writable:
-        copied._dp_writable = True  # type: ignore[attr-defined]
-    return copied
-
-
-def _rebind(copied: DeferredWeight, new: Any) -> None:
-    """`copy.data = new` for a copy of its own: its values are `new`'s."""
-    own = copied._dp_own
-    assert own is not None
-    if not copied._takes_writes():
-        raise TypeError(refusal(own._dp_copy_of, "setting .data"))
-    if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (
-        copied.shape,
-        copied.dtype,
-        copied.device,
-    ):
-        raise TypeError(
-            f"`.data` of a weight made from a quantized read takes a tensor of its shape, "
-            f"dtype and device ({tuple(copied.shape)}, {copied.dtype}, {copied.device}). "
-            f"Received: {new!r:.80}"
-        )
-    rebound = new.detach().as_subclass(WeightCopy)
-    rebound._dp_copy_of = own._dp_copy_of
-    copied._dp_own = rebound
+def _standing_for(values: WeightCopy, read: DeferredWeight) -> DeferredWeight:
+    """A read whose values are `values` already."""
+    done = _Read.computed(values, read._dp_read.described)
+    return DeferredWeight(values, values.device, done)
 
 
 def _read_values(value: Any) -> Any:
     """`value` with the reads in it (one level of lists) replaced by their values."""
-    if type(value) is DeferredWeight and value._dp_read is not None:
+    if type(value) is DeferredWeight:
         return _values_of(value)
     if isinstance(value, (list, tuple)) and any(type(v) is DeferredWeight for v in value):
         return type(value)(_read_values(v) for v in value)
@@ -323,10 +268,9 @@ def _read_values(value: Any) -> Any:
 
 
 def _plain(value: Any) -> Any:
-    """A read's or a copy's values as a plain tensor (a list's, one level)."""
+    """A read's values as a plain tensor (a list's, one level)."""
     if type(value) is DeferredWeight:
-        values = value._dp_own if value._dp_own is not None else _values_of(value)
-        return values.as_subclass(torch.Tensor)
+        return _values_of(value).as_subclass(torch.Tensor)
     if isinstance(value, (list, tuple)) and any(type(v) is DeferredWeight for v in value):
         return type(value)(_plain(v) for v in value)
     return value
@@ -334,11 +278,7 @@ def _plain(value: Any) -> Any:
 
 def _values_of(shell: DeferredWeight) -> WeightCopy:
     """A read's values, computed at the first call."""
-    if shell._dp_own is not None:
-        return shell._dp_own
-    read = shell._dp_read
-    assert read is not None
-    return _computed(read, shell)
+    return _computed(shell._dp_read, shell)
 
 
 def _computed(read: _Read, shell: DeferredWeight | None) -> WeightCopy:
@@ -363,7 +303,12 @@ def _compute(read: _Read, shell: DeferredWeight | None) -> WeightCopy:
             )
     # outside the caller's transforms: a cached value must not be a functorch
     # wrapper or an inference tensor (it outlives them)
-    with torch.no_grad(), torch.inference_mode(False), torch._C._DisableFuncTorch():
+    with (
+        torch.no_grad(),
+        torch.inference_mode(False),
+        torch._C._DisableFuncTorch(),
+        _disable_current_modes(),
+    ):
         stand_in: Any = StoredTensors(read.stored)
         weight = qw.spec.from_nk(qw.scheme.dequantize(stand_in, qw))
         weight = weight.to(read.dtype)
@@ -393,8 +338,8 @@ def deferred(module: torch.nn.Module, qw: QuantizedWeight, dtype: torch.dtype) -
     if like is None:
         weight = qw.spec.from_nk(qw.scheme.dequantize(module, qw)).to(dtype)
         return read_weight(module, qw, weight, READS)
-    shell = DeferredWeight(like, next(iter(stored.values())).device)
-    read = shell._dp_read = _Read(module, qw, stored, dtype)
+    read = _Read(module, qw, stored, dtype)
+    shell = DeferredWeight(like, next(iter(stored.values())).device, read)
     if loaded_read(module, tuple(stored.values())):
         setattr(shell, LOADED_FLAG, True)
     _PENDING.add(read)
