@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtype_policies import layers, quantize, quantizers
+from dtype_policies._compat import TORCH_VERSION
 from dtype_policies._core.module_state import quantization_of
 from dtype_policies.quantization.weight_copy import WeightCopy
 from tiny_models import tiny_decoder
@@ -291,7 +292,11 @@ def test_a_read_made_under_inference_mode_is_used_outside_it() -> None:
 def test_ops_that_skip_torch_function_see_the_values() -> None:
     linear = _linear()
     expected = _eager(linear)
-    assert torch.equal(linear.weight.as_subclass(torch.Tensor), expected)
+    if TORCH_VERSION >= (2, 13):
+        assert torch.equal(linear.weight.as_subclass(torch.Tensor), expected)
+    else:  # torch 2.6's `as_subclass` of a wrapper subclass (its own error; measured)
+        with pytest.raises(RuntimeError, match="already associated to a python object"):
+            linear.weight.as_subclass(torch.Tensor)
     with pytest.warns(UserWarning):  # torch's own, on copying a tensor with torch.tensor
         assert torch.equal(torch.tensor(linear.weight), expected)
 
@@ -303,6 +308,8 @@ def test_reads_handed_to_a_compiled_function_compute(tmp_path, monkeypatch) -> N
     compiled = torch.compile(lambda x, w: x @ w.t(), backend="eager")
     expected = x @ _eager(linear).t()
     assert torch.equal(compiled(x, linear.weight), expected)  # a pending read
+    if TORCH_VERSION < (2, 13):
+        return  # torch 2.6's Dynamo fails on a WeightCopy's `as_subclass` (measured)
     view = linear.weight.t()  # a computed one's view (a chain of bases before)
     assert torch.equal(compiled(x, view.t()), expected)
     dense = layers.Dense(24)
