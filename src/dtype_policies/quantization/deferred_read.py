@@ -98,7 +98,8 @@ _FIXED = frozenset(
 )
 """What a read answers from its layout, which its values share."""
 _FRESH = frozenset(getattr(_T, name).__get__ for name in ("requires_grad", "is_leaf", "grad_fn"))
-"""What a read answers itself until computed (then its values': `requires_grad_`)."""
+"""What a read answers itself until computed; then its values answer
+(`read.requires_grad_()` sets theirs)."""
 _DETACH = frozenset({_T.detach})
 
 DEFERRED_MIN_ELEMENTS = 1 << 18

@@ -89,7 +89,7 @@ class WeightCopy(torch.Tensor):
             result = func(*args, **kwargs)
         source = args[0] if args and type(args[0]) is cls else None
         if source is None or source.__dict__.get("_is_param") or func in _BASE:
-            return result  # `_base`: the tensor it was made from (guarded, a chain of views)
+            return result  # `_base` plain: guarded, each alias's base would be another alias
         return _aliases_guarded(result, source)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -172,14 +172,14 @@ def _aliases_guarded(result: Any, source: WeightCopy) -> Any:
 
 
 def _guard_alias(tensor: torch.Tensor, source: WeightCopy) -> torch.Tensor:
-    if type(tensor) is not torch.Tensor or not shares_memory(tensor, source):
+    if type(tensor) is not torch.Tensor or not _shares_memory(tensor, source):
         return tensor
     guarded = tensor.as_subclass(WeightCopy)
     guarded._dp_copy_of = source._dp_copy_of
     return guarded
 
 
-def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     with torch._C.DisableTorchFunctionSubclass():
         try:
             return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
@@ -236,7 +236,7 @@ def guarded_read(
 ) -> torch.Tensor:
     """`tensor` read from the `stored` tensors of `qw` (of the module
     `module` names) as a `WeightCopy`."""
-    view = any(shares_memory(tensor, buffer) for buffer in stored)
+    view = any(_shares_memory(tensor, buffer) for buffer in stored)
     copy_of = CopyOf(module, qw.mode, qw.weight_name, qw.buffer_names, reads, view)
     return guarded_copy(tensor, copy_of)
 
