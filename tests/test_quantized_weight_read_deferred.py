@@ -346,19 +346,8 @@ def test_writes_through_a_detached_read_and_its_views_raise() -> None:
 
 
 def test_loading_a_tied_table_leaves_reads_through_either_module_their_values() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=4096,  # a table large enough to be deferred
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    other = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_decoder("llama", layers=1, tie=True, vocab_size=4096)  # a table deferred
+    other = tiny_decoder("llama", layers=1, tie=True, vocab_size=4096)
     with torch.no_grad():
         for parameter in other.parameters():
             parameter.add_(0.5)

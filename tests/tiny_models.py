@@ -10,20 +10,21 @@ def tiny_decoder(
     """A causal LM of `family` ("llama"; "qwen3", with float32 q/k norms;
     "qwen3_moe", 4 experts of width 96 choosing 2), 64 wide, 4 heads over 2
     key-value heads, vocabulary 128, eval mode, seed 0; `config`: other
-    settings of its config (`attn_implementation="eager"`)."""
+    settings of its config, or these replaced (`attn_implementation="eager"`,
+    `vocab_size=4096`)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    widths = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
+    widths = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tie,
         **config,
-    )
+    }
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**widths)).eval()
     if family == "qwen3":

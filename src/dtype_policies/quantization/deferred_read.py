@@ -192,9 +192,9 @@ class DeferredWeight(WeightCopy):
                 continue
             target = args[index] if index < len(args) else kwargs.get(argument.name)
             for tensor in target if isinstance(target, (list, tuple)) else (target,):
-                if type(tensor) is cls and not _values_of(tensor)._dp_copy_of.view:
-                    name = func.overloadpacket.__name__
-                    raise TypeError(refusal(_values_of(tensor)._dp_copy_of, name))
+                copy_of = _values_of(tensor)._dp_copy_of if type(tensor) is cls else None
+                if copy_of is not None and not copy_of.view:
+                    raise TypeError(refusal(copy_of, func.overloadpacket.__name__))
         plain_args = tuple(_plain(a) for a in args)
         plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
         return func(*plain_args, **plain_kwargs)
@@ -235,8 +235,6 @@ def _ops_of(cls: Any, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     """A read's ops: its layout from itself, the rest on its values (a
     `WeightCopy`, by its rules)."""
     first: Any = args[0] if args else None
-    if func is torch._has_compatible_shallow_copy_type:
-        return False
     if type(first) is cls:
         read = first._dp_read
         if func in _FIXED or (read.values is None and func in _FRESH):
@@ -261,19 +259,19 @@ def _standing_for(values: WeightCopy, read: DeferredWeight) -> DeferredWeight:
 
 def _read_values(value: Any) -> Any:
     """`value` with the reads in it (one level of lists) replaced by their values."""
-    if type(value) is DeferredWeight:
-        return _values_of(value)
-    if isinstance(value, (list, tuple)) and any(type(v) is DeferredWeight for v in value):
-        return type(value)(_read_values(v) for v in value)
-    return value
+    return _each_read(value, _values_of)
 
 
 def _plain(value: Any) -> Any:
-    """A read's values as a plain tensor (a list's, one level)."""
+    """`value` with the reads in it (one level of lists) as plain tensors."""
+    return _each_read(value, lambda read: _values_of(read).as_subclass(torch.Tensor))
+
+
+def _each_read(value: Any, replace: Any) -> Any:
     if type(value) is DeferredWeight:
-        return _values_of(value).as_subclass(torch.Tensor)
+        return replace(value)
     if isinstance(value, (list, tuple)) and any(type(v) is DeferredWeight for v in value):
-        return type(value)(_plain(v) for v in value)
+        return type(value)(replace(v) if type(v) is DeferredWeight else v for v in value)
     return value
 
 
@@ -311,8 +309,7 @@ def _compute(read: _Read, shell: DeferredWeight | None) -> WeightCopy:
         _disable_current_modes(),
     ):
         stand_in: Any = StoredTensors(read.stored)
-        weight = qw.spec.from_nk(qw.scheme.dequantize(stand_in, qw))
-        weight = weight.to(read.dtype)
+        weight = qw.dequantized(stand_in).to(read.dtype)
         values = guarded_read(weight, qw, read.described, READS, tuple(read.stored.values()))
     if shell is not None:
         told = (shell.shape, shell.stride(), shell.dtype, shell.device)
@@ -337,7 +334,7 @@ def deferred(module: torch.nn.Module, qw: QuantizedWeight, dtype: torch.dtype) -
     stored = {name: buffers[name] for name in qw.buffer_names if buffers.get(name) is not None}
     like = None if not _can_defer(qw, stored) else _layout(qw, stored, dtype)
     if like is None:
-        weight = qw.spec.from_nk(qw.scheme.dequantize(module, qw)).to(dtype)
+        weight = qw.dequantized(module).to(dtype)
         return read_weight(module, qw, weight, READS)
     read = _Read(module, qw, stored, dtype)
     shell = DeferredWeight(like, next(iter(stored.values())).device, read)
@@ -402,7 +399,7 @@ def _layout(qw: QuantizedWeight, stored: dict, dtype: torch.dtype) -> torch.Tens
     try:
         with torch.no_grad():
             stand_in: Any = StoredTensors(meta)
-            like = qw.spec.from_nk(qw.scheme.dequantize(stand_in, qw)).to(dtype)
+            like = qw.dequantized(stand_in).to(dtype)
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         like = None  # data-dependent: computed at each read, as before
     if like is not None and not like.is_meta:
