@@ -125,10 +125,19 @@ def test_compiled_encoder_gives_eager_values_across_shapes(policy, mode):
         assert close(got, expected) < tolerance, (batch, length)
 
 
+def test_the_graphs_call_their_kernels_from_cpp_unless_asked_for_python():
+    model = tiny_bert()
+    assert compile_for_inference(model)._call.inductor_options["cpp_wrapper"] is True
+    python = compile_for_inference(model, cpp_wrapper=False)._call
+    assert "cpp_wrapper" not in python.inductor_options
+    assert python.settings["cpp_wrapper"] is False
+
+
 @pytest.mark.slow
 def test_the_cpp_wrapper_runs_this_librarys_operators_with_eager_values():
-    """Inductor's C++ wrapper calls the graph's kernels and this library's
-    operators (the default int8's product) from C++: the same values."""
+    """Inductor's C++ wrapper (the default) calls the graph's kernels and
+    this library's operators (the default int8's product) from C++: the
+    same values."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_bert()
@@ -136,7 +145,7 @@ def test_the_cpp_wrapper_runs_this_librarys_operators_with_eager_values():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize(model, "int8")
-    fast = compile_for_inference(model, cpp_wrapper=True, autotune=False)
+    fast = compile_for_inference(model, autotune=False)
     assert fast._call.inductor_options["cpp_wrapper"] is True
     expected = hidden(model, 2, 12)
     got, codes = run_and_get_code(hidden, fast, 2, 12)

@@ -239,10 +239,13 @@ CPP_WRAPPER_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 operators called from generated C++ instead of Python. At one row, where a
 step is hundreds of small calls, SmolLM2-135M's decode step is 1.01-1.05x
 (mixed_bfloat16), 1.03-1.08x (int4 W4A8) and 1.02-1.26x (int8) faster (AMD
-Zen 4, 2 threads, three runs of 2026-12-05; 1.06-1.10x for int8 on Zen 3):
-the default of `compile_for_generation`. The first compilation of a graph takes longer
-with a cold cache (a C++ file per graph: 127 s against 97 s for SmolLM2's
-int4 W4A8 step), as long with Inductor's cache kept (68 s each)."""
+Zen 4, 2 threads, three runs of 2026-12-05; 1.06-1.10x for int8 on Zen 3);
+all-MiniLM-L6-v2's int8 call at 1 x 32 tokens 1.2x (AMX Xeon, 2026-12-07):
+the default of `compile_for_generation` and `compile_for_inference`. The
+first compilation of a graph takes longer with a cold cache where the graph
+is large (a C++ file per graph: 127 s against 97 s for SmolLM2's int4 W4A8
+step; MiniLM's the same, 30-50 s), as long with Inductor's cache kept (68 s
+each)."""
 
 
 def sibling_options() -> dict[str, Any]:

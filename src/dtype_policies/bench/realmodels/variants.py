@@ -154,10 +154,9 @@ def compiled(
     compiled on a static KV cache; prefill and quality stay eager), MiniLM
     with `compile_for_inference` (every call); without Inductor's GEMM
     autotuning when `autotune` is off (named "... compiled (no autotune)").
-    `cpp_wrapper`: `None` for each function's default (the C++ wrapper for
-    generation, the Python one for inference), else named "... compiled
-    (C++ wrapper)" or "(Python wrapper)". `models`: those of `variant` by
-    default."""
+    `cpp_wrapper`: `None` for the default (the C++ wrapper), else named
+    "... compiled (C++ wrapper)" or "(Python wrapper)". `models`: those of
+    `variant` by default."""
 
     def prepare(model: torch.nn.Module, calibration: Calibration) -> Any:
         from dtype_policies import compile_for_generation, compile_for_inference
@@ -318,8 +317,7 @@ OURS += [
     compiled(v, autotune=False) for v in OURS if v.name in ("mixed_bfloat16", "int8", "int4/32")
 ]
 _WRAPPED = ("mixed_bfloat16", "int8", "int8 weight-only", "int4/32 W4A8")
-OURS += [compiled(v, cpp_wrapper=False, models=(LM,)) for v in OURS if v.name in _WRAPPED]
-OURS += [compiled(v, cpp_wrapper=True, models=(ENCODER,)) for v in OURS if v.name in _WRAPPED]
+OURS += [compiled(v, cpp_wrapper=False) for v in OURS if v.name in _WRAPPED]
 """This library's variants, in table order (the reference is `float32`)."""
 
 
