@@ -20,6 +20,12 @@ STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS = TORCH_VERSION < (2, 13)
 # be uint8"). The versions between are not measured: they keep uint8 ones.
 ONEDNN_QLINEAR_TAKES_INT8_ACTIVATIONS = TORCH_VERSION >= (2, 13)
 
+# Inductor's C++ wrapper compiles this library's graphs on 2.13 (the oldest
+# version measured with it); 2.6's calls C shims its headers lack
+# (`aoti_torch_cpu__int_mm`: a C++ compile error at a quantized model's first
+# call). The versions between are not measured: they keep the Python wrapper.
+CPP_WRAPPER_BY_DEFAULT = TORCH_VERSION >= (2, 13)
+
 
 FX_TRACE: Any
 try:  # the flag `torch.fx.symbolic_trace` (and `make_fx`) sets while it traces

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._compat import CPP_WRAPPER_BY_DEFAULT
 from dtype_policies._compiled_frames import (
     EagerFrames,
     isolated,
@@ -240,10 +241,11 @@ operators called from generated C++ instead of Python. At one row, where a
 step is hundreds of small calls, SmolLM2-135M's decode step is 1.01-1.05x
 (mixed_bfloat16), 1.03-1.08x (int4 W4A8) and 1.02-1.26x (int8) faster (AMD
 Zen 4, 2 threads, three runs of 2026-12-05; 1.06-1.10x for int8 on Zen 3);
-all-MiniLM-L6-v2's int8 call at 1 x 32 tokens 1.2x (AMX Xeon, 2026-12-07):
-the default of `compile_for_generation` and `compile_for_inference`. The
-first compilation of a graph takes longer with a cold cache where the graph
-is large (a C++ file per graph: 127 s against 97 s for SmolLM2's int4 W4A8
+all-MiniLM-L6-v2's int8 call at 1 x 32 tokens 1.06-1.2x (AMX Xeon,
+2026-12-07): the default of `compile_for_generation` and
+`compile_for_inference` from torch 2.13 (`resolved_cpp_wrapper`). The first
+compilation of a graph takes longer with a cold cache where the graph is
+large (a C++ file per graph: 127 s against 97 s for SmolLM2's int4 W4A8
 step; MiniLM's the same, 30-50 s), as long with Inductor's cache kept (68 s
 each)."""
 
@@ -327,6 +329,12 @@ def _cannot_trace() -> tuple[type[BaseException], ...]:
     from torch._dynamo import exc
 
     return (exc.Unsupported,)
+
+
+def resolved_cpp_wrapper(cpp_wrapper: bool | None) -> Any:
+    """`cpp_wrapper` as given, or for `None` this torch's default
+    (`_compat.CPP_WRAPPER_BY_DEFAULT`: the C++ wrapper from torch 2.13)."""
+    return CPP_WRAPPER_BY_DEFAULT if cpp_wrapper is None else cpp_wrapper
 
 
 def check_flags(function: str, **flags: Any) -> None:

@@ -31,7 +31,7 @@ model's own generation config, so that `model.generate(...)` stays the call:
   eager kernel and keeps the faster; SmolLM2-135M decodes 1.1-1.6x faster,
   its first compilation takes up to 1.5x longer.
 * the step's kernels called from C++ (Inductor's C++ wrapper,
-  `cpp_wrapper=True`, the default here): at batch 1 a step is hundreds of
+  the default here from torch 2.13): at batch 1 a step is hundreds of
   small calls, each a Python frame and a boxed dispatch from the Python
   wrapper;
 * sibling products merged: where this library's packed int8 and int4
@@ -89,7 +89,7 @@ from typing import Any
 import torch
 
 from dtype_policies import _attention_dispatch, _one_query_attention
-from dtype_policies._frozen import FrozenCompiledCall, check_flags
+from dtype_policies._frozen import FrozenCompiledCall, check_flags, resolved_cpp_wrapper
 
 _COMPILED_CALL = "_compiled_call"  # where transformers keeps the compiled forward
 
@@ -246,7 +246,7 @@ def compile_for_generation(
     *,
     freeze_weights: bool = True,
     autotune: bool = True,
-    cpp_wrapper: bool = True,
+    cpp_wrapper: bool | None = None,
 ) -> Any:
     """Makes `model.generate(...)` run its decode steps compiled, on a static
     KV cache (see the module docstring for what is compiled and its cost).
@@ -262,7 +262,9 @@ def compile_for_generation(
             kernels for each product shape and keep the faster (default):
             faster decode steps, a longer first compilation (docs/speed.md).
         cpp_wrapper: Call the step's kernels and operators from generated
-            C++ (default) instead of Python. A decode step at batch 1 is
+            C++ instead of Python; `None` (default): C++ from torch 2.13,
+            Python before (torch 2.6's cannot compile a quantized model's
+            graph). A decode step at batch 1 is
             hundreds of small calls: SmolLM2-135M decodes 1.01-1.05x
             (mixed_bfloat16), 1.03-1.08x (int4 W4A8) and 1.02-1.26x (int8)
             faster than with the Python wrapper (AMD Zen 4, 2 threads, three
@@ -295,6 +297,7 @@ def compile_for_generation(
             "compile_for_generation needs a Hugging Face generative model (with `generate` "
             f"and `generation_config`), got {type(model).__name__}"
         )
+    cpp_wrapper = resolved_cpp_wrapper(cpp_wrapper)
     check_flags(
         "compile_for_generation",
         freeze_weights=freeze_weights,

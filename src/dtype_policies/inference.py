@@ -45,8 +45,9 @@ a service that compiles again after each reload grows by about the weights'
 size each time.
 
 Cost: the first call of each shape compiles (tens of seconds for a 6-layer
-encoder on 2 cores), the graph's calls made from generated C++ (Inductor's
-C++ wrapper; `cpp_wrapper=False` for the Python one); Inductor keeps compiled kernels in its cache
+encoder on 2 cores), the graph's calls made from generated C++ from torch
+2.13 (Inductor's C++ wrapper; `cpp_wrapper=False` for the Python one);
+Inductor keeps compiled kernels in its cache
 (`TORCHINDUCTOR_CACHE_DIR`) for the next process, keyed here on the CPU's
 vector instructions (`_frozen.cpu_cache_tag`: torch's own key is not, and a
 cache moved to another CPU gave wrong values). Measured gains and limits:
@@ -74,7 +75,7 @@ from typing import Any
 
 import torch
 
-from dtype_policies._frozen import FrozenCompiledCall, check_flags
+from dtype_policies._frozen import FrozenCompiledCall, check_flags, resolved_cpp_wrapper
 from dtype_policies.layers._unbuilt import refuse_unbuilt
 from dtype_policies.quantization.kernels import attention
 
@@ -103,7 +104,7 @@ class CompiledInference:
         freeze_weights: bool,
         fullgraph: bool,
         autotune: bool = True,
-        cpp_wrapper: bool = True,
+        cpp_wrapper: bool | None = None,
     ) -> None:
         self._call = FrozenCompiledCall(
             model,
@@ -113,7 +114,7 @@ class CompiledInference:
             fullgraph=fullgraph,
             call_context=_call_context,
             autotune=autotune,
-            cpp_wrapper=cpp_wrapper,
+            cpp_wrapper=resolved_cpp_wrapper(cpp_wrapper),
         )
         self._module = model
 
@@ -142,7 +143,7 @@ def compile_for_inference(
     freeze_weights: bool = True,
     fullgraph: bool = False,
     autotune: bool = True,
-    cpp_wrapper: bool = True,
+    cpp_wrapper: bool | None = None,
 ) -> CompiledInference:
     """`model`'s inference, compiled by Inductor with frozen weights.
 
@@ -159,10 +160,11 @@ def compile_for_inference(
             kernels for each product shape and keep the faster (default): a
             longer first call per shape (docs/speed.md).
         cpp_wrapper: Call the graph's kernels and operators from generated
-            C++ (default), not Python: less overhead per kernel where calls
-            are small and many (all-MiniLM-L6-v2 int8 at 1 x 32 tokens 1.2x
-            faster on an AMX Xeon), its first compilation as long
-            (docs/speed.md). `False` for the Python wrapper.
+            C++, not Python: less overhead per kernel where calls are small
+            and many (all-MiniLM-L6-v2 int8 at 1 x 32 tokens 1.06-1.2x faster
+            on an AMX Xeon), its first compilation as long (docs/speed.md).
+            `None` (default): the C++ wrapper from torch 2.13, the Python one
+            before (torch 2.6's cannot compile a quantized model's graph).
 
     Returns:
         A `CompiledInference`, called as the model: compiled under
@@ -188,6 +190,7 @@ def compile_for_inference(
         "compile_for_inference",
         "inside the compiled call, and frozen weights need them before",
     )
+    cpp_wrapper = resolved_cpp_wrapper(cpp_wrapper)
     check_flags(
         "compile_for_inference",
         freeze_weights=freeze_weights,
