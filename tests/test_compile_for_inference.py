@@ -140,9 +140,9 @@ def test_the_graphs_call_their_kernels_from_cpp_unless_asked_for_python():
 
 @pytest.mark.slow
 def test_the_cpp_wrapper_runs_this_librarys_operators_with_eager_values():
-    """Inductor's C++ wrapper (the default) calls the graph's kernels and
-    this library's operators (the default int8's product) from C++: the
-    same values."""
+    """Inductor's C++ wrapper (the default from torch 2.13) calls the graph's
+    kernels and this library's operators (the default int8's product) from
+    C++: the same values."""
     from torch._inductor.utils import run_and_get_code
 
     model = tiny_bert()

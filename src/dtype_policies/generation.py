@@ -264,13 +264,13 @@ def compile_for_generation(
         cpp_wrapper: Call the step's kernels and operators from generated
             C++ instead of Python; `None` (default): C++ from torch 2.13,
             Python before (torch 2.6's cannot compile a quantized model's
-            graph). A decode step at batch 1 is
-            hundreds of small calls: SmolLM2-135M decodes 1.01-1.05x
-            (mixed_bfloat16), 1.03-1.08x (int4 W4A8) and 1.02-1.26x (int8)
-            faster than with the Python wrapper (AMD Zen 4, 2 threads, three
-            runs); its first compilation takes up to 1.3x longer with a cold
-            Inductor cache (int4 W4A8: 127 s against 97 s), as long with the
-            cache kept (68 s each; docs/speed.md).
+            graph). A decode step at batch 1 is hundreds of small calls:
+            SmolLM2-135M decodes 1.01-1.05x (mixed_bfloat16), 1.03-1.08x
+            (int4 W4A8) and 1.02-1.26x (int8) faster than with the Python
+            wrapper (AMD Zen 4, 2 threads, three runs); its first
+            compilation takes up to 1.3x longer with a cold Inductor cache
+            (int4 W4A8: 127 s against 97 s), as long with the cache kept
+            (68 s each; docs/speed.md).
 
     Returns:
         `model`, changed in place: its generation config asks for a static

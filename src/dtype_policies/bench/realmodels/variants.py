@@ -154,9 +154,9 @@ def compiled(
     compiled on a static KV cache; prefill and quality stay eager), MiniLM
     with `compile_for_inference` (every call); without Inductor's GEMM
     autotuning when `autotune` is off (named "... compiled (no autotune)").
-    `cpp_wrapper`: `None` for the default (the C++ wrapper), else named
-    "... compiled (C++ wrapper)" or "(Python wrapper)". `models`: those of
-    `variant` by default."""
+    `cpp_wrapper`: `None` for the default (the C++ wrapper from torch
+    2.13), else named "... compiled (C++ wrapper)" or "(Python wrapper)".
+    `models`: those of `variant` by default."""
 
     def prepare(model: torch.nn.Module, calibration: Calibration) -> Any:
         from dtype_policies import compile_for_generation, compile_for_inference
