@@ -378,7 +378,7 @@ class FrozenCompiledCall:
     Inductor times its own C++ GEMM templates against ATen's kernels for each
     product shape and keeps the faster (`AUTOTUNE_OPTIONS`); with
     `cpp_wrapper`, the code that calls the graph's kernels is C++ rather than
-    Python (`CPP_WRAPPER_OPTIONS`).
+    Python (`CPP_WRAPPER_OPTIONS`; `None`: `resolved_cpp_wrapper`'s default).
     """
 
     def __init__(
@@ -392,7 +392,7 @@ class FrozenCompiledCall:
         call_context: Callable[..., AbstractContextManager] | None = None,
         session_of: Callable[[dict], object] | None = None,
         autotune: bool = True,
-        cpp_wrapper: bool = False,
+        cpp_wrapper: bool | None = None,
     ) -> None:
         from dtype_policies.quantization import kernels
 
@@ -404,7 +404,7 @@ class FrozenCompiledCall:
             "call_context": call_context,
             "session_of": session_of,
             "autotune": autotune,
-            "cpp_wrapper": cpp_wrapper,
+            "cpp_wrapper": resolved_cpp_wrapper(cpp_wrapper),
         }
         self.model_ref = weakref.ref(model)
         self.model_class = type(model)  # whose `__call__` the graph is traced from

@@ -114,7 +114,7 @@ class CompiledInference:
             fullgraph=fullgraph,
             call_context=_call_context,
             autotune=autotune,
-            cpp_wrapper=resolved_cpp_wrapper(cpp_wrapper),
+            cpp_wrapper=cpp_wrapper,
         )
         self._module = model
 
