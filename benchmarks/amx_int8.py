@@ -37,6 +37,7 @@ ROWS = "1,8,32,128,512,4096"
 W4A8_SHAPES = "576x1536,1536x576,576x192,2048x8192"
 W4A8_ROWS = "8,16,32,128,512"
 W4A8_GROUP = 32
+TILES_AT_ANY_ROWS = 0  # the AMX operators' last argument: the rows from which tiles run
 
 
 def interleaved(calls: dict[str, Callable[[], object]], budget: float = 2.0) -> str:
@@ -93,7 +94,7 @@ def int8(shapes: str, rows_list: str) -> None:
         check = torch.randn(67, k).bfloat16()
         same = torch.equal(
             ops.int8_mm_q8b_vnni(check, packed, block_step, None, n, True),
-            ops.int8_mm_q8b_amx(check, packed, block_step, None, n, True),
+            ops.int8_mm_q8b_amx(check, packed, block_step, None, n, True, TILES_AT_ANY_ROWS),
         )
         print(f"K={k} N={n}: the AMX copy gives the VNNI copy's values bit for bit: {same}")
         for rows in (int(r) for r in rows_list.split(",")):
@@ -101,7 +102,7 @@ def int8(shapes: str, rows_list: str) -> None:
             operands = (x, packed, block_step, None, n, True)
             calls = {
                 "VNNI": functools.partial(ops.int8_mm_q8b_vnni, *operands),
-                "AMX": functools.partial(ops.int8_mm_q8b_amx, *operands),
+                "AMX": functools.partial(ops.int8_mm_q8b_amx, *operands, TILES_AT_ANY_ROWS),
                 "bf16 GEMM": functools.partial(
                     torch.ops.mkldnn._linear_pointwise, x, prepacked, None, "none", [], ""
                 ),
@@ -123,7 +124,7 @@ def w4a8(shapes: str, rows_list: str) -> None:
         check = torch.randn(67, k).bfloat16()
         same = torch.equal(
             ops.int4_mm_q8_vnni(check, packed, pairs, group, n).view(torch.int16),
-            ops.int4_mm_q8_amx(check, packed, pairs, group, n).view(torch.int16),
+            ops.int4_mm_q8_amx(check, packed, pairs, group, n, TILES_AT_ANY_ROWS).view(torch.int16),
         )
         print(f"K={k} N={n} W4A8: the AMX copy gives the VNNI copy's values bit for bit: {same}")
         for rows in (int(r) for r in rows_list.split(",")):
@@ -131,7 +132,7 @@ def w4a8(shapes: str, rows_list: str) -> None:
             operands = (x, packed, pairs, group, n)
             calls = {
                 "VNNI": functools.partial(ops.int4_mm_q8_vnni, *operands),
-                "AMX": functools.partial(ops.int4_mm_q8_amx, *operands),
+                "AMX": functools.partial(ops.int4_mm_q8_amx, *operands, TILES_AT_ANY_ROWS),
                 "bf16 GEMM": functools.partial(
                     torch.ops.mkldnn._linear_pointwise, x, prepacked, None, "none", [], ""
                 ),

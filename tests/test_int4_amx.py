@@ -1,6 +1,6 @@
 """The AMX copy of the W4A8 kernel (`int4_mm_q8_amx`, `_csrc/int4_amx.inc`):
 the values of the W4A8 operator's other copies bit for bit over awkward
-shapes, and chosen on AMX CPUs from `Q8_AMX_MIN_ROWS` rows only."""
+shapes; chosen on AMX CPUs only, its tiles from `Q8_AMX_MIN_ROWS` rows."""
 
 from __future__ import annotations
 
@@ -49,7 +49,11 @@ def _bits(y: torch.Tensor) -> torch.Tensor:
 def _copies(operands, n, names=("avx2", "vnni", "amx")):
     x, packed, pairs, group = operands
     ops = torch.ops.dtype_policies
-    return {name: getattr(ops, f"int4_mm_q8_{name}")(x, packed, pairs, group, n) for name in names}
+    tiles = {"amx": (0,)}  # the AMX operator's tiles at any rows
+    return {
+        name: getattr(ops, f"int4_mm_q8_{name}")(x, packed, pairs, group, n, *tiles.get(name, ()))
+        for name in names
+    }
 
 
 def _assert_same_bits(expected: torch.Tensor, actual: torch.Tensor) -> None:
@@ -101,37 +105,54 @@ def test_the_amx_copy_agrees_on_one_and_several_threads_and_from_two_threads():
 
 
 @needs_kernel
-def test_the_amx_operator_refuses_what_the_others_refuse():
+@pytest.mark.parametrize("min_rows", [0, 64], ids=["tiles", "below their rows"])
+def test_the_amx_operator_refuses_what_the_others_refuse(min_rows):
     """(It runs the VNNI copy where the tiles do not run: on any CPU with
-    AVX-512 VNNI; its checks are the operators' own, on any CPU.)"""
+    AVX-512 VNNI; its checks are the operators' own, on any CPU, under its
+    name whichever copy the rows choose.)"""
     x, packed, pairs, group = _operands(40, 24, 64, 32, seed=0)
+    amx = torch.ops.dtype_policies.int4_mm_q8_amx
     with pytest.raises(RuntimeError, match="int4_mm_q8_amx: x has K=96"):
-        torch.ops.dtype_policies.int4_mm_q8_amx(
-            torch.cat([x, x[:, :32]], 1), packed, pairs, group, 24
-        )
+        amx(torch.cat([x, x[:, :32]], 1), packed, pairs, group, 24, min_rows)
     with pytest.raises(RuntimeError, match="int4_mm_q8_amx: pairs must be"):
-        torch.ops.dtype_policies.int4_mm_q8_amx(x, packed, pairs[:, :1], group, 24)
+        amx(x, packed, pairs[:, :1], group, 24, min_rows)
+
+
+@needs_amx
+def test_the_amx_operator_runs_its_tiles_from_min_rows_only():
+    """Below `min_rows` the VNNI copy (no tile product in the profile), from
+    it the tiles; the VNNI operator's values either way, float16 pairs too."""
+    x, packed, pairs, group = _operands(20, 48, 64, 32, seed=5)
+    ops = torch.ops.dtype_policies
+    for case_pairs in (pairs, pairs.half()):
+        for rows, min_rows, tiles in ((20, 16, True), (15, 16, False), (1, 0, True)):
+            with torch.profiler.profile() as profile:
+                got = ops.int4_mm_q8_amx(x[:rows], packed, case_pairs, group, 48, min_rows)
+            names = [event.name for event in profile.events()]
+            assert ("dtype_policies::amx_tiles" in names) == tiles, (rows, min_rows)
+            expected = ops.int4_mm_q8_vnni(x[:rows], packed, case_pairs, group, 48)
+            _assert_same_bits(expected, got)
 
 
 # Which copy runs by rows: tests/test_int8_amx.py, for both choosers.
 
 
 @needs_kernel
-def test_eager_calls_run_the_copy_of_the_class_by_rows():
-    """`int4_native.int4_mm_q8` here: the AMX copy at many rows where the
-    (possibly emulated) class has AMX, else the class's copy, as at 1 row;
-    the same values either way."""
+def test_eager_calls_run_the_operator_of_the_class_and_tiles_by_rows():
+    """`int4_native.int4_mm_q8` here: the (possibly emulated) class's
+    operator at any rows, its tiles from `Q8_AMX_MIN_ROWS` rows only; the
+    same values either way."""
     rows = int4_native.Q8_AMX_MIN_ROWS
     x, packed, pairs, group = _operands(rows, 48, 64, 32, seed=3, special_rows=False)
     with torch.profiler.profile() as profile:
         y_many = int4_native.int4_mm_q8(x, packed, pairs, group, 48)
         y_one = int4_native.int4_mm_q8(x[:1], packed, pairs, group, 48)
     names = [event.name for event in profile.events()]
-    few = native.operator_suffix()
-    many = "amx" if "amx" in _cpu.processor().features else few
-    assert f"dtype_policies::int4_mm_q8_{many}" in names
-    assert f"dtype_policies::int4_mm_q8_{few}" in names
-    assert many != "amx" or AMX_HERE  # the class never has AMX the machine lacks
+    tiles_here = "amx" in _cpu.processor().features
+    assert names.count(f"dtype_policies::int4_mm_q8_{int4_native.q8_suffix()}") == 2
+    assert names.count("dtype_policies::amx_tiles") == (1 if tiles_here else 0)
+    assert int4_native.q8_suffix() == ("amx" if tiles_here else native.operator_suffix())
+    assert not tiles_here or AMX_HERE  # the class never has AMX the machine lacks
     _assert_same_bits(y_many[:1], y_one)
 
 

@@ -1,6 +1,8 @@
 """The AMX copy of the blocked int8 kernels (`int8_mm_q8b_amx`,
 `int8_mm_q8_amx`, `_csrc/int8_amx.inc`): the VNNI copy's values bit for bit
-over awkward shapes, and chosen on AMX CPUs from `AMX_MIN_ROWS` rows only."""
+over awkward shapes; the AMX operators chosen on AMX CPUs only, their tiles
+from `AMX_MIN_ROWS` rows (chosen inside the operator, so compiled graphs hold
+no guard on the rows)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def _both_copies(operands, n, bf16_out):
     pairs = []
     for name, step in (("int8_mm_q8b", block_step), ("int8_mm_q8", column_step)):
         vnni = getattr(ops, f"{name}_vnni")(x, packed, step, bias, n, bf16_out)
-        amx = getattr(ops, f"{name}_amx")(x, packed, step, bias, n, bf16_out)
+        amx = getattr(ops, f"{name}_amx")(x, packed, step, bias, n, bf16_out, 0)  # tiles
         pairs.append((vnni, amx))
     return pairs
 
@@ -105,13 +107,36 @@ def test_the_amx_copies_agree_on_one_and_several_threads_and_from_two_threads():
                 _assert_same(vnni, amx)
 
 
-@needs_amx
-def test_the_amx_copies_refuse_what_the_vnni_copies_refuse():
+@needs_kernel
+@pytest.mark.parametrize("min_rows", [0, 64], ids=["tiles", "below their rows"])
+def test_the_amx_operators_refuse_what_the_vnni_copies_refuse(min_rows):
+    """Under their own names, whichever copy the rows choose (the VNNI copy
+    where the tiles do not run: any CPU with the kernel)."""
     x, packed, block_step, _, _ = _operands(40, 24, 64, seed=0)
+    ops = torch.ops.dtype_policies
     with pytest.raises(RuntimeError, match="int8_mm_q8b_amx: block_step must be"):
-        torch.ops.dtype_policies.int8_mm_q8b_amx(x, packed, block_step[:, :16], None, 24, False)
+        ops.int8_mm_q8b_amx(x, packed, block_step[:, :16], None, 24, False, min_rows)
     with pytest.raises(RuntimeError, match="int8_mm_q8_amx: x has K=60"):
-        torch.ops.dtype_policies.int8_mm_q8_amx(x[:, :60], packed, block_step, None, 24, False)
+        ops.int8_mm_q8_amx(x[:, :60], packed, block_step, None, 24, False, min_rows)
+    with pytest.raises(RuntimeError, match="int8_mm_q8b_amx: x must be a 2-D bfloat16"):
+        ops.int8_mm_q8b_amx(x[0], packed, block_step, None, 24, False, min_rows)
+
+
+@needs_amx
+@pytest.mark.parametrize("operator", ["int8_mm_q8b", "int8_mm_q8"])
+def test_the_amx_operators_run_their_tiles_from_min_rows_only(operator):
+    """Below `min_rows` the VNNI copy (no tile product in the profile), from
+    it the tiles; the values of the VNNI operator either way."""
+    x, packed, block_step, column_step, bias = _operands(20, 48, 64, seed=5, nan_row=False)
+    step = block_step if operator == "int8_mm_q8b" else column_step
+    amx = getattr(torch.ops.dtype_policies, f"{operator}_amx")
+    vnni = getattr(torch.ops.dtype_policies, f"{operator}_vnni")
+    for rows, min_rows, tiles in ((20, 8, True), (7, 8, False), (20, 21, False), (1, 0, True)):
+        with torch.profiler.profile() as profile:
+            got = amx(x[:rows], packed, step, bias, 48, False, min_rows)
+        names = [event.name for event in profile.events()]
+        assert ("dtype_policies::amx_tiles" in names) == tiles, (rows, min_rows)
+        _assert_same(vnni(x[:rows], packed, step, bias, 48, False), got)
 
 
 @pytest.mark.parametrize(
@@ -122,50 +147,63 @@ def test_the_amx_copies_refuse_what_the_vnni_copies_refuse():
     ],
     ids=["int8 blocked", "int4 W4A8"],
 )
-def test_the_amx_copy_is_chosen_from_enough_rows_on_amx_only(choose, least):
-    many = 4 * least
+def test_the_amx_operator_is_chosen_on_amx_only(choose, least):
+    assert least > 1  # the tiles' threshold, passed to the operator
     amx = replace(_cpu.processor(), features=_cpu.CPU_CLASSES["amx"])
-    assert choose(many, amx) == "amx"
-    assert choose(least, amx) == "amx"
-    assert choose(least - 1, amx) == "vnni"
-    assert choose(1, amx) == "vnni"
+    assert choose(amx) == "amx"
     for smaller in ("avx512_bf16", "avx512_vnni"):
         emulated = replace(_cpu.processor(), features=_cpu.CPU_CLASSES[smaller])
-        assert choose(many, emulated) == "vnni"
+        assert choose(emulated) == "vnni"
     for smaller in ("avx2", "avx2_vnni", "avx512"):
         emulated = replace(_cpu.processor(), features=_cpu.CPU_CLASSES[smaller])
-        assert choose(many, emulated) == "avx2"
+        assert choose(emulated) == "avx2"
     with _cpu.emulate("avx512_bf16"):  # or less, where the process runs capped
-        assert choose(many) == native.operator_suffix() != "amx"
+        assert choose() == native.operator_suffix() != "amx"
+
+
+def _tiles_ran(call) -> bool:
+    """Whether `call()` ran an AMX tile product (the operators' profiler scope)."""
+    with torch.profiler.profile() as profile:
+        call()
+    return "dtype_policies::amx_tiles" in [event.name for event in profile.events()]
+
+
+def _tiles_here() -> bool:
+    """The AMX operators run here and reach their tiles (the possibly emulated
+    class has AMX)."""
+    return "amx" in _cpu.processor().features
 
 
 @needs_kernel
-def test_eager_calls_run_the_copy_of_the_class_by_rows():
-    """`int8_native.int8_mm_q8b` here: the AMX copy at many rows where the
-    (possibly emulated) class has AMX, else the class's copy, as at 1 row."""
+def test_eager_calls_run_the_operator_of_the_class_and_tiles_by_rows():
+    """`int8_native.int8_mm_q8b` here: the (possibly emulated) class's
+    operator at any rows; its tiles from `AMX_MIN_ROWS` rows only."""
     operands = _operands(int8_native.AMX_MIN_ROWS, 48, 64, seed=3, nan_row=False)
     x, packed, block_step, _, bias = operands
     with torch.profiler.profile() as profile:
-        int8_native.int8_mm_q8b(x, packed, block_step, bias, 48, True)
-        int8_native.int8_mm_q8b(x[:1], packed, block_step, bias, 48, True)
+        many = int8_native.int8_mm_q8b(x, packed, block_step, bias, 48, True)
+        one = int8_native.int8_mm_q8b(x[:1], packed, block_step, bias, 48, True)
     names = [event.name for event in profile.events()]
-    few = native.operator_suffix()
-    many = "amx" if "amx" in _cpu.processor().features else few
-    assert f"dtype_policies::int8_mm_q8b_{many}" in names
-    assert f"dtype_policies::int8_mm_q8b_{few}" in names
-    assert many != "amx" or AMX_HERE  # the class never has AMX the machine lacks
+    assert names.count(f"dtype_policies::int8_mm_q8b_{int8_native.blocked_suffix()}") == 2
+    assert names.count("dtype_policies::amx_tiles") == (1 if _tiles_here() else 0)
+    assert not _tiles_here() or AMX_HERE  # the class never has AMX the machine lacks
+    _assert_same(many[:1], one)
 
 
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("mode", ["int8", "int4 W4A8"])
-def test_a_frozen_compiled_graph_runs_the_copy_eager_runs_by_rows(mode):
-    """Compiled at many rows then at one (a guard on the rows, as the other
-    row-dependent choices): each graph calls the copy the eager call runs,
-    with the eager values bit for bit (W4A8: one layer, as around a GELU
-    compiled and eager bfloat16 differ anyway)."""
+def test_a_dynamic_compiled_graph_crosses_the_tiles_rows_without_recompiling(mode):
+    """Compiled at many rows, then again (automatic dynamic shapes) at other
+    rows above the tiles' threshold; the rows then below it run the same graph
+    (the choice is the operator's, not a guard), on the VNNI copy: each call
+    the eager values bit for bit (W4A8: one layer, as around a GELU compiled
+    and eager bfloat16 differ anyway)."""
+    from unittest import mock
+
     import torch.nn as nn
-    from torch._inductor.utils import run_and_get_code
+    from torch._dynamo.utils import counters
+    from torch._inductor.graph import GraphLowering
 
     from dtype_policies import apply_policy, compile_for_inference, quantize
     from dtype_policies.quantization import Int4QuantizationConfig
@@ -185,9 +223,21 @@ def test_a_frozen_compiled_graph_runs_the_copy_eager_runs_by_rows(mode):
     with torch.inference_mode():
         torch._dynamo.reset()
         compiled_model = compile_for_inference(model, autotune=False)
-        for rows in (4 * least, 1):
+        codes: list[str] = []
+        # (torch's `run_and_get_code` resets Dynamo, forgetting the first shape)
+        with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            for rows in (4 * least, 2 * least):
+                x = torch.randn(rows, 96)
+                assert torch.equal(compiled_model(x), model(x))
+                assert any(f"{operator}_{choose()}" in code for code in codes), rows
+                codes.clear()
+        graphs = counters["stats"]["unique_graphs"]
+        for rows in (least - 1, 2):
             x = torch.randn(rows, 96)
-            eager = model(x)
-            compiled, codes = run_and_get_code(compiled_model, x)
-            assert any(f"{operator}_{choose(rows)}" in c for c in codes)
-            assert torch.equal(compiled, eager)
+            tiles = _tiles_ran(lambda: compiled_model(x))  # noqa: B023
+            assert not tiles
+            assert torch.equal(compiled_model(x), model(x))
+        assert counters["stats"]["unique_graphs"] == graphs
+        x = torch.randn(3 * least, 96)
+        assert _tiles_ran(lambda: compiled_model(x)) == _tiles_here()
+        assert counters["stats"]["unique_graphs"] == graphs

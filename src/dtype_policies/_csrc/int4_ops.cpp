@@ -4,8 +4,8 @@
 //   dtype_policies::int4_mm_avx2(x, packed, pairs, group, n)     weight-only
 //   dtype_policies::int4_mm_q8_avx2(x, packed, pairs, group, n)  W4A8, blocks of 32
 //   dtype_policies::int4_mm_q8_vnni(...)  the same values, for CPUs with AVX-512 VNNI
-//   dtype_policies::int4_mm_q8_amx(...)   the same values on AMX tiles (the VNNI copy
-//     where the tiles do not run), for AMX CPUs at enough rows
+//   dtype_policies::int4_mm_q8_amx(..., min_rows)  the same values on AMX tiles from
+//     min_rows rows (the VNNI copy below them, or where the tiles do not run)
 //   dtype_policies::int4_decode_avx2(packed, pairs, group, out)  float32 weight into out
 //   dtype_policies::int4_decode_q8_avx2(packed, pairs, group, out)  the same, W4A8 layout
 //   dtype_policies::int4_packed_decoded_mm(x, packed, pairs, group, block_n)  torch's
@@ -144,8 +144,13 @@ at::Tensor int4_mm_q8_vnni(const at::Tensor& x, const at::Tensor& packed, const 
                      group, n, dtype_policies_int4_mm_q8_vnni_h);
 }
 
+// From `min_rows` rows on AMX tiles, below them the VNNI copy: the choice by
+// rows made at run time, so that a compiled graph holds no guard on the rows.
 at::Tensor int4_mm_q8_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
-                          int64_t group, int64_t n) {
+                          int64_t group, int64_t n, int64_t min_rows) {
+  if (x.dim() == 2 && x.size(0) < min_rows)
+    return run_product(dtype_policies_int4_mm_q8_vnni, "int4_mm_q8_amx", true, x, packed, pairs,
+                       group, n, dtype_policies_int4_mm_q8_vnni_h);
   return run_product(dtype_policies_int4_mm_q8_amx, "int4_mm_q8_amx", true, x, packed, pairs,
                      group, n);
 }
@@ -246,7 +251,8 @@ TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int4_mm_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_mm_q8_avx2(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
   m.def("int4_mm_q8_vnni(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
-  m.def("int4_mm_q8_amx(Tensor x, Tensor packed, Tensor pairs, int group, int n) -> Tensor");
+  m.def("int4_mm_q8_amx(Tensor x, Tensor packed, Tensor pairs, int group, int n, int min_rows) "
+        "-> Tensor");
   m.def("int4_decode_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
   m.def("int4_decode_q8_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
   m.def(

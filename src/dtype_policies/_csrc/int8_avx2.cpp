@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -79,9 +80,9 @@ constexpr int64_t kParallelMinMacs = int64_t{1} << 17;
 //
 // int8_mm_q8_vnni and int8_mm_q8b_vnni are the same products, arguments and
 // values, bit for bit, with vpdpbusd (AVX-512 VNNI) in place of the pair sums;
-// int8_mm_q8_amx and int8_mm_q8b_amx too, with AMX tiles (int8_amx.inc), where
-// the caller chooses them (an AMX CPU, enough rows): they run the VNNI copy
-// where the compiler had no AMX or Linux refuses the tiles.
+// int8_mm_q8_amx and int8_mm_q8b_amx too, with AMX tiles (int8_amx.inc), on
+// AMX CPUs, from the row count their last argument gives: they run the VNNI
+// copy below it and where the compiler had no AMX or Linux refuses the tiles.
 
 constexpr int64_t kBlock = 32, kBlockQuads = kBlock / 4;
 
@@ -341,6 +342,7 @@ at::Tensor q8_product(const char* name, const at::Tensor& x_in, const at::Tensor
     vnni::blocked_product(in, m, weight, out, bf16_out, chunk_rows, threads, offsets);
   } else if (copy == Copy::amx) {
 #if DTYPE_POLICIES_HAS_AMX
+    RECORD_FUNCTION("dtype_policies::amx_tiles", std::vector<c10::IValue>());
     amx::tiled_product(in, m, weight, out, bf16_out, threads);
 #endif
   } else {
@@ -368,6 +370,29 @@ at::Tensor int8_mm_q8b(const at::Tensor& x, const at::Tensor& packed, const at::
   return q8_product(name.c_str(), x, packed, at::Tensor(), block_step, bias, n, bf16_out, copy);
 }
 
+// The AMX operators take the row count from which their tiles pay off
+// (`min_rows`) and run the VNNI copy below it: the choice by rows is made
+// here, at run time, so that a compiled graph with a dynamic number of rows
+// holds no guard on it.
+Copy amx_copy_for(const at::Tensor& x, int64_t min_rows) {
+  return x.dim() == 2 && x.size(0) < min_rows ? Copy::vnni : Copy::amx;
+}
+
+at::Tensor int8_mm_q8_amx(const at::Tensor& x, const at::Tensor& packed,
+                          const at::Tensor& column_step, const std::optional<at::Tensor>& bias,
+                          int64_t n, bool bf16_out, int64_t min_rows) {
+  return q8_product("int8_mm_q8_amx", x, packed, column_step, at::Tensor(), bias, n, bf16_out,
+                    amx_copy_for(x, min_rows));
+}
+
+at::Tensor int8_mm_q8b_amx(const at::Tensor& x, const at::Tensor& packed,
+                           const at::Tensor& block_step, const std::optional<at::Tensor>& bias,
+                           int64_t n, bool bf16_out, int64_t min_rows) {
+  TORCH_CHECK(block_step.defined(), "int8_mm_q8b_amx: block_step is undefined");
+  return q8_product("int8_mm_q8b_amx", x, packed, at::Tensor(), block_step, bias, n, bf16_out,
+                    amx_copy_for(x, min_rows));
+}
+
 }  // namespace
 
 // The W4A8 product of int4_avx2.cpp on AMX tiles (int4_amx.inc), on its rounded
@@ -380,6 +405,7 @@ extern "C" int dtype_policies_int4_mm_q8_tiles(const int8_t* q, const float* d, 
                                                uint16_t* y, int64_t n, int threads) {
   if (!tiles_usable()) return 1;
 #if DTYPE_POLICIES_HAS_AMX
+  RECORD_FUNCTION("dtype_policies::amx_tiles", std::vector<c10::IValue>());
   const amx::Q8Operands operands{q, d, sums, m, kp, groups, group_shift, packed, pairs, n, y};
   return amx::w4a8_tiled_product(operands, threads) ? 0 : 2;
 #else
@@ -391,20 +417,24 @@ extern "C" int dtype_policies_int4_mm_q8_tiles(const int8_t* q, const float* d, 
 
 TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
   m.def("int8_mm_avx2(Tensor xq, Tensor packed, int n) -> Tensor");
-  for (const char* name : {"int8_mm_q8_avx2", "int8_mm_q8_vnni", "int8_mm_q8_amx"})
+  for (const char* name : {"int8_mm_q8_avx2", "int8_mm_q8_vnni"})
     m.def((std::string(name) + "(Tensor x, Tensor packed, Tensor column_step, Tensor? bias, "
                                "int n, bool bf16_out) -> Tensor").c_str());
-  for (const char* name : {"int8_mm_q8b_avx2", "int8_mm_q8b_vnni", "int8_mm_q8b_amx"})
+  for (const char* name : {"int8_mm_q8b_avx2", "int8_mm_q8b_vnni"})
     m.def((std::string(name) + "(Tensor x, Tensor packed, Tensor block_step, Tensor? bias, "
                                "int n, bool bf16_out) -> Tensor").c_str());
+  m.def("int8_mm_q8_amx(Tensor x, Tensor packed, Tensor column_step, Tensor? bias, int n, "
+        "bool bf16_out, int min_rows) -> Tensor");
+  m.def("int8_mm_q8b_amx(Tensor x, Tensor packed, Tensor block_step, Tensor? bias, int n, "
+        "bool bf16_out, int min_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int8_mm_avx2", &int8_mm_avx2);
   m.impl("int8_mm_q8_avx2", &int8_mm_q8<Copy::avx2>);
   m.impl("int8_mm_q8_vnni", &int8_mm_q8<Copy::vnni>);
-  m.impl("int8_mm_q8_amx", &int8_mm_q8<Copy::amx>);
+  m.impl("int8_mm_q8_amx", &int8_mm_q8_amx);
   m.impl("int8_mm_q8b_avx2", &int8_mm_q8b<Copy::avx2>);
   m.impl("int8_mm_q8b_vnni", &int8_mm_q8b<Copy::vnni>);
-  m.impl("int8_mm_q8b_amx", &int8_mm_q8b<Copy::amx>);
+  m.impl("int8_mm_q8b_amx", &int8_mm_q8b_amx);
 }

@@ -70,7 +70,7 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         weights = "" if weight_block is None else f", weight steps per {weight_block}"
         if device is not None and int8.blocked_kernel_applies(device):
             amx = ""
-            if int8_native.blocked_suffix(int8_native.AMX_MIN_ROWS, cpu) == "amx":
+            if int8_native.blocked_suffix(cpu) == "amx":
                 amx = f", its AMX copy from {int8_native.AMX_MIN_ROWS} rows"
             return (
                 f"int8 {_instructions(cpu)} kernel{amx}, inputs rounded to int8 per {blocks}"
@@ -128,7 +128,7 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         if blocks is not None:
             kernel = f"int4 {_instructions(cpu)} W4A8 kernel (this library's)"
             inputs = f"inputs rounded to int8 per {blocks}, integer products"
-            if int4_native.q8_suffix(int4_native.Q8_AMX_MIN_ROWS, cpu) == "amx":
+            if int4_native.q8_suffix(cpu) == "amx":
                 inputs += f", its AMX copy from {int4_native.Q8_AMX_MIN_ROWS} rows"
         else:
             kernel = "int4 AVX2 kernel (this library's)" if own_kernel else "int4 packed kernel"

@@ -586,7 +586,8 @@ PACKED_DECODED_MIN_ROWS = 64
 PACKED_DECODED_LARGE_MIN_ROWS = 32
 PACKED_DECODED_LARGE_ELEMENTS = 1 << 20
 # Below this many rows every weight stays on its kernel (the fewest rows of
-# any threshold above), so that one-row decoding asks nothing per call.
+# any threshold above), so that one-row decoding asks nothing per call (eager;
+# traced, the rows are compared with a weight's own thresholds only).
 KERNEL_ONLY_BELOW_ROWS = min(
     DEQUANTIZED_MIN_ROWS,
     PACKED_DECODED_LARGE_MIN_ROWS,
@@ -618,7 +619,9 @@ def paths(runtime: Int4Runtime) -> list[str]:
 def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
     if plan is None:
         return "dequantized"
-    if rows < KERNEL_ONLY_BELOW_ROWS:
+    # Traced, rows are compared only with the thresholds that exist: in a
+    # compiled graph with a dynamic number of rows each comparison is a guard.
+    if not torch.compiler.is_compiling() and rows < KERNEL_ONLY_BELOW_ROWS:
         return plan.kernel
     elements = plan.n * plan.layout.padded_k
     if block_size <= 0:

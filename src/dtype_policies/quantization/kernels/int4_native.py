@@ -17,15 +17,16 @@ columns per instruction in integers (no saturation without VNNI: the weights
 are unsigned nibbles), the 8 columns' sums in the lanes of one register; it
 computes the weight-only product of the rounded activations. It runs on every
 x86 CPU with AVX2; on CPUs with AVX-512 VNNI as its copy `int4_mm_q8_vnni`
-(`vpdpbusd`, 4 rows per weight load), and on AMX CPUs from `Q8_AMX_MIN_ROWS`
-rows as `int4_mm_q8_amx` (`_csrc/int4_amx.inc`: the nibbles expanded per call,
-a group of 4 panels of 16 columns at a time per thread, into int8 tiles, one
-`tdpbssd` per 16 rows x 16 columns x block of 32 inputs on the int8 kernel's
-AMX tile loop, then the same float epilogue in the same order), all three the
-same values bit for bit (`q8_suffix`, `benchmarks/amx_int8.py --w4a8`: the
-AMX copy 1.2-1.8x the VNNI copy at 32 rows, 1.6-2.1x at 128-512, still
-0.3-0.55x a bfloat16 GEMM there, bound by the per-block float epilogue the
-values require, as the int8 AMX copy).
+(`vpdpbusd`, 4 rows per weight load), and on AMX CPUs as `int4_mm_q8_amx`
+(`_csrc/int4_amx.inc`: the nibbles expanded per call, a group of 4 panels of
+16 columns at a time per thread, into int8 tiles, one `tdpbssd` per 16 rows x
+16 columns x block of 32 inputs on the int8 kernel's AMX tile loop, then the
+same float epilogue in the same order; from `Q8_AMX_MIN_ROWS` rows, its last
+argument, the VNNI copy below), all three the same values bit for bit
+(`q8_suffix`, `benchmarks/amx_int8.py --w4a8`: the AMX copy 1.2-1.8x the VNNI
+copy at 32 rows, 1.6-2.1x at 128-512, still 0.3-0.55x a bfloat16 GEMM there,
+bound by the per-block float epilogue the values require, as the int8 AMX
+copy).
 
 `pack` and `pack_q8` lay out a weight (from the same padded, spread values as
 torch's layout, `int4.Int4Layout`) with plain tensor ops, so that a frozen
@@ -223,27 +224,28 @@ def int4_mm_q8(
     """`x` (M, K) bfloat16, rounded to int8 in blocks of 32 inputs, times the
     weight packed by `pack_q8`: (M, n) bfloat16. The copy of the operator
     `q8_suffix` names for the rows (the same values bit for bit)."""
-    return getattr(_ops(), f"int4_mm_q8_{q8_suffix(x.shape[0])}")(x, packed, pairs, group, n)
+    suffix = q8_suffix()
+    if suffix == "amx":
+        return _ops().int4_mm_q8_amx(x, packed, pairs, group, n, Q8_AMX_MIN_ROWS)
+    return getattr(_ops(), f"int4_mm_q8_{suffix}")(x, packed, pairs, group, n)
 
 
-def q8_suffix(rows: Any, cpu: Processor | None = None) -> str:
-    """Which copy of the W4A8 operator runs `rows` rows on `cpu` (default
-    this one): `"amx"` on AMX CPUs from `Q8_AMX_MIN_ROWS` rows, else
+def q8_suffix(cpu: Processor | None = None) -> str:
+    """Which W4A8 operator runs on `cpu` (default this one): `"amx"` on AMX
+    CPUs (its tiles from `Q8_AMX_MIN_ROWS` rows, its last argument, the VNNI
+    copy below: chosen inside the operator, so a compiled graph with a
+    dynamic number of rows holds no guard on it), else
     `native.operator_suffix`'s (`"vnni"` with AVX-512 VNNI, else `"avx2"`).
-    In a compiled graph with a dynamic number of rows the comparison is a
-    guard on it.
 
     >>> from dataclasses import replace
     >>> amx = replace(processor(), features=frozenset({"avx2", "avx512", "avx512_vnni", "amx"}))
-    >>> q8_suffix(128, amx), q8_suffix(1, amx)
-    ('amx', 'vnni')
-    >>> q8_suffix(128, replace(amx, features=frozenset({"avx2"})))
+    >>> q8_suffix(amx)
+    'amx'
+    >>> q8_suffix(replace(amx, features=frozenset({"avx2"})))
     'avx2'
     """
     cpu = processor() if cpu is None else cpu
-    if "amx" in cpu.features and rows >= Q8_AMX_MIN_ROWS:
-        return "amx"
-    return native.operator_suffix(cpu)
+    return "amx" if "amx" in cpu.features else native.operator_suffix(cpu)
 
 
 def decode(
@@ -355,7 +357,8 @@ def _ops() -> Any:
     return torch.ops.dtype_policies
 
 
-def _product_fake(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int):
+def _product_fake(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int,
+                  min_rows: int = 0):  # fmt: skip
     return x.new_empty((x.shape[0], n), dtype=torch.bfloat16)
 
 

@@ -22,13 +22,15 @@ of inputs too (`block_size=32`, the default int8: llama.cpp's Q8_0 x Q8_0),
 the steps laid out by `pack_block_steps`. On CPUs with AVX-512 VNNI both run
 as their `_vnni` twins (`int8_mm_q8_vnni`, `int8_mm_q8b_vnni`: one `vpdpbusd`
 where AVX2 needs three instructions; the same values bit for bit), chosen from
-the processor's features (`native.operator_suffix`). On AMX CPUs, from
-`AMX_MIN_ROWS` rows, they run as their `_amx` twins (`int8_mm_q8_amx`,
-`int8_mm_q8b_amx`, `_csrc/int8_amx.inc`: one `tdpbssd` per 16 rows x 16
-columns x block of 32 inputs, on the same packed weight, then the VNNI copy's
-per-block epilogue; the same values bit for bit, 2.1-3.3x the VNNI copy from
-32 rows, about 0.5x a bfloat16 GEMM from 128; `blocked_suffix`,
-`benchmarks/amx_int8.py`).
+the processor's features (`native.operator_suffix`). On AMX CPUs they run
+as their `_amx` twins (`int8_mm_q8_amx`, `int8_mm_q8b_amx`,
+`_csrc/int8_amx.inc`: one `tdpbssd` per 16 rows x 16 columns x block of 32
+inputs, on the same packed weight, then the VNNI copy's per-block epilogue;
+the same values bit for bit, 2.1-3.3x the VNNI copy from 32 rows, about 0.5x
+a bfloat16 GEMM from 128; `benchmarks/amx_int8.py`), which take
+`AMX_MIN_ROWS` as their last argument and run the VNNI copy below that many
+rows: the choice by rows is made inside the operator, so a compiled graph
+with a dynamic number of rows holds no guard on it (`blocked_suffix`).
 
 >>> import torch
 >>> from dtype_policies.quantization.kernels import int8_native
@@ -98,8 +100,9 @@ def int8_mm_q8(
     block in integers, each block's sum scaled by its step in float32; then
     `* column_step + bias` ((n,) float32): (M, n) float32, or bfloat16 with
     `bf16_out`. A row holding a NaN or an infinity gives NaN."""
-    return getattr(_ops(), f"int8_mm_q8_{blocked_suffix(x.shape[0])}")(
-        x, packed, column_step, bias, n, bf16_out
+    suffix = blocked_suffix()
+    return getattr(_ops(), f"int8_mm_q8_{suffix}")(
+        x, packed, column_step, bias, n, bf16_out, *_rows_argument(suffix)
     )
 
 
@@ -128,28 +131,32 @@ def int8_mm_q8b(
     """`int8_mm_q8` for a weight with a step per block of inputs and column
     (`pack_block_steps`): `y[m, c] = sum_b d[m, b] * block_step[b, c] *
     (xq[m, b] . w[c, b]) + bias[c]`."""
-    return getattr(_ops(), f"int8_mm_q8b_{blocked_suffix(x.shape[0])}")(
-        x, packed, block_step, bias, n, bf16_out
+    suffix = blocked_suffix()
+    return getattr(_ops(), f"int8_mm_q8b_{suffix}")(
+        x, packed, block_step, bias, n, bf16_out, *_rows_argument(suffix)
     )
 
 
-def blocked_suffix(rows: Any, cpu: Processor | None = None) -> str:
-    """Which copy of `int8_mm_q8` and `int8_mm_q8b` runs `rows` rows on `cpu`
-    (default this one): `"amx"` on AMX CPUs from `AMX_MIN_ROWS` rows, else
-    `native.operator_suffix`'s. In a compiled graph with a dynamic number of
-    rows the comparison is a guard on it, as the other row-dependent choices.
+def blocked_suffix(cpu: Processor | None = None) -> str:
+    """Which operator of `int8_mm_q8` and `int8_mm_q8b` runs on `cpu`
+    (default this one): `"amx"` on AMX CPUs (its tiles from `AMX_MIN_ROWS`
+    rows, the VNNI copy below: chosen inside the operator), else
+    `native.operator_suffix`'s.
 
     >>> from dataclasses import replace
     >>> amx = replace(processor(), features=frozenset({"avx2", "avx512", "avx512_vnni", "amx"}))
-    >>> blocked_suffix(128, amx), blocked_suffix(1, amx)
-    ('amx', 'vnni')
-    >>> blocked_suffix(128, replace(amx, features=frozenset({"avx2", "avx512", "avx512_vnni"})))
+    >>> blocked_suffix(amx)
+    'amx'
+    >>> blocked_suffix(replace(amx, features=frozenset({"avx2", "avx512", "avx512_vnni"})))
     'vnni'
     """
     cpu = processor() if cpu is None else cpu
-    if "amx" in cpu.features and rows >= AMX_MIN_ROWS:
-        return "amx"
-    return native.operator_suffix(cpu)
+    return "amx" if "amx" in cpu.features else native.operator_suffix(cpu)
+
+
+def _rows_argument(suffix: str) -> tuple[int, ...]:
+    """The AMX operators' last argument: the rows from which their tiles run."""
+    return (AMX_MIN_ROWS,) if suffix == "amx" else ()
 
 
 def _ops() -> Any:
@@ -171,6 +178,7 @@ def _blocked_fake(
     bias: torch.Tensor | None,
     n: int,
     bf16_out: bool,
+    min_rows: int = 0,
 ) -> torch.Tensor:
     dtype = torch.bfloat16 if bf16_out else torch.float32
     return x.new_empty((x.shape[0], n), dtype=dtype)
