@@ -357,25 +357,40 @@ def test_a_copy_is_compiled_again_for_the_copied_model(how):
     assert not torch.equal(copied(x), model(x))
 
 
-def test_compiled_calls_key_inductors_cache_on_this_cpus_instructions():
+def test_compiled_calls_key_inductors_cache_on_this_cpus_instructions(monkeypatch):
     """Inductor's on-disk cache is not keyed on the CPU: a cache warmed on an
     AVX-512 machine gave NaN under AVX2. The compiled call adds the vector
-    instructions to the key, beside the user's own tag, and only inside."""
+    instructions to the key, beside the user's own tag, while Inductor
+    compiles only (with its options and repairs; a call of a graph compiled
+    before sets nothing)."""
+    import torch._inductor.compile_fx as inductor_entry
+
+    from dtype_policies import _inductor_repairs
     from dtype_policies._frozen import cpu_cache_tag
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16))
     apply_policy(model, "mixed_bfloat16")
     fast = compile_for_inference(model, autotune=False)
     seen = []
-    fast._call.compiled = lambda *args, **kwargs: seen.append(
-        torch.compiler.config.cache_key_tag
-    )  # not compiling here
+    compile_fx = inductor_entry.compile_fx
+
+    def spy(graph, example_inputs, **options):
+        if "config_patches" in options:  # (not its own inner calls)
+            seen.append((torch.compiler.config.cache_key_tag, _inductor_repairs.active()))
+            assert options["config_patches"]["freezing"] is True
+        return compile_fx(graph, example_inputs, **options)
+
+    monkeypatch.setattr(inductor_entry, "compile_fx", spy)
+    torch._dynamo.reset()
     # (torch's config.patch: pytest's monkeypatch deletes a config entry at its undo)
     with torch.compiler.config.patch(cache_key_tag="users-tag"), torch.inference_mode():
-        fast(torch.randn(2, 8))
+        x = torch.randn(2, 8)
+        assert torch.equal(fast(x), model(x))
         assert torch.compiler.config.cache_key_tag == "users-tag"
+        assert not _inductor_repairs.active()
+        fast(x)  # compiled before: Inductor not called
     assert cpu_cache_tag().startswith("cpu:") and " " not in cpu_cache_tag()
-    assert seen == [f"users-tag|{cpu_cache_tag()}"]
+    assert seen == [(f"users-tag|{cpu_cache_tag()}", True)]
 
 
 @pytest.mark.slow
