@@ -705,3 +705,42 @@ def test_a_model_compiled_after_another_of_another_width_compiles_its_own_shapes
         got = compile_for_inference(second, autotune=False)(x)
         assert compiled_graphs() == before + 1
         assert close(got.float(), second(x).float()) < 1e-2
+
+
+def test_preparing_the_kernels_probes_torchs_int4_packing(monkeypatch):
+    """`kernels.prepare` (run by `quantize` and before a compiled call) finds
+    torch's int4 packing block: probed inside a traced product, its random
+    generator broke a compiled int4 model's graph into one frame per layer."""
+    from dtype_policies.quantization import kernels
+    from dtype_policies.quantization.kernels import int4_native
+
+    monkeypatch.setattr(int4_native, "_torch_block", [])
+    monkeypatch.setattr(int4_native, "_probe_torch_block", lambda: 64)
+    kernels.prepare()
+    assert int4_native._torch_block == ([64] if int4_native.native.available("avx2") else [])
+
+
+@pytest.mark.slow
+def test_an_int4_model_compiled_before_any_eager_call_compiles_one_graph(monkeypatch):
+    """A fresh process's first int4 product traced by `compile_for_inference`
+    (torch's packing not probed yet) stays in one graph."""
+    from torch._dynamo.utils import counters
+
+    from dtype_policies.quantization.kernels import int4_native
+
+    monkeypatch.setattr(int4_native, "_torch_block", [])  # as in a fresh process
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 128)
+    ).eval()
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4")
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    fast = compile_for_inference(model, autotune=False)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs eagerly")
+        x = torch.randn(96, 256)  # rows past the decoded paths' thresholds
+        # (bfloat16 around a GELU: compiled and eager round differently)
+        torch.testing.assert_close(fast(x), model(x), rtol=0.03, atol=0.03)
+    assert counters["stats"]["unique_graphs"] == before + 1

@@ -16,15 +16,19 @@ def prepare() -> None:
     that no product builds or loads one on its first call: a compiler tracing
     that call (`torch.compile`) cannot read files or load libraries. Called
     when a weight is planned for quantization and before a frozen compiled
-    call; a kernel that cannot be built is warned about once and left out."""
+    call; a kernel that cannot be built is warned about once and left out.
+    Torch's int4 packing is probed now too (`int4_native.torch_packing_block`:
+    a traced probe, with its random generator, broke the graph of a compiled
+    int4 model into 35 frames)."""
     from dtype_policies import _native as native
     from dtype_policies._cpu import processor
-    from dtype_policies.quantization.kernels import int4
+    from dtype_policies.quantization.kernels import int4, int4_native
 
     cpu = processor()
     for name in native.KERNELS:
         native.available(name, cpu)
     int4.find_inductor_prims()
+    int4_native.torch_packing_block()
 
 
 def freezing_weights() -> bool:
