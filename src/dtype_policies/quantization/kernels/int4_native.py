@@ -222,12 +222,12 @@ def int4_mm_q8(
     x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, n: int
 ) -> torch.Tensor:
     """`x` (M, K) bfloat16, rounded to int8 in blocks of 32 inputs, times the
-    weight packed by `pack_q8`: (M, n) bfloat16. The copy of the operator
-    `q8_suffix` names for the rows (the same values bit for bit)."""
+    weight packed by `pack_q8`: (M, n) bfloat16. The operator `q8_suffix`
+    names for this processor (the AMX one picks its copy by rows; the same
+    values bit for bit)."""
     suffix = q8_suffix()
-    if suffix == "amx":
-        return _ops().int4_mm_q8_amx(x, packed, pairs, group, n, Q8_AMX_MIN_ROWS)
-    return getattr(_ops(), f"int4_mm_q8_{suffix}")(x, packed, pairs, group, n)
+    tiles_from = (Q8_AMX_MIN_ROWS,) if suffix == "amx" else ()  # the AMX operator's rows
+    return getattr(_ops(), f"int4_mm_q8_{suffix}")(x, packed, pairs, group, n, *tiles_from)
 
 
 def q8_suffix(cpu: Processor | None = None) -> str:
