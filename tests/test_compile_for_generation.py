@@ -12,7 +12,7 @@ import torch
 import dtype_policies
 from dtype_policies import apply_policy, compile_for_generation, quantize
 from dtype_policies._attention_dispatch import SELECTION
-from dtype_policies._compat import TORCH_VERSION
+from dtype_policies._compat import CPP_WRAPPER_BY_DEFAULT, TORCH_VERSION
 from dtype_policies._frozen import FrozenCompiledCall, ModelWatch
 from dtype_policies._one_query_attention import NAME as ONE_QUERY
 from dtype_policies.generation import _unmark_static_cache
@@ -579,6 +579,9 @@ def test_float32_policy_gives_eager_tokens_across_calls_and_lengths():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not CPP_WRAPPER_BY_DEFAULT, reason="the C++ wrapper is the default from torch 2.13"
+)
 def test_the_default_decode_step_is_cpp_code_with_eager_scores():
     """The C++ wrapper (the default) calls Inductor's kernels and this
     library's int8 product: eager's scores, from a compiled C++ step."""

@@ -14,6 +14,13 @@ last (an RMSNorm fused with the residual sum before it). The repair refuses
 that fusion when an outer loop is tiled; Inductor then generates the kernels
 unfused, as it does whenever its own check refuses one.
 
+Before torch 2.9, Inductor also lowered a division by a constant on CPU to a
+product with its reciprocal (pytorch#157959): `x / 127` then differs from
+eager's by one unit in the last place for some `x`, and llama.cpp's Q8_0
+rounding of activations (`kernels.epilogues.round_activation_blocks`) moved
+about 4% of its values by a step (torch 2.6, 64 x 576 normal inputs). The
+repair divides on CPU, as torch 2.9 and later do themselves.
+
 >>> with repaired():
 ...     active()
 True
@@ -59,12 +66,49 @@ def _tiled_outer_loops(proxies: list[Any], depth: int) -> bool:
 
 
 def _install() -> None:
-    """Wraps the outer-loop fusion's check once (a no-op where this torch has
-    no such check)."""
+    """Installs the repairs once (each a no-op where this torch lacks what it
+    wraps)."""
     global _installed
     if _installed:
         return
     _installed = True
+    _install_outer_loop_check()
+    _install_exact_division()
+
+
+def _install_exact_division() -> None:
+    """Wraps Inductor's lowering of float division so that a constant divisor
+    on CPU is divided by, not multiplied by its reciprocal (what torch 2.9 and
+    later do; there the wrapper changes nothing)."""
+    try:
+        from torch._inductor import lowering
+        from torch._inductor.virtualized import ops
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        return
+    original = getattr(lowering, "div_prim", None)
+    constant_value = getattr(lowering, "get_constant_value", None)
+    if original is None or constant_value is None:  # pragma: no cover
+        return
+
+    def divide(*args: Any) -> Any:
+        return ops.truediv(*args)
+
+    def div_prim(a: Any, b: Any) -> Any:
+        if (
+            active()
+            and not all(lowering.is_boolean_type(x) or lowering.is_integer_type(x) for x in (a, b))
+            and constant_value(b) is not None
+            and getattr(a.get_device(), "type", None) == "cpu"
+        ):
+            return lowering.make_pointwise(divide)(a, b)
+        return original(a, b)
+
+    lowering.div_prim = div_prim  # the module's `div` lowering looks it up by name
+
+
+def _install_outer_loop_check() -> None:
+    """Wraps the outer-loop fusion's check (a no-op where this torch has no
+    such check)."""
     try:
         from torch._inductor.codegen.cpp import OuterLoopFusedSchedulerNode
     except ImportError:  # pragma: no cover - a torch without it

@@ -404,7 +404,7 @@ def int8_linear(
 def _blocked_kernel(x2, packed, column_step, bias, out_dtype, n, block_step=None):
     """The per-block W8A8 kernel: per-channel `column_step`, or the packed
     `block_step` (`int8_native.pack_block_steps`) when given."""
-    bias32 = None if bias is None else bias.float()
+    bias32 = None if bias is None else float32_values(bias)  # its own values, compiled too
     bf16_out = out_dtype is torch.bfloat16
     if block_step is None:
         y = int8_native.int8_mm_q8(x2.bfloat16(), packed, column_step, bias32, n, bf16_out)
