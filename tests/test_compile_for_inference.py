@@ -769,3 +769,102 @@ def test_an_int4_model_compiled_before_any_eager_call_compiles_one_graph(monkeyp
         # (bfloat16 around a GELU: compiled and eager round differently)
         torch.testing.assert_close(fast(x), model(x), rtol=0.03, atol=0.03)
     assert counters["stats"]["unique_graphs"] == before + 1
+
+
+def test_calls_with_new_inputs_run_alone_and_the_others_at_once():
+    """`NewInputsRunAlone`: calls whose inputs' signature is new (they may
+    compile) never overlap; once one completed, calls with that signature run
+    concurrently (they meet at a barrier only three concurrent calls pass); a
+    call that raised leaves its signature new."""
+    import threading
+
+    from dtype_policies._frozen import NewInputsRunAlone
+
+    gate = NewInputsRunAlone()
+    running, most, meet = [0], [0], [False]
+    counting = threading.Lock()
+    together = threading.Barrier(3, timeout=10)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        with counting:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            if meet[0]:
+                together.wait()
+            else:
+                threading.Event().wait(0.05)
+            return x + 1
+        finally:
+            with counting:
+                running[0] -= 1
+
+    def in_threads() -> list[torch.Tensor]:
+        results: list[torch.Tensor] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(gate.call(call, (torch.zeros(2),), {})))
+            for _ in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return results
+
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        gate.call(fails, (torch.zeros(2),), {})
+    assert gate.seen == set()
+    first = in_threads()
+    assert most[0] == 1
+    assert [r.tolist() for r in first] == [[1.0, 1.0]] * 3
+    assert gate.seen == {((((2,), torch.float32, "cpu"),), ())}
+    most[0], meet[0] = 0, True
+    assert len(in_threads()) == 3
+    assert most[0] == 3
+
+
+@pytest.mark.slow
+def test_threads_calling_a_fresh_compiled_model_compile_each_graph_once():
+    """Three threads calling a fresh compiled int8 model with four batch
+    sizes: Dynamo compiled the same graphs once per waiting thread and met
+    its recompile limit (parts of the model then ran eagerly for good). Now
+    the graphs are those of one thread, with no warning and eager's values."""
+    import threading
+
+    model = mlp(16, 0)
+    apply_policy(model, "mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(model, "int8")
+    fast = compile_for_inference(model, autotune=False)
+    inputs = [
+        torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows)) for rows in (4, 7, 1, 9)
+    ]
+    with torch.inference_mode():
+        expected = [model(x) for x in inputs]
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    start = threading.Barrier(3)
+
+    def work(thread: int) -> None:
+        start.wait()
+        with torch.inference_mode():
+            for round_ in range(2):
+                for i, x in enumerate(inputs):
+                    results[thread, round_ * 10 + i] = fast(x)
+
+    before = compiled_graphs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert [str(w.message) for w in caught if "eagerly" in str(w.message)] == []
+    assert compiled_graphs() - before <= 3
+    assert len(results) == 3 * 2 * len(inputs)
+    for (_, key), got in results.items():
+        assert torch.equal(got, expected[key % 10]), key

@@ -303,6 +303,71 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
     return compiler_config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag)
 
 
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """What Dynamo's guards on a call's inputs mostly read, cheaply: each
+    tensor's shape, dtype and device, each plain value itself, and the type
+    of anything else, through tuples, lists and dicts two levels deep.
+
+    >>> import torch
+    >>> input_signature((torch.ones(2, 3),), {"use_cache": True})
+    ((((2, 3), torch.float32, 'cpu'),), (('use_cache', True),))
+    """
+    return _signature(args, 2), tuple((key, _signature(value, 2)) for key, value in kwargs.items())
+
+
+def _signature(value: Any, depth: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device.type)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth > 0 and isinstance(value, (tuple, list)):
+        return tuple(_signature(item, depth - 1) for item in value)
+    if depth > 0 and isinstance(value, dict):
+        return tuple((key, _signature(item, depth - 1)) for key, item in value.items())
+    return type(value)
+
+
+class NewInputsRunAlone:
+    """Calls of one compiled model whose inputs' signature (`input_signature`)
+    has not yet completed a call run one at a time; the others run at once.
+
+    Dynamo looks a call up in a frame's compiled entries before it takes its
+    compile lock and does not look again after: threads that call a model
+    while another compiles it compile the same graph again, each copy one
+    entry towards Dynamo's recompile limit (torch 2.13; pytorch#123177).
+    Three threads calling a fresh compiled two-layer int8 model with four
+    batch sizes met that limit, and parts of the model ran eagerly from
+    then on. A call that may compile (new inputs) now waits for the ones
+    that are compiling, and finds their graphs when it runs.
+
+    >>> gate = NewInputsRunAlone()
+    >>> gate.call(lambda x: x + 1, (1,), {})
+    2
+    >>> gate.seen
+    {((1,), ())}
+    """
+
+    __slots__ = ("lock", "seen")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.seen: set[tuple] = set()
+
+    def call(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            signature = input_signature(args, kwargs)
+            hash(signature)
+        except TypeError:  # an unhashable plain value: run alone
+            with self.lock:
+                return function(*args, **kwargs)
+        if signature in self.seen:
+            return function(*args, **kwargs)
+        with self.lock:
+            result = function(*args, **kwargs)
+            self.seen.add(signature)
+        return result
+
+
 class _FreezingWhileTracing:
     """Inductor's `freezing` set to `value` around a compiled call, where it
     differs: Dynamo may trace the model within the call, and the quantized
@@ -465,6 +530,7 @@ class FrozenCompiledCall:
         self.call_context = call_context
         self.session_of = session_of
         self.session: object = None
+        self.new_inputs = NewInputsRunAlone()
         self._set_up(model, freeze_weights)
         self.watch: ModelWatch | None = None
         self.given_up: str | None = None  # why the compiler gave up on this model
@@ -594,7 +660,7 @@ class FrozenCompiledCall:
         mark = _EAGER_FRAMES.mark()
         try:
             with context, _FreezingWhileTracing(self.freeze_weights):
-                result = self.compiled(*args, **kwargs)
+                result = self.new_inputs.call(self.compiled, args, kwargs)
         except _recompile_limit() as error:
             # raised while compiling, before the call ran: the eager call is its first run
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
