@@ -85,20 +85,24 @@ def _install_exact_division() -> None:
         from torch._inductor.virtualized import ops
     except ImportError:  # pragma: no cover - a torch without Inductor
         return
-    original = getattr(lowering, "div_prim", None)
-    constant_value = getattr(lowering, "get_constant_value", None)
-    if original is None or constant_value is None:  # pragma: no cover
-        return
+    needed = ("div_prim", "get_constant_value", "is_boolean_type", "is_integer_type")
+    if not all(hasattr(lowering, name) for name in (*needed, "make_pointwise")):
+        return  # pragma: no cover - another torch's lowering
+    original, constant_value, boolean, integer = (getattr(lowering, name) for name in needed)
 
     def divide(*args: Any) -> Any:
         return ops.truediv(*args)
 
+    def on_cpu(a: Any) -> bool:
+        device = getattr(a, "get_device", None)
+        return getattr(device() if device is not None else None, "type", None) == "cpu"
+
     def div_prim(a: Any, b: Any) -> Any:
         if (
             active()
-            and not all(lowering.is_boolean_type(x) or lowering.is_integer_type(x) for x in (a, b))
+            and not all(boolean(x) or integer(x) for x in (a, b))
             and constant_value(b) is not None
-            and getattr(a.get_device(), "type", None) == "cpu"
+            and on_cpu(a)
         ):
             return lowering.make_pointwise(divide)(a, b)
         return original(a, b)
