@@ -304,9 +304,10 @@ def keyed_on_this_cpu() -> AbstractContextManager[Any]:
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
-    """What Dynamo's guards on a call's inputs mostly read, cheaply: each
-    tensor's shape, dtype and device, each plain value itself, and the type
-    of anything else, through tuples, lists and dicts two levels deep.
+    """What Dynamo's guards on a call's inputs mostly read, cheaply and
+    hashably: each tensor's shape, dtype and device, each plain value itself,
+    and the type of anything else, through tuples, lists and dicts two levels
+    deep.
 
     >>> import torch
     >>> input_signature((torch.ones(2, 3),), {"use_cache": True})
@@ -354,12 +355,7 @@ class NewInputsRunAlone:
         self.seen: set[tuple] = set()
 
     def call(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        try:
-            signature = input_signature(args, kwargs)
-            hash(signature)
-        except TypeError:  # an unhashable plain value: run alone
-            with self.lock:
-                return function(*args, **kwargs)
+        signature = input_signature(args, kwargs)  # hashable: every leaf is
         if signature in self.seen:
             return function(*args, **kwargs)
         with self.lock:
