@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import dtype_policies
+from dtype_policies import _frozen as frozen
+from dtype_policies import _native as native
 from dtype_policies import apply_policy, compile_for_generation, quantize
 from dtype_policies._attention_dispatch import SELECTION
 from dtype_policies._compat import CPP_WRAPPER_BY_DEFAULT, TORCH_VERSION
@@ -291,13 +293,30 @@ def _changes():
     ]
 
 
+@pytest.fixture(params=["native", "python"])
+def watch_reads(request, monkeypatch):
+    """`ModelWatch` reading its tensors' layouts in one native call, or from
+    Python (where the native kernels are not built, or for tensor subclasses)."""
+    if request.param == "python":
+        monkeypatch.setattr(frozen, "_native_layouts", lambda tensors: None)
+    elif not native.available("avx2"):
+        pytest.skip("this library's native kernels are not built here")
+    return request.param
+
+
+def _made_watch(model: torch.nn.Module, reads: str) -> ModelWatch:
+    watch = ModelWatch(model)
+    assert (watch.layouts is not None) == (reads == "native")
+    return watch
+
+
 @pytest.mark.parametrize(("name", "change"), _changes(), ids=[n for n, _ in _changes()])
-def test_the_model_watch_sees_every_change_a_frozen_graph_depends_on(name, change):
+def test_the_model_watch_sees_every_change_a_frozen_graph_depends_on(name, change, watch_reads):
     """`ModelWatch` stands in for Dynamo's module guards under frozen weights:
     unchanged through a call, changed after any way of changing the model."""
     model = tiny_llama()
     apply_policy(model, "mixed_bfloat16")
-    watch = ModelWatch(model)
+    watch = _made_watch(model, watch_reads)
     with torch.inference_mode():
         model(PROMPT)  # a call changes nothing it watches (kept casts are not weights)
     assert watch.unchanged()
@@ -308,13 +327,60 @@ def test_the_model_watch_sees_every_change_a_frozen_graph_depends_on(name, chang
 
 
 @pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
-def test_the_model_watch_sees_a_parameter_where_a_slot_held_none(policy):
+def test_the_model_watch_sees_a_parameter_where_a_slot_held_none(policy, watch_reads):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
     if policy is not None:
         apply_policy(model, policy)
-    watch = ModelWatch(model)
+    watch = _made_watch(model, watch_reads)
     assert watch.unchanged()
     model[0].bias = torch.nn.Parameter(torch.full((8,), 5.0))
+    assert not watch.unchanged()
+
+
+def test_the_native_layouts_are_the_tensors_addresses_versions_sizes_and_strides():
+    if not native.available("avx2"):
+        pytest.skip("this library's native kernels are not built here")
+    with torch.inference_mode():
+        inference = torch.ones(3, 2)
+    tensors = [
+        torch.nn.Parameter(torch.ones(4, 3)),
+        torch.zeros(5, 6).t(),
+        torch.tensor(2.0),  # no sizes, no strides
+        inference,  # no version counter: -1
+        torch.empty(2, 3, device="meta"),  # an address of 0
+    ]
+    tensors[0].data.add_(1)  # version 1 on the `.data`, 0 on the parameter
+    tensors[1].add_(1)
+    tensors[1].add_(1)
+    recorded = torch.ops.dtype_policies.tensor_layouts(tensors)
+    expected = []
+    for tensor in tensors:
+        version = -1 if tensor.is_inference() else tensor._version
+        expected += [tensor.data_ptr(), version, *tensor.shape, *tensor.stride()]
+    assert recorded.dtype == torch.int64 and recorded.tolist() == expected
+    assert expected[1] == 0 and expected[expected.index(-1) - 1] == inference.data_ptr()
+    assert torch.ops.dtype_policies.tensor_layouts_match(tensors, recorded)
+    for changed in (
+        tensors[:-1],  # one tensor fewer
+        [*tensors, torch.ones(1)],  # one more
+        [tensors[1], tensors[0], *tensors[2:]],  # in another order
+    ):
+        assert not torch.ops.dtype_policies.tensor_layouts_match(changed, recorded)
+    tensors[1].mul_(2)
+    assert not torch.ops.dtype_policies.tensor_layouts_match(tensors, recorded)
+    with pytest.raises(RuntimeError, match="tensor_layouts' int64 tensor"):
+        torch.ops.dtype_policies.tensor_layouts_match(tensors, recorded.float())
+
+
+def test_a_model_holding_a_tensor_subclass_is_watched_from_python():
+    class Tagged(torch.Tensor):
+        pass
+
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("tagged", torch.ones(2).as_subclass(Tagged))
+    watch = ModelWatch(model)
+    assert watch.layouts is None and watch.unchanged()
+    model.tagged.add_(1)
     assert not watch.unchanged()
 
 

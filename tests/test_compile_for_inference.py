@@ -534,15 +534,24 @@ def test_a_graph_break_in_a_forward_shared_by_layers_gives_each_layer_its_weight
 
 
 @pytest.mark.parametrize("view", ["slice", "transpose"])
-def test_the_watch_of_a_compiled_model_sees_a_weight_replaced_by_a_view_of_its_memory(view):
+def test_the_watch_of_a_compiled_model_sees_a_weight_replaced_by_a_view_of_its_memory(
+    view, monkeypatch
+):
+    from dtype_policies import _frozen as frozen
     from dtype_policies._frozen import ModelWatch
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-    watch = ModelWatch(model)
-    assert watch.unchanged()
-    weight = model[0].weight
-    weight.data = weight.data[:6] if view == "slice" else weight.data.t()
-    assert weight.data_ptr() == watch.addresses[0] and not watch.unchanged()
+    for reads in ("native", "python"):
+        if reads == "python":
+            monkeypatch.setattr(frozen, "_native_layouts", lambda tensors: None)
+        watch = ModelWatch(model)
+        assert watch.unchanged()
+        weight = model[0].weight
+        original = weight.data
+        weight.data = weight.data[:6] if view == "slice" else weight.data.t()
+        assert weight.data_ptr() == watch.addresses[0] and not watch.unchanged()
+        weight.data = original
+        assert watch.unchanged()
 
 
 class _Stepped(torch.nn.Module):
