@@ -2,12 +2,15 @@
 the rows of its inputs in the block (row count, values), and the attention
 sink's rows weighted up in the queries', keys' and values' statistics only
 (the defect behind GPTQ losing to round to nearest on SmolLM2-135M: unweighted,
-GPTQ moved rounding error onto the first token, which every token attends to)."""
+GPTQ moved rounding error onto the first token, which every token attends to),
+and massive rows capped in every other weight's."""
 
 import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtype_policies import quantize
 from dtype_policies.quantization import calibration
@@ -86,6 +89,81 @@ def test_each_weight_gets_its_own_rows_and_the_sink_counts_only_for_attention_in
         hessian, count = hessians[name]
         assert count == SAMPLES * LENGTH, name
         torch.testing.assert_close(hessian, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _planting_a_massive_row(model, factor: float = 1000.0):
+    """The first position's input of block 0's MLP down projection scaled by
+    `factor` (energy `factor**2` times its own), as the attention sink's is in
+    trained decoders."""
+
+    def plant(module, args):
+        x = args[0].clone()
+        x[:, 0] *= factor
+        return (x, *args[1:])
+
+    model.model.layers[0].mlp.down_proj.register_forward_pre_hook(plant)
+    return model
+
+
+def test_a_massive_row_counts_at_most_the_cap_times_the_typical_rows_energy(monkeypatch):
+    model = _planting_a_massive_row(llama(layers_count=2))
+    reference = _hooked_inputs(_planting_a_massive_row(llama(layers_count=2)))
+    hessians = _pipeline_hessians(model, monkeypatch)
+    for name, x in reference.items():
+        rows = x.reshape(-1, x.shape[-1])
+        weights = torch.ones(SAMPLES, LENGTH)
+        if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
+            weights[:, 0] = calibration.SINK_ROW_WEIGHT
+        weights = weights.reshape(-1)
+        if name.endswith("down_proj"):
+            energy = rows.double().square().sum(1)
+            typical = energy.median()
+            massive = energy > calibration.MASSIVE_ROW_CAP * typical
+            assert massive.sum() == SAMPLES  # the planted rows, and only they
+            weights[massive] = (calibration.MASSIVE_ROW_CAP * typical / energy[massive]).float()
+            assert bool((weights[massive] < 1e-3).all())
+        expected = 2 * (rows * weights[:, None]).T @ rows / weights.sum()
+        torch.testing.assert_close(hessians[name][0], expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    features=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+    massive=st.lists(st.floats(1.0, 1e6), max_size=5),
+    zero_rows=st.integers(0, 5),
+)
+def test_capped_row_weights_bound_every_row_and_leave_typical_rows_whole(
+    rows, features, seed, massive, zero_rows
+):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, features, generator=generator)
+    for i, factor in enumerate(massive[:rows]):
+        x[i] *= factor
+    x[rows - min(zero_rows, rows) :] = 0
+    weights = calibration._capped_row_weights(x)
+    energy = x.double().square().sum(1)
+    nonzero = energy[energy > 0]
+    if nonzero.numel() == 0:
+        assert weights is None
+        return
+    bound = calibration.MASSIVE_ROW_CAP * float(nonzero.median())
+    if weights is None:
+        assert float(energy.max()) <= bound * (1 + 1e-5)
+        return
+    assert weights.shape == (rows,) and weights.dtype == torch.float32
+    assert bool((weights <= 1).all()) and bool((weights > 0).all())
+    assert bool((weights.double() * energy <= bound * (1 + 1e-4)).all())
+    typical = energy <= bound * (1 - 1e-4)
+    assert bool((weights[typical] == 1).all())
+    massive_rows = energy > bound * (1 + 1e-4)
+    torch.testing.assert_close(
+        weights.double()[massive_rows] * energy[massive_rows],
+        torch.full((int(massive_rows.sum()),), bound, dtype=torch.float64),
+        rtol=1e-4,
+        atol=0,
+    )
 
 
 def test_row_weights_give_the_weighted_second_moment():
