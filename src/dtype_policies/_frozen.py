@@ -35,6 +35,7 @@ from dtype_policies._compiled_frames import (
 )
 from dtype_policies._core.listeners import add_write_listener
 from dtype_policies._core.module_state import STATE_KEY, refresh_kept
+from dtype_policies._core.tensor_identity import view_key
 from dtype_policies._derivatives import transform_active
 from dtype_policies._inductor_repairs import repaired
 
@@ -42,7 +43,9 @@ from dtype_policies._inductor_repairs import repaired
 class ModelWatch:
     """What a graph compiled with frozen weights depends on besides its
     inputs, read back cheaply on every call: each parameter and buffer slot
-    (the tensor in it, its address and version), each child slot, and each
+    (the tensor in it, its address, version, shape and strides; a sparse or
+    nested tensor's version and parts, `tensor_identity.view_key`), each
+    child slot, and each
     module's training flag and this library's call state and quantization
     (replaced whenever a policy or a quantization changes).
 
@@ -85,9 +88,12 @@ class ModelWatch:
         "slot_names",
         "stateful",
         "states",
+        "strided",
         "strides",
         "tensors",
         "training",
+        "unstrided",
+        "unstrided_keys",
         "versioned",
         "versions",
         "written",
@@ -113,14 +119,18 @@ class ModelWatch:
                     self.tensors.append(tensor)
         # a slot added (a parameter or buffer of a new name) or removed
         self.slot_counts = list(map(len, self.all_slot_dicts))
-        self.addresses = list(map(_data_ptr, self.tensors))
+        # Sparse and nested tensors have no address or strides of their own.
+        self.strided = [tensor for tensor in self.tensors if _is_strided(tensor)]
+        self.unstrided = [tensor for tensor in self.tensors if not _is_strided(tensor)]
+        self.unstrided_keys = list(map(view_key, self.unstrided))
+        self.addresses = list(map(_data_ptr, self.strided))
         # `p.data = p.data[:k]` (or `.t()`) keeps the address and the version
-        self.shapes = list(map(_get_shape, self.tensors))
-        self.strides = list(map(_stride, self.tensors))
+        self.shapes = list(map(_get_shape, self.strided))
+        self.strides = list(map(_stride, self.strided))
         # An inference tensor has no version counter (and stays one).
-        self.versioned = [tensor for tensor in self.tensors if not tensor.is_inference()]
+        self.versioned = [tensor for tensor in self.strided if not tensor.is_inference()]
         self.versions = list(map(_get_version, self.versioned))
-        self.layouts = _native_layouts(self.tensors)
+        self.layouts = _native_layouts(self.strided)
         self.modules = list(model.modules())
         self.training = list(map(_get_training, self.modules))
         self.module_dicts = [module.__dict__ for module in self.modules]
@@ -151,15 +161,16 @@ class ModelWatch:
                 )
             )
             and (
-                _layouts_match(self.tensors, self.layouts)
+                _layouts_match(self.strided, self.layouts)
                 if self.layouts is not None
                 else (
-                    list(map(_data_ptr, self.tensors)) == self.addresses
-                    and list(map(_get_shape, self.tensors)) == self.shapes
-                    and list(map(_stride, self.tensors)) == self.strides
+                    list(map(_data_ptr, self.strided)) == self.addresses
+                    and list(map(_get_shape, self.strided)) == self.shapes
+                    and list(map(_stride, self.strided)) == self.strides
                     and list(map(_get_version, self.versioned)) == self.versions
                 )
             )
+            and list(map(view_key, self.unstrided)) == self.unstrided_keys
             and list(map(_get_training, self.modules)) == self.training
             and all(
                 map(
@@ -176,6 +187,19 @@ class ModelWatch:
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+_COMPRESSED_SPARSE = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _names(names: list[str]) -> str:
+    """The first three of `names`, quoted, and how many more."""
+    shown = ", ".join(repr(name) for name in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _is_strided(tensor: torch.Tensor) -> bool:
+    return tensor.layout is torch.strided and not tensor.is_nested
 
 
 def _native_layouts(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -598,28 +622,36 @@ class FrozenCompiledCall:
 
     def _watch_or_unfreeze(self, model: torch.nn.Module) -> None:
         """At the first call: the watch of the model's tensors, or, where
-        some cannot be watched (inference tensors, built or loaded under
+        some cannot be frozen, the weights kept as graph inputs instead, with
+        a warning: inference tensors (built or loaded under
         `torch.inference_mode()`: torch records no writes to them, so
         `load_state_dict` there would leave a frozen graph serving the old
-        values), the weights kept as graph inputs instead, with a warning."""
-        unwatched = [
-            name
-            for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
-            if tensor.is_inference()
-        ]
-        if not unwatched:
+        values) and compressed sparse tensors (CSR, CSC, BSR, BSC: Inductor's
+        freezing cannot fold them, torch 2.13)."""
+        named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+        inference = [name for name, tensor in named if tensor.is_inference()]
+        compressed = [name for name, tensor in named if tensor.layout in _COMPRESSED_SPARSE]
+        if not inference and not compressed:
             refresh_kept(model)  # the graph about to be traced reads the kernels' plans
             self.watch = ModelWatch(model)
             return
-        shown = ", ".join(repr(name) for name in unwatched[:3])
-        more = f" and {len(unwatched) - 3} more" if len(unwatched) > 3 else ""
+        if inference:
+            reason = (
+                f"{_names(inference)} are inference tensors (built or loaded under "
+                "torch.inference_mode()): torch records no writes to them, so a graph "
+                "with frozen weights could go on serving their old values after a "
+                "load_state_dict"
+            )
+            advice = "Build or load the model outside inference_mode to freeze them."
+        else:
+            reason = (
+                f"{_names(compressed)} are compressed sparse tensors (CSR, CSC, BSR or "
+                "BSC), which Inductor's freezing cannot fold into a graph"
+            )
+            advice = "A sparse COO tensor can be frozen."
         warnings.warn(
-            f"{self.name}: the model's {shown}{more} are inference tensors (built or loaded "
-            "under torch.inference_mode()): torch records no writes to them, so a graph "
-            "with frozen weights could go on serving their old values after a "
-            "load_state_dict. They stay inputs of the compiled graph instead, as with "
-            "freeze_weights=False (no prepacked products). Build or load the model outside "
-            "inference_mode to freeze them.",
+            f"{self.name}: the model's {reason}. They stay inputs of the compiled graph "
+            f"instead, as with freeze_weights=False (no prepacked products). {advice}",
             stacklevel=3,
         )
         self._set_up(model, freeze_weights=False)

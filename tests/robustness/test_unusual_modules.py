@@ -672,3 +672,93 @@ def test_a_map_key_matching_nothing_costs_little_on_a_model_of_many_routes():
     with pytest.warns(UserWarning, match="'nothing' matches no module path"):
         apply_policy(inner, DTypePolicyMap("float32", {"nothing": "bfloat16"}))
     assert time.perf_counter() - start < 10.0  # was 2**24 paths walked (minutes)
+
+
+class _GraphConvolution(nn.Module):
+    """A graph convolution holding its adjacency as a sparse buffer."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        generator = torch.Generator().manual_seed(0)
+        adjacency = (torch.rand(5, 5, generator=generator) > 0.5).float()
+        sparse = adjacency.to_sparse() if layout is torch.sparse_coo else adjacency.to_sparse_csr()
+        self.register_buffer("adj", sparse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adj, self.lin(x).to(self.adj.dtype))
+
+
+LAYOUTS = [torch.sparse_coo, torch.sparse_csr]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_a_sparse_buffer_is_counted_by_its_parts_and_refused_by_save_by_name(layout, tmp_path):
+    from dtype_policies import saving
+    from dtype_policies.apply.summary import model_totals
+    from dtype_policies.saving import CheckpointError
+
+    model = _GraphConvolution(layout)
+    x = torch.randn(5, 8)
+    expected = model(x)
+    # torch multiplies bfloat16 CSR matrices by nothing ("not implemented for 'BFloat16'")
+    apply_policy(model, "mixed_bfloat16" if layout is torch.sparse_coo else "float32")
+    _quantize_quietly(model, "int8")
+    assert model.adj.layout is layout and model.adj.dtype == torch.float32
+    assert relative_error(model(x).float(), expected) < 0.05
+    dense = model.adj.to_dense()
+    stored = int(dense.count_nonzero()) * 4  # float32 values
+    stored += (2 * int(dense.count_nonzero()) if layout is torch.sparse_coo else 6) * 8
+    if layout is torch.sparse_csr:
+        stored += int(dense.count_nonzero()) * 8  # column indices
+    parameters, size = model_totals(model)
+    assert parameters == 8 * 8 + 8  # the linear's; a buffer is no parameter
+    linear = 8 * 8 + 8 * 4 + 8 * 4  # int8 weight, float32 scales per block and bias
+    assert size - linear == stored, (size, linear, stored)
+    target = tmp_path / "gcn.safetensors"
+    with pytest.raises(CheckpointError, match=rf"'adj' is of layout {layout}"):
+        saving.save(model, target)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_the_watch_of_a_compiled_model_sees_writes_to_a_sparse_buffer(layout):
+    from dtype_policies._frozen import ModelWatch
+
+    model = _GraphConvolution(layout)
+    watch = ModelWatch(model)
+    assert watch.unstrided == [model.adj] and watch.unchanged()
+    model(torch.randn(5, 8))
+    assert watch.unchanged()
+    with torch.no_grad():
+        model.adj.mul_(2)
+    assert not watch.unchanged()
+    watch = ModelWatch(model)
+    model.adj = _GraphConvolution(layout).adj
+    assert not watch.unchanged()
+    if layout is torch.sparse_coo:  # `.data =` on a CSR tensor changes nothing (torch's)
+        watch = ModelWatch(model)
+        model.adj.data = _GraphConvolution(layout).adj.clone()  # the same values, new parts
+        assert not watch.unchanged()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_compile_for_inference_runs_a_model_with_a_sparse_buffer(layout):
+    from dtype_policies import compile_for_inference
+
+    model = _GraphConvolution(layout).eval()
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = model(x)
+        compiled = compile_for_inference(model, autotune=False)
+        if layout is torch.sparse_coo:  # frozen, and watched
+            torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
+            model.adj.mul_(3)
+            with pytest.warns(UserWarning, match="changed after it was compiled"):
+                torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+            return
+        with pytest.warns(UserWarning, match=r"'adj' are compressed sparse tensors"):
+            torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
+        model.adj.mul_(3)  # an input of the graph: followed
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)

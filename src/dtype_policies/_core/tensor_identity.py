@@ -41,14 +41,49 @@ def view_key(tensor: torch.Tensor) -> tuple:
     (in-place writes; -1 for an inference tensor, which cannot be written
     outside inference mode), address, dtype, shape and strides (`p.data =
     p.data[:k]` or `.t()` keep the address and the version; a sparse or
-    nested tensor has no strides: its layout instead)."""
+    nested tensor has no strides and no address of its own: its layout and
+    its parts' addresses and shapes instead, `parts_key`)."""
     try:
         version = tensor._version
     except RuntimeError:  # an inference tensor
         version = -1
     if tensor.layout is not torch.strided or tensor.is_nested:
-        return (version, data_address(tensor), tensor.dtype, tensor.layout)
+        return (version, data_address(tensor), tensor.dtype, tensor.layout, parts_key(tensor))
     return (version, data_address(tensor), tensor.dtype, tensor.shape, tensor.stride())
+
+
+_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def parts_key(tensor: torch.Tensor) -> tuple:
+    """The addresses and shapes of the strided tensors a sparse or nested
+    tensor is made of (`p.data = other` on a sparse parameter replaces them
+    and moves no version counter), with the tensor's own shape where it has
+    one.
+
+    >>> adjacency = torch.eye(3).to_sparse()
+    >>> before = parts_key(adjacency)
+    >>> adjacency.data = torch.eye(3).to_sparse()
+    >>> before == parts_key(adjacency)
+    False
+    """
+    names = _PARTS.get(tensor.layout, ("values",) if tensor.is_nested else ())
+    key: list[Any] = []
+    for name in names:
+        try:
+            part = getattr(tensor, name)()
+        except (RuntimeError, NotImplementedError):
+            continue
+        key.append((data_address(part), tuple(part.shape)))
+    if not tensor.is_nested:
+        key.append(tuple(tensor.shape))
+    return tuple(key)
 
 
 def contents_key(tensor: torch.Tensor) -> tuple:

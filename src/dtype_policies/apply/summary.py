@@ -159,8 +159,24 @@ def model_totals(model: torch.nn.Module) -> tuple[int, int]:
             key = _storage_key(tensor)
             if key not in stored:
                 stored.add(key)
-                size += tensor.numel() * tensor.element_size()
+                size += _stored_bytes(tensor)
     return parameters, size
+
+
+def _stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes `tensor` holds: a sparse tensor its indices and values
+    (its `numel` counts the dense shape)."""
+    if tensor.layout is torch.sparse_coo:
+        return sum(_stored_bytes(part) for part in (tensor._indices(), tensor._values()))
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+        return sum(_stored_bytes(part) for part in parts)
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+        return sum(_stored_bytes(part) for part in parts)
+    if tensor.is_nested:
+        return tensor.values().numel() * tensor.element_size()
+    return tensor.numel() * tensor.element_size()
 
 
 def _integer_data(module: torch.nn.Module, quantized: Any) -> Any:
@@ -170,8 +186,14 @@ def _integer_data(module: torch.nn.Module, quantized: Any) -> Any:
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
     """What tells tensors sharing memory apart; a sharded DTensor (FSDP2's,
-    counted at its full size) and a meta tensor have no storage to read."""
-    if tensor.device.type == "meta" or is_sharded_tensor(tensor):
+    counted at its full size), a meta tensor and a sparse or nested tensor
+    have no storage to read."""
+    if (
+        tensor.device.type == "meta"
+        or is_sharded_tensor(tensor)
+        or tensor.layout is not torch.strided
+        or tensor.is_nested
+    ):
         return (id(tensor),)
     return (
         tensor.untyped_storage().data_ptr(),

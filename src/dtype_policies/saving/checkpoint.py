@@ -218,6 +218,13 @@ def _collect_tensors(
             raise CheckpointError(
                 f"save(): '{key}' is on the meta device (it has no values to save)."
             )
+        if local.layout is not torch.strided or local.is_nested:
+            kind = "a nested tensor" if local.is_nested else f"of layout {local.layout}"
+            raise CheckpointError(
+                f"save(): '{key}' is {kind}; safetensors holds dense tensors only. "
+                "Store it dense (`.to_dense()`), or make it a non-persistent buffer "
+                "(`register_buffer(..., persistent=False)`) that the model rebuilds."
+            )
         if gather:  # the same object on every rank (a local shard may be empty)
             identity: tuple = ("sharded", id(value))
         else:
