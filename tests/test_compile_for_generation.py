@@ -269,6 +269,14 @@ def _changes():
     def parameter_in_an_empty_slot(m):  # `bias=False` linears hold None there
         m.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.ones(m.config.hidden_size))
 
+    def swap_tensors(m):  # no weak reference of the watch's stands in its way
+        proj = m.model.layers[0].mlp.up_proj
+        torch.utils.swap_tensors(proj.weight, torch.nn.Parameter(proj.weight.detach() * 2))
+
+    def reinterpret_buffer(m):  # the same memory, address, shape and strides
+        rotary = m.model.rotary_emb
+        rotary.inv_freq.data = rotary.inv_freq.data.view(torch.int32)
+
     def new_buffer(m):
         m.model.layers[0].mlp.register_buffer("offset", torch.ones(m.config.hidden_size))
 
@@ -290,6 +298,8 @@ def _changes():
         ("p.data.copy_ and clear_cast_caches", data_copy_then_clear),
         ("a parameter where there was None", parameter_in_an_empty_slot),
         ("a buffer of a new name", new_buffer),
+        ("a buffer's memory read as another dtype", reinterpret_buffer),
+        ("torch.utils.swap_tensors", swap_tensors),
     ]
 
 
@@ -352,18 +362,25 @@ def test_the_native_layouts_are_the_tensors_addresses_versions_sizes_and_strides
     tensors[0].data.add_(1)  # version 1 on the `.data`, 0 on the parameter
     tensors[1].add_(1)
     tensors[1].add_(1)
-    recorded = torch.ops.dtype_policies.tensor_layouts(tensors)
-    expected = []
+    recorded = torch.ops.dtype_policies.tensor_layouts(tensors).tolist()
+    expected, dtype_codes = [], []
     for tensor in tensors:
         version = -1 if tensor.is_inference() else tensor._version
-        expected += [tensor.data_ptr(), version, *tensor.shape, *tensor.stride()]
-    assert recorded.dtype == torch.int64 and recorded.tolist() == expected
+        dtype_codes.append(len(expected) + 2)
+        expected += [tensor.data_ptr(), version, None, *tensor.shape, *tensor.stride()]
+    assert len(recorded) == len(expected)
+    assert [r for r, e in zip(recorded, expected) if e is not None] == [
+        e for e in expected if e is not None
+    ]
+    assert len({recorded[i] for i in dtype_codes}) == 1  # float32 throughout
     assert expected[1] == 0 and expected[expected.index(-1) - 1] == inference.data_ptr()
+    recorded = torch.tensor(recorded)
     assert torch.ops.dtype_policies.tensor_layouts_match(tensors, recorded)
     for changed in (
         tensors[:-1],  # one tensor fewer
         [*tensors, torch.ones(1)],  # one more
         [tensors[1], tensors[0], *tensors[2:]],  # in another order
+        [tensors[0].view(torch.int32), *tensors[1:]],  # the same memory, another dtype
     ):
         assert not torch.ops.dtype_policies.tensor_layouts_match(changed, recorded)
     tensors[1].mul_(2)

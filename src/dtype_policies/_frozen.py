@@ -43,7 +43,7 @@ from dtype_policies._inductor_repairs import repaired
 class ModelWatch:
     """What a graph compiled with frozen weights depends on besides its
     inputs, read back cheaply on every call: each parameter and buffer slot
-    (the tensor in it, its address, version, shape and strides; a sparse or
+    (the tensor in it, its address, version, dtype, shape and strides; a sparse or
     nested tensor's version and parts, `tensor_identity.view_key`), each
     child slot, and each
     module's training flag and this library's call state and quantization
@@ -53,7 +53,7 @@ class ModelWatch:
     iteration (`map`, list and dict comparison) over flat lists recorded once,
     never a Python loop per tensor: SmolLM2-135M's 487 tensors and 397 modules
     cost 1.6 ms per decode step read one by one, 1.0 ms this way. The
-    tensors' addresses, versions, shapes and strides, most of that time,
+    tensors' addresses, versions, dtypes, shapes and strides, most of that time,
     are compared in one native call where this library's kernels are built
     (`_csrc/watch.cpp`; tensors of plain torch types): all-MiniLM-L6-v2's 145
     tensors in about 15 us against 60 us.
@@ -76,6 +76,7 @@ class ModelWatch:
         "calls",
         "children",
         "children_now",
+        "dtypes",
         "empty_dicts",
         "empty_names",
         "layouts",
@@ -124,6 +125,8 @@ class ModelWatch:
         self.unstrided = [tensor for tensor in self.tensors if not _is_strided(tensor)]
         self.unstrided_keys = list(map(view_key, self.unstrided))
         self.addresses = list(map(_data_ptr, self.strided))
+        # `p.data = p.data.view(dtype)` of one item size keeps the rest
+        self.dtypes = list(map(_get_dtype, self.strided))
         # `p.data = p.data[:k]` (or `.t()`) keeps the address and the version
         self.shapes = list(map(_get_shape, self.strided))
         self.strides = list(map(_stride, self.strided))
@@ -165,6 +168,7 @@ class ModelWatch:
                 if self.layouts is not None
                 else (
                     list(map(_data_ptr, self.strided)) == self.addresses
+                    and list(map(_get_dtype, self.strided)) == self.dtypes
                     and list(map(_get_shape, self.strided)) == self.shapes
                     and list(map(_stride, self.strided)) == self.strides
                     and list(map(_get_version, self.versioned)) == self.versions
@@ -189,9 +193,6 @@ class ModelWatch:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-_COMPRESSED_SPARSE = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
-
-
 def _names(names: list[str]) -> str:
     """The first three of `names`, quoted, and how many more."""
     shown = ", ".join(repr(name) for name in names[:3])
@@ -203,29 +204,42 @@ def _is_strided(tensor: torch.Tensor) -> bool:
 
 
 def _native_layouts(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """`tensors`' addresses, versions, shapes and strides recorded by the
-    native `tensor_layouts`, or `None` where the Python reads are used: the
-    native kernels are not built here, or a tensor is of a subclass (whose
-    storage may be another tensor's, read by its own Python)."""
+    """`tensors`' addresses, versions, dtypes, shapes and strides recorded by
+    the native `tensor_layouts`, or `None` where the Python reads are used:
+    the native kernels are not built here, a tensor is of a subclass (whose
+    storage may be another tensor's, read by its own Python), or a dispatch
+    mode is active (a `FakeTensorMode` would make the record a fake tensor)."""
     if not all(type(tensor) in _PLAIN_TENSOR_TYPES for tensor in tensors):
+        return None
+    if _active_dispatch_mode() is not None:
         return None
     if not _native.available("avx2"):
         return None
     return torch.ops.dtype_policies.tensor_layouts(tensors)
 
 
+def _active_dispatch_mode() -> Any:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
 def _layouts_match(tensors: list[torch.Tensor], recorded: torch.Tensor) -> bool:
     return torch.ops.dtype_policies.tensor_layouts_match(tensors, recorded)
 
 
-# id(tensor) -> (a weak reference to it, the watches reading it): told of
-# writes their version checks miss. Keyed by id: tensors compare elementwise.
-_watches_of: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
+# id(tensor) -> the watches reading it: told of writes their version checks
+# miss. Keyed by id (tensors compare elementwise), with no weak reference to
+# any tensor (`torch.utils.swap_tensors`, and `Module.to` swapping, refuse a
+# tensor that has one): a watch holds its tensors, so while a watch in a set
+# lives, the tensor of that id is the one it watches. Sets whose watches all
+# died are dropped when the next watch is made.
+_watches_of: dict[int, weakref.WeakSet[ModelWatch]] = {}
 _listening: list[bool] = []
 
 
 # Held to add to a tensor's watches and to read them (a watch made in one
-# thread while another clears the model's caches); `_forget` runs without it.
+# thread while another clears the model's caches).
 _watches_lock = threading.Lock()
 
 
@@ -234,31 +248,18 @@ def _watch_writes(watch: ModelWatch) -> None:
         _listening.append(True)
         add_write_listener(_after_write)
     with _watches_lock:
+        for key in [key for key, watches in _watches_of.items() if not watches]:
+            del _watches_of[key]
         for tensor in watch.tensors:
-            entry = _watches_of.get(id(tensor))
-            if entry is None or entry[0]() is not tensor:
-                entry = _watches_of[id(tensor)] = (
-                    weakref.ref(tensor, functools.partial(_forget, id(tensor))),
-                    weakref.WeakSet(),
-                )
-            entry[1].add(watch)
-
-
-def _forget(key: int, ref: weakref.ref) -> None:
-    """A watched tensor died: its entry goes (not another tensor's of the
-    same id). A collection may run this inside any allocation, the lock's
-    holder's too: one dict operation, no lock."""
-    entry = _watches_of.get(key)
-    if entry is not None and entry[0] is ref:
-        _watches_of.pop(key, None)
+            _watches_of.setdefault(id(tensor), weakref.WeakSet()).add(watch)
 
 
 def _mark_written(tensors: Any) -> None:
     for tensor in tensors:
         entry = _watches_of.get(id(tensor))
-        if entry is not None and entry[0]() is tensor:
+        if entry:
             with _watches_lock:
-                watches = list(entry[1])
+                watches = list(entry)
             for watch in watches:
                 watch.written = True
 
@@ -271,6 +272,7 @@ def _after_write(model: torch.nn.Module) -> None:
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _get_shape = operator.attrgetter("shape")
+_get_dtype = operator.attrgetter("dtype")
 _get_version = operator.attrgetter("_version")
 _get_training = operator.attrgetter("training")
 _get_call = operator.attrgetter("call")
@@ -626,12 +628,14 @@ class FrozenCompiledCall:
         a warning: inference tensors (built or loaded under
         `torch.inference_mode()`: torch records no writes to them, so
         `load_state_dict` there would leave a frozen graph serving the old
-        values) and compressed sparse tensors (CSR, CSC, BSR, BSC: Inductor's
-        freezing cannot fold them, torch 2.13)."""
+        values) and sparse or nested tensors (Dynamo, making a frozen
+        tensor an attribute of the graph, reads strides they do not have:
+        an IndexError inside torch 2.13 for a policied model's sparse
+        buffer)."""
         named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
         inference = [name for name, tensor in named if tensor.is_inference()]
-        compressed = [name for name, tensor in named if tensor.layout in _COMPRESSED_SPARSE]
-        if not inference and not compressed:
+        unstrided = [name for name, tensor in named if not _is_strided(tensor)]
+        if not inference and not unstrided:
             refresh_kept(model)  # the graph about to be traced reads the kernels' plans
             self.watch = ModelWatch(model)
             return
@@ -645,10 +649,10 @@ class FrozenCompiledCall:
             advice = "Build or load the model outside inference_mode to freeze them."
         else:
             reason = (
-                f"{_names(compressed)} are compressed sparse tensors (CSR, CSC, BSR or "
-                "BSC), which Inductor's freezing cannot fold into a graph"
+                f"{_names(unstrided)} are sparse or nested tensors, which Dynamo cannot "
+                "make constants of a graph (torch's own limit)"
             )
-            advice = "A sparse COO tensor can be frozen."
+            advice = "Hold them as dense tensors to freeze the model's weights."
         warnings.warn(
             f"{self.name}: the model's {reason}. They stay inputs of the compiled graph "
             f"instead, as with freeze_weights=False (no prepacked products). {advice}",

@@ -154,9 +154,8 @@ def compile_for_inference(
             call casts float weights on every call and follows every change;
             a model whose weights are inference tensors (built or loaded
             under `torch.inference_mode()`, whose writes torch does not
-            record) or that holds compressed sparse tensors (CSR, CSC, BSR,
-            BSC: Inductor's freezing cannot fold them; COO can be frozen)
-            is compiled so, with a warning.
+            record) or that holds sparse or nested tensors (which Dynamo
+            cannot make constants of a graph) is compiled so, with a warning.
         fullgraph: Refuse graph breaks (as `torch.compile`'s option).
         autotune: Let Inductor time its C++ GEMM templates against ATen's
             kernels for each product shape and keep the faster (default): a

@@ -715,6 +715,8 @@ def test_a_sparse_buffer_is_counted_by_its_parts_and_refused_by_save_by_name(lay
     assert parameters == 8 * 8 + 8  # the linear's; a buffer is no parameter
     linear = 8 * 8 + 8 * 4 + 8 * 4  # int8 weight, float32 scales per block and bias
     assert size - linear == stored, (size, linear, stored)
+    rows = {row.path: row for row in module_summaries(model)}
+    assert rows["(root)"].bytes == stored  # the model's own row: its adjacency alone
     target = tmp_path / "gcn.safetensors"
     with pytest.raises(CheckpointError, match=rf"'adj' is of layout {layout}"):
         saving.save(model, target)
@@ -743,22 +745,25 @@ def test_the_watch_of_a_compiled_model_sees_writes_to_a_sparse_buffer(layout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_compile_for_inference_runs_a_model_with_a_sparse_buffer(layout):
+def test_compile_for_inference_runs_a_model_with_a_sparse_buffer(layout, policy):
+    """Its weights stay graph inputs (Dynamo cannot make a frozen sparse
+    tensor an attribute of a graph: with a policy, an IndexError inside
+    torch), with a warning naming the buffer; the values are eager's and
+    follow a write."""
     from dtype_policies import compile_for_inference
 
     model = _GraphConvolution(layout).eval()
+    if policy is not None and layout is torch.sparse_coo:  # CSR has no bfloat16 product
+        apply_policy(model, policy)
     x = torch.randn(5, 8)
-    with torch.no_grad():
+    tolerance = 1e-5 if model.adj.dtype == torch.float32 and policy is None else 2e-2
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         expected = model(x)
         compiled = compile_for_inference(model, autotune=False)
-        if layout is torch.sparse_coo:  # frozen, and watched
-            torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
-            model.adj.mul_(3)
-            with pytest.warns(UserWarning, match="changed after it was compiled"):
-                torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
-            return
-        with pytest.warns(UserWarning, match=r"'adj' are compressed sparse tensors"):
-            torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
-        model.adj.mul_(3)  # an input of the graph: followed
-        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(x), expected, rtol=tolerance, atol=tolerance)
+        model.adj.mul_(3)
+        torch.testing.assert_close(compiled(x), model(x), rtol=tolerance, atol=tolerance)
+    assert any("'adj' are sparse or nested tensors" in str(w.message) for w in caught)

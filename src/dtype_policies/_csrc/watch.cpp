@@ -2,7 +2,8 @@
 // buffer on every call (dtype_policies._frozen.ModelWatch), in one pass:
 //   dtype_policies::tensor_layouts(tensors) -> int64 tensor
 //     per tensor: its data address, its version (-1 for an inference
-//     tensor, which has none), its sizes and its strides
+//     tensor, which has none), its dtype, its sizes and its strides
+//     (`p.data = p.data.view(dtype)` of one item size keeps all but the dtype)
 //   dtype_policies::tensor_layouts_match(tensors, recorded) -> bool
 //     whether tensor_layouts(tensors) would equal `recorded`
 // Only metadata is read, never the data, so any device's tensors are read.
@@ -16,7 +17,9 @@
 
 namespace {
 
-int64_t layout_length(const at::Tensor& tensor) { return 2 + 2 * tensor.dim(); }
+int64_t layout_length(const at::Tensor& tensor) { return 3 + 2 * tensor.dim(); }
+
+int64_t dtype_of(const at::Tensor& tensor) { return static_cast<int64_t>(tensor.scalar_type()); }
 
 int64_t version_of(const at::Tensor& tensor) {
   return tensor.is_inference() ? -1 : static_cast<int64_t>(tensor._version());
@@ -34,6 +37,7 @@ at::Tensor tensor_layouts(at::TensorList tensors) {
   for (const auto& tensor : tensors) {
     *out++ = address_of(tensor);
     *out++ = version_of(tensor);
+    *out++ = dtype_of(tensor);
     for (const int64_t size : tensor.sizes()) *out++ = size;
     for (const int64_t stride : tensor.strides()) *out++ = stride;
   }
@@ -51,6 +55,7 @@ bool tensor_layouts_match(at::TensorList tensors, const at::Tensor& recorded) {
     if (at + layout_length(tensor) > length) return false;
     if (expected[at++] != address_of(tensor)) return false;
     if (expected[at++] != version_of(tensor)) return false;
+    if (expected[at++] != dtype_of(tensor)) return false;
     for (const int64_t size : tensor.sizes()) {
       if (expected[at++] != size) return false;
     }

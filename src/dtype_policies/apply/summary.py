@@ -92,7 +92,7 @@ def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
                 variable_dtype=_dtype_names(own + stored),
                 quantization=quantization_label(module),
                 parameters=parameters,
-                bytes=sum(t.numel() * t.element_size() for t in own + buffers),
+                bytes=sum(_stored_bytes(t) for t in own + buffers),
             )
         )
     return rows

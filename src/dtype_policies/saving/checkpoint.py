@@ -221,9 +221,9 @@ def _collect_tensors(
         if local.layout is not torch.strided or local.is_nested:
             kind = "a nested tensor" if local.is_nested else f"of layout {local.layout}"
             raise CheckpointError(
-                f"save(): '{key}' is {kind}; safetensors holds dense tensors only. "
-                "Store it dense (`.to_dense()`), or make it a non-persistent buffer "
-                "(`register_buffer(..., persistent=False)`) that the model rebuilds."
+                f"save(): '{key}' is {kind}; safetensors holds dense tensors only "
+                "(non-persistent buffers are saved too). Hold it as dense tensors (a "
+                "sparse tensor's `.to_dense()`, or its indices and values) to save the model."
             )
         if gather:  # the same object on every rank (a local shard may be empty)
             identity: tuple = ("sharded", id(value))
