@@ -81,14 +81,23 @@ def test_each_weight_gets_its_own_rows_and_the_sink_counts_only_for_attention_in
     assert set(hessians) == set(reference)
     for name, x in reference.items():
         rows = x.reshape(-1, x.shape[-1])
-        weights = torch.ones(SAMPLES, LENGTH)
-        if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
-            weights[:, 0] = calibration.SINK_ROW_WEIGHT
-        weights = weights.reshape(-1)
-        expected = 2 * (rows * weights[:, None]).T @ rows / weights.sum()
         hessian, count = hessians[name]
         assert count == SAMPLES * LENGTH, name
+        expected = _weighted_hessian(rows, _sink_weights(name))
         torch.testing.assert_close(hessian, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _sink_weights(name: str) -> torch.Tensor:
+    """The row weights of weight `name`'s statistics before any cap: the first
+    position's rows `SINK_ROW_WEIGHT` for an attention's input projections."""
+    weights = torch.ones(SAMPLES, LENGTH)
+    if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
+        weights[:, 0] = calibration.SINK_ROW_WEIGHT
+    return weights.reshape(-1)
+
+
+def _weighted_hessian(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return 2 * (rows * weights[:, None]).T @ rows / weights.sum()
 
 
 def _planting_a_massive_row(model, factor: float = 1000.0):
@@ -111,10 +120,7 @@ def test_a_massive_row_counts_at_most_the_cap_times_the_typical_rows_energy(monk
     hessians = _pipeline_hessians(model, monkeypatch)
     for name, x in reference.items():
         rows = x.reshape(-1, x.shape[-1])
-        weights = torch.ones(SAMPLES, LENGTH)
-        if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
-            weights[:, 0] = calibration.SINK_ROW_WEIGHT
-        weights = weights.reshape(-1)
+        weights = _sink_weights(name)
         if name.endswith("down_proj"):
             energy = rows.double().square().sum(1)
             typical = energy.median()
@@ -122,7 +128,7 @@ def test_a_massive_row_counts_at_most_the_cap_times_the_typical_rows_energy(monk
             assert massive.sum() == SAMPLES  # the planted rows, and only they
             weights[massive] = (calibration.MASSIVE_ROW_CAP * typical / energy[massive]).float()
             assert bool((weights[massive] < 1e-3).all())
-        expected = 2 * (rows * weights[:, None]).T @ rows / weights.sum()
+        expected = _weighted_hessian(rows, weights)
         torch.testing.assert_close(hessians[name][0], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
