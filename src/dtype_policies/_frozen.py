@@ -43,20 +43,21 @@ from dtype_policies._inductor_repairs import repaired
 class ModelWatch:
     """What a graph compiled with frozen weights depends on besides its
     inputs, read back cheaply on every call: each parameter and buffer slot
-    (the tensor in it, its address, version, dtype, shape and strides; a sparse or
-    nested tensor's version and parts, `tensor_identity.view_key`), each
-    child slot, and each
-    module's training flag and this library's call state and quantization
-    (replaced whenever a policy or a quantization changes).
+    (the tensor in it, its address, version, dtype, shape and strides; a
+    sparse or nested tensor's version and parts, `tensor_identity.view_key`),
+    each child slot, and each module's training flag and this library's call
+    state and quantization (replaced whenever a policy or a quantization
+    changes).
 
     It is read before every compiled call, so each check is one pass of C
     iteration (`map`, list and dict comparison) over flat lists recorded once,
     never a Python loop per tensor: SmolLM2-135M's 487 tensors and 397 modules
     cost 1.6 ms per decode step read one by one, 1.0 ms this way. The
-    tensors' addresses, versions, dtypes, shapes and strides, most of that time,
-    are compared in one native call where this library's kernels are built
-    (`_csrc/watch.cpp`; tensors of plain torch types): all-MiniLM-L6-v2's 145
-    tensors in about 15 us against 60 us.
+    tensors' addresses, versions, dtypes, shapes and strides, most of that
+    time, are compared in one native call where this library's kernels are
+    built (`_csrc/watch.cpp`; tensors of plain torch types): the whole check
+    of all-MiniLM-L6-v2's 145 tensors and 120 modules takes 46 us against 85
+    us read from Python.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))

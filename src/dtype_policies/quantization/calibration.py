@@ -558,8 +558,8 @@ def _observing(
     projection: up to 3 x 10^5 times the median row's energy in SmolLM2-135M,
     99.9% of `XᵀX`'s trace in some layers) otherwise make a weight's
     statistics nearly rank one, and GPTQ then fits those rows alone: capped,
-    SmolLM2-135M's gptq/4/128 went from perplexity 27.83 to 26.84 and KL
-    from 0.161 to 0.146 (docs/quantization.md).
+    SmolLM2-135M's gptq/4/128 went from perplexity 27.83 to 27.01 and KL
+    from 0.161 to 0.148 (docs/quantization.md).
 
     The first call runs the whole block and records the order in which the
     targets are called. When each target was called exactly once, later
