@@ -744,6 +744,19 @@ def test_the_watch_of_a_compiled_model_sees_writes_to_a_sparse_buffer(layout):
         assert not watch.unchanged()
 
 
+@pytest.mark.parametrize("part", ["values", "offsets"])
+def test_the_watch_sees_a_write_to_either_part_of_a_jagged_buffer(part):
+    from dtype_policies._frozen import ModelWatch
+
+    model = nn.Linear(3, 3)
+    pieces = [torch.ones(2, 3), torch.ones(4, 3)]
+    model.register_buffer("ragged", torch.nested.nested_tensor(pieces, layout=torch.jagged))
+    watch = ModelWatch(model)
+    assert watch.unstrided == [model.ragged] and watch.unchanged()
+    getattr(model.ragged, part)().add_(0)  # in place: the part's version moves
+    assert not watch.unchanged()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)

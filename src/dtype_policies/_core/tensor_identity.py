@@ -43,13 +43,17 @@ def view_key(tensor: torch.Tensor) -> tuple:
     p.data[:k]` or `.t()` keep the address and the version; a sparse or
     nested tensor has no strides and no address of its own: its layout and
     its parts' addresses and shapes instead, `parts_key`)."""
-    try:
-        version = tensor._version
-    except RuntimeError:  # an inference tensor
-        version = -1
+    version = _version_of(tensor)
     if tensor.layout is not torch.strided or tensor.is_nested:
         return (version, data_address(tensor), tensor.dtype, tensor.layout, parts_key(tensor))
     return (version, data_address(tensor), tensor.dtype, tensor.shape, tensor.stride())
+
+
+def _version_of(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor
+        return -1
 
 
 _PARTS = {
@@ -62,10 +66,10 @@ _PARTS = {
 
 
 def parts_key(tensor: torch.Tensor) -> tuple:
-    """The addresses and shapes of the strided tensors a sparse or nested
-    tensor is made of (`p.data = other` on a sparse parameter replaces them
-    and moves no version counter), with the tensor's own shape where it has
-    one.
+    """The addresses, shapes and versions of the strided tensors a sparse or
+    nested tensor is made of (`p.data = other` on a sparse parameter replaces
+    them and moves no version counter; a write to a jagged tensor's offsets
+    moves only theirs), with the tensor's own shape where it has one.
 
     >>> adjacency = torch.eye(3).to_sparse()
     >>> before = parts_key(adjacency)
@@ -73,14 +77,14 @@ def parts_key(tensor: torch.Tensor) -> tuple:
     >>> before == parts_key(adjacency)
     False
     """
-    names = _PARTS.get(tensor.layout, ("values",) if tensor.is_nested else ())
+    names = _PARTS.get(tensor.layout, ("values", "offsets") if tensor.is_nested else ())
     key: list[Any] = []
     for name in names:
         try:
             part = getattr(tensor, name)()
-        except (RuntimeError, NotImplementedError):
-            continue
-        key.append((data_address(part), tuple(part.shape)))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            continue  # a nested tensor of the strided layout has no offsets
+        key.append((data_address(part), tuple(part.shape), _version_of(part)))
     if not tensor.is_nested:
         key.append(tuple(tensor.shape))
     return tuple(key)
