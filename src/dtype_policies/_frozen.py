@@ -35,7 +35,7 @@ from dtype_policies._compiled_frames import (
 )
 from dtype_policies._core.listeners import add_write_listener
 from dtype_policies._core.module_state import STATE_KEY, refresh_kept
-from dtype_policies._core.tensor_identity import view_key
+from dtype_policies._core.tensor_identity import has_strides, view_key
 from dtype_policies._derivatives import transform_active
 from dtype_policies._inductor_repairs import repaired
 
@@ -122,8 +122,8 @@ class ModelWatch:
         # a slot added (a parameter or buffer of a new name) or removed
         self.slot_counts = list(map(len, self.all_slot_dicts))
         # Sparse and nested tensors have no address or strides of their own.
-        self.strided = [tensor for tensor in self.tensors if _is_strided(tensor)]
-        self.unstrided = [tensor for tensor in self.tensors if not _is_strided(tensor)]
+        self.strided = [tensor for tensor in self.tensors if has_strides(tensor)]
+        self.unstrided = [tensor for tensor in self.tensors if not has_strides(tensor)]
         self.unstrided_keys = list(map(view_key, self.unstrided))
         self.addresses = list(map(_data_ptr, self.strided))
         # `p.data = p.data.view(dtype)` of one item size keeps the rest
@@ -198,10 +198,6 @@ def _names(names: list[str]) -> str:
     """The first three of `names`, quoted, and how many more."""
     shown = ", ".join(repr(name) for name in names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _is_strided(tensor: torch.Tensor) -> bool:
-    return tensor.layout is torch.strided and not tensor.is_nested
 
 
 def _native_layouts(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -635,7 +631,7 @@ class FrozenCompiledCall:
         buffer)."""
         named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
         inference = [name for name, tensor in named if tensor.is_inference()]
-        unstrided = [name for name, tensor in named if not _is_strided(tensor)]
+        unstrided = [name for name, tensor in named if not has_strides(tensor)]
         if not inference and not unstrided:
             refresh_kept(model)  # the graph about to be traced reads the kernels' plans
             self.watch = ModelWatch(model)

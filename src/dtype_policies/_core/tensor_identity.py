@@ -44,9 +44,15 @@ def view_key(tensor: torch.Tensor) -> tuple:
     nested tensor has no strides and no address of its own: its layout and
     its parts' addresses and shapes instead, `parts_key`)."""
     version = _version_of(tensor)
-    if tensor.layout is not torch.strided or tensor.is_nested:
+    if not has_strides(tensor):
         return (version, data_address(tensor), tensor.dtype, tensor.layout, parts_key(tensor))
     return (version, data_address(tensor), tensor.dtype, tensor.shape, tensor.stride())
+
+
+def has_strides(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has an address, shape and strides of its own (a
+    sparse or nested tensor has not: `parts_key`, `sparse_parts`)."""
+    return tensor.layout is torch.strided and not tensor.is_nested
 
 
 def _version_of(tensor: torch.Tensor) -> int:
@@ -63,6 +69,16 @@ _PARTS = {
     torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
+
+
+def sparse_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors a sparse tensor is made of (its indices and
+    values); none for any other layout.
+
+    >>> [tuple(part.shape) for part in sparse_parts(torch.eye(3).to_sparse())]
+    [(2, 3), (3,)]
+    """
+    return [getattr(tensor, name)() for name in _PARTS.get(tensor.layout, ())]
 
 
 def parts_key(tensor: torch.Tensor) -> tuple:

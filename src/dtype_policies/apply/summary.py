@@ -10,6 +10,7 @@ import torch
 
 from dtype_policies._core.module_state import state_of
 from dtype_policies._core.sharded import class_under_fsdp, is_sharded_tensor
+from dtype_policies._core.tensor_identity import has_strides, sparse_parts
 from dtype_policies._modes import mode_record
 from dtype_policies._paths import named_module_paths, root_path_of
 from dtype_policies.quantization.attach import quantization_of
@@ -166,14 +167,8 @@ def model_totals(model: torch.nn.Module) -> tuple[int, int]:
 def _stored_bytes(tensor: torch.Tensor) -> int:
     """The bytes `tensor` holds: a sparse tensor its indices and values
     (its `numel` counts the dense shape)."""
-    if tensor.layout is torch.sparse_coo:
-        return sum(_stored_bytes(part) for part in (tensor._indices(), tensor._values()))
-    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
-        parts = (tensor.crow_indices(), tensor.col_indices(), tensor.values())
-        return sum(_stored_bytes(part) for part in parts)
-    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
-        parts = (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
-        return sum(_stored_bytes(part) for part in parts)
+    if tensor.layout is not torch.strided:
+        return sum(_stored_bytes(part) for part in sparse_parts(tensor))
     if tensor.is_nested:
         return tensor.values().numel() * tensor.element_size()
     return tensor.numel() * tensor.element_size()
@@ -188,12 +183,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     """What tells tensors sharing memory apart; a sharded DTensor (FSDP2's,
     counted at its full size), a meta tensor and a sparse or nested tensor
     have no storage to read."""
-    if (
-        tensor.device.type == "meta"
-        or is_sharded_tensor(tensor)
-        or tensor.layout is not torch.strided
-        or tensor.is_nested
-    ):
+    if tensor.device.type == "meta" or is_sharded_tensor(tensor) or not has_strides(tensor):
         return (id(tensor),)
     return (
         tensor.untyped_storage().data_ptr(),

@@ -40,6 +40,7 @@ from dtype_policies._core.slots import (
     stored_buffer,
     stored_parameter,
 )
+from dtype_policies._core.tensor_identity import has_strides
 from dtype_policies._modes import stored_suffixes
 from dtype_policies._paths import join, root_path_of
 from dtype_policies._version import __version__
@@ -218,7 +219,7 @@ def _collect_tensors(
             raise CheckpointError(
                 f"save(): '{key}' is on the meta device (it has no values to save)."
             )
-        if local.layout is not torch.strided or local.is_nested:
+        if not has_strides(local):
             kind = "a nested tensor" if local.is_nested else f"of layout {local.layout}"
             raise CheckpointError(
                 f"save(): '{key}' is {kind}; safetensors holds dense tensors only "
