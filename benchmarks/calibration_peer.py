@@ -32,6 +32,9 @@ def _recipe(job: dict):
         symmetric=False,
         strategy="group" if job["group"] > 0 else "channel",
         group_size=job["group"] if job["group"] > 0 else None,
+        # "weight": the columns ordered by the Hessian's diagonal, the groups kept
+        # natural, as this library's activation order on its grids
+        actorder="weight" if job.get("activation_order") else None,
     )
     scheme = {"group": QuantizationScheme(targets=["Linear"], weights=weights)}
     if job["algorithm"] == "gptq":
