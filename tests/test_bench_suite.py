@@ -522,6 +522,40 @@ def test_chart_draws_both_speed_panels_with_labels_apart(tmp_path):
     plt.close(figure)
 
 
+def test_chart_labels_read_as_their_own_points_or_have_a_leader_line():
+    """A crowded row of points at one quality (SmolLM2's decode at 6.6-15.5 ms
+    and 24.9-25.1 perplexity, 2026-12-07): a label whose middle is nearer
+    another point than its own would name that point; it gets a leader line."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = [6.6, 8.5, 10.1, 10.5, 10.6, 12.7, 14.7, 15.5, 33.8, 41.4, 47.3]
+    found = [
+        (f"variant number {i} compiled", "ours" if i % 2 else "peer", t, 24.9 + 0.02 * (i % 3))
+        for i, t in enumerate(times)
+    ] + [("far away", "peer", 100.0, 34.0)]
+    figure, axes = plt.subplots(figsize=(8, 7), dpi=110)
+    axes.scatter([p[2] for p in found], [p[3] for p in found])
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    chart.place_labels(axes, found, set())
+    renderer = figure.canvas.get_renderer()
+    centres = {p[0]: tuple(axes.transData.transform((p[2], p[3]))) for p in found}
+    leaders = 0
+    for text_ in axes.texts:
+        box = text_.get_window_extent(renderer)
+        distances = {name: chart._distance(box, centre) for name, centre in centres.items()}
+        if text_.arrow_patch is not None:
+            leaders += 1
+        else:
+            assert min(distances, key=distances.__getitem__) == text_.get_text()
+    assert len(axes.texts) == len(found) and leaders >= 1
+    plt.close(figure)
+
+
 def test_a_cliff_is_timed_by_its_probes_alone_and_a_compiling_first_call_is_not_one(monkeypatch):
     from dtype_policies.bench.realmodels import speed
 

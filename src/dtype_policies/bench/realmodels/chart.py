@@ -66,8 +66,8 @@ def frontier(found: list[Point]) -> list[Point]:
 # Label offsets tried in turn (points from the marker), nearest first.
 _OFFSETS = [
     (dx * r, dy * r)
-    for r in (1, 2, 3.5, 5)
-    for dx, dy in ((5, 3), (5, -9), (-5, 3), (-5, -9), (0, 8), (0, -14))
+    for r in (1, 2, 3.5, 5, 7)
+    for dx, dy in ((5, 3), (5, -9), (-5, 3), (-5, -9), (0, 8), (0, -14), (8, -3), (-8, -3))
 ]
 
 
@@ -79,35 +79,48 @@ def _overlap(a: Any, b: Any) -> float:
 
 def place_labels(axes: Any, found: list[Point], first: set[str]) -> None:
     """Annotates every point with its variant name at the nearest offset that
-    overlaps no placed label, no marker and stays inside the axes (the least
-    overlapping one otherwise, with a leader line); `first` are placed first."""
+    overlaps no placed label, no marker, stays inside the axes and lies nearer
+    to its own point than to any other (the least bad one otherwise, with a
+    leader line); `first` are placed first."""
     from matplotlib.transforms import Bbox
 
     figure = axes.figure
     renderer = figure.canvas.get_renderer()
     inside = axes.get_window_extent(renderer)
-    markers = []
-    for _, _, x, y in found:
-        cx, cy = axes.transData.transform((x, y))
-        markers.append(Bbox.from_extents(cx - 4, cy - 4, cx + 4, cy + 4))
+    centres = [tuple(axes.transData.transform((x, y))) for _, _, x, y in found]
+    markers = [Bbox.from_extents(cx - 4, cy - 4, cx + 4, cy + 4) for cx, cy in centres]
     placed: list[Any] = []
     order = sorted(found, key=lambda p: (p[0] not in first, p[2]))
     for name, _, x, y in order:
-        best: tuple[float, Any, tuple[float, float]] | None = None
+        own = tuple(axes.transData.transform((x, y)))
+        others = [centre for centre in centres if centre != own]
+        best: tuple[float, Any, tuple[float, float], bool] | None = None
         for dx, dy in _OFFSETS:
             label = _label(axes, name, (x, y), (dx, dy))
             box = label.get_window_extent(renderer)
             cost = sum(_overlap(box, other) for other in [*placed, *markers])
             cost += 10 * (box.width * box.height - _overlap(box, inside))
+            # a label nearer to another point reads as that point's name
+            misleading = any(_distance(box, c) < _distance(box, own) for c in others)
+            cost += 3 * box.width * box.height if misleading else 0.0
             label.remove()
             if best is None or cost < best[0]:
-                best = (cost, box, (dx, dy))
+                best = (cost, box, (dx, dy), misleading)
             if cost == 0:
                 break
         assert best is not None
-        _, box, offset = best
-        _label(axes, name, (x, y), offset, leader=abs(offset[0]) + abs(offset[1]) > 20)
+        _, box, offset, misleading = best
+        far = abs(offset[0]) + abs(offset[1]) > 20
+        _label(axes, name, (x, y), offset, leader=far or misleading)
         placed.append(box)
+
+
+def _distance(box: Any, point: tuple[float, float]) -> float:
+    """From the middle of a label's box to a point (display units): a point
+    under a long label's middle reads as its point, wherever the text starts."""
+    dx = (box.x0 + box.x1) / 2 - point[0]
+    dy = (box.y0 + box.y1) / 2 - point[1]
+    return float((dx * dx + dy * dy) ** 0.5)
 
 
 def _label(
