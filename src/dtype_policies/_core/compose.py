@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import torch
 
@@ -31,7 +31,7 @@ class ComposedModule:
     _dp_original: type[torch.nn.Module]
     _dp_mixins: tuple[type, ...]
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         cls = type(self)
         # `__getstate__` of a class stacked on top (torch's parametrized
         # class refuses to pickle) has its say.
@@ -130,7 +130,7 @@ def set_mixins(module: torch.nn.Module, mixins: tuple[type, ...]) -> None:
     on top: FSDP2's `fully_shard` makes `FSDP<cls>(FSDPModule, cls)`, torch's
     `parametrize` makes `Parametrized<cls>(cls)` and removes it again by
     `__bases__[0]`, before or after the mixins came."""
-    ordered = tuple(sorted(set(mixins), key=lambda mixin: mixin._dp_order))
+    ordered = tuple(sorted(set(mixins), key=lambda mixin: cast(Any, mixin)._dp_order))
     original = original_class(module)
     composed = composed_class(original, ordered)
     cls = type(module)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -141,7 +141,7 @@ def push_application(
         applications.insert(0, (token, entry))
     else:
         applications.append((token, entry))
-    module._refresh_policy_state()
+    cast(Any, module)._refresh_policy_state()  # `Layer`'s and `PolicyModule`'s
 
 
 def pop_application(module: torch.nn.Module, token: object) -> bool:

@@ -11,7 +11,7 @@ class back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from dtype_policies._core.module_state import (
 from dtype_policies._core.products import linear_product, traced_product
 from dtype_policies._core.state import CallState, derive_call_state
 from dtype_policies._core.weight_casts import WeightCasts, cast_pair
-from dtype_policies.policies import DTypePolicy, policy_for_config
+from dtype_policies.policies import DTypePolicy, QuantizedDTypePolicy, policy_for_config
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,8 @@ class PolicyModule(ModuleMixin):
             if value is not None:
                 if sharded.as_is(d, value):  # FSDP2 reading its sharded parameter
                     return value
-                return read_weight(state.casts, name, value, is_buffer)
+                # (`call` is not None only when `state` is not None)
+                return read_weight(state.casts, name, value, is_buffer)  # type: ignore[union-attr]
         return super().__getattr__(name)
 
     _is_fsdp_managed_module = sharded.fsdp_managed
@@ -353,7 +354,7 @@ def module_call_state(module: torch.nn.Module, options: ModuleOptions) -> CallSt
         policy = policy_for_config(quantization.config, source)
         stored = quantization.stored_names
     elif policy.quantization_mode is not None:  # a module that cannot be quantized
-        policy = policy.source_policy
+        policy = cast(QuantizedDTypePolicy, policy).source_policy
     parameters = {
         name: p for name, p in module._parameters.items() if p is not None and name not in stored
     }

@@ -11,7 +11,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from numbers import Real
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -423,7 +423,9 @@ def _retime(
             for rank in micros
         }
         try:
-            seconds = time_variants(per_rank, unit.args, unit.kwargs, repeats)
+            # (the ranks built in the first pass: modules again, not reasons)
+            built = cast("dict[int, torch.nn.Module]", per_rank)
+            seconds = time_variants(built, unit.args, unit.kwargs, repeats)
         except Exception:
             continue  # the first pass found which variants fail; keep its times
         for rank, value in seconds.items():

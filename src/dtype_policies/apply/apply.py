@@ -8,7 +8,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -734,7 +734,8 @@ def install_steps(token: object, steps: list[Step]) -> None:
     `token` (cannot fail)."""
     for step in steps:
         if step.options is None:
-            entry = LayerApplication(step.policy, step.path or step.module.name)
+            # (`options` is None for this library's layers only)
+            entry = LayerApplication(step.policy, step.path or cast(Layer, step.module).name)
             push_application(step.module, token, entry)
         else:
             policy_module.install(step.module, token, step.options)
@@ -765,14 +766,15 @@ def _plan_policies(
         explicit = False
         resolved = policy
         if policy.is_map:
+            policy_map = cast(DTypePolicyMap, policy)
             try:
-                key = policy.matching_key(path)
+                key = policy_map.matching_key(path)
             except ValueError as e:
                 raise ValueError(f"apply_policy(): {e}") from None
             explicit = key is not None
-            if explicit:
+            if key is not None:
                 used_keys.add(key)
-            resolved = policy[path]
+            resolved = policy_map[path]
         if float_sources and isinstance(resolved, QuantizedDTypePolicy):
             resolved = resolved.source_policy
         if resolved.quantization_mode is None and not is_float_dtype(resolved.compute_dtype):
@@ -874,13 +876,14 @@ def _quantized_conflict(
                 f"{str(error).rstrip('.')})"
             )
         return None
-    if mode == quantized.mode and policy.quantization_config == quantized.config:
+    quantized_policy = cast(QuantizedDTypePolicy, policy)  # `mode` is not None
+    if mode == quantized.mode and quantized_policy.quantization_config == quantized.config:
         return None
     label = path or "(root)"
     return label, (
         f"the module at '{label}' is quantized in mode '{quantized.mode}' "
         f"({quantized.config}); it cannot take the policy '{policy.name}' "
-        f"(mode '{mode}', {policy.quantization_config})"
+        f"(mode '{mode}', {quantized_policy.quantization_config})"
     )
 
 
@@ -1013,7 +1016,8 @@ def _check_one(step: Step, modules: dict[str, torch.nn.Module]) -> _Checked:
         return _Checked(step, why=f"{original_class(step.module).__name__}, not a quantizable kind")
     if not kind.supports(mode):
         return _Checked(step, why=f"{kind.role} weights take {', '.join(kind.modes) or 'no mode'}")
-    config = step.policy.quantization_config
+    policy = cast(QuantizedDTypePolicy, step.policy)  # `mode` is not None
+    config = policy.quantization_config
     if isinstance(step.module, Layer):
         existing = getattr(step.module, "quantization_config", None)
         if existing is not None and existing.mode == mode:
@@ -1025,7 +1029,7 @@ def _check_one(step: Step, modules: dict[str, torch.nn.Module]) -> _Checked:
             path=step.path,
             type_check=False,
             kind=kind,
-            source=step.policy.source_policy,
+            source=policy.source_policy,
             modules=modules,
         )
     except NotImplementedError as e:

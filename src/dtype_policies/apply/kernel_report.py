@@ -15,6 +15,8 @@ and the docs: the same choices the kernels make (`_core.products`,
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from dtype_policies import _native as native
@@ -47,7 +49,8 @@ def kernel_of(module: torch.nn.Module) -> str:
     compute = state.call.compute
     quantized = quantization_of(module)
     if quantized is not None:
-        return _quantized(module, quantized, compute)
+        # (a quantized policy computes in a floating dtype)
+        return _quantized(module, quantized, cast(torch.dtype, compute))
     weight = _float_weight(module)
     if weight is None or compute is None or weight.dim() != 2:
         return "-"
@@ -107,7 +110,7 @@ def _quantized(module: torch.nn.Module, qw: QuantizedWeight, compute: torch.dtyp
         exact = cpu.exact_int8 or not on_cpu
         if device is not None and int8.native_applies(device, cpu):
             return "int8 AVX2 s8 x s8 kernel (this library's; exact without VNNI)"
-        if on_cpu and int8.onednn_int8_applies(device, cpu) and large:
+        if on_cpu and int8.onednn_int8_applies(cast(torch.device, device), cpu) and large:
             if not exact:
                 return "oneDNN u8 x s8 on sign-split activations (exact without VNNI)"
             if int8.signed_onednn_applies(cpu):

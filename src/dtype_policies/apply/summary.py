@@ -4,7 +4,7 @@ counts and bytes."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,13 +69,16 @@ def module_summaries(model: torch.nn.Module) -> list[ModuleSummary]:
     """The rows of `summary(model)`, one per module, depth first."""
     rows = []
     for path, module in named_module_paths(model, root_path_of(model)):
-        own = [p for p in module._parameters.values() if p is not None]
+        own: list[torch.Tensor] = [p for p in module._parameters.values() if p is not None]
         buffers = [b for b in module._buffers.values() if b is not None]
         quantized = quantization_of(module)
         parameters = sum(p.numel() for p in own)
-        stored = []
+        stored: list[torch.Tensor] = []
         if quantized is not None:
-            stored = [module._buffers[n] for n in sorted(quantized.stored_names)]
+            # (a quantized module's stored tensors are present)
+            stored = [
+                cast(torch.Tensor, module._buffers[n]) for n in sorted(quantized.stored_names)
+            ]
             if not quantized.scheme.keeps_float_weight:
                 parameters += int(torch.Size(quantized.spec.float_shape).numel())
                 stored = [_integer_data(module, quantized)]  # (scales are bookkeeping)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from dtype_policies.bench import harness
 from dtype_policies.bench.registry import Workload
 from dtype_policies.bench.workloads import cpu_mlp, llm
@@ -142,7 +144,7 @@ def markdown_table(workload: Workload, results: list[harness.Result], samples: d
     for r in results:
         ratio = harness.paired_ratio(samples, reference, r.variant)
         versus = (
-            harness.paired_ratio(samples, baseline, r.variant)
+            harness.paired_ratio(samples, cast(str, baseline), r.variant)
             if baseline in samples
             else float("nan")
         )
@@ -198,7 +200,9 @@ def llm_table(
             continue
         reference = workload.reference
         ratio = harness.paired_ratio(samples, reference, name) if reference in samples else 0
-        versus = harness.paired_ratio(samples, baseline, name) if baseline in samples else 0
+        versus = (
+            harness.paired_ratio(samples, cast(str, baseline), name) if baseline in samples else 0
+        )
         call = calls.get(name)
         first = (
             f"{call[0]:.2f} | {call[1]:.2f}"

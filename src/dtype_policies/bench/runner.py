@@ -297,8 +297,9 @@ def _time_workload(
             else first_calls(workload.first_call, list(samples), args.threads)
         )
         for r in results:
-            if isinstance(calls.get(r.variant), tuple):
-                r.extra["first_call_s"], r.extra["later_call_s"] = calls[r.variant]
+            call = calls.get(r.variant)
+            if isinstance(call, tuple):
+                r.extra["first_call_s"], r.extra["later_call_s"] = call
         for name, note in notes.items():
             if note.startswith("failed"):
                 all_results.append(harness.Result(key, name, float("nan"), 0, 0, note))

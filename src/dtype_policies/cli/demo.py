@@ -135,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
     apply_policy(mixed, "mixed_bfloat16")
     mixed_steps = _train(mixed, x_train, y_train, epochs, args.seed, "mixed_bfloat16")
 
-    variants = {"float32": (float32, float32_steps), "mixed_bfloat16": (mixed, mixed_steps)}
+    variants: dict[str, tuple[nn.Module, list[float] | None]] = {
+        "float32": (float32, float32_steps),
+        "mixed_bfloat16": (mixed, mixed_steps),
+    }
     for mode in ("int8", "int4"):
         quantized = copy.deepcopy(mixed)
         with warnings.catch_warnings():  # the norm layer is skipped, as expected
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     measured = _evaluate(
         {name: model for name, (model, _) in variants.items()}, x_test, y_test, repeats
     )
-    results = []
+    results: list[dict[str, Any]] = []
     for name, (model, steps) in variants.items():
         accuracy, seconds = measured[name]
         results.append(

@@ -145,7 +145,7 @@ def random_batches(specs: list[str], model: torch.nn.Module, count: int, seed: i
         raise CLIError(f"--inputs: a keyword is given twice: {names}")
     high = default_high(model)
     generator = torch.Generator().manual_seed(seed)
-    batches = []
+    batches: list[Any] = []
     for _ in range(count):
         tensors = [spec.make(generator, high) for spec in parsed]
         if named:

@@ -17,7 +17,7 @@ try:
     import rich.progress
     import rich.table
 except ImportError:  # the `cli` extra is not installed: plain text
-    rich = None
+    rich = None  # type: ignore[assignment]  # the optional module's absence
 
 
 def fancy() -> bool:

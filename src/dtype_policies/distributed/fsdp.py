@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -20,6 +20,7 @@ from dtype_policies.distributed.mixed_precision import mixed_precision_policy, q
 from dtype_policies.distributed.support import fsdp_refusal, sharding_device_type
 from dtype_policies.distributed.units import UnitRule, plan_units, refuse_quantized
 from dtype_policies.layers._unbuilt import refuse_unbuilt
+from dtype_policies.policies import DTypePolicy, DTypePolicyMap
 from dtype_policies.policies import get as get_policy
 
 
@@ -76,8 +77,10 @@ def _refuse_before_planning(model: Any, policy_or_map: Any, float32_modules: Any
 def _refuse_quantized_policies(policy_or_map: Any) -> None:
     """Raises if the policy, or any entry of the map, is quantized."""
     policy = get_policy(policy_or_map)
+    entries: dict[str, DTypePolicy]
     if policy.is_map:
-        entries = {"the default": policy.default_policy, **policy.policy_map}
+        policy_map = cast(DTypePolicyMap, policy)
+        entries = {"the default": policy_map.default_policy, **policy_map.policy_map}
     else:
         entries = {"": policy}
     for key, entry in entries.items():

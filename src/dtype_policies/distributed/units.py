@@ -117,7 +117,7 @@ def _read_dtypes(module: torch.nn.Module) -> set[torch.dtype | None]:
     state = getattr(state_of(module), "call", None)
     compute = getattr(state, "compute", None)
     casts = getattr(state, "autocast", False) and compute is not None
-    names = getattr(state, "weight_names", frozenset())
+    names: frozenset[str] = getattr(state, "weight_names", frozenset())
     dtypes: set[torch.dtype | None] = set()
     for name, parameter in module._parameters.items():
         if parameter is None or not parameter.is_floating_point():

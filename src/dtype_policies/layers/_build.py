@@ -79,5 +79,5 @@ def wrap_build(build: Callable) -> Callable:
                 self.__dict__["_building"] = False
             self._finish_build()
 
-    wrapped._dtype_policies_wrapped = True
+    wrapped._dtype_policies_wrapped = True  # type: ignore[attr-defined]  # a marker on the function
     return wrapped

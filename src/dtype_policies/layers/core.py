@@ -65,7 +65,7 @@ class Dropout(Layer):
         keep = 1.0 - self.rate
         if self.noise_shape is None and self.seed is None:
             return F.dropout(inputs, self.rate, training=True)
-        shape = inputs.shape
+        shape: tuple[int, ...] = inputs.shape
         if self.noise_shape is not None:
             if len(self.noise_shape) != inputs.dim():
                 raise ValueError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -51,6 +51,8 @@ class LayerApplication:
     policy: DTypePolicy
     path: str | None
 
+
+LayerT = TypeVar("LayerT", bound="Layer")
 
 LAYER_OWN = Token("LAYER_OWN")
 """The token of a layer's own policy, the bottom of its application stack."""
@@ -139,7 +141,7 @@ class Layer(LayerWeights, torch.nn.Module):
         cls._call_training_argument = training_argument(cls)
         build = cls.__dict__.get("build")
         if build is not None and not getattr(build, "_dtype_policies_wrapped", False):
-            cls.build = wrap_build(build)
+            cls.build = wrap_build(build)  # type: ignore[method-assign]  # wrapped on purpose
 
     def __init__(
         self,
@@ -282,7 +284,8 @@ class Layer(LayerWeights, torch.nn.Module):
     def _resolve_policy(self) -> DTypePolicy:
         policy = self._dtype_policy
         if policy.is_map:
-            return policy[self._path] if self._path is not None else policy.default_policy
+            policy_map = cast(DTypePolicyMap, policy)
+            return policy_map[self._path] if self._path is not None else policy_map.default_policy
         return policy
 
     def _refresh_policy_state(self) -> None:
@@ -308,7 +311,10 @@ class Layer(LayerWeights, torch.nn.Module):
             casts_own_weights=self._is_container or self._casts_own_weights,
             convert_arrays=not self._is_container,
         )
-        d["_map_version"] = self._dtype_policy._version if self._dtype_policy.is_map else None
+        policy_or_map = self._dtype_policy
+        d["_map_version"] = (
+            cast(DTypePolicyMap, policy_or_map)._version if policy_or_map.is_map else None
+        )
         state.casts.clear()
 
     def _autocast_buffer_names(self, policy: DTypePolicy, state: ModuleState) -> Iterator[str]:
@@ -333,7 +339,11 @@ class Layer(LayerWeights, torch.nn.Module):
 
     @property
     def _call_state(self) -> CallState:
-        if self._map_version is not None and self._dtype_policy._version != self._map_version:
+        if (
+            self._map_version is not None
+            # (a map's `_version`: `_map_version` is set only for a map)
+            and self._dtype_policy._version != self._map_version  # type: ignore[attr-defined]
+        ):
             self._check_map_edit()
             self._refresh_policy_state()
             self._plan_children()  # the map may give them other entries now
@@ -534,7 +544,7 @@ class Layer(LayerWeights, torch.nn.Module):
         return config
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Layer:
+    def from_config(cls: type[LayerT], config: dict[str, Any]) -> LayerT:
         """Builds a layer from `get_config()` output."""
         try:
             return cls(**config)
@@ -548,7 +558,7 @@ class Layer(LayerWeights, torch.nn.Module):
         return f"name={self.name!r}, dtype_policy={self._resolve_policy().name!r}"
 
 
-Layer.build = wrap_build(Layer.build)
+Layer.build = wrap_build(Layer.build)  # type: ignore[method-assign]  # wrapped on purpose
 Layer._call_training_argument = training_argument(Layer)
 
 

@@ -59,7 +59,7 @@ class LayerNormalization(Layer):
         kwargs["autocast"] = False
         super().__init__(**kwargs)
         if isinstance(axis, (list, tuple)):
-            self.axis = tuple(int(a) for a in axis)
+            self.axis: int | tuple[int, ...] = tuple(int(a) for a in axis)
         elif isinstance(axis, int):
             self.axis = axis
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -66,16 +66,16 @@ class Sequential(Layer):
         if not self._modules:
             raise IndexError("pop from an empty Sequential.")
         key = str(len(self._modules) - 1)
-        layer = self._modules.pop(key)
+        layer = cast(torch.nn.Module, self._modules.pop(key))  # `add` takes modules only
         self._accepts_training.pop()
         return layer
 
     @property
     def layers(self) -> list[torch.nn.Module]:
-        return list(self._modules.values())
+        return list(cast("dict[str, torch.nn.Module]", self._modules).values())
 
     def __iter__(self) -> Iterator[torch.nn.Module]:
-        return iter(self._modules.values())
+        return iter(cast("dict[str, torch.nn.Module]", self._modules).values())
 
     def __len__(self) -> int:
         return len(self._modules)

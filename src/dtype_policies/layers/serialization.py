@@ -15,7 +15,7 @@ are registered with `register_serializable` or passed in `custom_objects`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,7 +42,7 @@ def register_serializable(package: str = "Custom", name: str | None = None) -> C
         if key in _REGISTRY and _REGISTRY[key] is not cls:
             raise ValueError(f"'{key}' is already registered to {_REGISTRY[key]!r}.")
         _REGISTRY[key] = cls
-        cls._registered_name = key
+        cast(Any, cls)._registered_name = key  # read back by `serialize_layer`
         return cls
 
     return decorator
@@ -69,7 +69,7 @@ def serialize_layer(layer: torch.nn.Module) -> dict[str, Any]:
     registered = cls.__dict__.get("_registered_name")
     config = {
         key: serialize(value) if isinstance(value, DTypePolicy) else value
-        for key, value in layer.get_config().items()
+        for key, value in cast(Any, layer).get_config().items()  # (it has one: checked above)
     }
     builtin = BUILTIN_LAYERS.get(cls.__name__) is cls
     return {
@@ -107,4 +107,4 @@ def deserialize_layer(
             f"Unknown layer class '{registered or class_name}'. Register it with "
             "`dtype_policies.saving.register_serializable()` or pass it in `custom_objects`."
         )
-    return cls.from_config(config["config"])
+    return cast(Any, cls).from_config(config["config"])  # a layer class's classmethod

@@ -16,7 +16,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, cast, overload
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -515,11 +515,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 # overflow, so they are checked again (multiplied by 1).
                 factors.append(torch.ones(1, dtype=torch.float32, device=device))
             for factor in factors:
-                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found_inf, factor)
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    cast("list[torch.Tensor]", device_grads), found_inf, factor
+                )
         return list(found_infs.values())
 
     # ------------------------------------------------------------------ step
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # (refused: see below)
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         """Unscales the gradients (unless `unscale_()` did), then applies the
         inner step if they are all finite, else skips it; adapts the scale."""

@@ -108,8 +108,9 @@ class DTypePolicyMap(DTypePolicy, MutableMapping):
     def name(self) -> str:
         return f"map_{self._default_policy.name}"
 
+    # (read-only: a map's name follows its default policy's)
     @property
-    def _name(self) -> str:
+    def _name(self) -> str:  # type: ignore[override]
         return self.name
 
     @property

@@ -142,7 +142,8 @@ def deserialize(
     class_name = config["class_name"]
     if class_name in _TF_KERAS_CLASSES and class_name not in (custom_objects or {}):
         return _from_tf_keras(class_name, config.get("config"))
-    cls = (custom_objects or {}).get(class_name) or POLICY_CLASSES.get(class_name)
+    # (a policy class, or any class given in `custom_objects` with a `from_config`)
+    cls: Any = (custom_objects or {}).get(class_name) or POLICY_CLASSES.get(class_name)
     if cls is None and config.get("registered_name"):
         cls = (custom_objects or {}).get(config["registered_name"])
     if cls is None:

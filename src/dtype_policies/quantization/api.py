@@ -12,7 +12,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.utils import parametrize
@@ -474,9 +474,8 @@ def quantize(
             if module_plan.module is head:
                 _logits_in_float32(module_plan)
             label = module_plan.path or "(root)"
-            report.quantized.append(
-                (label, module_plan.mode, state_of(module_plan.module).call.policy.name)
-            )
+            state = cast(Any, state_of(module_plan.module))  # committed: its call state derived
+            report.quantized.append((label, module_plan.mode, state.call.policy.name))
     if plans:
         guard_loading(model)
         model_changed(model)

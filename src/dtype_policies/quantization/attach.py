@@ -10,13 +10,14 @@ import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.utils import parametrize
 
 from dtype_policies._core.compose import mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import (
+    ModuleState,
     ensure_state,
     pop_application,
     quantization_of,
@@ -331,9 +332,10 @@ def plan(
 
 
 def _already_quantized(module: torch.nn.Module, label: str, mode: str) -> ValueError:
+    state = cast(Any, state_of(module))  # quantized: its call state derived
     return ValueError(
         f"Layer '{getattr(module, 'name', label)}' is already quantized with "
-        f"dtype_policy='{state_of(module).call.policy.name}'. Received: mode={mode}"
+        f"dtype_policy='{state.call.policy.name}'. Received: mode={mode}"
     )
 
 
@@ -386,6 +388,6 @@ def detach_float8(module: torch.nn.Module) -> None:
     qw = quantization_of(module)
     for name in qw.stored_names:
         module._buffers.pop(name, None)
-    state_of(module).quantization = None
+    cast(ModuleState, state_of(module)).quantization = None  # quantized: it has a state
     set_mixins(module, tuple(m for m in mixins_of(module) if m not in FORWARDS.values()))
     pop_application(module, QUANTIZE_TOKEN)

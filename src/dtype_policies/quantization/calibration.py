@@ -83,7 +83,7 @@ from dtype_policies.quantization.structure import (
     in_this_thread,
 )
 from dtype_policies.quantizers.calibration_data import position_limits
-from dtype_policies.quantizers.config import QuantizationConfig
+from dtype_policies.quantizers.config import CalibratedQuantizationConfig, QuantizationConfig
 
 Call = tuple[tuple, dict]
 
@@ -107,7 +107,7 @@ class _Observed(Exception):
 def plan_calibrated(
     model: torch.nn.Module,
     targets: Sequence[tuple[str, Checked]],
-    config: QuantizationConfig,
+    config: CalibratedQuantizationConfig,
     progress: bool | None = None,
     expansions: Sequence[ExpertsExpansion] = (),
 ) -> CalibrationResult:

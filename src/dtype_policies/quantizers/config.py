@@ -10,7 +10,8 @@ dtypes each refuses come from the mode records (`dtype_policies._modes`).
 from __future__ import annotations
 
 import numbers
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, overload
 
 import torch
 
@@ -106,7 +107,7 @@ class AbsMaxQuantizer(Quantizer):
     def __init__(
         self,
         axis: int | tuple[int, ...] | None = None,
-        value_range: tuple[int, int] = INT8_RANGE,
+        value_range: Sequence[int] = INT8_RANGE,
         epsilon: float = EPSILON,
         output_dtype: str = "int8",
     ) -> None:
@@ -794,6 +795,10 @@ def validate_and_resolve_config(mode: Any, config: Any) -> QuantizationConfig:
     return config
 
 
+@overload
+def serialize_config(config: QuantizationConfig) -> dict[str, Any]: ...
+@overload
+def serialize_config(config: None) -> None: ...
 def serialize_config(config: QuantizationConfig | None) -> dict[str, Any] | None:
     """Keras's `{"module", "class_name", "config", "registered_name"}` for a
     config (`None` stays `None`).
@@ -812,7 +817,10 @@ def deserialize_config(data: Any) -> QuantizationConfig | None:
     """
     if data is None or isinstance(data, QuantizationConfig):
         return data
-    classes = {record.config_class.__name__: record.config_class for record in registered_modes()}
+    # (looked up by the data's 'class_name', whatever it holds)
+    classes: dict[Any, Any] = {
+        record.config_class.__name__: record.config_class for record in registered_modes()
+    }
     cls = classes.get(data.get("class_name")) if isinstance(data, dict) else None
     if cls is None:
         raise ValueError(
@@ -871,7 +879,8 @@ def deserialize(config: Any, custom_objects: dict[str, Any] | None = None) -> An
     """
     if config is None:
         return None
-    classes = {**_quantizer_classes(), **(custom_objects or {})}
+    # (looked up by the config's 'class_name', whatever it holds)
+    classes: dict[Any, Any] = {**_quantizer_classes(), **(custom_objects or {})}
     cls = classes.get(config.get("class_name")) if isinstance(config, dict) else None
     if cls is None:
         raise ValueError(

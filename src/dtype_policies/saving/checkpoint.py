@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -351,7 +351,8 @@ def _load(
         if assign:
             replace_buffer(module, key, state[key])
         else:
-            stored_buffer(module, key).copy_(state[key])
+            # (a non-persistent key names a buffer that holds a tensor)
+            cast(torch.Tensor, stored_buffer(module, key)).copy_(state[key])
     if assign:
         _retie(module, tied)
     if plans:
@@ -582,13 +583,13 @@ def _plan(
         saved_policies[name] = options.policy
     maps = _saved_maps(manifest, problems)
     root_path = root_path_of(module)
-    for name, record in manifest.layers.items():
+    for name, layer_record in manifest.layers.items():
         target = modules.get(name)
         if not isinstance(target, Layer):
             problems.append(f"'{name or '(root)'}': no such dtype_policies layer in the target")
             continue
         try:
-            policy = layer_policy(record)
+            policy = layer_policy(layer_record)
         except (ValueError, TypeError) as e:
             problems.append(f"'{name or '(root)'}': its saved policy cannot be read: {e}")
             continue
@@ -597,12 +598,12 @@ def _plan(
             steps.append(step)
             saved_policies[name] = policy
     plans = []
-    for name, record in manifest.quantized.items():
+    for name, quantized_record in manifest.quantized.items():
         target = modules.get(name)
         try:
             saved = saved_policies.get(name)
             kept = None if target is None or saved is not None else policy_without(target, replaced)
-            plans.extend(_plan_quantized(name, target, record, tensor_for, saved, kept))
+            plans.extend(_plan_quantized(name, target, quantized_record, tensor_for, saved, kept))
         except (CheckpointError, NotImplementedError, ValueError, TypeError, AttributeError) as e:
             problems.append(f"'{name or '(root)'}': {e}")  # a record that does not fit its mode
             unfit.add(name)

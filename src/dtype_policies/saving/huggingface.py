@@ -70,7 +70,7 @@ import json
 import re
 import warnings
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -156,7 +156,8 @@ class DTypePoliciesConfig(QuantizationConfigMixin):
                 f"Received: {type(manifest).__name__}"
             )
         parsed = Manifest.from_json(text, "the quantization_config")  # raises CheckpointError
-        self.quant_method = QUANT_METHOD
+        # (transformers' `QuantizationMethod` enum does not list this library's method)
+        self.quant_method = QUANT_METHOD  # type: ignore[assignment]
         self.manifest = json.loads(parsed.to_json())
 
     @property
@@ -229,6 +230,7 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
     module's docstring)."""
 
     requires_calibration = True  # it restores saved models; it does not quantize on load
+    quantization_config: DTypePoliciesConfig  # (checked in `__init__`; `sync` sets no other)
 
     def __init__(self, quantization_config: DTypePoliciesConfig, **kwargs: Any) -> None:
         if not isinstance(quantization_config, DTypePoliciesConfig):
@@ -282,7 +284,8 @@ class DTypePoliciesHfQuantizer(HfQuantizer):
                 # non-persistent buffers (Gemma's `embed_scale`) come from the model's init
                 and not non_persistent_buffer_names(plan.module)
             ):
-                plan.module._is_hf_initialized = True  # every tensor of it comes from the file
+                # every tensor of it comes from the file (transformers' flag)
+                cast(Any, plan.module)._is_hf_initialized = True
         for name in manifest.experts:  # expanded: its tensors are its linears'
             model.get_submodule(name)._is_hf_initialized = True
         self._steps = steps
@@ -543,11 +546,11 @@ def sync(model: Any) -> None:
     config = DTypePoliciesConfig(manifest)
     if current is None:
         current = DTypePoliciesHfQuantizer(config, pre_quantized=True)
-        model.hf_quantizer = current
+        cast(Any, model).hf_quantizer = current  # (attributes transformers reads)
     current._model = weakref.ref(model)
     current.quantization_config = config
     model.config.quantization_config = config
-    model.quantization_method = QUANT_METHOD
+    cast(Any, model).quantization_method = QUANT_METHOD
     _set_flags(model, manifest)
 
 

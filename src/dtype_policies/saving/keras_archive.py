@@ -58,7 +58,7 @@ import re
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from dtype_policies._modes import KERAS_ONLY_MODES
 from dtype_policies.policies import DTypePolicy, DTypePolicyMap, deserialize, get
@@ -403,7 +403,8 @@ class _Reader:
                 class_name = value.get("class_name")
                 inner = value.get("config")
                 if class_name == "DTypePolicyMap" and isinstance(inner, dict):
-                    policy_map = deserialize(_with_compilable_keys(value))
+                    # (its class name is 'DTypePolicyMap')
+                    policy_map = cast(DTypePolicyMap, deserialize(_with_compilable_keys(value)))
                     self.archive_maps.append(policy_map)
                     return policy_map
                 return deserialize(value)

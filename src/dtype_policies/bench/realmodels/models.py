@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -122,7 +123,7 @@ def smollm2_plain_dir() -> Path:
         return target
     _require("gguf", "loading SmolLM2's GGUF")
     _require("accelerate", "loading SmolLM2's GGUF")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(
@@ -134,7 +135,7 @@ def smollm2_plain_dir() -> Path:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = LlamaForCausalLM(config)
+    plain = LlamaForCausalLM(cast(LlamaConfig, config))  # (a Llama GGUF's)
     plain.load_state_dict(loaded.state_dict())
 
     def write(directory: Path) -> None:

@@ -7,7 +7,7 @@ import copy
 import os
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -57,7 +57,7 @@ def policied_copy(
     policy: str,
     mode: str | None = None,
     config: object | None = None,
-    **apply_options: object,
+    **apply_options: Any,
 ) -> ModuleT:
     """A deep copy of `base` under `apply_policy(policy)`, then quantized to
     `mode` (with `config`) when one is given."""

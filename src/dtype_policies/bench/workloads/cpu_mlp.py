@@ -8,6 +8,7 @@ this CPU (`apply.kernel_report`).
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import torch
@@ -55,7 +56,9 @@ def cpu_mlp(rows: int) -> tuple[Variants, dict[str, str]]:
     variants["whole model bfloat16"] = _inference(copy.deepcopy(base).bfloat16(), x.bfloat16())
     notes: dict[str, str] = {}
     for source in SOURCES:
-        candidates = [(source, None, None)] if source != "float32" else []
+        candidates: list[tuple[str, str | None, object]] = (
+            [(source, None, None)] if source != "float32" else []
+        )
         candidates += [(f"{label}_from_{source}", mode, config) for label, mode, config in MODES]
         for name, mode, config in candidates:
             try:
@@ -105,6 +108,6 @@ for _rows in (1, 64):
         f"cpu_mlp_{_rows}",
         f"MLP {WIDTHS[0]}->{WIDTHS[1]}->{WIDTHS[0]} at {_rows} row{'s' if _rows > 1 else ''}, "
         "every policy, mode and source (kernels of this CPU class in the notes)",
-        lambda rows=_rows: cpu_mlp(rows),
+        functools.partial(cpu_mlp, _rows),
         baseline="whole model bfloat16",
     )

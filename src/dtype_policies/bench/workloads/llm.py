@@ -4,6 +4,7 @@ batch 1 and prefill of 4 x 128 tokens."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -206,7 +207,7 @@ for _kind, _title in _TITLES.items():
     register(
         f"llm_{_kind}",
         _title,
-        lambda kind=_kind: llm_workload(kind),
+        functools.partial(llm_workload, _kind),
         baseline="whole model bfloat16",
         heavy=True,
         first_call=_kind,

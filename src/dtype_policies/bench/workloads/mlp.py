@@ -115,7 +115,7 @@ def mlp_train_factories(batch: int = 256) -> dict[str, Callable[[], Callable[[],
 
 
 def mlp_train(batch: int = 256) -> tuple[Variants, dict[str, str]]:
-    variants = {name: build() for name, build in mlp_train_factories(batch).items()}
+    variants: Variants = {name: build() for name, build in mlp_train_factories(batch).items()}
     notes = {"whole model bfloat16 (no master weights)": "the limit"}
     return variants, notes
 

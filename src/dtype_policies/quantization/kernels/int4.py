@@ -57,7 +57,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -431,7 +431,7 @@ def cpu_kernel(activation_block_size: int | None = None) -> str | None:
 
 def _kernel_order(
     g_idx: torch.Tensor | None, k: int, block_size: int
-) -> torch.Tensor | bool | None:
+) -> torch.Tensor | Literal[False] | None:
     """The inputs sorted by group (`None` if already in order), or `False`
     when `g_idx` does not give each block `block_size` inputs."""
     if g_idx is None or block_size <= 0:
