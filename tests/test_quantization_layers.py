@@ -290,6 +290,27 @@ def test_torch_embedding(mode):
     assert relative_error(embedding.weight, reference_table) < TOLERANCE[mode]
 
 
+@pytest.mark.parametrize("block", [16, 24, 64])
+@pytest.mark.parametrize("permuted", [False, True])
+def test_int4_embedding_rows_equal_the_dequantized_table(block, permuted):
+    """The lookup decodes only the rows asked for; each equals that row of
+    the dequantized table, rounded once to the compute dtype: natural groups
+    (block 16 and 64 divide the 64 features), a shorter last group (24) and a
+    permuted `g_idx` (a Keras archive may store one)."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 64)
+    apply_policy(embedding, "mixed_bfloat16")
+    quantize(embedding, "int4", Int4QuantizationConfig(block_size=block))
+    if permuted:
+        g_idx = embedding.weight_g_idx
+        g_idx.copy_(g_idx[torch.randperm(64, generator=torch.Generator().manual_seed(1))])
+    ids = torch.randint(0, 50, (3, 7))
+    rows = embedding(ids)
+    table = embedding.weight  # float32, decoded from the stored tensors
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows, table[ids].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_torch_embedding_refuses_the_ids_torch_refuses(mode):
     """Negative ids wrapped to the last rows and float or bool ids were

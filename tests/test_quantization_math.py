@@ -14,8 +14,10 @@ from dtype_policies.quantizers.math import (
     dequantize_grouped,
     grouped_quantize_with_zero_point,
     pack_int4,
+    packed_int4,
     quantize_and_dequantize,
     unpack_int4,
+    unpack_int4_rows,
 )
 
 
@@ -196,3 +198,30 @@ def test_straight_through_sends_no_derivative_into_the_rounding():
     straight_through(x, rounded).sum().backward()
     assert reached == []
     assert x.grad.tolist() == [[1.0, 1.0, 1.0, 1.0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    length=st.integers(1, 41),
+    unsigned=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_unpacking_rows_by_table_equals_unpacking_int4(rows, length, unsigned, seed):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(-8, 8, (rows, length), generator=generator, dtype=torch.int8)
+    packed = packed_int4(values, axis=1, dtype="uint8" if unsigned else "int8")
+    decoded = unpack_int4_rows(packed, length)
+    assert decoded.dtype == torch.float32 and decoded.shape == (rows, length)
+    assert torch.equal(decoded, unpack_int4(packed, length, axis=-1).float())
+    assert torch.equal(decoded, values.float())
+
+
+def test_unpacking_rows_builds_a_plain_table_inside_inference_mode():
+    from dtype_policies.quantizers import math as qmath
+
+    qmath._NIBBLE_VALUES.clear()
+    packed = packed_int4(torch.tensor([[3, -4]], dtype=torch.int8), axis=1)
+    with torch.inference_mode():
+        assert unpack_int4_rows(packed, 2).tolist() == [[3.0, -4.0]]
+    assert not qmath._NIBBLE_VALUES[torch.device("cpu")].is_inference()

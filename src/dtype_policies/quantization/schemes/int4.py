@@ -39,6 +39,7 @@ from dtype_policies.quantizers.math import (
     grouped_quantize_with_zero_point,
     packed_int4,
     unpack_int4,
+    unpack_int4_rows,
 )
 from dtype_policies.quantizers.scale_search import search_grouped_int4, search_per_channel_int4
 from dtype_policies.quantizers.zero_points import columns_per_chunk, refine_zero_points
@@ -262,13 +263,21 @@ class Int4Scheme(Scheme[Int4QuantizationConfig]):
     def lookup(self, module, qw, ids, compute):
         packed, scale, zero = self._stored(module, qw)
         features = qw.spec.in_features
-        q = unpack_int4(packed[ids], features, axis=-1).float()
+        q = unpack_int4_rows(packed[ids], features)
         if zero is None:
             return (q / scale[ids].float().unsqueeze(-1)).to(compute)
-        group = module._buffers[f"{qw.spec.weight}_g_idx"].long()
-        rows_scale = scale.t()[ids].float()[..., group]
-        rows_zero = zero.t()[ids].float()[..., group]
-        return ((q - rows_zero) * rows_scale).to(compute)
+        rows_scale = scale.t()[ids].float()
+        rows_zero = zero.t()[ids].float()
+        block = qw.config.group_size
+        g_idx = module._buffers[f"{qw.spec.weight}_g_idx"]
+        natural = default_g_idx(features, block, g_idx.device).to(g_idx.dtype)
+        if features % block == 0 and torch.equal(g_idx, natural):
+            # natural groups: each group's step and offset broadcast over its block
+            grouped = q.unflatten(-1, (features // block, block))
+            values = (grouped - rows_zero.unsqueeze(-1)) * rows_scale.unsqueeze(-1)
+            return values.flatten(-2).to(compute)
+        group = g_idx.long()
+        return ((q - rows_zero[..., group]) * rows_scale[..., group]).to(compute)
 
 
 def _laid_out(spec: WeightSpec, grid_gn: torch.Tensor) -> torch.Tensor:
