@@ -311,6 +311,20 @@ def test_int4_embedding_rows_equal_the_dequantized_table(block, permuted):
     assert torch.equal(rows, table[ids].to(torch.bfloat16))
 
 
+def test_int4_embedding_lookup_compiles_in_one_graph():
+    """The eager lookup's choice of natural groups reads `g_idx`'s values;
+    traced, it must not (a graph break split compiled MiniLM into pieces and
+    ran its embeddings eagerly, 2026-12-07)."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 64)
+    apply_policy(embedding, "mixed_bfloat16")
+    quantize(embedding, "int4", Int4QuantizationConfig(block_size=16))
+    ids = torch.randint(0, 50, (3, 7))
+    torch._dynamo.reset()
+    compiled = torch.compile(embedding, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(ids), embedding(ids))
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_torch_embedding_refuses_the_ids_torch_refuses(mode):
     """Negative ids wrapped to the last rows and float or bool ids were

@@ -263,19 +263,23 @@ class Int4Scheme(Scheme[Int4QuantizationConfig]):
     def lookup(self, module, qw, ids, compute):
         packed, scale, zero = self._stored(module, qw)
         features = qw.spec.in_features
-        q = unpack_int4_rows(packed[ids], features)
+        # traced: bit operations Inductor fuses and no branch on values (a
+        # graph break); eager: one table lookup per byte, steps per block
+        eager = not torch.compiler.is_compiling()
+        rows = packed[ids]
+        q = unpack_int4_rows(rows, features) if eager else unpack_int4(rows, features, -1).float()
         if zero is None:
             return (q / scale[ids].float().unsqueeze(-1)).to(compute)
         rows_scale = scale.t()[ids].float()
         rows_zero = zero.t()[ids].float()
         block = qw.config.group_size
         g_idx = module._buffers[f"{qw.spec.weight}_g_idx"]
-        natural = default_g_idx(features, block, g_idx.device).to(g_idx.dtype)
-        if features % block == 0 and torch.equal(g_idx, natural):
-            # natural groups: each group's step and offset broadcast over its block
-            grouped = q.unflatten(-1, (features // block, block))
-            values = (grouped - rows_zero.unsqueeze(-1)) * rows_scale.unsqueeze(-1)
-            return values.flatten(-2).to(compute)
+        if eager and block > 0 and features % block == 0:
+            natural = default_g_idx(features, block, g_idx.device).to(g_idx.dtype)
+            if torch.equal(g_idx, natural):  # each group's step and offset over its block
+                grouped = q.unflatten(-1, (features // block, block))
+                values = (grouped - rows_zero.unsqueeze(-1)) * rows_scale.unsqueeze(-1)
+                return values.flatten(-2).to(compute)
         group = g_idx.long()
         return ((q - rows_zero[..., group]) * rows_scale[..., group]).to(compute)
 
