@@ -456,3 +456,33 @@ def test_calls_from_another_thread_during_calibration_are_not_observed(mode):
     expected, state = alone.state_dict(), served.state_dict()
     assert sorted(state) == sorted(expected)
     assert all(torch.equal(state[key], expected[key]) for key in expected)
+
+
+@pytest.mark.parametrize("rows", [1, 300, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_awq_divides_its_inputs_as_one_float32_division_rounded_once(rows, dtype):
+    """Large inputs are divided piece by piece into the result (their float32
+    copy would be a fresh mapping each call); every size gives the values of
+    `(x.float() / s).to(compute)`, and a float32 input is left unchanged."""
+    from dtype_policies.quantization.schemes import calibrated_int
+
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1536, generator=generator).to(dtype)
+    before = x.clone()
+    divisor = torch.rand(1536, generator=generator) + 0.25
+    for compute in (torch.bfloat16, torch.float32):
+        with torch.inference_mode():
+            divided = calibrated_int._divided(x, divisor, compute)
+        assert divided.dtype == compute
+        assert torch.equal(divided, (x.float() / divisor).to(compute))
+        assert torch.equal(x, before)
+    assert (rows * 1536 > calibrated_int.DIVISION_CHUNK) == (rows > 1)
+
+
+def test_awq_division_keeps_gradients():
+    from dtype_policies.quantization.schemes import calibrated_int
+
+    x = torch.randn(400, 1536, requires_grad=True)
+    divisor = torch.rand(1536) + 0.25
+    calibrated_int._divided(x, divisor, torch.float32).sum().backward()
+    assert torch.equal(x.grad, torch.ones(400, 1536) / divisor)
