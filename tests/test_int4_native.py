@@ -888,25 +888,3 @@ def test_a_load_landing_before_the_plan_key_leaves_no_mixed_plan(mode, monkeypat
         expected = other(x)
         for _ in range(2):
             assert torch.equal(model(x), expected)
-
-
-def test_a_compiled_int4_product_adds_its_bias_to_the_kernels_output_as_eager():
-    """The native kernel's bfloat16 output is stored as it returns it, so the
-    compiled graph adds the bias to it without rounding it again in integer
-    ops (a scalar pass as long as the product at 4096 x 1536): the values
-    stay eager's."""
-    from dtype_policies import compile_for_inference
-    from dtype_policies.quantization.kernels import int4_native
-
-    if int4_native.torch_packing_block() is None:
-        pytest.skip("the packed int4 kernel is not built here")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 160))
-    apply_policy(model, "mixed_bfloat16")
-    quantize(model, "int4", Int4QuantizationConfig(block_size=32))
-    x = torch.randn(130, 96)  # many rows: the decoded path
-    with torch.inference_mode():
-        eager = model(x)
-        compiled = compile_for_inference(model)(x)
-    assert compiled.dtype == eager.dtype == torch.bfloat16
-    assert torch.equal(compiled, eager)
