@@ -436,12 +436,19 @@ def _kernel_order(
     when `g_idx` does not give each block `block_size` inputs."""
     if g_idx is None or block_size <= 0:
         return None
-    natural = torch.arange(k, device=g_idx.device) // block_size
-    groups = g_idx.long()
-    if torch.equal(groups, natural):
+    if natural_groups(g_idx, k, block_size):
         return None
+    groups = g_idx.long()
     order = torch.argsort(groups, stable=True)
+    natural = torch.arange(k, device=g_idx.device) // block_size
     return order if torch.equal(groups[order], natural) else False
+
+
+def natural_groups(g_idx: torch.Tensor, k: int, block_size: int) -> bool:
+    """Whether `g_idx` gives each run of `block_size` inputs its own group, in
+    order (`arange(k) // block_size`: int4's own grouping)."""
+    natural = torch.arange(k, device=g_idx.device) // block_size
+    return torch.equal(g_idx.long(), natural)
 
 
 def _pack(

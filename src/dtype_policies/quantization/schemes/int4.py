@@ -274,12 +274,12 @@ class Int4Scheme(Scheme[Int4QuantizationConfig]):
         rows_zero = zero.t()[ids].float()
         block = qw.config.group_size
         g_idx = module._buffers[f"{qw.spec.weight}_g_idx"]
-        if eager and block > 0 and features % block == 0:
-            natural = default_g_idx(features, block, g_idx.device).to(g_idx.dtype)
-            if torch.equal(g_idx, natural):  # each group's step and offset over its block
-                grouped = q.unflatten(-1, (features // block, block))
-                values = (grouped - rows_zero.unsqueeze(-1)) * rows_scale.unsqueeze(-1)
-                return values.flatten(-2).to(compute)
+        natural = eager and block > 0 and features % block == 0
+        if natural and kernels.natural_groups(g_idx, features, block):
+            # each group's step and offset broadcast over its block
+            grouped = q.unflatten(-1, (features // block, block))
+            values = (grouped - rows_zero.unsqueeze(-1)) * rows_scale.unsqueeze(-1)
+            return values.flatten(-2).to(compute)
         group = g_idx.long()
         return ((q - rows_zero[..., group]) * rows_scale[..., group]).to(compute)
 
