@@ -888,3 +888,28 @@ def test_a_load_landing_before_the_plan_key_leaves_no_mixed_plan(mode, monkeypat
         expected = other(x)
         for _ in range(2):
             assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_a_compiled_int4_product_adds_its_bias_to_the_kernels_output_as_eager(rows):
+    """The native kernel's bfloat16 output is stored as it returns it, so the
+    compiled graph adds the bias to it without rounding it again in integer
+    ops (a scalar pass as long as the product at 4096 x 1536): the values
+    stay eager's. The rows stay below NATIVE_DECODED_MIN_ROWS, where eager
+    and the graph run the same path on every class (from there, the AVX2
+    kernel's weight is decoded per call in eager only: float32 sums in
+    another order)."""
+    from dtype_policies import compile_for_inference
+    from dtype_policies.quantization.kernels import int4 as int4_kernels
+
+    assert rows < int4_kernels.NATIVE_DECODED_MIN_ROWS
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 160))
+    apply_policy(model, "mixed_bfloat16")
+    quantize(model, "int4", Int4QuantizationConfig(block_size=32))
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        eager = model(x)
+        compiled = compile_for_inference(model)(x)
+    assert compiled.dtype == eager.dtype == torch.bfloat16
+    assert torch.equal(compiled, eager)

@@ -178,12 +178,17 @@ def _bias_rounded_in_integer_ops(bias: torch.Tensor, dtype: torch.dtype) -> torc
     return bias.to(dtype)
 
 
-def plus_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def plus_bias(
+    y: torch.Tensor, bias: torch.Tensor | None, *, materialized: bool = False
+) -> torch.Tensor:
     """`y + bias` in `y`'s dtype with eager's roundings: the product `y` as
     its dtype holds it, the bias as `bias_in` gives it, one rounding of the
     sum. Under `torch.compile` (not exporting) Inductor fuses the add into
     the product's epilogue, on its float32 accumulators: the product's
-    rounding is then written in integer ops.
+    rounding is then written in integer ops, unless `materialized` says that
+    `y` is the output of an operator Inductor calls (a native kernel's),
+    already stored in its dtype (the integer ops cost a scalar pass over it:
+    a 4096 x 1536 int4 product's epilogue took about as long as the product).
 
     >>> import torch
     >>> plus_bias(torch.ones(2, dtype=torch.bfloat16), torch.tensor([0.5, 2**-10])).tolist()
@@ -193,7 +198,7 @@ def plus_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return y
     if not torch.compiler.is_compiling() or exporting():
         return y + bias.to(y.dtype)
-    if y.dtype in _IN_INTEGER_OPS:
+    if y.dtype in _IN_INTEGER_OPS and not materialized:
         y = float32_values(y).to(y.dtype)
     return y + _bias_rounded_in_integer_ops(bias, y.dtype)
 

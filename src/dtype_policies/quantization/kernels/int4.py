@@ -733,6 +733,9 @@ def _packed(
     elif layout.padded_k != xk.shape[1]:
         xk = F.pad(xk, (0, layout.padded_k - xk.shape[1]))
     q8 = plan.kernel == "native_q8"
+    # this library's operators: Inductor calls them, their outputs stored as
+    # they return them (torch's int4 product has lowerings that may fuse)
+    native = True
     if decoded and plan.kernel == "packed":  # bfloat16 weights, float32 sums, bfloat16 out
         y = int4_native.packed_decoded_mm(
             xk.contiguous(), plan.packed, plan.scales_and_zeros, layout.group
@@ -742,6 +745,7 @@ def _packed(
         y = int4_native.decoded_mm(
             xf, plan.packed, plan.scales_and_zeros, layout.group, q8=q8
         ).bfloat16()
+        native = False  # rounded to bfloat16 by the graph
     elif q8:
         y = int4_native.int4_mm_q8(xk, plan.packed, plan.scales_and_zeros, layout.group, n)
     elif plan.kernel == "native":
@@ -750,7 +754,9 @@ def _packed(
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             _row_major(xk), plan.packed, layout.group, plan.scales_and_zeros
         )
+        native = False
     if y.shape[1] != n:
         y = y[:, :n]
+    materialized = native and y.dtype == out_dtype
     y = y if y.dtype == out_dtype else y.to(out_dtype)
-    return plus_bias(y, bias)
+    return plus_bias(y, bias, materialized=materialized)
