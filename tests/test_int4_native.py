@@ -18,6 +18,7 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -290,6 +291,38 @@ def test_many_rows_decode_the_weight_once_per_call():
     torch.testing.assert_close(y.float(), kernel.float(), rtol=2**-7, atol=1e-3)
     with pytest.raises(ValueError, match="'packed' does not apply to a weight packed for 'native'"):
         int4_kernels.int4_linear(x, None, scale, zero, 128, None, torch.float32, runtime, "packed")
+
+
+@needs_kernel
+@pytest.mark.parametrize("q8", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(40, 576), (1100, 576), (300, 1536)])
+def test_the_decoded_operator_is_one_gemm_per_chunk_of_the_decoded_weight(q8, n, k):
+    """`decoded_mm` (one operator, eager and compiled) gives the float32
+    GEMMs of its chunks of decoded output rows, bit for bit: a single chunk,
+    and weights of several chunks (1 MiB of float32 each)."""
+    q, scale, zero = _weights(n, k, 64, seed=n)
+    plan = (
+        _q8_plan(q, scale, zero, 64)
+        if q8
+        else int4_kernels._pack(q, scale, zero, 64, None, "native")
+    )
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(k))
+    weight = int4_native.decode(plan.packed, plan.scales_and_zeros, 64, q8=q8)
+    kp = weight.shape[1]
+    per_row = 8 if q8 else 1
+    rows = max(16, (1 << 18) // kp) // per_row * per_row
+    expected = torch.cat(
+        [
+            F.linear(x, weight[start : start + rows, :k])
+            for start in range(0, weight.shape[0], rows)
+        ],
+        dim=1,
+    )
+    got = int4_native.decoded_mm(x, plan.packed, plan.scales_and_zeros, 64, q8=q8)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="x must be a 2-D float32 tensor"):
+        int4_native.decoded_mm(x.bfloat16(), plan.packed, plan.scales_and_zeros, 64, q8=q8)
 
 
 def test_policies_choose_the_native_kernel_exactly_where_it_applies(monkeypatch):
@@ -890,19 +923,16 @@ def test_a_load_landing_before_the_plan_key_leaves_no_mixed_plan(mode, monkeypat
             assert torch.equal(model(x), expected)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 100])
+@pytest.mark.parametrize("rows", [1, 8, 100, 130])
 def test_a_compiled_int4_product_adds_its_bias_to_the_kernels_output_as_eager(rows):
     """The native kernel's bfloat16 output is stored as it returns it, so the
     compiled graph adds the bias to it without rounding it again in integer
     ops (a scalar pass as long as the product at 4096 x 1536): the values
-    stay eager's. The rows stay below NATIVE_DECODED_MIN_ROWS, where eager
-    and the graph run the same path on every class (from there, the AVX2
-    kernel's weight is decoded per call in eager only: float32 sums in
-    another order)."""
+    stay eager's, on both sides of the decoded paths' row thresholds (the
+    graph runs the same path as eager: the decoded ones are one operator
+    each)."""
     from dtype_policies import compile_for_inference
-    from dtype_policies.quantization.kernels import int4 as int4_kernels
 
-    assert rows < int4_kernels.NATIVE_DECODED_MIN_ROWS
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 160))
     apply_policy(model, "mixed_bfloat16")

@@ -182,6 +182,45 @@ void int4_decode_q8_avx2(const at::Tensor& packed, const at::Tensor& pairs, int6
              out);
 }
 
+// Values of the float32 weight decoded per chunk of output rows: 1 MiB, multiplied while it
+// is still in cache.
+constexpr int64_t kFloatDecodedChunkValues = int64_t{1} << 18;
+
+// x [M, K] float32 times a weight packed by `pack` (or `pack_q8`, q8): [M, N] float32 (W4A8:
+// N rounded up to a multiple of 8), from one float32 GEMM per chunk of output rows of the
+// weight decoded into one cache-sized buffer. One operator, so that a compiled graph calls the
+// same chunks and GEMMs as eager (the same values).
+at::Tensor int4_decoded_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                           int64_t group, bool q8) {
+  const char* name = q8 ? "int4_decoded_mm (q8)" : "int4_decoded_mm";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name,
+              ": x must be a 2-D float32 tensor, got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK(packed.dim() == 2, name, ": packed must be 2-D, got shape ", packed.sizes());
+  const int64_t n = q8 ? packed.size(0) * 8 : packed.size(0);
+  const int64_t kp = q8 ? packed.size(1) / 4 : packed.size(1) * 2;
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k <= kp, name, ": x has ", k, " inputs, the weight ", kp);
+  const int64_t per_row = q8 ? 8 : 1;  // output rows per packed row
+  const int64_t rows = std::max<int64_t>(16, kFloatDecodedChunkValues / kp) / per_row * per_row;
+  const Decode decode = q8 ? dtype_policies_int4_q8_dequantize : dtype_policies_int4_dequantize;
+  if (rows >= n) {
+    at::Tensor weight = at::empty({n, kp}, x.options());
+    run_decode(decode, name, q8, packed, pairs, group, weight);
+    return at::mm(x, weight.narrow(1, 0, k).t());
+  }
+  at::Tensor buffer = at::empty({rows, kp}, x.options());
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  for (int64_t start = 0; start < n; start += rows) {
+    const int64_t stop = std::min(start + rows, n);
+    const int64_t p0 = start / per_row, p1 = stop / per_row;
+    at::Tensor weight = buffer.narrow(0, 0, stop - start);
+    run_decode(decode, name, q8, packed.narrow(0, p0, p1 - p0), pairs.narrow(0, p0, p1 - p0),
+               group, weight);
+    y.narrow(1, start, stop - start).copy_(at::mm(x, weight.narrow(1, 0, k).t()));
+  }
+  return y;
+}
+
 // Values of the bfloat16 weight decoded per chunk: 8 MiB. With 1 MiB chunks (multiplied
 // while in cache) the alternation of parallel decoding and GEMMs made the time bimodal
 // (896 x 4864 at 128 rows, 2 threads: 3.7 or 6.4-7.0 ms from one run to the next); with
@@ -255,6 +294,7 @@ TORCH_LIBRARY_FRAGMENT(dtype_policies, m) {
         "-> Tensor");
   m.def("int4_decode_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
   m.def("int4_decode_q8_avx2(Tensor packed, Tensor pairs, int group, Tensor(a!) out) -> ()");
+  m.def("int4_decoded_mm(Tensor x, Tensor packed, Tensor pairs, int group, bool q8) -> Tensor");
   m.def(
       "int4_packed_decoded_mm(Tensor x, Tensor packed, Tensor pairs, int group, int block_n) "
       "-> Tensor");
@@ -267,5 +307,6 @@ TORCH_LIBRARY_IMPL(dtype_policies, CPU, m) {
   m.impl("int4_mm_q8_amx", &int4_mm_q8_amx);
   m.impl("int4_decode_avx2", &int4_decode_avx2);
   m.impl("int4_decode_q8_avx2", &int4_decode_q8_avx2);
+  m.impl("int4_decoded_mm", &int4_decoded_mm);
   m.impl("int4_packed_decoded_mm", &int4_packed_decoded_mm);
 }

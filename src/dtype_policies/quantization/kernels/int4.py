@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from dtype_policies._core.casting import (
     as_product_input,
     bfloat16_rounded,
+    float32_values,
     plus_bias,
     straight_through,
 )
@@ -217,8 +218,8 @@ def int4_linear_traced(
     calls the kernel: the storage stays int4 and the values are the eager
     ones. The plan is read only for what cannot be traced (whether `g_idx`
     permutes the blocks, and the path for the rows); the packing is computed
-    from the stored tensors. Of the decoded paths only torch's packing's
-    (`decoded_bf16`, one operator) runs in a graph.
+    from the stored tensors. The decoded paths are one operator each, and
+    run in a graph as in eager.
     Otherwise plain ops on the kernel's float32 weight (`kernel_weight`, with
     torch's kernel's bfloat16 scales and offsets where that kernel runs),
     computing what the kernel computes.
@@ -231,7 +232,7 @@ def int4_linear_traced(
             assert g_idx is not None
             order = torch.argsort(g_idx.long(), stable=True)
         traced = _pack(q_nk, scale, zero, block_size, order, plan.kernel, plan.half_pairs)
-        return _packed(x2, traced, plan.n, bias, out_dtype, decoded=path == "decoded_bf16")
+        return _packed(x2, traced, plan.n, bias, out_dtype, decoded=path.startswith("decoded"))
     bfloat16_pairs = torch_kernel_here(activation_block_size)
     q8_pairs = w4a8_kernel_here(activation_block_size)
     weight = kernel_weight(q_nk, scale, zero, block_size, g_idx, bfloat16_pairs, q8_pairs)
@@ -741,7 +742,8 @@ def _packed(
             xk.contiguous(), plan.packed, plan.scales_and_zeros, layout.group
         )
     elif decoded:  # the kernel's values: its activations, float32 sums, bfloat16 out
-        xf = epilogues.round_activation_blocks(xk) if q8 else xk.float()
+        # float32_values: traced, `x2.bfloat16().float()` would keep x2 unrounded
+        xf = epilogues.round_activation_blocks(xk) if q8 else float32_values(xk)
         y = int4_native.decoded_mm(
             xf, plan.packed, plan.scales_and_zeros, layout.group, q8=q8
         ).bfloat16()

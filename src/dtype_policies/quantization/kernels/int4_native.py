@@ -32,9 +32,9 @@ copy).
 torch's layout, `int4.Int4Layout`) with plain tensor ops, so that a frozen
 compiled graph folds them into constants; the products are the operators
 `torch.ops.dtype_policies.int4_mm_avx2` and `int4_mm_q8_avx2`, eager and
-compiled alike; `decoded_mm` decodes the weight chunk by
-chunk into float32 for GEMMs, for many rows, where float32 GEMMs beat any int4
-kernel on this class (eager only).
+compiled alike; `decoded_mm` (the operator `int4_decoded_mm`, eager and
+compiled alike) decodes the weight chunk by chunk into float32 for GEMMs, for
+many rows, where float32 GEMMs beat any int4 kernel on this class.
 
 The same library decodes torch's own packing (`_convert_weight_to_int4pack_for_cpu`,
 the layout of the CPUs with AVX-512) into bfloat16, chunk by chunk, each chunk
@@ -274,31 +274,14 @@ def _shape(packed: torch.Tensor, q8: bool) -> tuple[int, int]:
     return packed.shape[0], packed.shape[1] * 2
 
 
-# decoded weights are produced this many float32 values at a time (1 MiB: the
-# chunk is multiplied while it is still in cache)
-_DECODED_CHUNK_VALUES = 1 << 18
-
-
 def decoded_mm(
     x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int, q8: bool = False
 ) -> torch.Tensor:
     """`x` (M, K) float32 times the packed weight, decoded chunk by chunk of
-    output rows into one cache-sized buffer, each chunk one float32 GEMM:
-    (M, N) float32 (W4A8: N rounded up to a multiple of 8)."""
-    n, kp = _shape(packed, q8)
-    per_row = 8 if q8 else 1  # output rows per packed row
-    k = x.shape[1]
-    rows = max(16, _DECODED_CHUNK_VALUES // kp) // per_row * per_row
-    if rows >= n:
-        return F.linear(x, decode(packed, pairs, group, q8=q8)[:, :k])
-    buffer = torch.empty((rows, kp), dtype=torch.float32)
-    y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        part = slice(start // per_row, stop // per_row)
-        weight = decode(packed[part], pairs[part], group, buffer[: stop - start], q8)
-        y[:, start:stop] = F.linear(x, weight[:, :k])
-    return y
+    output rows (1 MiB of float32 at a time) into one cache-sized buffer,
+    each chunk one float32 GEMM: (M, N) float32 (W4A8: N rounded up to a
+    multiple of 8). One operator, eager and compiled alike."""
+    return _ops().int4_decoded_mm(x, packed, pairs, group, q8)
 
 
 _torch_block: list[int | None] = []  # found once per process (`torch_packing_block`)
@@ -366,6 +349,12 @@ def _decode_fake(packed: torch.Tensor, pairs: torch.Tensor, group: int, out: tor
     return None
 
 
+def _decoded_fake(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int,
+                  q8: bool):  # fmt: skip
+    n = packed.shape[0] * 8 if q8 else packed.shape[0]
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
 def _packed_decoded_fake(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group: int,
                          block: int):  # fmt: skip
     return x.new_empty((x.shape[0], pairs.shape[1]), dtype=torch.bfloat16)
@@ -383,6 +372,7 @@ native.register_fakes(
             f"dtype_policies::{name}": _decode_fake
             for name in ("int4_decode_avx2", "int4_decode_q8_avx2")
         },
+        "dtype_policies::int4_decoded_mm": _decoded_fake,
         "dtype_policies::int4_packed_decoded_mm": _packed_decoded_fake,
     },
 )
