@@ -274,8 +274,8 @@ class Int4Scheme(Scheme[Int4QuantizationConfig]):
         rows_zero = zero.t()[ids].float()
         block = qw.config.group_size
         g_idx = module._buffers[f"{qw.spec.weight}_g_idx"]
-        natural = eager and block > 0 and features % block == 0
-        if natural and kernels.natural_groups(g_idx, features, block):
+        blocks_fit = eager and block > 0 and features % block == 0
+        if blocks_fit and kernels.natural_groups(g_idx, features, block):
             # each group's step and offset broadcast over its block
             grouped = q.unflatten(-1, (features // block, block))
             values = (grouped - rows_zero.unsqueeze(-1)) * rows_scale.unsqueeze(-1)
