@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +38,81 @@ except (ImportError, AttributeError):  # pragma: no cover
     FX_TRACE = None
 
 
+_FX_TRACE_FILE = None if FX_TRACE is None else FX_TRACE.__file__
+
+# torch's signs that a tracer records the running code are process-wide
+# flags: `is_compiling()` holds for the whole of any thread's compilation
+# (torch 2.13: tens of seconds for a model), `is_exporting()` for an export's,
+# and torch.fx's tracing flag for any thread's `symbolic_trace` or `make_fx`
+# (every compilation's AOTAutograd). Read as they are, another thread's eager
+# calls took the traced paths while a model compiled: int4 products 10-90x
+# slower and other values, torch.func transforms unseen; a compiled graph
+# that read the fx flag failed its guard and compiled again. The functions
+# below read those flags only together with this thread's own evidence.
+
+
+def compiling() -> bool:
+    """Whether a compiler traces the code running in this thread: Dynamo
+    (`torch.compile`, strict `torch.export`), or, within a compilation or an
+    export, a tracer of this thread (AOTAutograd's, non-strict export's).
+    `torch.compiler.is_compiling()` without the other threads' compilations.
+
+    >>> compiling()
+    False
+    """
+    if torch.compiler.is_dynamo_compiling():  # a constant for Dynamo: no guard
+        return True
+    return torch.compiler._is_compiling_flag and traced_in_this_thread()
+
+
+def traced_in_this_thread() -> bool:
+    """Whether a tracer records this thread's tensor operations: a fake
+    tensor or `make_fx` proxy mode among this thread's dispatch modes, or
+    torch.fx's tracer (`symbolic_trace`, `make_fx`) on this thread's stack.
+
+    >>> traced_in_this_thread()
+    False
+    """
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
+        return True
+    if FX_TRACE is None or not FX_TRACE._is_fx_tracing_flag:
+        return False
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode  # pre-dispatch ones too
+
+    return get_proxy_mode() is not None or _fx_tracer_on_this_stack()
+
+
+def _fx_tracer_on_this_stack() -> bool:
+    """Whether `torch.fx.Tracer.trace` (every torch.fx tracer's, subclasses
+    call it) runs in this thread: it alone sets torch.fx's tracing flag."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "trace" and code.co_filename == _FX_TRACE_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def fx_tracing() -> bool:
+    """Whether torch.fx's tracer (`symbolic_trace`, `make_fx`) traces in this
+    thread: its flag, read only with this thread's evidence (never under
+    Dynamo, whose graphs would guard on the process-wide flag).
+
+    >>> fx_tracing()
+    False
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return False
+    return FX_TRACE is not None and FX_TRACE._is_fx_tracing_flag and _fx_tracer_on_this_stack()
+
+
 def fx_symbolic_tracing() -> bool:
-    """Whether `torch.fx` traces (`symbolic_trace`, `make_fx`) outside a compiler."""
-    return (
-        FX_TRACE is not None and FX_TRACE._is_fx_tracing_flag and not torch.compiler.is_compiling()
-    )
+    """Whether `torch.fx` traces (`symbolic_trace`, `make_fx`) in this thread,
+    outside a compiler."""
+    return fx_tracing() and not compiling()
 
 
 def _dynamo_traces_an_export() -> bool:
@@ -67,5 +139,17 @@ def _exporting_before_2_7() -> bool:
     return _dynamo_traces_an_export() or torch.compiler._is_compiling_flag
 
 
-is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", _exporting_before_2_7)
-"""Whether `torch.export` (strict or not) traces the running code."""
+_is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", _exporting_before_2_7)
+
+
+def is_exporting() -> bool:
+    """Whether `torch.export` (strict or not) traces the code running in
+    this thread (`torch.compiler.is_exporting()` without other threads'
+    exports).
+
+    >>> is_exporting()
+    False
+    """
+    if not _is_exporting():
+        return False
+    return torch.compiler.is_dynamo_compiling() or traced_in_this_thread()

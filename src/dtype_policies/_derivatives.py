@@ -37,9 +37,12 @@ except ImportError:  # pragma: no cover - older torch
         return None
 
 
+from dtype_policies._compat import compiling as _is_compiling
+
 _grad_enabled = torch.is_grad_enabled
-# asked before the stack probe, which Dynamo on older torch (2.6) cannot trace
-_is_compiling = torch.compiler.is_compiling
+# `_is_compiling` is asked before the stack probe, which Dynamo on older
+# torch (2.6) cannot trace; it is this thread's (another thread compiling
+# does not hide this one's transforms)
 
 
 def functorch_active() -> bool:

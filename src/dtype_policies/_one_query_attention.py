@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from dtype_policies import _attention_dispatch
+from dtype_policies._compat import compiling
 
 NAME = "dtype_policies_one_query"
 
@@ -55,7 +56,7 @@ _force_stride_order: Any = None
 def _computed_once(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, which a compiled graph computes into a buffer of its own
     before the loops that read it, instead of inlining its producer there."""
-    if _force_stride_order is None or not torch.compiler.is_compiling():
+    if _force_stride_order is None or not compiling():
         return tensor
     return _force_stride_order(tensor, tensor.stride())
 

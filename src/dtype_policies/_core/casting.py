@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from dtype_policies._compat import (
-    FX_TRACE,
     STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS,
+    compiling,
     fx_symbolic_tracing,
+    fx_tracing,
     is_exporting,
 )
 from dtype_policies._derivatives import transform_active
@@ -44,10 +45,10 @@ def tracing() -> bool:
     """Whether a compiler or tracer records the ops (`torch.compile`, or one
     of the tracers of `exporting`): kept casts and opaque kernels are
     bypassed then, so that the recording holds the real computation."""
-    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+    if compiling() or torch._C._get_tracing_state() is not None:
         return True
     # (a non-strict or strict `torch.export` sets `is_compiling`; read on every call)
-    if FX_TRACE is not None and FX_TRACE._is_fx_tracing_flag:
+    if fx_tracing():
         return True
     return STRICT_EXPORT_RUNS_EAGER_ON_FAKE_TENSORS and fake_tensor_mode_active()
 
@@ -123,7 +124,7 @@ def _rounded(
     """`x` cast to `dtype` and back to float32; under `torch.compile` (not
     exporting) `in_integer_ops(x)`, the same values; NaN kept."""
     x = x.float()
-    if not torch.compiler.is_compiling() or exporting():
+    if not compiling() or exporting():
         rounded = x.to(dtype).float()
     else:
         rounded = torch.where(torch.isnan(x), x, in_integer_ops(x))
@@ -143,7 +144,7 @@ def float32_values(x: torch.Tensor) -> torch.Tensor:
     torch.float32
     """
     in_integer_ops = _IN_INTEGER_OPS.get(x.dtype)
-    if in_integer_ops is None or not torch.compiler.is_compiling() or exporting():
+    if in_integer_ops is None or not compiling() or exporting():
         return x.float()  # exact
     return _rounded(x, x.dtype, in_integer_ops)
 
@@ -163,7 +164,7 @@ def bias_in(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     >>> bias_in(torch.tensor([1.00390625]), torch.bfloat16).tolist()
     [1.0]
     """
-    if not torch.compiler.is_compiling() or exporting():
+    if not compiling() or exporting():
         return bias.to(dtype)
     return _bias_rounded_in_integer_ops(bias, dtype)
 
@@ -196,7 +197,7 @@ def plus_bias(
     """
     if bias is None:
         return y
-    if not torch.compiler.is_compiling() or exporting():
+    if not compiling() or exporting():
         return y + bias.to(y.dtype)
     if y.dtype in _IN_INTEGER_OPS and not materialized:
         y = float32_values(y).to(y.dtype)
@@ -335,7 +336,7 @@ def additive_mask_positions(forward: Callable[..., Any]) -> frozenset[int]:
     >>> sorted(additive_mask_positions(Block().forward))
     [2]
     """
-    if torch.compiler.is_compiling():
+    if compiling():
         return _mask_positions(forward)
     function = getattr(forward, "__func__", forward)
     try:

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from dtype_policies._compat import compiling
 from dtype_policies._core.products import native_half_products
 from dtype_policies._cpu import processor
 
@@ -31,7 +32,7 @@ _warned = False
 def warn_if_cpu_float16(device: torch.device) -> None:
     """Warns once per process when float16 compute is requested on CPU."""
     global _warned
-    if _warned or device.type != "cpu" or torch.compiler.is_compiling():
+    if _warned or device.type != "cpu" or compiling():
         return  # (a compiled call's trace cannot warn: its first eager call does)
     _warned = True
     info = processor()

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._compat import compiling
 from dtype_policies._core.casting import cast_tensor, tracing
 from dtype_policies._core.tensor_identity import view_key
 
@@ -193,7 +194,7 @@ def checkpoint_contexts() -> tuple[AbstractContextManager, AbstractContextManage
     >>> block.weight.grad.dtype
     torch.float32
     """
-    if torch.compiler.is_compiling():
+    if compiling():
         # the traced region recomputes its own ops, casts included: torch's
         # own contexts (it takes no others), recomputing everything
         from torch.utils.checkpoint import create_selective_checkpoint_contexts

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from dtype_policies._compat import compiling
 from dtype_policies._derivatives import backward_running
 
 
@@ -109,7 +110,7 @@ def call_in_context(layer: Any, args: tuple, kwargs: dict, training: bool | None
         layer._clear_losses()
     if training is None and argument is not _NOT_TAKEN:
         training = argument[1]  # Keras: the signature's default, passed on too
-    if not recomputing and not torch.compiler.is_compiling():
+    if not recomputing and not compiling():
         # what a replay finds (under no_grad too: a reentrant checkpoint's
         # forward runs so)
         records = layer.__dict__.get("_forward_training")

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from dtype_policies._compat import compiling
 from dtype_policies.quantization.schemes.base import QuantizedWeight, StoredTensors
 from dtype_policies.quantization.weight_copy import (
     LOADED_FLAG,
@@ -365,7 +366,7 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def _can_defer(qw: QuantizedWeight, stored: dict[str, torch.Tensor]) -> bool:
-    if not stored or torch.compiler.is_compiling():
+    if not stored or compiling():
         return False
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False

@@ -51,6 +51,7 @@ from typing import Any, cast
 
 import torch
 
+from dtype_policies._compat import compiling
 from dtype_policies._core.compose import ModuleMixin, mixins_of, original_class, set_mixins
 from dtype_policies._core.module_state import ensure_state, quantization_of, state_of
 from dtype_policies._core.policy_module import install
@@ -385,12 +386,12 @@ class ExpertLinearsForward(ModuleMixin):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         index, weights = _routing(args, kwargs)
-        if torch.compiler.is_compiling() and derivative_free(hidden_states, weights):
+        if compiling() and derivative_free(hidden_states, weights):
             # the loop over the chosen experts depends on the routing's values:
             # one opaque operator in a compiled inference graph (fullgraph
             # included); with gradients, the graph breaks around the eager loop
             return torch.ops.dtype_policies.experts(hidden_states, index, weights, id(self))
-        if torch.compiler.is_compiling():
+        if compiling():
             return _experts_outside_graphs(self, hidden_states, index, weights)
         _register(self)
         return _experts(self, hidden_states, index, weights)

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from dtype_policies._compat import compiling
 from dtype_policies.quantization.weight_guard import describe
 
 _IN_PLACE_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul")
@@ -110,7 +111,7 @@ class WeightCopy(torch.Tensor):
 def guarded_copy(tensor: torch.Tensor, copy_of: CopyOf) -> torch.Tensor:
     """`tensor` (a copy read from a quantized module's stored tensors) as a
     `WeightCopy` whose writes raise; it shares `tensor`'s memory and graph."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return tensor  # a compiled forward reads it; compilers do not trace the subclass
     guarded = tensor.as_subclass(WeightCopy)
     guarded._dp_copy_of = copy_of
@@ -221,7 +222,7 @@ def read_weight(module: torch.nn.Module, qw: Any, tensor: torch.Tensor, reads: s
     of a stored tensor (a `Dense`'s int8 `kernel`, Keras's int8 variable)
     takes writes, which reach what the forward reads; only pointing it at
     other memory (`.data = ...`) raises."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return tensor  # a compiled forward reads it; compilers do not trace the subclass
     buffers = module.__dict__["_buffers"]
     stored = tuple(buffers[name] for name in qw.buffer_names if buffers.get(name) is not None)

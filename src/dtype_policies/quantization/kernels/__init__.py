@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
+from dtype_policies._compat import compiling
 from dtype_policies._core.casting import exporting
 from dtype_policies._core.tensor_identity import tensor_key as tensor_key
 
@@ -36,12 +35,26 @@ def freezing_weights() -> bool:
     `freezing`, as `compile_for_generation` sets it): what depends on weights
     alone is then computed once, at compile time, and the traced products may
     call the eager kernels on layouts computed in the graph."""
-    if torch.compiler.is_compiling():
-        # Dynamo imported it. Not looked up in `sys.modules` here: Dynamo
-        # traces that lookup by walking the whole dictionary, which another
-        # thread's import changes under it ("dictionary changed size")
-        from torch._inductor import config as inductor_config
-
-        return bool(inductor_config.freezing) and not exporting()
+    if compiling():
+        return _inductor_freezing() and not exporting()
     config = sys.modules.get("torch._inductor.config")  # not imported: not frozen
     return bool(config is not None and config.freezing) and not exporting()
+
+
+def _inductor_freezing() -> bool:
+    """Inductor's `freezing` in this thread, while a compiler traces. Dynamo
+    calls this function and takes its result as a constant of the graph
+    (marked below, as `torch.compiler.assume_constant_result` marks one), as
+    Inductor itself reads the setting once, when it compiles a graph: read
+    in the traced code, it was a guard that ran Python (the config's
+    `__getattr__`, a per-thread value since torch 2.13) in every call's
+    cache lookup."""
+    # Dynamo imported it. Not looked up in `sys.modules`: traced, that lookup
+    # walks the whole dictionary, which another thread's import changes
+    from torch._inductor import config as inductor_config
+
+    return bool(inductor_config.freezing)
+
+
+# marked without importing Dynamo (importing this package does not load it)
+_inductor_freezing._dynamo_marked_constant = True  # type: ignore[attr-defined]

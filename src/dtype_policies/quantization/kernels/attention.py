@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from dtype_policies import _attention_dispatch
 from dtype_policies import _native as native
+from dtype_policies._compat import compiling
 from dtype_policies._derivatives import derivative_free
 
 KERNEL = "attention_bf16"
@@ -214,7 +215,7 @@ class _EagerCalls:
         self.__init__()  # type: ignore[misc]
 
     def before(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling():  # nothing for the traced graph to replay
+        if compiling():  # nothing for the traced graph to replay
             return
         holder = None if self.holder is None else self.holder()
         if holder is None:  # a copy's: its own model's
@@ -225,7 +226,7 @@ class _EagerCalls:
         self.swapped.__dict__.setdefault("stack", []).append(context)
 
     def after(self, model: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if compiling():
             return
         stack = self.swapped.__dict__.get("stack")
         if stack:

@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._compat import compiling
 from dtype_policies._core.casting import (
     as_product_input,
     bfloat16_rounded,
@@ -103,7 +104,7 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     column-major buffer (after a fused RMSNorm, at 24 rows on an `amx` CPU)
     crashed the kernel ("expect A to be contiguous")."""
     x = x.contiguous()
-    if _force_stride_order is not None and torch.compiler.is_compiling():
+    if _force_stride_order is not None and compiling():
         strides = x.stride()
         if not any(isinstance(stride, torch.SymInt) for stride in strides):  # its ints only
             x = _force_stride_order(x, strides)
@@ -629,7 +630,7 @@ def _path(plan: Int4Packed | None, rows: int, block_size: int) -> str:
         return "dequantized"
     # Traced, rows are compared only with the thresholds that exist: in a
     # compiled graph with a dynamic number of rows each comparison is a guard.
-    if not torch.compiler.is_compiling() and rows < KERNEL_ONLY_BELOW_ROWS:
+    if not compiling() and rows < KERNEL_ONLY_BELOW_ROWS:
         return plan.kernel
     elements = plan.n * plan.layout.padded_k
     if block_size <= 0:

@@ -42,6 +42,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 import torch
 import torch.nn.functional as F
 
+from dtype_policies._compat import compiling
 from dtype_policies._core.casting import float32_values, plus_bias
 from dtype_policies._cpu import processor
 from dtype_policies.quantization.kernels import int4 as int4_kernels
@@ -536,7 +537,7 @@ def _divided(x: torch.Tensor, divisor: torch.Tensor, compute: torch.dtype) -> to
         or x.dim() != 2
         or x.device.type != "cpu"
         or x.requires_grad
-        or torch.compiler.is_compiling()
+        or compiling()
     ):
         return _float32_divided(x, divisor).to(compute)
     out = torch.empty(x.shape, dtype=compute, device=x.device)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from dtype_policies._compat import compiling
 from dtype_policies._core.call import leaf_weights
 from dtype_policies._core.casting import (
     bfloat16_rounded,
@@ -218,7 +219,7 @@ def _rounded_like_eager(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) 
     pair in float32, so the input reached the float8 rounding unrounded and
     compiled float8 layers differed from eager ones by up to float8's own
     error (1-5% on a layer)."""
-    if x.dtype is torch.bfloat16 and torch.compiler.is_compiling() and not exporting():
+    if x.dtype is torch.bfloat16 and compiling() and not exporting():
         values = quantize_and_dequantize(bfloat16_rounded(x), scale, fmt, torch.float32)
         return bfloat16_rounded(values).to(torch.bfloat16)
     return quantize_and_dequantize(x, scale, fmt, x.dtype)

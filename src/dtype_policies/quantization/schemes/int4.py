@@ -21,6 +21,7 @@ from typing import cast
 
 import torch
 
+from dtype_policies._compat import compiling
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import Int4DTypePolicy, QuantizedDTypePolicy
 from dtype_policies.quantization.kernels import int4 as kernels
@@ -265,7 +266,7 @@ class Int4Scheme(Scheme[Int4QuantizationConfig]):
         features = qw.spec.in_features
         # traced: bit operations Inductor fuses and no branch on values (a
         # graph break); eager: one table lookup per byte, steps per block
-        eager = not torch.compiler.is_compiling()
+        eager = not compiling()
         rows = packed[ids]
         q = unpack_int4_rows(rows, features) if eager else unpack_int4(rows, features, -1).float()
         if zero is None:
