@@ -874,10 +874,10 @@ def test_threads_calling_a_fresh_compiled_model_compile_each_graph_once():
             thread.join()
     assert [str(w.message) for w in caught if "eagerly" in str(w.message)] == []
     # One thread's graphs are 3. Found and left (2026-12-07, AMD Zen 4): in
-    # about 1 run of 7 one more, when a call of a new shape meets a guard of
-    # the dynamic graph that fails at run time and passes when Dynamo
-    # analyses it ("Unexpected recompilation"): a transient state of another
-    # thread's overlapping call, not yet identified (docs/speed.md).
+    # 2-7 runs of 20 one more, when a call's lookup misses an entry that
+    # passes its guards microseconds later ("Unexpected recompilation"), with
+    # no process-wide state changed: torch's lookup race among threads
+    # running one frame's graphs, pytorch#123177 (docs/speed.md).
     assert compiled_graphs() - before <= 4
     assert len(results) == 3 * 2 * len(inputs)
     for (_, key), got in results.items():
@@ -899,5 +899,5 @@ def test_float8_weight_only_with_frozen_weights_compiles_to_eagers_values():
     with torch.inference_mode():
         eager, compiled = model(x), fast(x)
     assert compiled.dtype == eager.dtype == torch.bfloat16
-    error = ((compiled.float() - eager.float()).norm() / eager.float().norm()).item()
+    error = close(compiled.float(), eager.float())
     assert error < 0.006, error

@@ -73,15 +73,17 @@ def traced_in_this_thread() -> bool:
     >>> traced_in_this_thread()
     False
     """
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+    keys = torch._C._TorchDispatchModeKey
+    if torch._C._get_dispatch_mode(keys.FAKE) is not None:
         return True
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
+    if torch._C._get_dispatch_mode(keys.PROXY) is not None:
         return True
     if FX_TRACE is None or not FX_TRACE._is_fx_tracing_flag:
         return False
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode  # pre-dispatch ones too
-
-    return get_proxy_mode() is not None or _fx_tracer_on_this_stack()
+    # a pre-dispatch proxy mode (torch.export's) or torch.fx's own tracer
+    if torch._ops._get_dispatch_mode_pre_dispatch(keys.PROXY) is not None:
+        return True
+    return _fx_tracer_on_this_stack()
 
 
 def _fx_tracer_on_this_stack() -> bool:

@@ -29,6 +29,10 @@ from __future__ import annotations
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
+# asked before the stack probe, which Dynamo on older torch (2.6) cannot
+# trace; this thread's (another thread compiling hides none of its transforms)
+from dtype_policies._compat import compiling as _is_compiling
+
 try:
     from torch._C._functorch import peek_interpreter_stack as _functorch_interpreter
 except ImportError:  # pragma: no cover - older torch
@@ -37,12 +41,7 @@ except ImportError:  # pragma: no cover - older torch
         return None
 
 
-from dtype_policies._compat import compiling as _is_compiling
-
 _grad_enabled = torch.is_grad_enabled
-# `_is_compiling` is asked before the stack probe, which Dynamo on older
-# torch (2.6) cannot trace; it is this thread's (another thread compiling
-# does not hide this one's transforms)
 
 
 def functorch_active() -> bool:
