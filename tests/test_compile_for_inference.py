@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from dtype_policies import apply_policy, compile_for_generation, compile_for_inference, quantize
 from dtype_policies._compat import TORCH_VERSION
@@ -884,20 +885,103 @@ def test_threads_calling_a_fresh_compiled_model_compile_each_graph_once():
         assert torch.equal(got, expected[key % 10]), key
 
 
-@pytest.mark.slow
-def test_float8_weight_only_with_frozen_weights_compiles_to_eagers_values():
-    """Frozen, a float8 weight-only graph rounds its weights once, into
-    constants (plain casts Inductor folds; its per-call roundings had made a
-    compiled SmolLM2-135M decode step 4x slower than eager's)."""
+class WeightWorkLeft(CustomGraphPass):
+    """An Inductor post-grad pass that records the graph's computations whose
+    inputs are all constants (frozen weights, or tensors made from nothing)
+    other than views: work freezing should have done once, left to every
+    call."""
+
+    VIEWS = frozenset(
+        [
+            "alias",
+            "as_strided",
+            "expand",
+            "permute",
+            "reshape",
+            "select",
+            "slice",
+            "squeeze",
+            "t",
+            "unsqueeze",
+            "view",
+        ]
+    )
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        constant: set[torch.fx.Node] = set()
+        for node in graph.nodes:
+            inputs = node.all_input_nodes
+            if node.op == "get_attr" or (node.op == "call_function" and not inputs):
+                constant.add(node)
+            elif node.op == "call_function" and all(i in constant for i in inputs):
+                constant.add(node)
+                name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+                if name not in self.VIEWS:
+                    self.found.append(f"{node.name}: {node.format_node()}")
+
+    def uuid(self) -> None:
+        return None
+
+
+def frozen_graph_work(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    """What `compile_for_inference(model)`'s graph computes per call from
+    its weights alone (see `WeightWorkLeft`), and its output for `x`."""
+    probe = WeightWorkLeft()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=probe, fx_graph_cache=False):
+        fast = compile_for_inference(model, autotune=False)
+        with torch.inference_mode():
+            out = fast(x)
+    return probe.found, out
+
+
+def float8(scaling: str):
     from dtype_policies.quantizers import Float8QuantizationConfig
 
-    model = mlp(64, 0)
+    return Float8QuantizationConfig(scaling=scaling)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, config",
+    [
+        (None, None),
+        ("int8", None),
+        ("int4", None),  # blocks of 128 over widths 64 and 96: blocks that do not divide
+        ("float8", "weight_only"),
+        ("float8", "dynamic"),
+        ("float8", "delayed"),
+    ],
+)
+def test_a_frozen_graph_computes_nothing_from_its_weights_per_call(mode, config):
+    """Frozen, a graph computes everything that depends on its weights alone
+    once, into constants, in every mode, and gives eager's values. A float8
+    scale's fallback made by a constructor (`ones_like`), which Inductor does
+    not fold, left each weight's rounding to every call: a compiled
+    SmolLM2-135M float8 weight-only decode step took 174 ms against 42
+    eagerly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32)
+    ).eval()
     apply_policy(model, "mixed_bfloat16")
-    quantize(model, "float8", Float8QuantizationConfig(scaling="weight_only"))
-    fast = compile_for_inference(model, autotune=False)
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+    if mode is not None:
+        quantize(model, mode, float8(config) if config else None)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        eager, compiled = model(x), fast(x)
-    assert compiled.dtype == eager.dtype == torch.bfloat16
-    error = close(compiled.float(), eager.float())
-    assert error < 0.006, error
+        eager = model(x)
+        unfrozen = torch.compile(model)(x)
+    torch._dynamo.reset()
+    left, frozen = frozen_graph_work(model, x)
+    assert left == []
+    assert frozen.dtype == eager.dtype == torch.bfloat16
+    if mode == "float8":  # folding the roundings changed no value
+        assert torch.equal(frozen, unfrozen)
+    else:  # frozen products take other kernels (oneDNN's packed weights)
+        assert close(frozen.float(), unfrozen.float()) < 0.006
+    # float8-rounded activations turn GELU's bfloat16 noise into whole
+    # float8 steps (one layer alone is bit-equal)
+    error = close(frozen.float(), eager.float())
+    assert error < (0.02 if config in ("dynamic", "delayed") else 0.006), error

@@ -225,3 +225,37 @@ def test_unpacking_rows_builds_a_plain_table_inside_inference_mode():
     with torch.inference_mode():
         assert unpack_int4_rows(packed, 2).tolist() == [[3.0, -4.0]]
     assert not qmath._NIBBLE_VALUES[torch.device("cpu")].is_inference()
+
+
+@pytest.mark.slow
+def test_float8_scales_compiled_equal_eager_on_zeros_nan_and_inf():
+    """Under a compiler the float8 scales are written without constructors
+    (so Inductor's freezing folds them for frozen weights); their values are
+    the eager ones, including rows that are zero or hold NaN or inf."""
+    from dtype_policies.quantizers.math import (
+        compute_float8_channel_scale,
+        compute_float8_dynamic_scale,
+    )
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 16) * 300
+    w[1] = 0.0
+    w[2, 3] = float("nan")
+    w[3, 5] = float("inf")
+    w[4, 0] = -float("inf")
+    tensors = [w, torch.zeros(3, 4), torch.full((2, 2), float("nan")), w.bfloat16()]
+
+    def scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            compute_float8_channel_scale(x, FLOAT8_E4M3_MAX),
+            compute_float8_dynamic_scale(x, FLOAT8_E4M3_MAX),
+        )
+
+    compiled = torch.compile(scales, dynamic=False)
+    for x in tensors:
+        eager_channel, eager_tensor = scales(x.clone())
+        channel, per_tensor = compiled(x.clone())
+        assert torch.equal(channel, eager_channel), x
+        assert torch.equal(per_tensor, eager_tensor), x
+        assert per_tensor.dtype == channel.dtype == torch.float32
+    assert eager_channel[1].item() == 1.0  # a zero row keeps scale 1

@@ -65,7 +65,6 @@ from dtype_policies._derivatives import (
 )
 from dtype_policies._modes import QuantizationMode, register_mode
 from dtype_policies.policies.quantized import QuantizedFloat8DTypePolicy
-from dtype_policies.quantization.kernels import freezing_weights
 from dtype_policies.quantization.kernels.float8 import float8_kernel, float8_linear
 from dtype_policies.quantization.schemes.base import (
     QuantizedWeight,
@@ -207,22 +206,10 @@ def weight_only_kernel(spec: WeightSpec, kernel: torch.Tensor) -> torch.Tensor:
     tensor for contractions without one), in its own shape and dtype;
     gradients pass straight through."""
     if spec.contract is not None:
-        return _weight_qdq(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
+        return _qdq(kernel, compute_float8_dynamic_scale(kernel, FLOAT8_E4M3_MAX))
     w_nk = spec.nk(spec.matrix(kernel))
     scale = compute_float8_channel_scale(w_nk, FLOAT8_E4M3_MAX)
-    return spec.from_nk(_weight_qdq(w_nk, scale))
-
-
-def _weight_qdq(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`_qdq` of a weight. Traced with frozen weights where no derivative
-    can be asked for, in plain casts: Inductor computes them once, eagerly,
-    into a constant of the graph. The integer-op roundings `_qdq` writes
-    under a compiler (for Inductor's fused cast pairs, which skip a
-    rounding) are not folded by it: a compiled decode step of SmolLM2-135M
-    rounded every weight again, 174 ms per token against 42 eagerly."""
-    if freezing_weights() and derivative_free(weight, scale):
-        return quantize_and_dequantize(weight, scale, torch.float8_e4m3fn, weight.dtype)
-    return _qdq(weight, scale)
+    return spec.from_nk(_qdq(w_nk, scale))
 
 
 def _rounded_like_eager(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
