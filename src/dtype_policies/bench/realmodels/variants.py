@@ -311,6 +311,7 @@ OURS += [
         "int4/32",
         "int4/128",
         "int4/32 W4A8",
+        "float8 dynamic",
         "float8 weight-only",
     )
 ]
