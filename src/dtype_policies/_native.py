@@ -78,7 +78,14 @@ class KernelSource:
 KERNELS: dict[str, KernelSource] = {
     "avx2": KernelSource(
         "avx2",
-        ("bf16_avx2.cpp", "int4_avx2.cpp", "int4_ops.cpp", "int8_avx2.cpp", "watch.cpp"),
+        (
+            "bf16_avx2.cpp",
+            "float8_ops.cpp",
+            "int4_avx2.cpp",
+            "int4_ops.cpp",
+            "int8_avx2.cpp",
+            "watch.cpp",
+        ),
         ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"),
     ),
     # a library of its own, so that a compiler without AVX-512 bfloat16
