@@ -122,6 +122,7 @@ def test_tensors_the_native_call_does_not_take_are_rounded_by_torch():
     assert not float8_kernels._native_rounding(x.double(), None)
     assert not float8_kernels._native_rounding(x.to("meta"), None)
     assert not float8_kernels._native_rounding(x, torch.tensor(1.0, device="meta"))
+    assert not float8_kernels._native_rounding(x, torch.tensor(0.3, dtype=torch.float64))
     large = torch.randn(float8_kernels._NATIVE_ROUNDING_MAX_ELEMENTS + 1)
     assert not float8_kernels._native_rounding(large, None)  # torch's ops are faster
     expected = in_torch(x.double(), None)

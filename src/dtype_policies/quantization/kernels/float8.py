@@ -145,9 +145,16 @@ def _native_rounding(x: torch.Tensor, scale: torch.Tensor | None) -> bool:
         and x.device.type == "cpu"
         and type(x) is torch.Tensor
         and x.dtype in _NATIVE_ROUNDING_DTYPES
-        and (scale is None or (type(scale) is torch.Tensor and scale.device.type == "cpu"))
+        and (scale is None or _native_scale(scale))
         and _get_current_dispatch_mode() is None
         and _native_built()
+    )
+
+
+def _native_scale(scale: torch.Tensor) -> bool:
+    # a float32 scale, as the layers store: torch's ops promote to another
+    return (
+        type(scale) is torch.Tensor and scale.device.type == "cpu" and scale.dtype is torch.float32
     )
 
 
