@@ -436,7 +436,7 @@ def compute_float8_dynamic_scale(x: torch.Tensor, dtype_max: float) -> torch.Ten
     if compiling():  # without constructors: foldable where weights freeze (`_where_else`)
         amax = _where_else(torch.isfinite(magnitudes), magnitudes, 0.0).amax(everything).float()
         return _where_else(amax > 0, amax / dtype_max, 1.0).clamp_min(_SMALLEST_SCALE)
-    # fewer kernels, for eager calls on activations (3 us less at one row)
+    # in place: one pass fewer over large eager inputs (small ones round natively)
     amax = magnitudes.nan_to_num_(nan=0.0, posinf=0.0).amax(everything).float()
     return torch.where(amax > 0, amax / dtype_max, torch.ones_like(amax)).clamp_min(_SMALLEST_SCALE)
 

@@ -31,6 +31,8 @@ from dtype_policies.quantizers.math import (
     quantize_and_dequantize,
 )
 
+KERNEL = "avx2"  # the native library holding `float8_e4m3_qdq`
+
 # Below this many elements torch's own conversion (fewer ops) is faster.
 _ARITHMETIC_MIN_ELEMENTS = 4096
 
@@ -147,7 +149,7 @@ def _native_rounding(x: torch.Tensor, scale: torch.Tensor | None) -> bool:
         and x.dtype in _NATIVE_ROUNDING_DTYPES
         and (scale is None or _native_scale(scale))
         and _get_current_dispatch_mode() is None
-        and _native_built()
+        and native.available(KERNEL)
     )
 
 
@@ -162,17 +164,10 @@ _NATIVE_ROUNDING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Beyond this torch's vectorized ops are faster (2 threads, Zen 4, bfloat16
 # inputs: 64 x 576 native 81 us, torch 160; 512 x 576 native 540, torch 391).
 _NATIVE_ROUNDING_MAX_ELEMENTS = 65536
-_built: list[bool] = []  # decided once per process (`native.available`)
-
-
-def _native_built() -> bool:
-    if not _built:
-        _built.append(native.available("avx2"))
-    return _built[0]
 
 
 def _rounded_inputs_fake(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-native.register_fakes("avx2", {"dtype_policies::float8_e4m3_qdq": _rounded_inputs_fake})
+native.register_fakes(KERNEL, {"dtype_policies::float8_e4m3_qdq": _rounded_inputs_fake})
